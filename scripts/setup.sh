@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Installs gpufeed and what it needs into the current Python.
+# torch is installed first, pinned, and only when absent: any other torch
+# requirement would pull gigabytes of CUDA packages on a CPU-only machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    "$PY" -m pip install -q "torch==2.13.0"
+fi
+"$PY" -m pip install -q -e ".[dev]"
