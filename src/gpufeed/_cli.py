@@ -1,0 +1,348 @@
+"""The ``gpufeed`` command: ``gpufeed bench | tune | profile | doctor`` (``--help`` on each).
+
+Exit codes: 0 done; 1 the work failed (the user's code raised, no trial worked) or ``doctor``
+found a problem that will break a loader; 2 bad usage (options, a bad ``MODULE:FACTORY``);
+130 interrupted. Tables go to stdout, progress bars and errors to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["TargetError", "load_target", "main"]
+
+
+class TargetError(ValueError):
+    """A ``MODULE:NAME`` argument that does not name what the command needs."""
+
+
+def load_target(spec: str, *, what: str = "FACTORY") -> Callable[..., Any]:
+    """Import ``MODULE:NAME`` (or ``path/to/file.py:NAME``) and return the callable it names."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise TargetError(f"expected MODULE:{what} (e.g. mypkg.data:{what.lower()}), got {spec!r}")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise TargetError(f"no file {module_name!r} (from {spec!r}); give an existing .py "
+                              f"file or an importable module: MODULE:{what}")
+        loc = importlib.util.spec_from_file_location(path.stem, path)
+        if loc is None or loc.loader is None:
+            raise TargetError(f"cannot load {module_name!r} as a Python module (from {spec!r})")
+        module = importlib.util.module_from_spec(loc)
+        sys.modules[path.stem] = module  # so that workers can unpickle what it defines
+        loc.loader.exec_module(module)
+    else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # like `python -m`: the current directory imports
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and module_name.startswith(exc.name):
+                raise TargetError(f"cannot import module {module_name!r} (from {spec!r}): {exc}; "
+                                  "check the spelling and that it is importable from the current "
+                                  "directory or PYTHONPATH") from None
+            raise
+    if not hasattr(module, attr):
+        names = ", ".join(n for n in dir(module) if not n.startswith("_"))[:300]
+        raise TargetError(f"module {module_name!r} has no attribute {attr!r} (from {spec!r}); "
+                          f"it defines: {names or 'nothing public'}")
+    target = getattr(module, attr)
+    if not callable(target):
+        raise TargetError(f"{spec!r} is a {type(target).__name__}, not a callable; {what} must "
+                          "be a function (or class) to call")
+    return target
+
+
+def load_dataset(spec: str) -> Any:
+    """Call the ``MODULE:FACTORY`` with no arguments and check it returned a dataset."""
+    dataset = load_target(spec)()
+    is_map = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+    if not (is_map or isinstance(dataset, torch.utils.data.IterableDataset)):
+        raise TargetError(f"{spec!r} returned a {type(dataset).__name__}, not a dataset; FACTORY "
+                          "must return a map-style dataset (__getitem__ and __len__) or a "
+                          "torch.utils.data.IterableDataset")
+    return dataset
+
+
+class _Progress:
+    """A tqdm bar on stderr when tqdm is installed and enabled, else nothing."""
+
+    def __init__(self, enabled: bool, total: int | None, desc: str) -> None:
+        self.bar: Any = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self.bar = tqdm(total=total, desc=desc, unit="run", leave=False, disable=None)
+
+    def step(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _write_json(path: str | None, doc: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        print(f"wrote {path}")
+
+
+def _bench_configs(dataset: Any, variants: dict[str, tuple[Any, Any]], workers: Sequence[int],
+                   batch_size: int) -> Iterator[tuple[dict[str, Any], Callable[[], Any]]]:
+    """(row, make_loader) per configuration: stock (pin off, and on with CUDA), then gpufeed
+    (process and thread workers, each dataset variant) at every ``num_workers``."""
+    import gpufeed
+    from gpufeed.benchmarks.cpu import one_intra_op_thread
+
+    pins = (False, True) if torch.cuda.is_available() else (False,)
+    for n in workers:
+        common: dict[str, Any] = {"batch_size": batch_size, "num_workers": n}
+        if n:  # one torch thread per worker (see DESIGN: measuring honestly)
+            common["worker_init_fn"] = one_intra_op_thread
+        for pin in pins:
+            row = {"loader": "torch", "variant": "per-sample", "num_workers": n, "pin_memory": pin}
+            yield row, partial(torch.utils.data.DataLoader, dataset, pin_memory=pin, **common)
+        for kind in ("process", "thread") if n else ("process",):
+            for name, (ds, collate) in variants.items():
+                row = {"loader": f"gpufeed-{kind}" if n else "gpufeed", "variant": name,
+                       "num_workers": n, "pin_memory": pins[-1]}
+                yield row, partial(gpufeed.DataLoader, ds, worker_type=kind, collate_fn=collate,
+                                   pin_memory=pins[-1], **common)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from gpufeed._measure import measure_loader
+    from gpufeed._stats import format_table
+
+    if args.target:
+        dataset, batch_size, title = load_dataset(args.target), args.batch_size or 32, args.target
+        variants: dict[str, tuple[Any, Any]] = {"per-sample": (dataset, None)}
+    else:
+        from gpufeed.benchmarks.workloads import build
+
+        work = build("synthetic", quick=args.quick)
+        batch_size = args.batch_size or work.batch_size
+        title = f"built-in synthetic workload: {work.description}"
+        by_name = {v.name: v for v in work.variants}
+        dataset = by_name["per-sample"].dataset
+        variants = {v.name: (v.dataset, v.collate_fn) for v in work.variants
+                    if v.name != "getitems"}
+    configs = list(_bench_configs(dataset, variants, args.workers, batch_size))
+    bar = _Progress(not args.no_progress, len(configs), "gpufeed bench")
+    rows: list[dict[str, Any]] = []
+    try:
+        for row, make in configs:
+            m = measure_loader(make, max_seconds=args.seconds, warmup_batches=3)
+            rows.append({**row, "samples_per_s": m.samples_per_s,
+                         "peak_pss_bytes": m.peak_pss_bytes, "first_batch_s": m.first_batch_s})
+            bar.step(f"{row['loader']} {row['num_workers']}w: {m.samples_per_s:,.0f}/s")
+    finally:
+        bar.close()
+    for r in rows:
+        stock = max(s["samples_per_s"] for s in rows
+                    if s["loader"] == "torch" and s["num_workers"] == r["num_workers"])
+        r["ratio"] = r["samples_per_s"] / stock
+    print(f"gpufeed bench: {title}, batch_size={batch_size}, {args.seconds:g} s per run")
+    print(format_table(["loader", "variant", "workers", "pin", "samples/s", "vs stock",
+                        "peak PSS MiB", "first batch ms"],
+                       [[r["loader"], r["variant"], r["num_workers"], "yes" if r["pin_memory"]
+                         else "no", f"{r['samples_per_s']:,.0f}", f"{r['ratio']:.2f}x",
+                         f"{r['peak_pss_bytes'] / 2**20:,.0f}", f"{r['first_batch_s'] * 1e3:.0f}"]
+                        for r in rows]))
+    if not torch.cuda.is_available():
+        print("pin_memory=True and the device-stage transfer figures need CUDA: not measured")
+    doc: dict[str, Any] = {"workload": title, "batch_size": batch_size, "rows": rows}
+    if torch.cuda.is_available():
+        from gpufeed.benchmarks import gpu
+
+        doc["gpu"] = gpu.run_gpu_benchmark(batches=16, repeats=1)
+        if "skipped" not in doc["gpu"]:
+            print(gpu.render_markdown(doc["gpu"]))
+    _write_json(args.json, doc)
+    if args.plot:
+        from gpufeed._tuner import require_matplotlib
+
+        plt = require_matplotlib()
+        fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1))
+        labels = [f"{r['loader']} {r['variant']} w{r['num_workers']}" for r in rows]
+        ax.barh(labels, [r["samples_per_s"] for r in rows])
+        ax.set(xlabel="samples/s", title="gpufeed bench")
+        fig.savefig(args.plot, bbox_inches="tight")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from gpufeed._tuner import require_matplotlib, tune
+
+    if args.plot:
+        require_matplotlib()  # fail before minutes of trials, not after
+    dataset = load_dataset(args.target)
+    bar = _Progress(not args.no_progress, None, "gpufeed tune")
+    try:
+        result = tune(dataset, batch_size=args.batch_size, budget=args.budget,
+                      worker_types=args.worker_types, trial_seconds=args.trial_seconds,
+                      time_budget_s=args.time_budget, progress=lambda t: bar.step(
+                          f"{t.num_workers} {t.worker_type or ''}: {t.samples_per_s:,.0f}/s"))
+    finally:
+        bar.close()
+    print(result)
+    _write_json(args.json, result.to_dict())
+    if args.plot:
+        result.plot(args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from gpufeed._profiler import Profiler, profile
+
+    fn = load_target(args.target, what="FUNCTION")
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if params:  # fn(profiler): the user's loop wraps its loader with profiler.wrap(...)
+        with Profiler(warmup_steps=args.warmup, max_steps=args.steps) as prof:
+            fn(prof)
+        report = prof.report()
+    else:  # fn() -> (iterable, step)
+        pair = fn()
+        if not (isinstance(pair, tuple) and len(pair) == 2 and callable(pair[1])):
+            raise TargetError(f"{args.target!r} returned a {type(pair).__name__}; FUNCTION must "
+                              "either take the profiler (and loop over profiler.wrap(loader)) or "
+                              "take no argument and return (iterable, step)")
+        report = profile(pair[0], pair[1], max_steps=args.steps, warmup_steps=args.warmup)
+    print(report)
+    _write_json(args.json, report.to_dict())
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from gpufeed._doctor import diagnose
+
+    report = diagnose()
+    print(report)
+    _write_json(args.json, report.to_dict())
+    return report.exit_code
+
+
+def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
+        try:
+            return [kind(x) for x in text.split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") \
+                from None
+    return parse
+
+
+def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        return value
+    return parse
+
+
+def _size(text: str) -> int:
+    from gpufeed._tuner import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpufeed", description="Measure and tune data loading.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    common.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    b = sub.add_parser("bench", parents=[common], help="stock DataLoader vs gpufeed, side by side",
+                       description="Compare the stock torch DataLoader with gpufeed.DataLoader "
+                       "on a built-in synthetic workload (no files, no GPU) or on MODULE:FACTORY.")
+    b.add_argument("target", nargs="?", metavar="MODULE:FACTORY",
+                   help="a function returning your dataset (default: built-in synthetic data)")
+    b.add_argument("--batch-size", type=_positive(int),
+                   help="samples per batch (default: 256 built-in, 32 yours)")
+    b.add_argument("--workers", type=_csv(int), default=[0, 2], help="num_workers values (0,2)")
+    b.add_argument("--seconds", type=_positive(float), default=1.0,
+                   help="timed seconds per run (1.0)")
+    b.add_argument("--quick", action="store_true", help="a smaller synthetic data set")
+    b.add_argument("--plot", metavar="FILE", help="bar chart of samples/s (needs matplotlib)")
+    b.set_defaults(func=_cmd_bench)
+
+    t = sub.add_parser("tune", parents=[common], help="find the smallest fast loader settings",
+                       description="Short trials over num_workers, worker_type, prefetch_factor "
+                       "and pin_memory on your dataset; recommends DataLoader keyword arguments.")
+    t.add_argument("target", metavar="MODULE:FACTORY", help="a function returning your dataset")
+    t.add_argument("--batch-size", type=_positive(int), default=32, help="samples per batch (32)")
+    t.add_argument("--budget", type=_size,
+                   help="memory limit, e.g. 8GiB (default: 80%% of available RAM)")
+    t.add_argument("--worker-types", type=_csv(str), default=["process", "thread"],
+                   help="worker kinds to try (process,thread)")
+    t.add_argument("--trial-seconds", type=_positive(float), default=2.0,
+                   help="timed seconds per trial (2)")
+    t.add_argument("--time-budget", type=_positive(float), default=120.0,
+                   help="no trial starts after this many seconds (120)")
+    t.add_argument("--plot", metavar="FILE", help="samples/s by num_workers (needs matplotlib)")
+    t.set_defaults(func=_cmd_tune)
+
+    pr = sub.add_parser("profile", parents=[common], help="is your training loop input-bound?",
+                        description="Run MODULE:FUNCTION under the profiler. FUNCTION(profiler) "
+                        "loops over profiler.wrap(loader); or FUNCTION() returns (iterable, step).")
+    pr.add_argument("target", metavar="MODULE:FUNCTION")
+    pr.add_argument("--steps", type=_positive(int), help="stop after N steps (default: all)")
+    pr.add_argument("--warmup", type=_positive(int), default=1, help="first steps left out (1)")
+    pr.set_defaults(func=_cmd_profile)
+
+    d = sub.add_parser("doctor", parents=[common], help="check this machine's limits",
+                       description="Check /dev/shm, ulimit -n, RLIMIT_MEMLOCK, CPUs, memory and "
+                       "GPUs; exit 1 when something will break a data loader.")
+    d.set_defaults(func=_cmd_doctor)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``gpufeed`` and ``python -m gpufeed``; returns the exit code."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    try:
+        return int(args.func(args))
+    except (TargetError, ImportError) as exc:
+        print(f"gpufeed {args.command}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, TargetError) else 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        print(f"gpufeed {args.command}: failed (see the traceback above)", file=sys.stderr)
+        return 1

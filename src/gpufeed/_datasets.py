@@ -1,0 +1,104 @@
+"""Datasets whose batches gpufeed can gather in one vectorised operation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+class ArrayDataset(Dataset[tuple[torch.Tensor, ...]]):
+    """Samples are rows of numpy arrays, memory maps or tensors sharing their first dimension.
+
+    ``dataset[i]`` is a tuple of tensors, one per array (as with ``TensorDataset``). With
+    gpufeed's loader and the default collate function, a batch is gathered with one
+    ``take``/``index_select`` per array straight into the loader's slot ring, instead of one
+    ``__getitem__`` and a stack per sample. ``__getitems__`` lets other loaders batch too.
+
+    Args:
+        *arrays: one or more arrays; numpy memory maps are read lazily, page by page.
+    """
+
+    def __init__(self, *arrays: np.ndarray | torch.Tensor) -> None:
+        if not arrays:
+            raise ValueError("ArrayDataset needs at least one array, e.g. ArrayDataset(x, y)")
+        for k, a in enumerate(arrays):
+            if not isinstance(a, (np.ndarray, torch.Tensor)):
+                raise TypeError(
+                    f"ArrayDataset argument {k} is a {type(a).__name__}; pass numpy arrays, "
+                    "numpy memory maps or torch tensors (np.asarray(x) converts a list)"
+                )
+            if a.ndim == 0:
+                raise ValueError(f"ArrayDataset argument {k} is 0-d; samples index dimension 0")
+            if isinstance(a, np.ndarray) and a.dtype.hasobject:
+                raise TypeError(f"ArrayDataset argument {k} has dtype object; use a numeric dtype")
+        n = len(arrays[0])
+        lengths = [len(a) for a in arrays]
+        if any(m != n for m in lengths):
+            raise ValueError(f"ArrayDataset arrays differ in length {lengths}; they must all match")
+        self.arrays = arrays
+
+    def __len__(self) -> int:
+        return len(self.arrays[0])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        return tuple(_row(a, index) for a in self.arrays)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, ...]]:
+        cols = gather(self.arrays, indices, lambda shape, dtype: torch.empty(shape, dtype=dtype))
+        return list(zip(*cols, strict=True))
+
+
+def _row(a: np.ndarray | torch.Tensor, index: int) -> torch.Tensor:
+    if isinstance(a, torch.Tensor):
+        return a[index]
+    row = a[index]
+    if isinstance(row, np.ndarray) and row.flags.writeable and type(row) is np.ndarray:
+        return torch.from_numpy(row)
+    return torch.from_numpy(np.array(row))  # memmap rows and scalars: an owned copy
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def gather(arrays: Sequence[Any], indices: Sequence[int], alloc: Alloc) -> list[torch.Tensor]:
+    """Rows ``indices`` of each array, stacked into memory from ``alloc`` (one op per array)."""
+    n = len(indices)
+    if isinstance(indices, torch.Tensor):
+        idx_np = indices.numpy()
+    else:
+        idx_np = np.asarray(indices, dtype=np.int64)
+    if idx_np.ndim != 1:
+        raise TypeError(f"batch indices must be a flat sequence of ints, got shape {idx_np.shape}")
+    out: list[torch.Tensor] = []
+    idx_t: torch.Tensor | None = None
+    for a in arrays:
+        if isinstance(a, torch.Tensor):
+            if idx_t is None:
+                idx_t = torch.from_numpy(idx_np) if idx_np.dtype == np.int64 else torch.as_tensor(
+                    idx_np, dtype=torch.int64
+                )
+            dst = alloc((n, *a.shape[1:]), a.dtype)
+            torch.index_select(a, 0, idx_t, out=dst)
+        else:
+            dst = alloc((n, *a.shape[1:]), torch_dtype(a.dtype))
+            np.take(a, idx_np, axis=0, out=dst.numpy())
+        out.append(dst)
+    return out
+
+
+def gather_arrays(dataset: Any) -> Sequence[Any] | None:
+    """The arrays behind ``dataset`` if its batches can be gathered in one go, else None."""
+    if type(dataset) is ArrayDataset:
+        return dataset.arrays
+    if type(dataset) is TensorDataset:
+        tensors = dataset.tensors
+        if all(t.device.type == "cpu" and t.layout == torch.strided for t in tensors):
+            return tensors
+    return None

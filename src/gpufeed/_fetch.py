@@ -1,0 +1,148 @@
+"""Fetching one batch: vectorised gather, ``__getitems__``, or one sample at a time.
+
+A fetcher runs inside a worker (or the main process when ``num_workers=0``). It records which
+sample it is on, so that an exception is reported with the index that caused it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import default_collate
+
+from ._collate import SlotWriter, collate_into
+from ._datasets import gather, gather_arrays
+
+
+class MapFetcher:
+    """Batches of a map-style dataset from lists of indices.
+
+    Args:
+        auto_collation: True when batches are formed (``batch_size`` or ``batch_sampler``);
+            False for ``batch_size=None``, where each "batch" is one sample.
+        collate_fn: the user's function, or None for default collation into the slot.
+    """
+
+    def __init__(
+        self, dataset: Any, *, auto_collation: bool, collate_fn: Callable[[Any], Any] | None
+    ) -> None:
+        self.dataset = dataset
+        self.auto_collation = auto_collation
+        self.collate_fn = None if collate_fn is default_collate else collate_fn
+        self.arrays = gather_arrays(dataset) if self.collate_fn is None else None
+        self.getitems = getattr(dataset, "__getitems__", None)
+        self.where = ""
+        self.plan: Any = None  # an _plan.IndexPlan, when the main process sent one
+        self.collate_s = 0.0
+
+    def fetch(self, indices: Any, writer: SlotWriter | None) -> Any:
+        if not self.auto_collation:
+            self.where = f"while fetching sample index {indices!r}"
+            sample = self.dataset[indices]
+            self.where = "in collate_fn"
+            return self.collate_fn(sample) if self.collate_fn is not None else sample
+        if self.arrays is not None:
+            self.where = "while gathering a batch"
+            self.collate_s = 0.0
+
+            def alloc(shape: tuple[int, ...], dtype: Any) -> Any:
+                if writer is None:
+                    import torch
+
+                    return torch.empty(shape, dtype=dtype)
+                out = writer.alloc(shape, dtype)
+                return out if out is not None else writer.fallback(shape, dtype)
+
+            return gather(self.arrays, indices, alloc)
+        if self.getitems is not None:
+            self.where = "in __getitems__"
+            samples = self.getitems(indices)
+        else:
+            samples = []
+            for i in indices:
+                self.where = f"while fetching sample index {i!r}"
+                samples.append(self.dataset[i])
+        self.where = "in collate_fn"
+        t0 = time.perf_counter()
+        out = collate_into(samples, writer) if self.collate_fn is None else self.collate_fn(samples)
+        self.collate_s = time.perf_counter() - t0
+        return out
+
+    def describe(self, indices: Any) -> str:
+        if self.where in ("while gathering a batch", "in __getitems__"):
+            return f"{self.where} (indices {_short(indices)})"
+        return self.where
+
+
+class IterFetcher:
+    """Batches of an iterable-style dataset; each worker iterates its own copy.
+
+    ``fetch(n)`` takes up to ``n`` samples (``n=None``: one sample, no collation) and raises
+    StopIteration when the dataset is exhausted (or, with ``drop_last``, when short).
+    """
+
+    def __init__(
+        self, dataset: Any, *, auto_collation: bool, collate_fn: Callable[[Any], Any] | None,
+        drop_last: bool,
+    ) -> None:
+        self.dataset = dataset
+        self.auto_collation = auto_collation
+        self.collate_fn = None if collate_fn is default_collate else collate_fn
+        self.drop_last = drop_last
+        self.where = ""
+        self._it: Iterator[Any] | None = None
+        self.ended = False
+        self.count = 0
+        self.collate_s = 0.0
+        self.arrays = None
+
+    def describe(self, indices: Any) -> str:
+        return self.where
+
+    def reset(self) -> None:
+        self._it = None
+        self.ended = False
+        self.count = 0
+
+    def fetch(self, n: int | None, writer: SlotWriter | None) -> Any:
+        if self.ended:
+            raise StopIteration
+        if self._it is None:
+            self.where = "in the dataset's __iter__"
+            self._it = iter(self.dataset)
+        self.where = f"while fetching sample {self.count} of this worker's stream"
+        if n is None:
+            sample = next(self._it)
+            self.count += 1
+            self.where = "in collate_fn"
+            return self.collate_fn(sample) if self.collate_fn is not None else sample
+        samples = []
+        for _ in range(n):
+            self.where = f"while fetching sample {self.count} of this worker's stream"
+            try:
+                samples.append(next(self._it))
+            except StopIteration:
+                self.ended = True
+                break
+            self.count += 1
+        if not samples or (self.drop_last and len(samples) < n):
+            raise StopIteration
+        self.where = "in collate_fn"
+        t0 = time.perf_counter()
+        out = collate_into(samples, writer) if self.collate_fn is None else self.collate_fn(samples)
+        self.collate_s = time.perf_counter() - t0
+        return out
+
+
+def _short(indices: Any) -> str:
+    if hasattr(indices, "tolist"):
+        indices = indices.tolist()
+    try:
+        seq = list(indices)
+    except TypeError:
+        return repr(indices)
+    if len(seq) <= 8:
+        return repr(seq)
+    return f"[{', '.join(map(repr, seq[:4]))}, ... {len(seq)} in all]"

@@ -1,0 +1,381 @@
+"""Iterators behind ``gpufeed.DataLoader``: in the main process, or over a worker pool.
+
+NOTE [ Messages ]
+-----------------
+Batches are numbered 0, 1, 2 ... in sampler order. The main process keeps at most
+``prefetch_factor * num_workers`` batches dispatched and not yet delivered, hands each task to
+the next active worker in turn with a free slot of the ring (or none: see NOTE [ Slot
+lifetime ] in ``_ring.py``), and delivers in order (``in_order=True``) or as they come.
+Each epoch of a persistent iterator is a new *generation*; answers from an older one are
+dropped and their slots released. Only small messages cross: indices out; slot offsets,
+dtypes and shapes back. The message format is in ``_worker.py``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import time
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import IterableDataset
+
+from ._errors import RemoteError, WorkerError
+from ._fetch import IterFetcher, MapFetcher
+from ._plan import IndexPlan, finish_plan, make_plan, plannable
+from ._pool import Pool, ProcessPool, ThreadPool
+from ._ring import SlotRing, default_reserve
+from ._tree import tree_map
+
+if TYPE_CHECKING:
+    from ._loader import DataLoader
+
+_live: weakref.WeakSet[WorkerIter] = weakref.WeakSet()
+_STOP = object()  # an iterable dataset's worker ran dry
+WAIT_SLICE_S = 1.0  # how often a waiting main process re-checks worker health
+CHUNK_TARGET_S = 0.01  # worker seconds of work per task message (see _worker.py)
+CHUNK_MAX = 64
+CHUNK_BYTES = 64 << 20  # never prefetch more than this in extra chunked batches
+
+
+@atexit.register
+def _close_all() -> None:
+    for it in list(_live):
+        it.close()
+
+
+class BaseIter:
+    """What both iterators share: sampler, seed, pinning, length, counting."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self._loader = loader
+        self._dataset = loader.dataset
+        self._is_iterable = isinstance(loader.dataset, IterableDataset)
+        self._auto_collation = loader._auto_collation
+        self._index_sampler = loader._index_sampler
+        self._collate_fn = loader.collate_fn
+        self._drop_last = loader.drop_last
+        if loader.pin_memory and not torch.accelerator.is_available():
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used.",
+                stacklevel=3,
+            )
+        self._pin = loader.pin_memory and torch.cuda.is_available()
+        self._sampler_iter = iter(self._index_sampler)
+        self._base_seed = int(
+            torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item()
+        )
+        self._num_yielded = 0
+        self._len_called = loader._IterableDataset_len_called
+
+    def __iter__(self) -> BaseIter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._index_sampler)
+
+    def _next_indices(self) -> Any:
+        idx = next(self._sampler_iter)
+        if self._is_iterable and self._auto_collation:
+            return len(idx)  # iterable datasets take a count, not indices
+        return idx
+
+    def _finish(self, data: Any) -> Any:
+        self._num_yielded += 1
+        if (
+            self._is_iterable
+            and self._len_called is not None
+            and self._num_yielded > self._len_called
+        ):
+            warnings.warn(
+                f"Length of IterableDataset {self._dataset} was reported to be "
+                f"{self._len_called} (when accessing len(dataloader)), but "
+                f"{self._num_yielded} samples have been fetched.",
+                stacklevel=3,
+            )
+        if self._pin:
+            data = tree_map(_pin_leaf, data)
+        return data
+
+    def close(self) -> None:
+        """Stop workers and release memory; idempotent."""
+
+    def __enter__(self) -> BaseIter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _pin_leaf(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and not x.is_pinned():
+        return x.pin_memory()
+    return x
+
+
+class SingleIter(BaseIter):
+    """``num_workers=0``: fetch in the calling thread (batched gather where possible)."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__(loader)
+        self._fetcher: MapFetcher | IterFetcher
+        if self._is_iterable:
+            self._fetcher = IterFetcher(
+                self._dataset, auto_collation=self._auto_collation,
+                collate_fn=self._collate_fn, drop_last=self._drop_last,
+            )
+        else:
+            self._fetcher = MapFetcher(
+                self._dataset, auto_collation=self._auto_collation, collate_fn=self._collate_fn
+            )
+
+    def __next__(self) -> Any:
+        indices = self._next_indices()
+        return self._finish(self._fetcher.fetch(indices, None))
+
+    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
+        self._sampler_iter = iter(self._index_sampler)
+        self._num_yielded = 0
+
+
+class WorkerIter(BaseIter):
+    """Batches from ``num_workers`` process or thread workers through the slot ring."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__(loader)
+        self._closed = False
+        nw = loader.num_workers
+        self._nw = nw
+        self._in_order = loader.in_order
+        self._timeout = float(loader.timeout)
+        self._persistent = loader.persistent_workers
+        self._pf_out = (loader.prefetch_factor or 2) * nw
+        self._max_out = self._pf_out
+        self._chunk = 1
+        self._batch_s = 0.0  # moving average of worker seconds per batch
+        shared = loader.worker_type == "process"
+        budget = loader.ring_bytes
+        reserve = budget if budget is not None else default_reserve()
+        self._ring = SlotRing(
+            reserve=reserve, budget=budget, shared=shared, pin=self._pin,
+            slots_hint=2 * self._max_out + 2,
+        )
+        kwargs = dict(
+            num_workers=nw, dataset=self._dataset, is_iterable=self._is_iterable,
+            auto_collation=self._auto_collation, collate_fn=self._collate_fn,
+            drop_last=self._drop_last, region=self._ring.mem if shared else self._ring.region,
+            base_seed=self._base_seed,
+            init_fn=loader.worker_init_fn,
+        )
+        self._pool: Pool
+        if shared:
+            ctx = loader.multiprocessing_context or torch.multiprocessing
+            self._pool = ProcessPool(nw, ctx, kwargs)
+            self._ring.mem.close_fd()
+        else:
+            self._pool = ThreadPool(nw, kwargs)
+        _live.add(self)
+        self._gen = 0
+        self._reset(loader, first_iter=True)
+
+    # -- epoch bookkeeping ------------------------------------------------------------------
+    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
+        if self._closed:
+            raise RuntimeError("this gpufeed iterator was closed; iterate the DataLoader again")
+        self._gen += 1
+        self._sampler_iter = iter(self._index_sampler)
+        self._num_yielded = 0
+        self._send_idx = 0  # next batch number to dispatch
+        self._rcvd_idx = 0  # next batch number to deliver (in order)
+        self._tasks: dict[int, int] = {}  # dispatched, not answered: batch -> worker
+        self._ready: dict[int, Any] = {}  # answered, not delivered
+        self._active = [True] * self._nw
+        self._cycle = itertools.cycle(range(self._nw))
+        self._sampler_done = False
+        if not first_iter and self._is_iterable:
+            for w in range(self._nw):
+                self._pool.send(w, ("reset", self._gen))
+        self._plan: IndexPlan | None = None
+        if not self._is_iterable and plannable(self._index_sampler):
+            shared = self._loader.worker_type == "process"
+            self._plan = make_plan(self._index_sampler, shared=shared)
+            for w in range(self._nw):
+                self._pool.send(w, ("plan", self._gen, self._plan))
+        self._dispatch()
+
+    def _next_task(self) -> tuple[bool, Any]:
+        """(planned, indices) for the next batch; StopIteration at the end of the epoch."""
+        if self._plan is None:
+            return False, self._next_indices()
+        if self._send_idx >= self._plan.n_batches:
+            finish_plan(self._index_sampler)
+            raise StopIteration
+        return True, None
+
+    def _dispatch(self) -> None:
+        """Hand out tasks, a chunk per message, while fewer than the bound are in flight."""
+        while not self._sampler_done:
+            room = self._max_out - len(self._tasks) - len(self._ready)
+            want = min(self._chunk, room)
+            if want <= 0 or (want < self._chunk and (self._tasks or self._ready)):
+                return
+            for _ in range(self._nw):
+                w = next(self._cycle)
+                if self._active[w]:
+                    break
+            else:
+                self._sampler_done = True  # every iterable worker ran dry
+                return
+            items = []
+            for _ in range(want):
+                try:
+                    planned, indices = self._next_task()
+                except StopIteration:
+                    self._sampler_done = True
+                    break
+                idx = self._send_idx
+                self._send_idx += 1
+                self._tasks[idx] = w
+                items.append((idx, planned, indices, self._ring.acquire()))
+            if items:
+                self._pool.send(w, ("tasks", self._gen, items))
+
+    def _adapt(self, batch_s: float) -> None:
+        """Size task messages so each carries about CHUNK_TARGET_S of worker time."""
+        self._batch_s = batch_s if not self._batch_s else 0.8 * self._batch_s + 0.2 * batch_s
+        chunk = min(int(CHUNK_TARGET_S / max(self._batch_s, 1e-6)), CHUNK_MAX)
+        if self._ring.slot_bytes:
+            chunk = min(chunk, CHUNK_BYTES // (self._ring.slot_bytes * 2 * self._nw))
+        chunk = max(chunk, 1)
+        if chunk != self._chunk:
+            self._chunk = chunk
+            self._max_out = max(self._pf_out, 2 * chunk * self._nw)
+            self._ring.set_slots_hint(2 * self._max_out + 2)
+
+    # -- receiving ----------------------------------------------------------------------------
+    def _handle(self, w: int, msg: Any) -> None:
+        if msg[0] == "init_err":
+            self.close()
+            msg[1].reraise()
+        gen = msg[1]
+        cost = 0.0
+        n = 0
+        for res in msg[2]:
+            if res[0] == "ok":
+                cost += res[6] + res[7]
+                n += 1
+            self._result(w, gen, res)
+        if n:
+            self._adapt(cost / n)
+
+    def _result(self, w: int, gen: int, res: Any) -> None:
+        kind, idx, sid = res[0], res[1], res[2]
+        if gen != self._gen:  # an answer to an abandoned epoch
+            if sid >= 0:
+                self._ring.release(sid)
+            return
+        self._tasks.pop(idx, None)
+        if kind == "ok":
+            used, need, packed = res[3], res[4], res[5]
+            self._ring.learn(need)
+            self._ready[idx] = self._ring.views(sid, used, packed) if sid >= 0 else packed
+            return
+        if sid >= 0:
+            self._ring.release(sid)
+        if kind == "stop":
+            self._active[w] = False
+            self._ready[idx] = _STOP
+        else:
+            self._ready[idx] = res[3]
+
+    def _wait(self) -> None:
+        """Receive at least one message, or raise for a dead worker or a timeout."""
+        start = time.monotonic()
+        while True:
+            slice_s = WAIT_SLICE_S
+            if self._timeout > 0:
+                left = self._timeout - (time.monotonic() - start)
+                if left <= 0:
+                    waiting = [f"batch {i} on worker {w}" for i, w in sorted(self._tasks.items())]
+                    self.close()
+                    raise WorkerError(
+                        f"gpufeed DataLoader timed out after {self._timeout} seconds waiting for "
+                        f"{', '.join(waiting[:4]) or 'a batch'}; raise timeout= or find what "
+                        "blocks the dataset"
+                    )
+                slice_s = min(slice_s, left)
+            msgs, dead = self._pool.poll(slice_s)
+            for w, msg in msgs:
+                self._handle(w, msg)
+            for w in dead:
+                for msg in self._pool.drain(w):
+                    self._handle(w, msg)
+                held = [i for i, ww in self._tasks.items() if ww == w]
+                if not held and not self._tasks and self._sampler_done:
+                    continue  # it had nothing left to do
+                desc = self._pool.exit_description(w)
+                self.close()
+                detail = f" while it held batch {min(held)}" if held else ""
+                raise WorkerError(
+                    f"{desc}{detail}. No batch was lost silently: the epoch stops here. "
+                    "Rerun with num_workers=0 to see the error in the main process."
+                )
+            if msgs:
+                return
+
+    def __next__(self) -> Any:
+        while True:
+            if self._closed:
+                raise StopIteration
+            if self._in_order:
+                idx = self._rcvd_idx
+                while idx not in self._ready:
+                    if idx not in self._tasks:  # nothing dispatched at idx: the epoch is over
+                        self._end_epoch()
+                    self._wait()
+                self._rcvd_idx += 1
+            else:
+                if not self._ready:
+                    if not self._tasks:
+                        self._end_epoch()
+                    self._wait()
+                    continue
+                idx = next(iter(self._ready))
+            data = self._ready.pop(idx)
+            self._dispatch()
+            if data is _STOP:
+                continue
+            if isinstance(data, RemoteError):
+                data.reraise()
+            return self._finish(data)
+
+    def _end_epoch(self) -> None:
+        if not self._persistent:
+            self.close()
+        raise StopIteration
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def ring_info(self) -> dict[str, int]:
+        r = self._ring
+        return {
+            "slot_bytes": r.slot_bytes, "live_bytes": r.live_bytes, "in_use": r.in_use,
+            "grows": r.grows, "fallbacks": r.fallbacks, "budget": r.budget or 0,
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._ready.clear()
+        self._tasks.clear()
+        self._pool.close()
+        self._ring.close()
+        _live.discard(self)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close()

@@ -1,0 +1,112 @@
+"""``gpufeed.DataLoader``: torch's DataLoader, fed through a shared slot ring."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader as _TorchDataLoader
+from torch.utils.data import Dataset, Sampler
+
+from ._iterator import BaseIter, SingleIter, WorkerIter
+
+WORKER_TYPES = ("process", "thread")
+
+
+class DataLoader(_TorchDataLoader):
+    """A drop-in ``torch.utils.data.DataLoader`` whose workers write into a recycled ring.
+
+    Every argument of ``torch.utils.data.DataLoader`` has the same meaning and default; an
+    instance *is* a ``torch.utils.data.DataLoader``. Changing the import is enough. The
+    keyword-only knobs below are gpufeed's own.
+
+    Args:
+        worker_type: ``"process"`` (default; like torch) or ``"thread"``. Threads share the
+            dataset without copy-on-write growth and need no shared memory; they scale when
+            the per-sample work releases the GIL (numpy, torch ops, Pillow decode, file I/O),
+            and not for pure-Python work.
+        ring_bytes: the most bytes of (shared) memory the slot ring may hold. Default:
+            room for ``2 * prefetch_factor * num_workers + 2`` batches, sized from the first
+            batch. More keeps more batches held by the user in recycled memory; less falls
+            back sooner to a fresh allocation per batch (the stock loader's path).
+        device: a device to deliver batches on (e.g. ``"cuda"``): copies run ahead on a side
+            stream (see ``gpufeed.to_device``). None (default) delivers host batches.
+        device_transform: a callable applied to each batch on the device, after the copy
+            (e.g. ``gpufeed.Normalize``). Needs ``device``.
+        device_depth: batches copied ahead of the one in use (GPU memory: that many batches).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler[Any] | Iterable[Any] | None = None,
+        batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        worker_type: str = "process",
+        ring_bytes: int | None = None,
+        device: str | torch.device | None = None,
+        device_transform: Callable[[Any], Any] | None = None,
+        device_depth: int = 2,
+    ) -> None:
+        if worker_type not in WORKER_TYPES:
+            raise ValueError(
+                f"worker_type={worker_type!r} is not supported; use 'process' or 'thread'"
+            )
+        if worker_type == "thread" and multiprocessing_context is not None:
+            raise ValueError(
+                "multiprocessing_context only applies to process workers; drop it or use "
+                "worker_type='process'"
+            )
+        if ring_bytes is not None:
+            if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, int):
+                raise TypeError(
+                    f"ring_bytes must be an int number of bytes or None, got {ring_bytes!r}"
+                )
+            if ring_bytes < 0:
+                raise ValueError(f"ring_bytes={ring_bytes} is negative; use 0 to disable the ring")
+        if isinstance(device_depth, bool) or not isinstance(device_depth, int) or device_depth < 1:
+            raise ValueError(f"device_depth={device_depth!r} must be an int >= 1 (2 is typical)")
+        if device_transform is not None and not callable(device_transform):
+            raise TypeError(f"device_transform must be callable, got {device_transform!r}")
+        if device_transform is not None and device is None:
+            raise ValueError("device_transform needs device=, e.g. device='cuda'")
+        super().__init__(
+            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+            pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device, in_order=in_order,
+        )
+        self.worker_type = worker_type
+        self.ring_bytes = ring_bytes
+        self.device = torch.device(device) if device is not None else None
+        self.device_transform = device_transform
+        self.device_depth = device_depth
+
+    def _get_iterator(self) -> BaseIter:  # type: ignore[override]
+        if self.num_workers == 0:
+            return SingleIter(self)
+        self.check_worker_number_rationality()
+        return WorkerIter(self)
+
+    def __iter__(self) -> Any:
+        it = super().__iter__()
+        if self.device is None:
+            return it
+        from ._device import to_device
+
+        return to_device(it, self.device, depth=self.device_depth, transform=self.device_transform)

@@ -1,0 +1,256 @@
+"""Starting, talking to, watching and stopping workers (processes or threads).
+
+NOTE [ Shutdown ]
+-----------------
+``close()`` is idempotent and bounded in time. Process workers: the main process closes its
+end of each worker's pipe; a worker waiting for a task sees EOF, one busy in user code finds
+the pipe broken when it answers, and either way it exits. Workers still alive after
+``GRACE_S`` get SIGTERM, then SIGKILL. Each worker also exits when its parent process changes
+(the main process died). The ring's shared memory is unlinked at creation (torch's
+file-descriptor sharing), so nothing is left in /dev/shm even after SIGKILL; its descriptor
+closes when the last tensor viewing it is freed.
+Thread workers get a stop message; threads are daemons, so one stuck in user code cannot
+keep the interpreter alive.
+
+A process that exits while the iterator is running is reported by its sentinel (see
+``poll``), with its exit code or signal; that is never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from ._worker import ThreadChannel, install_thread_worker_info, worker_loop
+
+log = logging.getLogger("gpufeed")
+GRACE_S = 2.0
+INLINE_BYTES = 4096  # task messages up to this size are written inline (never blocks)
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = {
+            "SIGKILL": " (often the kernel's out-of-memory killer: lower num_workers or "
+            "batch size)",
+            "SIGBUS": " (often /dev/shm is full: enlarge it, e.g. docker --shm-size, or lower "
+            "ring_bytes; `gpufeed doctor` checks it)",
+            "SIGSEGV": " (a crash in native code of the dataset or a library it calls)",
+        }.get(name, "")
+        return f"was killed by {name}{hint}"
+    return f"exited with code {code}"
+
+
+class ProcessPool:
+    def __init__(self, n: int, ctx: Any, kwargs: dict[str, Any]) -> None:
+        self.n = n
+        pipes = [ctx.Pipe(duplex=True) for _ in range(n)]
+        self.conns = [p[0] for p in pipes]
+        fork = ctx.get_start_method() == "fork"
+        close_fds: tuple[int, ...] = ()
+        if fork:  # each child closes every end but its own
+            close_fds = tuple(c.fileno() for p in pipes for c in p)
+        self.procs = []
+        for w in range(n):
+            own = pipes[w][1].fileno()
+            proc = ctx.Process(
+                target=worker_loop,
+                kwargs=dict(
+                    kwargs, worker_id=w, kind="process", chan=pipes[w][1],
+                    close_fds=tuple(fd for fd in close_fds if fd != own),
+                ),
+                daemon=True,
+            )
+            proc.start()
+            self.procs.append(proc)
+        for _, worker_end in pipes:
+            worker_end.close()
+        self._poller = select.poll()
+        self._fd_owner: dict[int, tuple[str, int]] = {}
+        for w in range(n):
+            self._watch(self.conns[w].fileno(), ("conn", w))
+            self._watch(self.procs[w].sentinel, ("exit", w))
+        self._sender: _Sender | None = None
+        self.closed = False
+
+    def _watch(self, fd: int, what: tuple[str, int]) -> None:
+        self._poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        self._fd_owner[fd] = what
+
+    def send(self, w: int, msg: Any) -> None:
+        payload = ForkingPickler.dumps(msg)
+        if len(payload) <= INLINE_BYTES and (self._sender is None or not self._sender.busy(w)):
+            self.conns[w].send_bytes(payload)
+        else:  # a large task could fill the pipe while the worker is busy answering
+            if self._sender is None:
+                self._sender = _Sender(self.conns)
+            self._sender.put(w, payload)
+
+    def poll(self, timeout: float | None) -> tuple[list[tuple[int, Any]], list[int]]:
+        """Messages that arrived (worker, msg) and workers that exited, waiting up to timeout."""
+        ms = -1 if timeout is None else max(int(timeout * 1000), 0)
+        msgs: list[tuple[int, Any]] = []
+        dead: list[int] = []
+        for fd, _ in self._poller.poll(ms):
+            kind, w = self._fd_owner[fd]
+            if kind == "conn":
+                try:
+                    msgs.append((w, self.conns[w].recv()))
+                except (EOFError, OSError):
+                    self._poller.unregister(fd)
+                    dead.append(w)
+            else:
+                self._poller.unregister(fd)
+                dead.append(w)
+        return msgs, dead
+
+    def drain(self, w: int) -> list[Any]:
+        """Whatever worker ``w`` sent before it died."""
+        out = []
+        conn = self.conns[w]
+        try:
+            while conn.poll(0):
+                out.append(conn.recv())
+        except (EOFError, OSError):
+            pass
+        return out
+
+    def exit_description(self, w: int) -> str:
+        proc = self.procs[w]
+        proc.join(0.5)
+        return f"gpufeed worker {w} (pid {proc.pid}) {describe_exit(proc.exitcode)}"
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._sender is not None:
+            self._sender.stop()
+        for conn in self.conns:
+            conn.close()
+        deadline = time.monotonic() + GRACE_S
+        for proc in self.procs:
+            proc.join(max(deadline - time.monotonic(), 0))
+        for stop in ("terminate", "kill"):
+            alive = [p for p in self.procs if p.is_alive()]
+            if not alive:
+                break
+            for p in alive:
+                getattr(p, stop)()
+            for p in alive:
+                p.join(1.0)
+        for p in self.procs:
+            if p.is_alive():
+                log.warning("gpufeed worker pid %s did not stop", p.pid)
+            else:
+                p.close()
+
+
+class _Sender:
+    """Writes large task messages from a thread, so the main thread never blocks on a pipe."""
+
+    def __init__(self, conns: list[Any]) -> None:
+        self.conns = conns
+        self.q: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        self.pending = [0] * len(conns)
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="gpufeed-sender", daemon=True)
+        self.thread.start()
+
+    def busy(self, w: int) -> bool:
+        return self.pending[w] > 0
+
+    def put(self, w: int, payload: Any) -> None:
+        with self.lock:
+            self.pending[w] += 1
+        self.q.put((w, payload))
+
+    def _run(self) -> None:
+        while (item := self.q.get()) is not None:
+            w, payload = item
+            try:
+                self.conns[w].send_bytes(payload)
+            except (OSError, ValueError):
+                pass  # the pool is closing, or the worker died: the iterator reports it
+            with self.lock:
+                self.pending[w] -= 1
+
+    def stop(self) -> None:
+        self.q.put(None)
+        self.thread.join(GRACE_S)
+
+
+class ThreadPool:
+    def __init__(self, n: int, kwargs: dict[str, Any]) -> None:
+        install_thread_worker_info()
+        self.n = n
+        self.results: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self.chans = [ThreadChannel(w, self.results) for w in range(n)]
+        self.threads = []
+        for w in range(n):
+            t = threading.Thread(
+                target=_thread_entry,
+                kwargs=dict(kwargs, worker_id=w, kind="thread", chan=self.chans[w]),
+                name=f"gpufeed-worker-{w}",
+                daemon=True,
+            )
+            t.start()
+            self.threads.append(t)
+        self.closed = False
+
+    def send(self, w: int, msg: Any) -> None:
+        self.chans[w].tasks.put(msg)
+
+    def poll(self, timeout: float | None) -> tuple[list[tuple[int, Any]], list[int]]:
+        msgs = []
+        try:
+            msgs.append(self.results.get(timeout=timeout))
+            while True:
+                msgs.append(self.results.get_nowait())
+        except queue.Empty:
+            pass
+        dead = [] if msgs else [w for w, t in enumerate(self.threads) if not t.is_alive()]
+        return msgs, dead
+
+    def drain(self, w: int) -> list[Any]:
+        return []
+
+    def exit_description(self, w: int) -> str:
+        return f"gpufeed thread worker {w} stopped unexpectedly"
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for chan in self.chans:
+            chan.tasks.put(None)
+        deadline = time.monotonic() + GRACE_S
+        for t in self.threads:
+            t.join(max(deadline - time.monotonic(), 0))
+            if t.is_alive():
+                log.warning("gpufeed worker %s is still in user code: left as daemon", t.name)
+
+
+def _thread_entry(**kwargs: Any) -> None:
+    try:
+        worker_loop(**kwargs)
+    except BaseException:  # never let a worker thread die silently
+        log.exception("gpufeed thread worker crashed")
+        raise
+
+
+Pool = ProcessPool | ThreadPool
+PoolFactory = Callable[..., Pool]

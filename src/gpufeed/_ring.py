@@ -1,0 +1,273 @@
+"""The slot ring: recycled shared memory that workers collate batches straight into.
+
+NOTE [ Slot lifetime ]
+----------------------
+One region of memory is reserved per iterator: shared memory for process workers (created
+before the workers start, so they inherit or receive it once), ordinary memory for thread
+workers. Slots are carved out of it as needed; the iterator owns the bookkeeping.
+
+    main: acquire() ──(slot offset, size)──> worker: collate into the slot, send a small
+          message (leaf offsets, dtypes, shapes) ──> main: views(), hand batch to user
+    user drops the last tensor viewing the batch ──> finalizer ──> release() ──> free list
+
+The user's tensors are views of one per-batch numpy "base" array that spans the slot; each
+tensor's storage keeps that base alive, so the base's finalizer runs only when the last view,
+slice or derived view of the batch is gone. Only then does the slot return to the free list:
+a batch the user keeps (``list(loader)``) is never overwritten. With a device stage the
+host batch is held until its copy's event has completed, which gives the same guarantee.
+
+Growth and fallback: a batch needs ``need`` bytes (learnt from the first batch, and from any
+larger one later). When no slot is free, a new one is carved while the ring stays within its
+byte budget; past the budget a task gets no slot and the worker allocates ordinary shared
+memory for that batch (the stock path). Dispatch never waits for a slot, so keeping every
+batch cannot deadlock, and a batch that does not fit is never truncated: its leaves that do
+not fit are sent the ordinary way.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import mmap
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+ALIGN = 64  # bytes; every leaf starts on a cache-line boundary
+PAGE = 4096
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def shm_free_bytes(path: str = "/dev/shm") -> int | None:
+    """Free bytes in the shared-memory file system, or None where there is none."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def default_reserve() -> int:
+    """Address space reserved for a ring whose budget the user did not set.
+
+    The reservation is sparse: pages cost memory only once a slot touches them, and the
+    budget (learnt from the first batch) bounds what is touched.
+    """
+    import psutil
+
+    cap = min(16 << 30, psutil.virtual_memory().total // 2)
+    return max(cap // PAGE * PAGE, PAGE)
+
+
+class Region:
+    """A sparse block of memory; shared (memfd) for process workers, private for threads.
+
+    Shared regions live in an anonymous memory file, not in /dev/shm: nothing to unlink,
+    nothing left behind if a process is killed, and no /dev/shm size limit to hit. Pickling
+    one (for spawned workers) passes its descriptor; fork inherits the mapping.
+    """
+
+    def __init__(self, size: int, *, shared: bool) -> None:
+        self.size = size
+        self.fd = -1
+        if shared:
+            self.fd = os.memfd_create("gpufeed-ring", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, size)
+            self.mm = mmap.mmap(self.fd, size)
+        else:
+            self.mm = mmap.mmap(-1, size)
+        self.array: np.ndarray = np.frombuffer(self.mm, dtype=np.uint8)
+        self.tensor = torch.from_numpy(self.array)
+
+    def close_fd(self) -> None:
+        """Drop the descriptor once workers have it; the mapping stays."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.fd < 0:
+            raise RuntimeError("a gpufeed ring can only be sent to workers while they start")
+        from multiprocessing.reduction import DupFd
+
+        return (_attach, (DupFd(self.fd), self.size))
+
+
+def _attach(dupfd: Any, size: int) -> Region:
+    fd = dupfd.detach()
+    obj = Region.__new__(Region)
+    obj.size, obj.fd = size, -1
+    obj.mm = mmap.mmap(fd, size)
+    os.close(fd)
+    obj.array = np.frombuffer(obj.mm, dtype=np.uint8)
+    obj.tensor = torch.from_numpy(obj.array)
+    return obj
+
+
+class SlotRing:
+    """Main-process side of the ring: region, slots, free list, byte budget.
+
+    Args:
+        reserve: bytes of address space to reserve (sparse).
+        budget: the most bytes live slots may take; None to size it from the first batch as
+            ``slots_hint`` slots (a higher budget keeps more batches in recycled memory when
+            the user holds many; a lower one falls back to ordinary allocation sooner).
+        shared: shared memory (process workers) or ordinary memory (thread workers).
+        pin: page-lock each slot when it is created (needs CUDA).
+        slots_hint: slots the default budget allows.
+    """
+
+    def __init__(
+        self, *, reserve: int, budget: int | None, shared: bool, pin: bool, slots_hint: int
+    ) -> None:
+        self.reserve = reserve
+        self.budget = budget
+        self.user_budget = budget
+        self.slots_hint = slots_hint
+        self.pin = pin
+        self.mem = Region(max(reserve, PAGE), shared=shared)
+        self.region = self.mem.tensor
+        self.region_np = self.mem.array
+        self.slot_bytes = 0  # size of new slots; 0 until the first batch says
+        self._extents: list[tuple[int, int]] = [(0, reserve)]  # free (offset, size), sorted
+        self._slots: dict[int, tuple[int, int]] = {}  # id -> (offset, size)
+        self._pins: dict[int, Any] = {}
+        self._free: list[int] = []
+        self._next_id = 0
+        self.live_bytes = 0
+        self.grows = 0
+        self.fallbacks = 0
+        self.closed = False
+        # Finalizers may run on any thread; deque.append/popleft are atomic.
+        self._released: collections.deque[int] = collections.deque()
+
+    # -- sizing ---------------------------------------------------------------------------
+    def learn(self, need: int) -> None:
+        """Record that a batch needed ``need`` bytes; later slots are at least that big."""
+        size = align(need, PAGE)
+        if size > self.slot_bytes:
+            self.slot_bytes = size
+            if self.budget is None:
+                self.budget = min(self.reserve, self.slots_hint * size)
+
+    def set_slots_hint(self, slots: int) -> None:
+        """Resize a default budget to ``slots`` slots (a budget the user set stays)."""
+        self.slots_hint = slots
+        if self.user_budget is None and self.slot_bytes:
+            self.budget = min(self.reserve, slots * self.slot_bytes)
+
+    @property
+    def capacity_slots(self) -> int:
+        if not self.slot_bytes or self.budget is None:
+            return 0
+        return self.budget // self.slot_bytes
+
+    @property
+    def in_use(self) -> int:
+        return len(self._slots) - len(self._free) - len(self._released)
+
+    # -- acquire / release ---------------------------------------------------------------
+    def acquire(self) -> tuple[int, int, int] | None:
+        """A free slot as (id, offset, size), a new one within budget, or None (fallback)."""
+        self.drain()
+        if not self.slot_bytes or self.closed:
+            return None
+        while self._free:
+            sid = self._free.pop()
+            off, size = self._slots[sid]
+            if size >= self.slot_bytes:
+                return sid, off, size
+            self._retire(sid)  # too small for today's batches
+        if self.budget is not None and self.live_bytes + self.slot_bytes <= self.budget:
+            new = self._carve(self.slot_bytes)
+            if new is not None:
+                return new
+        self.fallbacks += 1
+        return None
+
+    def release(self, sid: int) -> None:
+        """Return a slot (thread-safe; called by finalizers and for unused slots)."""
+        self._released.append(sid)
+
+    def drain(self) -> None:
+        rel = self._released
+        while rel:
+            sid = rel.popleft()
+            if sid in self._slots:
+                self._free.append(sid)
+
+    def _carve(self, size: int) -> tuple[int, int, int] | None:
+        for i, (off, free) in enumerate(self._extents):
+            if free >= size:
+                if free == size:
+                    del self._extents[i]
+                else:
+                    self._extents[i] = (off + size, free - size)
+                sid = self._next_id
+                self._next_id += 1
+                self._slots[sid] = (off, size)
+                self.live_bytes += size
+                self.grows += 1
+                if self.pin:
+                    from . import _pinning
+
+                    self._pins[sid] = _pinning.register(self.region[off : off + size])
+                return sid, off, size
+        return None
+
+    def _retire(self, sid: int) -> None:
+        off, size = self._slots.pop(sid)
+        handle = self._pins.pop(sid, None)
+        if handle is not None:
+            from . import _pinning
+
+            _pinning.unregister(handle)
+        self.live_bytes -= size
+        i = bisect.bisect(self._extents, (off, size))
+        self._extents.insert(i, (off, size))
+        merged: list[tuple[int, int]] = []
+        for o, s in self._extents:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + s)
+            else:
+                merged.append((o, s))
+        self._extents = merged
+
+    # -- views ----------------------------------------------------------------------------
+    def views(self, sid: int, used: int, packed: Any) -> Any:
+        """Turn a worker's packed batch into tensors viewing slot ``sid``.
+
+        See NOTE [ Slot lifetime ]: the slot is released when the last view is gone.
+        """
+        from ._collate import unpack
+
+        off, _ = self._slots[sid]
+        if used == 0:
+            self.release(sid)
+            return unpack(packed, None)
+        base = self.region_np[off : off + align(used)]
+        fin = weakref.finalize(base, self._released.append, sid)
+        fin.atexit = False
+        return unpack(packed, base)
+
+    def close(self) -> None:
+        """Forget the slots; memory stays mapped while user tensors still view it."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._pins:
+            from . import _pinning
+
+            for h in self._pins.values():
+                _pinning.unregister(h)
+        self._pins.clear()
+
+
+ReleaseFn = Callable[[int], None]

@@ -1,0 +1,217 @@
+"""The worker loop, shared by process and thread workers.
+
+A worker receives small task messages, fetches and collates each batch into the slot the
+task names, and answers with small messages (see NOTE [ Messages ] in ``_iterator.py``):
+
+    main -> worker   ("tasks", gen, [(batch, planned, indices, slot), ...])
+                        planned: take batch ``batch`` of the epoch's IndexPlan (indices unused)
+                        slot: (id, offset, size), or None for ordinary allocation
+                     ("plan", gen, IndexPlan)                this epoch's index plan
+                     ("reset", gen)                          iterable datasets: restart
+                     None                                    stop (or EOF on the pipe)
+    worker -> main   ("done", gen, [result, ...])            one result per task, in order:
+                        ("ok", batch, slot_id, used, need, packed, fetch_s, collate_s)
+                        ("stop", batch, slot_id)             iterable dataset exhausted
+                        ("err", batch, slot_id, RemoteError)
+                     ("init_err", RemoteError)               worker_init_fn or set-up failed
+
+Several tasks travel in one message when batches are cheap: on these machines waking a
+sleeping process costs 0.1-0.4 ms, more than gathering a small batch.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import _utils
+from torch.utils.data._utils.worker import WorkerInfo, _generate_state
+
+from ._collate import SlotWriter, pack
+from ._errors import capture
+from ._fetch import IterFetcher, MapFetcher
+
+POLL_S = 0.5  # how often an idle worker checks that the main process is alive
+
+
+class ThreadChannel:
+    """A thread worker's end: its own task queue, and the results queue all workers share."""
+
+    def __init__(self, worker_id: int, results: queue.SimpleQueue[Any]) -> None:
+        self.worker_id = worker_id
+        self.tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.results = results
+
+    def recv(self, timeout: float) -> Any:
+        return self.tasks.get(timeout=timeout)
+
+    def send(self, msg: Any) -> None:
+        self.results.put((self.worker_id, msg))
+
+
+class ProcessChannel:
+    """A process worker's end of its duplex pipe."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.poller = select.poll()  # made once: Connection.poll builds a selector per call
+        self.poller.register(conn.fileno(), select.POLLIN | select.POLLHUP | select.POLLERR)
+
+    def recv(self, timeout: float) -> Any:
+        if not self.poller.poll(int(timeout * 1000)):
+            raise TimeoutError
+        return self.conn.recv()
+
+    def send(self, msg: Any) -> None:
+        self.conn.send(msg)
+
+
+_thread_local = threading.local()
+_patch_lock = threading.Lock()
+
+
+def install_thread_worker_info() -> None:
+    """Make ``torch.utils.data.get_worker_info()`` answer per thread inside thread workers.
+
+    torch keeps the worker info in one module global, which threads share. The function's
+    code is swapped once for one that looks at a thread-local first, so that references the
+    user took before (``from torch.utils.data import get_worker_info``) see it too. Outside
+    gpufeed's thread workers it returns exactly what it returned before.
+    """
+    mod = _utils.worker
+    with _patch_lock:
+        if getattr(mod, "_gpufeed_thread_info", None) is not None:
+            return
+        mod._gpufeed_thread_info = _thread_local  # type: ignore[attr-defined]
+        scope: dict[str, Any] = {}
+        exec(  # compiled against torch's module globals so _worker_info resolves there
+            "def get_worker_info():\n"
+            "    info = getattr(_gpufeed_thread_info, 'info', None)\n"
+            "    return info if info is not None else _worker_info\n",
+            mod.__dict__,
+            scope,
+        )
+        mod.get_worker_info.__code__ = scope["get_worker_info"].__code__
+
+
+def worker_loop(
+    *, worker_id: int, num_workers: int, kind: str, chan: Any, dataset: Any, is_iterable: bool,
+    auto_collation: bool, collate_fn: Callable[[Any], Any] | None, drop_last: bool,
+    region: Any, base_seed: int, init_fn: Callable[[int], None] | None,
+    close_fds: tuple[int, ...] = (),
+) -> None:
+    """Run one worker until told to stop, the main process goes away, or the pipe closes."""
+    is_process = kind == "process"
+    seed = base_seed + worker_id
+    if is_process:
+        chan = ProcessChannel(chan)
+        region = region.tensor if region is not None else None  # a _ring.Region
+        for fd in close_fds:  # the main's ends of other workers' pipes, inherited by fork
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+        torch.set_num_threads(1)
+        random.seed(seed)
+        torch.manual_seed(seed)
+        import numpy as np
+
+        np.random.seed(_generate_state(base_seed, worker_id))
+        _utils.worker._worker_info = WorkerInfo(
+            id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset
+        )
+        parent = os.getppid()
+    else:
+        _thread_local.info = WorkerInfo(
+            id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset
+        )
+        parent = -1
+    try:
+        if init_fn is not None:
+            init_fn(worker_id)
+        fetcher: MapFetcher | IterFetcher
+        if is_iterable:
+            fetcher = IterFetcher(
+                dataset, auto_collation=auto_collation, collate_fn=collate_fn, drop_last=drop_last
+            )
+        else:
+            fetcher = MapFetcher(dataset, auto_collation=auto_collation, collate_fn=collate_fn)
+        writer = (
+            SlotWriter(region, shared_fallback=is_process) if region is not None else None
+        )
+    except Exception:
+        chan.send(("init_err", capture(f"in gpufeed worker {worker_id} during start-up")))
+        return
+    _serve(worker_id, chan, fetcher, writer, parent)
+
+
+def _serve(
+    worker_id: int, chan: Any, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None,
+    parent: int,
+) -> None:
+    while True:
+        try:
+            msg = chan.recv(POLL_S)
+        except (queue.Empty, TimeoutError):
+            if parent != -1 and os.getppid() != parent:
+                return  # the main process died without closing us
+            continue
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        kind, gen = msg[0], msg[1]
+        if kind == "reset":
+            if isinstance(fetcher, IterFetcher):
+                fetcher.reset()
+            continue
+        if kind == "plan":
+            if isinstance(fetcher, MapFetcher):
+                fetcher.plan = msg[2]
+            continue
+        results = [_run_task(worker_id, fetcher, writer, task) for task in msg[2]]
+        try:
+            chan.send(("done", gen, results))
+        except (BrokenPipeError, EOFError, OSError):
+            return
+        del results
+
+
+def _run_task(
+    worker_id: int, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None, task: Any
+) -> tuple[Any, ...]:
+    batch, planned, indices, slot = task
+    sid = -1
+    if writer is not None:
+        if slot is None:
+            writer.begin(0, 0)
+        else:
+            sid, off, size = slot
+            writer.begin(off, size)
+    t0 = time.perf_counter()
+    try:
+        if planned:
+            indices = fetcher.plan.batch(batch)  # type: ignore[union-attr]
+            if fetcher.arrays is None:
+                indices = indices.tolist()
+        data = fetcher.fetch(indices, writer)
+        t1 = time.perf_counter()
+        packed, used, need = pack(data, writer)
+        del data
+    except StopIteration:
+        return ("stop", batch, sid)
+    except Exception:
+        where = f"in gpufeed worker {worker_id} {fetcher.describe(indices)} (batch {batch})"
+        return ("err", batch, sid, capture(where))
+    t2 = time.perf_counter()
+    collate_s = fetcher.collate_s + (t2 - t1)
+    return ("ok", batch, sid, used, need, packed, t2 - t0 - collate_s, collate_s)

@@ -1,0 +1,159 @@
+"""``python -m gpufeed.benchmarks [cpu|gpu] ...``: run a benchmark, write JSON and Markdown.
+
+``cpu`` (the default) runs ``gpufeed.benchmarks.cpu`` and writes ``cpu.json`` and ``cpu.md`` to
+``--out`` (default ``benchmarks/results`` under the current directory: run it from the
+repository root to update the committed figures). ``gpu`` hands the remaining arguments to
+``gpufeed.benchmarks.gpu.main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .cpu import LOADERS, STAND_IN, Settings, run_cpu
+from .workloads import WORKLOADS
+
+DEFAULT_WORKLOADS = ("tabular", "image-array", "jpeg", "python-list")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m gpufeed.benchmarks",
+        description="gpufeed vs the stock DataLoader (and torchdata.nodes), side by side.")
+    p.add_argument("kind", nargs="?", choices=("cpu", "gpu"), default="cpu",
+                   help="which benchmark (default cpu); `gpu ARGS...` hands ARGS to the GPU "
+                        "benchmark (gpufeed.benchmarks.gpu), which needs CUDA")
+    p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS),
+                   default=list(DEFAULT_WORKLOADS), metavar="NAME",
+                   help=f"workloads to run, from {', '.join(WORKLOADS)} "
+                        f"(default: {' '.join(DEFAULT_WORKLOADS)})")
+    p.add_argument("--loaders", nargs="+", choices=LOADERS, default=list(LOADERS),
+                   metavar="NAME", help=f"loaders to compare, from {', '.join(LOADERS)}")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs per (loader, variant); medians are reported (default 3, quick 1)")
+    p.add_argument("--num-workers", type=int, default=2, help="workers of every loader")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="timed seconds per run after warm-up (default 2; quick: whole epochs)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
+                   help="folder for cpu.json and cpu.md (default benchmarks/results)")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="where workload files are built once and reused "
+                        "(default $GPUFEED_BENCH_CACHE or <tmp>/gpufeed-bench)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny workloads and short runs (seconds; for tests, not for figures)")
+    return p
+
+
+def _fmt(value: float | None, spec: str = ",.0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _verdict(ok: bool | None) -> str:
+    return "" if ok is None else ("pass" if ok else "**miss**")
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    """The results document as a Markdown report: a summary table and every median."""
+    env, s = doc["environment"], doc["settings"]
+    commit = (env.get("git_commit") or "no git")[:10] + (" (dirty)" if env.get("git_dirty") else "")
+    lines = [
+        "# gpufeed CPU benchmark", "",
+        f"{env['date']} on `{env['hostname']}`: {env['cpu_model']}, {env['cpu_affinity']} usable "
+        f"cores, {env['memory_bytes'] / 2**30:.0f} GiB; Python {env['python']}, torch "
+        f"{env['torch']}, numpy {env['numpy']}, torchdata {env['torchdata']}, gpufeed "
+        f"{env['gpufeed']} ({commit}); load average {env['loadavg_start'][0]:.2f} at start, "
+        f"{env.get('loadavg_end', [float('nan')])[0]:.2f} at end.", "",
+        f"num_workers={s['num_workers']} for every loader, prefetch_factor={s['prefetch_factor']},"
+        f" shuffled (seed {s['seed']}), median of {s['repeats']} runs, loaders alternating; "
+        f"{s['warmup_batches']} warm-up batch(es) excluded from each rate; "
+        + (f"about {s['max_seconds']:g} s timed per run (python-list: a whole epoch). "
+           if s["max_seconds"] else "whole epochs timed. ") +
+        "Files are read once before timing (page cache warm). One torch thread per worker "
+        "and in the main process. "
+        "Peak PSS: the whole process tree, sampled in a thread every 20 ms (less often "
+        "when sampling is slow, to stay under 10% of a core)." + (" **Quick mode: tiny data, "
+        "figures mean nothing.**" if s["quick"] else ""), "",
+    ]
+    if doc["loaders"].get("gpufeed") == STAND_IN:
+        lines += ["**gpufeed's core was not importable: the `gpufeed` rows ran the stock loader "
+                  "as a stand-in.**", ""]
+    lines += ["| workload | stock best | gpufeed best | ratio | target | | peak PSS vs stock | |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    notes: list[str] = []
+    for w in doc["workloads"]:
+        if "skipped" in w:
+            lines.append(f"| {w['name']} | skipped: {w['skipped']} | | | | | | |")
+            continue
+        sm = w["summary"]
+        st, ours = sm["stock_best"], sm["gpufeed_best"]
+        stock_txt = f"{_fmt(st['samples_per_s'])} ({st['variant']})" if st else "-"
+        ours_txt = f"{_fmt(ours['samples_per_s'])} ({ours['loader']}, {ours['variant']})" \
+            if ours else "-"
+        target = f">= {sm['target_ratio']:g}x" if sm["target_ratio"] else "-"
+        lines.append(f"| {w['name']} | {stock_txt} | {ours_txt} | {_fmt(sm['ratio'], '.2f')}x | "
+                     f"{target} | {_verdict(sm['ratio_pass'])} | {_fmt(sm['pss_ratio'], '.2f')}x"
+                     f" | {_verdict(sm['pss_pass'])} |")
+        notes += [f"- {w['name']}: {n}" for n in sm["notes"]]
+    lines += ["", "Samples/s; ratio = gpufeed's best (loader, fetch variant) over the stock "
+              "loader's best variant. PSS compares the same variant.", ""]
+    if notes:
+        lines += ["Misses:", "", *notes, ""]
+    lines += ["## Every (workload, variant, loader), medians", "",
+              "| workload | variant | loader | samples/s | MB/s | peak PSS MiB | PSS growth MiB "
+              "| first batch ms |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for w in doc["workloads"]:
+        for r in w.get("results", []):
+            m = r["median"]
+            lines.append(
+                f"| {w['name']} | {r['variant']} | {r['loader']} | {_fmt(m['samples_per_s'])} | "
+                f"{_fmt(m['bytes_per_s'] / 1e6)} | {_fmt(m['peak_pss_bytes'] / 2**20)} | "
+                f"{_fmt(m['pss_growth_bytes'] / 2**20)} | {_fmt(m['first_batch_s'] * 1e3)} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(doc: dict[str, Any], out: Path, stem: str = "cpu") -> tuple[Path, Path]:
+    """Write ``<stem>.json`` and ``<stem>.md`` into ``out`` (created if needed)."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
+    json_path.write_text(json.dumps(doc, indent=1) + "\n")
+    md_path.write_text(render_markdown(doc))
+    return json_path, md_path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["gpu"]:
+        try:
+            gpu = importlib.import_module("gpufeed.benchmarks.gpu")
+        except ModuleNotFoundError as exc:
+            if exc.name != "gpufeed.benchmarks.gpu":
+                raise
+            print("the GPU benchmark (gpufeed/benchmarks/gpu.py) is not part of this checkout "
+                  "yet; run `python -m gpufeed.benchmarks cpu`", file=sys.stderr)
+            return 2
+        return int(gpu.main(argv[1:]) or 0)
+    args = _parser().parse_args(argv)
+    settings = Settings(
+        num_workers=args.num_workers,
+        repeats=args.repeats or (1 if args.quick else 3),
+        max_seconds=args.max_seconds or (None if args.quick else 2.0),
+        warmup_batches=1 if args.quick else 3,
+        quick=args.quick)
+    doc = run_cpu(args.workloads, settings=settings, loaders=args.loaders,
+                  cache_dir=args.cache_dir, progress=lambda line: print(line, flush=True))
+    json_path, md_path = write_results(doc, args.out)
+    print()
+    print(render_markdown(doc).split("## Every")[0].rstrip())
+    print(f"\nwrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

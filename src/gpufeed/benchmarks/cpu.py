@@ -1,0 +1,345 @@
+"""CPU benchmark: gpufeed against the stock DataLoader (and torchdata.nodes), side by side.
+
+For every workload, every repeat runs each (loader, fetch variant) pair once, rotating the order
+of the loaders from one repeat to the next so that neither side always runs first on a warm or a
+busy machine. All loaders get identical settings: same dataset object, batch size, shuffled order
+(a seeded generator), ``num_workers``, ``prefetch_factor``, ``collate_fn`` and a worker start-up
+hook that sets one intra-op torch thread per worker (a pool worker left at the default collapses
+decode throughput on small machines). The main process also runs with one torch thread, so a
+thread-worker run cannot change the conditions of the runs after it. Figures are medians over
+the repeats; the ratio of a workload compares gpufeed's best (loader, variant) with the stock
+loader's best variant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, default_collate
+
+from .._measure import measure_loader
+from .workloads import Variant, Workload, WorkloadUnavailable, build
+
+__all__ = ["LOADERS", "PSS_TOLERANCE", "TARGETS", "Settings", "environment", "run_cpu"]
+
+LOADERS = ("torch", "gpufeed", "gpufeed-thread", "torchdata.nodes")
+#: Minimum ratio of samples/s, gpufeed's best over the stock loader's best (issue 2, item 6).
+TARGETS: dict[str, float] = {"tabular": 15.0, "image-array": 3.0, "jpeg": 1.15}
+#: Peak PSS passes when gpufeed's is at most the stock loader's times (1 + this): sampling noise.
+PSS_TOLERANCE = 0.02
+SCHEMA = "gpufeed-bench-cpu/1"
+STAND_IN = "stand-in: torch.utils.data.DataLoader (gpufeed.DataLoader is not importable)"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Knobs of a benchmark run (recorded in the results).
+
+    Attributes:
+        num_workers: workers of every loader (the issue's comparison is at 2).
+        repeats: runs of each (loader, variant); medians are reported. More is steadier, slower.
+        prefetch_factor: batches in flight per worker, for every loader.
+        warmup_batches: batches excluded from each rate (worker start-up, first faults).
+        max_seconds: timed seconds per run after warm-up (None: whole epochs; whole-epoch
+            workloads such as python-list always run to the end).
+        max_batches: cap on batches per run, warm-up included (None: no cap).
+        seed: data, shuffle order and per-sample randomness.
+        quick: tiny workloads, for tests.
+    """
+
+    num_workers: int = 2
+    repeats: int = 3
+    prefetch_factor: int = 2
+    warmup_batches: int = 3
+    max_seconds: float | None = 2.0
+    max_batches: int | None = None
+    seed: int = 0
+    quick: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers={self.num_workers}: the comparison needs workers (>= 1)")
+        if self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats} must be at least 1")
+
+
+def one_intra_op_thread(worker_id: int = 0) -> None:
+    """``worker_init_fn`` given to every loader: one torch intra-op thread per worker."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+class _FetchBatch:
+    """torchdata.nodes map function: indices -> collated batch, as the stock fetcher does it."""
+
+    def __init__(self, dataset: Any, collate_fn: Callable[[Any], Any] | None) -> None:
+        self.dataset, self.collate_fn = dataset, collate_fn or default_collate
+
+    def __call__(self, indices: list[int]) -> Any:
+        one_intra_op_thread()
+        getitems = getattr(self.dataset, "__getitems__", None)
+        samples = getitems(indices) if getitems else [self.dataset[i] for i in indices]
+        return self.collate_fn(samples)
+
+
+def _gpufeed_loader() -> Callable[..., Iterable[Any]] | None:
+    try:
+        loader = getattr(importlib.import_module("gpufeed"), "DataLoader", None)
+    except ImportError:
+        return None
+    return loader if isinstance(loader, type) and issubclass(loader, DataLoader) else None
+
+
+def available_loaders() -> dict[str, str]:
+    """Each loader name -> ``"ok"`` or why it cannot run here."""
+    real = _gpufeed_loader() is not None
+    gpufeed = "ok" if real else STAND_IN
+    thread = "ok" if real else "gpufeed.DataLoader is not importable (core missing)"
+    try:
+        importlib.import_module("torchdata.nodes")
+        nodes = "ok"
+    except ImportError:
+        nodes = "torchdata is not installed (pip install --no-deps torchdata)"
+    return {"torch": "ok", "gpufeed": gpufeed, "gpufeed-thread": thread, "torchdata.nodes": nodes}
+
+
+def _factory(loader: str, variant: Variant, work: Workload,
+             s: Settings) -> Callable[[], Iterable[Any]]:
+    ds, collate = variant.dataset, variant.collate_fn
+
+    def sampler_gen() -> torch.Generator:
+        return torch.Generator().manual_seed(s.seed)
+
+    common: dict[str, Any] = {
+        "batch_size": work.batch_size, "shuffle": True, "num_workers": s.num_workers,
+        "collate_fn": collate, "worker_init_fn": one_intra_op_thread,
+        "prefetch_factor": s.prefetch_factor}
+    if loader == "torch":
+        return lambda: DataLoader(ds, generator=sampler_gen(), **common)
+    if loader in ("gpufeed", "gpufeed-thread"):
+        cls = _gpufeed_loader()
+        if cls is None and loader == "gpufeed":  # stand-in until the core imports
+            return lambda: DataLoader(ds, generator=sampler_gen(), **common)
+        if cls is None:
+            raise RuntimeError("gpufeed.DataLoader is not importable")
+        kind = "thread" if loader == "gpufeed-thread" else "process"
+        return lambda: cls(ds, generator=sampler_gen(), worker_type=kind, **common)
+    if loader == "torchdata.nodes":
+        nodes = importlib.import_module("torchdata.nodes")
+
+        def make() -> Iterable[Any]:
+            batches = BatchSampler(RandomSampler(ds, generator=sampler_gen()), work.batch_size,
+                                   drop_last=False)
+            node = nodes.ParallelMapper(nodes.SamplerWrapper(batches), _FetchBatch(ds, collate),
+                                        num_workers=s.num_workers, method="process")
+            node = nodes.Prefetcher(node, prefetch_factor=s.prefetch_factor * s.num_workers)
+            return nodes.Loader(node)
+
+        return make
+    raise ValueError(f"unknown loader {loader!r}; choose from {', '.join(LOADERS)}")
+
+
+class _PeerTeardownErrors:
+    """Counts (instead of printing) the OSErrors that torchdata.nodes' ordering thread raises
+    when a run stops early: it may still be unpickling a batch whose sending worker has exited.
+    Anything else goes to the previous hook."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._previous = threading.excepthook
+
+    def __call__(self, args: Any) -> None:
+        name = args.thread.name if args.thread is not None else ""
+        if "_sort_worker" in name and isinstance(args.exc_value, OSError):
+            self.count += 1
+        else:
+            self._previous(args)
+
+    def __enter__(self) -> _PeerTeardownErrors:
+        threading.excepthook = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        threading.excepthook = self._previous
+
+
+def _wait_for_children(timeout_s: float = 10.0) -> int:
+    """Wait until the loaders' worker processes are gone; return how many are left."""
+    deadline = time.monotonic() + timeout_s
+    while (left := psutil.Process().children()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(left)
+
+
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, float]:
+    keys = ("samples_per_s", "bytes_per_s", "peak_pss_bytes", "pss_growth_bytes", "first_batch_s")
+    return {k: float(statistics.median(r[k] for r in runs)) for k in keys}
+
+
+def summarize(name: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Best stock figure, best gpufeed figure, their ratio and the targets' pass/miss.
+
+    ``rows`` are the result rows of one workload (``loader``, ``variant``, ``median``)."""
+    def best(loaders: Sequence[str]) -> dict[str, Any] | None:
+        cands = [r for r in rows if r["loader"] in loaders]
+        return max(cands, key=lambda r: r["median"]["samples_per_s"], default=None)
+
+    def same_variant(loader: str, variant: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["loader"] == loader and r["variant"] == variant), None)
+
+    def brief(r: dict[str, Any] | None) -> dict[str, Any] | None:
+        if r is None:
+            return None
+        return {"loader": r["loader"], "variant": r["variant"], **r["median"]}
+
+    stock, ours = best(["torch"]), best(["gpufeed", "gpufeed-thread"])
+    out: dict[str, Any] = {"stock_best": brief(stock), "gpufeed_best": brief(ours),
+                           "gpufeed_process_best": brief(best(["gpufeed"])),
+                           "nodes_best": brief(best(["torchdata.nodes"])),
+                           "target_ratio": TARGETS.get(name), "ratio": None, "ratio_pass": None,
+                           "pss_ratio": None, "pss_pass": None, "notes": []}
+    if stock is None or ours is None:
+        out["notes"].append("no comparison: the stock loader or gpufeed did not run")
+        return out
+    ratio = ours["median"]["samples_per_s"] / stock["median"]["samples_per_s"]
+    out["ratio"] = ratio
+    target = TARGETS.get(name)
+    if target is not None:
+        out["ratio_pass"] = ratio >= target
+        if ratio < target:
+            out["notes"].append(f"samples/s ratio {ratio:.2f}x misses the {target:g}x target "
+                                f"by {100 * (1 - ratio / target):.0f}%")
+    ref = same_variant("torch", ours["variant"]) or stock
+    pss_ratio = ours["median"]["peak_pss_bytes"] / max(ref["median"]["peak_pss_bytes"], 1.0)
+    out["pss_ratio"] = pss_ratio
+    out["pss_reference"] = {"loader": "torch", "variant": ref["variant"]}
+    out["pss_pass"] = pss_ratio <= 1 + PSS_TOLERANCE
+    if not out["pss_pass"]:
+        out["notes"].append(f"peak PSS {pss_ratio:.2f}x the stock loader's on the same variant")
+    return out
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def environment() -> dict[str, Any]:
+    """Date, machine and versions, recorded with every result file."""
+    cpu_model = platform.processor() or None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu_model = next((ln.split(":", 1)[1].strip() for ln in f
+                              if ln.startswith("model name")), cpu_model)
+    except OSError:
+        pass
+    commit = _git("rev-parse", "HEAD")
+    try:
+        gpufeed = _version("gpufeed") or importlib.import_module("gpufeed").__version__
+    except (ImportError, AttributeError):
+        gpufeed = None
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(), "platform": platform.platform(),
+        "cpu_model": cpu_model, "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_bytes": psutil.virtual_memory().total, "loadavg_start": list(os.getloadavg()),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "numpy": np.__version__, "gpufeed": gpufeed, "torchdata": _version("torchdata"),
+        "pillow": _version("Pillow"), "git_commit": commit,
+        "git_dirty": bool(_git("status", "--porcelain")) if commit else None,
+        "torch_threads_main": torch.get_num_threads(),
+    }
+
+
+def _run_workload(work: Workload, loaders: Sequence[str], s: Settings,
+                  say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Every (loader, variant) pair ``s.repeats`` times, loaders in rotating order."""
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for rep in range(s.repeats):
+        order = [*loaders[rep % len(loaders):], *loaders[:rep % len(loaders)]]
+        for variant in work.variants:
+            for loader in order:
+                left = _wait_for_children()
+                m = measure_loader(
+                    _factory(loader, variant, work, s), warmup_batches=s.warmup_batches,
+                    max_seconds=None if work.full_epoch else s.max_seconds,
+                    max_batches=None if work.full_epoch else s.max_batches)
+                row = {**asdict(m), "pss_growth_bytes": m.pss_growth_bytes, "repeat": rep,
+                       "children_left_before": left}
+                runs.setdefault((loader, variant.name), []).append(row)
+                say(f"{work.name:12} {variant.name:10} {loader:16} rep {rep}: "
+                    f"{m.samples_per_s:12,.0f} samples/s  peak PSS "
+                    f"{m.peak_pss_bytes / 2**20:8,.0f} MiB  first batch "
+                    f"{m.first_batch_s * 1e3:6.0f} ms")
+    return [{"loader": lo, "variant": va, "median": _median_row(rs), "runs": rs}
+            for (lo, va), rs in runs.items()]
+
+
+def run_cpu(workloads: Sequence[str], *, settings: Settings | None = None,
+            loaders: Sequence[str] = LOADERS, cache_dir: Path | None = None,
+            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the CPU benchmark and return the results (the JSON document).
+
+    Args:
+        workloads: names from ``gpufeed.benchmarks.workloads.WORKLOADS``.
+        settings: knobs (default ``Settings()``).
+        loaders: subset of ``LOADERS``; ones that cannot run here are recorded as skipped.
+        cache_dir: where workload files live (default: see ``default_cache_dir``).
+        progress: called with one line per run (the CLI prints them).
+    """
+    s = settings or Settings()
+    say = progress or (lambda line: None)
+    unknown = [name for name in loaders if name not in LOADERS]
+    if unknown:
+        raise ValueError(f"unknown loaders {unknown}; choose from {', '.join(LOADERS)}")
+    status = available_loaders()
+    usable = [name for name in loaders if status[name] in ("ok", STAND_IN)]
+    torch.set_num_threads(1)
+    doc: dict[str, Any] = {"schema": SCHEMA, "kind": "cpu", "environment": environment(),
+                           "settings": asdict(s), "loaders": {k: status[k] for k in loaders},
+                           "page_cache": "every file is read once before timing", "workloads": []}
+    for name in workloads:
+        try:
+            work = build(name, cache_dir=cache_dir, quick=s.quick, seed=s.seed)
+        except WorkloadUnavailable as exc:
+            say(f"{name}: skipped: {exc}")
+            doc["workloads"].append({"name": name, "skipped": str(exc)})
+            continue
+        with _PeerTeardownErrors() as teardown:
+            rows = _run_workload(work, usable, s, say)
+        doc["workloads"].append({
+            "name": name, "description": work.description, "batch_size": work.batch_size,
+            "samples": work.samples, "full_epoch": work.full_epoch, "meta": work.meta,
+            "peer_teardown_errors": teardown.count, "results": rows,
+            "summary": summarize(name, rows)})
+        del work
+    doc["environment"]["loadavg_end"] = list(os.getloadavg())
+    return doc

@@ -1,0 +1,174 @@
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import gpufeed._cli
+from gpufeed._cli import main
+
+USER_MODULE = """
+import time
+
+import torch
+
+
+class Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 512
+
+    def __getitem__(self, i):
+        return torch.full((4,), float(i * i))
+
+
+def make():
+    return Squares()
+
+
+def not_a_dataset():
+    return 42
+
+
+VALUE = 3
+
+
+def loop(profiler):
+    for _ in profiler.wrap(torch.utils.data.DataLoader(Squares(), batch_size=16)):
+        time.sleep(0.001)
+
+
+def pair():
+    return range(20), lambda batch: time.sleep(0.001)
+
+
+def bad_pair():
+    return 5
+
+
+def broken():
+    raise RuntimeError("the user's bug")
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "cli_user_mod.py").write_text(textwrap.dedent(USER_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "cli_user_mod"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["tune", "--help"],
+                                  ["profile", "--help"], ["doctor", "--help"]])
+def test_help_of_every_command(argv, capsys):
+    assert main(argv) == 0
+    assert "usage: gpufeed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [[], ["fly"], ["tune"], ["tune", "m:f", "--batch-size", "0"],
+                                  ["tune", "m:f", "--budget", "lots"],
+                                  ["bench", "--workers", "a,b"]])
+def test_usage_errors_exit_2(argv, capsys):
+    assert main(argv) == 2
+    assert "usage: gpufeed" in capsys.readouterr().err
+
+
+def test_bench_builtin_workload(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--quick", "--seconds", "0.2", "--workers", "0,1", "--no-progress",
+               "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "built-in synthetic workload" in text and "vs stock" in text
+    rows = json.loads(out.read_text())["rows"]
+    loaders = {r["loader"] for r in rows}
+    assert {"torch", "gpufeed", "gpufeed-process", "gpufeed-thread"} <= loaders
+    assert all(r["samples_per_s"] > 0 and r["ratio"] > 0 for r in rows)
+    assert [r["ratio"] for r in rows if r["loader"] == "torch"] == [1.0, 1.0]
+
+
+def test_bench_user_dataset(user_module, capsys):
+    assert main(["bench", f"{user_module}:make", "--workers", "0", "--seconds", "0.2",
+                 "--batch-size", "16", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"gpufeed bench: {user_module}:make, batch_size=16" in out
+
+
+@pytest.mark.parametrize(("target", "message"), [
+    ("no_colon", "expected MODULE:FACTORY (e.g. mypkg.data:factory), got 'no_colon'"),
+    ("no_such_module_xyz:make", "cannot import module 'no_such_module_xyz'"),
+    ("{mod}:missing", "has no attribute 'missing'"),
+    ("{mod}:VALUE", "is a int, not a callable"),
+    ("{mod}:not_a_dataset", "returned a int, not a dataset"),
+    ("missing_file.py:make", "no file 'missing_file.py'"),
+])
+def test_bad_targets_name_the_value_and_the_form(user_module, target, message, capsys):
+    target = target.format(mod=user_module)
+    assert main(["bench", target, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("gpufeed bench: error:")
+
+
+def test_target_from_a_file_path(tmp_path, capsys):
+    path = tmp_path / "by_path.py"
+    path.write_text(textwrap.dedent(USER_MODULE))
+    assert main(["profile", f"{path}:pair"]) == 0
+    assert "input-bound:" in capsys.readouterr().out
+
+
+def test_tune_writes_recommendation_json(user_module, tmp_path, capsys):
+    out = tmp_path / "tune.json"
+    rc = main(["tune", f"{user_module}:make", "--batch-size", "16", "--worker-types", "thread",
+               "--trial-seconds", "0.2", "--time-budget", "4", "--no-progress",
+               "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    assert "recommended" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert set(data["recommended"]) >= {"num_workers", "pin_memory"}
+    assert data["trials"] and "samples_per_s" in data["trials"][0]
+
+
+@pytest.mark.parametrize("function", ["loop", "pair"])
+def test_profile_both_function_forms(user_module, function, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["profile", f"{user_module}:{function}", "--json", str(out)]) == 0
+    assert "input-bound:" in capsys.readouterr().out
+    assert json.loads(out.read_text())["steps"] > 0
+
+
+def test_profile_bad_return_and_user_errors(user_module, capsys):
+    assert main(["profile", f"{user_module}:bad_pair"]) == 2
+    assert "return (iterable, step)" in capsys.readouterr().err
+    assert main(["profile", f"{user_module}:broken"]) == 1
+    err = capsys.readouterr().err
+    assert "RuntimeError: the user's bug" in err and "Traceback" in err
+
+
+def test_doctor_exit_code_and_json(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    rc = main(["doctor", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == data["exit_code"] in (0, 1)
+    assert "gpufeed doctor" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_says_how_to_install(user_module, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    rc = main(["tune", f"{user_module}:make", "--plot", str(tmp_path / "t.png")])
+    assert rc == 1
+    assert "pip install 'gpufeed[plot]'" in capsys.readouterr().err
+
+
+def test_python_dash_m_gpufeed(tmp_path):
+    src = str(Path(gpufeed._cli.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "d.json"
+    done = subprocess.run([sys.executable, "-m", "gpufeed", "doctor", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode in (0, 1), done.stderr
+    assert "gpufeed doctor" in done.stdout and json.loads(out.read_text())["findings"]
+    done = subprocess.run([sys.executable, "-m", "gpufeed", "tune", "nope"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "expected MODULE:FACTORY" in done.stderr

@@ -1,0 +1,147 @@
+import dataclasses
+
+import pytest
+
+from gpufeed._doctor import DoctorReport, Finding, GpuInfo, Probe, cpulist, diagnose, query_gpus
+
+GiB = 1 << 30
+
+SYS = {
+    "/sys/bus/pci/devices/0000:17:00.0/numa_node": "1\n",
+    "/sys/devices/system/node/node1/cpulist": "8-15\n",
+}
+
+
+def healthy(**overrides):
+    """A probe of a machine with nothing wrong; override one read at a time."""
+    base = Probe(shm=lambda: (16 * GiB, 15 * GiB), nofile=lambda: (65536, 65536),
+                 memlock=lambda: (-1, -1), cpu_count=lambda: 16,
+                 affinity=lambda: set(range(16)), cpu_quota=lambda: None,
+                 memory=lambda: (64 * GiB, 48 * GiB), read_text=SYS.get,
+                 list_dir=lambda path: [], nvidia_smi=lambda args: None)
+    return dataclasses.replace(base, **overrides)
+
+
+def by_name(report):
+    return {f.name: f for f in report.findings}
+
+
+def test_healthy_machine_is_all_ok():
+    report = diagnose(probe=healthy())
+    assert report.exit_code == 0
+    assert all(f.status == "ok" for f in report.findings), report
+    assert by_name(report)["GPU"].value == "none found (CPU only)"
+    assert "nothing here will break a data loader" in str(report)
+
+
+@pytest.mark.parametrize(("free", "status"), [(0.5 * GiB, "fail"), (2 * GiB, "warn"),
+                                              (8 * GiB, "ok")])
+def test_shm_thresholds_and_advice(free, status):
+    report = diagnose(probe=healthy(shm=lambda: (int(free), int(free))))
+    f = by_name(report)["/dev/shm"]
+    assert f.status == status
+    assert report.exit_code == (1 if status == "fail" else 0)
+    if status != "ok":
+        assert "--shm-size=8g" in f.advice
+
+
+def test_missing_shm_fails():
+    f = by_name(diagnose(probe=healthy(shm=lambda: None)))["/dev/shm"]
+    assert f.status == "fail" and f.value == "missing"
+
+
+@pytest.mark.parametrize(("limits", "status", "advice"), [
+    ((1024, 1048576), "fail", "ulimit -n 65536"),
+    ((1024, 2048), "fail", "raise the hard limit (2048) first"),
+    ((8192, 1048576), "warn", "ulimit -n 65536"),
+    ((1048576, 1048576), "ok", ""),
+])
+def test_nofile(limits, status, advice):
+    report = diagnose(probe=healthy(nofile=lambda: limits))
+    f = by_name(report)["ulimit -n"]
+    assert f.status == status and advice in f.advice
+    assert report.exit_code == (1 if status == "fail" else 0)
+
+
+def test_memlock_warns_but_never_fails():
+    report = diagnose(probe=healthy(memlock=lambda: (65536, 65536)))
+    f = by_name(report)["RLIMIT_MEMLOCK"]
+    assert f.status == "warn" and "ulimit -l unlimited" in f.advice
+    assert report.exit_code == 0
+    assert by_name(diagnose(probe=healthy()))["RLIMIT_MEMLOCK"].value == \
+        "soft unlimited, hard unlimited"
+
+
+def test_cpu_affinity_and_quota():
+    f = by_name(diagnose(probe=healthy(affinity=lambda: {0, 1, 2, 3})))["CPUs"]
+    assert f.status == "warn" and "num_workers <= 4" in f.advice
+    f = by_name(diagnose(probe=healthy(cpu_quota=lambda: 2.5)))["CPUs"]
+    assert f.status == "warn" and "quota 2.5" in f.value and "num_workers <= 2" in f.advice
+    f = by_name(diagnose(probe=healthy(cpu_count=lambda: 1, affinity=lambda: {0})))["CPUs"]
+    assert f.status == "warn" and "one CPU" in f.advice
+
+
+@pytest.mark.parametrize(("available", "status"), [(0.5 * GiB, "fail"), (3 * GiB, "warn")])
+def test_free_memory(available, status):
+    f = by_name(diagnose(probe=healthy(memory=lambda: (8 * GiB, int(available)))))["free memory"]
+    assert f.status == status
+
+
+SMI = ("0, NVIDIA H100 80GB HBM3, 00000000:17:00.0, 5, 5, 16, 16\n"
+       "1, NVIDIA H100 80GB HBM3, 00000000:2A:00.0, 4, 5, 8, 16\n")
+
+
+def test_gpus_from_nvidia_smi_with_pcie_and_numa():
+    report = diagnose(probe=healthy(nvidia_smi=lambda args: SMI,
+                                    affinity=lambda: set(range(16))))
+    f = by_name(report)
+    assert f["GPU 0 PCIe"].status == "ok"
+    assert f["GPU 0 PCIe"].value.startswith("NVIDIA H100 80GB HBM3, PCIe gen 5/5, x16/x16")
+    assert f["GPU 1 PCIe"].status == "warn" and "x8 of x16" in f["GPU 1 PCIe"].advice
+    # GPU 0 sits on node 1 (CPUs 8-15) but the process may run on 0-15
+    assert f["GPU 0 NUMA"].status == "warn"
+    assert "numactl --cpunodebind=1 --membind=1" in f["GPU 0 NUMA"].advice
+    assert f["GPU 1 NUMA"].value == "no NUMA node reported"
+    assert report.exit_code == 0  # slow links are warnings, not breakage
+    bound = diagnose(probe=healthy(nvidia_smi=lambda args: SMI, affinity=lambda: {8, 9}))
+    assert by_name(bound)["GPU 0 NUMA"].status == "ok"
+
+
+def test_gen_below_max_alone_is_a_warning_about_idle_downshift():
+    smi = "0, A100, 00000000:17:00.0, 1, 4, 16, 16\n"
+    f = by_name(diagnose(probe=healthy(nvidia_smi=lambda args: smi)))["GPU 0 PCIe"]
+    assert f.status == "warn" and "re-check under load" in f.advice
+
+
+def test_gpus_from_sysfs_without_nvidia_smi():
+    dev = "/sys/bus/pci/devices/0000:3b:00.0"
+    files = {f"{dev}/vendor": "0x10de\n", f"{dev}/class": "0x030200\n", f"{dev}/device": "0x2330",
+             f"{dev}/current_link_speed": "16.0 GT/s PCIe\n",
+             f"{dev}/max_link_speed": "32.0 GT/s PCIe\n",
+             f"{dev}/current_link_width": "16\n", f"{dev}/max_link_width": "16\n",
+             f"{dev}/numa_node": "0\n", "/sys/bus/pci/devices/0000:00:01.0/vendor": "0x8086\n"}
+    probe = healthy(read_text=files.get,
+                    list_dir=lambda path: ["0000:00:01.0", "0000:3b:00.0"])
+    (gpu,) = query_gpus(probe)
+    assert gpu == GpuInfo(0, "NVIDIA device 0x2330", "0000:3b:00.0", 4, 5, 16, 16, 0)
+
+
+def test_cpulist_parsing():
+    assert cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert cpulist("") == set() and cpulist(None) == set()
+
+
+def test_report_renders_and_serialises():
+    report = DoctorReport((Finding("a", "ok", "1"), Finding("b", "fail", "2", "do x")))
+    text = str(report)
+    assert "FAIL" in text and "- b: do x" in text and "1 problem(s)" in text
+    assert report.to_dict()["exit_code"] == 1
+    assert report.to_dict()["findings"][1] == {"name": "b", "status": "fail", "value": "2",
+                                               "advice": "do x"}
+
+
+def test_real_machine_runs():
+    report = diagnose()
+    assert {"/dev/shm", "ulimit -n", "RLIMIT_MEMLOCK", "CPUs", "free memory"} <= set(
+        by_name(report))
+    assert report.exit_code in (0, 1)

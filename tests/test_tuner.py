@@ -1,0 +1,190 @@
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from gpufeed import _measure, _tuner
+from gpufeed._tuner import Budget, Trial, parse_bytes, tune
+
+
+class SleepyDataset(torch.utils.data.Dataset):
+    """Each sample sleeps ``sample_s`` (releasing the GIL). ``concurrency`` caps how many
+    samples can be in flight at once (a plateau by construction); ``worker_bytes`` is
+    allocated once by every thread that reads from it (memory per worker by construction)."""
+
+    def __init__(self, n=4096, sample_s=0.002, concurrency=None, worker_bytes=0):
+        self.n, self.sample_s, self.worker_bytes = n, sample_s, worker_bytes
+        self.gate = threading.BoundedSemaphore(concurrency) if concurrency else None
+        self.local = threading.local()
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.worker_bytes and not hasattr(self.local, "ballast"):
+            self.local.ballast = np.ones(self.worker_bytes, dtype=np.uint8)
+        if self.gate is not None:
+            with self.gate:
+                time.sleep(self.sample_s)
+        else:
+            time.sleep(self.sample_s)
+        return torch.tensor([i])
+
+
+class ThreadLoader:
+    """A stand-in for gpufeed.DataLoader(worker_type="thread"): an in-order thread pool."""
+
+    def __init__(self, dataset, batch_size, num_workers, prefetch_factor):
+        self.dataset, self.batch_size = dataset, batch_size
+        self.num_workers, self.depth = num_workers, num_workers * prefetch_factor
+
+    def __iter__(self):
+        starts = iter(range(0, len(self.dataset), self.batch_size))
+
+        def load(start):
+            stop = min(start + self.batch_size, len(self.dataset))
+            return torch.cat([self.dataset[i] for i in range(start, stop)])
+
+        with ThreadPoolExecutor(self.num_workers) as pool:
+            pending = [pool.submit(load, s) for s, _ in zip(starts, range(self.depth))]
+            try:
+                while pending:
+                    batch = pending.pop(0).result()
+                    nxt = next(starts, None)
+                    if nxt is not None:
+                        pending.append(pool.submit(load, nxt))
+                    yield batch
+            finally:
+                for f in pending:
+                    f.cancel()
+
+
+def fake_factory(dataset, *, batch_size, num_workers, pin_memory, worker_type=None,
+                 prefetch_factor=None, collate_fn=None):
+    if num_workers and worker_type == "thread":
+        return ThreadLoader(dataset, batch_size, num_workers, prefetch_factor)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
+                                       prefetch_factor=prefetch_factor, collate_fn=collate_fn)
+
+
+def test_picks_the_plateau_knee_of_a_gil_free_dataset():
+    # Two samples can be in flight at once: 2 thread workers are the optimum by construction
+    # (true rates 1:2:2 for 1, 2, 4 workers). A 15% tolerance keeps the answer unique while
+    # absorbing the noise of 0.4 s trials on a shared 2-core machine.
+    ds = SleepyDataset(sample_s=0.01, concurrency=2)
+    result = tune(ds, batch_size=2, worker_types=("thread",), num_workers=[0, 1, 2, 4],
+                  trial_seconds=0.4, tolerance=0.15, loader_factory=fake_factory, budget=Budget())
+    rates = {t.num_workers: t.samples_per_s for t in result.trials if t.prefetch_factor in (2, None)}
+    assert rates[2] > 1.5 * rates[1]
+    assert result.recommended == {"num_workers": 2, "worker_type": "thread",
+                                  "prefetch_factor": 2, "pin_memory": False}
+    assert "num_workers=2, worker_type='thread'" in str(result)
+
+
+def test_memory_budget_cuts_off_workers():
+    # Throughput grows with workers, but each worker costs 96 MiB and the budget fits two.
+    per_worker = 96 << 20
+    ds = SleepyDataset(sample_s=0.002, worker_bytes=per_worker)
+    budget = _measure.process_tree_pss() + int(2.6 * per_worker)
+    result = tune(ds, batch_size=4, worker_types=("thread",), num_workers=[1, 2, 4],
+                  prefetch_factors=(2,), trial_seconds=0.3, loader_factory=fake_factory,
+                  budget=budget)
+    by_n = {t.num_workers: t for t in result.trials}
+    assert not by_n[4].accepted and "over budget: PSS" in by_n[4].note
+    assert by_n[4].samples_per_s > by_n[2].samples_per_s
+    assert by_n[2].accepted and by_n[2].peak_pss_bytes <= budget
+    assert result.recommended["num_workers"] == 2
+
+
+def table_measure(rates, calls):
+    """A measure_loader that reads the rate of a configuration from a table."""
+
+    def measure(make_iterable, **kw):
+        kwargs = make_iterable()
+        key = (kwargs["num_workers"], kwargs.get("worker_type"), kwargs.get("prefetch_factor"),
+               kwargs["pin_memory"])
+        calls.append(key)
+        rate = rates.get(key, rates.get(key[:2], 100.0))
+        if isinstance(rate, Exception):
+            raise rate
+        for batch in range(kw["warmup_batches"] + 1):
+            kw["consume"](batch)
+        return _measure.Measurement(samples=1, batches=1, seconds=1.0, samples_per_s=rate,
+                                    bytes_per_s=0.0, first_batch_s=0.1,
+                                    peak_pss_bytes=1000 * (1 + key[0]))
+
+    return measure
+
+
+def test_ladder_stops_early_and_failures_are_rows(monkeypatch, tmp_path):
+    rates = {(0, None): 100.0, (1, "process"): 180.0, (2, "process"): 300.0,
+             (4, "process"): 295.0, (8, "process"): 900.0,  # 8 is never tried: 4 did not help
+             (1, "thread"): ValueError("cannot pickle"), (2, "thread"): 500.0,
+             (2, "process", 4, False): 310.0}
+    calls = []
+    monkeypatch.setattr(_measure, "measure_loader", table_measure(rates, calls))
+    result = tune(object(), batch_size=8, num_workers=[0, 1, 2, 4, 8], pin_memory=(False,),
+                  loader_factory=lambda ds, **kw: kw, budget=Budget(memory_bytes=10**9))
+    assert (8, "process", 2, False) not in calls
+    assert (2, "thread", 2, False) not in calls  # thread ladder stopped at its failure
+    failed = [t for t in result.trials if not t.accepted]
+    assert len(failed) == 1 and "ValueError: cannot pickle" in failed[0].note
+    # best 310 (2 process, prefetch 4); 300 at prefetch 2 is within 5% and smaller
+    assert result.best.prefetch_factor == 4
+    assert result.recommended == {"num_workers": 2, "worker_type": "process",
+                                  "prefetch_factor": 2, "pin_memory": False}
+    out = tmp_path / "tune.json"
+    result.write_json(out)
+    data = json.loads(out.read_text())
+    assert data["recommended"] == result.recommended
+    assert len(data["trials"]) == len(result.trials)
+    assert {"num_workers", "worker_type", "prefetch_factor", "pin_memory", "samples_per_s",
+            "peak_pss_bytes"} <= set(data["trials"][0])
+
+
+def test_time_budget_and_nothing_within_budget(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_measure, "measure_loader", table_measure({}, calls))
+    result = tune(object(), batch_size=8, worker_types=("thread",), num_workers=[0, 1, 2],
+                  time_budget_s=0.0, loader_factory=lambda ds, **kw: kw,
+                  budget=Budget(memory_bytes=10**9))
+    assert result.out_of_time and len(result.trials) == 1
+    assert result.recommended == {"num_workers": 0, "pin_memory": False}
+    with pytest.raises(RuntimeError, match="no configuration worked within the budget"):
+        tune(object(), batch_size=8, worker_types=("thread",), num_workers=[0, 1],
+             loader_factory=lambda ds, **kw: kw, budget=100)
+
+
+def test_bad_arguments_name_the_value():
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+        tune([], batch_size=0)
+    with pytest.raises(ValueError, match="worker_types"):
+        tune([], batch_size=1, worker_types=("fiber",))
+    with pytest.raises(ValueError, match="tolerance"):
+        tune([], batch_size=1, tolerance=5)
+    with pytest.raises(ValueError, match="cannot read 'lots'"):
+        tune([], batch_size=1, budget="lots")
+
+
+@pytest.mark.parametrize(("text", "expected"), [("8GiB", 8 << 30), ("512MB", 512_000_000),
+                                                ("1.5g", 1_500_000_000), (4096, 4096),
+                                                ("2e3", 2000)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+def test_plot_needs_matplotlib_or_writes_a_file(tmp_path, monkeypatch):
+    t = Trial(0, None, None, False, 10.0, 0.1, 1, 0, 0, True)
+    result = _tuner._result([t], 0.05, Budget(), 1.0, False)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"pip install 'gpufeed\[plot\]'"):
+            result.plot(tmp_path / "p.png")
+    else:
+        result.plot(tmp_path / "p.png")
+        assert (tmp_path / "p.png").stat().st_size > 0
