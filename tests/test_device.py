@@ -286,6 +286,21 @@ def test_transform_error_keeps_host_batch_until_copy_done() -> None:
     assert src.alive() == []
 
 
+def test_failed_copy_keeps_host_batch_until_earlier_leaves_are_copied() -> None:
+    class Failing(FakeBackend):
+        def copy(self, t: torch.Tensor) -> torch.Tensor:
+            if len(self.ops("copy")) == 1:
+                raise RuntimeError("CUDA out of memory")
+            return super().copy(t)
+
+    backend = Failing()
+    it = to_device([[torch.zeros(2), torch.ones(2)]], "cuda", backend=backend)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        next(it)
+    # an event was recorded after the failed batch and waited for before it was dropped
+    assert [op[0] for op in backend.log] == ["copy", "record", "sync"]
+
+
 def test_pageable_source_is_counted_and_warned_once() -> None:
     loader = DataLoader(TensorDataset(torch.arange(20.0)), batch_size=4)  # not pinned
     it = to_device(loader, "cuda", backend=FakeBackend(pinned=False))
@@ -356,6 +371,17 @@ def test_close_is_idempotent_waits_for_copies_and_closes_the_source() -> None:
     assert src.closed == 1
     with pytest.raises(RuntimeError, match="closed"):
         next(it)
+
+
+def test_garbage_collection_releases_but_leaves_the_source_open() -> None:
+    backend = FakeBackend()
+    src = Source(10)
+    it = to_device(src, "cuda", backend=backend)
+    next(it)
+    del it
+    gc.collect()
+    assert src.alive() == [] and src.closed == 0
+    assert all(e.done for e in backend.events)
 
 
 def test_exhaustion_releases_but_leaves_the_source_open() -> None:
@@ -575,6 +601,7 @@ def test_cuda_consumer_on_a_side_stream_of_its_own() -> None:
     loader = DataLoader(TensorDataset(torch.arange(4096.0)), batch_size=64, pin_memory=True)
     stream = torch.cuda.Stream()
     total = torch.zeros((), device="cuda")
+    stream.wait_stream(torch.cuda.current_stream())  # `total` was zeroed on the default stream
     with torch.cuda.stream(stream):
         for (x,) in to_device(loader, "cuda"):
             total += x.sum()

@@ -161,7 +161,10 @@ def test_cuda_matches_the_host_reference(dtype: torch.dtype) -> None:
 
 @pytest.mark.cuda
 def test_cuda_to_device_ships_uint8_and_normalises_on_the_side_stream() -> None:
-    batches = [(images(16, 24, 24, seed=i).pin_memory(), torch.tensor([i])) for i in range(50)]
+    batches = [
+        (images(16, 24, 24, seed=i).pin_memory(), torch.tensor([i]).pin_memory())
+        for i in range(50)
+    ]
     n = Normalize(MEAN, STD, key=0, dtype=torch.float16, channels_last=True)
     it = to_device(batches, "cuda", transform=n)
     for (x, _), (ox, oy) in zip(batches, it, strict=True):

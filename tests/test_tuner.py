@@ -188,3 +188,13 @@ def test_plot_needs_matplotlib_or_writes_a_file(tmp_path, monkeypatch):
     else:
         result.plot(tmp_path / "p.png")
         assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_real_gpufeed_dataloader_every_worker_type():
+    # The default factory is gpufeed.DataLoader: every kind of trial must run on it.
+    ds = SleepyDataset(n=512, sample_s=0.0005)
+    result = tune(ds, batch_size=8, num_workers=[0, 1], prefetch_factors=(2,),
+                  trial_seconds=0.2, budget=Budget())
+    kinds = {(t.num_workers, t.worker_type) for t in result.trials}
+    assert kinds == {(0, None), (1, "process"), (1, "thread")}
+    assert all(t.accepted and t.samples_per_s > 0 for t in result.trials), result

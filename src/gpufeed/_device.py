@@ -29,8 +29,9 @@ NOTE [ Device stage: streams, events and slots ]
     memory held by this stage is those batches (DeviceStats.bytes_held, and its peak).
 (5) No synchronize(). The only host-side waits are rule (3) and close().
 (6) Close. Wait for every outstanding E_copy (a DMA must never read a recycled slot) and
-    drop all references; on close() (not on exhaustion: a loader with persistent workers
-    reuses its iterator) also call the source iterator's close(), if it has one.
+    drop all references. An explicit close() also calls the source iterator's close(), if
+    it has one; exhaustion and garbage collection do not (a loader with persistent workers
+    reuses its iterator).
 (7) Pageable memory. A non_blocking copy from pageable (non-pinned) memory is staged by
     the driver and does not return before the host data is read: nothing overlaps. Such
     batches are counted (pageable_batches) and warned about once per iterator.
@@ -237,7 +238,7 @@ class DeviceIterator(Iterator[Any]):
     """Iterator returned by :func:`to_device`; see NOTE [ Device stage ] for the protocol.
 
     Single pass, not thread-safe. ``close()`` (also on ``with`` exit, exhaustion or garbage
-    collection) waits for outstanding copies and releases every batch it holds.
+    collection) waits for outstanding copies and releases every batch it holds (rule 6).
     """
 
     def __init__(
@@ -270,9 +271,10 @@ class DeviceIterator(Iterator[Any]):
         self._iterable = iterable
         self._transform = transform
         self._recorder = recorder
-        self._backend = backend or (
-            CudaBackend(self.device) if self.device.type == "cuda" else SyncBackend(self.device)
-        )
+        if backend is None:
+            cuda = self.device.type == "cuda"
+            backend = CudaBackend(self.device) if cuda else SyncBackend(self.device)
+        self._backend = backend
         self._state = _State.UNSTARTED
         self._side: Any = None
         self._host: deque[tuple[Event, Any]] = deque()
@@ -301,9 +303,10 @@ class DeviceIterator(Iterator[Any]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
+    def __del__(self) -> None:  # wait for copies, drop batches; the source is not ours to close
         try:
-            self.close()
+            if self._state not in (_State.CLOSED, _State.EXHAUSTED):
+                self._release(_State.CLOSED, close_source=False)
         except Exception:
             pass
 
@@ -347,11 +350,14 @@ class DeviceIterator(Iterator[Any]):
         )
 
     def close(self) -> None:
-        """Wait for outstanding copies, release all batches, close the source. Idempotent."""
+        """Wait for outstanding copies, release all batches, close the source (rule 6).
+
+        Idempotent; after exhaustion it does nothing (the source is left as it is).
+        """
         if self._state not in (_State.CLOSED, _State.EXHAUSTED):
             self._release(_State.CLOSED)
 
-    def _release(self, state: _State) -> None:
+    def _release(self, state: _State, *, close_source: bool = True) -> None:
         self._state = state
         source, self._source = self._source, iter(())
         try:
@@ -364,13 +370,14 @@ class DeviceIterator(Iterator[Any]):
             self._bytes_held = 0
             logger.debug("to_device %s: %s", state.value, self.stats())
             close = getattr(source, "close", None)
-            if state is _State.CLOSED and callable(close):
+            if state is _State.CLOSED and close_source and callable(close):
                 close()  # rule (6)
 
     def _fill(self) -> None:
         while not self._source_done and len(self._ready) < self.depth:
             try:
-                self._issue(next(self._source))
+                waited = self._make_room()  # before next(): the source may need a free slot
+                self._issue(next(self._source), waited)
             except StopIteration:
                 self._source_done = True
             except Exception as exc:  # delivered in order, after the batches before it
@@ -383,32 +390,39 @@ class DeviceIterator(Iterator[Any]):
         while self._host and self._host[0][0].query():
             self._host.popleft()
 
-    def _issue(self, host: Any) -> None:
+    def _make_room(self) -> float:
+        """Rule (3): hold at most depth + 1 host batches; returns the seconds spent waiting."""
         self._reap()
-        start, waited = time.perf_counter(), 0.0
-        if len(self._host) > self.depth:  # rule (3): hold at most depth + 1
-            while len(self._host) > self.depth:
-                self._host[0][0].synchronize()
-                self._host.popleft()
-                self._host_waits += 1
-            waited = time.perf_counter() - start
-            self._host_wait_s += waited
-            start += waited
+        if len(self._host) <= self.depth:
+            return 0.0
+        start = time.perf_counter()
+        while len(self._host) > self.depth:
+            self._host[0][0].synchronize()
+            self._host.popleft()
+            self._host_waits += 1
+        waited = time.perf_counter() - start
+        self._host_wait_s += waited
+        return waited
+
+    def _issue(self, host: Any, waited: float) -> None:
+        start = time.perf_counter()
         backend = self._backend
         sent = 0
-        pageable: list[torch.Tensor] = []
+        pageable: torch.Tensor | None = None
 
         def copy(t: torch.Tensor) -> torch.Tensor:
-            nonlocal sent
+            nonlocal sent, pageable
             sent += t.numel() * t.element_size()
             if backend.needs_pinned and t.device.type == "cpu" and not backend.is_pinned(t):
-                pageable.append(t)
+                pageable = t
             return backend.copy(t)
 
         with backend.use_stream(self._side):  # rule (1)
-            batch = map_tensors(copy, host)
-            copied = backend.record_event(self._side)
-            self._host.append((copied, host))  # before the transform, which may raise
+            try:
+                batch = map_tensors(copy, host)
+            finally:  # even after a failed copy: the leaves before it may be in flight
+                copied = backend.record_event(self._side)
+                self._host.append((copied, host))
             self._bytes_copied += sent
             ready = copied
             if self._transform is not None:
@@ -418,8 +432,8 @@ class DeviceIterator(Iterator[Any]):
         self._ready.append((ready, batch, nbytes))
         self._bytes_held += nbytes
         self._peak = max(self._peak, self._bytes_held)
-        if pageable:
-            self._on_pageable(pageable[0])
+        if pageable is not None:
+            self._on_pageable(pageable)
         if self._recorder is not None:
             self._recorder.add("transfer", busy_s=time.perf_counter() - start, blocked_s=waited)
             self._recorder.occupancy("transfer", len(self._ready), self.depth)

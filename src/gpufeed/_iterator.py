@@ -71,6 +71,8 @@ class BaseIter:
         )
         self._num_yielded = 0
         self._len_called = loader._IterableDataset_len_called
+        self._rec = loader._recorder
+        self._returned_at = 0.0  # when the last batch was handed over (for "step")
 
     def __iter__(self) -> BaseIter:
         return self
@@ -84,7 +86,13 @@ class BaseIter:
             return len(idx)  # iterable datasets take a count, not indices
         return idx
 
-    def _finish(self, data: Any) -> Any:
+    def _finish(self, data: Any, asked_at: float) -> Any:
+        now = time.perf_counter()
+        rec = self._rec
+        if self._returned_at:
+            rec.add("step", busy_s=asked_at - self._returned_at)
+        rec.add("wait", blocked_s=now - asked_at)
+        rec.count("batches")
         self._num_yielded += 1
         if (
             self._is_iterable
@@ -99,6 +107,7 @@ class BaseIter:
             )
         if self._pin:
             data = tree_map(_pin_leaf, data)
+        self._returned_at = time.perf_counter()
         return data
 
     def close(self) -> None:
@@ -134,8 +143,13 @@ class SingleIter(BaseIter):
             )
 
     def __next__(self) -> Any:
+        asked_at = time.perf_counter()
         indices = self._next_indices()
-        return self._finish(self._fetcher.fetch(indices, None))
+        data = self._fetcher.fetch(indices, None)
+        fetched = time.perf_counter()
+        self._rec.add("fetch", busy_s=fetched - asked_at - self._fetcher.collate_s)
+        self._rec.add("collate", busy_s=self._fetcher.collate_s)
+        return self._finish(data, fetched)
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         self._sampler_iter = iter(self._index_sampler)
@@ -156,6 +170,7 @@ class WorkerIter(BaseIter):
         self._pf_out = (loader.prefetch_factor or 2) * nw
         self._max_out = self._pf_out
         self._chunk = 1
+        self._seen_grows = self._seen_fallbacks = 0
         self._batch_s = 0.0  # moving average of worker seconds per batch
         shared = loader.worker_type == "process"
         budget = loader.ring_bytes
@@ -243,6 +258,11 @@ class WorkerIter(BaseIter):
                 items.append((idx, planned, indices, self._ring.acquire()))
             if items:
                 self._pool.send(w, ("tasks", self._gen, items))
+        ring = self._ring
+        if ring.grows != self._seen_grows or ring.fallbacks != self._seen_fallbacks:
+            self._rec.count("ring_grow", ring.grows - self._seen_grows)
+            self._rec.count("ring_fallback", ring.fallbacks - self._seen_fallbacks)
+            self._seen_grows, self._seen_fallbacks = ring.grows, ring.fallbacks
 
     def _adapt(self, batch_s: float) -> None:
         """Size task messages so each carries about CHUNK_TARGET_S of worker time."""
@@ -264,10 +284,13 @@ class WorkerIter(BaseIter):
         gen = msg[1]
         cost = 0.0
         n = 0
+        rec = self._rec
         for res in msg[2]:
             if res[0] == "ok":
                 cost += res[6] + res[7]
                 n += 1
+                rec.add("fetch", busy_s=res[6])
+                rec.add("collate", busy_s=res[7])
             self._result(w, gen, res)
         if n:
             self._adapt(cost / n)
@@ -328,6 +351,7 @@ class WorkerIter(BaseIter):
                 return
 
     def __next__(self) -> Any:
+        asked_at = time.perf_counter()
         while True:
             if self._closed:
                 raise StopIteration
@@ -351,7 +375,10 @@ class WorkerIter(BaseIter):
                 continue
             if isinstance(data, RemoteError):
                 data.reraise()
-            return self._finish(data)
+            ring = self._ring
+            self._rec.occupancy("ring", ring.in_use, ring.capacity_slots)
+            self._rec.occupancy("prefetch", len(self._ready), self._max_out)
+            return self._finish(data, asked_at)
 
     def _end_epoch(self) -> None:
         if not self._persistent:

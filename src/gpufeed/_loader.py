@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, Sampler
 
 from ._iterator import BaseIter, SingleIter, WorkerIter
+from ._stats import LoaderStats, StatsRecorder
 
 WORKER_TYPES = ("process", "thread")
 
@@ -96,6 +97,16 @@ class DataLoader(_TorchDataLoader):
         self.device = torch.device(device) if device is not None else None
         self.device_transform = device_transform
         self.device_depth = device_depth
+        self._recorder = StatsRecorder()
+
+    def stats(self) -> LoaderStats:
+        """Per-stage timings, ring and prefetch occupancy, and counters since construction.
+
+        Stages: ``fetch`` and ``collate`` (worker side), ``wait`` (your loop blocked on the
+        loader), ``step`` (your loop's own time between batches). Counters: ``batches``,
+        ``ring_grow`` (slots carved), ``ring_fallback`` (batches that got no slot).
+        """
+        return self._recorder.snapshot()
 
     def _get_iterator(self) -> BaseIter:  # type: ignore[override]
         if self.num_workers == 0:

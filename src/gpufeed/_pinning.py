@@ -81,8 +81,9 @@ def register(t: torch.Tensor) -> PinnedRegion | None:
     new handle on the same registration (reference counted), and memory that is already
     pinned (e.g. from ``pin_memory()``) gets a handle that does not own it.
 
-    Cost: registering pins every page up front (~1 ms per GB); it counts against the
-    locked-memory limit (``ulimit -l``) and cannot be swapped out until unregistered.
+    Cost: registering faults in and locks every page up front, in time proportional to the
+    size (once per ring, never per batch). The pages count against the locked-memory limit
+    (``ulimit -l``) and cannot be swapped out until unregistered.
 
     Raises:
         TypeError: ``t`` is not a tensor.
