@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from gpufeed._seeding import fetch_seeded, seeded  # noqa: E402
+from gpufeed._seeding import fetch_seeded, seeded
 
 
 def _get(index: int) -> int:

@@ -146,6 +146,11 @@ def test_profile_bad_return_and_user_errors(user_module, capsys):
     assert "RuntimeError: the user's bug" in err and "Traceback" in err
 
 
+def test_tune_bad_worker_type_is_a_usage_error(user_module, capsys):
+    assert main(["tune", f"{user_module}:make", "--worker-types", "fiber"]) == 2
+    assert "worker_types must name 'process' and/or 'thread'" in capsys.readouterr().err
+
+
 def test_doctor_exit_code_and_json(tmp_path, capsys):
     out = tmp_path / "d.json"
     rc = main(["doctor", "--json", str(out)])

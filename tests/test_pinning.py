@@ -78,21 +78,20 @@ def test_register_rejects_what_it_cannot_pin() -> None:
         _pinning.register(torch.empty(4, device="meta"))
 
 
-def test_register_pins_the_whole_storage_once_portable(cudart: FakeCudart) -> None:
+def test_register_pins_exactly_the_tensors_bytes_portable(cudart: FakeCudart) -> None:
     base = torch.zeros(1024, dtype=torch.uint8)
-    view = base[100:200]
+    view = base[100:200]  # a slot inside a larger (sparse) region: only its bytes are locked
     h = _pinning.register(view)
     assert h is not None and h.owned and h.active
-    storage = base.untyped_storage()
-    assert cudart.calls == [("register", storage.data_ptr(), 1024, 1)]  # portable flag
+    assert cudart.calls == [("register", view.data_ptr(), 100, 1)]  # portable flag
     _pinning.unregister(h)
-    assert cudart.calls[-1] == ("unregister", storage.data_ptr())
+    assert cudart.calls[-1] == ("unregister", view.data_ptr())
     assert not h.active and "released" in repr(h)
 
 
 def test_register_is_idempotent_per_region_and_reference_counted(cudart: FakeCudart) -> None:
     t = torch.zeros(256)
-    h1, h2 = _pinning.register(t), _pinning.register(t[10:])
+    h1, h2 = _pinning.register(t), _pinning.register(t[:])
     assert [c[0] for c in cudart.calls] == ["register"]
     _pinning.unregister(h1)
     _pinning.unregister(h1)  # twice on one handle: no effect

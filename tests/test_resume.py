@@ -18,13 +18,11 @@ from gpufeed._resume import (
     ResumePoint,
     capture_state,
     check_state,
-    fresh_epoch,
     make_state,
     numbered,
     prepare_resume,
     require_resumable,
     sampler_state_of,
-    skip_batches,
 )
 from gpufeed._sampler import SeededRandomSampler, ShardedSampler
 from resume_checker import Case, RandomTransformDataset, check_many
@@ -82,17 +80,18 @@ def test_check_state_rejects_malformed():
         check_state({**_state(), "batches_delivered": -1}, **CURRENT)
 
 
-def test_skip_batches():
+def test_numbered_skips_and_numbers():
     plan = [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert list(skip_batches(plan, 1)) == [(1, [2, 3]), (2, [4, 5]), (3, [6, 7])]
-    assert list(skip_batches(plan, 1, ahead=[2])) == [(1, [2, 3]), (3, [6, 7])]
-    assert list(skip_batches(plan[2:], 0, start=2)) == [(2, [4, 5]), (3, [6, 7])]
-    assert list(skip_batches(plan, 4)) == []
+    assert list(numbered(plan, ResumePoint(0, 1))) == [(1, [2, 3]), (2, [4, 5]), (3, [6, 7])]
+    assert list(numbered(plan, ResumePoint(0, 1, (2,)))) == [(1, [2, 3]), (3, [6, 7])]
+    seeked = ResumePoint(0, 2, (), seeked=True)
+    assert list(numbered(plan[2:], seeked)) == [(2, [4, 5]), (3, [6, 7])]
+    assert list(numbered(plan, ResumePoint(0, 4))) == []
     with pytest.raises(ValueError, match="cannot skip 5 batches: the batch plan ended after 4"):
-        list(skip_batches(plan, 5))
+        list(numbered(plan, ResumePoint(0, 5)))
 
 
-def test_skip_batches_draws_indices_lazily():
+def test_numbered_draws_indices_lazily():
     drawn = []
 
     def plan():
@@ -100,7 +99,8 @@ def test_skip_batches_draws_indices_lazily():
             drawn.append(k)
             yield k
 
-    it = skip_batches(plan(), 3)
+    it = numbered(plan(), ResumePoint(0, 3))
+    assert drawn == []
     assert next(it) == (3, 3) and drawn == [0, 1, 2, 3]
 
 
@@ -170,7 +170,7 @@ def test_prepare_resume_rolls_over_and_rejects_overrun():
 
 
 def test_tracker_in_order_and_out_of_order():
-    tracker = DeliveryTracker(fresh_epoch(4))
+    tracker = DeliveryTracker(ResumePoint(4))
     for n in (0, 1):
         tracker.produced(n)
     assert tracker.position() == (4, 2, [])
@@ -194,7 +194,7 @@ def test_tracker_resumed_and_worker_states():
 
 
 def test_delivered_counts_what_the_user_receives():
-    tracker = DeliveryTracker(fresh_epoch(0), direct=False)
+    tracker = DeliveryTracker(ResumePoint(0), direct=False)
 
     class Stage:
         """A device stage stand-in: runs two batches ahead of the user."""

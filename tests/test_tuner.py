@@ -1,3 +1,4 @@
+import itertools
 import json
 import threading
 import time
@@ -50,7 +51,8 @@ class ThreadLoader:
             return torch.cat([self.dataset[i] for i in range(start, stop)])
 
         with ThreadPoolExecutor(self.num_workers) as pool:
-            pending = [pool.submit(load, s) for s, _ in zip(starts, range(self.depth))]
+            first = itertools.islice(starts, self.depth)
+            pending = [pool.submit(load, s) for s in first]
             try:
                 while pending:
                     batch = pending.pop(0).result()
@@ -78,7 +80,8 @@ def test_picks_the_plateau_knee_of_a_gil_free_dataset():
     ds = SleepyDataset(sample_s=0.01, concurrency=2)
     result = tune(ds, batch_size=2, worker_types=("thread",), num_workers=[0, 1, 2, 4],
                   trial_seconds=0.4, tolerance=0.15, loader_factory=fake_factory, budget=Budget())
-    rates = {t.num_workers: t.samples_per_s for t in result.trials if t.prefetch_factor in (2, None)}
+    rates = {t.num_workers: t.samples_per_s for t in result.trials
+             if t.prefetch_factor in (2, None)}
     assert rates[2] > 1.5 * rates[1]
     assert result.recommended == {"num_workers": 2, "worker_type": "thread",
                                   "prefetch_factor": 2, "pin_memory": False}
@@ -193,8 +196,8 @@ def test_plot_needs_matplotlib_or_writes_a_file(tmp_path, monkeypatch):
 def test_real_gpufeed_dataloader_every_worker_type():
     # The default factory is gpufeed.DataLoader: every kind of trial must run on it.
     ds = SleepyDataset(n=512, sample_s=0.0005)
-    result = tune(ds, batch_size=8, num_workers=[0, 1], prefetch_factors=(2,),
+    result = tune(ds, batch_size=8, num_workers=[0, 1, 4], prefetch_factors=(2,),
                   trial_seconds=0.2, budget=Budget())
     kinds = {(t.num_workers, t.worker_type) for t in result.trials}
-    assert kinds == {(0, None), (1, "process"), (1, "thread")}
+    assert {(0, None), (1, "process"), (1, "thread")} <= kinds  # 4 > CPUs: no warning raised
     assert all(t.accepted and t.samples_per_s > 0 for t in result.trials), result

@@ -22,10 +22,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["TargetError", "load_target", "main"]
+__all__ = ["TargetError", "UsageError", "load_target", "main"]
 
 
-class TargetError(ValueError):
+class UsageError(ValueError):
+    """A command-line value gpufeed cannot use (exit code 2)."""
+
+
+class TargetError(UsageError):
     """A ``MODULE:NAME`` argument that does not name what the command needs."""
 
 
@@ -43,7 +47,7 @@ def load_target(spec: str, *, what: str = "FACTORY") -> Callable[..., Any]:
         if loc is None or loc.loader is None:
             raise TargetError(f"cannot load {module_name!r} as a Python module (from {spec!r})")
         module = importlib.util.module_from_spec(loc)
-        sys.modules[path.stem] = module  # so that workers can unpickle what it defines
+        sys.modules.setdefault(path.stem, module)  # so workers can unpickle what it defines
         loc.loader.exec_module(module)
     else:
         if "" not in sys.path and os.getcwd() not in sys.path:
@@ -203,6 +207,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                       worker_types=args.worker_types, trial_seconds=args.trial_seconds,
                       time_budget_s=args.time_budget, progress=lambda t: bar.step(
                           f"{t.num_workers} {t.worker_type or ''}: {t.samples_per_s:,.0f}/s"))
+    except ValueError as exc:  # trials catch the dataset's errors: this is a bad option
+        raise UsageError(str(exc)) from exc
     finally:
         bar.close()
     print(result)
@@ -336,9 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         return int(args.func(args))
-    except (TargetError, ImportError) as exc:
+    except (UsageError, ImportError) as exc:
         print(f"gpufeed {args.command}: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, TargetError) else 1
+        return 2 if isinstance(exc, UsageError) else 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

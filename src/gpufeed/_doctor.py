@@ -11,7 +11,7 @@ check              fail                                   warn
                    pass batches through it: "bus error")
 ulimit -n (soft)   < 4096 (shared tensors hold one fd     < 65536
                    each: "too many open files")
-RLIMIT_MEMLOCK     never (CUDA pinning ignores it)        < 64 MiB and not unlimited (RDMA, mlock)
+RLIMIT_MEMLOCK     never (CUDA pinning mostly ignores it) < 64 MiB and not unlimited (RDMA, mlock)
 CPUs               never                                  fewer usable than online (affinity or
                                                           cgroup quota), or fewer than 2 usable
 free memory        < 1 GiB available                      < 4 GiB available
@@ -72,7 +72,7 @@ class DoctorReport:
 
     def __str__(self) -> str:
         rows = [[f.name, f.status.upper(), f.value] for f in self.findings]
-        lines = ["gpufeed doctor", format_table(["check", "status", "value"], rows)]
+        lines = ["gpufeed doctor", format_table(["check", "status", "value"], rows, left=3)]
         advice = [f"- {f.name}: {f.advice}" for f in self.findings if f.advice]
         if advice:
             lines += ["", "what to change:", *advice]
@@ -268,8 +268,9 @@ def check_memlock(probe: Probe) -> Finding:
     value = f"soft {_limit(soft)}, hard {_limit(hard)}"
     if 0 <= soft < MEMLOCK_WARN:
         return Finding("RLIMIT_MEMLOCK", "warn", value,
-                       "CUDA pinning ignores it, but mlock and RDMA (GPUDirect, InfiniBand) need "
-                       "it: ulimit -l unlimited, or docker run --ulimit memlock=-1")
+                       "mlock, RDMA (GPUDirect, InfiniBand) and, with some drivers, CUDA "
+                       "pinning count against it: ulimit -l unlimited, or docker run "
+                       "--ulimit memlock=-1")
     return Finding("RLIMIT_MEMLOCK", "ok", value)
 
 
@@ -280,9 +281,9 @@ def check_cpus(probe: Probe) -> Finding:
     quota = probe.cpu_quota()
     if quota is not None:
         usable = min(usable, quota)
-    value = f"{online} online, {usable:g} usable" + (
-        f" (affinity {len(affinity)}" if affinity else " (") + (
-        f", cgroup quota {quota:g})" if quota is not None else ")")
+    why = ([f"affinity {len(affinity)}"] if affinity else []) + (
+        [f"cgroup quota {quota:g}"] if quota is not None else [])
+    value = f"{online} online, {usable:g} usable" + (f" ({', '.join(why)})" if why else "")
     if usable < online:
         return Finding("CPUs", "warn", value,
                        f"this process may use {usable:g} CPUs: keep num_workers <= "

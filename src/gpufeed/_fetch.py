@@ -14,6 +14,7 @@ from torch.utils.data import default_collate
 
 from ._collate import SlotWriter, collate_into
 from ._datasets import gather, gather_arrays
+from ._seeding import seeded
 
 
 class MapFetcher:
@@ -23,12 +24,17 @@ class MapFetcher:
         auto_collation: True when batches are formed (``batch_size`` or ``batch_sampler``);
             False for ``batch_size=None``, where each "batch" is one sample.
         collate_fn: the user's function, or None for default collation into the slot.
+        seed: base seed of per-sample random state (``_seeding.py``): each ``__getitem__``
+            sees state from ``(seed, self.epoch, index)``. None: the stock behaviour.
     """
 
     def __init__(
-        self, dataset: Any, *, auto_collation: bool, collate_fn: Callable[[Any], Any] | None
+        self, dataset: Any, *, auto_collation: bool, collate_fn: Callable[[Any], Any] | None,
+        seed: int | None = None,
     ) -> None:
         self.dataset = dataset
+        self.seed = seed
+        self.epoch = 0  # set per task message when seed is not None
         self.auto_collation = auto_collation
         self.collate_fn = None if collate_fn is default_collate else collate_fn
         self.arrays = gather_arrays(dataset) if self.collate_fn is None else None
@@ -40,7 +46,12 @@ class MapFetcher:
     def fetch(self, indices: Any, writer: SlotWriter | None) -> Any:
         if not self.auto_collation:
             self.where = f"while fetching sample index {indices!r}"
-            sample = self.dataset[indices]
+            if self.seed is not None:
+                with seeded(self.seed, self.epoch) as reseed:
+                    reseed(indices)
+                    sample = self.dataset[indices]
+            else:
+                sample = self.dataset[indices]
             self.where = "in collate_fn"
             return self.collate_fn(sample) if self.collate_fn is not None else sample
         if self.arrays is not None:
@@ -56,7 +67,9 @@ class MapFetcher:
                 return out if out is not None else writer.fallback(shape, dtype)
 
             return gather(self.arrays, indices, alloc)
-        if self.getitems is not None:
+        if self.seed is not None:
+            samples = self._fetch_seeded(indices, self.seed)
+        elif self.getitems is not None:
             self.where = "in __getitems__"
             samples = self.getitems(indices)
         else:
@@ -69,6 +82,20 @@ class MapFetcher:
         out = collate_into(samples, writer) if self.collate_fn is None else self.collate_fn(samples)
         self.collate_s = time.perf_counter() - t0
         return out
+
+    def _fetch_seeded(self, indices: Any, seed: int) -> list[Any]:
+        """Samples with per-sample random state (NOTE [ Seeding and threads ] in _seeding.py)."""
+        with seeded(seed, self.epoch) as reseed:
+            if self.getitems is not None:
+                self.where = "in __getitems__"
+                reseed.batch(indices)
+                return list(self.getitems(indices))
+            samples = []
+            for i in indices:
+                self.where = f"while fetching sample index {i!r}"
+                reseed(i)
+                samples.append(self.dataset[i])
+            return samples
 
     def describe(self, indices: Any) -> str:
         if self.where in ("while gathering a batch", "in __getitems__"):
@@ -93,6 +120,7 @@ class IterFetcher:
         self.drop_last = drop_last
         self.where = ""
         self._it: Iterator[Any] | None = None
+        self._state: Any = None  # a dataset state to load before the next iter (resume)
         self.ended = False
         self.count = 0
         self.collate_s = 0.0
@@ -101,15 +129,21 @@ class IterFetcher:
     def describe(self, indices: Any) -> str:
         return self.where
 
-    def reset(self) -> None:
+    def reset(self, state: Any = None) -> None:
+        """Restart the stream; ``state`` (resume): load it into the dataset before ``iter``."""
         self._it = None
         self.ended = False
         self.count = 0
+        self._state = state
 
     def fetch(self, n: int | None, writer: SlotWriter | None) -> Any:
         if self.ended:
             raise StopIteration
         if self._it is None:
+            if self._state is not None:
+                self.where = "in the dataset's load_state_dict"
+                self.dataset.load_state_dict(self._state)
+                self._state = None
             self.where = "in the dataset's __iter__"
             self._it = iter(self.dataset)
         self.where = f"while fetching sample {self.count} of this worker's stream"

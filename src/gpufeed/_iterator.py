@@ -25,10 +25,10 @@ from torch.utils.data import IterableDataset
 
 from ._errors import RemoteError, WorkerError
 from ._fetch import IterFetcher, MapFetcher
+from ._pinning import pin_batch
 from ._plan import IndexPlan, finish_plan, make_plan, plannable
 from ._pool import Pool, ProcessPool, ThreadPool
 from ._ring import SlotRing, default_reserve
-from ._tree import tree_map
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -64,7 +64,9 @@ class BaseIter:
                 "then device pinned memory won't be used.",
                 stacklevel=3,
             )
-        self._pin = loader.pin_memory and torch.cuda.is_available()
+        # A CUDA device stage needs page-locked batches to copy asynchronously: pin then too.
+        on_cuda = loader.device is not None and loader.device.type == "cuda"
+        self._pin = (loader.pin_memory or on_cuda) and torch.cuda.is_available()
         self._sampler_iter = iter(self._index_sampler)
         self._base_seed = int(
             torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item()
@@ -106,7 +108,7 @@ class BaseIter:
                 stacklevel=3,
             )
         if self._pin:
-            data = tree_map(_pin_leaf, data)
+            data = pin_batch(data)
         self._returned_at = time.perf_counter()
         return data
 
@@ -118,12 +120,6 @@ class BaseIter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _pin_leaf(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and not x.is_pinned():
-        return x.pin_memory()
-    return x
 
 
 class SingleIter(BaseIter):
@@ -177,7 +173,7 @@ class WorkerIter(BaseIter):
         reserve = budget if budget is not None else default_reserve()
         self._ring = SlotRing(
             reserve=reserve, budget=budget, shared=shared, pin=self._pin,
-            slots_hint=2 * self._max_out + 2,
+            slots_hint=self._slots_for(self._max_out),
         )
         kwargs = dict(
             num_workers=nw, dataset=self._dataset, is_iterable=self._is_iterable,
@@ -274,7 +270,13 @@ class WorkerIter(BaseIter):
         if chunk != self._chunk:
             self._chunk = chunk
             self._max_out = max(self._pf_out, 2 * chunk * self._nw)
-            self._ring.set_slots_hint(2 * self._max_out + 2)
+            self._ring.set_slots_hint(self._slots_for(self._max_out))
+
+    def _slots_for(self, in_flight: int) -> int:
+        """Default ring size: in-flight batches twice over, plus those the consumer holds
+        (the loop's current and previous batch, and a device stage's depth + 1)."""
+        held = 2 + (self._loader.device_depth + 1 if self._loader.device is not None else 0)
+        return 2 * in_flight + held
 
     # -- receiving ----------------------------------------------------------------------------
     def _handle(self, w: int, msg: Any) -> None:

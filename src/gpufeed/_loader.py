@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, Sampler
 
+from ._device import parse_device, to_device
 from ._iterator import BaseIter, SingleIter, WorkerIter
 from ._stats import LoaderStats, StatsRecorder
 
@@ -32,7 +33,8 @@ class DataLoader(_TorchDataLoader):
             batch. More keeps more batches held by the user in recycled memory; less falls
             back sooner to a fresh allocation per batch (the stock loader's path).
         device: a device to deliver batches on (e.g. ``"cuda"``): copies run ahead on a side
-            stream (see ``gpufeed.to_device``). None (default) delivers host batches.
+            stream (see ``gpufeed.to_device``), from a page-locked ring (implied, whatever
+            ``pin_memory`` says). None (default) delivers host batches.
         device_transform: a callable applied to each batch on the device, after the copy
             (e.g. ``gpufeed.Normalize``). Needs ``device``.
         device_depth: batches copied ahead of the one in use (GPU memory: that many batches).
@@ -94,7 +96,7 @@ class DataLoader(_TorchDataLoader):
         )
         self.worker_type = worker_type
         self.ring_bytes = ring_bytes
-        self.device = torch.device(device) if device is not None else None
+        self.device = parse_device(device) if device is not None else None
         self.device_transform = device_transform
         self.device_depth = device_depth
         self._recorder = StatsRecorder()
@@ -118,6 +120,7 @@ class DataLoader(_TorchDataLoader):
         it = super().__iter__()
         if self.device is None:
             return it
-        from ._device import to_device
-
-        return to_device(it, self.device, depth=self.device_depth, transform=self.device_transform)
+        return to_device(
+            it, self.device, depth=self.device_depth, transform=self.device_transform,
+            recorder=self._recorder,
+        )

@@ -3,9 +3,10 @@
 Two ways to get memory the GPU can read by DMA, and where gpufeed uses each:
 
 * ``register(t)`` page-locks memory that already exists (``cudaHostRegister`` on the
-  storage of ``t``). The loader calls it once on its shared slot ring, so every batch a
-  worker writes into a slot is pinned with no per-batch copy; ``unregister(handle)``
-  undoes it on close. Portable flag: the pages are pinned for every CUDA context.
+  bytes of ``t``). The loader calls it once per slot of its shared ring, when the slot is
+  carved, so every batch a worker writes into a slot is pinned with no per-batch copy;
+  ``unregister(handle)`` undoes it when the slot is retired or the ring closes.
+  Portable flag: the pages are pinned for every CUDA context.
 * ``pin_batch(batch)`` copies an ordinary batch (one that fell back to ordinary
   allocation) into pinned memory the ordinary way, ``Tensor.pin_memory()``, leaf by leaf.
 
@@ -74,7 +75,7 @@ def is_pinned(t: torch.Tensor) -> bool:
 
 
 def register(t: torch.Tensor) -> PinnedRegion | None:
-    """Page-lock the storage behind CPU tensor ``t`` with ``cudaHostRegister``.
+    """Page-lock the bytes of contiguous CPU tensor ``t`` with ``cudaHostRegister``.
 
     Returns a :class:`PinnedRegion` handle, or None when there is nothing to do (no CUDA,
     empty storage). Idempotent per region: registering the same storage again returns a
@@ -94,8 +95,11 @@ def register(t: torch.Tensor) -> PinnedRegion | None:
         raise TypeError(f"register() expects a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"register() expects a CPU tensor, got one on {t.device}")
-    storage = t.untyped_storage()
-    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    if not t.is_contiguous():
+        raise ValueError("register() expects a contiguous tensor (a byte range of memory)")
+    # Exactly t's bytes, not its whole storage: the ring registers one page-aligned slot at a
+    # time inside a sparse region that may reserve far more address space than it touches.
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
     if nbytes == 0 or not cuda_usable():
         return None
     key = (ptr, nbytes)

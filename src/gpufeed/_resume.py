@@ -43,13 +43,11 @@ __all__ = [
     "ResumePoint",
     "capture_state",
     "check_state",
-    "fresh_epoch",
     "make_state",
     "numbered",
     "prepare_resume",
     "require_resumable",
     "sampler_state_of",
-    "skip_batches",
 ]
 
 STATE_VERSION = 1
@@ -160,7 +158,7 @@ def check_state(
 
 
 class ResumePoint(NamedTuple):
-    """Where the next ``__iter__`` starts (from :func:`prepare_resume` or :func:`fresh_epoch`).
+    """Where the next ``__iter__`` starts (:func:`prepare_resume`; a fresh epoch: ``ResumePoint(epoch)``).
 
     Attributes:
         epoch: the epoch to run (seeds per-sample random state; the loader's epoch counter).
@@ -173,11 +171,6 @@ class ResumePoint(NamedTuple):
     done: int = 0
     ahead: tuple[int, ...] = ()
     seeked: bool = False
-
-
-def fresh_epoch(epoch: int) -> ResumePoint:
-    """The start of ``epoch``, with nothing to skip."""
-    return ResumePoint(epoch)
 
 
 def prepare_resume(
@@ -233,31 +226,23 @@ def sampler_state_of(sampler: Any) -> Any:
 
 
 def numbered(plan: Iterable[T], point: ResumePoint) -> Iterator[tuple[int, T]]:
-    """``(batch_number, indices)`` of the batches still to deliver in ``point.epoch``."""
-    if point.seeked:
-        return skip_batches(plan, 0, point.ahead, start=point.done)
-    return skip_batches(plan, point.done, point.ahead)
+    """``(batch_number, indices)`` of the batches still to deliver in ``point.epoch``.
 
-
-def skip_batches(
-    plan: Iterable[T], skip: int, ahead: Iterable[int] = (), *, start: int = 0
-) -> Iterator[tuple[int, T]]:
-    """Yield ``(batch_number, item)`` from ``plan`` after dropping its first ``skip`` items and the
-    numbers in ``ahead``. Only indices are drawn; no data is fetched.
-
-    ``start`` numbers the first item of ``plan`` (the batch a seeked sampler starts at), so the
-    numbers stay positions in the whole epoch. Raises ``ValueError`` when the plan is shorter
-    than ``skip`` (the state belongs to a different configuration).
+    Unless the sampler seeked, the first ``point.done`` items of ``plan`` are drawn and dropped
+    (indices only: no data is fetched); numbers in ``point.ahead`` are dropped too. Numbers are
+    positions in the whole epoch. Raises ``ValueError`` when the plan is too short (the state
+    belongs to a different configuration).
     """
     iterator = iter(plan)
+    skip = 0 if point.seeked else point.done
     for dropped in range(skip):
         if next(iterator, _END) is _END:
             raise ValueError(
                 f"cannot skip {skip} batches: the batch plan ended after {dropped}; the state "
                 "belongs to a loader with another dataset, batch_size or sampler"
             )
-    excluded = set(ahead)
-    for number, item in enumerate(iterator, start=start + skip):
+    excluded = set(point.ahead)
+    for number, item in enumerate(iterator, start=point.done):
         if number not in excluded:
             yield number, item
 
@@ -292,7 +277,7 @@ class DeliveryTracker:
     """Which batches of one epoch the user has received (NOTE [ Delivery tracking ]).
 
     Args:
-        point: where the epoch starts (a resume point or :func:`fresh_epoch`).
+        point: where the epoch starts.
         plan: the loader's index sampler; :attr:`indices` draws from it what is still to fetch
             (see :func:`numbered`). Loaders that slice an order themselves start at
             ``point.done`` and skip ``point.ahead``.
@@ -324,8 +309,11 @@ class DeliveryTracker:
             yield item
 
     def produced_nth(self, k: int, worker_state: tuple[int, Any] | None = None) -> None:
-        """:meth:`produced` for the ``k``-th item drawn from :attr:`indices` (0-based)."""
-        self.produced(self._numbers[k], worker_state)
+        """:meth:`produced` for the iterator's ``k``-th batch of the epoch (0-based): the
+        ``k``-th drawn from :attr:`indices`, or, for a loader that slices an order itself
+        without drawing, batch ``point.done + k``."""
+        number = self._numbers[k] if k < len(self._numbers) else self.point.done + k
+        self.produced(number, worker_state)
 
     def produced(self, batch_number: int, worker_state: tuple[int, Any] | None = None) -> None:
         """Host side: batch ``batch_number`` (its position in the epoch's plan) leaves the host
@@ -445,7 +433,7 @@ class Progress:
 
     def begin_epoch(self, loader: Any, *, direct: bool) -> DeliveryTracker:
         """Called once per epoch by the iterator; draw indices from ``tracker.indices``."""
-        point = self.pending or fresh_epoch(self.next_epoch(loader))
+        point = self.pending or ResumePoint(self.next_epoch(loader))
         self.pending = None
         self.epoch = point.epoch + 1
         self.sampler_state = sampler_state_of(loader.sampler)

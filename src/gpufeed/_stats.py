@@ -43,14 +43,16 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return float(sorted_values[lo] * (1.0 - frac) + sorted_values[hi] * frac)
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Render rows as a plain aligned text table (first column left-aligned, the rest right)."""
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *,
+                 left: int = 1) -> str:
+    """Render rows as a plain aligned text table: the first ``left`` columns (text) aligned
+    left, the rest (numbers) right."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
 
     def line(row: list[str]) -> str:
-        rest = [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
-        parts = [row[0].ljust(widths[0]), *rest]
+        parts = [c.ljust(w) if i < left else c.rjust(w)
+                 for i, (c, w) in enumerate(zip(row, widths, strict=True))]
         return "  ".join(parts).rstrip()
 
     sep = "  ".join("-" * w for w in widths)
@@ -109,7 +111,8 @@ class LoaderStats:
     def input_bound(self) -> float | None:
         """Share (0-1) of the user's loop spent waiting for data: wait / (wait + step).
 
-        None until both the "wait" and "step" stages have been reported.
+        None until both the "wait" and "step" stages have been reported. The first batch's
+        wait (worker start-up) counts here; ``gpufeed.Profiler`` leaves it out.
         """
         wait, step = self.stages.get("wait"), self.stages.get("step")
         if wait is None or step is None:
@@ -130,10 +133,10 @@ class LoaderStats:
         for s in self.stages.values():
             occ = (f"{s.occupancy_mean:.1f}/{s.capacity} (max {s.occupancy_max})"
                    if s.capacity else "-")
-            rows.append([
-                s.name, s.batches, f"{s.busy_s:.3f}", f"{s.blocked_s:.3f}",
-                f"{s.p50_s * 1e3:.2f}", f"{s.p90_s * 1e3:.2f}", f"{s.p99_s * 1e3:.2f}", occ,
-            ])
+            times = ([f"{s.busy_s:.3f}", f"{s.blocked_s:.3f}", f"{s.p50_s * 1e3:.2f}",
+                      f"{s.p90_s * 1e3:.2f}", f"{s.p99_s * 1e3:.2f}"]
+                     if s.batches else ["-"] * 5)  # an occupancy-only stage (a queue, the ring)
+            rows.append([s.name, s.batches or "-", *times, occ])
         headers = ["stage", "batches", "busy s", "blocked s", "p50 ms", "p90 ms", "p99 ms",
                    "occupancy"]
         text = [f"gpufeed loader stats over {self.wall_s:.2f} s", format_table(headers, rows)]

@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -92,8 +93,9 @@ class Budget:
 
 @dataclass(frozen=True)
 class Trial:
-    """One measured configuration. Bytes are peaks during the trial; ``note`` says why a trial
-    was rejected ("" when accepted)."""
+    """One measured configuration. Bytes are peaks during the trial: ``peak_pss_bytes`` of the
+    process tree, ``shm_bytes`` the growth of /dev/shm use (machine-wide: other programs count
+    too), ``pinned_bytes`` with CUDA only. ``note`` says why a trial was rejected ("" if not)."""
 
     num_workers: int
     worker_type: str | None
@@ -163,12 +165,12 @@ class TuneResult:
 
     def __str__(self) -> str:
         mib = 1 << 20
-        rows = [[t.num_workers, t.worker_type or "-", t.prefetch_factor or "-",
+        rows = [[t.worker_type or "-", t.num_workers, t.prefetch_factor or "-",
                  "yes" if t.pin_memory else "no", f"{t.samples_per_s:,.0f}",
                  f"{t.peak_pss_bytes / mib:,.0f}", f"{t.shm_bytes / mib:,.0f}",
                  ("* " if t is self.chosen else "") + (t.note or "ok")] for t in self.trials]
-        table = format_table(["workers", "type", "prefetch", "pin", "samples/s", "PSS MiB",
-                              "shm MiB", "result"], rows)
+        table = format_table(["type", "workers", "prefetch", "pin", "samples/s", "PSS MiB",
+                              "shm MiB", "result"], rows, left=2)
         gain = self.best.samples_per_s / max(self.chosen.samples_per_s, 1e-9) - 1
         return (f"gpufeed tune: {len(self.trials)} trials in {self.elapsed_s:.1f} s"
                 + (" (time budget reached)" if self.out_of_time else "") + f"\n{table}\n"
@@ -217,12 +219,21 @@ class _Peaks:
         self.batches += 1
         self.shm = max(self.shm, self._shm_used())
         if self.cuda:
-            stats = torch.cuda.host_memory_stats()
-            self.pinned = max(self.pinned, int(stats.get("allocated_bytes.all.current", 0)))
+            self.pinned = max(self.pinned, _pinned_bytes())
         now = time.perf_counter()
         if self.batches >= self.warmup and now >= self.next_pss:
             self.pss = max(self.pss, _measure.process_tree_pss())
             self.next_pss = now + self.every
+
+
+def _pinned_bytes() -> int:
+    """Pinned host bytes: torch's caching host allocator plus regions gpufeed registered
+    (``_pinning.registered_bytes()``, where the device module provides it)."""
+    from . import _pinning
+
+    registered = getattr(_pinning, "registered_bytes", None)
+    stats = torch.cuda.host_memory_stats()
+    return int(stats.get("allocated_bytes.current", 0)) + (int(registered()) if registered else 0)
 
 
 def _usable_cpus() -> int:
@@ -339,8 +350,11 @@ def _run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: 
     warmup = max(2, n)
     peaks = _Peaks(step, warmup)
     try:
-        m = _measure.measure_loader(lambda: factory(dataset, **kwargs), max_seconds=seconds,
-                                    warmup_batches=warmup, consume=peaks)
+        with warnings.catch_warnings():  # trying more workers than CPUs is the point here
+            warnings.filterwarnings("ignore", message="This DataLoader will create",
+                                    category=UserWarning)
+            m = _measure.measure_loader(lambda: factory(dataset, **kwargs), max_seconds=seconds,
+                                        warmup_batches=warmup, consume=peaks)
     except Exception as exc:  # a failing configuration is a result, not the end of the search
         log.warning("trial %s failed: %s: %s", _kwargs_text(kwargs), type(exc).__name__, exc)
         return Trial(n, kind, pf, pin, 0.0, 0.0, 0, 0, 0, False,

@@ -1,19 +1,20 @@
 """GPU benchmark: the host-to-device path, ``python -m gpufeed.benchmarks gpu [--out DIR]``.
 
-Host-to-device GB/s, one batch of ``batch_size`` uint8 images (3x224x224) at a time:
+Host-to-device GB/s, one batch of ``batch_size`` uint8 3x224x224 images at a time (result keys):
 
-    a  pageable ``.to(device)``                    (what a loader without pin_memory gets)
-    b  ``.pin_memory().to(non_blocking=True)``      (a pinned copy per batch, then the copy)
-    c  stock DataLoader, pin_memory=True           (workers, shared memory, the pin thread)
-    d  gpufeed.DataLoader(pin_memory=True, device) (workers write into the page-locked ring)
-    d_ring  to_device over a page-locked region    (the device stage alone, no workers)
-    e  raw pinned ``copy_``                         (the ceiling, measured in the same run)
+    a_pageable_to                  pageable ``.to(device)`` (a loader without pin_memory)
+    b_pin_memory_per_batch         ``.pin_memory().to(non_blocking=True)``: a pinned copy per batch
+    c_stock_dataloader_pin_memory  stock DataLoader, pin_memory=True (shared memory, pin thread)
+    d_gpufeed_dataloader           gpufeed.DataLoader(pin_memory=True, device=): page-locked ring
+    d_to_device_pinned_region      to_device over views of one registered region (no workers)
+    e_raw_pinned_copy              raw pinned ``copy_`` into one device buffer: the ceiling
 
-and the overlap of a synthetic step (``torch.cuda._sleep`` calibrated to T ms) with a copy
-that also takes T: a naive loop pays about 2T per step, ``to_device`` should pay T
-(target <= 1.05 T). Targets: d_ring >= 0.9 e (and d, when the workers keep up).
-Medians of ``repeats`` runs, warm-up batches excluded; data is written (touched) before timing.
-Without CUDA it says so and exits with status 0, writing nothing.
+and the overlap of a synthetic step (``torch.cuda._sleep`` calibrated to T, the measured time
+of one copy) with that copy: a naive loop pays about 2T per step, ``to_device`` should pay T
+(target <= 1.05 T, start-up included). Targets for bandwidth: d >= 0.9 e (for the loader only
+when its workers gather faster than PCIe copies). Medians of ``repeats`` runs, warm-up batches
+excluded; every page of the data is touched before timing. Without CUDA it says so and exits
+with status 0, writing nothing.
 """
 
 from __future__ import annotations

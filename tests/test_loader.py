@@ -1,0 +1,587 @@
+"""Drop-in compatibility: the same scenarios against torch's DataLoader and gpufeed's.
+
+Every comparison is exact (values, dtypes, shapes, container types); with ``in_order=False``
+the batches are compared as a multiset.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+
+import gpufeed
+from helpers import (
+    Box,
+    CountingDataset,
+    GetitemsDataset,
+    KindDataset,
+    NoLenIterable,
+    Pair,
+    RandomDataset,
+    RangeIterable,
+    RichDataset,
+    VarLenDataset,
+    WorkerInfoDataset,
+    assert_same,
+    assert_same_batches,
+    box_collate,
+    collect,
+    identity_collate,
+    init_calls,
+    numpy_collate,
+    pad_collate,
+    pair_collate,
+    record_init,
+    seed_all,
+)
+
+CHUNKING = (
+    "core bug: _iterator.py _dispatch/_adapt send a chunk of consecutive batches to one "
+    "worker; stock gives batch k to worker k % num_workers, so {what}"
+)
+
+# -- the grid ---------------------------------------------------------------------------------
+
+# (num_workers, worker_type, in_order); worker_type and in_order only matter with workers.
+WORKERS = [
+    (0, "process", True),
+    (1, "process", True),
+    (1, "thread", True),
+    (2, "process", True),
+    (2, "process", False),
+    (2, "thread", True),
+    (2, "thread", False),
+]
+
+
+def _grid():
+    for kind in ("map", "iterable"):
+        for bs in (1, 7, None):
+            for shuffle in (False, True) if kind == "map" else (False,):
+                for drop_last in (False, True) if bs == 7 else (False,):
+                    for nw, wt, in_order in WORKERS:
+                        marks = []
+                        if kind == "iterable" and nw == 2 and in_order and bs != 7:
+                            marks.append(pytest.mark.xfail(strict=True, reason=CHUNKING.format(
+                                what="iterable-dataset batches come out in another order"
+                            )))
+                        yield pytest.param(
+                            kind, bs, shuffle, drop_last, nw, wt, in_order, marks=marks,
+                            id=f"{kind}-bs{bs}-{'shuf' if shuffle else 'seq'}"
+                            f"{'-drop' if drop_last else ''}-w{nw}"
+                            f"{'-' + wt if nw else ''}{'' if in_order else '-unordered'}",
+                        )
+
+
+_stock_cache: dict[tuple, list] = {}
+
+
+def _stock(key: tuple, dataset_fn, **kwargs) -> list:
+    """Stock batches for a scenario; thread/process variants share one stock run."""
+    if key not in _stock_cache:
+        _stock_cache[key] = collect(tud.DataLoader, dataset_fn(), **kwargs)[0]
+    return _stock_cache[key]
+
+
+@pytest.mark.parametrize(
+    "kind,batch_size,shuffle,drop_last,num_workers,worker_type,in_order", list(_grid())
+)
+def test_same_batches_as_stock(kind, batch_size, shuffle, drop_last, num_workers, worker_type,
+                               in_order):
+    dataset_fn = RichDataset if kind == "map" else RangeIterable
+    kwargs = dict(batch_size=batch_size, num_workers=num_workers, in_order=in_order)
+    if shuffle:
+        kwargs["shuffle"] = True
+    if drop_last:
+        kwargs["drop_last"] = True
+    key = (kind, batch_size, shuffle, drop_last, num_workers, in_order)
+    expected = _stock(key, dataset_fn, **kwargs)
+    got = collect(gpufeed.DataLoader, dataset_fn(), worker_type=worker_type, **kwargs)[0]
+    assert_same_batches(expected, got, ordered=in_order)
+
+
+# -- samplers, collate functions, sample kinds ---------------------------------------------
+
+WORKER_CONFIGS = [
+    pytest.param(dict(num_workers=0), id="main"),
+    pytest.param(dict(num_workers=2), id="process"),
+    pytest.param(dict(num_workers=2, worker_type="thread"), id="thread"),
+]
+
+
+def _compare(dataset_fn, workers, epochs=1, ordered=True, **kwargs):
+    stock_kwargs = {k: v for k, v in workers.items() if k != "worker_type"}
+    # deep copies: a generator or sampler must start from the same state for both loaders
+    expected = collect(tud.DataLoader, dataset_fn(), epochs=epochs, **stock_kwargs,
+                       **copy.deepcopy(kwargs))
+    got = collect(gpufeed.DataLoader, dataset_fn(), epochs=epochs, **workers,
+                  **copy.deepcopy(kwargs))
+    for e, g in zip(expected, got, strict=True):
+        assert_same_batches(e, g, ordered=ordered)
+    return got
+
+
+@pytest.mark.parametrize("workers", WORKER_CONFIGS)
+@pytest.mark.parametrize(
+    "case",
+    [
+        "sampler_list", "subset_random_sampler", "weighted_sampler", "batch_sampler_lists",
+        "batch_sampler_object", "custom_collate", "generator",
+    ],
+)
+def test_samplers_and_collate_match_stock(case, workers):
+    kwargs: dict = {}
+    if case == "sampler_list":
+        kwargs = dict(sampler=[5, 3, 3, 0, 22, 7, 1], batch_size=3)
+    elif case == "subset_random_sampler":
+        kwargs = dict(sampler=tud.SubsetRandomSampler([2, 4, 6, 8, 10, 12, 14]), batch_size=2)
+    elif case == "weighted_sampler":
+        kwargs = dict(
+            sampler=tud.WeightedRandomSampler([1.0] * 20 + [5.0] * 3, 30), batch_size=4
+        )
+    elif case == "batch_sampler_lists":
+        kwargs = dict(batch_sampler=[[0, 1], [5, 6, 7], [22], [3, 3, 3, 3]])
+    elif case == "batch_sampler_object":
+        kwargs = dict(
+            batch_sampler=tud.BatchSampler(tud.RandomSampler(range(23)), 5, drop_last=False)
+        )
+    elif case == "custom_collate":
+        kwargs = dict(batch_size=4, collate_fn=lambda b: {"n": len(b), "ids": [s["i"] for s in b],
+                                                          "x": torch.stack([s["x"] for s in b])})
+    elif case == "generator":
+        g = torch.Generator()
+        g.manual_seed(1234)
+        kwargs = dict(batch_size=4, shuffle=True, generator=g)
+    _compare(RichDataset, workers, **kwargs)
+
+
+def test_generator_two_epochs_match_stock():
+    """The loader's generator drives the shuffle and the base seed over epochs."""
+
+    def run(cls, **kw):
+        g = torch.Generator()
+        g.manual_seed(7)
+        loader = cls(RichDataset(13), batch_size=3, shuffle=True, generator=g, num_workers=2,
+                     **kw)
+        return [list(loader) for _ in range(2)]
+
+    expected = run(tud.DataLoader)
+    for wt in ("process", "thread"):
+        got = run(gpufeed.DataLoader, worker_type=wt)
+        for e, g in zip(expected, got, strict=True):
+            assert_same_batches(e, g)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "core bug: _plan.finish_plan draws the RandomSampler's closing randperm from the user's "
+    "generator whenever dispatch runs past the last batch; stock draws it when its sampler is "
+    "exhausted, which depends on prefetch_factor*num_workers. Break early and the next epoch's "
+    "order differs from stock"))
+def test_generator_break_then_next_epoch_matches_stock():
+    def run(cls):
+        g = torch.Generator()
+        g.manual_seed(0)
+        loader = cls(RangeIndex(10), batch_size=3, shuffle=True, generator=g, num_workers=1)
+        it = iter(loader)
+        first = next(it).tolist()
+        del it
+        return [first, [b.tolist() for b in loader]]
+
+    assert run(gpufeed.DataLoader) == run(tud.DataLoader)
+
+
+class RangeIndex(tud.Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+SAMPLE_KINDS = [
+    "tensor", "tensor0d", "dtypes", "tuple", "list", "dict", "ordereddict", "namedtuple",
+    "numpy", "numpy_scalar", "int", "float", "bool", "str", "bytes",
+]
+
+
+@pytest.mark.parametrize("workers", WORKER_CONFIGS)
+@pytest.mark.parametrize("batch_size", [3, None])
+@pytest.mark.parametrize("kind", SAMPLE_KINDS)
+def test_sample_kinds_match_stock(kind, batch_size, workers):
+    _compare(functools.partial(KindDataset, kind), workers, batch_size=batch_size)
+
+
+@pytest.mark.parametrize("workers", WORKER_CONFIGS)
+@pytest.mark.parametrize(
+    "collate_fn", [pair_collate, box_collate, numpy_collate, identity_collate],
+    ids=["dataclass", "object", "numpy", "identity"],
+)
+def test_custom_collate_results_match_stock(collate_fn, workers):
+    got = _compare(functools.partial(KindDataset, "tuple"), workers, batch_size=4,
+                   collate_fn=collate_fn)
+    first = got[0][0]
+    if collate_fn is pair_collate:
+        assert type(first) is Pair
+    if collate_fn is box_collate:
+        assert type(first) is Box
+    if collate_fn is numpy_collate:
+        assert all(isinstance(first[k], np.ndarray) for k in ("c", "f", "strided"))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "core bug: _collate.pack calls torch.from_numpy on every non-object numpy leaf; string "
+    "(<U2) arrays that stock passes through make the worker fail with TypeError, reported "
+    "as an error 'in collate_fn'"))
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_numpy_string_arrays_pass_through(worker_type):
+    ds = NumpyLeafDataset(np.array(["ab", "cd"]))
+    expected = list(tud.DataLoader(ds, batch_size=None, num_workers=1))
+    got = list(gpufeed.DataLoader(ds, batch_size=None, num_workers=1, worker_type=worker_type))
+    assert_same_batches(expected, got)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "core bug: _collate.pack calls torch.from_numpy on a non-native byte order array "
+    "(dtype '>f4') returned by a collate_fn: ValueError in the worker; stock passes it through"))
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_numpy_big_endian_arrays_pass_through(worker_type):
+    ds = NumpyLeafDataset(np.arange(3, dtype=">f4"))
+    expected = list(tud.DataLoader(ds, batch_size=2, num_workers=1, collate_fn=identity_collate))
+    got = list(gpufeed.DataLoader(ds, batch_size=2, num_workers=1, collate_fn=identity_collate,
+                                  worker_type=worker_type))
+    assert_same_batches(expected, got)
+
+
+class NumpyLeafDataset(tud.Dataset):
+    def __init__(self, arr):
+        self.arr = arr
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return self.arr
+
+
+@pytest.mark.parametrize("workers", WORKER_CONFIGS)
+def test_variable_size_samples_with_padding_collate(workers):
+    got = _compare(VarLenDataset, workers, batch_size=7, shuffle=True, collate_fn=pad_collate)
+    widths = {b[0].shape[1] for b in got[0]}
+    assert len(widths) > 1 or max(widths) == 5
+
+
+# -- worker random state and worker info ----------------------------------------------------
+
+
+def test_worker_random_state_matches_stock():
+    """torch/numpy/random draws in __getitem__ equal the stock loader's (process workers)."""
+    expected = collect(tud.DataLoader, RandomDataset(12), batch_size=3, shuffle=True,
+                       num_workers=2)
+    got = collect(gpufeed.DataLoader, RandomDataset(12), batch_size=3, shuffle=True,
+                  num_workers=2)
+    assert_same_batches(expected[0], got[0])
+
+
+@pytest.mark.xfail(strict=True, reason=CHUNKING.format(
+    what="random draws (and get_worker_info().id) per batch differ from stock on longer epochs"
+))
+def test_worker_random_state_matches_stock_long_epoch():
+    expected = collect(tud.DataLoader, RandomDataset(200), batch_size=5, shuffle=True,
+                       num_workers=2)
+    got = collect(gpufeed.DataLoader, RandomDataset(200), batch_size=5, shuffle=True,
+                  num_workers=2)
+    assert_same_batches(expected[0], got[0])
+
+
+def test_thread_workers_random_samples_are_valid():
+    """Threads share the process RNG: compare content, not per-worker random state."""
+    got = collect(gpufeed.DataLoader, RandomDataset(12), batch_size=3, shuffle=True,
+                  num_workers=2, worker_type="thread")[0]
+    expected = collect(tud.DataLoader, RandomDataset(12), batch_size=3, shuffle=True)[0]
+    assert [b[3].tolist() for b in got] == [b[3].tolist() for b in expected]
+    for b in got:
+        assert b[0].shape == (3, 2) and b[1].dtype == torch.float64
+        assert ((b[0] >= 0) & (b[0] < 1)).all() and ((b[2] >= 0) & (b[2] < 1)).all()
+
+
+def _infos(batches):
+    rows = set()
+    for b in batches:
+        for k in range(len(b["i"])):
+            rows.add((int(b["id"][k]), int(b["num_workers"][k]), int(b["seed"][k]),
+                      b["dataset"][k]))
+    return rows
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_get_worker_info_inside_workers(worker_type):
+    expected = _infos(collect(tud.DataLoader, WorkerInfoDataset(12), batch_size=2,
+                              num_workers=2)[0])
+    got_batches = collect(gpufeed.DataLoader, WorkerInfoDataset(12), batch_size=2,
+                          num_workers=2, worker_type=worker_type)[0]
+    assert _infos(got_batches) == expected  # ids 0..1, num_workers 2, seed base+id, dataset
+    assert {r[0] for r in expected} == {0, 1}
+    assert tud.get_worker_info() is None
+
+
+def test_get_worker_info_is_none_in_main_thread_while_threads_run():
+    it = iter(gpufeed.DataLoader(WorkerInfoDataset(12), batch_size=2, num_workers=2,
+                                 worker_type="thread"))
+    b = next(it)
+    assert tud.get_worker_info() is None
+    assert gpufeed.get_worker_info() is None
+    assert set(b["num_workers"].tolist()) == {2}
+    it.close()
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("batch_size", [1, 4, None])
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_iterable_sharding_gives_each_sample_once(worker_type, batch_size, in_order):
+    loader = gpufeed.DataLoader(RangeIterable(31, rich=False), batch_size=batch_size,
+                                num_workers=2, worker_type=worker_type, in_order=in_order)
+    seen = []
+    for b in loader:
+        seen.extend(b.tolist() if isinstance(b, torch.Tensor) and b.ndim else [int(b)])
+    assert sorted(seen) == list(range(31))
+
+
+# -- persistent workers, in_order, epochs ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+@pytest.mark.parametrize("kind", ["map-shuffle", "iterable"])
+def test_persistent_workers_two_epochs_match_stock(kind, worker_type):
+    if kind == "iterable":
+        ds_fn, kw = (lambda: RangeIterable(23)), dict(batch_size=7)
+    else:
+        ds_fn, kw = (lambda: RichDataset(23)), dict(batch_size=4, shuffle=True)
+    _compare(ds_fn, dict(num_workers=2, worker_type=worker_type), epochs=2,
+             persistent_workers=True, **kw)
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_persistent_break_then_next_epoch_matches_stock(worker_type):
+    def run(cls, **kw):
+        seed_all(3)
+        loader = cls(RichDataset(40), batch_size=3, shuffle=True, num_workers=2,
+                     persistent_workers=True, **kw)
+        it = iter(loader)
+        head = [next(it), next(it)]
+        del it
+        out = [head, list(loader), list(loader)]
+        del loader
+        gc.collect()
+        return out
+
+    expected = run(tud.DataLoader)
+    got = run(gpufeed.DataLoader, worker_type=worker_type)
+    for e, g in zip(expected, got, strict=True):
+        assert_same_batches(e, g)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "core bug: after it.close() a persistent loader keeps the closed iterator in "
+    "loader._iterator, and _iterator.py WorkerIter._reset raises 'iterate the DataLoader "
+    "again' on every later iter(loader)"))
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_persistent_loader_usable_after_iterator_closed(worker_type):
+    loader = gpufeed.DataLoader(RichDataset(8), batch_size=4, num_workers=2,
+                                persistent_workers=True, worker_type=worker_type)
+    it = iter(loader)
+    next(it)
+    it.close()
+    assert len(list(loader)) == 2
+
+
+@pytest.mark.xfail(strict=True, reason=CHUNKING.format(
+    what="far more than prefetch_factor * num_workers batches are fetched ahead"))
+def test_prefetch_factor_bounds_work_ahead():
+    ds = CountingDataset(200)
+    loader = gpufeed.DataLoader(ds, batch_size=1, num_workers=2, worker_type="thread",
+                                prefetch_factor=2)
+    it = iter(loader)
+    next(it)
+    next(it)
+    import time
+
+    time.sleep(0.3)
+    fetched = ds.fetched
+    it.close()
+    assert fetched <= 2 + 2 * 2, f"{fetched} samples fetched after 2 batches"
+
+
+# -- len, isinstance, worker_init_fn, spawn, pin_memory ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dataset_fn,kwargs",
+    [
+        (lambda: RichDataset(23), dict(batch_size=7)),
+        (lambda: RichDataset(23), dict(batch_size=7, drop_last=True)),
+        (lambda: RichDataset(23), dict(batch_size=None)),
+        (lambda: RichDataset(23), dict(batch_size=1, shuffle=True)),
+        (lambda: RangeIterable(23, length=True), dict(batch_size=7)),
+        (lambda: RangeIterable(23, length=True), dict(batch_size=7, drop_last=True)),
+    ],
+    ids=["bs7", "bs7-drop", "none", "shuffle", "iterable", "iterable-drop"],
+)
+@pytest.mark.parametrize("workers", WORKER_CONFIGS)
+def test_len_matches_stock(dataset_fn, kwargs, workers):
+    stock = tud.DataLoader(dataset_fn(), **kwargs)
+    ours = gpufeed.DataLoader(dataset_fn(), **kwargs, **workers)
+    assert len(ours) == len(stock)
+    it = iter(ours)
+    assert len(it) == len(iter(stock))
+    it.close()
+
+
+def test_len_of_iterable_without_len_raises_like_stock():
+    with pytest.raises(TypeError) as stock:
+        len(tud.DataLoader(NoLenIterable()))
+    with pytest.raises(TypeError) as ours:
+        len(gpufeed.DataLoader(NoLenIterable()))
+    assert str(ours.value) == str(stock.value)
+
+
+def test_iterable_length_warning_like_stock():
+    loader = gpufeed.DataLoader(ShortLenIterable(RangeIterable(12, rich=False)),
+                                batch_size=None)
+    assert len(loader) == 10
+    with pytest.warns(UserWarning, match="was reported to be 10"):
+        list(loader)
+
+
+class ShortLenIterable(tud.IterableDataset):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self):
+        return 10
+
+
+def test_is_a_torch_dataloader():
+    loader = gpufeed.DataLoader(RichDataset(4), batch_size=2, worker_type="thread")
+    assert isinstance(loader, tud.DataLoader)
+    assert loader.batch_size == 2 and loader.num_workers == 0
+    assert loader.dataset.n == 4
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_worker_init_fn_called_once_per_worker(tmp_path, worker_type, persistent):
+    loader = gpufeed.DataLoader(
+        RichDataset(12), batch_size=2, num_workers=2, worker_type=worker_type,
+        worker_init_fn=functools.partial(record_init, str(tmp_path)),
+        persistent_workers=persistent,
+    )
+    for _ in range(2):
+        assert len(list(loader)) == 6
+    del loader
+    gc.collect()
+    per_epoch = 1 if persistent else 2
+    assert init_calls(tmp_path) == {0: per_epoch, 1: per_epoch}
+
+
+@pytest.mark.slow
+def test_spawn_context_matches_stock(tmp_path):
+    kwargs = dict(batch_size=3, shuffle=True, num_workers=2)
+    expected = collect(tud.DataLoader, RichDataset(10), **kwargs)[0]
+    got = collect(
+        gpufeed.DataLoader, RichDataset(10), multiprocessing_context="spawn",
+        worker_init_fn=functools.partial(record_init, str(tmp_path)), **kwargs,
+    )[0]
+    assert_same_batches(expected, got)
+    assert init_calls(tmp_path) == {0: 1, 1: 1}
+
+
+@pytest.mark.parametrize("workers", WORKER_CONFIGS)
+def test_pin_memory_without_accelerator_warns_like_stock(workers):
+    if torch.accelerator.is_available():
+        batches = list(gpufeed.DataLoader(RichDataset(6), batch_size=3, pin_memory=True,
+                                          **workers))
+        assert batches[0]["x"].is_pinned()
+        return
+    with pytest.warns(UserWarning, match="pin_memory"):
+        expected = list(tud.DataLoader(RichDataset(6), batch_size=3, pin_memory=True))
+    with pytest.warns(UserWarning, match="pin_memory"):
+        got = list(gpufeed.DataLoader(RichDataset(6), batch_size=3, pin_memory=True,
+                                      **workers))
+    assert_same_batches(expected, got)
+
+
+def test_getitems_used_like_stock():
+    """Stock calls __getitems__ with each batch: the values match, call ids aside."""
+    expected = collect(tud.DataLoader, GetitemsDataset(23), batch_size=5)[0]
+    got = collect(gpufeed.DataLoader, GetitemsDataset(23), batch_size=5, num_workers=2)[0]
+    assert [b[:2] for b in got] == [b[:2] for b in expected]
+    assert_same(expected[0][1], got[0][1])
+
+
+# -- arguments ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,needle",
+    [
+        (dict(worker_type="gpu"), ValueError, "'gpu'"),
+        (dict(worker_type=None), ValueError, "None"),
+        (dict(ring_bytes=-1), ValueError, "-1"),
+        (dict(ring_bytes="1GB"), TypeError, "'1GB'"),
+        (dict(ring_bytes=1.5), TypeError, "1.5"),
+        (dict(device_depth=0), ValueError, "device_depth=0"),
+        (dict(device_depth=-3), ValueError, "-3"),
+        (dict(multiprocessing_context="spawn", worker_type="thread", num_workers=2),
+         ValueError, "multiprocessing_context"),
+        (dict(device_transform=lambda b: b), ValueError, "device"),
+    ],
+    ids=["worker_type", "worker_type_none", "ring_neg", "ring_str", "ring_float", "depth0",
+         "depth_neg", "mp_context_thread", "transform_without_device"],
+)
+def test_bad_arguments_name_the_value(kwargs, exc, needle):
+    with pytest.raises(exc) as info:
+        gpufeed.DataLoader(RichDataset(4), **kwargs)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_workers=-1),
+        dict(batch_sampler=[[0]], batch_size=2),
+        dict(sampler=[0, 1], shuffle=True),
+        dict(prefetch_factor=2),
+        dict(persistent_workers=True),
+        dict(batch_size=None, drop_last=True),
+        dict(timeout=-1),
+    ],
+    ids=["neg_workers", "batch_sampler_and_size", "sampler_and_shuffle", "prefetch_no_workers",
+         "persistent_no_workers", "none_drop_last", "neg_timeout"],
+)
+def test_stock_argument_errors_unchanged(kwargs):
+    with pytest.raises(Exception) as stock:
+        tud.DataLoader(RichDataset(4), **kwargs)
+    with pytest.raises(Exception) as ours:
+        gpufeed.DataLoader(RichDataset(4), **kwargs)
+    assert type(ours.value) is type(stock.value)
+    assert str(ours.value) == str(stock.value)
+
+
+def test_shuffle_on_iterable_rejected_like_stock():
+    with pytest.raises(ValueError) as stock:
+        tud.DataLoader(RangeIterable(4), shuffle=True)
+    with pytest.raises(ValueError) as ours:
+        gpufeed.DataLoader(RangeIterable(4), shuffle=True)
+    assert str(ours.value) == str(stock.value)
