@@ -42,8 +42,8 @@ def test_measure_loader_timing_of_a_paced_iterable() -> None:
     m = measure_loader(make, warmup_batches=2, sample_memory=False)
     assert built == [1]
     assert (m.batches, m.samples, m.warmup_batches) == (8, 80, 2)
-    assert 0.05 <= m.first_batch_s < 0.09
-    assert 8 * 0.02 <= m.seconds < 8 * 0.02 + 0.08  # the warm-up batches' time is excluded
+    assert 0.05 <= m.first_batch_s < 0.05 + 0.09  # slack for a busy machine
+    assert 8 * 0.02 <= m.seconds < 8 * 0.02 + 0.12  # the warm-up batches' time is excluded
     assert m.samples_per_s == pytest.approx(m.samples / m.seconds)
     assert m.bytes_per_s == pytest.approx(80 * 16 / m.seconds)
     assert (m.peak_pss_bytes, m.memory_samples) == (0, 0)
@@ -57,7 +57,7 @@ def test_measure_loader_stops_and_consumes() -> None:
     assert (m.batches, seen) == (4, [10] * 5)
     m = measure_loader(lambda: _paced(10_000, first_s=0, step_s=0.01), max_seconds=0.1,
                        warmup_batches=1, sample_memory=False)
-    assert 5 <= m.batches <= 12 and 0.1 <= m.seconds < 0.2
+    assert 2 <= m.batches <= 12 and 0.1 <= m.seconds < 0.3
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -177,3 +177,22 @@ def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert md == render_markdown(doc) and "| workload | stock best |" in md
     assert "wrote" in capsys.readouterr().out
     assert not psutil.Process().children()  # every worker is gone
+
+
+def test_gpu_subcommand_is_handed_its_arguments(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib
+    import types
+
+    seen: list[list[str]] = []
+    fake = types.ModuleType("gpufeed.benchmarks.gpu")
+    fake.main = lambda argv: seen.append(list(argv)) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "gpufeed.benchmarks.gpu", fake)
+    assert main(["gpu", "--out", "x"]) == 0 and seen == [["--out", "x"]]
+
+    def missing(name: str) -> types.ModuleType:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    assert main(["gpu"]) == 2
+    assert "not part of this checkout" in capsys.readouterr().err

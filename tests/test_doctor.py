@@ -18,7 +18,8 @@ def healthy(**overrides):
                  memlock=lambda: (-1, -1), cpu_count=lambda: 16,
                  affinity=lambda: set(range(16)), cpu_quota=lambda: None,
                  memory=lambda: (64 * GiB, 48 * GiB), read_text=SYS.get,
-                 list_dir=lambda path: [], nvidia_smi=lambda args: None)
+                 list_dir=lambda path: [], nvidia_smi=lambda args: None,
+                 cuda_names=lambda: [])
     return dataclasses.replace(base, **overrides)
 
 
@@ -124,6 +125,12 @@ def test_gpus_from_sysfs_without_nvidia_smi():
                     list_dir=lambda path: ["0000:00:01.0", "0000:3b:00.0"])
     (gpu,) = query_gpus(probe)
     assert gpu == GpuInfo(0, "NVIDIA device 0x2330", "0000:3b:00.0", 4, 5, 16, 16, 0)
+
+
+def test_gpu_names_from_torch_when_nothing_else_answers():
+    f = by_name(diagnose(probe=healthy(cuda_names=lambda: ["Some GPU"])))
+    assert f["GPU 0 PCIe"].value == "Some GPU, PCIe gen ?/?, x?/x?"
+    assert f["GPU 0 PCIe"].status == "ok" and f["GPU 0 NUMA"].status == "ok"
 
 
 def test_cpulist_parsing():

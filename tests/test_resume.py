@@ -8,10 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
+from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
 import gpufeed
 from gpufeed._resume import (
+    GLOBAL_RNG,
     Delivered,
     DeliveryTracker,
     Progress,
@@ -107,8 +108,7 @@ def test_numbered_draws_indices_lazily():
 def test_prepare_resume_seeks_gpufeeds_sampler():
     sampler = SeededRandomSampler(range(10), seed=5)
     batches = BatchSampler(sampler, 4, drop_last=False)
-    point = prepare_resume(_state(batches_delivered=1), sampler=sampler, batch_sampler=batches,
-                           num_batches=3)
+    point = prepare_resume(_state(batches_delivered=1), index_sampler=batches, num_batches=3)
     assert point == ResumePoint(1, 1, (), True)
     reference = SeededRandomSampler(range(10), seed=5)
     reference.set_epoch(1)
@@ -118,8 +118,8 @@ def test_prepare_resume_seeks_gpufeeds_sampler():
 
 def test_prepare_resume_without_batching_and_with_ahead():
     sampler = ShardedSampler(range(10), rank=0, world_size=2, seed=1)
-    point = prepare_resume(_state(batches_delivered=2, delivered_ahead=[3]), sampler=sampler,
-                           batch_sampler=None, num_batches=5)
+    point = prepare_resume(_state(batches_delivered=2, delivered_ahead=[3]),
+                           index_sampler=sampler, num_batches=5)
     reference = ShardedSampler(range(10), rank=0, world_size=2, seed=1)
     reference.set_epoch(1)
     order = list(reference)
@@ -146,26 +146,39 @@ def test_prepare_resume_user_sampler_skips_in_the_plan():
     sampler = _CountingSampler(range(10))
     batches = BatchSampler(sampler, 4, drop_last=False)
     state = _state(batches_delivered=2, sampler_state=sampler_state_of(sampler))
-    point = prepare_resume(state, sampler=sampler, batch_sampler=batches, num_batches=3)
+    point = prepare_resume(state, index_sampler=batches, num_batches=3)
     assert point == ResumePoint(1, 2, (), False)
     assert sampler.epochs == [1] and sampler.loaded == {"n": 1}
     assert list(numbered(batches, point)) == [(2, [8, 9])]
     assert sampler_state_of(SeededRandomSampler(range(3), seed=0)) is None
     assert sampler_state_of(SequentialSampler(range(3))) is None
+    assert sampler_state_of(RandomSampler(range(3))) is GLOBAL_RNG
+
+
+def test_stock_random_sampler_with_a_generator_resumes():
+    def make():
+        g = torch.Generator()
+        g.manual_seed(3)
+        return BatchSampler(RandomSampler(range(10), generator=g), 3, drop_last=False)
+
+    reference = list(make())
+    batches = make()
+    state = _state(batches_delivered=2, sampler_state=sampler_state_of(batches.sampler))
+    list(batches)  # the generator moves on
+    point = prepare_resume(state, index_sampler=batches, num_batches=4)
+    assert point == ResumePoint(1, 2, (), False)
+    assert [b for _, b in numbered(batches, point)] == reference[2:]
 
 
 def test_prepare_resume_rolls_over_and_rejects_overrun():
     sampler = SeededRandomSampler(range(10), seed=5)
     batches = BatchSampler(sampler, 4, drop_last=False)
-    point = prepare_resume(_state(batches_delivered=3), sampler=sampler, batch_sampler=batches,
-                           num_batches=3)
+    point = prepare_resume(_state(batches_delivered=3), index_sampler=batches, num_batches=3)
     assert point == ResumePoint(2, 0, (), True)
     with pytest.raises(ValueError, match="3 batches of epoch 1 were delivered but this loader's "
                                          "epoch has only 2"):
-        prepare_resume(_state(batches_delivered=3), sampler=sampler, batch_sampler=batches,
-                       num_batches=2)
-    iterable = prepare_resume(_state(), sampler=None, batch_sampler=None, num_batches=None,
-                              iterable=True)
+        prepare_resume(_state(batches_delivered=3), index_sampler=batches, num_batches=2)
+    iterable = prepare_resume(_state(), index_sampler=None, num_batches=None, iterable=True)
     assert iterable == ResumePoint(1, 3, (), True)
 
 
@@ -409,7 +422,7 @@ def test_iterable_dataset_resumes_through_its_state():
     fresh = gpufeed.DataLoader(_Counter(10), batch_size=3, seed=0)
     fresh.load_state_dict(state)
     rest = list(fresh)
-    assert torch.cat(head + rest).tolist() == list(range(10))
+    assert torch.cat(head + rest).flatten().tolist() == list(range(10))
 
 
 @integrated

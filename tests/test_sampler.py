@@ -173,6 +173,7 @@ def test_build_sampler_choices():
     assert build_sampler(data, shuffle=None, sampler=user, **common) is user
     assert build_sampler(_Stream(), shuffle=None, sampler=None, **common) is None
     assert build_sampler(data, shuffle=False, sampler=None, **common) is None
+    assert build_sampler(data, shuffle=True, sampler=None, **{**common, "seed": None}) is None
     shuffled = build_sampler(data, shuffle=True, sampler=None, **common)
     assert isinstance(shuffled, SeededRandomSampler) and shuffled.seed == 3
     sharded = build_sampler(
@@ -186,6 +187,10 @@ def test_build_sampler_choices():
         data, shuffle=None, sampler=None, seed=3, rank=0, world_size=2, drop_last=False
     )
     assert isinstance(unshuffled, ShardedSampler) and list(unshuffled) == [0, 2, 4, 6, 8]
+    unseeded = build_sampler(
+        data, shuffle=True, sampler=None, seed=None, rank=0, world_size=2, drop_last=False
+    )
+    assert isinstance(unseeded, ShardedSampler) and unseeded.seed == 0
     with pytest.raises(ValueError, match="cannot be combined with sampler=SequentialSampler"):
         build_sampler(data, shuffle=None, sampler=user, seed=3, rank=0, world_size=2,
                       drop_last=False)

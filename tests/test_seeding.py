@@ -138,15 +138,15 @@ def test_forked_child_gets_a_fresh_lock():
 
 
 def test_resolve_seed():
-    assert resolve_seed(5, None, distributed=False) == (5, True)
+    assert resolve_seed(5, None, distributed=False) == 5
     g = torch.Generator()
     g.manual_seed(77)
-    assert resolve_seed(None, g, distributed=False) == (77, True)
-    assert resolve_seed(None, None, distributed=True) == (0, False)
+    assert resolve_seed(None, g, distributed=False) == 77
+    assert resolve_seed(None, None, distributed=True) == 0
     torch.manual_seed(1)
-    drawn, explicit = resolve_seed(None, None, distributed=False)
+    drawn = resolve_seed(None, None, distributed=False)
     torch.manual_seed(1)
-    assert resolve_seed(None, None, distributed=False) == (drawn, False) and not explicit
+    assert resolve_seed(None, None, distributed=False) == drawn
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="seed must be an int >= 0"):
             resolve_seed(bad, None, distributed=False)  # type: ignore[arg-type]

@@ -12,20 +12,54 @@
       _datasets.py     ArrayDataset and the vectorised gather
       _tree.py         walking nested batches
       _errors.py       WorkerError and worker tracebacks
+      _plan.py         an epoch's batches as slices of one permutation
+      _device.py       to_device: side-stream prefetch, events, record_stream
+      _pinning.py      cudaHostRegister of ring slots; pinning fallback batches
+      _gpu_transforms.py  Normalize: uint8 -> float on the device, channels_last
+      _stats.py        StatsRecorder and LoaderStats: stats as data
+      _profiler.py     Profiler: the input-bound share of any loop
+      _tuner.py        tune(): trials over workers, worker type, prefetch, pinning
+      _doctor.py       diagnose(): shm, fd and memlock limits, CPUs, memory, GPU link
+      _measure.py      measure_loader, PSS of the process tree
+      _cli.py          gpufeed bench | tune | profile | doctor
+      benchmarks/      python -m gpufeed.benchmarks [cpu|gpu]
 """
 
 from torch.utils.data import get_worker_info
 
 from ._datasets import ArrayDataset
+from ._device import DeviceIterator, DeviceStats, PageableCopyWarning, to_device
+from ._doctor import DoctorReport, Finding, diagnose
 from ._errors import WorkerError
+from ._gpu_transforms import Normalize
 from ._loader import DataLoader
+from ._profiler import ProfileReport, Profiler, profile
+from ._stats import LoaderStats, StageStats
+from ._tuner import Budget, Trial, TuneResult, tune
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArrayDataset",
+    "Budget",
     "DataLoader",
+    "DeviceIterator",
+    "DeviceStats",
+    "DoctorReport",
+    "Finding",
+    "LoaderStats",
+    "Normalize",
+    "PageableCopyWarning",
+    "ProfileReport",
+    "Profiler",
+    "StageStats",
+    "Trial",
+    "TuneResult",
     "WorkerError",
     "__version__",
+    "diagnose",
     "get_worker_info",
+    "profile",
+    "to_device",
+    "tune",
 ]

@@ -174,7 +174,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                         for r in rows]))
     if not torch.cuda.is_available():
         print("pin_memory=True and the device-stage transfer figures need CUDA: not measured")
-    doc: dict[str, Any] = {"workload": title, "batch_size": batch_size, "rows": rows}
+    from gpufeed.benchmarks.cpu import environment
+
+    doc: dict[str, Any] = {"workload": title, "batch_size": batch_size, "rows": rows,
+                           "seconds_per_run": args.seconds, "environment": environment()}
     if torch.cuda.is_available():
         from gpufeed.benchmarks import gpu
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -63,6 +64,17 @@ def _row(a: np.ndarray | torch.Tensor, index: int) -> torch.Tensor:
     return torch.from_numpy(np.array(row))  # memmap rows and scalars: an owned copy
 
 
+def _gatherable(a: Any) -> Any:
+    if not isinstance(a, np.ndarray) or a.flags.c_contiguous:
+        return a
+    with warnings.catch_warnings():  # read-only memmaps: we only ever read from the view
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            return torch.from_numpy(a)
+        except (TypeError, ValueError):  # negative strides, unsupported dtypes
+            return a
+
+
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
@@ -94,9 +106,14 @@ def gather(arrays: Sequence[Any], indices: Sequence[int], alloc: Alloc) -> list[
 
 
 def gather_arrays(dataset: Any) -> Sequence[Any] | None:
-    """The arrays behind ``dataset`` if its batches can be gathered in one go, else None."""
+    """The arrays behind ``dataset`` if its batches can be gathered in one go, else None.
+
+    Strided numpy arrays (e.g. fields of a structured array) are viewed as tensors, without a
+    copy: ``np.take`` into ``out=`` is two orders of magnitude slower on them than
+    ``index_select``.
+    """
     if type(dataset) is ArrayDataset:
-        return dataset.arrays
+        return [_gatherable(a) for a in dataset.arrays]
     if type(dataset) is TensorDataset:
         tensors = dataset.tensors
         if all(t.device.type == "cpu" and t.layout == torch.strided for t in tensors):

@@ -136,6 +136,14 @@ def _nvidia_smi(args: list[str]) -> str | None:
     return out.stdout if out.returncode == 0 else None
 
 
+def _cuda_names() -> list[str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
 @dataclass(frozen=True)
 class Probe:
     """The system reads the doctor makes, one function each (replace any of them in tests)."""
@@ -152,6 +160,7 @@ class Probe:
     read_text: Callable[[str], str | None] = _read_text  # for /sys files
     list_dir: Callable[[str], list[str]] = _list_dir
     nvidia_smi: Callable[[list[str]], str | None] = _nvidia_smi  # stdout, None if unavailable
+    cuda_names: Callable[[], list[str]] = _cuda_names  # torch's view, when the above find none
 
 
 @dataclass(frozen=True)
@@ -220,8 +229,11 @@ def query_gpus(probe: Probe) -> list[GpuInfo]:
             device = (probe.read_text(f"{base}/device") or "?").strip()
             gpus.append(GpuInfo(len(gpus), f"NVIDIA device {device}", dev,
                                 gen("current_link_speed"), gen("max_link_speed"), width, max_width))
+    if not gpus:  # e.g. no nvidia-smi in a container without /sys: names only
+        gpus = [GpuInfo(i, name, "") for i, name in enumerate(probe.cuda_names())]
     return [GpuInfo(g.index, g.name, g.bus_id, g.gen, g.max_gen, g.width, g.max_width,
-                    _int(probe.read_text(f"/sys/bus/pci/devices/{g.bus_id}/numa_node")))
+                    _int(probe.read_text(f"/sys/bus/pci/devices/{g.bus_id}/numa_node"))
+                    if g.bus_id else None)
             for g in gpus]
 
 

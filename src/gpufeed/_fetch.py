@@ -121,6 +121,7 @@ class IterFetcher:
         self.where = ""
         self._it: Iterator[Any] | None = None
         self._state: Any = None  # a dataset state to load before the next iter (resume)
+        self.epoch = 0  # unused: iterable datasets get no per-sample seeding
         self.ended = False
         self.count = 0
         self.collate_s = 0.0

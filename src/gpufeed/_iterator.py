@@ -28,6 +28,7 @@ from ._fetch import IterFetcher, MapFetcher
 from ._pinning import pin_batch
 from ._plan import IndexPlan, finish_plan, make_plan, plannable
 from ._pool import Pool, ProcessPool, ThreadPool
+from ._resume import capture_state
 from ._ring import SlotRing, default_reserve
 
 if TYPE_CHECKING:
@@ -67,7 +68,8 @@ class BaseIter:
         # A CUDA device stage needs page-locked batches to copy asynchronously: pin then too.
         on_cuda = loader.device is not None and loader.device.type == "cuda"
         self._pin = (loader.pin_memory or on_cuda) and torch.cuda.is_available()
-        self._sampler_iter = iter(self._index_sampler)
+        self._sample_seed = loader.seed if loader.deterministic else None
+        self._begin_epoch()
         self._base_seed = int(
             torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item()
         )
@@ -82,13 +84,23 @@ class BaseIter:
     def __len__(self) -> int:
         return len(self._index_sampler)
 
+    def _begin_epoch(self) -> None:
+        """Start the epoch's index plan and delivery count (NOTE [ Delivery tracking ] in
+        ``_resume.py``); resumes where ``loader.load_state_dict`` said."""
+        loader = self._loader
+        self._tracker = loader._progress.begin_epoch(loader, direct=loader.device is None)
+        self._sampler_iter = self._tracker.indices
+
     def _next_indices(self) -> Any:
         idx = next(self._sampler_iter)
         if self._is_iterable and self._auto_collation:
             return len(idx)  # iterable datasets take a count, not indices
         return idx
 
-    def _finish(self, data: Any, asked_at: float) -> Any:
+    def _finish(
+        self, data: Any, asked_at: float, k: int, worker_state: tuple[int, Any] | None = None
+    ) -> Any:
+        """Hand batch ``k`` of this epoch (the iterator's count) to the user."""
         now = time.perf_counter()
         rec = self._rec
         if self._returned_at:
@@ -109,6 +121,7 @@ class BaseIter:
             )
         if self._pin:
             data = pin_batch(data)
+        self._tracker.produced_nth(k, worker_state)
         self._returned_at = time.perf_counter()
         return data
 
@@ -135,20 +148,34 @@ class SingleIter(BaseIter):
             )
         else:
             self._fetcher = MapFetcher(
-                self._dataset, auto_collation=self._auto_collation, collate_fn=self._collate_fn
+                self._dataset, auto_collation=self._auto_collation, collate_fn=self._collate_fn,
+                seed=self._sample_seed,
             )
+        self._load_dataset_state()
+
+    def _load_dataset_state(self) -> None:
+        states = self._loader._progress.take_dataset_states()
+        if states and isinstance(self._fetcher, IterFetcher):
+            self._fetcher.reset(states[0])
 
     def __next__(self) -> Any:
         asked_at = time.perf_counter()
-        indices = self._next_indices()
-        data = self._fetcher.fetch(indices, None)
+        try:
+            indices = self._next_indices()
+            self._fetcher.epoch = self._tracker.epoch
+            data = self._fetcher.fetch(indices, None)
+        except StopIteration:
+            self._tracker.host_exhausted()
+            raise
         fetched = time.perf_counter()
         self._rec.add("fetch", busy_s=fetched - asked_at - self._fetcher.collate_s)
         self._rec.add("collate", busy_s=self._fetcher.collate_s)
-        return self._finish(data, fetched)
+        state = (0, capture_state(self._dataset)) if self._is_iterable else None
+        return self._finish(data, fetched, self._num_yielded, state)
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
-        self._sampler_iter = iter(self._index_sampler)
+        self._begin_epoch()
+        self._load_dataset_state()
         self._num_yielded = 0
 
 
@@ -180,7 +207,7 @@ class WorkerIter(BaseIter):
             auto_collation=self._auto_collation, collate_fn=self._collate_fn,
             drop_last=self._drop_last, region=self._ring.mem if shared else self._ring.region,
             base_seed=self._base_seed,
-            init_fn=loader.worker_init_fn,
+            init_fn=loader.worker_init_fn, sample_seed=self._sample_seed,
         )
         self._pool: Pool
         if shared:
@@ -198,22 +225,27 @@ class WorkerIter(BaseIter):
         if self._closed:
             raise RuntimeError("this gpufeed iterator was closed; iterate the DataLoader again")
         self._gen += 1
-        self._sampler_iter = iter(self._index_sampler)
+        if not first_iter:
+            self._begin_epoch()
         self._num_yielded = 0
         self._send_idx = 0  # next batch number to dispatch
         self._rcvd_idx = 0  # next batch number to deliver (in order)
         self._tasks: dict[int, int] = {}  # dispatched, not answered: batch -> worker
         self._ready: dict[int, Any] = {}  # answered, not delivered
+        self._wstates: dict[int, tuple[int, Any]] = {}  # iterable datasets: (worker, state)
         self._active = [True] * self._nw
         self._cycle = itertools.cycle(range(self._nw))
         self._sampler_done = False
-        if not first_iter and self._is_iterable:
+        states = loader._progress.take_dataset_states() if self._is_iterable else None
+        if self._is_iterable and (states or not first_iter):
             for w in range(self._nw):
-                self._pool.send(w, ("reset", self._gen))
+                self._pool.send(w, ("reset", self._gen, states[w] if states else None))
         self._plan: IndexPlan | None = None
-        if not self._is_iterable and plannable(self._index_sampler):
+        point = self._tracker.point
+        if not self._is_iterable and not point.ahead and plannable(self._index_sampler):
             shared = self._loader.worker_type == "process"
-            self._plan = make_plan(self._index_sampler, shared=shared)
+            skip = 0 if point.seeked else point.done
+            self._plan = make_plan(self._index_sampler, shared=shared, skip=skip)
             for w in range(self._nw):
                 self._pool.send(w, ("plan", self._gen, self._plan))
         self._dispatch()
@@ -253,7 +285,7 @@ class WorkerIter(BaseIter):
                 self._tasks[idx] = w
                 items.append((idx, planned, indices, self._ring.acquire()))
             if items:
-                self._pool.send(w, ("tasks", self._gen, items))
+                self._pool.send(w, ("tasks", self._gen, items, self._tracker.epoch))
         ring = self._ring
         if ring.grows != self._seen_grows or ring.fallbacks != self._seen_fallbacks:
             self._rec.count("ring_grow", ring.grows - self._seen_grows)
@@ -306,6 +338,8 @@ class WorkerIter(BaseIter):
         self._tasks.pop(idx, None)
         if kind == "ok":
             used, need, packed = res[3], res[4], res[5]
+            if len(res) > 8 and res[8] is not None:
+                self._wstates[idx] = (w, res[8])
             self._ring.learn(need)
             self._ready[idx] = self._ring.views(sid, used, packed) if sid >= 0 else packed
             return
@@ -380,9 +414,10 @@ class WorkerIter(BaseIter):
             ring = self._ring
             self._rec.occupancy("ring", ring.in_use, ring.capacity_slots)
             self._rec.occupancy("prefetch", len(self._ready), self._max_out)
-            return self._finish(data, asked_at)
+            return self._finish(data, asked_at, idx, self._wstates.pop(idx, None))
 
     def _end_epoch(self) -> None:
+        self._tracker.host_exhausted()
         if not self._persistent:
             self.close()
         raise StopIteration

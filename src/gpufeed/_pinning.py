@@ -25,7 +25,10 @@ import torch
 
 from ._tree import tree_map
 
-__all__ = ["PinnedRegion", "cuda_usable", "is_pinned", "pin_batch", "register", "unregister"]
+__all__ = [
+    "PinnedRegion", "cuda_usable", "is_pinned", "pin_batch", "register", "registered_bytes",
+    "unregister",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +159,12 @@ def unregister(h: PinnedRegion | None) -> None:
                 f"(cudaError {code}). The memory may have been freed before unregister(); "
                 "keep the tensor alive until unregister() returns."
             )
+
+
+def registered_bytes() -> int:
+    """Bytes currently page-locked through :func:`register` in this process."""
+    with _lock:
+        return sum(nbytes for (_, nbytes) in _refcounts)
 
 
 def pin_batch(batch: Any) -> Any:

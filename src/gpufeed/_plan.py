@@ -3,7 +3,8 @@
 With ``BatchSampler(SequentialSampler | RandomSampler)`` (what ``batch_size``/``shuffle``
 build), the main process draws the epoch's permutation once, exactly as torch's
 ``RandomSampler`` would (same generator, same calls, same order), and workers slice it: no
-Python list of indices is built per batch in the main process and none crosses a pipe. Any
+Python list of indices is built per batch in the main process and none crosses a pipe.
+gpufeed's own samplers (``_sampler.py``) hand over their order through ``take_epoch()``. Any
 other sampler goes through the generic path, one list of indices per batch.
 """
 
@@ -13,6 +14,8 @@ from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+from ._sampler import SeededRandomSampler, ShardedSampler
 
 
 class IndexPlan:
@@ -37,21 +40,35 @@ def plannable(batch_sampler: Any) -> bool:
     if type(batch_sampler) is not BatchSampler:
         return False
     s = batch_sampler.sampler
-    if type(s) is SequentialSampler:
+    if type(s) is SequentialSampler or isinstance(s, (ShardedSampler, SeededRandomSampler)):
         return True
     return type(s) is RandomSampler and not s.replacement and s._num_samples is None
 
 
-def make_plan(batch_sampler: BatchSampler, *, shared: bool) -> IndexPlan:
-    """Draw the epoch's order as the stock sampler would at its first ``next()``."""
+def make_plan(batch_sampler: BatchSampler, *, shared: bool, skip: int = 0) -> IndexPlan:
+    """Draw the epoch's order as the stock sampler would at its first ``next()``.
+
+    ``skip``: batches to leave out at the start (a resume; ``_resume.prepare_resume``). gpufeed's
+    samplers know it themselves, from their ``seek``.
+    """
     s = batch_sampler.sampler
-    n = len(s.data_source)  # type: ignore[union-attr]
+    bs = batch_sampler.batch_size
     perm: torch.Tensor | None = None
-    if type(s) is RandomSampler:
-        perm = torch.randperm(n, generator=_generator(s))
+    if isinstance(s, (ShardedSampler, SeededRandomSampler)):
+        _, perm, start = s.take_epoch()
+        n = len(perm)
+    else:
+        n = len(s.data_source)  # type: ignore[attr-defined]
+        if type(s) is RandomSampler:
+            perm = torch.randperm(n, generator=_generator(s))
+        start = skip * bs
+        if start:
+            perm = torch.arange(n) if perm is None else perm
+    if perm is not None:
+        if start:
+            perm, n = perm[start:].clone(), n - start
         if shared:
             perm.share_memory_()
-    bs = batch_sampler.batch_size
     return IndexPlan(perm, n, batch_size=bs, drop_last=batch_sampler.drop_last)
 
 

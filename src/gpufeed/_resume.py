@@ -30,11 +30,19 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple, TypedDict, TypeVar
 
-from torch.utils.data import BatchSampler, IterableDataset
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    IterableDataset,
+    RandomSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from ._sampler import SeededRandomSampler, ShardedSampler
 
 __all__ = [
+    "GLOBAL_RNG",
     "STATE_VERSION",
     "Delivered",
     "DeliveryTracker",
@@ -43,6 +51,7 @@ __all__ = [
     "ResumePoint",
     "capture_state",
     "check_state",
+    "inner_sampler",
     "make_state",
     "numbered",
     "prepare_resume",
@@ -158,7 +167,7 @@ def check_state(
 
 
 class ResumePoint(NamedTuple):
-    """Where the next ``__iter__`` starts (:func:`prepare_resume`; a fresh epoch: ``ResumePoint(epoch)``).
+    """Where the next ``__iter__`` starts: :func:`prepare_resume`, or ``ResumePoint(epoch)``.
 
     Attributes:
         epoch: the epoch to run (seeds per-sample random state; the loader's epoch counter).
@@ -174,20 +183,17 @@ class ResumePoint(NamedTuple):
 
 
 def prepare_resume(
-    state: LoaderState,
-    *,
-    sampler: Any,
-    batch_sampler: Any,
-    num_batches: int | None,
-    iterable: bool = False,
+    state: LoaderState, *, index_sampler: Any, num_batches: int | None, iterable: bool = False
 ) -> ResumePoint:
     """Set the sampler up for ``state`` and say where the next ``__iter__`` starts.
 
-    gpufeed's own samplers seek directly (a permutation is regenerated, nothing is fetched); a
-    user sampler gets its epoch-start ``state_dict`` back and/or ``set_epoch``, and the iterator
-    then drops ``done`` batches of indices (:func:`numbered`). Iterable datasets resume through
-    their own state (``iterable=True``: nothing to drop). A state taken after the epoch's last
-    batch (``num_batches`` known and reached) rolls over to the start of the next epoch.
+    ``index_sampler`` is the loader's ``_index_sampler`` (its batch sampler, or its sampler
+    without automatic batching). gpufeed's own samplers seek directly (the permutation is
+    regenerated, nothing is fetched). Other samplers get their epoch-start state back
+    (:func:`sampler_state_of`) and ``set_epoch`` if they have it, and the iterator draws and
+    drops ``done`` batches of indices (:func:`numbered`). Iterable datasets resume through
+    their own state (``iterable=True``). A state taken after the epoch's last batch
+    (``num_batches`` known and reached) rolls over to the start of the next epoch.
     """
     epoch, done, ahead = state["epoch"], state["batches_delivered"], state["delivered_ahead"]
     if num_batches is not None:
@@ -202,27 +208,57 @@ def prepare_resume(
     point = ResumePoint(epoch, done, tuple(ahead))
     if iterable:
         return point._replace(seeked=True)
-    if state["sampler_state"] is not None and hasattr(sampler, "load_state_dict"):
-        sampler.load_state_dict(state["sampler_state"])
-    if isinstance(sampler, (ShardedSampler, SeededRandomSampler)):
-        if batch_sampler is None:
+    sampler = inner_sampler(index_sampler)
+    _restore_sampler(sampler, state["sampler_state"])
+    if _ours(sampler):
+        if index_sampler is sampler:
             sampler.seek(epoch, done)
             return point._replace(seeked=True)
-        if type(batch_sampler) is BatchSampler and batch_sampler.sampler is sampler:
-            sampler.seek(epoch, done * batch_sampler.batch_size)
+        if type(index_sampler) is BatchSampler:
+            sampler.seek(epoch, done * index_sampler.batch_size)
             return point._replace(seeked=True)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
     return point
 
 
+def inner_sampler(index_sampler: Any) -> Any:
+    """The sampler that orders an epoch: a ``BatchSampler``'s sampler, else the object itself."""
+    return index_sampler.sampler if isinstance(index_sampler, BatchSampler) else index_sampler
+
+
+_STOCK_RANDOM = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+GLOBAL_RNG: Any = "<drawn from torch's global RNG>"  # sampler state that cannot be saved
+
+
 def sampler_state_of(sampler: Any) -> Any:
-    """A user sampler's ``state_dict()``, to be taken at the start of each epoch (``None`` for
-    gpufeed's samplers, which resume by seeking, and for samplers without one)."""
-    if isinstance(sampler, (ShardedSampler, SeededRandomSampler)):
+    """What restores ``sampler`` to the start of an epoch; take it when the epoch starts.
+
+    A sampler's own ``state_dict()``; for torch's random samplers, their generator's state (as a
+    list of ints), or :data:`GLOBAL_RNG` when they draw from torch's global RNG, which cannot
+    be restored; ``None`` for gpufeed's samplers (they seek) and deterministic samplers.
+    """
+    if _ours(sampler):
         return None
     state_dict = getattr(sampler, "state_dict", None)
-    return state_dict() if callable(state_dict) else None
+    if callable(state_dict):
+        return state_dict()
+    if isinstance(sampler, _STOCK_RANDOM):
+        if sampler.generator is None:
+            return GLOBAL_RNG
+        return {"generator_state": sampler.generator.get_state().tolist()}
+    return None
+
+
+def _restore_sampler(sampler: Any, state: Any) -> None:
+    if state is None:
+        return
+    if isinstance(sampler, _STOCK_RANDOM) and isinstance(state, dict) and (
+        sampler.generator is not None and "generator_state" in state
+    ):
+        sampler.generator.set_state(torch.tensor(state["generator_state"], dtype=torch.uint8))
+    elif hasattr(sampler, "load_state_dict"):
+        sampler.load_state_dict(state)
 
 
 def numbered(plan: Iterable[T], point: ResumePoint) -> Iterator[tuple[int, T]]:
@@ -420,15 +456,17 @@ class Progress:
         self.sampler_state: Any = None
 
     def next_epoch(self, loader: Any) -> int:
-        return int(loader.sampler.epoch) if _ours(loader.sampler) else self.epoch
+        sampler = inner_sampler(loader._index_sampler)
+        return int(sampler.epoch) if _ours(sampler) else self.epoch
 
     def set_epoch(self, loader: Any, epoch: int) -> None:
         """``loader.set_epoch``: the epoch of the next ``__iter__`` (drops a loaded state)."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         self.pending = self.pending_dataset = None
-        if _ours(loader.sampler):
-            loader.sampler.set_epoch(epoch)
+        sampler = inner_sampler(loader._index_sampler)
+        if _ours(sampler):
+            sampler.set_epoch(epoch)
         self.epoch = epoch
 
     def begin_epoch(self, loader: Any, *, direct: bool) -> DeliveryTracker:
@@ -436,8 +474,14 @@ class Progress:
         point = self.pending or ResumePoint(self.next_epoch(loader))
         self.pending = None
         self.epoch = point.epoch + 1
-        self.sampler_state = sampler_state_of(loader.sampler)
+        self.sampler_state = sampler_state_of(inner_sampler(loader._index_sampler))
         self.tracker = DeliveryTracker(point, loader._index_sampler, direct=direct)
+        return self.tracker
+
+    def current(self) -> DeliveryTracker:
+        """The tracker of the epoch in progress (after the iterator began it)."""
+        if self.tracker is None:
+            raise RuntimeError("no epoch has started: iterate the loader first")
         return self.tracker
 
     def take_dataset_states(self) -> list[Any] | None:
@@ -446,6 +490,12 @@ class Progress:
         return states
 
     def state_dict(self, loader: Any) -> LoaderState:
+        if self.sampler_state is GLOBAL_RNG:
+            raise ValueError(
+                "cannot save the loader's position: its shuffle is drawn from torch's global "
+                "random generator, which a resumed run cannot replay; construct the DataLoader "
+                "with seed=<int> (or generator=torch.Generator().manual_seed(<int>))"
+            )
         pending, tracker = self.pending, self.tracker
         if pending is not None:
             epoch, done, ahead = pending.epoch, pending.done, list(pending.ahead)
@@ -479,12 +529,13 @@ class Progress:
             world_size=loader.world_size, rank=loader.rank, batch_size=loader.batch_size,
             num_workers=loader.num_workers,
         )
+        sampler = inner_sampler(loader._index_sampler)
         if checked["seed"] is not None:
             loader.seed = checked["seed"]
-            if _ours(loader.sampler):
-                loader.sampler.seed = checked["seed"]
+            if _ours(sampler):
+                sampler.seed = checked["seed"]
         point = prepare_resume(
-            checked, sampler=loader.sampler, batch_sampler=loader.batch_sampler,
+            checked, index_sampler=loader._index_sampler,
             num_batches=None if iterable else _len(loader._index_sampler), iterable=iterable,
         )
         self.pending, self.epoch, self.tracker = point, point.epoch, None

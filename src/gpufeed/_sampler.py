@@ -268,22 +268,21 @@ def build_sampler(
     shuffle: bool | None,
     sampler: Sampler[Any] | Iterable[Any] | None,
     batch_sampler: Sampler[Any] | Iterable[Any] | None = None,
-    seed: int,
+    seed: int | None,
     rank: int | None,
     world_size: int | None,
     drop_last: bool,
 ) -> Sampler[int] | Iterable[Any] | None:
-    """Choose the loader's sampler; ``None`` means "let torch pick its default".
+    """Choose the loader's sampler; ``None`` means "let torch build its stock default".
 
     - a user ``sampler`` is kept as is, and a user ``batch_sampler`` gives ``None`` (with explicit
       ``rank``/``world_size`` either is an error: shard it yourself or drop it);
     - iterable datasets get ``None`` (they are sharded inside the workers, see :func:`shard_for`);
     - with explicit ``rank``/``world_size`` or an initialised ``torch.distributed``: a
-      :class:`ShardedSampler` (``shuffle`` defaults to false, as in the stock loader);
-    - otherwise ``shuffle=True`` gives a :class:`SeededRandomSampler` and ``shuffle`` false gives
-      ``None`` (torch's ``SequentialSampler``, already a pure function of nothing).
-
-    ``seed`` is the resolved base seed (``_seeding.resolve_seed``).
+      :class:`ShardedSampler` (``shuffle`` defaults to false as in the stock loader; ``seed``
+      None means 0, as in ``DistributedSampler``);
+    - otherwise, with ``shuffle`` and a ``seed``: a :class:`SeededRandomSampler`; without a
+      seed, torch's own ``RandomSampler``/``SequentialSampler`` (the stock order, bit for bit).
     """
     explicit = rank is not None or world_size is not None
     user, name = (sampler, "sampler") if sampler is not None else (batch_sampler, "batch_sampler")
@@ -304,10 +303,10 @@ def build_sampler(
             rank=rank_,
             world_size=world_size_,
             shuffle=bool(shuffle),
-            seed=seed,
+            seed=seed or 0,
             drop_last=drop_last,
         )
-    if shuffle:
+    if shuffle and seed is not None:
         return SeededRandomSampler(dataset, seed=seed)
     return None
 

@@ -158,23 +158,19 @@ def fetch_seeded(
     return out
 
 
-def resolve_seed(
-    seed: int | None, generator: torch.Generator | None, *, distributed: bool
-) -> tuple[int, bool]:
-    """Return ``(seed, explicit)``: the base seed for shuffles and per-sample random state.
+def resolve_seed(seed: int | None, generator: torch.Generator | None, *, distributed: bool) -> int:
+    """The base seed of per-sample random state and of gpufeed's samplers.
 
-    ``explicit`` is true when the user chose it (``seed=`` or a ``generator``, whose
-    ``initial_seed()`` is used), which is when per-sample seeding should be on by default.
-    Otherwise distributed runs use 0 (as ``DistributedSampler`` does: all ranks must agree) and
-    single-process runs draw one from torch's default generator (so ``torch.manual_seed`` governs
-    it, as it governs the stock ``RandomSampler``).
+    ``seed`` if given; else the ``generator``'s ``initial_seed()``; else 0 in a distributed run
+    (all ranks must agree, as with ``DistributedSampler``); else one drawn from torch's default
+    generator (so ``torch.manual_seed`` governs it). The loader records it in its state.
     """
     if seed is not None:
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-        return seed, True
+            raise ValueError(f"seed must be an int >= 0 (or None), got {seed!r}")
+        return seed
     if generator is not None:
-        return int(generator.initial_seed()), True
+        return int(generator.initial_seed())
     if distributed:
-        return 0, False
-    return int(torch.empty((), dtype=torch.int64).random_().item()), False
+        return 0
+    return int(torch.empty((), dtype=torch.int64).random_().item())

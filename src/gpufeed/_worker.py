@@ -3,14 +3,17 @@
 A worker receives small task messages, fetches and collates each batch into the slot the
 task names, and answers with small messages (see NOTE [ Messages ] in ``_iterator.py``):
 
-    main -> worker   ("tasks", gen, [(batch, planned, indices, slot), ...])
+    main -> worker   ("tasks", gen, [(batch, planned, indices, slot), ...], epoch)
                         planned: take batch ``batch`` of the epoch's IndexPlan (indices unused)
                         slot: (id, offset, size), or None for ordinary allocation
+                        epoch: seeds per-sample random state (``_seeding.py``)
                      ("plan", gen, IndexPlan)                this epoch's index plan
-                     ("reset", gen)                          iterable datasets: restart
+                     ("reset", gen, state)                   iterable datasets: restart (from
+                                                             ``state`` on resume, else None)
                      None                                    stop (or EOF on the pipe)
     worker -> main   ("done", gen, [result, ...])            one result per task, in order:
-                        ("ok", batch, slot_id, used, need, packed, fetch_s, collate_s)
+                        ("ok", batch, slot_id, used, need, packed, fetch_s, collate_s,
+                         dataset_state)                      iterable datasets' state_dict()
                         ("stop", batch, slot_id)             iterable dataset exhausted
                         ("err", batch, slot_id, RemoteError)
                      ("init_err", RemoteError)               worker_init_fn or set-up failed
@@ -38,6 +41,7 @@ from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 from ._collate import SlotWriter, pack
 from ._errors import capture
 from ._fetch import IterFetcher, MapFetcher
+from ._resume import capture_state
 
 POLL_S = 0.5  # how often an idle worker checks that the main process is alive
 
@@ -106,7 +110,7 @@ def worker_loop(
     *, worker_id: int, num_workers: int, kind: str, chan: Any, dataset: Any, is_iterable: bool,
     auto_collation: bool, collate_fn: Callable[[Any], Any] | None, drop_last: bool,
     region: Any, base_seed: int, init_fn: Callable[[int], None] | None,
-    close_fds: tuple[int, ...] = (),
+    close_fds: tuple[int, ...] = (), sample_seed: int | None = None,
 ) -> None:
     """Run one worker until told to stop, the main process goes away, or the pipe closes."""
     is_process = kind == "process"
@@ -144,7 +148,9 @@ def worker_loop(
                 dataset, auto_collation=auto_collation, collate_fn=collate_fn, drop_last=drop_last
             )
         else:
-            fetcher = MapFetcher(dataset, auto_collation=auto_collation, collate_fn=collate_fn)
+            fetcher = MapFetcher(
+                dataset, auto_collation=auto_collation, collate_fn=collate_fn, seed=sample_seed
+            )
         writer = (
             SlotWriter(region, shared_fallback=is_process) if region is not None else None
         )
@@ -172,12 +178,14 @@ def _serve(
         kind, gen = msg[0], msg[1]
         if kind == "reset":
             if isinstance(fetcher, IterFetcher):
-                fetcher.reset()
+                fetcher.reset(msg[2] if len(msg) > 2 else None)
             continue
         if kind == "plan":
             if isinstance(fetcher, MapFetcher):
                 fetcher.plan = msg[2]
             continue
+        if len(msg) > 3 and isinstance(fetcher, MapFetcher):
+            fetcher.epoch = msg[3]
         results = [_run_task(worker_id, fetcher, writer, task) for task in msg[2]]
         try:
             chan.send(("done", gen, results))
@@ -214,4 +222,5 @@ def _run_task(
         return ("err", batch, sid, capture(where))
     t2 = time.perf_counter()
     collate_s = fetcher.collate_s + (t2 - t1)
-    return ("ok", batch, sid, used, need, packed, t2 - t0 - collate_s, collate_s)
+    state = capture_state(fetcher.dataset)
+    return ("ok", batch, sid, used, need, packed, t2 - t0 - collate_s, collate_s, state)

@@ -148,14 +148,18 @@ def warm(paths: Sequence[Path]) -> dict[str, float]:
 TABULAR_DTYPE = np.dtype([("x", "<f4", (FEATURES,)), ("y", "<i8")])
 
 
+def _tabular_data(rows: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    data = np.empty(rows, dtype=TABULAR_DTYPE)
+    data["x"] = rng.standard_normal((rows, FEATURES), dtype=np.float32)
+    data["y"] = rng.integers(0, 1000, rows)
+    return data
+
+
 def _tabular_file(cache: Path, rows: int, seed: int) -> Path:
     def write(tmp: Path) -> None:
-        rng = np.random.default_rng(seed)
-        data = np.empty(rows, dtype=TABULAR_DTYPE)
-        data["x"] = rng.standard_normal((rows, FEATURES), dtype=np.float32)
-        data["y"] = rng.integers(0, 1000, rows)
         with open(tmp, "wb") as f:
-            np.save(f, data)
+            np.save(f, _tabular_data(rows, seed))
 
     return _atomic(cache / f"tabular-{rows}-s{seed}.npy", write)
 
@@ -196,25 +200,24 @@ class PythonRows(Dataset[tuple[torch.Tensor, int]]):
         return torch.tensor(row[:FEATURES], dtype=torch.float32), int(row[FEATURES])
 
 
-def _array_variant(*arrays: Any) -> list[Variant]:
-    """An ``array`` variant over gpufeed.ArrayDataset when gpufeed's core is importable."""
+def _tabular_variants(data: np.ndarray) -> tuple[Variant, ...]:
+    """per-sample, getitems and (when gpufeed's core imports) gpufeed.ArrayDataset variants."""
     try:
         array_dataset = getattr(importlib.import_module("gpufeed"), "ArrayDataset", None)
     except ImportError:
         array_dataset = None
-    return [] if array_dataset is None else [Variant("array", array_dataset(*arrays))]
+    array = [] if array_dataset is None else [Variant("array", array_dataset(data["x"], data["y"]))]
+    return (Variant("per-sample", TabularRows(data)),
+            Variant("getitems", TabularBatches(data), passthrough), *array)
 
 
 def tabular(cache: Path, *, rows: int, seed: int = 0) -> Workload:
     """1M x 64 float32 + int64 label in one in-memory structured array, batch 256."""
     path = _tabular_file(cache, rows, seed)
     data = np.load(path)  # read whole into memory: timed runs never touch the file
-    variants = [Variant("per-sample", TabularRows(data)),
-                Variant("getitems", TabularBatches(data), passthrough),
-                *_array_variant(data["x"], data["y"])]
     meta = {"file": str(path), "file_bytes": path.stat().st_size, "in_memory": True}
     return Workload("tabular", f"{rows:,} x {FEATURES} float32 + int64 label, one array",
-                    256, rows, tuple(variants), meta=meta)
+                    256, rows, _tabular_variants(data), meta=meta)
 
 
 def python_list(cache: Path, *, rows: int, source_rows: int, seed: int = 0) -> Workload:
@@ -233,15 +236,9 @@ def python_list(cache: Path, *, rows: int, source_rows: int, seed: int = 0) -> W
 
 def synthetic(cache: Path, *, rows: int, seed: int = 0) -> Workload:
     """In-memory random features and labels, no files: the default of ``gpufeed bench``."""
-    rng = np.random.default_rng(seed)
-    data = np.empty(rows, dtype=TABULAR_DTYPE)
-    data["x"] = rng.standard_normal((rows, FEATURES), dtype=np.float32)
-    data["y"] = rng.integers(0, 1000, rows)
-    variants = [Variant("per-sample", TabularRows(data)),
-                Variant("getitems", TabularBatches(data), passthrough),
-                *_array_variant(data["x"], data["y"])]
     return Workload("synthetic", f"{rows:,} x {FEATURES} float32 in memory (no files)",
-                    256, rows, tuple(variants), meta={"in_memory": True})
+                    256, rows, _tabular_variants(_tabular_data(rows, seed)),
+                    meta={"in_memory": True})
 
 
 # ---------------------------------------------------------------- image-array and jpeg
