@@ -15,7 +15,7 @@ Fakes
     record_init, failing_init       ``worker_init_fn``\\ s
 Checkers
     assert_same, assert_same_batches, canon      exact nested comparison, incl. container types
-    collect                         run a loader class over a dataset with identical seeding
+    collect, drain, shutdown        run a loader class over a dataset with identical seeding
     snapshot, no_leaks              processes, /dev/shm entries, fds and threads before/after
     deadline                        turn a hang into an exception
     run_script, spawn_script        Python subprocesses that can import these helpers
@@ -523,17 +523,40 @@ def seed_all(seed: int) -> None:
     random.seed(seed)
 
 
+def shutdown(it: Any) -> None:
+    """Stop an iterator's workers now (gpufeed: ``close()``; stock: its shutdown method)."""
+    if hasattr(it, "close"):
+        it.close()
+    elif hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+
+
+def drain(loader: Any) -> list[Any]:
+    """``list(loader)``, but the workers stop at once if it raises.
+
+    A failed ``list(loader)`` leaves the iterator referenced by the traceback, its workers
+    alive until the traceback goes; workers forked later then hold the old pipes open.
+    """
+    it = iter(loader)
+    try:
+        return list(it)
+    except BaseException:
+        shutdown(it)
+        raise
+
+
 def collect(
     loader_cls: type, dataset: Any, *, epochs: int = 1, seed: int = 0, **kwargs: Any
 ) -> list[list[Any]]:
     """``epochs`` epochs of ``loader_cls(dataset, **kwargs)``, every RNG seeded the same."""
     seed_all(seed)
     loader = loader_cls(dataset, **kwargs)
-    out = [list(loader) for _ in range(epochs)]
-    if kwargs.get("persistent_workers"):
-        del loader
-        gc.collect()
-    return out
+    try:
+        return [drain(loader) for _ in range(epochs)]
+    finally:
+        if kwargs.get("persistent_workers"):
+            del loader
+            gc.collect()
 
 
 # -- resources -------------------------------------------------------------------------------

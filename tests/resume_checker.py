@@ -72,8 +72,10 @@ class Case:
     stop: int = 3
     resume_workers: int | None = None
     resume_worker_type: str | None = None
+    persistent: bool = False
+    device: str | None = None
     n: int = 22
-    batch_size: int = 4
+    batch_size: int | None = 4
     seed: int = 1234
 
     def loader(self, *, resumed: bool = False) -> gpufeed.DataLoader:
@@ -85,7 +87,8 @@ class Case:
         return gpufeed.DataLoader(
             RandomTransformDataset(self.n), batch_size=self.batch_size, shuffle=self.shuffle,
             drop_last=self.drop_last, num_workers=workers, in_order=self.in_order,
-            worker_type=kind, seed=self.seed,
+            worker_type=kind, seed=self.seed, device=self.device,
+            persistent_workers=self.persistent and workers > 0,
         )
 
     @property

@@ -32,6 +32,7 @@ from helpers import (
     assert_same_batches,
     box_collate,
     collect,
+    drain,
     identity_collate,
     init_calls,
     numpy_collate,
@@ -236,8 +237,8 @@ def test_sample_kinds_match_stock(batch_size, workers):
     else:
         kwargs = dict(batch_sampler=[list(range(k * 4, k * 4 + batch_size))
                                      for k in range(len(SAMPLE_KINDS))])
-    expected = list(tud.DataLoader(ds, **kwargs))
-    got = list(gpufeed.DataLoader(ds, **kwargs, **workers))
+    expected = drain(tud.DataLoader(ds, **kwargs))
+    got = drain(gpufeed.DataLoader(ds, **kwargs, **workers))
     assert len(got) == len(expected)
     for k, (e, g) in enumerate(zip(expected, got, strict=True)):
         kind = SAMPLE_KINDS[k if batch_size else k // 4]
@@ -282,8 +283,8 @@ def test_custom_collate_results_match_stock(collate_fn, workers):
 @pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_numpy_string_arrays_pass_through(worker_type):
     ds = NumpyLeafDataset(np.array(["ab", "cd"]))
-    expected = list(tud.DataLoader(ds, batch_size=None, num_workers=1))
-    got = list(gpufeed.DataLoader(ds, batch_size=None, num_workers=1, worker_type=worker_type))
+    expected = drain(tud.DataLoader(ds, batch_size=None, num_workers=1))
+    got = drain(gpufeed.DataLoader(ds, batch_size=None, num_workers=1, worker_type=worker_type))
     assert_same_batches(expected, got)
 
 
@@ -293,9 +294,10 @@ def test_numpy_string_arrays_pass_through(worker_type):
 @pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_numpy_big_endian_arrays_pass_through(worker_type):
     ds = NumpyLeafDataset(np.arange(3, dtype=">f4"))
-    expected = list(tud.DataLoader(ds, batch_size=2, num_workers=1, collate_fn=identity_collate))
-    got = list(gpufeed.DataLoader(ds, batch_size=2, num_workers=1, collate_fn=identity_collate,
-                                  worker_type=worker_type))
+    expected = drain(tud.DataLoader(ds, batch_size=2, num_workers=1,
+                                    collate_fn=identity_collate))
+    got = drain(gpufeed.DataLoader(ds, batch_size=2, num_workers=1, collate_fn=identity_collate,
+                                   worker_type=worker_type))
     assert_same_batches(expected, got)
 
 

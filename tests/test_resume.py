@@ -352,6 +352,10 @@ CASES = [
     Case(num_workers=2, in_order=False, stop=2, epochs=3, resume_workers=1),
     Case(stop=0, epochs=1),
     Case(num_workers=2, worker_type="thread", drop_last=True, epochs=3, stop=12),
+    Case(num_workers=2, persistent=True, epochs=3, stop=9, resume_workers=2,
+         resume_worker_type="thread"),
+    Case(num_workers=2, device="cpu", stop=4),
+    Case(batch_size=None, n=9, num_workers=2, worker_type="thread", stop=4),
 ]
 
 
@@ -431,3 +435,46 @@ def test_iterable_dataset_without_state_is_a_clear_error():
     next(iter(loader))
     with pytest.raises(TypeError, match=r"cannot save the position of _Plain.*state_dict"):
         loader.state_dict()
+
+
+class _ShardedCounter(IterableDataset):
+    """Each worker counts through its own shard and can say how far it got."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.done = 0
+        self.loaded = 0
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        self.done, self.loaded = self.loaded, 0
+        for i in list(range(wid, self.n, nw))[self.done:]:
+            self.done += 1
+            yield torch.tensor([i])
+
+    def state_dict(self):
+        return {"done": self.done}
+
+    def load_state_dict(self, state):
+        self.loaded = state["done"]
+
+
+@integrated
+def test_iterable_dataset_with_process_workers_resumes_per_worker(tmp_path):
+    def make():
+        return gpufeed.DataLoader(_ShardedCounter(23), batch_size=2, num_workers=2, seed=0)
+
+    loader = make()
+    it = iter(loader)
+    head = [next(it) for _ in range(4)]
+    torch.save(loader.state_dict(), tmp_path / "s.pt")
+    del it
+    fresh = make()
+    fresh.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    rest = list(fresh)
+    assert sorted(torch.cat(head + rest).flatten().tolist()) == list(range(23))
+    with pytest.raises(ValueError, match="num_workers=2 but this loader has num_workers=1"):
+        gpufeed.DataLoader(_ShardedCounter(23), batch_size=2, num_workers=1).load_state_dict(
+            torch.load(tmp_path / "s.pt", weights_only=True)
+        )

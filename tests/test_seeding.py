@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import gpufeed
 from gpufeed import _seeding
 from gpufeed._seeding import (
     batch_seed,
@@ -19,6 +20,7 @@ from gpufeed._seeding import (
     seed_globals,
     seeded,
 )
+from resume_checker import RandomTransformDataset, leaves
 
 
 def _draw(index: int) -> tuple[float, float, float]:
@@ -150,3 +152,56 @@ def test_resolve_seed():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="seed must be an int >= 0"):
             resolve_seed(bad, None, distributed=False)  # type: ignore[arg-type]
+
+
+# -- end to end, through gpufeed.DataLoader --------------------------------------------------
+
+
+def _batches(**kwargs):
+    loader = gpufeed.DataLoader(RandomTransformDataset(18), batch_size=4, shuffle=True, seed=7,
+                                **kwargs)
+    return [leaves(b) for _ in range(2) for b in loader]
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker:UserWarning")
+def test_batches_are_the_same_for_any_workers():
+    reference = _batches()
+    for workers, kind in [(1, "process"), (2, "thread"), (2, "process"), (4, "thread")]:
+        assert _batches(num_workers=workers, worker_type=kind) == reference, (workers, kind)
+
+
+class _Batched(RandomTransformDataset):
+    def __getitems__(self, indices):
+        return [self[i] for i in indices]
+
+
+def test_batched_fetch_is_seeded_per_batch():
+    def run(**kwargs):
+        loader = gpufeed.DataLoader(_Batched(10), batch_size=3, seed=1, **kwargs)
+        return [leaves(b) for b in loader]
+
+    assert run() == run(num_workers=2, worker_type="thread")
+
+
+def test_opt_out_keeps_the_stock_random_stream():
+    def run(**kwargs):
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+        loader = gpufeed.DataLoader(RandomTransformDataset(6), batch_size=3, **kwargs)
+        return [leaves(b) for b in loader]
+
+    stock = run()
+    assert run(seed=3, deterministic=False)[0][0] == stock[0][0]  # same indices, in order
+    assert run(seed=3, deterministic=False) == stock  # no reseeding: the global stream
+    assert run(seed=3) != stock
+
+
+def test_seeded_loading_leaves_the_training_loop_stream_alone():
+    def run(**kwargs):
+        torch.manual_seed(0)
+        for _ in gpufeed.DataLoader(RandomTransformDataset(6), batch_size=3, **kwargs):
+            pass
+        return torch.rand(3)
+
+    assert torch.equal(run(seed=5), run(seed=6))

@@ -43,6 +43,7 @@ class ArrayDataset(Dataset[tuple[torch.Tensor, ...]]):
         if any(m != n for m in lengths):
             raise ValueError(f"ArrayDataset arrays differ in length {lengths}; they must all match")
         self.arrays = arrays
+        self.gather_arrays = [_gatherable(a) for a in arrays]  # views, made once
 
     def __len__(self) -> int:
         return len(self.arrays[0])
@@ -51,7 +52,9 @@ class ArrayDataset(Dataset[tuple[torch.Tensor, ...]]):
         return tuple(_row(a, index) for a in self.arrays)
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, ...]]:
-        cols = gather(self.arrays, indices, lambda shape, dtype: torch.empty(shape, dtype=dtype))
+        cols = gather(
+            self.gather_arrays, indices, lambda shape, dtype: torch.empty(shape, dtype=dtype)
+        )
         return list(zip(*cols, strict=True))
 
 
@@ -113,7 +116,7 @@ def gather_arrays(dataset: Any) -> Sequence[Any] | None:
     ``index_select``.
     """
     if type(dataset) is ArrayDataset:
-        return [_gatherable(a) for a in dataset.arrays]
+        return dataset.gather_arrays
     if type(dataset) is TensorDataset:
         tensors = dataset.tensors
         if all(t.device.type == "cpu" and t.layout == torch.strided for t in tensors):

@@ -30,6 +30,7 @@ from ._plan import IndexPlan, finish_plan, make_plan, plannable
 from ._pool import Pool, ProcessPool, ThreadPool
 from ._resume import capture_state
 from ._ring import SlotRing, default_reserve
+from ._sampler import ShardInfo, set_shard_info
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -151,6 +152,7 @@ class SingleIter(BaseIter):
                 self._dataset, auto_collation=self._auto_collation, collate_fn=self._collate_fn,
                 seed=self._sample_seed,
             )
+        set_shard_info(ShardInfo(loader.rank, loader.world_size, 0, 1))
         self._load_dataset_state()
 
     def _load_dataset_state(self) -> None:
@@ -207,7 +209,8 @@ class WorkerIter(BaseIter):
             auto_collation=self._auto_collation, collate_fn=self._collate_fn,
             drop_last=self._drop_last, region=self._ring.mem if shared else self._ring.region,
             base_seed=self._base_seed,
-            init_fn=loader.worker_init_fn, sample_seed=self._sample_seed,
+            init_fn=loader.worker_init_fn, sample_seed=self._sample_seed, rank=loader.rank,
+            world_size=loader.world_size,
         )
         self._pool: Pool
         if shared:
@@ -305,10 +308,11 @@ class WorkerIter(BaseIter):
             self._ring.set_slots_hint(self._slots_for(self._max_out))
 
     def _slots_for(self, in_flight: int) -> int:
-        """Default ring size: in-flight batches twice over, plus those the consumer holds
-        (the loop's current and previous batch, and a device stage's depth + 1)."""
+        """Default ring size: in-flight batches plus those the consumer holds (the loop's
+        current and previous batch, and a device stage's depth + 1). More would only raise
+        peak memory; a consumer that keeps more batches gets ordinary allocations."""
         held = 2 + (self._loader.device_depth + 1 if self._loader.device is not None else 0)
-        return 2 * in_flight + held
+        return in_flight + held
 
     # -- receiving ----------------------------------------------------------------------------
     def _handle(self, w: int, msg: Any) -> None:

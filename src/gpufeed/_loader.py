@@ -32,8 +32,9 @@ class DataLoader(_TorchDataLoader):
             the per-sample work releases the GIL (numpy, torch ops, Pillow decode, file I/O),
             and not for pure-Python work.
         ring_bytes: the most bytes of (shared) memory the slot ring may hold. Default:
-            room for ``2 * prefetch_factor * num_workers + 2`` batches, sized from the first
-            batch. More keeps more batches held by the user in recycled memory; less falls
+            room for the batches in flight (``prefetch_factor * num_workers``, more when
+            batches are tiny) plus 2 held by your loop (plus ``device_depth + 1`` with a
+            device stage), sized from the first batch. More keeps more batches held by the user in recycled memory; less falls
             back sooner to a fresh allocation per batch (the stock loader's path).
         device: a device to deliver batches on (e.g. ``"cuda"``): copies run ahead on a side
             stream (see ``gpufeed.to_device``), from a page-locked ring (implied, whatever

@@ -42,6 +42,7 @@ from ._collate import SlotWriter, pack
 from ._errors import capture
 from ._fetch import IterFetcher, MapFetcher
 from ._resume import capture_state
+from ._sampler import ShardInfo, set_shard_info
 
 POLL_S = 0.5  # how often an idle worker checks that the main process is alive
 
@@ -110,7 +111,8 @@ def worker_loop(
     *, worker_id: int, num_workers: int, kind: str, chan: Any, dataset: Any, is_iterable: bool,
     auto_collation: bool, collate_fn: Callable[[Any], Any] | None, drop_last: bool,
     region: Any, base_seed: int, init_fn: Callable[[int], None] | None,
-    close_fds: tuple[int, ...] = (), sample_seed: int | None = None,
+    close_fds: tuple[int, ...] = (), sample_seed: int | None = None, rank: int = 0,
+    world_size: int = 1,
 ) -> None:
     """Run one worker until told to stop, the main process goes away, or the pipe closes."""
     is_process = kind == "process"
@@ -139,6 +141,7 @@ def worker_loop(
             id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset
         )
         parent = -1
+    set_shard_info(ShardInfo(rank, world_size, worker_id, num_workers))
     try:
         if init_fn is not None:
             init_fn(worker_id)

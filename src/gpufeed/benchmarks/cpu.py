@@ -325,6 +325,7 @@ def run_cpu(workloads: Sequence[str], *, settings: Settings | None = None,
     torch.set_num_threads(1)
     doc: dict[str, Any] = {"schema": SCHEMA, "kind": "cpu", "environment": environment(),
                            "settings": asdict(s), "loaders": {k: status[k] for k in loaders},
+                           "targets": {"ratio": TARGETS, "pss_tolerance": PSS_TOLERANCE},
                            "page_cache": "every file is read once before timing", "workloads": []}
     for name in workloads:
         try:
