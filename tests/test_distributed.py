@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpufeed._sampler import ShardedSampler
+import gpufeed
+from gpufeed._sampler import ShardedIterable, ShardedSampler
 from gpufeed._seeding import fetch_seeded
 
 HERE = Path(__file__).resolve().parent
@@ -95,3 +96,29 @@ def test_loader_draws_are_seeded_per_sample(reports, drop_last):
 def test_iterable_dataset_sharded_by_rank_and_worker(reports):
     parts = [rep["iterable"][0] for rep in reports]
     assert sorted(i for p in parts for i in p) == list(range(N))
+
+
+# -- explicit rank/world_size, no process group -------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_explicit_rank_shards_an_iterable_dataset_by_rank_and_worker(workers):
+    parts = [
+        [int(x) for x in gpufeed.DataLoader(ShardedIterable(range(N)), batch_size=None,
+                                            num_workers=workers, worker_type="thread",
+                                            rank=rank, world_size=WORLD)]
+        for rank in range(WORLD)
+    ]
+    assert sorted(parts[0] + parts[1]) == list(range(N))
+    assert not set(parts[0]) & set(parts[1])
+
+
+def test_explicit_rank_shards_a_map_dataset():
+    parts = [
+        [int(i) for b in gpufeed.DataLoader(list(range(N)), batch_size=4, shuffle=True, seed=1,
+                                            rank=rank, world_size=WORLD) for i in b]
+        for rank in range(WORLD)
+    ]
+    _check_split(parts, drop_last=False)
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 1\], got 2"):
+        gpufeed.DataLoader(list(range(N)), rank=2, world_size=WORLD)

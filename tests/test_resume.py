@@ -301,6 +301,21 @@ def test_progress_counts_epochs_and_resumes():
     assert resumed.begin_epoch(other, direct=True).epoch == 1
 
 
+def test_progress_sampler_set_epoch_after_load_wins():
+    loader = _fake_loader(list(range(10)), SeededRandomSampler(range(10), seed=8))
+    progress = Progress()
+    progress.load_state_dict(loader, _state(epoch=1, batches_delivered=1, seed=8, world_size=1,
+                                            rank=0, num_workers=0))
+    loader.sampler.set_epoch(1)  # the DistributedSampler idiom, same epoch: resume kept
+    tracker = progress.begin_epoch(loader, direct=True)
+    assert (tracker.epoch, len(list(tracker.indices))) == (1, 2)
+    progress.load_state_dict(loader, _state(epoch=1, batches_delivered=1, seed=8, world_size=1,
+                                            rank=0, num_workers=0))
+    loader.sampler.set_epoch(4)  # another epoch: it starts from its beginning
+    tracker = progress.begin_epoch(loader, direct=True)
+    assert (tracker.epoch, len(list(tracker.indices))) == (4, 3)
+
+
 def test_progress_set_epoch_and_user_sampler():
     loader = _fake_loader(list(range(10)), _CountingSampler(range(10)))
     progress = Progress()

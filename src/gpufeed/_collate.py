@@ -44,7 +44,7 @@ class SlotWriter:
             numel *= d
         isz = dtype.itemsize
         nbytes = numel * isz
-        if self.cur + nbytes > self.end:
+        if self.cur + nbytes > self.end or self.end == self.start:  # full, or no slot at all
             return None
         typed = self._typed.get(dtype)
         if typed is None:  # the region's size is a multiple of every itemsize
@@ -131,7 +131,11 @@ def pack(batch: Any, writer: SlotWriter | None) -> tuple[Any, int, int]:
                 return x
             t = x
         elif isinstance(x, np.ndarray):
-            if x.dtype.hasobject or not (x.flags.c_contiguous or x.flags.f_contiguous):
+            if (
+                x.dtype.kind not in "biufc"  # strings, objects, datetimes: pickled as they are
+                or not x.dtype.isnative
+                or not (x.flags.c_contiguous or x.flags.f_contiguous)
+            ):
                 return x
             t = torch.from_numpy(x)
             is_numpy = True
@@ -160,6 +164,13 @@ def pack(batch: Any, writer: SlotWriter | None) -> tuple[Any, int, int]:
     return packed, used, need
 
 
+def _empty_leaf(x: Any) -> Any:
+    if type(x) is not Leaf:
+        return x
+    t = torch.empty(x.shape, dtype=x.dtype)
+    return t.numpy() if x.is_numpy else t
+
+
 def _span(t: torch.Tensor) -> int:
     """Bytes from a tensor's first element to just past its last."""
     if t.numel() == 0:
@@ -170,13 +181,15 @@ def _span(t: torch.Tensor) -> int:
 
 def unpack(packed: Any, base: np.ndarray | None) -> Any:
     """Rebuild a packed batch as views of ``base`` (the slot's bytes)."""
-    if base is None:
-        return packed
+    if base is None:  # nothing of the batch lies in a slot but empty tensors, if any
+        return tree_map(_empty_leaf, packed)
     typed: dict[torch.dtype, torch.Tensor] = {}
 
     def leaf(x: Any) -> Any:
         if type(x) is not Leaf:
             return x
+        if 0 in x.shape:
+            return _empty_leaf(x)
         flat = typed.get(x.dtype)
         if flat is None:  # frombuffer per dtype: much cheaper than a uint8 .view(dtype)
             flat = typed[x.dtype] = torch.frombuffer(base, dtype=x.dtype)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 import time
 import warnings
 import weakref
@@ -187,6 +188,7 @@ class WorkerIter(BaseIter):
     def __init__(self, loader: DataLoader) -> None:
         super().__init__(loader)
         self._closed = False
+        self._pid = os.getpid()  # a forked child inherits this object: it must not close it
         nw = loader.num_workers
         self._nw = nw
         self._in_order = loader.in_order
@@ -263,21 +265,27 @@ class WorkerIter(BaseIter):
         return True, None
 
     def _dispatch(self) -> None:
-        """Hand out tasks, a chunk per message, while fewer than the bound are in flight."""
+        """Hand out tasks while fewer than the bound are in flight.
+
+        Batch k goes to the next active worker in turn, as with torch's loader (so iterable
+        datasets and per-worker random state give the same batches). When batches are cheap,
+        a window of ``chunk * num_workers`` batches is handed out at once, each worker's share
+        in one message.
+        """
         while not self._sampler_done:
             room = self._max_out - len(self._tasks) - len(self._ready)
-            want = min(self._chunk, room)
-            if want <= 0 or (want < self._chunk and (self._tasks or self._ready)):
+            window = min(self._chunk * self._nw, room)
+            if window <= 0 or (window < self._chunk * self._nw and (self._tasks or self._ready)):
                 return
-            for _ in range(self._nw):
-                w = next(self._cycle)
-                if self._active[w]:
+            per_worker: dict[int, list[Any]] = {}
+            for _ in range(window):
+                for _ in range(self._nw):
+                    w = next(self._cycle)
+                    if self._active[w]:
+                        break
+                else:
+                    self._sampler_done = True  # every iterable worker ran dry
                     break
-            else:
-                self._sampler_done = True  # every iterable worker ran dry
-                return
-            items = []
-            for _ in range(want):
                 try:
                     planned, indices = self._next_task()
                 except StopIteration:
@@ -286,8 +294,10 @@ class WorkerIter(BaseIter):
                 idx = self._send_idx
                 self._send_idx += 1
                 self._tasks[idx] = w
-                items.append((idx, planned, indices, self._ring.acquire()))
-            if items:
+                per_worker.setdefault(w, []).append(
+                    (idx, planned, indices, self._ring.acquire())
+                )
+            for w, items in per_worker.items():
                 self._pool.send(w, ("tasks", self._gen, items, self._tracker.epoch))
         ring = self._ring
         if ring.grows != self._seen_grows or ring.fallbacks != self._seen_fallbacks:
@@ -296,7 +306,12 @@ class WorkerIter(BaseIter):
             self._seen_grows, self._seen_fallbacks = ring.grows, ring.fallbacks
 
     def _adapt(self, batch_s: float) -> None:
-        """Size task messages so each carries about CHUNK_TARGET_S of worker time."""
+        """Size task messages so each carries about CHUNK_TARGET_S of worker time.
+
+        Not with ``timeout=``: a worker answers once per message, and the timeout is per batch.
+        """
+        if self._timeout > 0:
+            return
         self._batch_s = batch_s if not self._batch_s else 0.8 * self._batch_s + 0.2 * batch_s
         chunk = min(int(CHUNK_TARGET_S / max(self._batch_s, 1e-6)), CHUNK_MAX)
         if self._ring.slot_bytes:
@@ -435,7 +450,7 @@ class WorkerIter(BaseIter):
         }
 
     def close(self) -> None:
-        if self._closed:
+        if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
         self._ready.clear()

@@ -170,6 +170,8 @@ class DataLoader(_TorchDataLoader):
         return WorkerIter(self)
 
     def __iter__(self) -> Any:
+        if getattr(self._iterator, "_closed", False):  # closed by the user: start afresh
+            self._iterator = None
         it = super().__iter__()
         if self.device is None:
             return it

@@ -32,6 +32,7 @@ from ._worker import ThreadChannel, install_thread_worker_info, worker_loop
 
 log = logging.getLogger("gpufeed")
 GRACE_S = 2.0
+_STOP_MSG = bytes(ForkingPickler.dumps(None))
 INLINE_BYTES = 4096  # task messages up to this size are written inline (never blocks)
 
 
@@ -129,6 +130,8 @@ class ProcessPool:
         return out
 
     def exit_description(self, w: int) -> str:
+        if self.closed:
+            return f"gpufeed worker {w}"
         proc = self.procs[w]
         proc.join(0.5)
         return f"gpufeed worker {w} (pid {proc.pid}) {describe_exit(proc.exitcode)}"
@@ -140,6 +143,10 @@ class ProcessPool:
         if self._sender is not None:
             self._sender.stop()
         for conn in self.conns:
+            try:  # explicit stop: EOF alone is not enough when a later fork inherited our end
+                conn.send_bytes(_STOP_MSG)
+            except (OSError, ValueError):
+                pass
             conn.close()
         deadline = time.monotonic() + GRACE_S
         for proc in self.procs:
@@ -157,6 +164,7 @@ class ProcessPool:
                 log.warning("gpufeed worker pid %s did not stop", p.pid)
             else:
                 p.close()
+        self.procs = []  # their arguments hold the ring: let it go with the last user view
 
 
 class _Sender:

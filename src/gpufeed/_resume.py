@@ -302,7 +302,9 @@ def require_resumable(dataset: Any) -> None:
 def capture_state(dataset: Any) -> Any:
     """Worker side, after each batch: the iterable dataset's ``state_dict()``, else ``None``.
 
-    It runs once per batch, so a dataset's ``state_dict`` must be cheap (a few counters).
+    It runs once per batch, so a dataset's ``state_dict`` must be cheap (a few counters). Thread
+    workers share one dataset object: its state must then be kept per worker (keyed by
+    ``get_worker_info().id``); process workers each have their own copy.
     """
     if isinstance(dataset, IterableDataset) and hasattr(dataset, "state_dict"):
         return dataset.state_dict()
@@ -471,10 +473,13 @@ class Progress:
 
     def begin_epoch(self, loader: Any, *, direct: bool) -> DeliveryTracker:
         """Called once per epoch by the iterator; draw indices from ``tracker.indices``."""
-        point = self.pending or ResumePoint(self.next_epoch(loader))
-        self.pending = None
+        point, self.pending = self.pending, None
+        sampler = inner_sampler(loader._index_sampler)
+        if point is not None and _ours(sampler) and sampler.epoch != point.epoch:
+            point = None  # sampler.set_epoch() chose another epoch after the load: start it
+        point = point or ResumePoint(self.next_epoch(loader))
         self.epoch = point.epoch + 1
-        self.sampler_state = sampler_state_of(inner_sampler(loader._index_sampler))
+        self.sampler_state = sampler_state_of(sampler)
         self.tracker = DeliveryTracker(point, loader._index_sampler, direct=direct)
         return self.tracker
 

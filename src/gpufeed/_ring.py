@@ -77,6 +77,7 @@ class Region:
     def __init__(self, size: int, *, shared: bool) -> None:
         self.size = size
         self.fd = -1
+        self.shared = shared
         if shared:
             self.fd = os.memfd_create("gpufeed-ring", os.MFD_CLOEXEC)
             os.ftruncate(self.fd, size)
@@ -85,6 +86,14 @@ class Region:
             self.mm = mmap.mmap(-1, size)
         self.array: np.ndarray = np.frombuffer(self.mm, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.array)
+
+    def discard(self, offset: int, size: int) -> None:
+        """Give the pages of a retired slot back to the system (contents are lost)."""
+        advice = mmap.MADV_REMOVE if self.shared else mmap.MADV_DONTNEED
+        try:
+            self.mm.madvise(advice, offset, size)
+        except (OSError, ValueError):
+            pass  # only memory use is at stake
 
     def close_fd(self) -> None:
         """Drop the descriptor once workers have it; the mapping stays."""
@@ -103,7 +112,7 @@ class Region:
 def _attach(dupfd: Any, size: int) -> Region:
     fd = dupfd.detach()
     obj = Region.__new__(Region)
-    obj.size, obj.fd = size, -1
+    obj.size, obj.fd, obj.shared = size, -1, True
     obj.mm = mmap.mmap(fd, size)
     os.close(fd)
     obj.array = np.frombuffer(obj.mm, dtype=np.uint8)
@@ -158,10 +167,14 @@ class SlotRing:
                 self.budget = min(self.reserve, self.slots_hint * size)
 
     def set_slots_hint(self, slots: int) -> None:
-        """Resize a default budget to ``slots`` slots (a budget the user set stays)."""
-        self.slots_hint = slots
+        """Grow a default budget to ``slots`` slots (a budget the user set stays).
+
+        It never shrinks: slots carved under it may be held by the user, and retiring free
+        ones is done by ``acquire`` whenever live bytes exceed the budget.
+        """
+        self.slots_hint = max(self.slots_hint, slots)
         if self.user_budget is None and self.slot_bytes:
-            self.budget = min(self.reserve, slots * self.slot_bytes)
+            self.budget = min(self.reserve, self.slots_hint * self.slot_bytes)
 
     @property
     def capacity_slots(self) -> int:
@@ -182,9 +195,10 @@ class SlotRing:
         while self._free:
             sid = self._free.pop()
             off, size = self._slots[sid]
-            if size >= self.slot_bytes:
+            over = self.budget is not None and self.live_bytes > self.budget
+            if size >= self.slot_bytes and not over:
                 return sid, off, size
-            self._retire(sid)  # too small for today's batches
+            self._retire(sid)  # too small for today's batches, or the budget shrank
         if self.budget is not None and self.live_bytes + self.slot_bytes <= self.budget:
             new = self._carve(self.slot_bytes)
             if new is not None:
@@ -230,6 +244,7 @@ class SlotRing:
 
             _pinning.unregister(handle)
         self.live_bytes -= size
+        self.mem.discard(off, size)
         i = bisect.bisect(self._extents, (off, size))
         self._extents.insert(i, (off, size))
         merged: list[tuple[int, int]] = []
@@ -262,6 +277,9 @@ class SlotRing:
         if self.closed:
             return
         self.closed = True
+        # Views handed to the user keep the memory mapped; the ring itself lets go of it.
+        self.region = self.region_np = None  # type: ignore[assignment]
+        self.mem = None  # type: ignore[assignment]
         if self._pins:
             from . import _pinning
 

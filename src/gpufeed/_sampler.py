@@ -14,6 +14,14 @@ always names the epoch the *next* ``__iter__`` will use.
 Iterable datasets are sharded by ``(rank, worker)``: :func:`shard_for` gives the shard of one
 worker, :func:`get_shard_info` tells code running inside a worker which shard it owns, and
 :class:`ShardedIterable` strides any iterable by it.
+
+Multi-GPU recipe. DDP: ``torchrun --nproc_per_node=N train.py``; in each process call
+``torch.distributed.init_process_group()`` (nccl on GPUs, gloo on CPU) *before* building
+``gpufeed.DataLoader(..., shuffle=True, seed=S, device=f"cuda:{local_rank}")``: it shards by
+rank itself (same ``seed`` on every rank), and epochs advance on their own (``set_epoch`` still
+works). Multi-node is the same through torchrun's rendezvous. Legacy ``nn.DataParallel`` runs
+one process: no sharding; give it one loader with ``device="cuda:0"`` (DataParallel scatters
+from there) and a batch size of the per-GPU batch times the number of GPUs.
 """
 
 from __future__ import annotations
@@ -158,8 +166,8 @@ class ShardedSampler(_Resumable, DistributedSampler[int]):
 
     Args:
         dataset: a sized dataset (only ``len()`` is used).
-        rank, world_size: this process's place; ``None`` reads them from ``torch.distributed``
-            (which must then be initialised).
+        rank, world_size: this process's place; ``None`` reads them from an initialised
+            ``torch.distributed`` (without one: rank 0 of 1).
         shuffle: permute each epoch (``False``: ``0..n-1`` in order, still sharded).
         seed: base seed, the same on every rank. Default 0, as in ``DistributedSampler``.
         drop_last: drop the tail that does not divide evenly (``True``: every sample at most once,

@@ -5,17 +5,19 @@ Before each ``__getitem__(index)`` the loader seeds torch's CPU generator, numpy
 of a sample therefore depend only on those three numbers: the same for 0, 1, 2 or 4 workers,
 thread or process workers, and after a resume.
 
-Cost, measured on the 2-core CPU VM used for development (Python 3.11, torch 2.13, numpy 2.4),
-median of 5 runs over 10,000 samples by tests/dist_seeding_cost.py: about 9 us per sample
-(hash and three re-seeds) plus about 120 us per batch (saving and restoring the three global
-states; numpy's state copy dominates). A stock ``__getitem__`` that decodes an image costs
-milliseconds, so this is noise there; for tiny samples read one by one it can be a visible share.
-Opt out with the loader's ``deterministic=False`` (the stock behaviour: each worker seeded once).
+Cost, measured with ``tests/dist_seeding_cost.py`` (median of 5 runs, 10,000 samples in batches
+of 64) on the 2-core development VM (Python 3.11, torch 2.13, numpy 2.4), other jobs running:
+10-15 us per sample (the hash and three re-seeds) plus 0.1-0.2 ms per batch (saving and
+restoring the three global states; numpy's dominates), 13-17 us per sample in all. A
+``__getitem__`` that decodes an image costs milliseconds, so this is noise there; for tiny
+samples read one by one it can be a visible share. Opt out with the loader's
+``deterministic=False`` (the stock behaviour: each worker seeded once).
 
 What is *not* covered: CUDA generators (``__getitem__`` should not use the GPU), explicit
 ``torch.Generator`` / ``numpy.random.Generator`` objects owned by the dataset (seed those from
 :func:`sample_seed` yourself), and batched fetches (``__getitems__``): those see one state per
 batch, from :func:`batch_seed`, which is still independent of workers because the batch plan is.
+Iterable datasets have no sample index: they keep the stock per-worker seeding.
 
 NOTE [ Seeding and threads ]: the three generators are process-global, so threads cannot have
 their own. Per-thread generators would leave the user's ``torch.rand``/``np.random``/``random``

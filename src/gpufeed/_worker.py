@@ -158,7 +158,10 @@ def worker_loop(
             SlotWriter(region, shared_fallback=is_process) if region is not None else None
         )
     except Exception:
-        chan.send(("init_err", capture(f"in gpufeed worker {worker_id} during start-up")))
+        try:
+            chan.send(("init_err", capture(f"in gpufeed worker {worker_id} during start-up")))
+        except (BrokenPipeError, EOFError, OSError):
+            pass  # the main process already stopped (another worker's error, or close())
         return
     _serve(worker_id, chan, fetcher, writer, parent)
 
