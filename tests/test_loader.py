@@ -450,6 +450,16 @@ def test_prefetch_factor_bounds_work_ahead():
     assert fetched <= 2 + 2 * 2, f"{fetched} samples fetched after 2 batches"
 
 
+@pytest.mark.parametrize("workers", WORKER_CONFIGS)
+def test_two_live_iterators_of_one_loader(workers):
+    """zip(loader, loader): two iterators (two rings, two pools) side by side."""
+    stock = tud.DataLoader(RichDataset(13), batch_size=3)
+    ours = gpufeed.DataLoader(RichDataset(13), batch_size=3, **workers)
+    expected = [(a, b) for a, b in zip(stock, stock, strict=True)]
+    got = [(a, b) for a, b in zip(ours, ours, strict=True)]
+    assert_same_batches(expected, got)
+
+
 # -- len, isinstance, worker_init_fn, spawn, pin_memory ----------------------------------------
 
 

@@ -20,6 +20,9 @@
       _profiler.py     Profiler: the input-bound share of any loop
       _tuner.py        tune(): trials over workers, worker type, prefetch, pinning
       _doctor.py       diagnose(): shm, fd and memlock limits, CPUs, memory, GPU link
+      _sampler.py      ShardedSampler (DistributedSampler semantics, resumable), sharding
+      _seeding.py      per-sample random state from (seed, epoch, index)
+      _resume.py       state_dict format, checks and delivered-batch tracking
       _measure.py      measure_loader, PSS of the process tree
       _cli.py          gpufeed bench | tune | profile | doctor
       benchmarks/      python -m gpufeed.benchmarks [cpu|gpu]
@@ -33,7 +36,15 @@ from ._doctor import DoctorReport, Finding, diagnose
 from ._errors import WorkerError
 from ._gpu_transforms import Normalize
 from ._loader import DataLoader
-from ._profiler import ProfileReport, Profiler, profile
+from ._profiler import Profiler, ProfileReport, profile
+from ._sampler import (
+    SeededRandomSampler,
+    ShardedIterable,
+    ShardedSampler,
+    ShardInfo,
+    get_shard_info,
+)
+from ._seeding import sample_seed
 from ._stats import LoaderStats, StageStats
 from ._tuner import Budget, Trial, TuneResult, tune
 
@@ -52,14 +63,20 @@ __all__ = [
     "PageableCopyWarning",
     "ProfileReport",
     "Profiler",
+    "SeededRandomSampler",
+    "ShardInfo",
+    "ShardedIterable",
+    "ShardedSampler",
     "StageStats",
     "Trial",
     "TuneResult",
     "WorkerError",
     "__version__",
     "diagnose",
+    "get_shard_info",
     "get_worker_info",
     "profile",
+    "sample_seed",
     "to_device",
     "tune",
 ]

@@ -34,8 +34,9 @@ class DataLoader(_TorchDataLoader):
         ring_bytes: the most bytes of (shared) memory the slot ring may hold. Default:
             room for the batches in flight (``prefetch_factor * num_workers``, more when
             batches are tiny) plus 2 held by your loop (plus ``device_depth + 1`` with a
-            device stage), sized from the first batch. More keeps more batches held by the user in recycled memory; less falls
-            back sooner to a fresh allocation per batch (the stock loader's path).
+            device stage), sized from the first batch. More keeps more batches held by the
+            user in recycled memory; less falls back sooner to a fresh allocation per batch
+            (the stock loader's path).
         device: a device to deliver batches on (e.g. ``"cuda"``): copies run ahead on a side
             stream (see ``gpufeed.to_device``), from a page-locked ring (implied, whatever
             ``pin_memory`` says). None (default) delivers host batches.
