@@ -27,6 +27,7 @@ from there) and a batch size of the per-GPU batch times the number of GPUs.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Iterable, Iterator, Sized
 from dataclasses import dataclass
@@ -361,6 +362,7 @@ _local = threading.local()
 def set_shard_info(info: ShardInfo | None) -> None:
     """Called by the loader in each worker (thread-local, so thread workers each get theirs)."""
     _local.info = info
+    _local.pid = os.getpid()  # a forked child (e.g. a stock loader's worker) must not inherit it
 
 
 def get_shard_info() -> ShardInfo:
@@ -370,7 +372,7 @@ def get_shard_info() -> ShardInfo:
     ``torch.distributed``, so it also works under the stock loader.
     """
     info: ShardInfo | None = getattr(_local, "info", None)
-    if info is not None:
+    if info is not None and getattr(_local, "pid", None) == os.getpid():
         return info
     rank, world_size, _ = resolve_world(None, None)
     worker = torch.utils.data.get_worker_info()
