@@ -580,12 +580,22 @@ def _fd_targets() -> dict[int, str]:
     return out
 
 
+def _multiprocessing_helpers() -> tuple[set[int], set[int]]:
+    """(pids, fds) of multiprocessing's own resource tracker: started once, on first use."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    pid, fd = getattr(tracker, "_pid", None), getattr(tracker, "_fd", None)
+    return ({pid} if pid else set()), ({fd} if fd is not None else set())
+
+
 def snapshot() -> Resources:
     gc.collect()
+    helper_pids, helper_fds = _multiprocessing_helpers()
     return Resources(
-        fds=_fd_targets(),
+        fds={fd: t for fd, t in _fd_targets().items() if fd not in helper_fds},
         shm=set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set(),
-        children={p.pid for p in psutil.Process().children(recursive=True)},
+        children={p.pid for p in psutil.Process().children(recursive=True)} - helper_pids,
         threads={t.name for t in threading.enumerate() if t.name.startswith("gpufeed")},
     )
 

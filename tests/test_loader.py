@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import sys
 
 import numpy as np
 import pytest
@@ -35,6 +36,7 @@ from helpers import (
     drain,
     identity_collate,
     init_calls,
+    no_leaks,
     numpy_collate,
     pad_collate,
     pair_collate,
@@ -598,6 +600,36 @@ def test_bad_arguments_name_the_value(kwargs, exc, needle):
     with pytest.raises(exc) as info:
         gpufeed.DataLoader(RichDataset(4), **kwargs)
     assert needle in str(info.value)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "core bug: a user ring_bytes becomes the reserve (_iterator.py: reserve = budget), and "
+    "_ring.Region maps it all at once: 128 TiB gives a bare 'OSError: [Errno 12] Cannot "
+    "allocate memory' (threads: already above RAM + swap), naming neither ring_bytes nor a "
+    "fix; the memfd made before the failed mmap leaks (process workers), and the half-built "
+    "WorkerIter's __del__ fails with AttributeError '_ready'"))
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_huge_ring_bytes_works_or_is_rejected_clearly(worker_type):
+    unraisable: list[str] = []
+    old_hook = sys.unraisablehook
+    sys.unraisablehook = lambda u: unraisable.append(f"{u.object!r}: {u.exc_value!r}")
+    message = ""
+    try:
+        with no_leaks():
+            try:
+                batches = drain(gpufeed.DataLoader(RichDataset(8), batch_size=4, num_workers=2,
+                                                   worker_type=worker_type, ring_bytes=1 << 47))
+            except Exception as e:  # rejecting is fine, if it says what to change
+                message = f"{type(e).__name__}: {e}"
+                batches = None
+            gc.collect()  # the traceback is gone: whatever was half-built is collected here
+    finally:
+        sys.unraisablehook = old_hook
+    assert unraisable == [], unraisable
+    if batches is None:
+        assert "ring_bytes" in message, message
+    else:
+        assert len(batches) == 2
 
 
 @pytest.mark.parametrize(

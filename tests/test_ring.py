@@ -121,9 +121,9 @@ def test_ring_grows_to_budget_then_falls_back(worker_type):
 
 @pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_default_budget_is_bounded_and_falls_back(worker_type):
-    """Keeping 300 batches: the default budget stops growth, the rest falls back intact."""
-    expected = list(tud.DataLoader(BlockDataset(1200, 16), batch_size=4))
-    batches, info = _epoch(_loader(BlockDataset(1200, 16), worker_type, batch_size=4))
+    """Keeping 600 batches: the default budget stops growth, the rest falls back intact."""
+    expected = list(tud.DataLoader(BlockDataset(2400, 16), batch_size=4))
+    batches, info = _epoch(_loader(BlockDataset(2400, 16), worker_type, batch_size=4))
     assert_same_batches(expected, batches)
     assert info["budget"] > 0, info
     assert info["grows"] < len(batches) and info["fallbacks"] > 0, info

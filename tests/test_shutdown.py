@@ -11,6 +11,7 @@ import gc
 import os
 import re
 import signal
+import sys
 import threading
 import time
 
@@ -157,6 +158,31 @@ def test_second_worker_init_error_prints_nothing(capfd):
     time.sleep(1.0)  # worker 1 fails 0.5 s after worker 0
     err = capfd.readouterr().err
     assert "Traceback" not in err, err
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "core bug: when WorkerIter.__init__ fails (here ProcessPool cannot pickle the spawn "
+    "arguments), the ring's memfd descriptor leaks (_ring.Region.fd is only closed by "
+    "close_fd() after the pool started; Region has no finalizer), and __del__ calls close() "
+    "on the half-built object: 'AttributeError: no attribute _ready' (_iterator.py close)"))
+def test_unpicklable_spawn_arguments_fail_cleanly():
+    unraisable: list[str] = []
+    old_hook = sys.unraisablehook
+    sys.unraisablehook = lambda u: unraisable.append(f"{u.object!r}: {u.exc_value!r}")
+    message = ""
+    try:
+        with no_leaks(), deadline(30):
+            try:
+                drain(gpufeed.DataLoader(RichDataset(8), batch_size=4, num_workers=2,
+                                         multiprocessing_context="spawn",
+                                         collate_fn=lambda b: b))
+            except Exception as e:
+                message = f"{type(e).__name__}: {e}"
+            gc.collect()
+    finally:
+        sys.unraisablehook = old_hook
+    assert "pickle" in message.lower(), message
+    assert unraisable == [], unraisable
 
 
 # -- dying and hanging workers -------------------------------------------------------------------
