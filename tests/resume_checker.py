@@ -14,7 +14,10 @@ For each :class:`Case`:
    inside an epoch is free, so the multisets of batches must be equal.
 
 Samples carry draws from torch, numpy and ``random`` made in ``__getitem__``, so the comparison
-also checks per-sample seeding across worker counts and kinds.
+also checks per-sample seeding across worker counts and kinds. ``iterable=True`` cases read a
+:class:`ShardedStream` instead, whose workers' shards differ in length, so that workers run dry
+at different points and the round robin must resume mid-turn. ``warm=True`` cases resume onto
+persistent workers already running (and interrupted mid-epoch) with another seed.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ import random
 import subprocess
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import gpufeed
 
@@ -59,6 +63,40 @@ class RandomTransformDataset(Dataset[tuple[torch.Tensor, ...]]):
         )
 
 
+class ShardedStream(IterableDataset[torch.Tensor]):
+    """Samples ``0..n-1`` split into contiguous shards, worker ``w`` of ``W`` getting a share
+    proportional to ``w + 1`` (so workers run dry at different times), resumable per worker.
+
+    The position is kept per worker id, so one object shared by thread workers works too.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.done: dict[int, int] = {}
+        self.loaded: dict[int, int] = {}
+
+    @staticmethod
+    def _worker() -> tuple[int, int]:
+        info = get_worker_info()
+        return (info.id, info.num_workers) if info is not None else (0, 1)
+
+    def __iter__(self) -> Any:
+        w, nw = self._worker()
+        total = nw * (nw + 1) // 2
+        lo, hi = self.n * (w * (w + 1) // 2) // total, self.n * ((w + 1) * (w + 2) // 2) // total
+        start = self.loaded.pop(w, 0)
+        self.done[w] = start
+        for i in range(lo + start, hi):
+            self.done[w] += 1
+            yield torch.tensor([i])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"done": self.done.get(self._worker()[0], 0)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.loaded[self._worker()[0]] = state["done"]
+
+
 @dataclass(frozen=True)
 class Case:
     """One resume scenario; ``resume_*`` fields change the loader after the restart."""
@@ -77,17 +115,20 @@ class Case:
     n: int = 22
     batch_size: int | None = 4
     seed: int = 1234
+    iterable: bool = False
+    warm: bool = False
 
-    def loader(self, *, resumed: bool = False) -> gpufeed.DataLoader:
+    def loader(self, *, resumed: bool = False, seed: int | None = None) -> gpufeed.DataLoader:
         workers = self.num_workers
         kind = self.worker_type
         if resumed:
             workers = self.resume_workers if self.resume_workers is not None else workers
             kind = self.resume_worker_type or kind
+        dataset: Any = ShardedStream(self.n) if self.iterable else RandomTransformDataset(self.n)
         return gpufeed.DataLoader(
-            RandomTransformDataset(self.n), batch_size=self.batch_size, shuffle=self.shuffle,
+            dataset, batch_size=self.batch_size, shuffle=self.shuffle and not self.iterable,
             drop_last=self.drop_last, num_workers=workers, in_order=self.in_order,
-            worker_type=kind, seed=self.seed, device=self.device,
+            worker_type=kind, seed=self.seed if seed is None else seed, device=self.device,
             persistent_workers=self.persistent and workers > 0,
         )
 
@@ -127,8 +168,17 @@ def run(case: Case, *, stop: int | None = None, state_path: Path | None = None) 
 
 
 def resume(case: Case, state_path: Path, needed: int) -> list[Any]:
-    """Fresh loader, state loaded, run until ``needed`` batches (at most epochs + 1 passes)."""
-    loader = case.loader(resumed=True)
+    """Fresh loader, state loaded, run until ``needed`` batches (at most epochs + 1 passes).
+
+    ``case.warm``: the loader is built with another seed and broken out of mid-epoch first, so
+    the state lands on persistent workers that are running with the wrong seed.
+    """
+    loader = case.loader(resumed=True, seed=case.seed + 1 if case.warm else None)
+    if case.warm:
+        it = iter(loader)
+        next(it)
+        next(it)
+        del it
     loader.load_state_dict(torch.load(state_path, weights_only=True))
     out: list[Any] = []
     for _ in range(case.epochs + 1):
@@ -160,9 +210,11 @@ def check_many(cases: list[Case], workdir: Path) -> dict[Case, str | None]:
     jobs, heads, references = [], {}, {}
     for k, case in enumerate(cases):
         try:
-            references[case] = run(case)
-            state_path = workdir / f"state{k}.pt"
-            heads[case] = run(case, stop=case.stop, state_path=state_path)
+            with warnings.catch_warnings():  # 3 workers on a 2-core machine are fine here
+                warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
+                references[case] = run(case)
+                state_path = workdir / f"state{k}.pt"
+                heads[case] = run(case, stop=case.stop, state_path=state_path)
         except Exception:
             results[case] = f"{case.label}: {traceback.format_exc()}"
             continue
@@ -191,6 +243,7 @@ def check_many(cases: list[Case], workdir: Path) -> dict[Case, str | None]:
 
 def main() -> None:
     """Subprocess entry: resume each job of the JSON file named by ``sys.argv[1]``."""
+    warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
     for job in json.loads(Path(sys.argv[1]).read_text()):
         try:
             answer: Any = resume(Case(**job["case"]), Path(job["state"]), job["needed"])

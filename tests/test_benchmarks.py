@@ -15,10 +15,15 @@ import psutil
 import pytest
 import torch
 
-from gpufeed._measure import batch_samples_and_bytes, measure_loader, process_tree_pss
-from gpufeed.benchmarks import build
+from gpufeed._measure import (
+    batch_samples_and_bytes,
+    measure_loader,
+    process_tree_memory,
+    process_tree_pss,
+)
+from gpufeed.benchmarks import Settings, build
 from gpufeed.benchmarks.__main__ import main, render_markdown
-from gpufeed.benchmarks.cpu import summarize
+from gpufeed.benchmarks.cpu import _run_workload, summarize
 
 MiB = 1 << 20
 
@@ -95,6 +100,32 @@ def test_sampler_catches_a_short_peak() -> None:
     assert m.pss_growth_bytes >= 100 * MiB
 
 
+class _Growing:
+    """A pass of known length whose memory only grows, and is freed when the pass ends (as a
+    loader's workers unmap a memory-mapped dataset when they exit)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.blocks: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for k in range(self.n):
+            if k == self.n - 1:
+                self.blocks.append(np.ones(96 * MiB, dtype=np.uint8))  # touched: resident
+            yield torch.zeros(2)
+        self.blocks.clear()
+
+
+def test_peak_includes_the_end_of_the_pass() -> None:
+    """The sampler may be asleep when the last batch arrives: the end-of-pass sample is not."""
+    m = measure_loader(lambda: _Growing(4), warmup_batches=1, sample_interval_s=60.0)
+    assert m.pss_growth_bytes >= 90 * MiB
+    assert m.memory_samples == 3  # start, end of the pass, stop
+
+
 def test_process_tree_pss_counts_a_child() -> None:
     code = ("import sys, time; b = bytes(range(256)) * (96 << 12); "
             "print('ready', flush=True); time.sleep(30)")
@@ -107,6 +138,50 @@ def test_process_tree_pss_counts_a_child() -> None:
             assert process_tree_pss(child.pid) >= 90 * MiB
         finally:
             child.kill()
+
+
+def test_process_tree_memory_splits_by_kind(tmp_path: Path) -> None:
+    import mmap
+    import os
+
+    if not Path("/proc/self/smaps_rollup").exists():
+        pytest.skip("needs /proc/<pid>/smaps_rollup")
+    before = process_tree_memory()
+    if before.anon == 0:
+        pytest.skip("this kernel's smaps_rollup has no Pss_Anon/Pss_File/Pss_Shmem split")
+    assert before.anon + before.file + before.shmem == pytest.approx(before.pss, abs=64 << 10)
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"\x01" * (48 * MiB))
+    fd = os.memfd_create("test-shmem")
+    try:
+        os.ftruncate(fd, 48 * MiB)
+        shm = mmap.mmap(fd, 48 * MiB)
+        shm.write(b"\x02" * (48 * MiB))  # touched: resident shared memory
+        anon = np.ones(48 * MiB, dtype=np.uint8)
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+        assert int(data.sum(dtype=np.int64)) == 48 * MiB  # every page of the file mapped in
+        after = process_tree_memory()
+        assert after.anon - before.anon >= 40 * MiB
+        assert after.file - before.file >= 40 * MiB
+        assert after.shmem - before.shmem >= 40 * MiB
+        del anon, data
+        shm.close()
+    finally:
+        os.close(fd)
+
+
+def test_each_run_gets_a_fresh_dataset(tmp_path: Path) -> None:
+    """A thread-worker run opens image-array's memory map in the main process; the workload's
+    own dataset object must not keep it (and its pages) for the runs after it."""
+    work = build("image-array", cache_dir=tmp_path, quick=True)
+    loaders = ["torch", "gpufeed-thread"]
+    rows = _run_workload(work, loaders, Settings(repeats=1, warmup_batches=1, quick=True),
+                         lambda line: None)
+    for v in work.variants:
+        assert v.dataset._map is None
+    timed = len(work.variants[0].dataset) - work.batch_size  # one epoch less the warm-up batch
+    assert {r["median"]["samples"] for r in rows} == {timed}
+    assert all(r["median"]["peak_pss_bytes"] > 0 for r in rows)
 
 
 def test_workload_variants_give_the_same_batches(tmp_path: Path) -> None:
@@ -125,10 +200,11 @@ def test_workload_variants_give_the_same_batches(tmp_path: Path) -> None:
 
 
 def test_summary_ratio_comes_from_the_figures() -> None:
-    def row(loader: str, variant: str, rate: float, pss: float) -> dict[str, object]:
+    def row(loader: str, variant: str, rate: float, pss: float,
+            samples: float = 1000.0) -> dict[str, object]:
         return {"loader": loader, "variant": variant,
                 "median": {"samples_per_s": rate, "bytes_per_s": 0.0, "peak_pss_bytes": pss,
-                           "pss_growth_bytes": 0.0, "first_batch_s": 0.0}}
+                           "pss_growth_bytes": 0.0, "first_batch_s": 0.0, "samples": samples}}
 
     rows = [row("torch", "per-sample", 100.0, 10.0), row("torch", "getitems", 300.0, 20.0),
             row("gpufeed", "getitems", 900.0, 19.0), row("gpufeed-thread", "array", 3300.0, 9.0)]
@@ -137,10 +213,19 @@ def test_summary_ratio_comes_from_the_figures() -> None:
     assert sm["gpufeed_best"]["loader"] == "gpufeed-thread"
     assert sm["ratio"] == pytest.approx(11.0) and sm["ratio_pass"] is True
     assert sm["gpufeed_process_best"]["samples_per_s"] == 900.0
+    assert sm["pss_pass"] is True and sm["pss_ratio_process"] == pytest.approx(19.0 / 20.0)
+    sm = summarize("image-array", [*rows[:2], row("gpufeed", "getitems", 900.0, 25.0), rows[3]])
+    assert sm["pss_pass"] is True and "process workers (its fastest variant, getitems): " \
+        "peak PSS 1.25x" in sm["also"][0]
     sm = summarize("tabular", rows[:3])
     assert sm["ratio"] == pytest.approx(3.0) and sm["ratio_pass"] is False
     assert sm["pss_ratio"] == pytest.approx(19.0 / 20.0) and sm["pss_pass"] is True
     assert "misses the 15x target by 80%" in sm["notes"][0]
+    # unequal work (a time cap): the PSS ratio is shown but not judged
+    sm = summarize("tabular", [row("torch", "getitems", 300.0, 20.0, samples=600.0),
+                               row("gpufeed", "getitems", 900.0, 30.0, samples=1800.0)])
+    assert sm["pss_ratio"] == pytest.approx(1.5) and sm["pss_pass"] is None
+    assert "not judged" in sm["notes"][-1] and "1,800 vs 600 samples" in sm["notes"][-1]
 
 
 def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -164,6 +249,10 @@ def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
             for key in ("samples_per_s", "peak_pss_bytes", "first_batch_s"):
                 assert r["median"][key] == statistics.median(x[key] for x in runs)
             assert r["median"]["peak_pss_bytes"] > 0
+            kinds = sum(r["median"][f"peak_pss_{k}_bytes"] for k in ("anon", "file", "shmem"))
+            assert kinds == 0 or kinds == pytest.approx(r["median"]["peak_pss_bytes"], rel=0.05)
+        # equal work: every loader delivered the same samples (one epoch)
+        assert len({r["median"]["samples"] for r in w["results"]}) == 1
         sm = w["summary"]
         stock = max((r for r in w["results"] if r["loader"] == "torch"),
                     key=lambda r: r["median"]["samples_per_s"])

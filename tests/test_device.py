@@ -1,4 +1,5 @@
-"""to_device: the stream/event/slot protocol (NOTE [ Device stage ] in gpufeed/_device.py).
+"""to_device: the stream/event/slot protocol (NOTE [ Device stage ] in gpufeed/_prefetch.py),
+its backends (_streams.py) and the detection of copies that cannot overlap (_pageable.py).
 
 CPU tests drive the protocol through a fake backend whose events the test completes by
 hand; ``cuda``-marked tests run the real thing on a GPU.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import weakref
 from collections import namedtuple
 from contextlib import contextmanager
@@ -18,7 +20,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpufeed import _pinning
-from gpufeed._device import CudaBackend, PageableCopyWarning, SyncBackend, to_device
+from gpufeed._device import to_device
+from gpufeed._pageable import PageableCopyWarning, is_dense, staged_reason
+from gpufeed._streams import CudaBackend, SyncBackend
 
 Pair = namedtuple("Pair", ["x", "y"])
 
@@ -43,14 +47,25 @@ class FakeEvent:
 
 
 class FakeBackend(SyncBackend):
-    """Streams are names, copies are clones, events complete when the test says so."""
+    """Streams are names, copies are clones, events complete when the test says so.
 
-    def __init__(self, *, pinned: bool = True, needs_pinned: bool = True, auto: bool = False):
+    ``events``: side-stream events (E_copy, E_ready) in order, pending unless ``auto``.
+    ``marks``: consumer-stream events (rule 8), complete at once unless ``consumer_auto``
+    is False (a GPU that lags behind the CPU). ``resident``: tensors treated as already on
+    the device.
+    """
+
+    def __init__(
+        self, *, pinned: bool = True, needs_pinned: bool = True, auto: bool = False,
+        consumer_auto: bool = True, resident: tuple[torch.Tensor, ...] = (),
+    ) -> None:
         super().__init__(torch.device("cuda", 0))
         self.pinned, self.needs_pinned, self.auto = pinned, needs_pinned, auto
+        self.consumer_auto, self.resident = consumer_auto, resident
         self.current, self.consumer = "consumer", "consumer"
         self.log: list[tuple[Any, ...]] = []
         self.events: list[FakeEvent] = []
+        self.marks: list[FakeEvent] = []
 
     def new_stream(self) -> str:
         return "side"
@@ -68,8 +83,12 @@ class FakeBackend(SyncBackend):
 
     def record_event(self, stream: Any) -> FakeEvent:
         event = FakeEvent(self, stream)
-        event.done = self.auto
-        self.events.append(event)
+        if stream == "side":
+            event.done = self.auto
+            self.events.append(event)
+        else:
+            event.done = self.consumer_auto
+            self.marks.append(event)
         self.log.append(("record", stream, event))
         return event
 
@@ -82,6 +101,9 @@ class FakeBackend(SyncBackend):
 
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         self.log.append(("record_stream", stream))
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return any(t is r for r in self.resident)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         return self.pinned
@@ -189,8 +211,7 @@ def test_host_batches_bounded_by_waiting_on_the_oldest_copy() -> None:
             assert len(src.alive()) <= 3  # depth + 1
         syncs = backend.ops("sync")
         assert syncs and it.stats().host_waits == len(syncs)
-        first_records = [op[2] for op in backend.ops("record")]
-        assert [op[1] for op in syncs] == first_records[: len(syncs)]  # oldest first
+        assert [op[1] for op in syncs] == backend.events[: len(syncs)]  # oldest first
 
 
 def test_slot_recycled_only_after_copy_completed() -> None:
@@ -239,6 +260,7 @@ def test_stream_protocol_for_one_batch() -> None:
         ("wait", "consumer"),
         ("record_stream", "consumer"),
         ("record_stream", "consumer"),
+        ("record", "consumer"),  # next() again: M, what the user queued on batch 0 (rule 8)
     ]
     assert backend.ops("wait")[0][2] is backend.events[1]  # the consumer waits on E_ready
 
@@ -441,6 +463,186 @@ def test_gpu_benchmark_skips_cleanly_without_cuda(
     assert list(tmp_path.iterdir()) == []  # committed figures are never overwritten
 
 
+def test_consumer_lag_is_bounded_by_depth() -> None:
+    """Rule (8): the CPU may run at most `depth` steps ahead of the consumer stream, else
+    freed batches cannot be reused and every new batch needs fresh device memory."""
+    backend = FakeBackend(auto=True, consumer_auto=False)  # the GPU never catches up
+    it = to_device(Source(12), "cuda", depth=2, backend=backend)
+    next(it)
+    assert backend.marks == []  # nothing was queued on a batch before the first one
+    for _ in range(3):
+        next(it)
+    # M1..M3 recorded on the consumer stream; issuing with 3 unfinished waited for M1
+    assert [op[1].stream for op in backend.ops("sync")] == ["consumer"]
+    assert backend.ops("sync")[0][1] is backend.marks[0]
+    assert it.stats().consumer_waits == 1 and it.stats().host_waits == 0
+    for _ in range(5):
+        next(it)
+        assert sum(not m.done for m in backend.marks) <= 2
+    assert it.stats().consumer_waits == len(backend.marks) - 2  # oldest first, one per step
+    it.close()
+
+
+def test_consumer_that_keeps_up_is_never_waited_for() -> None:
+    backend = FakeBackend(auto=True)  # consumer marks complete at once
+    assert len(list(to_device(Source(20), "cuda", depth=2, backend=backend))) == 20
+    assert len(backend.marks) == 20 and backend.ops("sync") == []
+
+
+def test_consumer_waits_are_recorded_apart_from_transfer_waits() -> None:
+    counts: dict[str, int] = {}
+
+    class Recorder:
+        def add(self, stage: str, busy_s: float = 0.0, blocked_s: float = 0.0) -> None:
+            pass
+
+        def occupancy(self, stage: str, used: int, capacity: int) -> None:
+            pass
+
+        def count(self, name: str, k: int = 1) -> None:
+            counts[name] = counts.get(name, 0) + k
+
+    backend = FakeBackend(auto=True, consumer_auto=False)
+    it = to_device(Source(8), "cuda", depth=1, recorder=Recorder(), backend=backend)
+    list(it)
+    assert counts["consumer_waits"] == it.stats().consumer_waits > 0
+
+
+def test_device_resident_leaves_wait_for_the_consumer_and_are_protected() -> None:
+    """Rule (9): a leaf already on the device is read by the transform on the side stream:
+    the side stream waits for the consumer (which may have produced it) and the leaf gets
+    record_stream(side), so dropping it cannot recycle memory the transform still reads."""
+    on_gpu = torch.ones(3)
+    backend = FakeBackend(auto=True, resident=(on_gpu,))
+    seen: list[Any] = []
+
+    def transform(batch: Any) -> Any:
+        seen.append(backend.current)
+        return [t + 1 for t in batch]
+
+    it = to_device([[on_gpu, torch.zeros(2)]], "cuda", transform=transform, backend=backend)
+    (out,) = list(it)
+    kinds = [(op[0], op[1]) for op in backend.log]
+    assert kinds[:5] == [
+        ("record", "consumer"),  # what the consumer queued so far (it may produce on_gpu)
+        ("wait", "side"),  # the side stream waits for it before the transform reads on_gpu
+        ("record_stream", "side"),  # on_gpu is read on the side stream
+        ("copy", "side"),  # only the host leaf is copied
+        ("record", "side"),
+    ]
+    assert backend.ops("wait")[0][2] is backend.marks[0] and seen == ["side"]
+    assert torch.equal(out[0], on_gpu + 1)
+    assert it.stats().bytes_copied == 8  # the host leaf's bytes; on_gpu was not sent
+
+
+def test_host_only_batches_never_wait_for_the_consumer_when_issued() -> None:
+    backend = FakeBackend(auto=True)
+    list(to_device(Source(3), "cuda", backend=backend))
+    assert [op[1] for op in backend.ops("wait")] == ["consumer"] * 3  # handovers only
+
+
+@pytest.mark.parametrize(
+    ("make", "dense"),
+    [
+        (lambda: torch.zeros(4, 6), True),
+        (lambda: torch.zeros(4, 6).t(), True),  # permuted: torch copies it as it is
+        (lambda: torch.zeros(2, 3, 4, 5).permute(0, 2, 3, 1), True),  # channels_last
+        (lambda: torch.zeros(4, 6)[:, ::2], False),
+        (lambda: torch.zeros(4, 6)[:, :3], False),
+        (lambda: torch.zeros(1, 6).expand(4, 6), False),  # stride 0
+        (lambda: torch.zeros(4, 1, 6)[:, :, 1:3], False),
+        (lambda: torch.zeros(4, 6)[1:3], True),
+        (lambda: torch.zeros(0, 6), True),
+    ],
+)
+def test_is_dense(make: Any, dense: bool) -> None:
+    assert is_dense(make()) is dense
+
+
+def test_staged_reasons() -> None:
+    x = torch.zeros(4, 6)
+    assert staged_reason(x, True) is None
+    assert "pageable" in str(staged_reason(x, False))
+    assert "non-dense" in str(staged_reason(x[:, ::2], True))
+    assert staged_reason(torch.zeros(0), False) is None  # nothing to copy
+
+
+def test_non_dense_pinned_leaf_is_reported_as_staged() -> None:
+    """torch copies a non-dense CPU tensor through a pageable contiguous temporary."""
+    batches = [torch.zeros(4, 6)[:, ::2] for _ in range(3)]
+    it = to_device(batches, "cuda", backend=FakeBackend(auto=True, pinned=True))
+    with pytest.warns(PageableCopyWarning, match="non-dense layout") as record:
+        list(it)
+    assert len(record) == 1 and it.stats().pageable_batches == 3
+
+
+def test_empty_leaves_are_not_reported() -> None:
+    it = to_device([torch.zeros(0)], "cuda", backend=FakeBackend(auto=True, pinned=False))
+    assert len(list(it)) == 1 and it.stats().pageable_batches == 0
+
+
+def test_cuda_backend_asks_about_the_bytes_copied_not_the_storage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tensor.is_pinned() answers for the first byte of the *storage* (ATen:
+    isPinnedPtr(self.storage().data())); a ring slot is a slice of a region whose storage
+    starts at the region. The backend must ask about the slice's own bytes."""
+    region = torch.zeros(3 * 4096, dtype=torch.uint8)
+    pinned = (region.data_ptr(), 4096)  # only the first slot is page-locked
+    monkeypatch.setattr(_pinning, "cuda_usable", lambda: True)
+    monkeypatch.setattr(
+        torch.Tensor, "is_pinned",
+        lambda self: pinned[0] <= self.untyped_storage().data_ptr() < sum(pinned),
+    )
+    backend = CudaBackend(torch.device("cuda", 0))
+    assert region[4096:8192].is_pinned()  # torch's answer: about the region's first byte
+    assert not backend.is_pinned(region[4096:8192])
+    assert backend.is_pinned(region[:4096]) and not backend.is_pinned(region[:4097])
+
+
+def test_unregister_waits_for_copies_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule (10): a ring closed before the device stage (a worker error) unregisters its
+    slots while copies from them may still run; unregister waits for them first."""
+    seen: list[bool] = []
+    backend = FakeBackend()  # copies stay in flight until waited for
+
+    class Cudart:
+        def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+            return 0
+
+        def cudaHostUnregister(self, ptr: int) -> int:
+            seen.append(all(e.done for e in backend.events))
+            return 0
+
+    monkeypatch.setattr(_pinning, "cuda_usable", lambda: True)
+    monkeypatch.setattr(_pinning, "_pinned_ptr", lambda ptr: False)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    handle = _pinning.register(torch.zeros(1024))
+    src = Source(6)
+    it = to_device(src, "cuda", depth=2, backend=backend)
+    next(it)
+    assert not any(e.done for e in backend.events)
+    _pinning.unregister(handle)
+    assert seen == [True]
+    assert len(src.alive()) == 3  # waited for, not dropped: the stage still owns them
+    it.close()
+    _pinning.unregister(_pinning.register(torch.zeros(8)))  # a closed stage is not waited on
+    assert len(seen) == 2
+
+
+def test_collection_in_a_forked_child_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked child has a copy of the iterator but no CUDA context: collecting it there
+    must not wait on events (CUDA calls fail in a child forked after CUDA was initialised)."""
+    backend = FakeBackend()
+    it = to_device(Source(5), "cuda", backend=backend)
+    next(it)
+    pid = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: pid + 1)
+    del it
+    gc.collect()
+    assert backend.ops("sync") == []
+
+
 # ---------------------------------------------------------------- CUDA (run on a GPU)
 
 
@@ -487,24 +689,38 @@ class RingSource:
         return self.ring.batch(self.i - 1, self.base, self.on_release)
 
 
+BUSY_CYCLES = 2_000_000  # torch.cuda._sleep: ~1 ms, far longer than a copy of a test batch
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("slow_side_stream", [False, True])
-def test_cuda_non_blocking_equals_synchronous_under_load(slow_side_stream: bool) -> None:
+@pytest.mark.parametrize(
+    ("side_busy", "consumer_busy"),
+    [
+        (False, True),  # frees early without record_stream -> next copy overwrites it
+        (True, True),  # copies late and slots recycled: early slot release is seen
+        (True, False),  # copies late, consumer idle: a missing wait_event reads stale data
+    ],
+)
+def test_cuda_non_blocking_equals_synchronous_under_load(
+    side_busy: bool, consumer_busy: bool
+) -> None:
+    """The races of naive prefetchers, each made observable: every batch differs (base + i),
+    so reading a stale or overwritten buffer changes its sum."""
     n, numel, depth = 1200, 1 << 18, 2
     base = torch.randint(0, 1 << 20, (numel,), dtype=torch.int32)
     ring = PinnedRing(depth + 2, numel)
-    heavy = torch.randn(2048, 2048, device="cuda")
     torch.cuda.synchronize()
 
-    def slow(batch: torch.Tensor) -> torch.Tensor:  # keeps the side stream busy too
-        heavy @ heavy
+    def slow(batch: torch.Tensor) -> torch.Tensor:  # on the side stream: later copies wait
+        torch.cuda._sleep(BUSY_CYCLES)
         return batch
 
     sums_async = torch.empty(n, dtype=torch.int64, device="cuda")
-    transform = slow if slow_side_stream else None
-    it = to_device(RingSource(ring, n, base), "cuda", depth=depth, transform=transform)
+    it = to_device(RingSource(ring, n, base), "cuda", depth=depth,
+                   transform=slow if side_busy else None)
     for i, x in enumerate(it):
-        heavy @ heavy  # the consumer stream is kept busy: the race of naive prefetchers
+        if consumer_busy:
+            torch.cuda._sleep(BUSY_CYCLES)  # keeps the consumer stream behind the copies
         sums_async[i] = x.sum(dtype=torch.int64)
     sums_sync = torch.empty(n, dtype=torch.int64, device="cuda")
     for i, host in enumerate(RingSource(ring, n, base)):
@@ -514,6 +730,29 @@ def test_cuda_non_blocking_equals_synchronous_under_load(slow_side_stream: bool)
     assert torch.equal(sums_sync.cpu(), expected)
     assert it.stats().pageable_batches == 0
     ring.close()
+
+
+@pytest.mark.cuda
+def test_cuda_device_memory_bounded_when_the_cpu_runs_ahead() -> None:
+    """Rule (8): with a consumer far behind the CPU (no sync in the loop), freed batches
+    cannot be reused yet; the stage must not make the CPU allocate batch after batch."""
+    numel, depth, n = 1 << 22, 2, 200  # 16 MiB batches: >= 10 MiB, so no 20 MiB segments
+    bufs = [torch.full((numel,), k, dtype=torch.int32).pin_memory() for k in range(4)]
+    acc = torch.zeros(1, dtype=torch.int32, device="cuda")
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    start = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    it = to_device((bufs[i % 4] for i in range(n)), "cuda", depth=depth)
+    for x in it:
+        torch.cuda._sleep(BUSY_CYCLES)  # ~1 ms a step: the CPU gets far ahead without rule 8
+        acc.add_(x[:1])  # in place: the loop itself allocates nothing
+    torch.cuda.synchronize()
+    batch = numel * 4
+    assert torch.cuda.max_memory_reserved() - start <= (2 * depth + 2) * batch
+    assert it.stats().consumer_waits > n // 2  # the GPU, not the input, set the pace
+    assert int(acc) == sum(i % 4 for i in range(n))
 
 
 @pytest.mark.cuda
@@ -535,10 +774,8 @@ def test_cuda_no_slot_reused_before_its_copy_completed() -> None:
                 self.copying = False
             return event
 
-    heavy = torch.randn(2048, 2048, device="cuda")
-
     def slow(batch: torch.Tensor) -> torch.Tensor:
-        heavy @ heavy
+        torch.cuda._sleep(BUSY_CYCLES)
         return batch
 
     def on_release(i: int) -> None:
@@ -551,7 +788,7 @@ def test_cuda_no_slot_reused_before_its_copy_completed() -> None:
     src = RingSource(ring, 300, base, on_release)
     dev = torch.device("cuda", torch.cuda.current_device())
     for x in to_device(src, dev, depth=2, transform=slow, backend=Tracking(dev)):
-        heavy @ heavy
+        torch.cuda._sleep(BUSY_CYCLES)
         del x
     gc.collect()
     torch.cuda.synchronize()
@@ -564,10 +801,12 @@ def test_cuda_memory_returns_to_start_after_close() -> None:
     gc.collect()
     torch.cuda.synchronize()
     dev_start = torch.cuda.memory_allocated()
+    pinned_start = _pinning.registered_bytes()
     numel = 1 << 20  # 4 MiB per int32 batch
     ring = PinnedRing(4, numel)
     base = torch.zeros(numel, dtype=torch.int32)
-    assert _pinning.is_pinned(ring.buf)
+    assert _pinning.is_pinned(ring.buf) and _pinning.is_pinned(ring.buf[3])
+    assert _pinning.registered_bytes() == pinned_start + 4 * 4 * numel
     it = to_device(RingSource(ring, 100, base), "cuda", depth=3)
     peak = 0
     for i, x in enumerate(it):
@@ -585,48 +824,111 @@ def test_cuda_memory_returns_to_start_after_close() -> None:
     assert ring.free and len(ring.free) == 4  # every slot came back
     ring.close()
     assert not _pinning.is_pinned(ring.buf)  # page-locked memory released
+    assert _pinning.registered_bytes() == pinned_start
 
 
 @pytest.mark.cuda
-def test_cuda_pageable_copy_is_reported() -> None:
+def test_cuda_pageable_and_strided_copies_are_reported() -> None:
     batches = [torch.zeros(1 << 16) for _ in range(3)]
     it = to_device(batches, "cuda")
     with pytest.warns(PageableCopyWarning, match="pageable"):
         out = list(it)
     assert it.stats().pageable_batches == 3 and out[0].is_cuda
+    strided = [torch.zeros(256, 256).pin_memory()[:, ::2] for _ in range(2)]
+    it = to_device(strided, "cuda")
+    with pytest.warns(PageableCopyWarning, match="non-dense"):
+        assert len(list(it)) == 2
+    pinned = [torch.zeros(256, 256).pin_memory() for _ in range(2)]
+    it = to_device(pinned, "cuda")
+    assert len(list(it)) == 2 and it.stats().pageable_batches == 0
 
 
 @pytest.mark.cuda
 def test_cuda_consumer_on_a_side_stream_of_its_own() -> None:
+    """Handover waits on the *current* stream at next(): here a user stream. The transform
+    sleeps on the side stream, so later copies land late: waiting on any other stream (the
+    default one) would let the user stream read them too early."""
     loader = DataLoader(TensorDataset(torch.arange(4096.0)), batch_size=64, pin_memory=True)
     stream = torch.cuda.Stream()
     total = torch.zeros((), device="cuda")
     stream.wait_stream(torch.cuda.current_stream())  # `total` was zeroed on the default stream
+
+    def slow(batch: Any) -> Any:
+        torch.cuda._sleep(BUSY_CYCLES)
+        return batch
+
     with torch.cuda.stream(stream):
-        for (x,) in to_device(loader, "cuda"):
+        for (x,) in to_device(loader, "cuda", transform=slow):
             total += x.sum()
     stream.synchronize()
     assert float(total) == float(torch.arange(4096.0).sum())
 
 
 @pytest.mark.cuda
-def test_cuda_gpufeed_dataloader_pinned_ring_end_to_end() -> None:
+def test_cuda_device_resident_source_is_ordered_after_the_consumer() -> None:
+    """Rule (9): batches already on the GPU, produced on the consumer stream, are read by the
+    transform on the side stream only after the consumer has written them."""
+    n = 200
+
+    def produce() -> Any:
+        for i in range(n):
+            x = torch.empty(1 << 20, device="cuda")
+            torch.cuda._sleep(BUSY_CYCLES)  # the write lands late on the consumer stream
+            x.fill_(float(i))
+            yield x
+
+    sums = [float(y.sum()) for y in to_device(produce(), "cuda", transform=lambda b: b * 2)]
+    assert sums == [2.0 * i * (1 << 20) for i in range(n)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("slow_transform", [False, True])
+def test_cuda_gpufeed_dataloader_pinned_ring_end_to_end(
+    slow_transform: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import gpufeed
 
+    pins: list[int] = []
+    pin_memory = torch.Tensor.pin_memory
+
+    def counting_pin(self: torch.Tensor, *args: Any) -> torch.Tensor:
+        pins.append(self.numel())
+        return pin_memory(self, *args)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", counting_pin)
+    registered_start = _pinning.registered_bytes()
     batches, bs, width = 1100, 64, 256
     data = torch.randint(0, 1 << 20, (batches * bs, width), dtype=torch.int32)
     expected = data.view(batches, bs, width).sum((1, 2), dtype=torch.int64)
+
+    def slow(batch: Any) -> Any:  # delays later copies: a slot recycled early is overwritten
+        torch.cuda._sleep(BUSY_CYCLES)
+        return batch
+
     loader = gpufeed.DataLoader(
-        gpufeed.ArrayDataset(data), batch_size=bs, num_workers=2, pin_memory=True, device="cuda"
+        gpufeed.ArrayDataset(data), batch_size=bs, num_workers=2, pin_memory=True,
+        device="cuda", device_transform=slow if slow_transform else None,
     )
-    heavy = torch.randn(2048, 2048, device="cuda")
     sums = torch.empty(batches, dtype=torch.int64, device="cuda")
     it = iter(loader)
+    registered = 0
+    pins_then = fallbacks_then = 0
     for i, batch in enumerate(it):
-        heavy @ heavy  # keep the consumer stream busy while slots are recycled
+        torch.cuda._sleep(BUSY_CYCLES // 4)  # the consumer stream stays busy too
         sums[i] = batch[0].sum(dtype=torch.int64)
+        registered = max(registered, _pinning.registered_bytes() - registered_start)
+        if i == 100:  # the ring has learnt its slot size and grown by now
+            pins_then = len(pins)
+            fallbacks_then = loader.stats().counters.get("ring_fallback", 0)
     assert torch.equal(sums.cpu(), expected)
     assert it.stats().pageable_batches == 0  # the ring is page-locked
+    # Every slot of the ring is registered (not only the one at the region's start), so its
+    # batches need no per-batch pin_memory(): only those that fell back are pinned that way.
+    fallbacks = loader.stats().counters.get("ring_fallback", 0) - fallbacks_then
+    assert registered > 0 and len(pins) - pins_then <= fallbacks * len(batch)
+    del it, batch
+    gc.collect()
+    assert _pinning.registered_bytes() == registered_start  # unregistered at the epoch's end
 
 
 @pytest.mark.cuda

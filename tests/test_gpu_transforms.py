@@ -166,8 +166,18 @@ def test_cuda_to_device_ships_uint8_and_normalises_on_the_side_stream() -> None:
         for i in range(50)
     ]
     n = Normalize(MEAN, STD, key=0, dtype=torch.float16, channels_last=True)
-    it = to_device(batches, "cuda", transform=n)
+    streams: set[int] = set()
+
+    def on_side(batch: Any) -> Any:
+        streams.add(torch.cuda.current_stream().stream_id)
+        return n(batch)
+
+    consumer = torch.cuda.current_stream().stream_id
+    it = to_device(batches, "cuda", transform=on_side)
     for (x, _), (ox, oy) in zip(batches, it, strict=True):
         assert ox.dtype == torch.float16 and oy.is_cuda
+        assert ox.is_contiguous(memory_format=torch.channels_last)
         torch.testing.assert_close(ox.cpu(), reference(x, torch.float16))
     assert it.stats().bytes_copied == sum(x.numel() + 8 for x, _ in batches)  # uint8 + int64
+    assert len(streams) == 1 and consumer not in streams  # one side stream, not the consumer's
+    assert it.stats().pageable_batches == 0

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import mmap
+import os
+import weakref
 from collections import namedtuple
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,7 +26,8 @@ class Item:
 
 
 class FakeCudart:
-    """Stands in for ``torch.cuda.cudart()``: records calls, returns chosen error codes."""
+    """Stands in for ``torch.cuda.cudart()``: records calls, returns chosen error codes, and
+    remembers registered ranges (for the fake ``Tensor.is_pinned`` below)."""
 
     class cudaError(int):  # the runtime's spelling
         pass
@@ -30,13 +36,19 @@ class FakeCudart:
         self.calls: list[tuple[Any, ...]] = []
         self.register_code = 0
         self.unregister_code = 0
+        self.ranges: dict[int, int] = {}  # ptr -> size, registered through this runtime
+        self.elsewhere: list[tuple[int, int]] = []  # pinned by someone else (pin_memory())
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
         self.calls.append(("register", ptr, size, flags))
+        if self.register_code == 0:
+            self.ranges[ptr] = size
         return self.register_code
 
     def cudaHostUnregister(self, ptr: int) -> int:
         self.calls.append(("unregister", ptr))
+        if self.unregister_code == 0:
+            self.ranges.pop(ptr, None)
         return self.unregister_code
 
     def cudaGetErrorString(self, code: int) -> str:
@@ -46,13 +58,25 @@ class FakeCudart:
         self.calls.append(("get_last_error",))
         return 0
 
+    def pinned(self, ptr: int) -> bool:
+        spans = [*self.ranges.items(), *self.elsewhere]
+        return any(p <= ptr < p + n for p, n in spans)
+
+    def names(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
 
 @pytest.fixture
 def cudart(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+    """A CUDA runtime on CPU. ``Tensor.is_pinned`` is faked with torch's real semantics: it
+    asks about the first byte of the tensor's *storage* (ATen ``is_pinned``:
+    ``isPinnedPtr(self.storage().data())``), not about the tensor's own bytes."""
     fake = FakeCudart()
     monkeypatch.setattr(_pinning, "cuda_usable", lambda: True)
-    monkeypatch.setattr(_pinning, "is_pinned", lambda t: False)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(
+        torch.Tensor, "is_pinned", lambda self: fake.pinned(self.untyped_storage().data_ptr())
+    )
     return fake
 
 
@@ -102,14 +126,14 @@ def test_register_is_idempotent_per_region_and_reference_counted(cudart: FakeCud
     assert len(cudart.calls) == 2
 
 
-def test_already_pinned_memory_is_shared_not_owned(
-    cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_pinning, "is_pinned", lambda t: True)
-    h = _pinning.register(torch.zeros(16))
+def test_already_pinned_memory_is_shared_not_owned(cudart: FakeCudart) -> None:
+    t = torch.zeros(16)
+    cudart.elsewhere.append((t.data_ptr(), 64))  # e.g. from pin_memory()
+    h = _pinning.register(t)
     assert h is not None and not h.owned
     _pinning.unregister(h)
     assert cudart.calls == []  # never unpins memory it did not pin
+    assert _pinning.registered_bytes() == 0
 
 
 def test_register_failure_raises_a_clear_error_and_clears_cuda_state(
@@ -125,6 +149,7 @@ def test_register_failure_raises_a_clear_error_and_clears_cuda_state(
     assert h is not None and cudart.calls[-1][0] == "register"
     _pinning.unregister(h)
     cudart.register_code = 712
+    cudart.ranges.clear()
     with pytest.raises(RuntimeError, match=r"already page-locked.*register the whole region"):
         _pinning.register(t)
 
@@ -160,6 +185,111 @@ def test_pin_batch_maps_every_cpu_leaf(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(out["pair"], Pair) and isinstance(out["item"], Item)
     assert out["pair"].x is pinned[0] and out["pair"].y[1] == "s" and out["n"] == 7
     assert out["item"].tag == "t" and batch["pair"].x is x  # the input is not modified
+
+
+PAGE = 4096
+
+
+def test_slots_of_one_region_are_each_registered(cudart: FakeCudart) -> None:
+    """The ring registers slot after slot of one region. A slot is a slice whose storage
+    starts at the region, so torch's is_pinned() on it answers about the region's first
+    byte: once slot 0 is registered every later slot looked "already pinned" and was never
+    registered (its batches were then pinned again, per batch, by pin_batch)."""
+    region = torch.zeros(4 * PAGE, dtype=torch.uint8)
+    slots = [region[k * PAGE : (k + 1) * PAGE] for k in range(4)]
+    assert slots[2].is_pinned() is False
+    handles = [_pinning.register(slot) for slot in slots]
+    assert all(h is not None and h.owned for h in handles)
+    assert [c[1:3] for c in cudart.calls] == [(s.data_ptr(), PAGE) for s in slots]
+    assert all(_pinning.is_pinned(s) for s in slots)
+    assert _pinning.registered_bytes() == 4 * PAGE
+    for h in handles:
+        _pinning.unregister(h)
+    assert cudart.ranges == {} and _pinning.registered_bytes() == 0
+
+
+def test_is_pinned_asks_about_the_tensors_own_bytes(cudart: FakeCudart) -> None:
+    region = torch.zeros(3 * PAGE, dtype=torch.uint8)
+    h = _pinning.register(region[PAGE : 2 * PAGE])
+    assert not region[PAGE:].is_pinned()  # torch: about the region's first byte
+    assert _pinning.is_pinned(region[PAGE : 2 * PAGE])
+    assert _pinning.is_pinned(region[PAGE + 10 : PAGE + 20])
+    assert not _pinning.is_pinned(region[: 2 * PAGE])  # starts before the registration
+    assert not _pinning.is_pinned(region[PAGE : 2 * PAGE + 1])  # ends after it
+    assert not _pinning.is_pinned(region[PAGE:PAGE])  # empty: nothing to be pinned
+    _pinning.unregister(h)
+
+
+def test_a_range_inside_a_registration_is_shared_not_registered_again(
+    cudart: FakeCudart,
+) -> None:
+    whole = torch.zeros(4 * PAGE, dtype=torch.uint8)
+    h = _pinning.register(whole)
+    inner = _pinning.register(whole[PAGE : 2 * PAGE])
+    assert inner is not None and not inner.owned and cudart.names() == ["register"]
+    _pinning.unregister(inner)
+    _pinning.unregister(h)
+    assert cudart.names() == ["register", "unregister"]
+
+
+def test_memory_stays_mapped_until_unregistered(cudart: FakeCudart) -> None:
+    """A ring that lets go of its region before unregistering its slots must not get the
+    memory unmapped while it is still registered: the handle keeps it mapped."""
+    order: list[str] = []
+    unregister = cudart.cudaHostUnregister
+
+    def logged(ptr: int) -> int:
+        order.append("cudaHostUnregister")
+        return unregister(ptr)
+
+    cudart.cudaHostUnregister = logged  # type: ignore[method-assign]
+    mm = mmap.mmap(-1, 2 * PAGE)
+    weakref.finalize(mm, order.append, "munmap")
+    region = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+    handle = _pinning.register(region[PAGE:])
+    del mm, region  # the owner drops its region first
+    gc.collect()
+    assert order == []
+    _pinning.unregister(handle)
+    gc.collect()
+    assert order == ["cudaHostUnregister", "munmap"]
+
+
+def test_a_handle_collected_while_active_unregisters_first(cudart: FakeCudart) -> None:
+    order: list[str] = []
+    arr = np.zeros(PAGE, dtype=np.uint8)
+    weakref.finalize(arr, order.append, "freed")
+    handle = _pinning.register(torch.from_numpy(arr))
+    assert handle is not None
+    del arr, handle
+    gc.collect()
+    assert cudart.names() == ["register", "unregister"] and order == ["freed"]
+    assert _pinning.registered_bytes() == 0
+
+
+def test_a_handle_outside_its_process_does_nothing(
+    cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forked child holds copies of the parent's handles but has no CUDA context."""
+    t = torch.zeros(PAGE, dtype=torch.uint8)
+    handle = _pinning.register(t)
+    assert handle is not None
+    pid = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: pid + 1)
+    _pinning.unregister(handle)
+    assert cudart.names() == ["register"] and not handle.active
+    monkeypatch.undo()
+    _pinning._refcounts.clear()  # what the parent's own handle would have released
+
+
+def test_a_forked_child_forgets_the_bookkeeping(
+    cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_pinning, "_refcounts", {(1, PAGE): 1})
+    monkeypatch.setattr(_pinning, "_copy_sources", weakref.WeakSet())
+    monkeypatch.setattr(_pinning, "_lock", _pinning._lock)
+    _pinning._forget_after_fork()
+    assert _pinning.registered_bytes() == 0 and len(_pinning._copy_sources) == 0
 
 
 # ---------------------------------------------------------------- CUDA (run on a GPU)
@@ -225,3 +355,27 @@ def test_cuda_pin_batch_and_pinned_memory_back_to_start() -> None:
     torch.cuda.synchronize()
     torch.empty(1).pin_memory()  # lets the caching host allocator process freed blocks
     assert torch.cuda.host_memory_stats().get("active_bytes.current", 0) <= before + 512
+
+
+@pytest.mark.cuda
+def test_cuda_slots_of_a_shared_memfd_region_are_each_page_locked() -> None:
+    """Like the loader's ring: one MAP_SHARED memfd mapping, registered slot by slot."""
+    slot, slots = 16 * PAGE, 4
+    fd = os.memfd_create("gpufeed-test", os.MFD_CLOEXEC)
+    os.ftruncate(fd, slot * slots)
+    mm = mmap.mmap(fd, slot * slots)
+    os.close(fd)
+    region = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+    handles = [_pinning.register(region[k * slot : (k + 1) * slot]) for k in range(slots)]
+    assert all(h is not None and h.owned for h in handles)
+    # torch's own answer, on tensors whose storage starts at each slot
+    own = [torch.frombuffer(mm, dtype=torch.uint8, offset=k * slot, count=slot)
+           for k in range(slots)]
+    assert all(t.is_pinned() for t in own)
+    own[2].fill_(7)
+    out = region[2 * slot : 3 * slot].to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert int(out.sum()) == 7 * slot
+    for h in handles:
+        _pinning.unregister(h)
+    assert not any(t.is_pinned() for t in own)

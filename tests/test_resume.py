@@ -1,4 +1,5 @@
-"""Resume: the state format and its checks, skipping, delivery tracking; end to end below."""
+"""Resume (``_state``, ``_delivery``, ``_resume``): the state format and its checks, skipping,
+delivery tracking; end to end below."""
 
 from __future__ import annotations
 
@@ -11,22 +12,12 @@ import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
 import gpufeed
-from gpufeed._resume import (
-    GLOBAL_RNG,
-    Delivered,
-    DeliveryTracker,
-    Progress,
-    ResumePoint,
-    capture_state,
-    check_state,
-    make_state,
-    numbered,
-    prepare_resume,
-    require_resumable,
-    sampler_state_of,
-)
+from gpufeed import _resume
+from gpufeed._delivery import Delivered, DeliveryTracker, ResumePoint, WorkerStates, numbered
+from gpufeed._resume import GLOBAL_RNG, Progress, prepare_resume, sampler_state_of
 from gpufeed._sampler import SeededRandomSampler, ShardedSampler
-from resume_checker import Case, RandomTransformDataset, check_many
+from gpufeed._state import capture_state, check_state, make_state, require_resumable
+from resume_checker import Case, RandomTransformDataset, ShardedStream, check_many, leaves
 
 CURRENT = dict(dataset_len=10, world_size=2, rank=1, batch_size=4, num_workers=2)
 
@@ -66,6 +57,23 @@ def test_check_state_num_workers_binds_only_iterable_datasets():
     iterable = _state(dataset_state={"num_workers": 2, "workers": [None, None]})
     with pytest.raises(ValueError, match="num_workers=2 but this loader has num_workers=3"):
         check_state(iterable, **{**CURRENT, "num_workers": 3})
+
+
+def test_check_state_checks_the_dataset_state():
+    good = {"num_workers": 2, "workers": [None, {"at": 1}], "next_worker": 1}
+    check_state(_state(dataset_state=good), **CURRENT)
+    old = {"num_workers": 2, "workers": [None, None]}  # saved before next_worker existed
+    check_state(_state(dataset_state=old), **CURRENT)
+    with pytest.raises(ValueError, match="next_worker must be an int in \\[0, 1\\], got 2"):
+        check_state(_state(dataset_state={**good, "next_worker": 2}), **CURRENT)
+    with pytest.raises(ValueError, match="dataset_state must be"):
+        check_state(_state(dataset_state={**good, "workers": [None]}), **CURRENT)
+
+
+def test_resume_module_reexports_its_parts():
+    for name in _resume.__all__:
+        assert hasattr(_resume, name), name
+    assert _resume.DeliveryTracker is DeliveryTracker and _resume.check_state is check_state
 
 
 def test_check_state_rejects_malformed():
@@ -200,10 +208,22 @@ def test_tracker_resumed_and_worker_states():
     tracker.produced(3, (1, {"offset": 8}))
     tracker.produced(5, (0, {"offset": 2}))
     assert tracker.position() == (2, 6, [9])
-    assert tracker.dataset_states(2) == [{"offset": 2}, {"offset": 8}]
-    assert tracker.dataset_states(1) == [{"offset": 2}]
+    assert tracker.dataset_states(2) == WorkerStates([{"offset": 2}, {"offset": 8}], 1)
+    assert tracker.dataset_states(1) == WorkerStates([{"offset": 2}], 0)
     tracker.host_exhausted()
-    assert tracker.dataset_states(2) == [None, None]
+    assert tracker.dataset_states(2) == WorkerStates([None, None], 0)
+
+
+def test_tracker_of_an_iterable_dataset_counts_and_knows_whose_turn():
+    resumed = WorkerStates([{"at": 4}, None, {"at": 1}], 2)
+    tracker = DeliveryTracker(ResumePoint(0, 5, seeked=True), iterable=True, resumed=resumed)
+    assert tracker.dataset_states(3) == resumed  # nothing delivered yet: the loaded position
+    tracker.produced(7, (2, {"at": 2}))  # numbers 5 and 6 were "stop" answers
+    assert tracker.position() == (0, 6, [])
+    assert tracker.dataset_states(3) == WorkerStates([{"at": 4}, None, {"at": 2}], 0)
+    tracker.produced(8, (0, {"at": 5}))
+    assert tracker.dataset_states(3) == WorkerStates([{"at": 5}, None, {"at": 2}], 1)
+    assert tracker.position() == (0, 7, [])
 
 
 def test_delivered_counts_what_the_user_receives():
@@ -338,11 +358,21 @@ def test_progress_iterable_dataset_states():
     next(tracker.indices)
     tracker.produced_nth(0, (1, {"at": 3}))
     state = progress.state_dict(loader)
-    assert state["dataset_state"] == {"num_workers": 2, "workers": [None, {"at": 3}]}
+    assert state["dataset_state"] == {
+        "num_workers": 2, "workers": [None, {"at": 3}], "next_worker": 0,
+    }
     resumed = Progress()
     resumed.load_state_dict(loader, state)
-    assert resumed.take_dataset_states() == [None, {"at": 3}]
+    assert resumed.state_dict(loader)["dataset_state"] == state["dataset_state"]
+    tracker = resumed.begin_epoch(loader, direct=True)
+    assert resumed.take_dataset_states() == WorkerStates([None, {"at": 3}], 0)
     assert resumed.take_dataset_states() is None
+    # saved again before worker 1 delivers anything: its loaded position is kept
+    next(tracker.indices)
+    tracker.produced_nth(0, (0, {"at": 1}))
+    assert resumed.state_dict(loader)["dataset_state"] == {
+        "num_workers": 2, "workers": [{"at": 1}, {"at": 3}], "next_worker": 1,
+    }
     plain = SimpleNamespace(**{**vars(loader), "dataset": _Plain()})
     with pytest.raises(TypeError, match="cannot save the position of _Plain"):
         Progress().state_dict(plain)
@@ -371,6 +401,25 @@ CASES = [
          resume_worker_type="thread"),
     Case(num_workers=2, device="cpu", stop=4),
     Case(batch_size=None, n=9, num_workers=2, worker_type="thread", stop=4),
+    # iterable datasets (ShardedStream: uneven shards, so workers run dry at different times;
+    # 22 samples in batches of 4 give 6 batches an epoch for 2 or 3 workers, 4 with drop_last
+    # and 2 workers). The stop falls mid-turn with every worker busy (nw=2 stop=1, 7), mid-turn
+    # right after a worker ran dry (nw=3 stop=2), after several ran dry, on an epoch boundary.
+    Case(iterable=True, stop=4),
+    Case(iterable=True, num_workers=2, stop=1),
+    Case(iterable=True, num_workers=3, worker_type="thread", stop=2,
+         resume_worker_type="process"),
+    Case(iterable=True, num_workers=3, stop=4, resume_worker_type="thread"),
+    Case(iterable=True, num_workers=2, stop=6),
+    Case(iterable=True, num_workers=2, worker_type="thread", drop_last=True, epochs=3, stop=3),
+    Case(iterable=True, num_workers=2, persistent=True, epochs=3, stop=7,
+         resume_worker_type="thread"),
+    Case(iterable=True, num_workers=2, in_order=False, stop=3),
+    Case(iterable=True, num_workers=2, device="cpu", stop=1),
+    Case(iterable=True, batch_size=None, n=9, num_workers=3, worker_type="thread", stop=4),
+    # load_state_dict onto persistent workers already running (mid-epoch) with another seed
+    Case(num_workers=2, persistent=True, warm=True, stop=8),
+    Case(num_workers=2, worker_type="thread", persistent=True, warm=True, epochs=3, stop=3),
 ]
 
 
@@ -480,16 +529,58 @@ def test_iterable_dataset_with_process_workers_resumes_per_worker(tmp_path):
     def make():
         return gpufeed.DataLoader(_ShardedCounter(23), batch_size=2, num_workers=2, seed=0)
 
+    reference = [b.flatten().tolist() for b in make()]
     loader = make()
     it = iter(loader)
-    head = [next(it) for _ in range(4)]
+    head = [next(it).flatten().tolist() for _ in range(3)]
     torch.save(loader.state_dict(), tmp_path / "s.pt")
     del it
     fresh = make()
     fresh.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
-    rest = list(fresh)
-    assert sorted(torch.cat(head + rest).flatten().tolist()) == list(range(23))
+    assert head + [b.flatten().tolist() for b in fresh] == reference  # the order too
     with pytest.raises(ValueError, match="num_workers=2 but this loader has num_workers=1"):
         gpufeed.DataLoader(_ShardedCounter(23), batch_size=2, num_workers=1).load_state_dict(
             torch.load(tmp_path / "s.pt", weights_only=True)
         )
+
+
+@integrated
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_iterable_dataset_resumes_again_before_every_worker_delivered(worker_type):
+    """A chain of resumes, one batch each: a worker that has not delivered since the last
+    resume keeps the position that resume loaded (NOTE [ Iterable resume ])."""
+
+    def make():
+        return gpufeed.DataLoader(ShardedStream(22), batch_size=3, num_workers=2,
+                                  worker_type=worker_type)
+
+    reference = [leaves(b) for b in make()]
+    got, state = [], None
+    while len(got) < len(reference):
+        loader = make()
+        if state is not None:
+            loader.load_state_dict(state)
+        it = iter(loader)
+        got.append(leaves(next(it)))
+        state = loader.state_dict()
+        del it
+    assert got == reference
+    assert state["dataset_state"]["next_worker"] in (0, 1)
+
+
+@integrated
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_load_state_dict_reseeds_persistent_workers(worker_type):
+    def make(seed):
+        return gpufeed.DataLoader(RandomTransformDataset(12), batch_size=4, shuffle=True,
+                                  num_workers=2, worker_type=worker_type, seed=seed,
+                                  persistent_workers=True)
+
+    source = make(7)
+    list(source)  # epoch 0
+    state = source.state_dict()
+    want = [leaves(b) for b in source]  # epoch 1 of seed 7
+    loader = make(8)
+    list(loader)  # its workers run with seed 8
+    loader.load_state_dict(state)
+    assert [leaves(b) for b in loader] == want

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import gc
 
+import psutil
 import pytest
 import torch
 import torch.utils.data as tud
 
 import gpufeed
+from gpufeed._ring import PAGE, Region, SlotRing, default_reserve, reserve_for
 from helpers import (
     BlockDataset,
     EmptyLaterDataset,
@@ -22,6 +24,7 @@ from helpers import (
     assert_same,
     assert_same_batches,
     drain,
+    no_leaks,
     pad_collate,
 )
 
@@ -227,3 +230,80 @@ def test_in_place_changes_by_the_user_stay_in_their_batch(worker_type):
     for k, b in enumerate(got):
         assert (b["x"] == -1).all(), f"batch {k} was overwritten after the user wrote it"
         assert_same(expected[k]["y"], b["y"], f"batch {k}['y']")
+
+
+# -- the region and its budget, without workers ------------------------------------------------
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "private"])
+def test_region_releases_its_descriptor_and_mapping_on_every_path(shared):
+    with no_leaks(settle_s=0.5):
+        with pytest.raises(OSError):
+            Region(1 << 47, shared=shared)  # the whole address space: the mmap fails
+        Region(1 << 20, shared=shared)  # dropped without close_fd(): the finalizer closes it
+        r = Region(1 << 20, shared=shared)
+        r.close_fd()
+        r.close_fd()
+        view = r.tensor[:10]
+        r.release()  # a view is alive: its mapping stays, the descriptors go with it
+        view.fill_(7)
+        assert view.sum().item() == 70
+        del view
+        r.release()
+        held = Region(1 << 20, shared=shared)
+        held.release()  # nothing views it: unmapped now, though `held` is still referenced
+        assert held.fd == -1 and held.mm is None
+    gc.collect()
+
+
+def _memory_kb() -> tuple[int, int]:
+    """(this process's resident anonymous + shmem pages, the machine's shmem pages)."""
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f)
+    with open("/proc/meminfo") as f:
+        meminfo = dict(line.split(":", 1) for line in f)
+    rss = sum(int(status[k].split()[0]) for k in ("RssAnon", "RssShmem"))
+    return rss, int(meminfo["Shmem"].split()[0])
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "private"])
+def test_discarded_slots_give_their_pages_back(shared):
+    """A retired slot's pages return to the system, not only leave this process's page table
+    (MADV_DONTNEED on a shared anonymous mapping would leave them in shmem)."""
+    touched = 128 << 20
+    region = Region(2 * touched, shared=shared)
+    rss0, shm0 = _memory_kb()
+    region.array[:touched] = 1
+    rss1, _ = _memory_kb()
+    assert rss1 - rss0 > (touched >> 10) // 2
+    region.discard(0, touched)
+    rss2, shm2 = _memory_kb()
+    assert rss2 - rss0 < (touched >> 10) // 4, "the pages are still resident"
+    assert shm2 - shm0 < (touched >> 10) // 2, "the pages stayed in shared memory"
+    assert not region.array[:touched].any()
+    region.release()
+
+
+def test_a_budget_past_the_reservation_falls_back():
+    """The budget is a cap: slots are carved up to the reservation, then batches fall back."""
+    ring = SlotRing(reserve=4 * PAGE, budget=1 << 40, shared=False, pin=False, slots_hint=2)
+    assert ring.budget == 4 * PAGE  # what the ring can hold, reported as such
+    ring.learn(PAGE)
+    slots = [ring.acquire() for _ in range(5)]
+    assert all(s is not None for s in slots[:4]) and slots[4] is None
+    assert ring.grows == 4 and ring.fallbacks == 1
+    ring.close()
+
+
+def test_huge_ring_bytes_reserve_at_most_the_physical_memory():
+    assert reserve_for(1 << 47) <= psutil.virtual_memory().total
+    assert reserve_for(1 << 20) == 1 << 20
+    assert reserve_for(None) == default_reserve()
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "private"])
+def test_a_ring_that_cannot_be_mapped_names_ring_bytes(shared):
+    with no_leaks(settle_s=0.5), pytest.raises(ValueError) as info:
+        SlotRing(reserve=1 << 47, budget=1 << 47, shared=shared, pin=False, slots_hint=2)
+    msg = str(info.value)
+    assert f"ring_bytes= (it is {1 << 47})" in msg and "ring_bytes=0" in msg, msg

@@ -13,7 +13,10 @@
       _tree.py         walking nested batches
       _errors.py       WorkerError and worker tracebacks
       _plan.py         an epoch's batches as slices of one permutation
-      _device.py       to_device: side-stream prefetch, events, record_stream
+      _device.py       to_device and DeviceStats
+      _prefetch.py     DeviceIterator: side-stream copies, events, record_stream, depth bound
+      _streams.py      CUDA streams and events, and a synchronous stand-in for tests
+      _pageable.py     detecting copies that cannot be asynchronous; PageableCopyWarning
       _pinning.py      cudaHostRegister of ring slots; pinning fallback batches
       _gpu_transforms.py  Normalize: uint8 -> float on the device, channels_last
       _stats.py        StatsRecorder and LoaderStats: stats as data
@@ -22,7 +25,9 @@
       _doctor.py       diagnose(): shm, fd and memlock limits, CPUs, memory, GPU link
       _sampler.py      ShardedSampler (DistributedSampler semantics, resumable), sharding
       _seeding.py      per-sample random state from (seed, epoch, index)
-      _resume.py       state_dict format, checks and delivered-batch tracking
+      _resume.py       Progress: state_dict / load_state_dict, epochs, resuming samplers
+      _state.py        the state_dict format, its checks, dataset states
+      _delivery.py     counting delivered batches; iterable datasets' worker turns
       _measure.py      measure_loader, PSS of the process tree
       _cli.py          gpufeed bench | tune | profile | doctor
       benchmarks/      python -m gpufeed.benchmarks [cpu|gpu]

@@ -116,6 +116,10 @@ class Normalize:
         compute = torch.float64 if self.dtype == torch.float64 else torch.float32
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
         mean, std = self._stats_for(x.device, compute, x.ndim)
+        if x.device.type == "cuda":  # cached across calls: used on this stream now
+            stream = torch.cuda.current_stream(x.device)
+            mean.record_stream(stream)
+            std.record_stream(stream)
         y = x.to(dtype=compute, memory_format=fmt, copy=True)
         if not x.is_floating_point():
             y.div_(torch.iinfo(x.dtype).max)
@@ -125,6 +129,13 @@ class Normalize:
     def _stats_for(
         self, device: torch.device, dtype: torch.dtype, ndim: int
     ) -> tuple[torch.Tensor, ...]:
+        """mean and std shaped for broadcasting, cached per (device, dtype, ndim).
+
+        The cached device tensors are allocated from the pool of whichever stream made them
+        (``to_device``'s side stream, or the caller's) and may be read later on another;
+        ``apply`` gives them ``record_stream`` for the stream it runs on, so freeing this
+        object never recycles their memory under a kernel still reading it.
+        """
         key = (device, dtype, ndim)
         if key not in self._stats:
             shape = (1, len(self.mean)) + (1,) * (ndim - 2)

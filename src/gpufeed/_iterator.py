@@ -3,7 +3,9 @@
 NOTE [ Messages ]
 -----------------
 Batches are numbered 0, 1, 2 ... in sampler order. The main process keeps at most
-``prefetch_factor * num_workers`` batches dispatched and not yet delivered, hands each task to
+``prefetch_factor * num_workers`` batches dispatched and not yet delivered (with
+``prefetch_factor`` unset and cheap batches, up to ``2 * chunk * num_workers``: see ``_adapt``;
+never more than ``CHUNK_BYTES`` of extra slots), hands each task to
 the next active worker in turn with a free slot of the ring (or none: see NOTE [ Slot
 lifetime ] in ``_ring.py``), and delivers in order (``in_order=True``) or as they come.
 Each epoch of a persistent iterator is a new *generation*; answers from an older one are
@@ -30,7 +32,7 @@ from ._pinning import pin_batch
 from ._plan import IndexPlan, finish_plan, make_plan, plannable
 from ._pool import Pool, ProcessPool, ThreadPool
 from ._resume import capture_state
-from ._ring import SlotRing, default_reserve
+from ._ring import SlotRing, reserve_for
 from ._sampler import ShardInfo, set_shard_info
 
 if TYPE_CHECKING:
@@ -157,9 +159,9 @@ class SingleIter(BaseIter):
         self._load_dataset_state()
 
     def _load_dataset_state(self) -> None:
-        states = self._loader._progress.take_dataset_states()
-        if states and isinstance(self._fetcher, IterFetcher):
-            self._fetcher.reset(states[0])
+        resumed = self._loader._progress.take_dataset_states()
+        if resumed is not None and isinstance(self._fetcher, IterFetcher):
+            self._fetcher.reset(resumed.states[0])
 
     def __next__(self) -> Any:
         asked_at = time.perf_counter()
@@ -186,44 +188,47 @@ class WorkerIter(BaseIter):
     """Batches from ``num_workers`` process or thread workers through the slot ring."""
 
     def __init__(self, loader: DataLoader) -> None:
-        super().__init__(loader)
-        self._closed = False
+        self._closed = False  # first: close() below must work on a half-built iterator
         self._pid = os.getpid()  # a forked child inherits this object: it must not close it
-        nw = loader.num_workers
-        self._nw = nw
-        self._in_order = loader.in_order
-        self._timeout = float(loader.timeout)
-        self._persistent = loader.persistent_workers
-        self._pf_out = (loader.prefetch_factor or 2) * nw
-        self._max_out = self._pf_out
-        self._chunk = 1
-        self._seen_grows = self._seen_fallbacks = 0
-        self._batch_s = 0.0  # moving average of worker seconds per batch
-        shared = loader.worker_type == "process"
-        budget = loader.ring_bytes
-        reserve = budget if budget is not None else default_reserve()
-        self._ring = SlotRing(
-            reserve=reserve, budget=budget, shared=shared, pin=self._pin,
-            slots_hint=self._slots_for(self._max_out),
-        )
-        kwargs = dict(
-            num_workers=nw, dataset=self._dataset, is_iterable=self._is_iterable,
-            auto_collation=self._auto_collation, collate_fn=self._collate_fn,
-            drop_last=self._drop_last, region=self._ring.mem if shared else self._ring.region,
-            base_seed=self._base_seed,
-            init_fn=loader.worker_init_fn, sample_seed=self._sample_seed, rank=loader.rank,
-            world_size=loader.world_size,
-        )
-        self._pool: Pool
-        if shared:
-            ctx = loader.multiprocessing_context or torch.multiprocessing
-            self._pool = ProcessPool(nw, ctx, kwargs)
-            self._ring.mem.close_fd()
-        else:
-            self._pool = ThreadPool(nw, kwargs)
-        _live.add(self)
-        self._gen = 0
-        self._reset(loader, first_iter=True)
+        try:
+            super().__init__(loader)
+            nw = loader.num_workers
+            self._nw = nw
+            self._in_order = loader.in_order
+            self._timeout = float(loader.timeout)
+            self._persistent = loader.persistent_workers
+            self._pf_out = (loader.prefetch_factor or 2) * nw
+            self._max_out = self._pf_out
+            self._chunk = 1
+            self._seen_grows = self._seen_fallbacks = 0
+            self._batch_s = 0.0  # moving average of worker seconds per batch
+            shared = loader.worker_type == "process"
+            budget = loader.ring_bytes
+            self._ring = SlotRing(
+                reserve=reserve_for(budget), budget=budget, shared=shared, pin=self._pin,
+                slots_hint=self._slots_for(self._max_out),
+            )
+            kwargs = dict(
+                num_workers=nw, dataset=self._dataset, is_iterable=self._is_iterable,
+                auto_collation=self._auto_collation, collate_fn=self._collate_fn,
+                drop_last=self._drop_last, region=self._ring.mem if shared else self._ring.region,
+                base_seed=self._base_seed,
+                init_fn=loader.worker_init_fn, sample_seed=self._sample_seed, rank=loader.rank,
+                world_size=loader.world_size,
+            )
+            self._pool: Pool
+            if shared:
+                ctx = loader.multiprocessing_context or torch.multiprocessing
+                self._pool = ProcessPool(nw, ctx, kwargs)
+                self._ring.mem.close_fd()
+            else:
+                self._pool = ThreadPool(nw, kwargs)
+            _live.add(self)
+            self._gen = 0
+            self._reset(loader, first_iter=True)
+        except BaseException:
+            self.close()  # a failed start leaves no worker, thread or descriptor behind
+            raise
 
     # -- epoch bookkeeping ------------------------------------------------------------------
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
@@ -239,12 +244,21 @@ class WorkerIter(BaseIter):
         self._ready: dict[int, Any] = {}  # answered, not delivered
         self._wstates: dict[int, tuple[int, Any]] = {}  # iterable datasets: (worker, state)
         self._active = [True] * self._nw
-        self._cycle = itertools.cycle(range(self._nw))
         self._sampler_done = False
-        states = loader._progress.take_dataset_states() if self._is_iterable else None
-        if self._is_iterable and (states or not first_iter):
+        # NOTE [ Iterable resume ] in _delivery.py: each worker restarts from its state as of
+        # its last delivered batch, and the turn starts with the worker that was next.
+        resumed = loader._progress.take_dataset_states() if self._is_iterable else None
+        first = resumed.next_worker if resumed is not None else 0
+        self._cycle = itertools.cycle([*range(first, self._nw), *range(first)])
+        if self._is_iterable and (resumed is not None or not first_iter):
             for w in range(self._nw):
-                self._pool.send(w, ("reset", self._gen, states[w] if states else None))
+                state = resumed.states[w] if resumed is not None else None
+                self._pool.send(w, ("reset", self._gen, state))
+        seed = loader.seed if loader.deterministic else None
+        if seed != self._sample_seed:  # load_state_dict brought another seed: re-seed workers
+            self._sample_seed = seed
+            for w in range(self._nw):
+                self._pool.send(w, ("seed", self._gen, seed))
         self._plan: IndexPlan | None = None
         point = self._tracker.point
         if not self._is_iterable and not point.ahead and plannable(self._index_sampler):
@@ -253,6 +267,7 @@ class WorkerIter(BaseIter):
             self._plan = make_plan(self._index_sampler, shared=shared, skip=skip)
             for w in range(self._nw):
                 self._pool.send(w, ("plan", self._gen, self._plan))
+            self._stock_pulls(0)
         self._dispatch()
 
     def _next_task(self) -> tuple[bool, Any]:
@@ -260,9 +275,22 @@ class WorkerIter(BaseIter):
         if self._plan is None:
             return False, self._next_indices()
         if self._send_idx >= self._plan.n_batches:
-            finish_plan(self._index_sampler)
             raise StopIteration
         return True, None
+
+    def _stock_pulls(self, delivered: int) -> None:
+        """Advance the user's generator as the stock loader would by now.
+
+        Stock pulls ``prefetch_factor * num_workers`` batches of indices from the sampler at
+        ``iter()`` and one more per delivered batch; the pull that exhausts the sampler makes
+        ``RandomSampler`` draw a closing permutation (``IndexPlan.closing_pull``). gpufeed
+        dispatches further ahead, so it makes that draw when stock would: breaking out early
+        leaves the generator as stock does.
+        """
+        plan = self._plan
+        if plan is not None and not plan.finished and self._pf_out + delivered >= plan.closing_pull:
+            plan.finished = True
+            finish_plan(self._index_sampler)
 
     def _dispatch(self) -> None:
         """Hand out tasks while fewer than the bound are in flight.
@@ -308,9 +336,11 @@ class WorkerIter(BaseIter):
     def _adapt(self, batch_s: float) -> None:
         """Size task messages so each carries about CHUNK_TARGET_S of worker time.
 
-        Not with ``timeout=``: a worker answers once per message, and the timeout is per batch.
+        Only when ``prefetch_factor`` was left unset (an explicit one is a strict bound, as in
+        torch), and not with ``timeout=``: a worker answers once per message, and the timeout
+        is per batch.
         """
-        if self._timeout > 0:
+        if self._timeout > 0 or self._loader._prefetch_explicit:
             return
         self._batch_s = batch_s if not self._batch_s else 0.8 * self._batch_s + 0.2 * batch_s
         chunk = min(int(CHUNK_TARGET_S / max(self._batch_s, 1e-6)), CHUNK_MAX)
@@ -425,6 +455,7 @@ class WorkerIter(BaseIter):
                     continue
                 idx = next(iter(self._ready))
             data = self._ready.pop(idx)
+            self._stock_pulls(self._num_yielded + 1)
             self._dispatch()
             if data is _STOP:
                 continue
@@ -450,14 +481,23 @@ class WorkerIter(BaseIter):
         }
 
     def close(self) -> None:
-        if self._closed or os.getpid() != self._pid:
+        """Stop workers and release memory; idempotent. Also called by a failed ``__init__``,
+        so every attribute past ``_closed`` and ``_pid`` may be missing."""
+        if getattr(self, "_closed", True) or os.getpid() != self._pid:
             return
         self._closed = True
-        self._ready.clear()
-        self._tasks.clear()
-        self._pool.close()
-        self._ring.close()
         _live.discard(self)
+        for pending in (getattr(self, "_ready", None), getattr(self, "_tasks", None)):
+            if pending is not None:
+                pending.clear()
+        pool: Pool | None = getattr(self, "_pool", None)
+        ring: SlotRing | None = getattr(self, "_ring", None)
+        try:
+            if pool is not None:
+                pool.close()
+        finally:
+            if ring is not None:
+                ring.close()
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):

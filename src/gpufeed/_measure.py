@@ -15,7 +15,25 @@
   the peak. Reading PSS makes the kernel walk every page table of every process (about 40 us per
   resident MiB on the VMs we measure on), so when one sample costs more than a tenth of the
   interval the interval is stretched to ten times the cost: the sampler never takes more than
-  about 10% of one core, at the price of sparser samples for large processes.
+  about 10% of one core, at the price of sparser samples for large processes. One more sample
+  is taken, outside the timed span, when the pass is about to end (the last batch of a
+  ``len()``-known pass, or the batch that hits ``max_batches``/``max_seconds``), while the
+  workers still run: memory that only grows during a pass (mapped file pages) peaks there, and
+  sparse samples would otherwise miss it by a varying amount.
+
+The peak is also split by kind of memory (``Pss_Anon``, ``Pss_File`` and ``Pss_Shmem`` of
+``/proc/<pid>/smaps_rollup``, summed over the tree at the peak sample), because the kinds behave
+differently when two loaders are compared:
+
+- **anon**: heaps, decoded samples, copy-on-write copies of the dataset in forked workers,
+  thread workers' batches;
+- **file**: mapped file pages. Shared libraries (whose PSS also falls when *other* processes on
+  the machine map the same libraries) and memory-mapped data, such as a ``numpy.memmap``
+  dataset: its pages count once a process of the tree has touched them, so this part grows with
+  the samples read, and two loaders compare fairly only when they read the same samples;
+- **shmem**: shared memory that some process of the tree maps (the stock loader's per-batch
+  segments once received, gpufeed's slot ring). Shared memory that is open but mapped by no
+  process (a stock batch still in transit, passed as a file descriptor) is in no PSS.
 """
 
 from __future__ import annotations
@@ -31,7 +49,14 @@ import numpy as np
 import psutil
 import torch
 
-__all__ = ["Measurement", "batch_samples_and_bytes", "measure_loader", "process_tree_pss"]
+__all__ = [
+    "Measurement",
+    "TreeMemory",
+    "batch_samples_and_bytes",
+    "measure_loader",
+    "process_tree_memory",
+    "process_tree_pss",
+]
 
 _GONE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied, FileNotFoundError)
 
@@ -53,6 +78,9 @@ class Measurement:
             ``peak_pss_bytes - start_pss_bytes`` is the growth caused by iterating.
         warmup_batches: batches delivered before the rate clock started.
         memory_samples: how many PSS samples the sampler took.
+        peak_pss_anon_bytes, peak_pss_file_bytes, peak_pss_shmem_bytes: the peak sample split
+            by kind (see the module docstring); they add up to ``peak_pss_bytes`` within
+            rounding. 0 when not sampled, or where the kernel gives no split.
     """
 
     samples: int
@@ -65,6 +93,9 @@ class Measurement:
     start_pss_bytes: int = 0
     warmup_batches: int = 0
     memory_samples: int = 0
+    peak_pss_anon_bytes: int = 0
+    peak_pss_file_bytes: int = 0
+    peak_pss_shmem_bytes: int = 0
 
     @property
     def pss_growth_bytes(self) -> int:
@@ -72,32 +103,79 @@ class Measurement:
         return max(0, self.peak_pss_bytes - self.start_pss_bytes)
 
 
-def process_tree_pss(pid: int | None = None) -> int:
-    """Return the PSS in bytes of process ``pid`` (default: this one) plus all its descendants.
+@dataclass(frozen=True)
+class TreeMemory:
+    """PSS of a process tree in bytes, whole and by kind (see the module docstring).
 
-    Uses psutil's ``memory_full_info().pss`` (``/proc/<pid>/smaps_rollup`` on Linux). Processes
-    that exit while being read are skipped. Raises ``RuntimeError`` where the platform has no
-    PSS (psutil exposes it on Linux only).
+    Attributes:
+        pss: the sum over the tree of each process's PSS.
+        anon, file, shmem: its ``Pss_Anon``, ``Pss_File`` and ``Pss_Shmem`` parts (0 where the
+            kernel has no ``smaps_rollup`` split: before Linux 5.9, or not Linux).
+    """
+
+    pss: int
+    anon: int = 0
+    file: int = 0
+    shmem: int = 0
+
+
+_ROLLUP_KEYS = {"Pss:": "pss", "Pss_Anon:": "anon", "Pss_File:": "file", "Pss_Shmem:": "shmem"}
+
+
+def _rollup(pid: int) -> dict[str, int] | None:
+    """PSS fields of ``/proc/<pid>/smaps_rollup`` in bytes; None where it cannot be read."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(" ")
+                name = _ROLLUP_KEYS.get(key)
+                if name is not None:
+                    out[name] = int(rest.split()[0]) * 1024  # the file says kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return out if "pss" in out else None
+
+
+def _psutil_pss(proc: psutil.Process) -> int:
+    pss = getattr(proc.memory_full_info(), "pss", None)
+    if pss is None:
+        raise RuntimeError(
+            "psutil reports no PSS on this platform; measure with sample_memory=False "
+            "(PSS is available on Linux)"
+        )
+    return int(pss)
+
+
+def process_tree_memory(pid: int | None = None) -> TreeMemory:
+    """PSS of process ``pid`` (default: this one) plus all its descendants, whole and by kind.
+
+    Reads ``/proc/<pid>/smaps_rollup``, or psutil's ``memory_full_info().pss`` where that file
+    is missing (no split then). Processes that exit while being read are skipped. Raises
+    ``RuntimeError`` where the platform has no PSS (psutil exposes it on Linux only).
     """
     root = psutil.Process(pid)
     try:
         tree = [root, *root.children(recursive=True)]
     except _GONE:
         tree = [root]
-    total = 0
+    total = {"pss": 0, "anon": 0, "file": 0, "shmem": 0}
     for proc in tree:
-        try:
-            info = proc.memory_full_info()
-        except _GONE:
-            continue
-        pss = getattr(info, "pss", None)
-        if pss is None:
-            raise RuntimeError(
-                "psutil reports no PSS on this platform; measure with sample_memory=False "
-                "(PSS is available on Linux)"
-            )
-        total += int(pss)
-    return total
+        fields = _rollup(proc.pid)
+        if fields is None:
+            try:
+                fields = {"pss": _psutil_pss(proc)}
+            except _GONE:
+                continue
+        for name, value in fields.items():
+            total[name] += value
+    return TreeMemory(**total)
+
+
+def process_tree_pss(pid: int | None = None) -> int:
+    """Return the PSS in bytes of process ``pid`` (default: this one) plus all its descendants
+    (``process_tree_memory(pid).pss``)."""
+    return process_tree_memory(pid).pss
 
 
 def batch_samples_and_bytes(batch: Any) -> tuple[int, int]:
@@ -129,34 +207,38 @@ def batch_samples_and_bytes(batch: Any) -> tuple[int, int]:
 
 
 class _PeakSampler:
-    """A daemon thread that samples ``process_tree_pss`` and keeps the peak."""
+    """A daemon thread that samples ``process_tree_memory`` and keeps the peak sample."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        self.start = process_tree_pss()
+        self.start = process_tree_memory()
         self.peak = self.start
         self.count = 1
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpufeed-pss", daemon=True)
         self._thread.start()
 
-    def _sample(self) -> float:
+    def sample(self) -> float:
+        """Take one sample now (any thread); return what it cost in seconds."""
         t0 = time.perf_counter()
-        value = process_tree_pss()
-        self.peak = max(self.peak, value)
-        self.count += 1
+        value = process_tree_memory()
+        with self._lock:
+            if value.pss > self.peak.pss:
+                self.peak = value
+            self.count += 1
         return time.perf_counter() - t0
 
     def _run(self) -> None:
         wait = self.interval_s
         while not self._stop.wait(wait):
-            cost = self._sample()
+            cost = self.sample()
             wait = max(self.interval_s, 10.0 * cost)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        self._sample()
+        self.sample()
 
 
 def measure_loader(
@@ -185,8 +267,9 @@ def measure_loader(
             least one batch to time.
         consume: called on every batch (e.g. to touch its bytes, as a training step would); its
             time counts in the rate. ``None``: the batch is dropped at once.
-        sample_memory: sample the PSS of the process tree in a thread. Costs up to about 10% of
-            one core; turn it off for timing-only runs or where PSS is not available.
+        sample_memory: sample the PSS of the process tree in a thread, plus once when the pass
+            is about to end (untimed). Costs up to about 10% of one core; turn it off for
+            timing-only runs or where PSS is not available.
         sample_interval_s: seconds between PSS samples (stretched to ten times the cost of a
             sample when that is longer). Shorter catches briefer peaks and costs more CPU.
         count: returns ``(samples, bytes)`` of a batch; the default handles tensors, numpy
@@ -208,6 +291,12 @@ def measure_loader(
         raise ValueError(f"sample_interval_s={sample_interval_s} must be positive")
 
     iterable = make_iterable()
+    try:
+        pass_len: int | None = len(iterable)  # type: ignore[arg-type]
+    except TypeError:  # an iterable dataset, a generator: the end is not known ahead
+        pass_len = None
+    ends = [n for n in (pass_len, max_batches) if n is not None]
+    last = min(ends) if ends else None  # the batch after which the pass ends, when known
     sampler = _PeakSampler(sample_interval_s) if sample_memory else None
     seen = samples = nbytes = 0
     first_batch_s = 0.0
@@ -231,10 +320,14 @@ def measure_loader(
                 samples += n
                 nbytes += b
                 t_end = now
+            timed_out = (max_seconds is not None and seen > warmup_batches
+                         and now - t_rate >= max_seconds)
+            if sampler is not None and (timed_out or (last is not None and seen >= last)):
+                sampler.sample()  # the end of the pass, workers still running (see the top)
             del batch
             if max_batches is not None and seen >= max_batches:
                 break
-            if max_seconds is not None and seen > warmup_batches and now - t_rate >= max_seconds:
+            if timed_out:
                 break
     finally:
         close = getattr(iterator, "close", None)
@@ -257,8 +350,11 @@ def measure_loader(
         samples_per_s=samples / seconds,
         bytes_per_s=nbytes / seconds,
         first_batch_s=first_batch_s,
-        peak_pss_bytes=sampler.peak if sampler else 0,
-        start_pss_bytes=sampler.start if sampler else 0,
+        peak_pss_bytes=sampler.peak.pss if sampler else 0,
+        start_pss_bytes=sampler.start.pss if sampler else 0,
         warmup_batches=warmup_batches,
         memory_samples=sampler.count if sampler else 0,
+        peak_pss_anon_bytes=sampler.peak.anon if sampler else 0,
+        peak_pss_file_bytes=sampler.peak.file if sampler else 0,
+        peak_pss_shmem_bytes=sampler.peak.shmem if sampler else 0,
     )

@@ -12,14 +12,38 @@ Two ways to get memory the GPU can read by DMA, and where gpufeed uses each:
 
 Without CUDA (CPU-only build, or no device) both are no-ops: ``register`` returns None and
 ``pin_batch`` returns the batch unchanged. ``is_pinned(t)`` never raises.
+
+NOTE [ Registered memory lifetime ]
+-----------------------------------
+    register(t) ──► cudaHostRegister(ptr, n) ──► handle keeps ``t`` (so its mapping) alive
+    unregister(h) ──► wait for tracked in-flight copies ──► cudaHostUnregister ──► drop ``t``
+
+(1) Pinned means "the bytes at this address are page-locked". ``Tensor.is_pinned()`` asks
+    about the first byte of the tensor's *storage* (ATen ``is_pinned``:
+    ``isPinnedPtr(self.storage().data())``), and a slice ``region[off:off+n]`` keeps the
+    region's storage: it would answer for offset 0. ``is_pinned`` here probes the tensor's
+    own first and last byte (``cudaPointerGetAttributes`` says ``cudaMemoryTypeHost`` for
+    registered memory too).
+(2) Never unmapped while registered: the handle holds a reference to the registered tensor
+    until ``cudaHostUnregister`` returns, so whatever order its owner drops things in (a
+    ring that lets go of its region before unregistering its slots), the memory is unmapped
+    only after it is unregistered. A handle collected while still active unregisters itself.
+(3) Never unregistered under a running DMA: device stages that copy from host memory
+    register themselves with ``track_copies``; ``unregister`` first waits for every copy
+    they have in flight (``wait_copies``), which costs nothing in steady state.
+(4) Per process: registrations belong to the process that made them. A forked child gets a
+    copy of the bookkeeping; it is forgotten there, and handles do nothing outside the
+    process that registered them (the child has no CUDA context to call).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
-from typing import Any
+import weakref
+from typing import Any, Protocol
 
 import torch
 
@@ -27,15 +51,33 @@ from ._tree import tree_map
 
 __all__ = [
     "PinnedRegion", "cuda_usable", "is_pinned", "pin_batch", "register", "registered_bytes",
-    "unregister",
+    "track_copies", "unregister", "untrack_copies",
 ]
 
 logger = logging.getLogger(__name__)
 
 _PORTABLE = 1  # cudaHostRegisterPortable
 _ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
-_lock = threading.Lock()
+# Reentrant: a handle collected while a register() holds the lock unregisters itself.
+_lock = threading.RLock()
 _refcounts: dict[tuple[int, int], int] = {}  # (ptr, nbytes) -> live handles we own
+
+
+class CopySource(Protocol):
+    def wait_copies(self) -> None: ...
+
+
+_copy_sources: weakref.WeakSet[Any] = weakref.WeakSet()  # NOTE rule (3)
+
+
+def _forget_after_fork() -> None:  # NOTE rule (4)
+    global _lock, _refcounts, _copy_sources
+    _lock = threading.RLock()  # another thread may have held it at the fork
+    _refcounts = {}
+    _copy_sources = weakref.WeakSet()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 class PinnedRegion:
@@ -43,16 +85,29 @@ class PinnedRegion:
 
     ``ptr`` and ``nbytes`` describe the page-locked storage. ``owned`` is False when the
     memory was already pinned by someone else (then unregistering leaves it pinned).
-    ``active`` turns False after the first :func:`unregister`.
+    ``active`` turns False after the first :func:`unregister`. An owned handle keeps the
+    registered tensor alive until then, and unregisters when it is collected still active
+    (NOTE [ Registered memory lifetime ], rule 2).
     """
 
-    __slots__ = ("active", "nbytes", "owned", "ptr")
+    __slots__ = ("_keep", "_pid", "active", "nbytes", "owned", "ptr")
 
-    def __init__(self, ptr: int, nbytes: int, *, owned: bool) -> None:
+    def __init__(
+        self, ptr: int, nbytes: int, *, owned: bool, keep: torch.Tensor | None = None
+    ) -> None:
         self.ptr = ptr
         self.nbytes = nbytes
         self.owned = owned
         self.active = True
+        self._keep = keep if owned else None
+        self._pid = os.getpid()
+
+    def __del__(self) -> None:
+        if getattr(self, "active", False) and self.owned:
+            try:
+                unregister(self)
+            except Exception:  # interpreter exit, CUDA torn down: nothing left to do
+                pass
 
     def __repr__(self) -> str:
         state = "active" if self.active else "released"
@@ -68,12 +123,28 @@ def cuda_usable() -> bool:
 
 
 def is_pinned(t: torch.Tensor) -> bool:
-    """Whether ``t`` lives in page-locked host memory. False (never an error) without CUDA."""
-    if t.device.type != "cpu" or not cuda_usable():
+    """Whether ``t``'s bytes are page-locked host memory (its first and last byte, not its
+    storage's: NOTE rule 1). False (never an error) without CUDA, or for an empty tensor."""
+    if t.device.type != "cpu" or t.numel() == 0 or not cuda_usable():
         return False
+    first = t.data_ptr()
+    last = first + _extent(t) - 1
+    return _pinned_ptr(first) and (last == first or _pinned_ptr(last))
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to just past its last."""
+    span = sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True))
+    return (span + 1) * t.element_size()
+
+
+def _pinned_ptr(ptr: int) -> bool:
+    """Whether host address ``ptr`` is page-locked: ``is_pinned()`` of a one-byte tensor whose
+    storage starts exactly there."""
     try:
-        return bool(t.is_pinned())
-    except RuntimeError:
+        probe = torch.frombuffer((ctypes.c_uint8 * 1).from_address(ptr), dtype=torch.uint8)
+        return bool(probe.is_pinned())
+    except (RuntimeError, ValueError):
         return False
 
 
@@ -109,8 +180,10 @@ def register(t: torch.Tensor) -> PinnedRegion | None:
     with _lock:
         if key in _refcounts:
             _refcounts[key] += 1
-            return PinnedRegion(ptr, nbytes, owned=True)
-        if is_pinned(t):  # pinned elsewhere: share it, never unregister it
+            return PinnedRegion(ptr, nbytes, owned=True, keep=t)
+        # Pinned elsewhere (pin_memory(), or a registration that covers this range): share
+        # it, never unregister it. The probe is at ptr itself, not at t's storage (rule 1).
+        if _pinned_ptr(ptr):
             return PinnedRegion(ptr, nbytes, owned=False)
         cudart = torch.cuda.cudart()
         code = int(cudart.cudaHostRegister(ptr, nbytes, _PORTABLE))
@@ -128,20 +201,22 @@ def register(t: torch.Tensor) -> PinnedRegion | None:
                 f"{_error_name(cudart, code)} (cudaError {code}). {hint}"
             )
         _refcounts[key] = 1
-        return PinnedRegion(ptr, nbytes, owned=True)
+        return PinnedRegion(ptr, nbytes, owned=True, keep=t)
 
 
 def unregister(h: PinnedRegion | None) -> None:
     """Undo :func:`register`. Safe on None and safe to call twice on one handle.
 
-    The storage must stay alive until this returns, and no copy from it may still be in
-    flight (wait on the copy's event first): unregistering pages under a running DMA is
-    undefined behaviour in CUDA.
+    The handle keeps the memory mapped until this returns (NOTE rule 2). Copies in flight
+    from device stages that ``track_copies`` are waited for first (rule 3): unregistering
+    pages under a running DMA is undefined behaviour in CUDA. In a process other than the
+    one that registered (a forked child) it only marks the handle released (rule 4).
     """
     if h is None or not h.active:
         return
     h.active = False
-    if not h.owned:
+    keep, h._keep = h._keep, None
+    if not h.owned or h._pid != os.getpid():
         return
     key = (h.ptr, h.nbytes)
     with _lock:
@@ -150,15 +225,34 @@ def unregister(h: PinnedRegion | None) -> None:
             _refcounts[key] = left
             return
         _refcounts.pop(key, None)
+        _wait_for_copies()
         cudart = torch.cuda.cudart()
         code = int(cudart.cudaHostUnregister(h.ptr))
+        del keep  # only now may the memory be unmapped
         if code != 0:
             _drain_last_error(cudart)
             raise RuntimeError(
                 f"cudaHostUnregister at {h.ptr:#x} failed: {_error_name(cudart, code)} "
-                f"(cudaError {code}). The memory may have been freed before unregister(); "
-                "keep the tensor alive until unregister() returns."
+                f"(cudaError {code}). Was this range unregistered by other code (e.g. "
+                "cudart().cudaHostUnregister called directly)? Unregister only through its "
+                "handle."
             )
+
+
+def track_copies(source: CopySource) -> None:
+    """Make :func:`unregister` wait for ``source.wait_copies()`` first (held weakly)."""
+    with _lock:
+        _copy_sources.add(source)
+
+
+def untrack_copies(source: CopySource) -> None:
+    with _lock:
+        _copy_sources.discard(source)
+
+
+def _wait_for_copies() -> None:
+    for source in list(_copy_sources):
+        source.wait_copies()
 
 
 def registered_bytes() -> int:

@@ -24,6 +24,14 @@ class IndexPlan:
     def __init__(self, perm: torch.Tensor | None, n: int, batch_size: int, drop_last: bool):
         self.perm, self.n, self.batch_size, self.drop_last = perm, n, batch_size, drop_last
         self.n_batches = n // batch_size if drop_last else -(-n // batch_size)
+        self.finished = False  # the sampler's closing draw was made (main process only)
+
+    @property
+    def closing_pull(self) -> int:
+        """Which ``next()`` on torch's ``BatchSampler`` exhausts its sampler: the last batch's
+        when it is partial and kept (``islice`` runs into the end), else the one after it."""
+        partial = not self.drop_last and self.n % self.batch_size
+        return self.n_batches if partial else self.n_batches + 1
 
     def batch(self, k: int) -> torch.Tensor:
         lo = k * self.batch_size

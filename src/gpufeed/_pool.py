@@ -2,15 +2,24 @@
 
 NOTE [ Shutdown ]
 -----------------
-``close()`` is idempotent and bounded in time. Process workers: the main process closes its
-end of each worker's pipe; a worker waiting for a task sees EOF, one busy in user code finds
-the pipe broken when it answers, and either way it exits. Workers still alive after
-``GRACE_S`` get SIGTERM, then SIGKILL. Each worker also exits when its parent process changes
-(the main process died). The ring's shared memory is unlinked at creation (torch's
-file-descriptor sharing), so nothing is left in /dev/shm even after SIGKILL; its descriptor
-closes when the last tensor viewing it is freed.
+``close()`` is idempotent and bounded in time. Process workers: the main process shuts down
+its end of each worker's socket (``_hang_up``); a worker waiting for a task sees EOF, one busy
+in user code finds the socket broken when it answers, and either way it exits. shutdown()
+acts on the socket, not on one descriptor: copies of our end inherited by workers forked
+later do not keep it open, and the ``_Sender`` thread, if it is blocked writing a large task
+to a busy worker, wakes with an error at once. Only once that thread has exited are the
+connections closed (closing a descriptor under a thread still writing to it would make it
+write to whatever file reuses the number). Workers still alive after ``GRACE_S`` get
+SIGTERM, then SIGKILL. Each worker also exits when its parent process changes (the main
+process died). The ring's shared memory is an anonymous memory file (``_ring.Region``), so
+nothing is left in /dev/shm even after SIGKILL; the mapping goes with the last tensor
+viewing it.
 Thread workers get a stop message; threads are daemons, so one stuck in user code cannot
 keep the interpreter alive.
+
+A pool that fails while starting (a worker's arguments cannot be pickled for spawn, fork
+fails) stops the workers it already started and closes every pipe before the error leaves
+``__init__``.
 
 A process that exits while the iterator is running is reported by its sentinel (see
 ``poll``), with its exit code or signal; that is never a hang.
@@ -22,12 +31,14 @@ import logging
 import queue
 import select
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from ._errors import capture
 from ._worker import ThreadChannel, install_thread_worker_info, worker_loop
 
 log = logging.getLogger("gpufeed")
@@ -58,14 +69,35 @@ def describe_exit(code: int | None) -> str:
 class ProcessPool:
     def __init__(self, n: int, ctx: Any, kwargs: dict[str, Any]) -> None:
         self.n = n
-        pipes = [ctx.Pipe(duplex=True) for _ in range(n)]
-        self.conns = [p[0] for p in pipes]
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        self._sender: _Sender | None = None
+        self.closed = False
+        pipes: list[tuple[Any, Any]] = []
+        try:
+            for _ in range(n):
+                pipes.append(ctx.Pipe(duplex=True))
+                self.conns.append(pipes[-1][0])
+            self._start(ctx, kwargs, pipes)
+        except BaseException:  # see NOTE [ Shutdown ]: nothing outlives a failed start
+            for _, worker_end in pipes:
+                worker_end.close()
+            self.close()
+            raise
+        for _, worker_end in pipes:
+            worker_end.close()
+        self._poller = select.poll()
+        self._fd_owner: dict[int, tuple[str, int]] = {}
+        for w in range(n):
+            self._watch(self.conns[w].fileno(), ("conn", w))
+            self._watch(self.procs[w].sentinel, ("exit", w))
+
+    def _start(self, ctx: Any, kwargs: dict[str, Any], pipes: list[tuple[Any, Any]]) -> None:
         fork = ctx.get_start_method() == "fork"
         close_fds: tuple[int, ...] = ()
         if fork:  # each child closes every end but its own
             close_fds = tuple(c.fileno() for p in pipes for c in p)
-        self.procs = []
-        for w in range(n):
+        for w in range(self.n):
             own = pipes[w][1].fileno()
             proc = ctx.Process(
                 target=worker_loop,
@@ -77,15 +109,6 @@ class ProcessPool:
             )
             proc.start()
             self.procs.append(proc)
-        for _, worker_end in pipes:
-            worker_end.close()
-        self._poller = select.poll()
-        self._fd_owner: dict[int, tuple[str, int]] = {}
-        for w in range(n):
-            self._watch(self.conns[w].fileno(), ("conn", w))
-            self._watch(self.procs[w].sentinel, ("exit", w))
-        self._sender: _Sender | None = None
-        self.closed = False
 
     def _watch(self, fd: int, what: tuple[str, int]) -> None:
         self._poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
@@ -137,17 +160,18 @@ class ProcessPool:
         return f"gpufeed worker {w} (pid {proc.pid}) {describe_exit(proc.exitcode)}"
 
     def close(self) -> None:
+        """Stop the workers, bounded in time (NOTE [ Shutdown ]); idempotent."""
         if self.closed:
             return
         self.closed = True
-        if self._sender is not None:
-            self._sender.stop()
-        for conn in self.conns:
-            try:  # explicit stop: EOF alone is not enough when a later fork inherited our end
-                conn.send_bytes(_STOP_MSG)
-            except (OSError, ValueError):
-                pass
-            conn.close()
+        sender = self._sender
+        for w, conn in enumerate(self.conns):
+            _hang_up(conn, may_write=sender is None or not sender.busy(w))
+        if sender is not None and not sender.stop():
+            log.warning("gpufeed sender thread did not stop: its connections are left open")
+        else:
+            for conn in self.conns:
+                conn.close()
         deadline = time.monotonic() + GRACE_S
         for proc in self.procs:
             proc.join(max(deadline - time.monotonic(), 0))
@@ -167,14 +191,36 @@ class ProcessPool:
         self.procs = []  # their arguments hold the ring: let it go with the last user view
 
 
+def _hang_up(conn: Any, *, may_write: bool) -> None:
+    """End the conversation on ``conn`` for good (NOTE [ Shutdown ]): the worker reads EOF,
+    and every write, the worker's and ours, fails at once from now on."""
+    try:  # (fromfd works on a duplicate descriptor, which the with block closes)
+        with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+        return
+    except OSError:
+        pass  # not a socket (or the worker is gone): an explicit stop message instead
+    if may_write:  # never from this thread while the sender may be writing to it
+        try:  # EOF alone is not enough when a later fork inherited our end
+            conn.send_bytes(_STOP_MSG)
+        except (OSError, ValueError):
+            pass
+
+
 class _Sender:
-    """Writes large task messages from a thread, so the main thread never blocks on a pipe."""
+    """Writes large task messages from a thread, so the main thread never blocks on a pipe.
+
+    It owns writing to a connection while ``busy`` for it; ``ProcessPool.close`` hangs up
+    first, so a write in progress fails at once, then stops the thread before closing any
+    connection (NOTE [ Shutdown ]).
+    """
 
     def __init__(self, conns: list[Any]) -> None:
         self.conns = conns
         self.q: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
         self.pending = [0] * len(conns)
         self.lock = threading.Lock()
+        self.stopping = False
         self.thread = threading.Thread(target=self._run, name="gpufeed-sender", daemon=True)
         self.thread.start()
 
@@ -189,16 +235,20 @@ class _Sender:
     def _run(self) -> None:
         while (item := self.q.get()) is not None:
             w, payload = item
-            try:
-                self.conns[w].send_bytes(payload)
-            except (OSError, ValueError):
-                pass  # the pool is closing, or the worker died: the iterator reports it
+            if not self.stopping:
+                try:
+                    self.conns[w].send_bytes(payload)
+                except (OSError, ValueError):
+                    pass  # the pool is closing, or the worker died: the iterator reports it
             with self.lock:
                 self.pending[w] -= 1
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Drop what is still queued and end the thread; True once it has ended."""
+        self.stopping = True
         self.q.put(None)
         self.thread.join(GRACE_S)
+        return not self.thread.is_alive()
 
 
 class ThreadPool:
@@ -207,17 +257,21 @@ class ThreadPool:
         self.n = n
         self.results: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self.chans = [ThreadChannel(w, self.results) for w in range(n)]
-        self.threads = []
-        for w in range(n):
-            t = threading.Thread(
-                target=_thread_entry,
-                kwargs=dict(kwargs, worker_id=w, kind="thread", chan=self.chans[w]),
-                name=f"gpufeed-worker-{w}",
-                daemon=True,
-            )
-            t.start()
-            self.threads.append(t)
+        self.threads: list[threading.Thread] = []
         self.closed = False
+        try:
+            for w in range(n):
+                t = threading.Thread(
+                    target=_thread_entry,
+                    kwargs=dict(kwargs, worker_id=w, kind="thread", chan=self.chans[w]),
+                    name=f"gpufeed-worker-{w}",
+                    daemon=True,
+                )
+                t.start()
+                self.threads.append(t)
+        except BaseException:  # e.g. "can't start new thread": stop those that started
+            self.close()
+            raise
 
     def send(self, w: int, msg: Any) -> None:
         self.chans[w].tasks.put(msg)
@@ -253,11 +307,14 @@ class ThreadPool:
 
 
 def _thread_entry(**kwargs: Any) -> None:
+    """Run a thread worker; an error that escapes the loop (a dataset's ``state_dict()``,
+    say) is sent to the main process, which re-raises it, instead of killing the thread with
+    an uncaught exception that leaves the iterator only "stopped unexpectedly"."""
     try:
         worker_loop(**kwargs)
-    except BaseException:  # never let a worker thread die silently
-        log.exception("gpufeed thread worker crashed")
-        raise
+    except BaseException:
+        where = f"in gpufeed thread worker {kwargs['worker_id']}"
+        kwargs["chan"].send(("init_err", capture(where)))
 
 
 Pool = ProcessPool | ThreadPool

@@ -1,34 +1,20 @@
-"""Loader state for exact mid-epoch resume: the format, its checks, and how to skip.
+"""Exact mid-epoch resume: the loader's bookkeeping, and setting its sampler up for a state.
 
-The state counts batches *delivered to the user*, never those fetched or prefetched, so a resume
-continues with exactly the next batch the user would have seen, whatever ``num_workers``,
-``worker_type`` or prefetch depth either run used. It is a dict of plain Python values, so
-``torch.save`` / ``torch.load(weights_only=True)`` round-trip it::
+The pieces (each module's docstring has the details):
 
-    {"version": 1,
-     "epoch": 3,                 # epoch in progress (the next one if the last was exhausted)
-     "batches_delivered": 17,    # batches 0..16 of that epoch's plan were handed to the user
-     "delivered_ahead": [19],    # later batch numbers already handed out (in_order=False only)
-     "batch_size": 8,            # None without automatic batching
-     "seed": 1234,               # base seed of shuffles and per-sample random state
-     "dataset_len": 1000,        # None for iterable datasets
-     "world_size": 2, "rank": 0,
-     "num_workers": 2,           # only binding for iterable datasets (their shards depend on it)
-     "sampler_state": None,      # a user sampler's own state_dict() at the start of the epoch
-     "dataset_state": None}      # iterable datasets: {"num_workers": W, "workers": [state|None]}
+- ``_state.py``: the ``state_dict()`` format, its checks, and what an iterable dataset provides;
+- ``_delivery.py``: where an epoch starts and which batches reached the user
+  (NOTE [ Delivery tracking ], NOTE [ Iterable resume ]);
+- this module: :class:`Progress` (the loader's ``state_dict``/``load_state_dict``/``set_epoch``
+  and each epoch's start delegate to it) and :func:`prepare_resume` (seek or replay the sampler).
 
-NOTE [ Delivery tracking ]: the host iterator numbers the batches of an epoch by their position in
-the batch plan and calls :meth:`DeliveryTracker.produced` as it hands each one on; whatever is
-outermost (the host iterator itself, or the device stage wrapped in :class:`Delivered`) calls
-:meth:`DeliveryTracker.delivered` when the user receives one. Stages between the two are FIFO, so
-the oldest produced batch is the one delivered.
+The names of the other two are re-exported here.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, NamedTuple, TypedDict, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.utils.data import (
@@ -39,7 +25,16 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from ._delivery import Delivered, DeliveryTracker, ResumePoint, WorkerStates, numbered
 from ._sampler import SeededRandomSampler, ShardedSampler
+from ._state import (
+    STATE_VERSION,
+    LoaderState,
+    capture_state,
+    check_state,
+    make_state,
+    require_resumable,
+)
 
 __all__ = [
     "GLOBAL_RNG",
@@ -49,6 +44,7 @@ __all__ = [
     "LoaderState",
     "Progress",
     "ResumePoint",
+    "WorkerStates",
     "capture_state",
     "check_state",
     "inner_sampler",
@@ -58,128 +54,6 @@ __all__ = [
     "require_resumable",
     "sampler_state_of",
 ]
-
-STATE_VERSION = 1
-T = TypeVar("T")
-
-
-class LoaderState(TypedDict):
-    """The loader's ``state_dict()`` (see the module docstring for each field)."""
-
-    version: int
-    epoch: int
-    batches_delivered: int
-    delivered_ahead: list[int]
-    batch_size: int | None
-    seed: int | None
-    dataset_len: int | None
-    world_size: int
-    rank: int
-    num_workers: int
-    sampler_state: Any
-    dataset_state: Any
-
-
-def make_state(
-    *,
-    epoch: int,
-    batches_delivered: int,
-    delivered_ahead: Iterable[int] = (),
-    batch_size: int | None,
-    seed: int | None,
-    dataset_len: int | None,
-    world_size: int,
-    rank: int,
-    num_workers: int,
-    sampler_state: Any = None,
-    dataset_state: Any = None,
-) -> LoaderState:
-    """Build a state dict of plain Python values."""
-    return {
-        "version": STATE_VERSION,
-        "epoch": int(epoch),
-        "batches_delivered": int(batches_delivered),
-        "delivered_ahead": sorted(int(n) for n in delivered_ahead),
-        "batch_size": batch_size,
-        "seed": seed,
-        "dataset_len": dataset_len,
-        "world_size": int(world_size),
-        "rank": int(rank),
-        "num_workers": int(num_workers),
-        "sampler_state": sampler_state,
-        "dataset_state": dataset_state,
-    }
-
-
-def _mismatch(key: str, saved: Any, now: Any, fix: str) -> ValueError:
-    return ValueError(
-        f"cannot resume: the state was saved with {key}={saved!r} but this loader has "
-        f"{key}={now!r}; {fix}"
-    )
-
-
-def check_state(
-    state: Mapping[str, Any],
-    *,
-    dataset_len: int | None,
-    world_size: int,
-    rank: int,
-    batch_size: int | None,
-    num_workers: int,
-) -> LoaderState:
-    """Validate a state against the loader that loads it; return it as a :class:`LoaderState`.
-
-    Raises ``ValueError`` naming the saved and the current value when the version, dataset
-    length, world size, rank or batch size differ (and ``num_workers`` for iterable datasets,
-    whose shards depend on it): resuming across those would silently mix up samples.
-    """
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a dict from loader.state_dict(), got {type(state)!r}")
-    if state.get("version") != STATE_VERSION:
-        raise ValueError(
-            f"unsupported loader state version {state.get('version')!r} (this gpufeed reads "
-            f"version {STATE_VERSION}); pass a dict made by gpufeed's loader.state_dict()"
-        )
-    missing = sorted(set(LoaderState.__annotations__) - set(state))
-    if missing:
-        raise ValueError(f"loader state is missing keys {missing}; was it edited or truncated?")
-    for key in ("epoch", "batches_delivered"):
-        if not isinstance(state[key], int) or state[key] < 0:
-            raise ValueError(f"loader state {key} must be an int >= 0, got {state[key]!r}")
-    fix = "resume with the same dataset and loader settings, or start without the state"
-    if state["dataset_len"] != dataset_len:
-        raise _mismatch("dataset_len", state["dataset_len"], dataset_len, fix)
-    if state["world_size"] != world_size:
-        raise _mismatch(
-            "world_size", state["world_size"], world_size,
-            "launch the same number of ranks (each rank loads the state it saved)",
-        )
-    if state["rank"] != rank:
-        raise _mismatch("rank", state["rank"], rank, "load the state file this rank saved")
-    if state["batch_size"] != batch_size:
-        raise _mismatch("batch_size", state["batch_size"], batch_size, fix)
-    if state["dataset_state"] is not None and state["num_workers"] != num_workers:
-        raise _mismatch(
-            "num_workers", state["num_workers"], num_workers,
-            "an iterable dataset is sharded per worker, so resume it with the same num_workers",
-        )
-    return dict(state)  # type: ignore[return-value]
-
-
-class ResumePoint(NamedTuple):
-    """Where the next ``__iter__`` starts: :func:`prepare_resume`, or ``ResumePoint(epoch)``.
-
-    Attributes:
-        epoch: the epoch to run (seeds per-sample random state; the loader's epoch counter).
-        done: batches ``0 .. done-1`` of its plan were delivered already.
-        ahead: later batch numbers delivered already (``in_order=False`` only).
-        seeked: the sampler itself starts at batch ``done`` (nothing to drop from the plan).
-    """
-
-    epoch: int
-    done: int = 0
-    ahead: tuple[int, ...] = ()
-    seeked: bool = False
 
 
 def prepare_resume(
@@ -205,9 +79,9 @@ def prepare_resume(
             )
         if done == num_batches:
             epoch, done, ahead = epoch + 1, 0, []
+    if iterable:  # batches are counted, not numbered (NOTE [ Iterable resume ])
+        return ResumePoint(epoch, done, (), seeked=True)
     point = ResumePoint(epoch, done, tuple(ahead))
-    if iterable:
-        return point._replace(seeked=True)
     sampler = inner_sampler(index_sampler)
     _restore_sampler(sampler, state["sampler_state"])
     if _ours(sampler):
@@ -261,176 +135,6 @@ def _restore_sampler(sampler: Any, state: Any) -> None:
         sampler.load_state_dict(state)
 
 
-def numbered(plan: Iterable[T], point: ResumePoint) -> Iterator[tuple[int, T]]:
-    """``(batch_number, indices)`` of the batches still to deliver in ``point.epoch``.
-
-    Unless the sampler seeked, the first ``point.done`` items of ``plan`` are drawn and dropped
-    (indices only: no data is fetched); numbers in ``point.ahead`` are dropped too. Numbers are
-    positions in the whole epoch. Raises ``ValueError`` when the plan is too short (the state
-    belongs to a different configuration).
-    """
-    iterator = iter(plan)
-    skip = 0 if point.seeked else point.done
-    for dropped in range(skip):
-        if next(iterator, _END) is _END:
-            raise ValueError(
-                f"cannot skip {skip} batches: the batch plan ended after {dropped}; the state "
-                "belongs to a loader with another dataset, batch_size or sampler"
-            )
-    excluded = set(point.ahead)
-    for number, item in enumerate(iterator, start=point.done):
-        if number not in excluded:
-            yield number, item
-
-
-_END: Any = object()
-
-
-def require_resumable(dataset: Any) -> None:
-    """Raise ``TypeError`` naming the class when an iterable dataset has no ``state_dict`` and
-    ``load_state_dict``: gpufeed cannot know where such a stream stood."""
-    if isinstance(dataset, IterableDataset) and not (
-        hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")
-    ):
-        raise TypeError(
-            f"cannot save the position of {type(dataset).__name__}: an IterableDataset is resumed "
-            "through its own state_dict() and load_state_dict(state) methods, which it lacks; "
-            "add them (returning plain Python values), or use a map-style Dataset"
-        )
-
-
-def capture_state(dataset: Any) -> Any:
-    """Worker side, after each batch: the iterable dataset's ``state_dict()``, else ``None``.
-
-    It runs once per batch, so a dataset's ``state_dict`` must be cheap (a few counters). Thread
-    workers share one dataset object: its state must then be kept per worker (keyed by
-    ``get_worker_info().id``); process workers each have their own copy.
-    """
-    if isinstance(dataset, IterableDataset) and hasattr(dataset, "state_dict"):
-        return dataset.state_dict()
-    return None
-
-
-class DeliveryTracker:
-    """Which batches of one epoch the user has received (NOTE [ Delivery tracking ]).
-
-    Args:
-        point: where the epoch starts.
-        plan: the loader's index sampler; :attr:`indices` draws from it what is still to fetch
-            (see :func:`numbered`). Loaders that slice an order themselves start at
-            ``point.done`` and skip ``point.ahead``.
-        direct: the host iterator is outermost, so a produced batch is delivered at once;
-            ``False`` when a device stage wrapped in :class:`Delivered` sits in between.
-
-    Every call is O(1) amortised; out-of-order numbers (``in_order=False``) wait in a set until
-    the contiguous prefix reaches them.
-    """
-
-    def __init__(
-        self, point: ResumePoint, plan: Iterable[Any] = (), *, direct: bool = True
-    ) -> None:
-        self.point = point
-        self.epoch = point.epoch
-        self.prefix = point.done
-        self.ahead = {n for n in point.ahead if n >= point.done}
-        self.direct = direct
-        self.finished = False
-        self.worker_states: dict[int, Any] = {}
-        self._in_flight: deque[tuple[int, Any]] = deque()
-        self._numbers: list[int] = []
-        self.indices: Iterator[Any] = self._draw(numbered(plan, point))
-        self._advance()
-
-    def _draw(self, plan: Iterator[tuple[int, Any]]) -> Iterator[Any]:
-        for number, item in plan:
-            self._numbers.append(number)
-            yield item
-
-    def produced_nth(self, k: int, worker_state: tuple[int, Any] | None = None) -> None:
-        """:meth:`produced` for the iterator's ``k``-th batch of the epoch (0-based): the
-        ``k``-th drawn from :attr:`indices`, or, for a loader that slices an order itself
-        without drawing, batch ``point.done + k``."""
-        number = self._numbers[k] if k < len(self._numbers) else self.point.done + k
-        self.produced(number, worker_state)
-
-    def produced(self, batch_number: int, worker_state: tuple[int, Any] | None = None) -> None:
-        """Host side: batch ``batch_number`` (its position in the epoch's plan) leaves the host
-        iterator, with ``(worker_id, dataset.state_dict())`` for iterable datasets."""
-        self._in_flight.append((batch_number, worker_state))
-        if self.direct:
-            self.delivered()
-
-    def delivered(self) -> None:
-        """User side: the oldest produced batch has reached the user."""
-        number, worker_state = self._in_flight.popleft()
-        if worker_state is not None:
-            self.worker_states[worker_state[0]] = worker_state[1]
-        if number == self.prefix:
-            self.prefix += 1
-            self._advance()
-        else:
-            self.ahead.add(number)
-
-    def host_exhausted(self) -> None:
-        """The host iterator raised ``StopIteration`` (ends the epoch only when ``direct``)."""
-        if self.direct:
-            self.finished = True
-
-    def user_exhausted(self) -> None:
-        """The user saw ``StopIteration``: the epoch is over."""
-        self.finished = True
-
-    def _advance(self) -> None:
-        while self.prefix in self.ahead:
-            self.ahead.discard(self.prefix)
-            self.prefix += 1
-
-    def position(self) -> tuple[int, int, list[int]]:
-        """``(epoch, batches_delivered, delivered_ahead)`` for the state; a finished epoch
-        reads as the start of the next one."""
-        if self.finished:
-            return self.epoch + 1, 0, []
-        return self.epoch, self.prefix, sorted(self.ahead)
-
-    def dataset_states(self, workers: int) -> list[Any]:
-        """Per-worker states of an iterable dataset, as of each worker's last delivered batch
-        (all ``None`` once the epoch is over: the next one starts afresh)."""
-        if self.finished:
-            return [None] * workers
-        return [self.worker_states.get(w) for w in range(workers)]
-
-
-class Delivered(Iterator[T]):
-    """Wrap the outermost iterator (e.g. the device stage) to report deliveries to a tracker.
-
-    Forwards ``len()``, ``close()`` and any other attribute to the wrapped iterator.
-    """
-
-    def __init__(self, inner: Iterator[T], tracker: DeliveryTracker) -> None:
-        self.inner = inner
-        self.tracker = tracker
-
-    def __next__(self) -> T:
-        try:
-            item = next(self.inner)
-        except StopIteration:
-            self.tracker.user_exhausted()
-            raise
-        self.tracker.delivered()
-        return item
-
-    def __len__(self) -> int:
-        return len(self.inner)  # type: ignore[arg-type]
-
-    def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 def _ours(sampler: Any) -> bool:
     return isinstance(sampler, (ShardedSampler, SeededRandomSampler))
 
@@ -453,7 +157,7 @@ class Progress:
     def __init__(self) -> None:
         self.epoch = 0  # next epoch, for samplers that do not count their own
         self.pending: ResumePoint | None = None  # a loaded state, for the next __iter__
-        self.pending_dataset: list[Any] | None = None
+        self.pending_dataset: WorkerStates | None = None
         self.tracker: DeliveryTracker | None = None
         self.sampler_state: Any = None
 
@@ -477,10 +181,14 @@ class Progress:
         sampler = inner_sampler(loader._index_sampler)
         if point is not None and _ours(sampler) and sampler.epoch != point.epoch:
             point = None  # sampler.set_epoch() chose another epoch after the load: start it
-        point = point or ResumePoint(self.next_epoch(loader))
+        if point is None:
+            point, self.pending_dataset = ResumePoint(self.next_epoch(loader)), None
         self.epoch = point.epoch + 1
         self.sampler_state = sampler_state_of(sampler)
-        self.tracker = DeliveryTracker(point, loader._index_sampler, direct=direct)
+        self.tracker = DeliveryTracker(
+            point, loader._index_sampler, direct=direct,
+            iterable=isinstance(loader.dataset, IterableDataset), resumed=self.pending_dataset,
+        )
         return self.tracker
 
     def current(self) -> DeliveryTracker:
@@ -489,8 +197,9 @@ class Progress:
             raise RuntimeError("no epoch has started: iterate the loader first")
         return self.tracker
 
-    def take_dataset_states(self) -> list[Any] | None:
-        """Per-worker states to load into an iterable dataset before this epoch (once)."""
+    def take_dataset_states(self) -> WorkerStates | None:
+        """Where an iterable dataset's workers resume this epoch (once; after
+        :meth:`begin_epoch`): each worker's state to load, and whose turn is first."""
         states, self.pending_dataset = self.pending_dataset, None
         return states
 
@@ -512,12 +221,15 @@ class Progress:
         if isinstance(loader.dataset, IterableDataset):
             require_resumable(loader.dataset)
             workers = max(loader.num_workers, 1)
-            states = [None] * workers
+            position = WorkerStates([None] * workers)
             if pending is not None and self.pending_dataset is not None:
-                states = list(self.pending_dataset)
+                position = self.pending_dataset
             elif pending is None and tracker is not None:
-                states = tracker.dataset_states(workers)
-            dataset_state = {"num_workers": workers, "workers": states}
+                position = tracker.dataset_states(workers)
+            dataset_state = {
+                "num_workers": workers, "workers": list(position.states),
+                "next_worker": position.next_worker,
+            }
         return make_state(
             epoch=epoch, batches_delivered=done, delivered_ahead=ahead,
             batch_size=loader.batch_size, seed=loader.seed,
@@ -548,4 +260,6 @@ class Progress:
         dataset_state = checked["dataset_state"]
         self.pending_dataset = None
         if dataset_state is not None and point.epoch == checked["epoch"]:
-            self.pending_dataset = list(dataset_state["workers"])
+            self.pending_dataset = WorkerStates(
+                list(dataset_state["workers"]), dataset_state.get("next_worker", 0)
+            )

@@ -19,7 +19,9 @@ host batch is held until its copy's event has completed, which gives the same gu
 Growth and fallback: a batch needs ``need`` bytes (learnt from the first batch, and from any
 larger one later). When no slot is free, a new one is carved while the ring stays within its
 byte budget; past the budget a task gets no slot and the worker allocates ordinary shared
-memory for that batch (the stock path). Dispatch never waits for a slot, so keeping every
+memory for that batch (the stock path). The budget is a cap, not memory mapped up front: the
+reservation is at most the machine's physical memory (``reserve_for``), and a ring that has
+carved all of it falls back the same way. Dispatch never waits for a slot, so keeping every
 batch cannot deadlock, and a batch that does not fit is never truncated: its leaves that do
 not fit are sent the ordinary way.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import errno
 import mmap
 import os
 import weakref
@@ -66,24 +69,61 @@ def default_reserve() -> int:
     return max(cap // PAGE * PAGE, PAGE)
 
 
+def reserve_for(budget: int | None) -> int:
+    """Address space to reserve for a ring whose budget is ``budget`` bytes (None: default).
+
+    A user's budget is reserved up to the physical memory: live slots are touched memory, so
+    a ring can never usefully hold more, and mapping more fails (128 TiB is the whole address
+    space). Past the reservation batches fall back to ordinary allocation, as past the budget.
+    """
+    if budget is None:
+        return default_reserve()
+    import psutil
+
+    return min(budget, max(psutil.virtual_memory().total // PAGE * PAGE, PAGE))
+
+
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 class Region:
     """A sparse block of memory; shared (memfd) for process workers, private for threads.
 
     Shared regions live in an anonymous memory file, not in /dev/shm: nothing to unlink,
     nothing left behind if a process is killed, and no /dev/shm size limit to hit. Pickling
-    one (for spawned workers) passes its descriptor; fork inherits the mapping.
+    one (for spawned workers) passes its descriptor; fork inherits the mapping. Private
+    regions are private anonymous memory, so ``discard`` really frees their pages (a shared
+    anonymous mapping would keep them in shmem).
+
+    The region owns its descriptor: ``close_fd()`` closes it, and so does a finalizer when the
+    region is collected first, or when ``__init__`` fails after creating it. The mapping
+    belongs to ``mm`` (which keeps a descriptor of its own: CPython's mmap dups it); numpy and
+    torch views keep ``mm`` alive. ``release()`` lets go of both: it unmaps at once when
+    nothing views the memory any more, else the mapping goes with the last view. So a region
+    still referenced after its ring closed (by a failed start-up's traceback, say) holds no
+    descriptor and no memory.
     """
 
     def __init__(self, size: int, *, shared: bool) -> None:
         self.size = size
         self.fd = -1
         self.shared = shared
+        self._fd_fin: weakref.finalize[Any, Any] | None = None
         if shared:
             self.fd = os.memfd_create("gpufeed-ring", os.MFD_CLOEXEC)
-            os.ftruncate(self.fd, size)
-            self.mm = mmap.mmap(self.fd, size)
+            self._fd_fin = weakref.finalize(self, _close_fd, self.fd)
+            try:
+                os.ftruncate(self.fd, size)
+                self.mm = mmap.mmap(self.fd, size)
+            except BaseException:
+                self.close_fd()
+                raise
         else:
-            self.mm = mmap.mmap(-1, size)
+            self.mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.array: np.ndarray = np.frombuffer(self.mm, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.array)
 
@@ -96,10 +136,21 @@ class Region:
             pass  # only memory use is at stake
 
     def close_fd(self) -> None:
-        """Drop the descriptor once workers have it; the mapping stays."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Drop the descriptor once workers have it; the mapping stays. Idempotent."""
+        if self._fd_fin is not None:
+            self._fd_fin()  # closes the descriptor once, and never again at collection
+        self.fd = -1
+
+    def release(self) -> None:
+        """Let go of the descriptor and the mapping (see the class docstring). Idempotent."""
+        self.close_fd()
+        mm, self.mm = self.mm, None  # type: ignore[assignment]
+        self.array = self.tensor = None  # type: ignore[assignment]
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # views of it are alive: it is unmapped with the last of them
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self.fd < 0:
@@ -112,9 +163,11 @@ class Region:
 def _attach(dupfd: Any, size: int) -> Region:
     fd = dupfd.detach()
     obj = Region.__new__(Region)
-    obj.size, obj.fd, obj.shared = size, -1, True
-    obj.mm = mmap.mmap(fd, size)
-    os.close(fd)
+    obj.size, obj.fd, obj.shared, obj._fd_fin = size, -1, True, None
+    try:
+        obj.mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
     obj.array = np.frombuffer(obj.mm, dtype=np.uint8)
     obj.tensor = torch.from_numpy(obj.array)
     return obj
@@ -141,7 +194,21 @@ class SlotRing:
         self.user_budget = budget
         self.slots_hint = slots_hint
         self.pin = pin
-        self.mem = Region(max(reserve, PAGE), shared=shared)
+        if budget is not None:
+            self.budget = self.user_budget = min(budget, reserve)  # see reserve_for
+        try:
+            self.mem = Region(max(reserve, PAGE), shared=shared)
+        except OSError as e:
+            if e.errno not in (errno.ENOMEM, errno.EFBIG, errno.EINVAL):
+                raise
+            fix = (
+                f"lower ring_bytes= (it is {budget})" if budget is not None
+                else "set ring_bytes= to the bytes the ring may hold"
+            )
+            raise ValueError(
+                f"gpufeed cannot reserve {reserve} bytes of address space for its slot ring "
+                f"({e.strerror}): {fix}, or pass ring_bytes=0 to do without the ring"
+            ) from e
         self.region = self.mem.tensor
         self.region_np = self.mem.array
         self.slot_bytes = 0  # size of new slots; 0 until the first batch says
@@ -277,15 +344,17 @@ class SlotRing:
         if self.closed:
             return
         self.closed = True
-        # Views handed to the user keep the memory mapped; the ring itself lets go of it.
-        self.region = self.region_np = None  # type: ignore[assignment]
-        self.mem = None  # type: ignore[assignment]
         if self._pins:
             from . import _pinning
 
             for h in self._pins.values():
                 _pinning.unregister(h)
         self._pins.clear()
+        # Views handed to the user keep the memory mapped; the ring itself lets go of it
+        # (unpinned first: memory is never unmapped while registered with CUDA).
+        self.region = self.region_np = None  # type: ignore[assignment]
+        self.mem.release()
+        self.mem = None  # type: ignore[assignment]
 
 
 ReleaseFn = Callable[[int], None]

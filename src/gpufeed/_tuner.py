@@ -6,14 +6,16 @@ Search (each trial is one ``measure_loader`` run of about ``trial_seconds``):
    twice the usable CPUs, since threads blocked on I/O or in GIL-free code can outnumber cores).
    A type's ladder stops as soon as more workers stop helping (less than ``tolerance`` gain over
    that type's best) or a trial goes over the memory budget (more workers only cost more).
-2. Around the fastest trial: the other prefetch factors, and ``pin_memory=True`` when CUDA is
+2. Around the fastest trial: the other prefetch factors (None: the loader's default, which
+   in gpufeed adapts to cheap batches), and ``pin_memory=True`` when CUDA is
    available (without a GPU pinning only costs).
 
 Memory per trial: peak PSS of the process tree (shared and pinned pages that are mapped count
 once, proportionally), growth of /dev/shm use, and pinned host bytes (CUDA only). A trial over
 any part of the :class:`Budget` is rejected. The recommendation is the *smallest* accepted
-configuration (fewest workers, then lowest prefetch, no pinning, least memory) whose throughput is
-within ``tolerance`` of the best: extra workers that buy 2% cost RAM and CPU the training needs.
+configuration (fewest workers, then the default or lowest prefetch, no pinning, least memory)
+whose throughput is within ``tolerance`` of the best: extra workers that buy 2% cost RAM and CPU
+the training needs.
 """
 
 from __future__ import annotations
@@ -165,7 +167,8 @@ class TuneResult:
 
     def __str__(self) -> str:
         mib = 1 << 20
-        rows = [[t.worker_type or "-", t.num_workers, t.prefetch_factor or "-",
+        rows = [[t.worker_type or "-", t.num_workers,
+                 t.prefetch_factor or ("default" if t.num_workers else "-"),
                  "yes" if t.pin_memory else "no", f"{t.samples_per_s:,.0f}",
                  f"{t.peak_pss_bytes / mib:,.0f}", f"{t.shm_bytes / mib:,.0f}",
                  ("* " if t is self.chosen else "") + (t.note or "ok")] for t in self.trials]
@@ -244,7 +247,8 @@ def _usable_cpus() -> int:
 def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | None = None,
          step: Callable[[Any], object] | None = None, budget: Budget | int | str | None = None,
          worker_types: Sequence[str] = ("process", "thread"),
-         num_workers: Sequence[int] | None = None, prefetch_factors: Sequence[int] = (2, 4),
+         num_workers: Sequence[int] | None = None,
+         prefetch_factors: Sequence[int | None] = (None, 4),
          pin_memory: Sequence[bool] | None = None, tolerance: float = 0.05,
          trial_seconds: float = 2.0, time_budget_s: float = 120.0,
          loader_factory: Callable[..., Iterable[Any]] | None = None,
@@ -263,8 +267,9 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
             and/or "thread" (cheap start and memory; scales only where the GIL is released).
         num_workers: worker counts to try, ascending; None: 0, 1, 2, 4, ... up to twice the
             usable CPUs. The ladder stops early once more workers stop helping.
-        prefetch_factors: batches in flight per worker to try; the first is the default used
-            while sweeping workers. Deeper prefetch hides jitter and costs memory.
+        prefetch_factors: batches in flight per worker to try; the first is the one used
+            while sweeping workers. None is the loader's default (gpufeed: at least 2, more
+            for cheap batches; stock: 2). Deeper prefetch hides jitter and costs memory.
         pin_memory: values to try; None: (False, True) with CUDA, (False,) without.
         tolerance: the recommendation is the smallest trial within this fraction of the best.
         trial_seconds: timed seconds per trial (after warm-up). Longer is steadier, slower.
@@ -281,8 +286,11 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
     bad = [w for w in worker_types if w not in ("process", "thread")]
     if bad or not worker_types:
         raise ValueError(f"worker_types must name 'process' and/or 'thread', got {worker_types!r}")
-    if not prefetch_factors or min(prefetch_factors) < 1:
-        raise ValueError(f"prefetch_factors must be positive ints, got {prefetch_factors!r}")
+    if not prefetch_factors or any(
+            pf is not None and (isinstance(pf, bool) or not isinstance(pf, int) or pf < 1)
+            for pf in prefetch_factors):
+        raise ValueError(f"prefetch_factors must be positive ints or None (the loader's "
+                         f"default), got {prefetch_factors!r}")
     if loader_factory is None:
         import gpufeed
 

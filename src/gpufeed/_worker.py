@@ -10,6 +10,9 @@ task names, and answers with small messages (see NOTE [ Messages ] in ``_iterato
                      ("plan", gen, IndexPlan)                this epoch's index plan
                      ("reset", gen, state)                   iterable datasets: restart (from
                                                              ``state`` on resume, else None)
+                     ("seed", gen, seed)                     per-sample seeding's base seed from
+                                                             now on (None: off); a persistent
+                                                             pool after load_state_dict
                      None                                    stop (or EOF on the pipe)
     worker -> main   ("done", gen, [result, ...])            one result per task, in order:
                         ("ok", batch, slot_id, used, need, packed, fetch_s, collate_s,
@@ -17,6 +20,7 @@ task names, and answers with small messages (see NOTE [ Messages ] in ``_iterato
                         ("stop", batch, slot_id)             iterable dataset exhausted
                         ("err", batch, slot_id, RemoteError)
                      ("init_err", RemoteError)               worker_init_fn or set-up failed
+                                                             (threads: or the loop itself)
 
 Several tasks travel in one message when batches are cheap: on these machines waking a
 sleeping process costs 0.1-0.4 ms, more than gathering a small batch.
@@ -41,8 +45,8 @@ from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 from ._collate import SlotWriter, pack
 from ._errors import capture
 from ._fetch import IterFetcher, MapFetcher
-from ._resume import capture_state
 from ._sampler import ShardInfo, set_shard_info
+from ._state import capture_state
 
 POLL_S = 0.5  # how often an idle worker checks that the main process is alive
 
@@ -190,6 +194,10 @@ def _serve(
             if isinstance(fetcher, MapFetcher):
                 fetcher.plan = msg[2]
             continue
+        if kind == "seed":
+            if isinstance(fetcher, MapFetcher):
+                fetcher.seed = msg[2]
+            continue
         if len(msg) > 3 and isinstance(fetcher, MapFetcher):
             fetcher.epoch = msg[3]
         results = [_run_task(worker_id, fetcher, writer, task) for task in msg[2]]
@@ -228,5 +236,9 @@ def _run_task(
         return ("err", batch, sid, capture(where))
     t2 = time.perf_counter()
     collate_s = fetcher.collate_s + (t2 - t1)
-    state = capture_state(fetcher.dataset)
+    try:
+        state = capture_state(fetcher.dataset)
+    except Exception:
+        where = f"in gpufeed worker {worker_id} saving the dataset's state after batch {batch}"
+        return ("err", batch, sid, capture(where))
     return ("ok", batch, sid, used, need, packed, t2 - t0 - collate_s, collate_s, state)

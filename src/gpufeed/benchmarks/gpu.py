@@ -45,6 +45,7 @@ SCHEMA = "gpufeed-bench-gpu/1"
 IMAGE = (3, 224, 224)
 TARGET_D_OVER_E = 0.9
 TARGET_OVERLAP = 1.05
+PREFETCH_DEPTH = 2  # to_device depth in (d); the data holds this many extra batches
 
 
 def _median_s(run: Callable[[], float], repeats: int) -> float:
@@ -62,16 +63,28 @@ def _timed(body: Callable[[], None]) -> float:
 def _loader_seconds(
     batches: Iterable[Any], n: int, warmup: int, consume: Callable[[Any], None]
 ) -> float:
-    """Seconds for ``n`` batches of an iterable, after ``warmup`` untimed ones (start-up)."""
+    """Seconds for ``n`` batches of an iterable, after ``warmup`` untimed ones (start-up).
+
+    A prefetching iterable has copied ``PREFETCH_DEPTH`` batches ahead when the clock starts
+    (finished by the synchronize, so free) and copies as many beyond the last timed batch
+    before the clock stops: the source must hold ``warmup + n + PREFETCH_DEPTH`` batches for
+    the timed window to contain exactly ``n`` copies. The iterator is closed afterwards, so
+    a gpufeed loader's page-locked ring and workers do not outlive their run.
+    """
     it = iter(batches)
-    for _ in range(warmup):
-        consume(next(it))
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        consume(next(it))
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
+    try:
+        for _ in range(warmup):
+            consume(next(it))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            consume(next(it))
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+    finally:
+        close = getattr(it, "close", None)
+        if callable(close):
+            close()
 
 
 def _bandwidth(
@@ -79,7 +92,7 @@ def _bandwidth(
 ) -> dict[str, Any]:
     n, reps, warm, workers = s["batches"], s["repeats"], s["warmup_batches"], s["num_workers"]
     nbytes = bs * data[0].numel()
-    views = [data[i * bs : (i + 1) * bs] for i in range(n + warm)]
+    views = [data[i * bs : (i + 1) * bs] for i in range(n + warm + PREFETCH_DEPTH)]
     gbps: dict[str, Any] = {}
     notes: list[str] = []
 
@@ -119,7 +132,8 @@ def _bandwidth(
 
         def ours() -> float:
             loader = gpufeed.DataLoader(gpufeed.ArrayDataset(data), batch_size=bs,
-                                        num_workers=workers, pin_memory=True, device=dev)
+                                        num_workers=workers, pin_memory=True, device=dev,
+                                        device_depth=PREFETCH_DEPTH)
             return _loader_seconds(loader, n, warm, lambda b: None)
 
         gbps["d_gpufeed_dataloader"] = rate(_median_s(ours, reps))
@@ -135,7 +149,7 @@ def _bandwidth(
     else:
         try:
             def ring() -> float:
-                it = to_device(iter(views), dev, depth=2)
+                it = to_device(iter(views), dev, depth=PREFETCH_DEPTH)
                 return _loader_seconds(it, n, warm, lambda b: None)
 
             gbps["d_to_device_pinned_region"] = rate(_median_s(ring, reps))
@@ -210,7 +224,7 @@ def run_gpu_benchmark(
         out_path: JSON file to write (None: do not write). Nothing is written when skipped.
         batch_size: uint8 3x224x224 images per batch (256: 38.5 MB per batch).
         batches: timed batches per run; host memory used is about
-            (batches + warmup_batches) x batch bytes, plus pinned copies.
+            (batches + warmup_batches + 2) x batch bytes, plus pinned copies.
         warmup_batches: untimed batches first (worker start-up, first page faults).
         repeats: runs per figure; medians are reported. More is steadier, slower.
         num_workers: workers of the loaders (c) and (d); too few and the gather, not the
@@ -229,7 +243,8 @@ def run_gpu_benchmark(
     env.update(gpu=torch.cuda.get_device_name(dev), cuda=torch.version.cuda,
                gpu_capability=list(torch.cuda.get_device_capability(dev)),
                gpu_count=torch.cuda.device_count())
-    data = torch.empty(((batches + warmup_batches) * batch_size, *IMAGE), dtype=torch.uint8)
+    total = batches + warmup_batches + PREFETCH_DEPTH  # see _loader_seconds
+    data = torch.empty((total * batch_size, *IMAGE), dtype=torch.uint8)
     data.view(-1)[:: 4096].fill_(1)  # touch every page before timing
     bw = _bandwidth(data, batch_size, dev, settings)
     del data
