@@ -18,12 +18,14 @@ import torch
 from gpufeed._measure import (
     batch_samples_and_bytes,
     measure_loader,
+    measure_no_loader,
     process_tree_memory,
     process_tree_pss,
 )
-from gpufeed.benchmarks import Settings, build
+from gpufeed.benchmarks import Settings, Workload, build
 from gpufeed.benchmarks.__main__ import main, render_markdown
-from gpufeed.benchmarks.cpu import _run_workload, summarize
+from gpufeed.benchmarks.cpu import CEILING, _run_workload, summarize
+from gpufeed.benchmarks.workloads import Variant
 
 MiB = 1 << 20
 
@@ -175,13 +177,59 @@ def test_each_run_gets_a_fresh_dataset(tmp_path: Path) -> None:
     own dataset object must not keep it (and its pages) for the runs after it."""
     work = build("image-array", cache_dir=tmp_path, quick=True)
     loaders = ["torch", "gpufeed-thread"]
-    rows = _run_workload(work, loaders, Settings(repeats=1, warmup_batches=1, quick=True),
-                         lambda line: None)
+    rows, ceiling = _run_workload(work, loaders, Settings(repeats=1, warmup_batches=1,
+                                                          quick=True), lambda line: None)
     for v in work.variants:
-        assert v.dataset._map is None
+        assert v.dataset._map is None  # the ceiling's processes open it, not this one
     timed = len(work.variants[0].dataset) - work.batch_size  # one epoch less the warm-up batch
     assert {r["median"]["samples"] for r in rows} == {timed}
     assert all(r["median"]["peak_pss_bytes"] > 0 for r in rows)
+    assert {c["median"]["samples"] for c in ceiling} == {len(work.variants[0].dataset)}
+
+
+class _Sleepy(torch.utils.data.Dataset[torch.Tensor]):
+    """Each sample costs ``sleep_s`` of wall time and no CPU."""
+
+    def __init__(self, n: int, sleep_s: float) -> None:
+        self.n, self.sleep_s = n, sleep_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(self.sleep_s)
+        return torch.full((4,), float(i))
+
+
+def test_ceiling_of_a_sleeping_dataset() -> None:
+    """Two processes that each sleep 4 ms a sample cannot beat 2 / 4 ms = 500 samples/s and,
+    sleeping rather than computing, should come close to it."""
+    work = Workload("sleepy", "sleeps", batch_size=8, samples=96,
+                    variants=(Variant("per-sample", _Sleepy(96, 0.004)),))
+    lines: list[str] = []
+    rows, ceiling = _run_workload(work, [], Settings(num_workers=2, repeats=2), lines.append)
+    assert rows == [] and len(lines) == 2 and CEILING in lines[0]
+    (c,) = ceiling
+    assert (c["loader"], c["variant"], c["fetch"], len(c["runs"])) == (
+        CEILING, "per-sample", "__getitem__", 2)
+    assert c["median"]["samples"] == 96
+    assert all(r["batches"] == 12 and len(r["process_seconds"]) == 2 for r in c["runs"])
+    assert 0.5 * 500 < c["median"]["samples_per_s"] <= 500
+    assert not psutil.Process().children()
+
+
+def _fail_on_seven(indices: list[int]) -> torch.Tensor:
+    if 7 in indices:
+        raise KeyError("no sample 7")
+    return torch.zeros(len(indices))
+
+
+def test_no_loader_reports_a_failing_process() -> None:
+    with pytest.raises(RuntimeError, match=r"(?s)no-loader process 1 failed:.*no sample 7"):
+        measure_no_loader(_fail_on_seven, [[0, 1], [6, 7]], processes=2)
+    with pytest.raises(ValueError, match="processes=0"):
+        measure_no_loader(_fail_on_seven, [[0]], processes=0)
+    assert not psutil.Process().children()
 
 
 def test_workload_variants_give_the_same_batches(tmp_path: Path) -> None:
@@ -208,7 +256,21 @@ def test_summary_ratio_comes_from_the_figures() -> None:
 
     rows = [row("torch", "per-sample", 100.0, 10.0), row("torch", "getitems", 300.0, 20.0),
             row("gpufeed", "getitems", 900.0, 19.0), row("gpufeed-thread", "array", 3300.0, 9.0)]
-    sm = summarize("image-array", rows)
+    ceiling = [{"variant": v, "median": {"samples_per_s": rate, "bytes_per_s": 0.0}}
+               for v, rate in (("per-sample", 400.0), ("getitems", 1000.0), ("array", 4000.0))]
+    sm = summarize("image-array", rows, ceiling)
+    assert sm["ceiling"] == {"gpufeed_variant": "array", "gpufeed_variant_ceiling": 4000.0,
+                             "gpufeed_of_ceiling": pytest.approx(3300.0 / 4000.0),
+                             "stock_variant": "getitems", "stock_variant_ceiling": 1000.0,
+                             "stock_of_ceiling": pytest.approx(300.0 / 1000.0)}
+    assert "| 4,000 (array) | 82% | 30% of 1,000 (getitems) |" in render_markdown(
+        {"environment": {"date": "d", "hostname": "h", "cpu_model": "c", "cpu_affinity": 2,
+                         "memory_bytes": 2**30, "python": "p", "torch": "t", "numpy": "n",
+                         "torchdata": None, "gpufeed": "g", "loadavg_start": [0.0]},
+         "settings": {**Settings().__dict__}, "loaders": {},
+         "workloads": [{"name": "image-array", "summary": sm, "results": rows,
+                        "ceiling": ceiling}]})
+    assert summarize("image-array", rows)["ceiling"] is None
     assert sm["stock_best"]["variant"] == "getitems"
     assert sm["gpufeed_best"]["loader"] == "gpufeed-thread"
     assert sm["ratio"] == pytest.approx(11.0) and sm["ratio_pass"] is True
@@ -253,6 +315,16 @@ def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
             assert kinds == 0 or kinds == pytest.approx(r["median"]["peak_pss_bytes"], rel=0.05)
         # equal work: every loader delivered the same samples (one epoch)
         assert len({r["median"]["samples"] for r in w["results"]}) == 1
+        # the no-loader ceiling of every variant, over the whole epoch
+        assert {c["variant"] for c in w["ceiling"]} == {r["variant"] for r in w["results"]}
+        for c in w["ceiling"]:
+            assert c["loader"] == CEILING and len(c["runs"]) == 1
+            assert c["fetch"] == {"per-sample": "__getitem__", "getitems": "__getitems__",
+                                  "array": "gather"}[c["variant"]]  # the fastest fetch of each
+            assert c["median"]["samples"] == w["samples"] and c["median"]["samples_per_s"] > 0
+        ceil = w["summary"]["ceiling"]
+        assert ceil["gpufeed_variant"] == w["summary"]["gpufeed_best"]["variant"]
+        assert ceil["gpufeed_of_ceiling"] > 0 and ceil["stock_of_ceiling"] > 0
         sm = w["summary"]
         stock = max((r for r in w["results"] if r["loader"] == "torch"),
                     key=lambda r: r["median"]["samples_per_s"])
@@ -264,6 +336,10 @@ def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
             assert sm["ratio_pass"] == (sm["ratio"] >= sm["target_ratio"])
     md = (out / "cpu.md").read_text()
     assert md == render_markdown(doc) and "| workload | stock best |" in md
+    assert "| gpufeed % of ceiling |" in md and "No-loader ceiling: 2 plain forked" in md
+    for w in doc["workloads"]:
+        for c in w["ceiling"]:
+            assert f"| {w['name']} | {c['variant']} | {CEILING} | " in md
     assert "wrote" in capsys.readouterr().out
     assert not psutil.Process().children()  # every worker is gone
 

@@ -3,7 +3,8 @@
     gpufeed/
       __init__.py      the public API (this file)
       _loader.py       DataLoader: torch's, with worker_type, ring_bytes and device=
-      _iterator.py     iterators: in the main process, or over workers; order, epochs
+      _base_iter.py    what both iterators share; the one without workers
+      _iterator.py     the iterator over workers: dispatch, chunking, order, epochs
       _pool.py         process and thread workers: start, talk, watch, stop
       _worker.py       the worker loop and its messages
       _fetch.py        one batch: vectorised gather, __getitems__, or sample by sample
@@ -23,12 +24,13 @@
       _profiler.py     Profiler: the input-bound share of any loop
       _tuner.py        tune(): trials over workers, worker type, prefetch, pinning
       _doctor.py       diagnose(): shm, fd and memlock limits, CPUs, memory, GPU link
-      _sampler.py      ShardedSampler (DistributedSampler semantics, resumable), sharding
+      _sampler.py      ShardedSampler (DistributedSampler semantics, resumable), seeded shuffle
+      _shards.py       rank and world size; sharding iterable datasets by (rank, worker)
       _seeding.py      per-sample random state from (seed, epoch, index)
       _resume.py       Progress: state_dict / load_state_dict, epochs, resuming samplers
       _state.py        the state_dict format, its checks, dataset states
       _delivery.py     counting delivered batches; iterable datasets' worker turns
-      _measure.py      measure_loader, PSS of the process tree
+      _measure.py      measure_loader, the no-loader ceiling, PSS of the process tree
       _cli.py          gpufeed bench | tune | profile | doctor
       benchmarks/      python -m gpufeed.benchmarks [cpu|gpu]
 """

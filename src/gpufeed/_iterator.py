@@ -1,4 +1,4 @@
-"""Iterators behind ``gpufeed.DataLoader``: in the main process, or over a worker pool.
+"""WorkerIter: ``gpufeed.DataLoader``'s batches from a worker pool through the slot ring.
 
 NOTE [ Messages ]
 -----------------
@@ -19,21 +19,16 @@ import atexit
 import itertools
 import os
 import time
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import IterableDataset
 
+from ._base_iter import BaseIter
 from ._errors import RemoteError, WorkerError
-from ._fetch import IterFetcher, MapFetcher
-from ._pinning import pin_batch
 from ._plan import IndexPlan, finish_plan, make_plan, plannable
 from ._pool import Pool, ProcessPool, ThreadPool
-from ._resume import capture_state
 from ._ring import SlotRing, reserve_for
-from ._sampler import ShardInfo, set_shard_info
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -50,138 +45,6 @@ CHUNK_BYTES = 64 << 20  # never prefetch more than this in extra chunked batches
 def _close_all() -> None:
     for it in list(_live):
         it.close()
-
-
-class BaseIter:
-    """What both iterators share: sampler, seed, pinning, length, counting."""
-
-    def __init__(self, loader: DataLoader) -> None:
-        self._loader = loader
-        self._dataset = loader.dataset
-        self._is_iterable = isinstance(loader.dataset, IterableDataset)
-        self._auto_collation = loader._auto_collation
-        self._index_sampler = loader._index_sampler
-        self._collate_fn = loader.collate_fn
-        self._drop_last = loader.drop_last
-        if loader.pin_memory and not torch.accelerator.is_available():
-            warnings.warn(
-                "'pin_memory' argument is set as true but no accelerator is found, "
-                "then device pinned memory won't be used.",
-                stacklevel=3,
-            )
-        # A CUDA device stage needs page-locked batches to copy asynchronously: pin then too.
-        on_cuda = loader.device is not None and loader.device.type == "cuda"
-        self._pin = (loader.pin_memory or on_cuda) and torch.cuda.is_available()
-        self._sample_seed = loader.seed if loader.deterministic else None
-        self._begin_epoch()
-        self._base_seed = int(
-            torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item()
-        )
-        self._num_yielded = 0
-        self._len_called = loader._IterableDataset_len_called
-        self._rec = loader._recorder
-        self._returned_at = 0.0  # when the last batch was handed over (for "step")
-
-    def __iter__(self) -> BaseIter:
-        return self
-
-    def __len__(self) -> int:
-        return len(self._index_sampler)
-
-    def _begin_epoch(self) -> None:
-        """Start the epoch's index plan and delivery count (NOTE [ Delivery tracking ] in
-        ``_resume.py``); resumes where ``loader.load_state_dict`` said."""
-        loader = self._loader
-        self._tracker = loader._progress.begin_epoch(loader, direct=loader.device is None)
-        self._sampler_iter = self._tracker.indices
-
-    def _next_indices(self) -> Any:
-        idx = next(self._sampler_iter)
-        if self._is_iterable and self._auto_collation:
-            return len(idx)  # iterable datasets take a count, not indices
-        return idx
-
-    def _finish(
-        self, data: Any, asked_at: float, k: int, worker_state: tuple[int, Any] | None = None
-    ) -> Any:
-        """Hand batch ``k`` of this epoch (the iterator's count) to the user."""
-        now = time.perf_counter()
-        rec = self._rec
-        if self._returned_at:
-            rec.add("step", busy_s=asked_at - self._returned_at)
-        rec.add("wait", blocked_s=now - asked_at)
-        rec.count("batches")
-        self._num_yielded += 1
-        if (
-            self._is_iterable
-            and self._len_called is not None
-            and self._num_yielded > self._len_called
-        ):
-            warnings.warn(
-                f"Length of IterableDataset {self._dataset} was reported to be "
-                f"{self._len_called} (when accessing len(dataloader)), but "
-                f"{self._num_yielded} samples have been fetched.",
-                stacklevel=3,
-            )
-        if self._pin:
-            data = pin_batch(data)
-        self._tracker.produced_nth(k, worker_state)
-        self._returned_at = time.perf_counter()
-        return data
-
-    def close(self) -> None:
-        """Stop workers and release memory; idempotent."""
-
-    def __enter__(self) -> BaseIter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class SingleIter(BaseIter):
-    """``num_workers=0``: fetch in the calling thread (batched gather where possible)."""
-
-    def __init__(self, loader: DataLoader) -> None:
-        super().__init__(loader)
-        self._fetcher: MapFetcher | IterFetcher
-        if self._is_iterable:
-            self._fetcher = IterFetcher(
-                self._dataset, auto_collation=self._auto_collation,
-                collate_fn=self._collate_fn, drop_last=self._drop_last,
-            )
-        else:
-            self._fetcher = MapFetcher(
-                self._dataset, auto_collation=self._auto_collation, collate_fn=self._collate_fn,
-                seed=self._sample_seed,
-            )
-        set_shard_info(ShardInfo(loader.rank, loader.world_size, 0, 1))
-        self._load_dataset_state()
-
-    def _load_dataset_state(self) -> None:
-        resumed = self._loader._progress.take_dataset_states()
-        if resumed is not None and isinstance(self._fetcher, IterFetcher):
-            self._fetcher.reset(resumed.states[0])
-
-    def __next__(self) -> Any:
-        asked_at = time.perf_counter()
-        try:
-            indices = self._next_indices()
-            self._fetcher.epoch = self._tracker.epoch
-            data = self._fetcher.fetch(indices, None)
-        except StopIteration:
-            self._tracker.host_exhausted()
-            raise
-        fetched = time.perf_counter()
-        self._rec.add("fetch", busy_s=fetched - asked_at - self._fetcher.collate_s)
-        self._rec.add("collate", busy_s=self._fetcher.collate_s)
-        state = (0, capture_state(self._dataset)) if self._is_iterable else None
-        return self._finish(data, fetched, self._num_yielded, state)
-
-    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
-        self._begin_epoch()
-        self._load_dataset_state()
-        self._num_yielded = 0
 
 
 class WorkerIter(BaseIter):

@@ -9,8 +9,9 @@ import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, Sampler
 
+from ._base_iter import BaseIter, SingleIter
 from ._device import parse_device, to_device
-from ._iterator import BaseIter, SingleIter, WorkerIter
+from ._iterator import WorkerIter
 from ._resume import Delivered, Progress
 from ._sampler import build_sampler, resolve_world
 from ._seeding import resolve_seed

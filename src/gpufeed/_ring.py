@@ -33,6 +33,7 @@ import collections
 import errno
 import mmap
 import os
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
+# A sparse reservation must not be charged to the commit limit up front (Linux's value; newer
+# Pythons name it).
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 ALIGN = 64  # bytes; every leaf starts on a cache-line boundary
 PAGE = 4096
 
@@ -123,7 +127,7 @@ class Region:
                 self.close_fd()
                 raise
         else:
-            self.mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
         self.array: np.ndarray = np.frombuffer(self.mm, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.array)
 

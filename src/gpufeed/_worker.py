@@ -45,7 +45,7 @@ from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 from ._collate import SlotWriter, pack
 from ._errors import capture
 from ._fetch import IterFetcher, MapFetcher
-from ._sampler import ShardInfo, set_shard_info
+from ._shards import ShardInfo, set_shard_info
 from ._state import capture_state
 
 POLL_S = 0.5  # how often an idle worker checks that the main process is alive

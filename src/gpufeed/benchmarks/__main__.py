@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .cpu import LOADERS, STAND_IN, Settings, run_cpu
+from .cpu import CEILING, LOADERS, STAND_IN, Settings, run_cpu
 from .workloads import WORKLOADS
 
 DEFAULT_WORKLOADS = ("tabular", "image-array", "jpeg", "python-list")
@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="where workload files are built once and reused "
                         "(default $GPUFEED_BENCH_CACHE or <tmp>/gpufeed-bench)")
+    p.add_argument("--no-ceiling", dest="ceiling", action="store_false",
+                   help="skip the no-loader ceiling (num_workers plain processes fetching the "
+                        "same batches with no loader; one more run per variant per repeat)")
     p.add_argument("--quick", action="store_true",
                    help="tiny workloads and short runs (seconds; for tests, not for figures)")
     return p
@@ -59,6 +62,23 @@ def _fmt(value: float | None, spec: str = ",.0f") -> str:
 
 def _verdict(ok: bool | None) -> str:
     return "" if ok is None else ("pass" if ok else "**miss**")
+
+
+def _ceiling_cells(sm: dict[str, Any]) -> list[str]:
+    """Summary cells: the ceiling of gpufeed's best variant, gpufeed's and stock's best as %
+    of the ceiling of their own variants (the stock one names its ceiling when it differs)."""
+    c = sm.get("ceiling")
+    if not c:
+        return ["-", "-", "-"]
+    ours = _fmt(c["gpufeed_variant_ceiling"])
+    if c["gpufeed_variant"]:
+        ours += f" ({c['gpufeed_variant']})"
+    pct = [_fmt(None if c[f"{side}_of_ceiling"] is None else 100 * c[f"{side}_of_ceiling"])
+           for side in ("gpufeed", "stock")]
+    pct = [x if x == "-" else x + "%" for x in pct]
+    if c["stock_variant"] not in (None, c["gpufeed_variant"]) and pct[1] != "-":
+        pct[1] += f" of {_fmt(c['stock_variant_ceiling'])} ({c['stock_variant']})"
+    return [ours, *pct]
 
 
 def render_markdown(doc: dict[str, Any]) -> str:
@@ -105,13 +125,14 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if doc["loaders"].get("gpufeed") == STAND_IN:
         lines += ["**gpufeed's core was not importable: the `gpufeed` rows ran the stock loader "
                   "as a stand-in.**", ""]
-    lines += ["| workload | stock best | gpufeed best | ratio | target | | peak PSS vs stock | |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["| workload | stock best | gpufeed best | ratio | target | | peak PSS vs stock | | "
+              "no-loader ceiling | gpufeed % of ceiling | stock % of ceiling |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     notes: list[str] = []
     also: list[str] = []
     for w in doc["workloads"]:
         if "skipped" in w:
-            lines.append(f"| {w['name']} | skipped: {w['skipped']} | | | | | | |")
+            lines.append(f"| {w['name']} | skipped: {w['skipped']} | | | | | | | | | |")
             continue
         sm = w["summary"]
         st, ours = sm["stock_best"], sm["gpufeed_best"]
@@ -121,11 +142,23 @@ def render_markdown(doc: dict[str, Any]) -> str:
         target = f">= {sm['target_ratio']:g}x" if sm["target_ratio"] else "-"
         lines.append(f"| {w['name']} | {stock_txt} | {ours_txt} | {_fmt(sm['ratio'], '.2f')}x | "
                      f"{target} | {_verdict(sm['ratio_pass'])} | {_fmt(sm['pss_ratio'], '.2f')}x"
-                     f" | {_verdict(sm['pss_pass'])} |")
+                     f" | {_verdict(sm['pss_pass'])} | {' | '.join(_ceiling_cells(sm))} |")
         notes += [f"- {w['name']}: {n}" for n in sm["notes"]]
         also += [f"- {w['name']}: {n}" for n in sm.get("also", [])]
     lines += ["", "Samples/s; ratio = gpufeed's best (loader, fetch variant) over the stock "
               "loader's best variant. PSS compares the same variant.", ""]
+    if s.get("ceiling", False):
+        lines += [
+            f"No-loader ceiling: {s['num_workers']} plain forked processes, one torch thread "
+            "each, fetch and collate their share of the same epoch's batches (the variant's "
+            "dataset and collate_fn; gpufeed.ArrayDataset's one-op gather, as gpufeed's workers "
+            "do it) and drop them, timed from one start signal to the last "
+            "one done, alternating with the loaders. It is what these "
+            f"{env['cpu_affinity']} cores do with {s['num_workers']} workers and no loader, an "
+            "upper bound for a loader with as many workers, not a target: the main process's "
+            "own work (receiving batches, bookkeeping) is not in it, and a loader's rate, "
+            "which starts after warm-up batches with later ones under way, may come within "
+            "noise of it; % of ceiling compares each best with its own variant's ceiling.", ""]
     if notes:
         lines += ["Misses:", "", *notes, ""]
     if also:
@@ -135,17 +168,28 @@ def render_markdown(doc: dict[str, Any]) -> str:
               "shmem MiB | PSS growth MiB | first batch ms |",
               "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for w in doc["workloads"]:
-        for r in w.get("results", []):
-            m = r["median"]
-            kinds = " / ".join(_fmt(m.get(f"peak_pss_{k}_bytes", 0) / 2**20)
-                               for k in ("anon", "file", "shmem"))
-            lines.append(
-                f"| {w['name']} | {r['variant']} | {r['loader']} | {_fmt(m['samples_per_s'])} | "
-                f"{_fmt(m['bytes_per_s'] / 1e6)} | {_fmt(m['peak_pss_bytes'] / 2**20)} | "
-                f"{kinds} | {_fmt(m['pss_growth_bytes'] / 2**20)} | "
-                f"{_fmt(m['first_batch_s'] * 1e3)} |")
+        ceiling = {c["variant"]: c for c in w.get("ceiling", [])}
+        results = w.get("results", [])
+        for variant in dict.fromkeys([r["variant"] for r in results] + list(ceiling)):
+            for r in results:
+                if r["variant"] != variant:
+                    continue
+                m = r["median"]
+                kinds = " / ".join(_fmt(m.get(f"peak_pss_{k}_bytes", 0) / 2**20)
+                                   for k in ("anon", "file", "shmem"))
+                lines.append(
+                    f"| {w['name']} | {variant} | {r['loader']} | {_fmt(m['samples_per_s'])} | "
+                    f"{_fmt(m['bytes_per_s'] / 1e6)} | {_fmt(m['peak_pss_bytes'] / 2**20)} | "
+                    f"{kinds} | {_fmt(m['pss_growth_bytes'] / 2**20)} | "
+                    f"{_fmt(m['first_batch_s'] * 1e3)} |")
+            if variant in ceiling:
+                m = ceiling[variant]["median"]
+                lines.append(f"| {w['name']} | {variant} | {CEILING} | "
+                             f"{_fmt(m['samples_per_s'])} | {_fmt(m['bytes_per_s'] / 1e6)} | "
+                             "- | - | - | - |")
     lines += ["", "anon / file / shmem: the peak sample split by kind (medians of each, so they "
-              "need not add up to the peak exactly)."]
+              "need not add up to the peak exactly). The no-loader ceiling rows measure no "
+              "memory or first batch."]
     return "\n".join(lines) + "\n"
 
 
@@ -177,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=args.repeats or (1 if args.quick else 3),
         max_seconds=args.max_seconds,
         warmup_batches=1 if args.quick else 3,
-        quick=args.quick)
+        quick=args.quick,
+        ceiling=args.ceiling)
     doc = run_cpu(args.workloads, settings=settings, loaders=args.loaders,
                   cache_dir=args.cache_dir, progress=lambda line: print(line, flush=True))
     json_path, md_path = write_results(doc, args.out)

@@ -10,6 +10,14 @@ thread-worker run cannot change the conditions of the runs after it. Figures are
 the repeats; the ratio of a workload compares gpufeed's best (loader, variant) with the stock
 loader's best variant.
 
+Each repeat also measures, for every variant and in the same rotation as the loaders, the
+**no-loader ceiling**: ``num_workers`` plain forked processes with one torch thread each, fetching
+and collating their share of the same epoch's batches and dropping them (NOTE [ No-loader
+ceiling ] in ``gpufeed._measure``), each batch fetched the fastest way gpufeed's workers know for
+the variant (``_ceiling_fetch``). It is what the machine does with that many workers and no
+loader at all; each loader's best is also reported as a share of it. The targets stay ratios to
+the stock loader.
+
 NOTE [ Equal work for memory ]
 ------------------------------
 Peak PSS is compared only between runs that did the same work. By default every run delivers
@@ -47,12 +55,14 @@ import psutil
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, default_collate
 
-from .._measure import measure_loader
+from .._measure import measure_loader, measure_no_loader
 from .workloads import Variant, Workload, WorkloadUnavailable, build
 
-__all__ = ["LOADERS", "PSS_TOLERANCE", "TARGETS", "Settings", "environment", "run_cpu"]
+__all__ = ["CEILING", "LOADERS", "PSS_TOLERANCE", "TARGETS", "Settings", "environment", "run_cpu"]
 
 LOADERS = ("torch", "gpufeed", "gpufeed-thread", "torchdata.nodes")
+#: Name of the no-loader ceiling in the results and progress lines.
+CEILING = "no-loader ceiling"
 #: Minimum ratio of samples/s, gpufeed's best over the stock loader's best (issue 2, item 6).
 TARGETS: dict[str, float] = {"tabular": 15.0, "image-array": 3.0, "jpeg": 1.15}
 #: Peak PSS passes when gpufeed's is at most the stock loader's times (1 + this): sampling noise.
@@ -80,6 +90,8 @@ class Settings:
         max_batches: cap on batches per run, warm-up included (None: no cap).
         seed: data, shuffle order and per-sample randomness.
         quick: tiny workloads, for tests.
+        ceiling: also measure the no-loader ceiling of every variant (one more run per variant
+            per repeat, about as long as a loader's run).
     """
 
     num_workers: int = 2
@@ -90,6 +102,7 @@ class Settings:
     max_batches: int | None = None
     seed: int = 0
     quick: bool = False
+    ceiling: bool = True
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -199,6 +212,49 @@ class _PeerTeardownErrors:
         threading.excepthook = self._previous
 
 
+class _Gather:
+    """Ceiling fetch of an array dataset: one vectorised gather per array into new tensors."""
+
+    def __init__(self, gather: Callable[..., Any], arrays: Sequence[Any]) -> None:
+        self.gather, self.arrays = gather, arrays
+
+    def __call__(self, indices: list[int]) -> Any:
+        return self.gather(self.arrays, indices, lambda shape, dtype: torch.empty(shape,
+                                                                                  dtype=dtype))
+
+
+def _ceiling_fetch(variant: Variant) -> tuple[str, Callable[[list[int]], Any]]:
+    """(name, fetch) of the variant's fastest batch fetch: the vectorised gather where
+    gpufeed's workers use one (``gpufeed.ArrayDataset`` or a ``TensorDataset`` with the default
+    collate), else ``__getitems__`` or ``__getitem__`` per index and the collate function, as
+    the stock fetcher does. The stock path of an ArrayDataset (rows, then a stack) would put
+    the ceiling below gpufeed's own rate."""
+    if variant.collate_fn is None:
+        try:
+            datasets: Any = importlib.import_module("gpufeed._datasets")
+        except ImportError:  # gpufeed's core not importable: the stand-in has no gather
+            datasets = None
+        arrays = None if datasets is None else datasets.gather_arrays(variant.dataset)
+        if arrays is not None:
+            return "gather", _Gather(datasets.gather, arrays)
+    name = "__getitems__" if getattr(variant.dataset, "__getitems__", None) else "__getitem__"
+    return name, _FetchBatch(variant.dataset, variant.collate_fn)
+
+
+def _ceiling(variant: Variant, work: Workload, s: Settings) -> dict[str, Any]:
+    """One no-loader pass over the variant: the epoch's shuffled batches (as the loaders get
+    them, capped as their runs are), ``num_workers`` forked processes, one torch thread each."""
+    order = RandomSampler(variant.dataset, generator=torch.Generator().manual_seed(s.seed))
+    batches = list(BatchSampler(order, work.batch_size, drop_last=False))
+    capped = not work.full_epoch
+    if capped and s.max_batches is not None:
+        batches = batches[:s.max_batches]
+    how, fetch = _ceiling_fetch(variant)
+    m = measure_no_loader(fetch, batches, processes=s.num_workers, init=one_intra_op_thread,
+                          max_seconds=s.max_seconds if capped else None)
+    return {**asdict(m), "fetch": how}
+
+
 def _wait_for_children(timeout_s: float = 10.0) -> int:
     """Wait until the loaders' worker processes are gone; return how many are left."""
     deadline = time.monotonic() + timeout_s
@@ -210,10 +266,12 @@ def _wait_for_children(timeout_s: float = 10.0) -> int:
 _MEDIAN_KEYS = ("samples_per_s", "bytes_per_s", "peak_pss_bytes", "pss_growth_bytes",
                 "first_batch_s", "samples", "peak_pss_anon_bytes", "peak_pss_file_bytes",
                 "peak_pss_shmem_bytes")
+_CEILING_MEDIAN_KEYS = ("samples_per_s", "bytes_per_s", "samples", "seconds")
 
 
-def _median_row(runs: list[dict[str, Any]]) -> dict[str, float]:
-    return {k: float(statistics.median(r[k] for r in runs)) for k in _MEDIAN_KEYS}
+def _median_row(runs: list[dict[str, Any]],
+                keys: Sequence[str] = _MEDIAN_KEYS) -> dict[str, float]:
+    return {k: float(statistics.median(r[k] for r in runs)) for k in keys}
 
 
 def _fresh(variant: Variant) -> Variant:
@@ -223,10 +281,13 @@ def _fresh(variant: Variant) -> Variant:
     return Variant(variant.name, copy.copy(variant.dataset), variant.collate_fn)
 
 
-def summarize(name: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Best stock figure, best gpufeed figure, their ratio and the targets' pass/miss.
+def summarize(name: str, rows: Sequence[dict[str, Any]],
+              ceiling: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """Best stock figure, best gpufeed figure, their ratio and the targets' pass/miss, and each
+    best as a share of the no-loader ceiling of its variant.
 
-    ``rows`` are the result rows of one workload (``loader``, ``variant``, ``median``)."""
+    ``rows`` are the result rows of one workload (``loader``, ``variant``, ``median``),
+    ``ceiling`` its no-loader rows (``variant``, ``median``)."""
     def best(loaders: Sequence[str]) -> dict[str, Any] | None:
         cands = [r for r in rows if r["loader"] in loaders]
         return max(cands, key=lambda r: r["median"]["samples_per_s"], default=None)
@@ -245,7 +306,8 @@ def summarize(name: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                            "nodes_best": brief(best(["torchdata.nodes"])),
                            "target_ratio": TARGETS.get(name), "ratio": None, "ratio_pass": None,
                            "pss_ratio": None, "pss_pass": None, "pss_ratio_process": None,
-                           "notes": [], "also": []}
+                           "notes": [], "also": [],
+                           "ceiling": _ceiling_summary(stock, ours, ceiling)}
     if stock is None or ours is None:
         out["notes"].append("no comparison: the stock loader or gpufeed did not run")
         return out
@@ -284,6 +346,24 @@ def summarize(name: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if equal and ratio > 1 + PSS_TOLERANCE:
             out["also"].append(f"gpufeed with process workers (its fastest variant, "
                                f"{proc['variant']}): peak PSS {ratio:.2f}x the stock loader's")
+    return out
+
+
+def _ceiling_summary(stock: dict[str, Any] | None, ours: dict[str, Any] | None,
+                     ceiling: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Each best row's variant, that variant's no-loader ceiling and the best as a share of it
+    (None where no ceiling was measured)."""
+    if not ceiling:
+        return None
+    out: dict[str, Any] = {}
+    for side, r in (("gpufeed", ours), ("stock", stock)):
+        c = None if r is None else next((c for c in ceiling if c["variant"] == r["variant"]),
+                                        None)
+        rate = None if c is None else c["median"]["samples_per_s"]
+        out[f"{side}_variant"] = None if r is None else r["variant"]
+        out[f"{side}_variant_ceiling"] = rate
+        out[f"{side}_of_ceiling"] = (None if r is None or not rate
+                                     else r["median"]["samples_per_s"] / rate)
     return out
 
 
@@ -332,15 +412,27 @@ def environment() -> dict[str, Any]:
 
 
 def _run_workload(work: Workload, loaders: Sequence[str], s: Settings,
-                  say: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Every (loader, variant) pair ``s.repeats`` times, loaders in rotating order."""
+                  say: Callable[[str], None]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every (loader, variant) pair ``s.repeats`` times, and the no-loader ceiling of every
+    variant (``s.ceiling``), in rotating order. Returns (loader rows, ceiling rows)."""
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for rep in range(s.repeats):
-        order = [*loaders[rep % len(loaders):], *loaders[:rep % len(loaders)]]
+    ceiling: dict[str, list[dict[str, Any]]] = {}
+    entries = [*loaders, CEILING] if s.ceiling else list(loaders)
+    for rep in range(s.repeats * bool(entries)):
+        order = [*entries[rep % len(entries):], *entries[:rep % len(entries)]]
         for variant in work.variants:
             for loader in order:
                 gc.collect()  # nothing of the previous run may still hold memory
                 left = _wait_for_children()
+                if loader == CEILING:
+                    c = {**_ceiling(_fresh(variant), work, s), "repeat": rep,
+                         "children_left_before": left}
+                    ceiling.setdefault(variant.name, []).append(c)
+                    say(f"{work.name:12} {variant.name:10} {loader:17} rep {rep}: "
+                        f"{c['samples_per_s']:12,.0f} samples/s  ({c['processes']} processes, "
+                        f"{', '.join(f'{x:.2f}' for x in c['process_seconds'])} s each; "
+                        f"{c['fetch']})")
+                    continue
                 m = measure_loader(
                     _factory(loader, _fresh(variant), work, s), warmup_batches=s.warmup_batches,
                     max_seconds=None if work.full_epoch else s.max_seconds,
@@ -348,14 +440,17 @@ def _run_workload(work: Workload, loaders: Sequence[str], s: Settings,
                 row = {**asdict(m), "pss_growth_bytes": m.pss_growth_bytes, "repeat": rep,
                        "children_left_before": left}
                 runs.setdefault((loader, variant.name), []).append(row)
-                say(f"{work.name:12} {variant.name:10} {loader:16} rep {rep}: "
+                say(f"{work.name:12} {variant.name:10} {loader:17} rep {rep}: "
                     f"{m.samples_per_s:12,.0f} samples/s  peak PSS "
                     f"{m.peak_pss_bytes / 2**20:8,.0f} MiB (anon/file/shmem "
                     f"{m.peak_pss_anon_bytes / 2**20:,.0f}/{m.peak_pss_file_bytes / 2**20:,.0f}/"
                     f"{m.peak_pss_shmem_bytes / 2**20:,.0f})  first batch "
                     f"{m.first_batch_s * 1e3:6.0f} ms")
-    return [{"loader": lo, "variant": va, "median": _median_row(rs), "runs": rs}
+    rows = [{"loader": lo, "variant": va, "median": _median_row(rs), "runs": rs}
             for (lo, va), rs in runs.items()]
+    return rows, [{"loader": CEILING, "variant": va, "fetch": cs[0]["fetch"],
+                   "median": _median_row(cs, _CEILING_MEDIAN_KEYS), "runs": cs}
+                  for va, cs in ceiling.items()]
 
 
 def run_cpu(workloads: Sequence[str], *, settings: Settings | None = None,
@@ -384,6 +479,12 @@ def run_cpu(workloads: Sequence[str], *, settings: Settings | None = None,
                            "page_cache": "every file is read once before timing",
                            "memory": ("peak PSS of the process tree; compared only on equal "
                                       "work (whole epochs); split anon/file/shmem at the peak"),
+                           "ceiling": (f"{CEILING}: num_workers forked processes, one torch "
+                                       "thread each, fetch and collate their share of the "
+                                       "epoch's batches (vectorised gather for array datasets, "
+                                       "as gpufeed's workers) and drop them; samples over the "
+                                       "time from one start signal to the last one done"
+                                       if s.ceiling else None),
                            "workloads": []}
     for name in workloads:
         try:
@@ -393,12 +494,12 @@ def run_cpu(workloads: Sequence[str], *, settings: Settings | None = None,
             doc["workloads"].append({"name": name, "skipped": str(exc)})
             continue
         with _PeerTeardownErrors() as teardown:
-            rows = _run_workload(work, usable, s, say)
+            rows, ceiling = _run_workload(work, usable, s, say)
         doc["workloads"].append({
             "name": name, "description": work.description, "batch_size": work.batch_size,
             "samples": work.samples, "full_epoch": work.full_epoch, "meta": work.meta,
-            "peer_teardown_errors": teardown.count, "results": rows,
-            "summary": summarize(name, rows)})
+            "peer_teardown_errors": teardown.count, "results": rows, "ceiling": ceiling,
+            "summary": summarize(name, rows, ceiling)})
         del work
     doc["environment"]["loadavg_end"] = list(os.getloadavg())
     return doc
