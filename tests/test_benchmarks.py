@@ -18,12 +18,12 @@ import torch
 from gpufeed._measure import (
     batch_samples_and_bytes,
     measure_loader,
-    measure_no_loader,
     process_tree_memory,
     process_tree_pss,
 )
 from gpufeed.benchmarks import Settings, Workload, build
 from gpufeed.benchmarks.__main__ import main, render_markdown
+from gpufeed.benchmarks.ceiling import measure_no_loader
 from gpufeed.benchmarks.cpu import CEILING, _run_workload, summarize
 from gpufeed.benchmarks.workloads import Variant
 

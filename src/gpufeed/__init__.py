@@ -30,9 +30,9 @@
       _resume.py       Progress: state_dict / load_state_dict, epochs, resuming samplers
       _state.py        the state_dict format, its checks, dataset states
       _delivery.py     counting delivered batches; iterable datasets' worker turns
-      _measure.py      measure_loader, the no-loader ceiling, PSS of the process tree
+      _measure.py      measure_loader, PSS of the process tree
       _cli.py          gpufeed bench | tune | profile | doctor
-      benchmarks/      python -m gpufeed.benchmarks [cpu|gpu]
+      benchmarks/      python -m gpufeed.benchmarks [cpu|gpu]; the no-loader ceiling
 """
 
 from torch.utils.data import get_worker_info

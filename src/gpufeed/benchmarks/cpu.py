@@ -55,7 +55,8 @@ import psutil
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, default_collate
 
-from .._measure import measure_loader, measure_no_loader
+from .._measure import measure_loader
+from .ceiling import measure_no_loader
 from .workloads import Variant, Workload, WorkloadUnavailable, build
 
 __all__ = ["CEILING", "LOADERS", "PSS_TOLERANCE", "TARGETS", "Settings", "environment", "run_cpu"]
