@@ -290,7 +290,9 @@ def test_worker_dying_inside_getitem_is_reported(how, needle):
         del info
     assert elapsed() < 5, f"the death was noticed after {elapsed():.1f} s"
     assert needle in msg and re.search(r"worker \d", msg), msg
-    assert re.search(r"batch \d+", msg), f"no batch named: {msg}"
+    held = re.search(r"held batch(?:es)? ([\d, ]+)", msg)
+    assert held, f"no batch named: {msg}"
+    assert "2" in held.group(1).replace(" ", "").split(","), f"sample 9 is in batch 2: {msg}"
 
 
 def test_worker_killed_from_outside_is_reported_with_its_pid():
@@ -307,7 +309,7 @@ def test_worker_killed_from_outside_is_reported_with_its_pid():
         del info, it
     assert elapsed() < 5
     assert f"pid {victim}" in msg and "SIGKILL" in msg, msg
-    assert re.search(r"batch \d+", msg), f"no batch named: {msg}"
+    assert re.search(r"batch(?:es)? \d+", msg), f"no batch named: {msg}"
 
 
 @pytest.mark.parametrize("worker_type,seconds", [("process", 30.0), ("thread", 1.6)])

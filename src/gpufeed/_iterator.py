@@ -290,7 +290,13 @@ class WorkerIter(BaseIter):
                     continue  # it had nothing left to do
                 desc = self._pool.exit_description(w)
                 self.close()
-                detail = f" while it held batch {min(held)}" if held else ""
+                # It works through its batches in order, but a result it already sent can be
+                # lost with it (a fallback batch's memory is handed over by the dead process),
+                # so the culprit is one of these, not necessarily the first.
+                held.sort()
+                named = ", ".join(map(str, held[:6])) + (", ..." if len(held) > 6 else "")
+                plural = "es" if len(held) > 1 else ""
+                detail = f" while it held batch{plural} {named}" if held else ""
                 raise WorkerError(
                     f"{desc}{detail}. No batch was lost silently: the epoch stops here. "
                     "Rerun with num_workers=0 to see the error in the main process."
