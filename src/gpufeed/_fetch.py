@@ -16,6 +16,8 @@ from ._collate import SlotWriter, collate_into
 from ._datasets import gather, gather_arrays
 from ._seeding import seeded
 
+_AT_SAMPLE = "while fetching a sample"  # MapFetcher.describe() adds which one
+
 
 class MapFetcher:
     """Batches of a map-style dataset from lists of indices.
@@ -39,7 +41,8 @@ class MapFetcher:
         self.collate_fn = None if collate_fn is default_collate else collate_fn
         self.arrays = gather_arrays(dataset) if self.collate_fn is None else None
         self.getitems = getattr(dataset, "__getitems__", None)
-        self.where = ""
+        self.where = ""  # what it is doing, for error messages (see describe)
+        self.index: Any = None  # the sample being fetched, when where is _AT_SAMPLE
         self.plan: Any = None  # an _plan.IndexPlan, when the main process sent one
         self.collate_s = 0.0
 
@@ -74,9 +77,11 @@ class MapFetcher:
             samples = self.getitems(indices)
         else:
             samples = []
+            append, dataset = samples.append, self.dataset
+            self.where = _AT_SAMPLE  # formatted only on error: this loop is per sample
             for i in indices:
-                self.where = f"while fetching sample index {i!r}"
-                samples.append(self.dataset[i])
+                self.index = i
+                append(dataset[i])
         self.where = "in collate_fn"
         t0 = time.perf_counter()
         out = collate_into(samples, writer) if self.collate_fn is None else self.collate_fn(samples)
@@ -91,13 +96,16 @@ class MapFetcher:
                 reseed.batch(indices)
                 return list(self.getitems(indices))
             samples = []
+            self.where = _AT_SAMPLE
             for i in indices:
-                self.where = f"while fetching sample index {i!r}"
+                self.index = i
                 reseed(i)
                 samples.append(self.dataset[i])
             return samples
 
     def describe(self, indices: Any) -> str:
+        if self.where is _AT_SAMPLE:
+            return f"while fetching sample index {self.index!r}"
         if self.where in ("while gathering a batch", "in __getitems__"):
             return f"{self.where} (indices {_short(indices)})"
         return self.where
