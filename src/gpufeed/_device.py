@@ -91,7 +91,8 @@ def to_device(
             device memory (after ``transform``) and one held host batch; 2 hides a copy
             as long as a step; raise it only for bursty sources. It also bounds how many
             steps the CPU may run ahead of the GPU (NOTE rule 8): device memory used is at
-            most 2 * depth + 1 batches.
+            most 2 * depth + 1 batches, + 1 while a ``for`` loop still holds the previous
+            batch as ``next()`` runs.
         transform: callable ``batch -> batch`` run on the device, on the side stream, right
             after the copy (e.g. ``gpufeed.Normalize``): ship uint8, compute in float there.
             Its outputs must be tensors in the batch's containers (they get

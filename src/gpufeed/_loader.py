@@ -50,7 +50,7 @@ class DataLoader(_TorchDataLoader):
         device_transform: a callable applied to each batch on the device, after the copy
             (e.g. ``gpufeed.Normalize``). Needs ``device``.
         device_depth: batches copied ahead of the one in use; the stage's GPU memory is at
-            most ``2 * device_depth + 1`` batches (see ``gpufeed.to_device``).
+            most ``2 * device_depth + 2`` batches in a ``for`` loop (see ``gpufeed.to_device``).
         seed: base seed (an int >= 0) of the shuffle and of the random state each
             ``__getitem__`` sees (from ``(seed, epoch, index)``: the same bytes for any
             ``num_workers`` or ``worker_type``, and after a resume). Costs ~10-20 us per sample

@@ -44,7 +44,10 @@ NOTE [ Device stage: streams, events and slots ]
     has queued so far); before a batch is issued, at most `depth` of them may be unfinished,
     else we wait for the oldest (consumer_waits). Device memory this stage uses is thus at
     most 2 * depth + 1 batches: depth issued ahead, the one in use, and depth that C has not
-    finished with (plus any the user keeps).
+    finished with (plus any the user keeps). A plain ``for`` loop keeps one: its variable
+    holds batch i-1 while next() issues i+depth, and its free is queued on C after the
+    marks recorded so far, so such a loop may use 2 * depth + 2 (tests/test_device_sim.py
+    measures both).
 (9) Device-resident leaves (a source that yields tensors already on the device) are not
     copied: S waits for C before the transform may read them (they may be produced there),
     and they get ``record_stream(S)``, so freeing them cannot recycle memory S still reads.
