@@ -672,3 +672,14 @@ def test_shuffle_on_iterable_rejected_like_stock():
     with pytest.raises(ValueError) as ours:
         gpufeed.DataLoader(RangeIterable(4), shuffle=True)
     assert str(ours.value) == str(stock.value)
+
+
+def test_process_workers_without_poll_are_refused_clearly(monkeypatch):
+    """Windows has no select.poll: the error names the platform and the way out."""
+    monkeypatch.delattr("select.poll")
+    with pytest.raises(ValueError) as info:
+        gpufeed.DataLoader(RichDataset(4), batch_size=2, num_workers=2)
+    assert "worker_type='thread'" in str(info.value)
+    loader = gpufeed.DataLoader(RichDataset(4), batch_size=2, num_workers=2, worker_type="thread")
+    assert len(list(loader)) == 2
+    assert len(list(gpufeed.DataLoader(RichDataset(4), batch_size=2))) == 2

@@ -307,3 +307,21 @@ def test_a_ring_that_cannot_be_mapped_names_ring_bytes(shared):
         SlotRing(reserve=1 << 47, budget=1 << 47, shared=shared, pin=False, slots_hint=2)
     msg = str(info.value)
     assert f"ring_bytes= (it is {1 << 47})" in msg and "ring_bytes=0" in msg, msg
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_platforms_without_memfd_share_an_unlinked_file(monkeypatch, context):
+    """macOS and the BSDs have no memfd: the ring is an unlinked temporary file instead, with
+    the same batches, recycling and cleanup (fork inherits the mapping, spawn gets the fd)."""
+    monkeypatch.delattr("os.memfd_create")
+    expected = list(tud.DataLoader(BlockDataset(48), batch_size=4))
+    with no_leaks(settle_s=0.5):
+        loader = gpufeed.DataLoader(BlockDataset(48), batch_size=4, num_workers=2,
+                                    multiprocessing_context=context)
+        it = iter(loader)
+        got = [_clone(b) for b in it]
+        info = it.ring_info()
+        del it, loader
+        gc.collect()
+    assert info["grows"] > 0, f"the ring was never used: {info}"
+    assert_same_batches(expected, got)

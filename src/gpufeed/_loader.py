@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import select
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -99,6 +101,13 @@ class DataLoader(_TorchDataLoader):
         if worker_type not in WORKER_TYPES:
             raise ValueError(
                 f"worker_type={worker_type!r} is not supported; use 'process' or 'thread'"
+            )
+        workers = isinstance(num_workers, int) and num_workers > 0
+        if worker_type == "process" and workers and not hasattr(select, "poll"):  # Windows
+            raise ValueError(
+                f"worker_type='process' needs select.poll, which {sys.platform} lacks (gpufeed's "
+                "process workers run on Linux and macOS); use worker_type='thread', or "
+                "torch.utils.data.DataLoader on this platform"
             )
         if worker_type == "thread" and multiprocessing_context is not None:
             raise ValueError(

@@ -87,6 +87,23 @@ def reserve_for(budget: int | None) -> int:
     return min(budget, max(psutil.virtual_memory().total // PAGE * PAGE, PAGE))
 
 
+def _anonymous_file(size: int) -> int:
+    """A descriptor of a nameless file for the shared region (the caller sizes and maps it).
+
+    Linux: a memory file (``memfd``). Elsewhere (macOS, the BSDs): an unlinked temporary file,
+    in /dev/shm when there is one; it leaves nothing behind either, but its pages may be
+    written back to disk under memory pressure.
+    """
+    create = getattr(os, "memfd_create", None)
+    if create is not None:
+        return int(create("gpufeed-ring", getattr(os, "MFD_CLOEXEC", 0)))
+    import tempfile
+
+    ram = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryFile(prefix="gpufeed-ring-", dir=ram) as f:  # unlinked already
+        return os.dup(f.fileno())  # not inheritable (PEP 446), like MFD_CLOEXEC
+
+
 def _close_fd(fd: int) -> None:
     try:
         os.close(fd)
@@ -97,7 +114,8 @@ def _close_fd(fd: int) -> None:
 class Region:
     """A sparse block of memory; shared (memfd) for process workers, private for threads.
 
-    Shared regions live in an anonymous memory file, not in /dev/shm: nothing to unlink,
+    Shared regions live in an anonymous memory file (``_anonymous_file``: a memfd on Linux, an
+    unlinked temporary file elsewhere), not in /dev/shm: nothing to unlink,
     nothing left behind if a process is killed, and no /dev/shm size limit to hit. Pickling
     one (for spawned workers) passes its descriptor; fork inherits the mapping. Private
     regions are private anonymous memory, so ``discard`` really frees their pages (a shared
@@ -118,7 +136,7 @@ class Region:
         self.shared = shared
         self._fd_fin: weakref.finalize[Any, Any] | None = None
         if shared:
-            self.fd = os.memfd_create("gpufeed-ring", os.MFD_CLOEXEC)
+            self.fd = _anonymous_file(size)
             self._fd_fin = weakref.finalize(self, _close_fd, self.fd)
             try:
                 os.ftruncate(self.fd, size)
@@ -133,7 +151,9 @@ class Region:
 
     def discard(self, offset: int, size: int) -> None:
         """Give the pages of a retired slot back to the system (contents are lost)."""
-        advice = mmap.MADV_REMOVE if self.shared else mmap.MADV_DONTNEED
+        advice = getattr(mmap, "MADV_REMOVE" if self.shared else "MADV_DONTNEED", None)
+        if advice is None:
+            return  # this platform cannot punch holes: the pages stay until the ring closes
         try:
             self.mm.madvise(advice, offset, size)
         except (OSError, ValueError):
