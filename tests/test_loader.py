@@ -328,20 +328,14 @@ def test_variable_size_samples_with_padding_collate(workers):
 # -- worker random state and worker info ----------------------------------------------------
 
 
-def test_worker_random_state_matches_stock():
-    """torch/numpy/random draws in __getitem__ equal the stock loader's (process workers)."""
-    expected = collect(tud.DataLoader, RandomDataset(12), batch_size=3, shuffle=True,
+@pytest.mark.parametrize("n,batch_size", [(12, 3), (200, 5)], ids=["short", "long"])
+def test_worker_random_state_matches_stock(n, batch_size):
+    """torch/numpy/random draws in __getitem__ equal the stock loader's (process workers);
+    the long epoch has cheap batches sent several per message: still batch k on worker
+    k % num_workers."""
+    expected = collect(tud.DataLoader, RandomDataset(n), batch_size=batch_size, shuffle=True,
                        num_workers=2)
-    got = collect(gpufeed.DataLoader, RandomDataset(12), batch_size=3, shuffle=True,
-                  num_workers=2)
-    assert_same_batches(expected[0], got[0])
-
-
-def test_worker_random_state_matches_stock_long_epoch():
-    """Cheap batches are sent several per message: still batch k on worker k % num_workers."""
-    expected = collect(tud.DataLoader, RandomDataset(200), batch_size=5, shuffle=True,
-                       num_workers=2)
-    got = collect(gpufeed.DataLoader, RandomDataset(200), batch_size=5, shuffle=True,
+    got = collect(gpufeed.DataLoader, RandomDataset(n), batch_size=batch_size, shuffle=True,
                   num_workers=2)
     assert_same_batches(expected[0], got[0])
 

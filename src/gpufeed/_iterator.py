@@ -65,6 +65,8 @@ class WorkerIter(BaseIter):
             self._chunk = 1
             self._seen_grows = self._seen_fallbacks = 0
             self._batch_s = 0.0  # moving average of worker seconds per batch
+            # Chunking only when prefetch_factor was left unset and without timeout= (_adapt).
+            self._adaptive = self._timeout <= 0 and not loader._prefetch_explicit
             shared = loader.worker_type == "process"
             budget = loader.ring_bytes
             self._ring = SlotRing(
@@ -203,7 +205,7 @@ class WorkerIter(BaseIter):
         torch), and not with ``timeout=``: a worker answers once per message, and the timeout
         is per batch.
         """
-        if self._timeout > 0 or self._loader._prefetch_explicit:
+        if not self._adaptive:
             return
         self._batch_s = batch_s if not self._batch_s else 0.8 * self._batch_s + 0.2 * batch_s
         chunk = min(int(CHUNK_TARGET_S / max(self._batch_s, 1e-6)), CHUNK_MAX)
