@@ -14,7 +14,7 @@ from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, Seque
 import gpufeed
 from gpufeed import _resume
 from gpufeed._delivery import Delivered, DeliveryTracker, ResumePoint, WorkerStates, numbered
-from gpufeed._resume import GLOBAL_RNG, Progress, prepare_resume, sampler_state_of
+from gpufeed._resume import Progress, prepare_resume, sampler_state_of
 from gpufeed._sampler import SeededRandomSampler, ShardedSampler
 from gpufeed._state import capture_state, check_state, make_state, require_resumable
 from resume_checker import Case, RandomTransformDataset, ShardedStream, check_many, leaves
@@ -44,12 +44,27 @@ def test_state_round_trips_through_torch_save_weights_only():
 @pytest.mark.parametrize(("key", "value", "message"), [
     ("dataset_len", 11, "saved with dataset_len=10 but this loader has dataset_len=11"),
     ("world_size", 4, "saved with world_size=2 but this loader has world_size=4"),
-    ("rank", 0, "saved with rank=1 but this loader has rank=0; load the state file this rank"),
     ("batch_size", 8, "saved with batch_size=4 but this loader has batch_size=8"),
 ])
 def test_check_state_names_both_values(key, value, message):
     with pytest.raises(ValueError, match=message):
         check_state(_state(), **{**CURRENT, key: value})
+
+
+@pytest.mark.parametrize(("changes", "reason"), [
+    (dict(dataset_state={"num_workers": 2, "workers": [None, None]}),
+     "iterable dataset's per-worker stream positions"),
+    (dict(delivered_ahead=[5]), r"out of order \(in_order=False\)"),
+    (dict(sampler_state={"epoch_seed": 3}), "shuffle seed this rank drew"),
+    (dict(sampler_state={"generator_state": [1, 2]}), "sampler's own state"),
+])
+def test_another_ranks_state_loads_only_when_it_does_not_depend_on_the_rank(changes, reason):
+    """Frameworks save rank 0's loader state only and every rank loads it."""
+    assert check_state(_state(), **{**CURRENT, "rank": 0})["rank"] == 1  # map-style, seeded
+    assert check_state(_state(sampler_state={"unrewindable": "x"}), **{**CURRENT, "rank": 0})
+    with pytest.raises(ValueError, match=f"this loader is rank 0 but the state was saved by "
+                                         f"rank 1, and it .*{reason}"):
+        check_state(_state(**changes), **{**CURRENT, "rank": 0})
 
 
 def test_check_state_num_workers_binds_only_iterable_datasets():
@@ -160,7 +175,7 @@ def test_prepare_resume_user_sampler_skips_in_the_plan():
     assert list(numbered(batches, point)) == [(2, [8, 9])]
     assert sampler_state_of(SeededRandomSampler(range(3), seed=0)) is None
     assert sampler_state_of(SequentialSampler(range(3))) is None
-    assert sampler_state_of(RandomSampler(range(3))) is GLOBAL_RNG
+    assert sampler_state_of(RandomSampler(range(3))) is None  # its seed is recorded when drawn
 
 
 def test_stock_random_sampler_with_a_generator_resumes():

@@ -158,6 +158,29 @@ class DataLoader(_TorchDataLoader):
         self._recorder = StatsRecorder()
         self._progress = Progress()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle / ``copy.deepcopy`` the loader's configuration, as torch's DataLoader does.
+
+        The copy iterates to the batches the original would give from its next ``iter()``
+        (same sampler and generator states, epoch, seed, loaded state, stats so far); an epoch
+        in progress is not carried (as in torch, whose copy starts a new iterator). Like torch,
+        a loader whose persistent workers are running cannot be copied.
+        """
+        state = dict(self.__dict__)
+        iterator = state.get("_iterator")
+        if iterator is not None:
+            if not getattr(iterator, "_closed", False):
+                raise NotImplementedError(
+                    f"{type(self).__name__} with persistent_workers=True cannot be pickled or "
+                    "copied once it has started iterating (its workers are running), as with "
+                    "torch's DataLoader; copy it before the first iter(), or build a new one"
+                )
+            state["_iterator"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)  # bypasses DataLoader.__setattr__'s "already initialized"
+
     def state_dict(self) -> dict[str, Any]:
         """The position of the batches delivered so far, the epoch and the seed, as plain
         Python values (``torch.save``-able, ``torch.load(weights_only=True)``-able)."""
