@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import select
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -129,7 +130,10 @@ class DataLoader(_TorchDataLoader):
             raise ValueError("device_transform needs device=, e.g. device='cuda'")
         if deterministic is not None and not isinstance(deterministic, bool):
             raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
-        self.rank, self.world_size, distributed = resolve_world(rank, world_size)
+        # Private, read through properties: frameworks that rebuild a loader from its public
+        # attributes (Lightning's distributed sampler injection) must not pin the rank and
+        # world size resolved before torch.distributed was initialised.
+        self._rank, self._world_size, distributed = resolve_world(rank, world_size)
         self.deterministic = seed is not None if deterministic is None else deterministic
         self.seed = (
             resolve_seed(seed, generator, distributed=distributed)
@@ -157,6 +161,42 @@ class DataLoader(_TorchDataLoader):
         self.device_depth = device_depth
         self._recorder = StatsRecorder()
         self._progress = Progress()
+        self._prepared = False  # see _is_accelerate_prepared
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the loaders that share the dataset (0 without sharding)."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks share the dataset (1 without sharding)."""
+        return self._world_size
+
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        """Read by ``accelerate.Accelerator.prepare_data_loader`` before it rebuilds a loader.
+
+        Accelerate (1.x) rebuilds every ``torch.utils.data.DataLoader`` it prepares as a stock
+        one, from the batch sampler and the stock arguments, and offers no hook to build
+        another class. gpufeed's ring, thread workers, device stage, seed, stats and state
+        would be gone silently, so this warns at ``prepare`` time with the pattern that keeps
+        gpufeed (tested in ``tests/test_frameworks.py``).
+        """
+        if not self._prepared:
+            warnings.warn(
+                "accelerator.prepare(loader) rebuilds a gpufeed.DataLoader as a stock "
+                "torch.utils.data.DataLoader: gpufeed's ring, thread workers, device stage, "
+                "seed, stats and state_dict are dropped. To keep them, build the gpufeed loader "
+                "after Accelerator() (it then shards by rank itself) with "
+                "device=accelerator.device, and do not pass it to prepare()",
+                stacklevel=3,
+            )
+        return self._prepared
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        self._prepared = bool(value)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle / ``copy.deepcopy`` the loader's configuration, as torch's DataLoader does.
