@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -599,3 +600,57 @@ def test_load_state_dict_reseeds_persistent_workers(worker_type):
     list(loader)  # its workers run with seed 8
     loader.load_state_dict(state)
     assert [leaves(b) for b in loader] == want
+
+
+@integrated
+@pytest.mark.parametrize("kind", [dict(), dict(num_workers=2, worker_type="thread"),
+                                  dict(num_workers=2, in_order=False),
+                                  dict(batch_size=None)],
+                         ids=["single", "threads", "processes-any-order", "unbatched"])
+def test_stock_shuffle_without_seed_resumes_exactly(kind, tmp_path):
+    """shuffle=True without seed= (torch's RandomSampler on the global generator): the order
+    (compared by sample index) is stock's, and the seed the epoch drew is saved, so a resume in a fresh global-RNG state
+    delivers exactly the rest of the epoch (NOTE [ Rewinding samplers ])."""
+    kind = {"batch_size": 3, **kind}
+    dataset = RandomTransformDataset(14)
+    torch.manual_seed(21)
+    stock = [b[0].flatten().tolist() for b in torch.utils.data.DataLoader(
+        dataset, shuffle=True, **{k: v for k, v in kind.items() if k != "worker_type"})]
+    torch.manual_seed(21)
+    loader = gpufeed.DataLoader(dataset, shuffle=True, **kind)
+    it = iter(loader)
+    head = [next(it)[0].flatten().tolist() for _ in range(2)]
+    state = loader.state_dict()
+    assert set(state["sampler_state"]) == {"epoch_seed"}
+    torch.save(state, tmp_path / "s.pt")
+    rest_of_run = [b[0].flatten().tolist() for b in it]
+    del it
+    torch.manual_seed(99)  # another run: its global generator is elsewhere
+    fresh = gpufeed.DataLoader(dataset, shuffle=True, **kind)
+    fresh.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    rest = [b[0].flatten().tolist() for b in fresh]
+    if kind.get("in_order", True):
+        assert head + rest_of_run == stock and rest == rest_of_run
+    else:
+        assert sorted(head + rest) == sorted(stock)
+
+
+@integrated
+def test_unrewindable_sampler_state_warns_once_and_restarts_the_epoch():
+    order = [5, 3, 0, 4, 1, 2]
+    sampler = iter(order)  # a one-shot iterable: nothing can replay it
+    loader = gpufeed.DataLoader(RandomTransformDataset(6), batch_size=2, sampler=sampler)
+    it = iter(loader)
+    next(it)
+    with pytest.warns(UserWarning, match="cannot be resumed exactly: its sampler list_iterator"):
+        state = loader.state_dict()
+    assert state["sampler_state"]["unrewindable"].startswith("its sampler list_iterator")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader.state_dict()  # once per loader
+    fresh = gpufeed.DataLoader(RandomTransformDataset(6), batch_size=2, sampler=order)
+    with pytest.warns(UserWarning, match="cannot resume epoch 0 at batch 1: .* The epoch "
+                                         "restarts from its first batch, so the 1 batches"):
+        fresh.load_state_dict(state)
+    assert [b[0].flatten().tolist() for b in fresh] == [[5, 3], [0, 4], [1, 2]]
+    del it
