@@ -180,6 +180,29 @@ def test_accelerate_prepare_warns_and_the_documented_pattern_keeps_gpufeed():
     assert loader.stats().counters["batches"] == 6 and loader.state_dict()["epoch"] == 1
 
 
+def test_accelerate_checkpoints_a_registered_loader_mid_epoch(tmp_path):
+    """With the pattern above, ``register_for_checkpointing`` puts the loader's position in
+    ``save_state``; ``load_state`` resumes it (stock users' loader: no seed=)."""
+    accelerate = pytest.importorskip("accelerate")
+
+    def make(accelerator):
+        loader = gpufeed.DataLoader(Pairs(N), batch_size=BATCH, shuffle=True, num_workers=1,
+                                    worker_type="thread", device=accelerator.device)
+        accelerator.register_for_checkpointing(loader)
+        return loader
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    it = iter(make(accelerator))
+    next(it), next(it)
+    accelerator.save_state(tmp_path / "state")
+    rest_of_run = [b[0].flatten().tolist() for b in it]
+    del it
+    again = accelerate.Accelerator(cpu=True)
+    fresh = make(again)
+    again.load_state(tmp_path / "state")
+    assert [b[0].flatten().tolist() for b in fresh] == rest_of_run and len(rest_of_run) == 4
+
+
 # -- Hugging Face datasets -------------------------------------------------------------------
 
 

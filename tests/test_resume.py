@@ -609,8 +609,9 @@ def test_load_state_dict_reseeds_persistent_workers(worker_type):
                          ids=["single", "threads", "processes-any-order", "unbatched"])
 def test_stock_shuffle_without_seed_resumes_exactly(kind, tmp_path):
     """shuffle=True without seed= (torch's RandomSampler on the global generator): the order
-    (compared by sample index) is stock's, and the seed the epoch drew is saved, so a resume in a fresh global-RNG state
-    delivers exactly the rest of the epoch (NOTE [ Rewinding samplers ])."""
+    (compared by sample index) is stock's, and the seed the epoch drew is saved, so a resume
+    in another global-RNG state delivers exactly the rest of the epoch (NOTE [ Rewinding
+    samplers ])."""
     kind = {"batch_size": 3, **kind}
     dataset = RandomTransformDataset(14)
     torch.manual_seed(21)
