@@ -21,6 +21,7 @@ import torch.utils.data as tud
 import gpufeed
 from support_frameworks import (
     Pairs,
+    PairStream,
     PythonRandomSampler,
     lightning_module,
     quiet_fit,
@@ -94,6 +95,27 @@ def test_lightning_with_an_unrewindable_sampler_warns_and_restarts_the_epoch(tmp
                                           weights_only=False)["loops"]["fit_loop"][
                                               "state_dict"]["combined_loader"][0])
     assert sorted(_flat(b[0].int().flatten().tolist() for b in loader)) == list(range(N))
+
+
+def test_lightning_resumes_a_sized_iterable_dataset_exactly(tmp_path):
+    """With ``__len__``, Lightning fetches no batch ahead, so the checkpointed position is the
+    last trained batch (without it Lightning's fetcher holds one batch, which a resume skips:
+    documented in the README)."""
+    pytest.importorskip("lightning")
+
+    class SizedStream(PairStream):
+        def __len__(self):
+            return N
+
+    def make():
+        return gpufeed.DataLoader(SizedStream(N), batch_size=BATCH)
+
+    reference = lightning_module()
+    quiet_fit(trainer(tmp_path, epochs=1, every=2), reference, train_dataloaders=make())
+    resumed = lightning_module()
+    quiet_fit(trainer(tmp_path / "again", epochs=1), resumed, train_dataloaders=make(),
+              ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    assert resumed.seen == reference.seen[2:] and len(reference.seen) == 6
 
 
 def test_loader_rebuilt_by_lightning_keeps_gpufeed_and_takes_the_sampler():
