@@ -66,7 +66,10 @@ class DataLoader(_TorchDataLoader):
 
     ``state_dict()`` / ``load_state_dict()`` save and restore the position of the batches
     delivered to you (not those prefetched), the epoch and the seed: a resumed loader yields
-    exactly the batches an uninterrupted one would have, whatever its ``num_workers``.
+    exactly the batches an uninterrupted one would have, whatever its ``num_workers``. Without
+    ``seed=``, a stock shuffle's epoch seed is saved; a sampler that cannot be rewound gives a
+    state that says so (NOTE [ Rewinding samplers ] in ``_rewind.py``). Loaders pickle and
+    ``copy.deepcopy`` like torch's (not while persistent workers run).
     """
 
     def __init__(

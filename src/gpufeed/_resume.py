@@ -5,10 +5,11 @@ The pieces (each module's docstring has the details):
 - ``_state.py``: the ``state_dict()`` format, its checks, and what an iterable dataset provides;
 - ``_delivery.py``: where an epoch starts and which batches reached the user
   (NOTE [ Delivery tracking ], NOTE [ Iterable resume ]);
+- ``_rewind.py``: what replays each kind of sampler's epoch (NOTE [ Rewinding samplers ]);
 - this module: :class:`Progress` (the loader's ``state_dict``/``load_state_dict``/``set_epoch``
   and each epoch's start delegate to it) and :func:`prepare_resume` (seek or replay the sampler).
 
-The names of the other two are re-exported here.
+The names of ``_state.py`` and ``_delivery.py`` are re-exported here.
 """
 
 from __future__ import annotations
