@@ -605,8 +605,10 @@ def test_load_state_dict_reseeds_persistent_workers(worker_type):
 @integrated
 @pytest.mark.parametrize("kind", [dict(), dict(num_workers=2, worker_type="thread"),
                                   dict(num_workers=2, in_order=False),
+                                  dict(num_workers=1, persistent_workers=True),
                                   dict(batch_size=None)],
-                         ids=["single", "threads", "processes-any-order", "unbatched"])
+                         ids=["single", "threads", "processes-any-order", "persistent",
+                              "unbatched"])
 def test_stock_shuffle_without_seed_resumes_exactly(kind, tmp_path):
     """shuffle=True without seed= (torch's RandomSampler on the global generator): the order
     (compared by sample index) is stock's, and the seed the epoch drew is saved, so a resume
@@ -654,4 +656,24 @@ def test_unrewindable_sampler_state_warns_once_and_restarts_the_epoch():
                                          "restarts from its first batch, so the 1 batches"):
         fresh.load_state_dict(state)
     assert [b[0].flatten().tolist() for b in fresh] == [[5, 3], [0, 4], [1, 2]]
+    del it
+
+
+@integrated
+def test_stock_shuffle_without_seed_resumes_in_a_later_epoch_of_persistent_workers():
+    def make():
+        return gpufeed.DataLoader(RandomTransformDataset(10), batch_size=3, shuffle=True,
+                                  num_workers=1, persistent_workers=True)
+
+    loader = make()
+    list(loader)  # epoch 0
+    it = iter(loader)  # epoch 1 on the same workers (the iterator's _reset)
+    head = next(it)[0].flatten().tolist()
+    state = loader.state_dict()
+    rest_of_run = [b[0].flatten().tolist() for b in it]
+    fresh = make()
+    fresh.load_state_dict(state)
+    rest = [b[0].flatten().tolist() for b in fresh]
+    assert state["epoch"] == 1 and rest == rest_of_run
+    assert sorted(head + [i for b in rest for i in b]) == list(range(10))
     del it
