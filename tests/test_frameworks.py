@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -138,11 +139,18 @@ def _torchrun(mode: str, out: Path, timeout: float = 150) -> subprocess.Complete
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(HERE.parent / "src"), str(HERE), os.environ.get("PYTHONPATH", "")])}
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "--monitor-interval=0.5", str(HERE / "support_lightning_ddp.py"), mode, str(out)],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=out,
-    )
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            "--monitor-interval=0.5", str(HERE / "support_lightning_ddp.py"), mode, str(out)]
+    # its own session, so that a timeout ends torchrun's workers too, not only torchrun
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, cwd=out, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"torchrun {mode} did not finish in {timeout} s:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
 
 
 @pytest.mark.slow
