@@ -652,8 +652,9 @@ def test_unrewindable_sampler_state_warns_once_and_restarts_the_epoch():
         warnings.simplefilter("error")
         loader.state_dict()  # once per loader
     fresh = gpufeed.DataLoader(RandomTransformDataset(6), batch_size=2, sampler=order)
-    with pytest.warns(UserWarning, match="cannot resume epoch 0 at batch 1: .* The epoch "
-                                         "restarts from its first batch, so the 1 batches"):
+    with pytest.warns(UserWarning, match=r"cannot resume epoch 0 at batch 1: .* The epoch "
+                                         r"restarts from its first batch, so the batches "
+                                         r"already delivered \(1\) come again"):
         fresh.load_state_dict(state)
     assert [b[0].flatten().tolist() for b in fresh] == [[5, 3], [0, 4], [1, 2]]
     del it

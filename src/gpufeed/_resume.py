@@ -90,8 +90,8 @@ def prepare_resume(
         if done or ahead:
             warnings.warn(
                 f"cannot resume epoch {epoch} at batch {done}: {sampler_state[UNREWINDABLE]}. "
-                f"The epoch restarts from its first batch, so the {done + len(ahead)} batches "
-                "already delivered come again",
+                "The epoch restarts from its first batch, so the batches already delivered "
+                f"({done + len(ahead)}) come again",
                 stacklevel=4,
             )
             done, ahead = 0, []
