@@ -8,4 +8,7 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[dev]"
+# dev: lint/type/test tools; test: Lightning, Accelerate and HF datasets, which the suite
+# runs gpufeed under. The installed torch is pinned so that none of them can move it.
+TORCH=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")
+"$PY" -m pip install -q -e ".[dev,test]" "torch==$TORCH"
