@@ -15,8 +15,7 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from functools import partial
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,80 +103,52 @@ class _Progress:
             self.bar.close()
 
 
+def _progress_on(args: argparse.Namespace) -> bool:
+    """A bar unless --no-progress or --json (the bar itself stays off when stderr is no
+    terminal: tqdm's ``disable=None``)."""
+    return not (args.no_progress or args.json)
+
+
 def _write_json(path: str | None, doc: dict[str, Any]) -> None:
     if path:
         Path(path).write_text(json.dumps(doc, indent=2, default=str) + "\n")
         print(f"wrote {path}")
 
 
-def _bench_configs(dataset: Any, variants: dict[str, tuple[Any, Any]], workers: Sequence[int],
-                   batch_size: int) -> Iterator[tuple[dict[str, Any], Callable[[], Any]]]:
-    """(row, make_loader) per configuration: stock (pin off, and on with CUDA), then gpufeed
-    (process and thread workers, each dataset variant) at every ``num_workers``."""
-    import gpufeed
-    from gpufeed.benchmarks.cpu import one_intra_op_thread
-
-    pins = (False, True) if torch.cuda.is_available() else (False,)
-    for n in workers:
-        common: dict[str, Any] = {"batch_size": batch_size, "num_workers": n}
-        if n:  # one torch thread per worker (see DESIGN: measuring honestly)
-            common["worker_init_fn"] = one_intra_op_thread
-        for pin in pins:
-            row = {"loader": "torch", "variant": "per-sample", "num_workers": n, "pin_memory": pin}
-            yield row, partial(torch.utils.data.DataLoader, dataset, pin_memory=pin, **common)
-        for kind in ("process", "thread") if n else ("process",):
-            for name, (ds, collate) in variants.items():
-                row = {"loader": f"gpufeed-{kind}" if n else "gpufeed", "variant": name,
-                       "num_workers": n, "pin_memory": pins[-1]}
-                yield row, partial(gpufeed.DataLoader, ds, worker_type=kind, collate_fn=collate,
-                                   pin_memory=pins[-1], **common)
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from gpufeed._measure import measure_loader
-    from gpufeed._stats import format_table
+    from gpufeed import _bench
 
+    if args.plot:
+        from gpufeed._tuner import require_matplotlib
+
+        require_matplotlib()  # fail before the runs, not after
     if args.target:
         dataset, batch_size, title = load_dataset(args.target), args.batch_size or 32, args.target
-        variants: dict[str, tuple[Any, Any]] = {"per-sample": (dataset, None)}
+        variants: dict[str, tuple[Any, Any]] = {"yours": (dataset, None)}
     else:
         from gpufeed.benchmarks.workloads import build
 
         work = build("synthetic", quick=args.quick)
         batch_size = args.batch_size or work.batch_size
         title = f"built-in synthetic workload: {work.description}"
-        by_name = {v.name: v for v in work.variants}
-        dataset = by_name["per-sample"].dataset
-        variants = {v.name: (v.dataset, v.collate_fn) for v in work.variants
-                    if v.name != "getitems"}
-    configs = list(_bench_configs(dataset, variants, args.workers, batch_size))
-    bar = _Progress(not args.no_progress, len(configs), "gpufeed bench")
-    rows: list[dict[str, Any]] = []
+        variants = {v.name: (v.dataset, v.collate_fn) for v in work.variants}
+    rows = _bench.configs(variants, args.workers, batch_size, args.worker_type)
+    bar = _Progress(_progress_on(args), len(rows) * args.runs, "gpufeed bench")
     try:
-        for row, make in configs:
-            m = measure_loader(make, max_seconds=args.seconds, warmup_batches=3)
-            rows.append({**row, "samples_per_s": m.samples_per_s,
-                         "peak_pss_bytes": m.peak_pss_bytes, "first_batch_s": m.first_batch_s})
-            bar.step(f"{row['loader']} {row['num_workers']}w: {m.samples_per_s:,.0f}/s")
+        load = _bench.run_bench(rows, seconds=args.seconds, runs=args.runs,
+                                target_spread=args.target_spread, step=bar.step)
     finally:
         bar.close()
-    for r in rows:
-        stock = max(s["samples_per_s"] for s in rows
-                    if s["loader"] == "torch" and s["num_workers"] == r["num_workers"])
-        r["ratio"] = r["samples_per_s"] / stock
-    print(f"gpufeed bench: {title}, batch_size={batch_size}, {args.seconds:g} s per run")
-    print(format_table(["loader", "variant", "workers", "pin", "samples/s", "vs stock",
-                        "peak PSS MiB", "first batch ms"],
-                       [[r["loader"], r["variant"], r["num_workers"], "yes" if r["pin_memory"]
-                         else "no", f"{r['samples_per_s']:,.0f}", f"{r['ratio']:.2f}x",
-                         f"{r['peak_pss_bytes'] / 2**20:,.0f}", f"{r['first_batch_s'] * 1e3:.0f}"]
-                        for r in rows]))
-    if not torch.cuda.is_available():
-        print("pin_memory=True and the device-stage transfer figures need CUDA: not measured")
+    comparisons = _bench.compare(rows)
+    print(_bench.render(f"{title}, batch_size={batch_size}", rows, comparisons, load,
+                        args.seconds))
     from gpufeed.benchmarks.cpu import environment
 
-    doc: dict[str, Any] = {"workload": title, "batch_size": batch_size, "rows": rows,
-                           "seconds_per_run": args.seconds, "environment": environment()}
+    doc: dict[str, Any] = {"workload": title, "batch_size": batch_size,
+                           "rows": [r.to_dict() for r in rows],
+                           "comparisons": [c.to_dict() for c in comparisons],
+                           "machine": load.to_dict(), "seconds_per_run": args.seconds,
+                           "runs": args.runs, "environment": environment()}
     if torch.cuda.is_available():
         from gpufeed.benchmarks import gpu
 
@@ -186,14 +157,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(gpu.render_markdown(doc["gpu"]))
     _write_json(args.json, doc)
     if args.plot:
-        from gpufeed._tuner import require_matplotlib
-
-        plt = require_matplotlib()
-        fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1))
-        labels = [f"{r['loader']} {r['variant']} w{r['num_workers']}" for r in rows]
-        ax.barh(labels, [r["samples_per_s"] for r in rows])
-        ax.set(xlabel="samples/s", title="gpufeed bench")
-        fig.savefig(args.plot, bbox_inches="tight")
+        _bench.plot(rows, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
@@ -299,8 +263,14 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=_positive(int),
                    help="samples per batch (default: 256 built-in, 32 yours)")
     b.add_argument("--workers", type=_csv(int), default=[0, 2], help="num_workers values (0,2)")
-    b.add_argument("--seconds", type=_positive(float), default=1.0,
-                   help="timed seconds per run (1.0)")
+    b.add_argument("--seconds", type=_positive(float), default=0.5,
+                   help="timed seconds per run (0.5)")
+    b.add_argument("--runs", type=_positive(int), default=5,
+                   help="runs per row (5); a row stops after 3 when its spread is small")
+    b.add_argument("--target-spread", type=_positive(float), default=0.05,
+                   help="spread (fastest-slowest)/median that counts as small (0.05)")
+    b.add_argument("--worker-type", choices=("process", "thread"), default="process",
+                   help="gpufeed's worker kind (process)")
     b.add_argument("--quick", action="store_true", help="a smaller synthetic data set")
     b.add_argument("--plot", metavar="FILE", help="bar chart of samples/s (needs matplotlib)")
     b.set_defaults(func=_cmd_bench)
