@@ -95,13 +95,10 @@ def configs(variants: dict[str, tuple[Any, Any]], workers: Sequence[int], batch_
         if n:  # one torch thread per worker (see DESIGN: measuring honestly)
             common["worker_init_fn"] = one_intra_op_thread
         for path, (ds, collate) in variants.items():
-            if collate is not None:
-                common_path = {**common, "collate_fn": collate}
-            else:
-                common_path = common
+            common_path = {**common, "collate_fn": collate} if collate is not None else common
             out.append(BenchConfig("torch", path, n, partial(
                 torch.utils.data.DataLoader, ds, **common_path)))
-            kind = {"worker_type": worker_type} if n else {}
+            kind: dict[str, Any] = {"worker_type": worker_type} if n else {}
             out.append(BenchConfig("gpufeed", path, n, partial(
                 gpufeed.DataLoader, ds, **common_path, **kind)))
     return out

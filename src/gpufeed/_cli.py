@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -162,20 +163,42 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+class _SleepStep:
+    """``--step-ms N``: a training step that takes N ms and leaves the CPUs free, as a step
+    waiting on the GPU does (picklable, like a step of the user's)."""
+
+    def __init__(self, ms: float) -> None:
+        self.seconds = ms / 1e3
+
+    def __call__(self, batch: Any) -> None:
+        time.sleep(self.seconds)
+
+
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from gpufeed._tuner import require_matplotlib, tune
+    from gpufeed._tuner import Budget, require_matplotlib, tune
 
     if args.plot:
         require_matplotlib()  # fail before minutes of trials, not after
     dataset = load_dataset(args.target)
-    bar = _Progress(not args.no_progress, None, "gpufeed tune")
+    collate = load_target(args.collate, what="FUNCTION") if args.collate else None
+    step = (load_target(args.step, what="FUNCTION") if args.step
+            else _SleepStep(args.step_ms) if args.step_ms else None)
+    default = Budget.default()
+    budget = Budget(memory_bytes=args.budget_memory or default.memory_bytes,
+                    shm_bytes=args.budget_shm or default.shm_bytes,
+                    pinned_bytes=args.budget_pinned)
+    bar = _Progress(_progress_on(args), None, "gpufeed tune")
     try:
-        result = tune(dataset, batch_size=args.batch_size, budget=args.budget,
-                      worker_types=args.worker_types, trial_seconds=args.trial_seconds,
-                      time_budget_s=args.time_budget, progress=lambda t: bar.step(
+        result = tune(dataset, batch_size=args.batch_size, budget=budget, collate_fn=collate,
+                      step=step, worker_types=args.worker_types, runs=args.runs,
+                      trial_seconds=args.trial_seconds, time_budget_s=args.time_budget,
+                      progress=lambda t: bar.step(
                           f"{t.num_workers} {t.worker_type or ''}: {t.samples_per_s:,.0f}/s"))
     except ValueError as exc:  # trials catch the dataset's errors: this is a bad option
         raise UsageError(str(exc)) from exc
+    except RuntimeError as exc:  # no trial worked: the message says why and the fix
+        print(f"gpufeed tune: {exc}", file=sys.stderr)
+        return 1
     finally:
         bar.close()
     print(result)
@@ -280,12 +303,27 @@ def _parser() -> argparse.ArgumentParser:
                        "and pin_memory on your dataset; recommends DataLoader keyword arguments.")
     t.add_argument("target", metavar="MODULE:FACTORY", help="a function returning your dataset")
     t.add_argument("--batch-size", type=_positive(int), default=32, help="samples per batch (32)")
-    t.add_argument("--budget", type=_size,
-                   help="memory limit, e.g. 8GiB (default: 80%% of available RAM)")
+    t.add_argument("--collate", metavar="MODULE:FUNCTION",
+                   help="your collate_fn (e.g. padding variable-length samples)")
+    step = t.add_mutually_exclusive_group()
+    step.add_argument("--step", metavar="MODULE:FUNCTION",
+                      help="your training step, called with each batch: tune for the share of "
+                      "the loop spent waiting for data, not raw loader speed")
+    step.add_argument("--step-ms", type=_positive(float), metavar="MS",
+                      help="a training step of MS milliseconds that leaves the CPUs free "
+                      "(a GPU step)")
+    t.add_argument("--budget-memory", "--budget", dest="budget_memory", type=_size,
+                   help="peak PSS limit of the process tree, e.g. 8GiB (default: 80%% of "
+                   "available RAM)")
+    t.add_argument("--budget-shm", type=_size,
+                   help="limit on /dev/shm growth (default: 80%% of its free space)")
+    t.add_argument("--budget-pinned", type=_size, help="pinned host memory limit (CUDA)")
+    t.add_argument("--runs", type=_positive(int), default=5,
+                   help="runs per trial (5); a trial stops after 3 when they agree")
     t.add_argument("--worker-types", type=_csv(str), default=["process", "thread"],
                    help="worker kinds to try (process,thread)")
-    t.add_argument("--trial-seconds", type=_positive(float), default=2.0,
-                   help="timed seconds per trial (2)")
+    t.add_argument("--trial-seconds", type=_positive(float), default=0.5,
+                   help="timed seconds per run of a trial (0.5)")
     t.add_argument("--time-budget", type=_positive(float), default=120.0,
                    help="no trial starts after this many seconds (120)")
     t.add_argument("--plot", metavar="FILE", help="samples/s by num_workers (needs matplotlib)")
