@@ -85,7 +85,8 @@ def test_help_of_every_command(argv, capsys):
 
 @pytest.mark.parametrize("argv", [[], ["fly"], ["tune"], ["tune", "m:f", "--batch-size", "0"],
                                   ["tune", "m:f", "--budget", "lots"],
-                                  ["bench", "--workers", "a,b"]])
+                                  ["bench", "--workers", "a,b"], ["doctor", "--workers", "-1"],
+                                  ["doctor", "--batch-bytes", "big"]])
 def test_usage_errors_exit_2(argv, capsys):
     assert main(argv) == 2
     assert "usage: gpufeed" in capsys.readouterr().err
@@ -228,6 +229,11 @@ def test_doctor_exit_code_and_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert rc == data["exit_code"] in (0, 1)
     assert "gpufeed doctor" in capsys.readouterr().out
+    main(["doctor", "--workers", "0", "--no-pin-memory", "--batch-bytes", "1MiB",
+          "--json", str(out)])
+    names = {f["name"] for f in json.loads(out.read_text())["findings"]}
+    assert "/dev/shm" not in names and "RLIMIT_MEMLOCK" not in names  # do not apply
+    assert "0 workers x prefetch 2" in capsys.readouterr().out
 
 
 def test_plot_without_matplotlib_says_how_to_install(user_module, tmp_path, capsys, monkeypatch):

@@ -232,9 +232,11 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from gpufeed._doctor import diagnose
+    from gpufeed._doctor import Workload, diagnose
 
-    report = diagnose()
+    report = diagnose(workload=Workload(
+        num_workers=args.workers, prefetch_factor=args.prefetch_factor,
+        pin_memory=args.pin_memory, batch_bytes=args.batch_bytes, worker_type=args.worker_type))
     print(report)
     _write_json(args.json, report.to_dict())
     return report.exit_code
@@ -260,6 +262,16 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
         return value
     return parse
+
+
+def _nonnegative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return value
 
 
 def _size(text: str) -> int:
@@ -339,7 +351,18 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", parents=[common], help="check this machine's limits",
                        description="Check /dev/shm, ulimit -n, RLIMIT_MEMLOCK, CPUs, memory and "
-                       "GPUs; exit 1 when something will break a data loader.")
+                       "GPUs against the loader you will run; exit 1 when something will "
+                       "break it.")
+    d.add_argument("--workers", type=_nonnegative, help="num_workers (default: usable CPUs)")
+    d.add_argument("--prefetch-factor", type=_positive(int), default=2,
+                   help="batches in flight per worker (2)")
+    d.add_argument("--worker-type", choices=("process", "thread"), default="process",
+                   help="worker kind (process)")
+    d.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=None,
+                   help="whether batches are pinned (default: where CUDA is available)")
+    d.add_argument("--batch-bytes", type=_size, metavar="SIZE",
+                   help="bytes of one batch, e.g. 48MiB: judge /dev/shm and memory against "
+                   "the batches in flight")
     d.set_defaults(func=_cmd_doctor)
     return p
 
