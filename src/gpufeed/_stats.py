@@ -156,7 +156,16 @@ class LoaderStats:
         bound = self.input_bound
         if bound is not None:
             text.append(f"input-bound: {bound:.0%}")
+        from ._explain import ring_findings  # it reads this module's classes
+
+        text += ring_findings(self)
         return "\n".join(text)
+
+    def explain(self) -> str:
+        """One line per stage, counter and column of this snapshot saying what it means."""
+        from ._explain import explain
+
+        return "\n".join(explain(self))
 
 
 class _Stage:
