@@ -1,3 +1,4 @@
+import io
 import json
 import os
 import subprocess
@@ -251,3 +252,25 @@ def test_python_dash_m_gpufeed(tmp_path):
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode in (0, 1), done.stderr
     assert "gpufeed doctor" in done.stdout and json.loads(out.read_text())["findings"]
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize(("argv", "terminal", "drawn"), [
+    ([], True, True), (["--json", "{out}"], True, False), ([], False, False),
+    (["--no-progress"], True, False)])
+def test_progress_bar_only_on_a_terminal_and_without_json(user_module, tmp_path, monkeypatch,
+                                                           capsys, argv, terminal, drawn):
+    pytest.importorskip("tqdm")
+    err = FakeTerminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    extra = [a.format(out=tmp_path / "o.json") for a in argv]
+    assert main(["profile", f"{user_module}:pair", *extra]) == 0
+    assert main(["tune", f"{user_module}:make", "--worker-types", "thread", "--runs", "1",
+                 "--trial-seconds", "0.05", "--time-budget", "0.5", *extra]) == 0
+    text = err.getvalue()
+    assert ("gpufeed profile" in text and "gpufeed tune" in text) is drawn, text
+    assert "input-bound" in capsys.readouterr().out  # the results still go to stdout

@@ -85,18 +85,19 @@ def load_dataset(spec: str) -> Any:
 class _Progress:
     """A tqdm bar on stderr when tqdm is installed and enabled, else nothing."""
 
-    def __init__(self, enabled: bool, total: int | None, desc: str) -> None:
+    def __init__(self, enabled: bool, total: int | None, desc: str, unit: str = "run") -> None:
         self.bar: Any = None
         if enabled:
             try:
                 from tqdm import tqdm
             except ImportError:
                 return
-            self.bar = tqdm(total=total, desc=desc, unit="run", leave=False, disable=None)
+            self.bar = tqdm(total=total, desc=desc, unit=unit, leave=False, disable=None)
 
-    def step(self, text: str) -> None:
+    def step(self, text: str = "") -> None:
         if self.bar is not None:
-            self.bar.set_postfix_str(text, refresh=False)
+            if text:
+                self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(1)
 
     def close(self) -> None:
@@ -225,7 +226,18 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             raise TargetError(f"{args.target!r} returned a {type(pair).__name__}; FUNCTION must "
                               "either take the profiler (and loop over profiler.wrap(loader)) or "
                               "take no argument and return (iterable, step)")
-        report = profile(pair[0], pair[1], max_steps=args.steps, warmup_steps=args.warmup)
+        iterable, user_step = pair
+        bar = _Progress(_progress_on(args), args.steps, "gpufeed profile", unit="step")
+
+        def step(batch: Any) -> None:
+            user_step(batch)
+            bar.step()  # a microsecond or so, counted in compute
+
+        try:
+            report = profile(iterable, step if bar.bar is not None else user_step,
+                             max_steps=args.steps, warmup_steps=args.warmup)
+        finally:
+            bar.close()
     print(report)
     _write_json(args.json, report.to_dict())
     return 0
