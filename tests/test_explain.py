@@ -48,6 +48,18 @@ def test_held_batches_are_named_with_the_fix():
     assert len(lines) == 2
 
 
+def test_held_batches_seen_below_a_full_ring():
+    # measured with an adaptive prefetch: the ring grew, so its sampled occupancy stayed
+    # under the last capacity, but it held 32 slots more than the batches in flight
+    held = ring_findings(snapshot(fallback=38, batches=128, ring=(67.9, 86, 122),
+                                  flight=(35.5, 64, 120), grows=86))
+    assert "batches held by your loop" in held[1]
+    # the same ring in a loop that keeps nothing: 2 slots beyond the batches in flight
+    assert "cause not visible" in ring_findings(
+        snapshot(fallback=38, batches=128, ring=(37.5, 86, 122), flight=(35.5, 64, 120),
+                 grows=86))[1]
+
+
 def test_small_budget_and_variable_shapes():
     small = ring_findings(snapshot(fallback=100, ring=(8.0, 8, 8), flight=(10.0, 20, 40),
                                    grows=8))
