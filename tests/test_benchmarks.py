@@ -361,3 +361,21 @@ def test_gpu_subcommand_is_handed_its_arguments(
     monkeypatch.setattr(importlib, "import_module", missing)
     assert main(["gpu"]) == 2
     assert "not part of this checkout" in capsys.readouterr().err
+
+
+def test_per_sample_profile_and_compare_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from gpufeed.benchmarks import persample
+
+    monkeypatch.setenv("GPUFEED_BENCH_CACHE", str(tmp_path))
+    out = tmp_path / "persample.json"
+    assert persample.main(["both", "--quick", "--seconds", "0.05", "--runs", "1",
+                           "--batches", "6", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "gpufeed vs stock, both per-sample" in text and "wake-ups per batch" in text
+    doc = json.loads(out.read_text())
+    for name in ("stock", "gpufeed"):
+        w, r = doc["worker"][name], doc["loaders"][name]
+        assert w["cpu_us_per_batch"] > 0 and w["top"][0]["own_share"] > 0
+        assert r["worker_processes"] == 2 and r["worker_cpu_ms_per_batch"] >= 0
+    assert doc["loaders"]["gpufeed_main_top"]

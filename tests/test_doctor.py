@@ -2,7 +2,17 @@ import dataclasses
 
 import pytest
 
-from gpufeed._doctor import DoctorReport, Finding, GpuInfo, Probe, cpulist, diagnose, query_gpus
+from gpufeed._doctor import (
+    DoctorReport,
+    Finding,
+    GpuInfo,
+    Probe,
+    Workload,
+    cpulist,
+    diagnose,
+    fds_needed,
+    query_gpus,
+)
 
 GiB = 1 << 30
 
@@ -29,6 +39,7 @@ def by_name(report):
 
 def test_healthy_machine_is_all_ok():
     report = diagnose(probe=healthy())
+    assert "15.0 GiB free of 16.0 GiB" in by_name(report)["/dev/shm"].value
     assert report.exit_code == 0
     assert all(f.status == "ok" for f in report.findings), report
     assert by_name(report)["GPU"].value == "none found (CPU only)"
@@ -51,26 +62,52 @@ def test_missing_shm_fails():
     assert f.status == "fail" and f.value == "missing"
 
 
-@pytest.mark.parametrize(("limits", "status", "advice"), [
-    ((1024, 1048576), "fail", "ulimit -n 65536"),
-    ((1024, 2048), "fail", "raise the hard limit (2048) first"),
-    ((8192, 1048576), "warn", "ulimit -n 65536"),
-    ((1048576, 1048576), "ok", ""),
+@pytest.mark.parametrize(("limits", "workers", "status", "advice"), [
+    ((1024, 1048576), 200, "fail", "ulimit -n 65536"),   # 200 workers need more than 1024
+    ((1024, 2048), 200, "fail", "raise the hard limit (2,048) first"),
+    ((1024, 1048576), 2, "warn", "batches your loop keeps"),  # under the 4096 floor
+    ((8192, 1048576), 2, "ok", ""),
+    ((20000, 20000), 2, "ok", ""),        # the case: no warning with 2 workers
+    ((20000, 1048576), 1000, "warn", "ulimit -n 65536"),  # 1000 workers: 4x need > 20000
 ])
-def test_nofile(limits, status, advice):
-    report = diagnose(probe=healthy(nofile=lambda: limits))
+def test_nofile_is_judged_against_the_workers(limits, workers, status, advice):
+    report = diagnose(probe=healthy(nofile=lambda: limits),
+                      workload=Workload(num_workers=workers))
     f = by_name(report)["ulimit -n"]
-    assert f.status == status and advice in f.advice
+    assert f.status == status and advice in f.advice, f
+    assert f"need about {fds_needed(workers, 2):,}" in f.value
     assert report.exit_code == (1 if status == "fail" else 0)
 
 
-def test_memlock_warns_but_never_fails():
-    report = diagnose(probe=healthy(memlock=lambda: (65536, 65536)))
+def test_fds_needed_grows_with_workers_and_prefetch():
+    assert fds_needed(0, 2) < fds_needed(2, 2) < fds_needed(2, 8) < fds_needed(8, 8)
+
+
+def test_memlock_only_where_pinning_is_used():
+    low = healthy(memlock=lambda: (65536, 65536))
+    assert "RLIMIT_MEMLOCK" not in by_name(diagnose(probe=low))  # no CUDA: no pinning
+    assert "RLIMIT_MEMLOCK" not in by_name(diagnose(
+        probe=dataclasses.replace(low, cuda_names=lambda: ["GPU"]),
+        workload=Workload(pin_memory=False)))
+    report = diagnose(probe=dataclasses.replace(low, cuda_names=lambda: ["GPU"]))
     f = by_name(report)["RLIMIT_MEMLOCK"]
     assert f.status == "warn" and "ulimit -l unlimited" in f.advice
+    assert f.value == "soft 64.0 KiB, hard 64.0 KiB"  # human units, not raw bytes
     assert report.exit_code == 0
-    assert by_name(diagnose(probe=healthy()))["RLIMIT_MEMLOCK"].value == \
-        "soft unlimited, hard unlimited"
+    pinned = diagnose(probe=healthy(), workload=Workload(pin_memory=True))
+    assert by_name(pinned)["RLIMIT_MEMLOCK"].value == "soft unlimited, hard unlimited"
+
+
+def test_shm_only_for_process_workers_and_against_the_batches_in_flight():
+    probe = healthy(shm=lambda: (8 * GiB, 3 * GiB))
+    assert by_name(diagnose(probe=probe))["/dev/shm"].status == "warn"  # < 4 GiB, unknown size
+    for work in (Workload(num_workers=0), Workload(worker_type="thread")):
+        assert "/dev/shm" not in by_name(diagnose(probe=probe, workload=work))
+    small = Workload(num_workers=4, batch_bytes=64 << 20)  # 4 x 2 x 64 MiB = 512 MiB
+    f = by_name(diagnose(probe=probe, workload=small))["/dev/shm"]
+    assert f.status == "ok" and "batches in flight: 512.0 MiB" in f.value
+    big = Workload(num_workers=16, batch_bytes=128 << 20)  # 4 GiB in flight > 3 GiB free
+    assert by_name(diagnose(probe=probe, workload=big))["/dev/shm"].status == "fail"
 
 
 def test_cpu_affinity_and_quota():
@@ -80,6 +117,22 @@ def test_cpu_affinity_and_quota():
     assert f.status == "warn" and "quota 2.5" in f.value and "num_workers <= 2" in f.advice
     f = by_name(diagnose(probe=healthy(cpu_count=lambda: 1, affinity=lambda: {0})))["CPUs"]
     assert f.status == "warn" and "one CPU" in f.advice
+    f = by_name(diagnose(probe=healthy(), workload=Workload(num_workers=32)))["CPUs"]
+    assert f.status == "warn" and "num_workers=32 > 16 usable CPUs" in f.advice
+
+
+def test_every_finding_that_is_not_ok_says_what_to_run():
+    sick = healthy(shm=lambda: (GiB, GiB // 2), nofile=lambda: (256, 256),
+                   memlock=lambda: (0, 0), affinity=lambda: {0}, cuda_names=lambda: ["GPU"],
+                   memory=lambda: (2 * GiB, GiB // 2))
+    report = diagnose(probe=sick, workload=Workload(num_workers=4))
+    bad = [f for f in report.findings if f.status != "ok"]
+    assert {f.name for f in bad} >= {"/dev/shm", "ulimit -n", "RLIMIT_MEMLOCK", "CPUs",
+                                     "free memory"}
+    commands = ("docker run", "ulimit", "taskset", "mount", "gpufeed tune", "numactl")
+    for f in bad:
+        assert any(c in f.advice for c in commands), f
+    assert "B free" in report.findings[0].value and "bytes" not in str(report)
 
 
 @pytest.mark.parametrize(("available", "status"), [(0.5 * GiB, "fail"), (3 * GiB, "warn")])
@@ -149,6 +202,5 @@ def test_report_renders_and_serialises():
 
 def test_real_machine_runs():
     report = diagnose()
-    assert {"/dev/shm", "ulimit -n", "RLIMIT_MEMLOCK", "CPUs", "free memory"} <= set(
-        by_name(report))
+    assert {"/dev/shm", "ulimit -n", "CPUs", "free memory"} <= set(by_name(report))
     assert report.exit_code in (0, 1)

@@ -79,7 +79,8 @@ def test_picks_the_plateau_knee_of_a_gil_free_dataset():
     # absorbing the noise of 0.4 s trials on a shared 2-core machine.
     ds = SleepyDataset(sample_s=0.01, concurrency=2)
     result = tune(ds, batch_size=2, worker_types=("thread",), num_workers=[0, 1, 2, 4],
-                  trial_seconds=0.4, tolerance=0.15, loader_factory=fake_factory, budget=Budget())
+                  trial_seconds=0.4, tolerance=0.15, loader_factory=fake_factory, budget=Budget(),
+                  runs=3)
     rates = {t.num_workers: t.samples_per_s for t in result.trials
              if t.prefetch_factor in (2, None)}
     assert rates[2] > 1.5 * rates[1]
@@ -95,7 +96,7 @@ def test_memory_budget_cuts_off_workers():
     budget = _measure.process_tree_pss() + int(2.6 * per_worker)
     result = tune(ds, batch_size=4, worker_types=("thread",), num_workers=[1, 2, 4],
                   prefetch_factors=(2,), trial_seconds=0.3, loader_factory=fake_factory,
-                  budget=budget)
+                  budget=budget, runs=3)
     by_n = {t.num_workers: t for t in result.trials}
     assert not by_n[4].accepted and "over budget: PSS" in by_n[4].note
     assert by_n[4].samples_per_s > by_n[2].samples_per_s
@@ -157,7 +158,7 @@ def test_time_budget_and_nothing_within_budget(monkeypatch):
                   budget=Budget(memory_bytes=10**9))
     assert result.out_of_time and len(result.trials) == 1
     assert result.recommended == {"num_workers": 0, "pin_memory": False}
-    with pytest.raises(RuntimeError, match="no configuration worked within the budget"):
+    with pytest.raises(RuntimeError, match=r"no configuration worked .* raise the budget"):
         tune(object(), batch_size=8, worker_types=("thread",), num_workers=[0, 1],
              loader_factory=lambda ds, **kw: kw, budget=100)
 
@@ -197,7 +198,58 @@ def test_real_gpufeed_dataloader_every_worker_type():
     # The default factory is gpufeed.DataLoader: every kind of trial must run on it.
     ds = SleepyDataset(n=512, sample_s=0.0005)
     result = tune(ds, batch_size=8, num_workers=[0, 1, 4], prefetch_factors=(2,),
-                  trial_seconds=0.2, budget=Budget())
+                  trial_seconds=0.2, budget=Budget(), runs=1)
     kinds = {(t.num_workers, t.worker_type) for t in result.trials}
     assert {(0, None), (1, "process"), (1, "thread")} <= kinds  # 4 > CPUs: no warning raised
     assert all(t.accepted and t.samples_per_s > 0 for t in result.trials), result
+
+
+def fabricated(n, kind, runs, pss=0, pf=None):
+    from statistics import median
+
+    return Trial(n, kind, pf, False, median(runs), 0.1, pss or 100 * (n + 1), 0, 0, True,
+                 runs=tuple(runs))
+
+
+def test_gil_bound_trials_recommend_process_workers_equal_to_the_cores():
+    # What a GIL-bound dataset gives on 2 cores: threads stay at one core's speed whatever
+    # their number; processes scale to 2 and no further (4 adds nothing measurable).
+    trials = [fabricated(0, None, [100, 96, 104]),
+              fabricated(1, "process", [95, 90, 99]),
+              fabricated(2, "process", [185, 170, 196]),
+              fabricated(4, "process", [190, 160, 199]),
+              fabricated(1, "thread", [98, 94, 101]),
+              fabricated(2, "thread", [101, 93, 107])]
+    chosen, best = _tuner.choose(trials, tolerance=0.05)
+    assert best.num_workers == 4  # the highest median, within the noise of 2 processes
+    assert (chosen.num_workers, chosen.worker_type) == (2, "process")
+
+
+def test_within_noise_means_overlapping_ranges_or_within_tolerance():
+    best = fabricated(4, "process", [200, 190, 210])
+    noisy = fabricated(2, "process", [150, 120, 195])  # median 25% lower, ranges overlap
+    apart = fabricated(2, "thread", [180, 175, 185])   # 10% lower, ranges apart
+    assert _tuner.within_noise(noisy, best, 0.05)
+    assert not _tuner.within_noise(apart, best, 0.05)
+    assert _tuner.within_noise(apart, best, 0.15)
+    chosen, _ = _tuner.choose([best, apart], tolerance=0.05)
+    assert chosen is best
+    chosen, _ = _tuner.choose([best, noisy, apart], tolerance=0.05)
+    assert chosen is noisy
+
+
+def test_a_step_reports_the_input_bound_share_of_each_trial():
+    # A 20 ms step and 2 ms of loading per batch: in the main process the loop waits for
+    # every batch; two prefetching workers hide the loading.
+    ds = SleepyDataset(n=256, sample_s=0.0005)
+    result = tune(ds, batch_size=4, worker_types=("thread",), num_workers=[0, 1, 2],
+                  prefetch_factors=(2,), trial_seconds=0.25, runs=3, tolerance=0.2,
+                  step=lambda batch: time.sleep(0.02), loader_factory=fake_factory,
+                  budget=Budget())
+    assert all(t.input_bound is not None for t in result.trials)
+    by_n = {t.num_workers: t for t in result.trials}
+    assert by_n[0].input_bound > by_n[2].input_bound
+    assert by_n[2].input_bound < 0.2
+    assert "input-bound" in str(result) and "machine " in str(result)
+    assert result.to_dict()["trials"][0]["input_bound"] is not None
+    assert "machine_busy" in result.to_dict()

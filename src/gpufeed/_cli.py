@@ -14,9 +14,9 @@ import inspect
 import json
 import os
 import sys
+import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from functools import partial
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,23 +85,30 @@ def load_dataset(spec: str) -> Any:
 class _Progress:
     """A tqdm bar on stderr when tqdm is installed and enabled, else nothing."""
 
-    def __init__(self, enabled: bool, total: int | None, desc: str) -> None:
+    def __init__(self, enabled: bool, total: int | None, desc: str, unit: str = "run") -> None:
         self.bar: Any = None
         if enabled:
             try:
                 from tqdm import tqdm
             except ImportError:
                 return
-            self.bar = tqdm(total=total, desc=desc, unit="run", leave=False, disable=None)
+            self.bar = tqdm(total=total, desc=desc, unit=unit, leave=False, disable=None)
 
-    def step(self, text: str) -> None:
+    def step(self, text: str = "") -> None:
         if self.bar is not None:
-            self.bar.set_postfix_str(text, refresh=False)
+            if text:
+                self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(1)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _progress_on(args: argparse.Namespace) -> bool:
+    """A bar unless --no-progress or --json (the bar itself stays off when stderr is no
+    terminal: tqdm's ``disable=None``)."""
+    return not (args.no_progress or args.json)
 
 
 def _write_json(path: str | None, doc: dict[str, Any]) -> None:
@@ -110,74 +117,40 @@ def _write_json(path: str | None, doc: dict[str, Any]) -> None:
         print(f"wrote {path}")
 
 
-def _bench_configs(dataset: Any, variants: dict[str, tuple[Any, Any]], workers: Sequence[int],
-                   batch_size: int) -> Iterator[tuple[dict[str, Any], Callable[[], Any]]]:
-    """(row, make_loader) per configuration: stock (pin off, and on with CUDA), then gpufeed
-    (process and thread workers, each dataset variant) at every ``num_workers``."""
-    import gpufeed
-    from gpufeed.benchmarks.cpu import one_intra_op_thread
-
-    pins = (False, True) if torch.cuda.is_available() else (False,)
-    for n in workers:
-        common: dict[str, Any] = {"batch_size": batch_size, "num_workers": n}
-        if n:  # one torch thread per worker (see DESIGN: measuring honestly)
-            common["worker_init_fn"] = one_intra_op_thread
-        for pin in pins:
-            row = {"loader": "torch", "variant": "per-sample", "num_workers": n, "pin_memory": pin}
-            yield row, partial(torch.utils.data.DataLoader, dataset, pin_memory=pin, **common)
-        for kind in ("process", "thread") if n else ("process",):
-            for name, (ds, collate) in variants.items():
-                row = {"loader": f"gpufeed-{kind}" if n else "gpufeed", "variant": name,
-                       "num_workers": n, "pin_memory": pins[-1]}
-                yield row, partial(gpufeed.DataLoader, ds, worker_type=kind, collate_fn=collate,
-                                   pin_memory=pins[-1], **common)
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from gpufeed._measure import measure_loader
-    from gpufeed._stats import format_table
+    from gpufeed import _bench
 
+    if args.plot:
+        from gpufeed._tuner import require_matplotlib
+
+        require_matplotlib()  # fail before the runs, not after
     if args.target:
         dataset, batch_size, title = load_dataset(args.target), args.batch_size or 32, args.target
-        variants: dict[str, tuple[Any, Any]] = {"per-sample": (dataset, None)}
+        variants: dict[str, tuple[Any, Any]] = {"yours": (dataset, None)}
     else:
         from gpufeed.benchmarks.workloads import build
 
         work = build("synthetic", quick=args.quick)
         batch_size = args.batch_size or work.batch_size
         title = f"built-in synthetic workload: {work.description}"
-        by_name = {v.name: v for v in work.variants}
-        dataset = by_name["per-sample"].dataset
-        variants = {v.name: (v.dataset, v.collate_fn) for v in work.variants
-                    if v.name != "getitems"}
-    configs = list(_bench_configs(dataset, variants, args.workers, batch_size))
-    bar = _Progress(not args.no_progress, len(configs), "gpufeed bench")
-    rows: list[dict[str, Any]] = []
+        variants = {v.name: (v.dataset, v.collate_fn) for v in work.variants}
+    rows = _bench.configs(variants, args.workers, batch_size, args.worker_type)
+    bar = _Progress(_progress_on(args), len(rows) * args.runs, "gpufeed bench")
     try:
-        for row, make in configs:
-            m = measure_loader(make, max_seconds=args.seconds, warmup_batches=3)
-            rows.append({**row, "samples_per_s": m.samples_per_s,
-                         "peak_pss_bytes": m.peak_pss_bytes, "first_batch_s": m.first_batch_s})
-            bar.step(f"{row['loader']} {row['num_workers']}w: {m.samples_per_s:,.0f}/s")
+        load = _bench.run_bench(rows, seconds=args.seconds, runs=args.runs,
+                                target_spread=args.target_spread, step=bar.step)
     finally:
         bar.close()
-    for r in rows:
-        stock = max(s["samples_per_s"] for s in rows
-                    if s["loader"] == "torch" and s["num_workers"] == r["num_workers"])
-        r["ratio"] = r["samples_per_s"] / stock
-    print(f"gpufeed bench: {title}, batch_size={batch_size}, {args.seconds:g} s per run")
-    print(format_table(["loader", "variant", "workers", "pin", "samples/s", "vs stock",
-                        "peak PSS MiB", "first batch ms"],
-                       [[r["loader"], r["variant"], r["num_workers"], "yes" if r["pin_memory"]
-                         else "no", f"{r['samples_per_s']:,.0f}", f"{r['ratio']:.2f}x",
-                         f"{r['peak_pss_bytes'] / 2**20:,.0f}", f"{r['first_batch_s'] * 1e3:.0f}"]
-                        for r in rows]))
-    if not torch.cuda.is_available():
-        print("pin_memory=True and the device-stage transfer figures need CUDA: not measured")
+    comparisons = _bench.compare(rows)
+    print(_bench.render(f"{title}, batch_size={batch_size}", rows, comparisons, load,
+                        args.seconds))
     from gpufeed.benchmarks.cpu import environment
 
-    doc: dict[str, Any] = {"workload": title, "batch_size": batch_size, "rows": rows,
-                           "seconds_per_run": args.seconds, "environment": environment()}
+    doc: dict[str, Any] = {"workload": title, "batch_size": batch_size,
+                           "rows": [r.to_dict() for r in rows],
+                           "comparisons": [c.to_dict() for c in comparisons],
+                           "machine": load.to_dict(), "seconds_per_run": args.seconds,
+                           "runs": args.runs, "environment": environment()}
     if torch.cuda.is_available():
         from gpufeed.benchmarks import gpu
 
@@ -186,32 +159,47 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(gpu.render_markdown(doc["gpu"]))
     _write_json(args.json, doc)
     if args.plot:
-        from gpufeed._tuner import require_matplotlib
-
-        plt = require_matplotlib()
-        fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1))
-        labels = [f"{r['loader']} {r['variant']} w{r['num_workers']}" for r in rows]
-        ax.barh(labels, [r["samples_per_s"] for r in rows])
-        ax.set(xlabel="samples/s", title="gpufeed bench")
-        fig.savefig(args.plot, bbox_inches="tight")
+        _bench.plot(rows, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
 
+class _SleepStep:
+    """``--step-ms N``: a training step that takes N ms and leaves the CPUs free, as a step
+    waiting on the GPU does (picklable, like a step of the user's)."""
+
+    def __init__(self, ms: float) -> None:
+        self.seconds = ms / 1e3
+
+    def __call__(self, batch: Any) -> None:
+        time.sleep(self.seconds)
+
+
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from gpufeed._tuner import require_matplotlib, tune
+    from gpufeed._tuner import Budget, require_matplotlib, tune
 
     if args.plot:
         require_matplotlib()  # fail before minutes of trials, not after
     dataset = load_dataset(args.target)
-    bar = _Progress(not args.no_progress, None, "gpufeed tune")
+    collate = load_target(args.collate, what="FUNCTION") if args.collate else None
+    step = (load_target(args.step, what="FUNCTION") if args.step
+            else _SleepStep(args.step_ms) if args.step_ms else None)
+    default = Budget.default()
+    budget = Budget(memory_bytes=args.budget_memory or default.memory_bytes,
+                    shm_bytes=args.budget_shm or default.shm_bytes,
+                    pinned_bytes=args.budget_pinned)
+    bar = _Progress(_progress_on(args), None, "gpufeed tune")
     try:
-        result = tune(dataset, batch_size=args.batch_size, budget=args.budget,
-                      worker_types=args.worker_types, trial_seconds=args.trial_seconds,
-                      time_budget_s=args.time_budget, progress=lambda t: bar.step(
+        result = tune(dataset, batch_size=args.batch_size, budget=budget, collate_fn=collate,
+                      step=step, worker_types=args.worker_types, runs=args.runs,
+                      trial_seconds=args.trial_seconds, time_budget_s=args.time_budget,
+                      progress=lambda t: bar.step(
                           f"{t.num_workers} {t.worker_type or ''}: {t.samples_per_s:,.0f}/s"))
     except ValueError as exc:  # trials catch the dataset's errors: this is a bad option
         raise UsageError(str(exc)) from exc
+    except RuntimeError as exc:  # no trial worked: the message says why and the fix
+        print(f"gpufeed tune: {exc}", file=sys.stderr)
+        return 1
     finally:
         bar.close()
     print(result)
@@ -238,16 +226,29 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             raise TargetError(f"{args.target!r} returned a {type(pair).__name__}; FUNCTION must "
                               "either take the profiler (and loop over profiler.wrap(loader)) or "
                               "take no argument and return (iterable, step)")
-        report = profile(pair[0], pair[1], max_steps=args.steps, warmup_steps=args.warmup)
+        iterable, user_step = pair
+        bar = _Progress(_progress_on(args), args.steps, "gpufeed profile", unit="step")
+
+        def step(batch: Any) -> None:
+            user_step(batch)
+            bar.step()  # a microsecond or so, counted in compute
+
+        try:
+            report = profile(iterable, step if bar.bar is not None else user_step,
+                             max_steps=args.steps, warmup_steps=args.warmup)
+        finally:
+            bar.close()
     print(report)
     _write_json(args.json, report.to_dict())
     return 0
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from gpufeed._doctor import diagnose
+    from gpufeed._doctor import Workload, diagnose
 
-    report = diagnose()
+    report = diagnose(workload=Workload(
+        num_workers=args.workers, prefetch_factor=args.prefetch_factor,
+        pin_memory=args.pin_memory, batch_bytes=args.batch_bytes, worker_type=args.worker_type))
     print(report)
     _write_json(args.json, report.to_dict())
     return report.exit_code
@@ -275,6 +276,16 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
+def _nonnegative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return value
+
+
 def _size(text: str) -> int:
     from gpufeed._tuner import parse_bytes
 
@@ -299,8 +310,14 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=_positive(int),
                    help="samples per batch (default: 256 built-in, 32 yours)")
     b.add_argument("--workers", type=_csv(int), default=[0, 2], help="num_workers values (0,2)")
-    b.add_argument("--seconds", type=_positive(float), default=1.0,
-                   help="timed seconds per run (1.0)")
+    b.add_argument("--seconds", type=_positive(float), default=0.5,
+                   help="timed seconds per run (0.5)")
+    b.add_argument("--runs", type=_positive(int), default=5,
+                   help="runs per row (5); a row stops after 3 when its spread is small")
+    b.add_argument("--target-spread", type=_positive(float), default=0.05,
+                   help="spread (fastest-slowest)/median that counts as small (0.05)")
+    b.add_argument("--worker-type", choices=("process", "thread"), default="process",
+                   help="gpufeed's worker kind (process)")
     b.add_argument("--quick", action="store_true", help="a smaller synthetic data set")
     b.add_argument("--plot", metavar="FILE", help="bar chart of samples/s (needs matplotlib)")
     b.set_defaults(func=_cmd_bench)
@@ -310,12 +327,27 @@ def _parser() -> argparse.ArgumentParser:
                        "and pin_memory on your dataset; recommends DataLoader keyword arguments.")
     t.add_argument("target", metavar="MODULE:FACTORY", help="a function returning your dataset")
     t.add_argument("--batch-size", type=_positive(int), default=32, help="samples per batch (32)")
-    t.add_argument("--budget", type=_size,
-                   help="memory limit, e.g. 8GiB (default: 80%% of available RAM)")
+    t.add_argument("--collate", metavar="MODULE:FUNCTION",
+                   help="your collate_fn (e.g. padding variable-length samples)")
+    step = t.add_mutually_exclusive_group()
+    step.add_argument("--step", metavar="MODULE:FUNCTION",
+                      help="your training step, called with each batch: tune for the share of "
+                      "the loop spent waiting for data, not raw loader speed")
+    step.add_argument("--step-ms", type=_positive(float), metavar="MS",
+                      help="a training step of MS milliseconds that leaves the CPUs free "
+                      "(a GPU step)")
+    t.add_argument("--budget-memory", "--budget", dest="budget_memory", type=_size,
+                   help="peak PSS limit of the process tree, e.g. 8GiB (default: 80%% of "
+                   "available RAM)")
+    t.add_argument("--budget-shm", type=_size,
+                   help="limit on /dev/shm growth (default: 80%% of its free space)")
+    t.add_argument("--budget-pinned", type=_size, help="pinned host memory limit (CUDA)")
+    t.add_argument("--runs", type=_positive(int), default=5,
+                   help="runs per trial (5); a trial stops after 3 when they agree")
     t.add_argument("--worker-types", type=_csv(str), default=["process", "thread"],
                    help="worker kinds to try (process,thread)")
-    t.add_argument("--trial-seconds", type=_positive(float), default=2.0,
-                   help="timed seconds per trial (2)")
+    t.add_argument("--trial-seconds", type=_positive(float), default=0.5,
+                   help="timed seconds per run of a trial (0.5)")
     t.add_argument("--time-budget", type=_positive(float), default=120.0,
                    help="no trial starts after this many seconds (120)")
     t.add_argument("--plot", metavar="FILE", help="samples/s by num_workers (needs matplotlib)")
@@ -331,7 +363,18 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", parents=[common], help="check this machine's limits",
                        description="Check /dev/shm, ulimit -n, RLIMIT_MEMLOCK, CPUs, memory and "
-                       "GPUs; exit 1 when something will break a data loader.")
+                       "GPUs against the loader you will run; exit 1 when something will "
+                       "break it.")
+    d.add_argument("--workers", type=_nonnegative, help="num_workers (default: usable CPUs)")
+    d.add_argument("--prefetch-factor", type=_positive(int), default=2,
+                   help="batches in flight per worker (2)")
+    d.add_argument("--worker-type", choices=("process", "thread"), default="process",
+                   help="worker kind (process)")
+    d.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=None,
+                   help="whether batches are pinned (default: where CUDA is available)")
+    d.add_argument("--batch-bytes", type=_size, metavar="SIZE",
+                   help="bytes of one batch, e.g. 48MiB: judge /dev/shm and memory against "
+                   "the batches in flight")
     d.set_defaults(func=_cmd_doctor)
     return p
 

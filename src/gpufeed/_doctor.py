@@ -1,20 +1,28 @@
 """Doctor: checks the machine for limits that break or slow a data loader, and says what to change.
 
 Every system read goes through one small function held by a :class:`Probe`; tests replace them.
+Limits are judged against the :class:`Workload` the loader will run (``gpufeed doctor
+--workers N --prefetch-factor P --pin-memory --batch-bytes SIZE``; by default one worker per
+usable CPU, prefetch 2, pinning where CUDA is available): a check that does not apply to it is
+not printed, and every finding names the command that fixes it.
 
 Thresholds (``fail`` makes ``gpufeed doctor`` exit 1, ``warn`` does not):
 
 =================  =====================================  =======================================
 check              fail                                   warn
 =================  =====================================  =======================================
-/dev/shm           missing, or < 1 GiB free (workers      < 4 GiB free
-                   pass batches through it: "bus error")
-ulimit -n (soft)   < 4096 (shared tensors hold one fd     < 65536
-                   each: "too many open files")
-RLIMIT_MEMLOCK     never (CUDA pinning mostly ignores it) < 64 MiB and not unlimited (RDMA, mlock)
+/dev/shm           missing, or free < the batches in      free < twice that (or < 4 GiB without
+(process workers)  flight (1 GiB without --batch-bytes):  --batch-bytes)
+                   "bus error"
+ulimit -n (soft)   < the fds the workload needs (see      < 4x that, or < 4096: batches the loop
+                   :func:`fds_needed`)                    keeps hold fds too (stock loader)
+RLIMIT_MEMLOCK     never (CUDA pinning mostly ignores it) < 64 MiB and not unlimited (RDMA,
+(pinning only)                                            mlock); not checked without pinning
 CPUs               never                                  fewer usable than online (affinity or
-                                                          cgroup quota), or fewer than 2 usable
-free memory        < 1 GiB available                      < 4 GiB available
+                                                          cgroup quota), fewer than 2 usable, or
+                                                          more workers than usable CPUs
+free memory        < 1 GiB available (or < the batches    < 4 GiB available (or < twice that)
+                   in flight)
 GPU PCIe link      never                                  width or generation below the maximum
 GPU NUMA node      never                                  this process may run on CPUs outside it
 =================  =====================================  =======================================
@@ -22,29 +30,58 @@ GPU NUMA node      never                                  this process may run o
 
 from __future__ import annotations
 
-import os
 import resource
-import shutil
-import subprocess
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from ._stats import format_table
+from ._probe import GpuInfo, Probe, cpulist, query_gpus
+from ._stats import format_table, human_bytes
 
-__all__ = ["DoctorReport", "Finding", "GpuInfo", "Probe", "diagnose"]
+__all__ = ["DoctorReport", "Finding", "GpuInfo", "Probe", "Workload", "diagnose", "fds_needed"]
 
 Status = Literal["ok", "warn", "fail"]
 GiB = 1 << 30
 MiB = 1 << 20
 SHM_FAIL_FREE = 1 * GiB
 SHM_WARN_FREE = 4 * GiB
-NOFILE_FAIL = 4096
-NOFILE_WARN = 65536
+NOFILE_FLOOR = 4096
+NOFILE_ASK = 65536
+#: fds of a Python process with torch loaded, its libraries and a few data files open
+FDS_BASE = 256
+#: fds per worker besides its batches: pipes or sockets, event fds, the ring's memfd
+FDS_PER_WORKER = 8
+#: tensors per batch assumed for fd counting (inputs, targets, a few extras)
+LEAVES_PER_BATCH = 4
 MEMLOCK_WARN = 64 * MiB
 MEM_FAIL_AVAILABLE = 1 * GiB
 MEM_WARN_AVAILABLE = 4 * GiB
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the loader will do; the doctor judges limits against it.
+
+    Fields:
+        num_workers: worker processes or threads (None: one per usable CPU).
+        prefetch_factor: batches in flight per worker (2, as the stock default).
+        pin_memory: whether batches are pinned (None: where CUDA is available).
+        batch_bytes: bytes of one batch (None: unknown; fixed thresholds are used then).
+        worker_type: "process" (batches cross /dev/shm) or "thread" (they do not).
+    """
+
+    num_workers: int | None = None
+    prefetch_factor: int = 2
+    pin_memory: bool | None = None
+    batch_bytes: int | None = None
+    worker_type: str = "process"
+
+
+def fds_needed(num_workers: int, prefetch_factor: int) -> int:
+    """File descriptors a loader needs open at once: ``FDS_BASE`` for the process, then per
+    worker its pipes and ``prefetch_factor`` batches in flight of ``LEAVES_PER_BATCH``
+    tensors, each holding an fd while it crosses processes (the stock loader's
+    ``file_descriptor`` sharing; gpufeed's ring needs fewer)."""
+    return FDS_BASE + num_workers * (FDS_PER_WORKER + prefetch_factor * LEAVES_PER_BATCH)
 
 
 @dataclass(frozen=True)
@@ -82,202 +119,55 @@ class DoctorReport:
         return "\n".join(lines)
 
 
-def _shm_usage() -> tuple[int, int] | None:
-    try:
-        usage = shutil.disk_usage("/dev/shm")
-    except OSError:
-        return None
-    return usage.total, usage.free
+def _limit(n: int, size: bool = False) -> str:
+    if n == resource.RLIM_INFINITY or n < 0:
+        return "unlimited"
+    return human_bytes(n) if size else f"{n:,}"
 
 
-def _cpu_quota() -> float | None:
-    """CPUs allowed by the cgroup v2 quota (``cpu.max``), None when unlimited or unknown."""
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-    except (OSError, ValueError):
-        return None
-    return None if quota == "max" else int(quota) / int(period)
-
-
-def _affinity() -> set[int] | None:
-    getter = getattr(os, "sched_getaffinity", None)
-    return set(getter(0)) if getter is not None else None
-
-
-def _memory() -> tuple[int, int]:
-    import psutil
-
-    vm = psutil.virtual_memory()
-    return vm.total, vm.available
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return None
-
-
-def _list_dir(path: str) -> list[str]:
-    try:
-        return sorted(os.listdir(path))
-    except OSError:
-        return []
-
-
-def _nvidia_smi(args: list[str]) -> str | None:
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run([exe, *args], capture_output=True, text=True, timeout=20, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout if out.returncode == 0 else None
-
-
-def _cuda_names() -> list[str]:
-    import torch
-
-    if not torch.cuda.is_available():
-        return []
-    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-
-
-@dataclass(frozen=True)
-class Probe:
-    """The system reads the doctor makes, one function each (replace any of them in tests)."""
-
-    shm: Callable[[], tuple[int, int] | None] = _shm_usage  # (total, free) bytes, None if absent
-    nofile: Callable[[], tuple[int, int]] = field(
-        default=lambda: resource.getrlimit(resource.RLIMIT_NOFILE))  # (soft, hard)
-    memlock: Callable[[], tuple[int, int]] = field(
-        default=lambda: resource.getrlimit(resource.RLIMIT_MEMLOCK))  # (soft, hard), -1 = inf
-    cpu_count: Callable[[], int | None] = os.cpu_count
-    affinity: Callable[[], set[int] | None] = _affinity
-    cpu_quota: Callable[[], float | None] = _cpu_quota
-    memory: Callable[[], tuple[int, int]] = _memory  # (total, available) bytes
-    read_text: Callable[[str], str | None] = _read_text  # for /sys files
-    list_dir: Callable[[str], list[str]] = _list_dir
-    nvidia_smi: Callable[[list[str]], str | None] = _nvidia_smi  # stdout, None if unavailable
-    cuda_names: Callable[[], list[str]] = _cuda_names  # torch's view, when the above find none
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    """A GPU as the doctor sees it; PCIe figures are None when unknown."""
-
-    index: int
-    name: str
-    bus_id: str  # sysfs form, e.g. "0000:17:00.0"
-    gen: int | None = None
-    max_gen: int | None = None
-    width: int | None = None
-    max_width: int | None = None
-    numa_node: int | None = None
-
-
-_SMI_FIELDS = ("index,name,pci.bus_id,pcie.link.gen.current,pcie.link.gen.max,"
-               "pcie.link.width.current,pcie.link.width.max")
-_GTS_TO_GEN = {"2.5": 1, "5": 2, "8": 3, "16": 4, "32": 5, "64": 6}
-
-
-def _int(text: str | None) -> int | None:
-    try:
-        return int(str(text).strip())
-    except ValueError:
-        return None
-
-
-def cpulist(text: str | None) -> set[int]:
-    """Parse a sysfs CPU list such as "0-3,8,10-11"."""
-    cpus: set[int] = set()
-    for part in (text or "").strip().split(","):
-        lo, _, hi = part.partition("-")
-        if lo.strip().isdigit():
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-def query_gpus(probe: Probe) -> list[GpuInfo]:
-    """GPUs from nvidia-smi, else from /sys/bus/pci (NVIDIA display controllers)."""
-    gpus = []
-    out = probe.nvidia_smi([f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"])
-    for line in (out or "").strip().splitlines():
-        f = [c.strip() for c in line.split(",")]
-        if len(f) != 7:
-            continue
-        dom, _, rest = f[2].lower().partition(":")
-        bus_id = f"{dom[-4:]}:{rest}"
-        gpus.append(GpuInfo(_int(f[0]) or 0, f[1], bus_id, _int(f[3]), _int(f[4]), _int(f[5]),
-                            _int(f[6])))
-    if out is None:
-        root = "/sys/bus/pci/devices"
-        for dev in probe.list_dir(root):
-            base = f"{root}/{dev}"
-            cls = (probe.read_text(f"{base}/class") or "").strip()
-            if (probe.read_text(f"{base}/vendor") or "").strip() != "0x10de" or not (
-                    cls.startswith(("0x0300", "0x0302"))):
-                continue
-
-            def gen(name: str, base: str = base) -> int | None:
-                return _GTS_TO_GEN.get((probe.read_text(f"{base}/{name}") or "").split(" ")[0]
-                                       .removesuffix(".0"))
-
-            width = _int(probe.read_text(f"{base}/current_link_width"))
-            max_width = _int(probe.read_text(f"{base}/max_link_width"))
-            device = (probe.read_text(f"{base}/device") or "?").strip()
-            gpus.append(GpuInfo(len(gpus), f"NVIDIA device {device}", dev,
-                                gen("current_link_speed"), gen("max_link_speed"), width, max_width))
-    if not gpus:  # e.g. no nvidia-smi in a container without /sys: names only
-        gpus = [GpuInfo(i, name, "") for i, name in enumerate(probe.cuda_names())]
-    return [GpuInfo(g.index, g.name, g.bus_id, g.gen, g.max_gen, g.width, g.max_width,
-                    _int(probe.read_text(f"/sys/bus/pci/devices/{g.bus_id}/numa_node"))
-                    if g.bus_id else None)
-            for g in gpus]
-
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:.1f} GiB"
-
-
-def _limit(n: int) -> str:
-    return "unlimited" if n == resource.RLIM_INFINITY or n < 0 else str(n)
-
-
-def check_shm(probe: Probe) -> Finding:
+def check_shm(probe: Probe, in_flight: int | None = None) -> Finding:
+    """``in_flight``: bytes of the batches the workers keep in flight, when known."""
     usage = probe.shm()
     if usage is None:
         return Finding("/dev/shm", "fail", "missing",
                        "mount a tmpfs at /dev/shm; in Docker: docker run --shm-size=8g "
                        "(or --ipc=host)")
     total, free = usage
-    value = f"{_gib(free)} free of {_gib(total)}"
+    value = f"{human_bytes(free)} free of {human_bytes(total)}"
+    fail_at, warn_at = ((SHM_FAIL_FREE, SHM_WARN_FREE) if in_flight is None
+                        else (in_flight, 2 * in_flight))
+    if in_flight is not None:
+        value += f" (batches in flight: {human_bytes(in_flight)})"
     advice = ("worker processes pass batches through /dev/shm; give it more room: "
               "docker run --shm-size=8g (or --ipc=host); on a host: "
-              "mount -o remount,size=8G /dev/shm; or use worker_type='thread'")
-    if free < SHM_FAIL_FREE:
+              "sudo mount -o remount,size=8G /dev/shm; or use worker_type='thread'")
+    if free < fail_at:
         return Finding("/dev/shm", "fail", value, advice)
-    if free < SHM_WARN_FREE:
+    if free < warn_at:
         return Finding("/dev/shm", "warn", value, advice)
     return Finding("/dev/shm", "ok", value)
 
 
-def check_nofile(probe: Probe) -> Finding:
+def check_nofile(probe: Probe, num_workers: int, prefetch_factor: int) -> Finding:
     soft, hard = probe.nofile()
-    value = f"soft {_limit(soft)}, hard {_limit(hard)}"
-    if 0 <= soft < NOFILE_WARN:
-        how = (f"ulimit -n {NOFILE_WARN}" if hard < 0 or hard >= NOFILE_WARN else
-               f"raise the hard limit ({hard}) first: docker run --ulimit nofile=65536:65536 "
-               f"or /etc/security/limits.conf, then ulimit -n {NOFILE_WARN}")
-        advice = f"shared tensors hold a file descriptor each: {how}"
-        return Finding("ulimit -n", "fail" if soft < NOFILE_FAIL else "warn", value, advice)
+    need = fds_needed(num_workers, prefetch_factor)
+    value = (f"soft {_limit(soft)}, hard {_limit(hard)}; {num_workers} workers x prefetch "
+             f"{prefetch_factor} need about {need:,}")
+    want = max(4 * need, NOFILE_FLOOR)
+    if 0 <= soft < want:
+        ask = max(NOFILE_ASK, want)
+        how = (f"ulimit -n {ask}" if hard < 0 or hard >= ask else
+               f"raise the hard limit ({hard:,}) first: docker run --ulimit nofile={ask}:{ask} "
+               f"or /etc/security/limits.conf, then ulimit -n {ask}")
+        why = ("below what the workers need: \"too many open files\"" if soft < need else
+               "little room for batches your loop keeps (each shared tensor holds an fd)")
+        return Finding("ulimit -n", "fail" if soft < need else "warn", value, f"{why}: {how}")
     return Finding("ulimit -n", "ok", value)
 
 
 def check_memlock(probe: Probe) -> Finding:
     soft, hard = probe.memlock()
-    value = f"soft {_limit(soft)}, hard {_limit(hard)}"
+    value = f"soft {_limit(soft, True)}, hard {_limit(hard, True)}"
     if 0 <= soft < MEMLOCK_WARN:
         return Finding("RLIMIT_MEMLOCK", "warn", value,
                        "mlock, RDMA (GPUDirect, InfiniBand) and, with some drivers, CUDA "
@@ -286,7 +176,7 @@ def check_memlock(probe: Probe) -> Finding:
     return Finding("RLIMIT_MEMLOCK", "ok", value)
 
 
-def check_cpus(probe: Probe) -> Finding:
+def check_cpus(probe: Probe, num_workers: int | None = None) -> Finding:
     online = probe.cpu_count() or 1
     affinity = probe.affinity()
     usable = float(len(affinity)) if affinity else float(online)
@@ -299,21 +189,31 @@ def check_cpus(probe: Probe) -> Finding:
     if usable < online:
         return Finding("CPUs", "warn", value,
                        f"this process may use {usable:g} CPUs: keep num_workers <= "
-                       f"{max(1, int(usable))} or widen the affinity (taskset, docker run --cpus)")
+                       f"{max(1, int(usable))} or widen them: taskset -c 0-{online - 1} "
+                       "python train.py (affinity), docker run --cpus (quota)")
+    if num_workers is not None and num_workers > usable:
+        return Finding("CPUs", "warn", value,
+                       f"num_workers={num_workers} > {usable:g} usable CPUs: process workers "
+                       "share the cores and slow each other; run gpufeed tune to size them")
     if usable < 2:
         return Finding("CPUs", "warn", value, "one CPU: worker processes cannot run in "
                        "parallel with the training loop; use num_workers=0 or threads")
     return Finding("CPUs", "ok", value)
 
 
-def check_memory(probe: Probe) -> Finding:
+def check_memory(probe: Probe, in_flight: int | None = None) -> Finding:
     total, available = probe.memory()
-    value = f"{_gib(available)} available of {_gib(total)}"
-    advice = ("the loader needs room for prefetched batches per worker: free memory, lower "
-              "num_workers or prefetch_factor, or use worker_type='thread'")
-    if available < MEM_FAIL_AVAILABLE:
+    value = f"{human_bytes(available)} available of {human_bytes(total)}"
+    fail_at, warn_at = ((MEM_FAIL_AVAILABLE, MEM_WARN_AVAILABLE) if in_flight is None
+                        else (max(in_flight, MEM_FAIL_AVAILABLE), 2 * in_flight))
+    if in_flight is not None:
+        value += f" (batches in flight: {human_bytes(in_flight)})"
+    advice = ("the loader needs room for prefetched batches per worker: stop other programs "
+              "(ps aux --sort=-rss | head), lower num_workers or prefetch_factor, or use "
+              "worker_type='thread'; gpufeed tune --budget-memory SIZE finds what fits")
+    if available < fail_at:
         return Finding("free memory", "fail", value, advice)
-    if available < MEM_WARN_AVAILABLE:
+    if available < warn_at:
         return Finding("free memory", "warn", value, advice)
     return Finding("free memory", "ok", value)
 
@@ -349,12 +249,25 @@ def check_gpu(gpu: GpuInfo, probe: Probe) -> list[Finding]:
     return out
 
 
-def diagnose(*, probe: Probe | None = None) -> DoctorReport:
-    """Run every check on this machine (or on the fakes in ``probe``)."""
+def diagnose(*, probe: Probe | None = None, workload: Workload | None = None) -> DoctorReport:
+    """Run the checks that apply to ``workload`` (default: :class:`Workload`'s defaults) on
+    this machine (or on the fakes in ``probe``)."""
     probe = probe or Probe()
-    findings = [check_shm(probe), check_nofile(probe), check_memlock(probe), check_cpus(probe),
-                check_memory(probe)]
+    work = workload or Workload()
+    affinity = probe.affinity()
+    usable = len(affinity) if affinity else (probe.cpu_count() or 1)
+    workers = usable if work.num_workers is None else work.num_workers
+    in_flight = (None if work.batch_bytes is None
+                 else max(workers, 1) * work.prefetch_factor * work.batch_bytes)
+    findings = []
+    if workers and work.worker_type == "process":
+        findings.append(check_shm(probe, in_flight))
+    findings.append(check_nofile(probe, workers, work.prefetch_factor))
     gpus = query_gpus(probe)
+    pinning = work.pin_memory if work.pin_memory is not None else bool(gpus)
+    if pinning:
+        findings.append(check_memlock(probe))
+    findings += [check_cpus(probe, work.num_workers), check_memory(probe, in_flight)]
     if not gpus:
         findings.append(Finding("GPU", "ok", "none found (CPU only)"))
     for gpu in gpus:

@@ -335,7 +335,7 @@ class WorkerIter(BaseIter):
                 data.reraise()
             ring = self._ring
             self._rec.occupancy("ring", ring.in_use, ring.capacity_slots)
-            self._rec.occupancy("prefetch", len(self._ready), self._max_out)
+            self._rec.occupancy("prefetch", len(self._ready) + len(self._tasks), self._max_out)
             return self._finish(data, asked_at, idx, self._wstates.pop(idx, None))
 
     def _end_epoch(self) -> None:

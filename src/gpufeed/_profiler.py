@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
 
-from ._stats import format_table, percentile
+from ._stats import LoaderStats, format_table, percentile
 
 __all__ = ["ProfileReport", "Profiler", "profile"]
 
@@ -48,6 +48,9 @@ class ProfileReport:
         startup_s: wait for the first batch (worker start-up included), always reported.
         gpu_idle_s: GPU idle time between steps (see NOTE [ GPU idle time ]); None without CUDA.
         gpu_idle_fraction: ``gpu_idle_s / wall_s``; None without CUDA.
+        loader_stats: ``loader.stats()`` of the wrapped loader when it has one (gpufeed's),
+            printed with a line on what each figure means and, when many batches missed the
+            slot ring, the cause and the fix; None for other iterables.
     """
 
     steps: int
@@ -64,10 +67,13 @@ class ProfileReport:
     startup_s: float
     gpu_idle_s: float | None = None
     gpu_idle_fraction: float | None = None
+    loader_stats: LoaderStats | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-ready)."""
-        return asdict(self)
+        out = asdict(self)
+        out["loader_stats"] = self.loader_stats.to_dict() if self.loader_stats else None
+        return out
 
     @property
     def verdict(self) -> str:
@@ -99,6 +105,9 @@ class ProfileReport:
             lines.append(f"GPU idle between steps: {self.gpu_idle_s:.3f} s "
                          f"({self.gpu_idle_fraction:.0%} of wall time)")
         lines.append(f"verdict: {self.verdict}")
+        if self.loader_stats is not None:
+            lines += ["", str(self.loader_stats), "", "what the figures mean:",
+                      *(f"  {line}" for line in self.loader_stats.explain().splitlines())]
         return "\n".join(lines)
 
 
@@ -200,6 +209,7 @@ class Profiler:
         self._startup = 0.0
         self._taken = 0
         self._last: float | None = None  # when the last batch was handed over
+        self._stats: Callable[[], Any] | None = None  # the wrapped loader's stats()
 
     def __enter__(self) -> Profiler:
         return self
@@ -209,6 +219,9 @@ class Profiler:
 
     def wrap(self, iterable: Iterable[T]) -> Iterator[T]:
         """Return an iterator over ``iterable`` that times each step of the loop around it."""
+        stats = getattr(iterable, "stats", None)
+        if callable(stats):
+            self._stats = stats
         return _Timed(self, iterable)
 
     def _end_step(self, now: float) -> None:
@@ -251,7 +264,18 @@ class Profiler:
             compute_p99_s=percentile(computes, 99),
             startup_s=self._startup, gpu_idle_s=idle,
             gpu_idle_fraction=(idle / wall if wall > 0 else 0.0) if idle is not None else None,
+            loader_stats=self._loader_stats(),
         )
+
+    def _loader_stats(self) -> LoaderStats | None:
+        if self._stats is None:
+            return None
+        try:
+            snap = self._stats()
+        except Exception as exc:  # a loader's stats must not cost the profile
+            log.warning("could not read the loader's stats(): %s: %s", type(exc).__name__, exc)
+            return None
+        return snap if isinstance(snap, LoaderStats) else None
 
 
 def profile(iterable: Iterable[T], step: Callable[[T], object], *,

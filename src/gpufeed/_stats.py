@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["LoaderStats", "StageStats", "StatsRecorder", "format_table", "percentile"]
+__all__ = ["LoaderStats", "StageStats", "StatsRecorder", "format_table", "human_bytes",
+           "percentile"]
 
 DEFAULT_WINDOW = 4096
 
@@ -42,6 +43,16 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     hi = min(lo + 1, n - 1)
     frac = pos - lo
     return float(sorted_values[lo] * (1.0 - frac) + sorted_values[hi] * frac)
+
+
+def human_bytes(n: float) -> str:
+    """Bytes for people, in powers of 1024: "512 B", "3.2 MiB", "15.6 GiB"."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:,.0f} B" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{value:,.1f} TiB"  # not reached
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *,
@@ -146,7 +157,16 @@ class LoaderStats:
         bound = self.input_bound
         if bound is not None:
             text.append(f"input-bound: {bound:.0%}")
+        from ._explain import ring_findings  # it reads this module's classes
+
+        text += ring_findings(self)
         return "\n".join(text)
+
+    def explain(self) -> str:
+        """One line per stage, counter and column of this snapshot saying what it means."""
+        from ._explain import explain
+
+        return "\n".join(explain(self))
 
 
 class _Stage:

@@ -1,21 +1,30 @@
 """Tuner: measure short trials of loader settings and recommend the smallest good one.
 
-Search (each trial is one ``measure_loader`` run of about ``trial_seconds``):
+Search (each trial is ``runs`` passes of about ``trial_seconds``, see ``_trial.py`` and NOTE
+[ Repeated measurement ] in ``_repeat.py``):
 
 1. ``num_workers=0`` once, then for each worker type the worker ladder 1, 2, 4, ... (up to
    twice the usable CPUs, since threads blocked on I/O or in GIL-free code can outnumber cores).
-   A type's ladder stops as soon as more workers stop helping (less than ``tolerance`` gain over
-   that type's best) or a trial goes over the memory budget (more workers only cost more).
+   A type's ladder stops as soon as more workers stop helping (the new trial is within the
+   noise of that type's best: their ranges overlap, or it gains less than ``tolerance``) or a
+   trial goes over the memory budget (more workers only cost more).
 2. Around the fastest trial: the other prefetch factors (None: the loader's default, which
    in gpufeed adapts to cheap batches), and ``pin_memory=True`` when CUDA is
    available (without a GPU pinning only costs).
 
 Memory per trial: peak PSS of the process tree (shared and pinned pages that are mapped count
 once, proportionally), growth of /dev/shm use, and pinned host bytes (CUDA only). A trial over
-any part of the :class:`Budget` is rejected. The recommendation is the *smallest* accepted
-configuration (fewest workers, then the default or lowest prefetch, no pinning, least memory)
-whose throughput is within ``tolerance`` of the best: extra workers that buy 2% cost RAM and CPU
-the training needs.
+any part of the :class:`Budget` is rejected.
+
+NOTE [ The recommendation ]: the fastest accepted trial (highest median) is the *best*; a trial
+is *within the noise* of it when their ranges of runs overlap or its median is within
+``tolerance`` of the best's. The recommendation is the *smallest* accepted trial within the
+noise (fewest workers, then the default or lowest prefetch, no pinning, least memory): extra
+workers that buy nothing measurable cost RAM and CPU the training needs. On a GIL-bound
+dataset thread workers stay at one core's speed while process workers scale to the cores, so
+process workers equal to the core count come out best and more add nothing: the rule picks them.
+With a ``step`` the rate is the training loop's, so configurations that keep up with the step
+are all within the noise of the best and the smallest of them wins.
 """
 
 from __future__ import annotations
@@ -26,7 +35,6 @@ import os
 import re
 import shutil
 import time
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,9 +44,12 @@ import psutil
 import torch
 
 from . import _measure
-from ._stats import format_table
+from ._repeat import LoadMonitor, MachineLoad, spreads_text
+from ._stats import format_table, human_bytes
+from ._trial import Trial, _kwargs_text, run_trial
 
-__all__ = ["Budget", "Trial", "TuneResult", "parse_bytes", "require_matplotlib", "tune"]
+__all__ = ["Budget", "Trial", "TuneResult", "choose", "parse_bytes", "require_matplotlib", "tune",
+           "within_noise"]
 
 log = logging.getLogger(__name__)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -94,38 +105,6 @@ class Budget:
 
 
 @dataclass(frozen=True)
-class Trial:
-    """One measured configuration. Bytes are peaks during the trial: ``peak_pss_bytes`` of the
-    process tree, ``shm_bytes`` the growth of /dev/shm use (machine-wide: other programs count
-    too), ``pinned_bytes`` with CUDA only. ``note`` says why a trial was rejected ("" if not)."""
-
-    num_workers: int
-    worker_type: str | None
-    prefetch_factor: int | None
-    pin_memory: bool
-    samples_per_s: float
-    first_batch_s: float
-    peak_pss_bytes: int
-    shm_bytes: int
-    pinned_bytes: int
-    accepted: bool
-    note: str = ""
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        """DataLoader keyword arguments of this configuration."""
-        out: dict[str, Any] = {"num_workers": self.num_workers}
-        if self.num_workers > 0:
-            out.update(worker_type=self.worker_type, prefetch_factor=self.prefetch_factor)
-        out["pin_memory"] = self.pin_memory
-        return out
-
-
-def _kwargs_text(kwargs: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-
-
-@dataclass(frozen=True)
 class TuneResult:
     """The measured table and the recommendation.
 
@@ -138,6 +117,7 @@ class TuneResult:
         budget: the limits the trials were held to.
         elapsed_s: wall time of the whole search.
         out_of_time: True when ``time_budget_s`` cut the search short.
+        machine: what other processes did meanwhile (``machine.busy``: the figures are noisy).
     """
 
     trials: tuple[Trial, ...]
@@ -148,6 +128,7 @@ class TuneResult:
     budget: Budget
     elapsed_s: float
     out_of_time: bool = False
+    machine: MachineLoad | None = None
 
     @property
     def kwargs_text(self) -> str:
@@ -160,83 +141,67 @@ class TuneResult:
                 "trials": [asdict(t) for t in self.trials],
                 "best": self.best.kwargs, "tolerance": self.tolerance,
                 "budget": asdict(self.budget), "elapsed_s": self.elapsed_s,
-                "out_of_time": self.out_of_time}
+                "out_of_time": self.out_of_time,
+                "machine": self.machine.to_dict() if self.machine else None,
+                "machine_busy": bool(self.machine and self.machine.busy)}
 
     def write_json(self, path: str | os.PathLike[str]) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     def __str__(self) -> str:
-        mib = 1 << 20
-        rows = [[t.worker_type or "-", t.num_workers,
-                 t.prefetch_factor or ("default" if t.num_workers else "-"),
-                 "yes" if t.pin_memory else "no", f"{t.samples_per_s:,.0f}",
-                 f"{t.peak_pss_bytes / mib:,.0f}", f"{t.shm_bytes / mib:,.0f}",
-                 ("* " if t is self.chosen else "") + (t.note or "ok")] for t in self.trials]
-        table = format_table(["type", "workers", "prefetch", "pin", "samples/s", "PSS MiB",
-                              "shm MiB", "result"], rows, left=2)
+        stepped = any(t.input_bound is not None for t in self.trials)
+        rows = []
+        for t in self.trials:
+            why = ("* " if t is self.chosen else "") + (t.note or (
+                "best" if t is self.best else "within noise of best"
+                if within_noise(t, self.best, self.tolerance) else "slower"))
+            row = [t.worker_type or "-", t.num_workers,
+                   t.prefetch_factor or ("default" if t.num_workers else "-"),
+                   "yes" if t.pin_memory else "no", t.spread.text() if t.accepted else "-"]
+            if stepped:
+                row.append("-" if t.input_bound is None else f"{t.input_bound:.0%}")
+            rows.append([*row, human_bytes(t.peak_pss_bytes), human_bytes(t.shm_bytes), why])
+        headers = ["type", "workers", "prefetch", "pin", "samples/s (range)",
+                   *(["input-bound"] if stepped else []), "PSS", "shm", "result"]
+        table = format_table(headers, rows, left=2)
         gain = self.best.samples_per_s / max(self.chosen.samples_per_s, 1e-9) - 1
-        return (f"gpufeed tune: {len(self.trials)} trials in {self.elapsed_s:.1f} s"
-                + (" (time budget reached)" if self.out_of_time else "") + f"\n{table}\n"
-                f"recommended (* above; the fastest is {gain:.1%} faster): "
-                f"DataLoader(dataset, batch_size=..., {self.kwargs_text})")
+        why = ("the fastest" if self.chosen is self.best else
+               f"the smallest within the noise of the fastest ({gain:.1%} faster, ranges "
+               "overlap or within tolerance)")
+        lines = [f"gpufeed tune: {len(self.trials)} trials in {self.elapsed_s:.1f} s, "
+                 f"{spreads_text([t.spread for t in self.trials if t.accepted])} each"
+                 + (" (time budget reached)" if self.out_of_time else ""), table]
+        if stepped:
+            lines.append("input-bound: share of the training loop spent waiting for data "
+                         "(0% = the loader keeps up with the step)")
+        if self.machine is not None:
+            lines.append(self.machine.summary)
+        lines.append(f"recommended (* above; {why}): "
+                     f"DataLoader(dataset, batch_size=..., {self.kwargs_text})")
+        return "\n".join(lines)
 
     def plot(self, path: str | os.PathLike[str]) -> None:
         """Samples/s against num_workers per worker type (needs matplotlib)."""
         plt = require_matplotlib()
         fig, ax = plt.subplots(figsize=(6, 4))
         for kind in sorted({t.worker_type or "-" for t in self.trials}):
-            pts = sorted((t.num_workers, t.samples_per_s) for t in self.trials
-                         if (t.worker_type or "-") in (kind, "-") and t.accepted)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=kind)
-        ax.set(xlabel="num_workers", ylabel="samples/s", title="gpufeed tune")
+            first: dict[int, Trial] = {}  # the ladder's trial at each count (prefetch pf0)
+            for t in self.trials:
+                if t.accepted and not t.pin_memory and (t.worker_type or "-") in (kind, "-"):
+                    first.setdefault(t.num_workers, t)
+            pts = sorted((n, t.spread.median, t.spread.lo, t.spread.hi)
+                         for n, t in first.items())
+            if pts:
+                ax.errorbar([p[0] for p in pts], [p[1] for p in pts],
+                            yerr=[[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]],
+                            marker="o", capsize=3, label=kind)
+        ax.plot([self.chosen.num_workers], [self.chosen.samples_per_s], marker="*",
+                markersize=16, linestyle="none", color="tab:red", label="recommended")
+        ax.set(xlabel="num_workers", ylabel="samples/s (median, range of runs)",
+               title="gpufeed tune")
         ax.legend()
-        fig.savefig(path, bbox_inches="tight")
+        fig.savefig(path, bbox_inches="tight", dpi=100)
         plt.close(fig)
-
-
-class _Peaks:
-    """``consume`` hook of a trial: runs the user's step, then samples /dev/shm use and pinned
-    bytes every batch, and the process tree's PSS once the warm-up is over and then every
-    ``pss_every_s`` (a sample costs a few ms: about 2% of a trial's time). This complements
-    ``measure_loader``'s sampler thread, which can miss the peak of a short trial."""
-
-    def __init__(self, step: Callable[[Any], object] | None, warmup: int,
-                 pss_every_s: float = 0.25) -> None:
-        self.step = step
-        self.shm0 = self.shm = self._shm_used()
-        self.pinned = self.pss = self.batches = 0
-        self.warmup, self.every, self.next_pss = warmup, pss_every_s, 0.0
-        self.cuda = torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats")
-
-    @staticmethod
-    def _shm_used() -> int:
-        try:
-            u = shutil.disk_usage("/dev/shm")
-        except OSError:
-            return 0
-        return u.total - u.free
-
-    def __call__(self, batch: Any) -> None:
-        if self.step is not None:
-            self.step(batch)
-        self.batches += 1
-        self.shm = max(self.shm, self._shm_used())
-        if self.cuda:
-            self.pinned = max(self.pinned, _pinned_bytes())
-        now = time.perf_counter()
-        if self.batches >= self.warmup and now >= self.next_pss:
-            self.pss = max(self.pss, _measure.process_tree_pss())
-            self.next_pss = now + self.every
-
-
-def _pinned_bytes() -> int:
-    """Pinned host bytes: torch's caching host allocator plus regions gpufeed registered
-    (``_pinning.registered_bytes()``, where the device module provides it)."""
-    from . import _pinning
-
-    registered = getattr(_pinning, "registered_bytes", None)
-    stats = torch.cuda.host_memory_stats()
-    return int(stats.get("allocated_bytes.current", 0)) + (int(registered()) if registered else 0)
 
 
 def _usable_cpus() -> int:
@@ -250,17 +215,19 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
          num_workers: Sequence[int] | None = None,
          prefetch_factors: Sequence[int | None] = (None, 4),
          pin_memory: Sequence[bool] | None = None, tolerance: float = 0.05,
-         trial_seconds: float = 2.0, time_budget_s: float = 120.0,
+         trial_seconds: float = 0.5, time_budget_s: float = 120.0,
          loader_factory: Callable[..., Iterable[Any]] | None = None,
-         progress: Callable[[Trial], None] | None = None) -> TuneResult:
+         progress: Callable[[Trial], None] | None = None, runs: int = 5,
+         target_spread: float = 0.05) -> TuneResult:
     """Measure loader settings on ``dataset`` and recommend the smallest good one.
 
     Args:
         dataset: the map-style or iterable dataset to load.
         batch_size: samples per batch, as in training.
         collate_fn: passed to the loader (None: its default).
-        step: called on every batch, as the training step would be; its time counts. None
-            measures the loader alone (the upper bound of what it can deliver).
+        step: called on every batch, as the training step would be; its time counts and each
+            trial reports the loop's input-bound share. None measures the loader alone (the
+            upper bound of what it can deliver).
         budget: a :class:`Budget`, or a memory limit in bytes (int or "8GiB"). None: 80% of
             the available RAM and free /dev/shm.
         worker_types: worker kinds to try: "process" (parallel Python, pickles the dataset)
@@ -271,18 +238,23 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
             while sweeping workers. None is the loader's default (gpufeed: at least 2, more
             for cheap batches; stock: 2). Deeper prefetch hides jitter and costs memory.
         pin_memory: values to try; None: (False, True) with CUDA, (False,) without.
-        tolerance: the recommendation is the smallest trial within this fraction of the best.
-        trial_seconds: timed seconds per trial (after warm-up). Longer is steadier, slower.
+        tolerance: a trial within this fraction of the best's median is within the noise even
+            when the ranges do not overlap (see NOTE [ The recommendation ]).
+        trial_seconds: timed seconds per run of a trial (after warm-up). Longer is steadier.
         time_budget_s: no trial starts after this many seconds; the result says so.
         loader_factory: builds a loader from (dataset, batch_size=..., num_workers=...,
             pin_memory=..., and with workers worker_type=..., prefetch_factor=...); default
             ``gpufeed.DataLoader``.
         progress: called with each finished :class:`Trial` (for progress bars).
+        runs: runs per trial (fewer, at least 3, once they agree within ``target_spread``).
+        target_spread: (fastest - slowest) / median of the runs that counts as steady.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance is a fraction in [0, 1), e.g. 0.05; got {tolerance!r}")
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise ValueError(f"runs must be a positive int (5 is the default), got {runs!r}")
     bad = [w for w in worker_types if w not in ("process", "thread")]
     if bad or not worker_types:
         raise ValueError(f"worker_types must name 'process' and/or 'thread', got {worker_types!r}")
@@ -304,6 +276,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
     pins = tuple(pin_memory) if pin_memory is not None else (
         (False, True) if torch.cuda.is_available() else (False,))
     t_start = time.perf_counter()
+    monitor = LoadMonitor(_usable_cpus()).start()
     trials: list[Trial] = []
     done: dict[tuple[Any, ...], Trial] = {}
     skipped: list[tuple[Any, ...]] = []
@@ -315,8 +288,8 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
         if trials and time.perf_counter() - t_start > time_budget_s:
             skipped.append(key)
             return None
-        trial = _run_trial(dataset, loader_factory, batch_size, collate_fn, step, budget,
-                           trial_seconds, *key)
+        trial = run_trial(dataset, loader_factory, batch_size, collate_fn, step, budget,
+                          trial_seconds, *key, runs=runs, target_spread=target_spread)
         done[key] = trial
         trials.append(trial)
         if progress is not None:
@@ -327,14 +300,16 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
     if 0 in ladder:
         run(0, None, None, pins[0])
     for kind in worker_types:
-        best_rate = 0.0
+        best: Trial | None = None
         for n in (n for n in ladder if n > 0):
             t = run(n, kind, pf0, pins[0])
             if t is None or not t.accepted:
                 break
-            if best_rate and t.samples_per_s < best_rate * (1 + tolerance):
+            if best is not None and (t.spread.overlaps(best.spread)
+                                     or t.samples_per_s < best.samples_per_s * (1 + tolerance)):
                 break  # more workers stopped helping
-            best_rate = max(best_rate, t.samples_per_s)
+            if best is None or t.samples_per_s > best.samples_per_s:
+                best = t
     accepted = [t for t in trials if t.accepted]
     if accepted:
         top = max(accepted, key=lambda t: t.samples_per_s)
@@ -343,51 +318,49 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
                 run(top.num_workers, top.worker_type, pf, pin)
     if skipped:
         log.warning("time_budget_s=%s reached: %d trial(s) not run", time_budget_s, len(skipped))
-    return _result(trials, tolerance, budget, time.perf_counter() - t_start, bool(skipped))
+    return _result(trials, tolerance, budget, time.perf_counter() - t_start, bool(skipped),
+                   monitor.stop())
 
 
-def _run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: int,
-               collate_fn: Callable[[Any], Any] | None, step: Callable[[Any], object] | None,
-               budget: Budget, seconds: float, n: int, kind: str | None, pf: int | None,
-               pin: bool) -> Trial:
-    kwargs: dict[str, Any] = {"batch_size": batch_size, "num_workers": n, "pin_memory": pin}
-    if collate_fn is not None:
-        kwargs["collate_fn"] = collate_fn
-    if n:
-        kwargs.update(worker_type=kind, prefetch_factor=pf)
-    warmup = max(2, n)
-    peaks = _Peaks(step, warmup)
-    try:
-        with warnings.catch_warnings():  # trying more workers than CPUs is the point here
-            warnings.filterwarnings("ignore", message="This DataLoader will create",
-                                    category=UserWarning)
-            m = _measure.measure_loader(lambda: factory(dataset, **kwargs), max_seconds=seconds,
-                                        warmup_batches=warmup, consume=peaks)
-    except Exception as exc:  # a failing configuration is a result, not the end of the search
-        log.warning("trial %s failed: %s: %s", _kwargs_text(kwargs), type(exc).__name__, exc)
-        return Trial(n, kind, pf, pin, 0.0, 0.0, 0, 0, 0, False,
-                     f"failed: {type(exc).__name__}: {exc}"[:200])
-    shm = max(0, peaks.shm - peaks.shm0)
-    pss = max(m.peak_pss_bytes, peaks.pss)
-    over = [f"{what} {have / 2**20:,.0f} MiB > {limit / 2**20:,.0f} MiB"
-            for what, have, limit in (("PSS", pss, budget.memory_bytes),
-                                      ("shm", shm, budget.shm_bytes),
-                                      ("pinned", peaks.pinned, budget.pinned_bytes))
-            if limit is not None and have > limit]
-    return Trial(n, kind, pf, pin, m.samples_per_s, m.first_batch_s, pss, shm,
-                 peaks.pinned, not over, ("over budget: " + ", ".join(over)) if over else "")
+def within_noise(t: Trial, best: Trial, tolerance: float) -> bool:
+    """Whether ``t`` cannot be told from ``best`` (see NOTE [ The recommendation ])."""
+    return t.accepted and (t.spread.overlaps(best.spread)
+                           or t.samples_per_s >= (1 - tolerance) * best.samples_per_s)
+
+
+def choose(trials: Sequence[Trial], tolerance: float) -> tuple[Trial, Trial]:
+    """(chosen, best) of NOTE [ The recommendation ]; raises when no trial was accepted."""
+    accepted = [t for t in trials if t.accepted]
+    if not accepted:
+        raise RuntimeError(_nothing_worked(trials))
+    best = max(accepted, key=lambda t: t.samples_per_s)
+    good = [t for t in accepted if within_noise(t, best, tolerance)]
+    chosen = min(good, key=lambda t: (t.num_workers, t.prefetch_factor or 0, t.pin_memory,
+                                      t.peak_pss_bytes))
+    return chosen, best
+
+
+def _nothing_worked(trials: Sequence[Trial]) -> str:
+    """Why no trial was accepted, with the fix that applies to it."""
+    notes = "; ".join(f"{_kwargs_text(t.kwargs)}: {t.note}" for t in trials[:3])
+    over = [t for t in trials if t.note.startswith("over budget")]
+    fixes = []
+    if over:
+        fixes.append("raise the budget (--budget-memory / --budget-shm / --budget-pinned, or "
+                     "budget=) or lower batch_size")
+    if len(over) < len(trials):
+        text = " ".join(t.note for t in trials)
+        ragged = any(s in text for s in ("stack expects each tensor to be equal size",
+                                          "resize", "equal size", "must match the size"))
+        fixes.append("samples of different sizes need a collate_fn that pads them "
+                     "(--collate MODULE:FUNCTION, or collate_fn=)" if ragged else
+                     "fix the error the trials raised (run one batch of the loader by hand "
+                     "to see its traceback)")
+    return f"no configuration worked ({notes}); " + "; ".join(fixes)
 
 
 def _result(trials: list[Trial], tolerance: float, budget: Budget, elapsed: float,
-            out_of_time: bool) -> TuneResult:
-    accepted = [t for t in trials if t.accepted]
-    if not accepted:
-        notes = "; ".join(f"{_kwargs_text(t.kwargs)}: {t.note}" for t in trials[:3])
-        raise RuntimeError(f"no configuration worked within the budget ({notes}); raise the "
-                           "budget, fix the failing trial, or try other num_workers")
-    best = max(accepted, key=lambda t: t.samples_per_s)
-    good = [t for t in accepted if t.samples_per_s >= (1 - tolerance) * best.samples_per_s]
-    chosen = min(good, key=lambda t: (t.num_workers, t.prefetch_factor or 0, t.pin_memory,
-                                      t.peak_pss_bytes))
+            out_of_time: bool, machine: MachineLoad | None = None) -> TuneResult:
+    chosen, best = choose(trials, tolerance)
     return TuneResult(tuple(trials), chosen.kwargs, chosen, best, tolerance, budget, elapsed,
-                      out_of_time=out_of_time)
+                      out_of_time=out_of_time, machine=machine)

@@ -1,0 +1,169 @@
+"""The system reads of ``gpufeed doctor``, one small function each, held by a :class:`Probe`
+(tests replace them), and the GPUs it finds (nvidia-smi, else sysfs, else torch)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["GpuInfo", "Probe", "cpulist", "query_gpus"]
+
+
+def _shm_usage() -> tuple[int, int] | None:
+    try:
+        usage = shutil.disk_usage("/dev/shm")
+    except OSError:
+        return None
+    return usage.total, usage.free
+
+
+def _cpu_quota() -> float | None:
+    """CPUs allowed by the cgroup v2 quota (``cpu.max``), None when unlimited or unknown."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _affinity() -> set[int] | None:
+    getter = getattr(os, "sched_getaffinity", None)
+    return set(getter(0)) if getter is not None else None
+
+
+def _memory() -> tuple[int, int]:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return vm.total, vm.available
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def _list_dir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def _nvidia_smi(args: list[str]) -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, *args], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _cuda_names() -> list[str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The system reads the doctor makes, one function each (replace any of them in tests)."""
+
+    shm: Callable[[], tuple[int, int] | None] = _shm_usage  # (total, free) bytes, None if absent
+    nofile: Callable[[], tuple[int, int]] = field(
+        default=lambda: resource.getrlimit(resource.RLIMIT_NOFILE))  # (soft, hard)
+    memlock: Callable[[], tuple[int, int]] = field(
+        default=lambda: resource.getrlimit(resource.RLIMIT_MEMLOCK))  # (soft, hard), -1 = inf
+    cpu_count: Callable[[], int | None] = os.cpu_count
+    affinity: Callable[[], set[int] | None] = _affinity
+    cpu_quota: Callable[[], float | None] = _cpu_quota
+    memory: Callable[[], tuple[int, int]] = _memory  # (total, available) bytes
+    read_text: Callable[[str], str | None] = _read_text  # for /sys files
+    list_dir: Callable[[str], list[str]] = _list_dir
+    nvidia_smi: Callable[[list[str]], str | None] = _nvidia_smi  # stdout, None if unavailable
+    cuda_names: Callable[[], list[str]] = _cuda_names  # torch's view, when the above find none
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """A GPU as the doctor sees it; PCIe figures are None when unknown."""
+
+    index: int
+    name: str
+    bus_id: str  # sysfs form, e.g. "0000:17:00.0"
+    gen: int | None = None
+    max_gen: int | None = None
+    width: int | None = None
+    max_width: int | None = None
+    numa_node: int | None = None
+
+
+_SMI_FIELDS = ("index,name,pci.bus_id,pcie.link.gen.current,pcie.link.gen.max,"
+               "pcie.link.width.current,pcie.link.width.max")
+_GTS_TO_GEN = {"2.5": 1, "5": 2, "8": 3, "16": 4, "32": 5, "64": 6}
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        return None
+
+
+def cpulist(text: str | None) -> set[int]:
+    """Parse a sysfs CPU list such as "0-3,8,10-11"."""
+    cpus: set[int] = set()
+    for part in (text or "").strip().split(","):
+        lo, _, hi = part.partition("-")
+        if lo.strip().isdigit():
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def query_gpus(probe: Probe) -> list[GpuInfo]:
+    """GPUs from nvidia-smi, else from /sys/bus/pci (NVIDIA display controllers)."""
+    gpus = []
+    out = probe.nvidia_smi([f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader,nounits"])
+    for line in (out or "").strip().splitlines():
+        f = [c.strip() for c in line.split(",")]
+        if len(f) != 7:
+            continue
+        dom, _, rest = f[2].lower().partition(":")
+        bus_id = f"{dom[-4:]}:{rest}"
+        gpus.append(GpuInfo(_int(f[0]) or 0, f[1], bus_id, _int(f[3]), _int(f[4]), _int(f[5]),
+                            _int(f[6])))
+    if out is None:
+        root = "/sys/bus/pci/devices"
+        for dev in probe.list_dir(root):
+            base = f"{root}/{dev}"
+            cls = (probe.read_text(f"{base}/class") or "").strip()
+            if (probe.read_text(f"{base}/vendor") or "").strip() != "0x10de" or not (
+                    cls.startswith(("0x0300", "0x0302"))):
+                continue
+
+            def gen(name: str, base: str = base) -> int | None:
+                return _GTS_TO_GEN.get((probe.read_text(f"{base}/{name}") or "").split(" ")[0]
+                                       .removesuffix(".0"))
+
+            width = _int(probe.read_text(f"{base}/current_link_width"))
+            max_width = _int(probe.read_text(f"{base}/max_link_width"))
+            device = (probe.read_text(f"{base}/device") or "?").strip()
+            gpus.append(GpuInfo(len(gpus), f"NVIDIA device {device}", dev,
+                                gen("current_link_speed"), gen("max_link_speed"), width, max_width))
+    if not gpus:  # e.g. no nvidia-smi in a container without /sys: names only
+        gpus = [GpuInfo(i, name, "") for i, name in enumerate(probe.cuda_names())]
+    return [GpuInfo(g.index, g.name, g.bus_id, g.gen, g.max_gen, g.width, g.max_width,
+                    _int(probe.read_text(f"/sys/bus/pci/devices/{g.bus_id}/numa_node"))
+                    if g.bus_id else None)
+            for g in gpus]
