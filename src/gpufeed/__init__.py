@@ -30,6 +30,7 @@
       _resume.py       Progress: state_dict / load_state_dict, epochs, resuming samplers
       _state.py        the state_dict format, its checks, dataset states
       _delivery.py     counting delivered batches; iterable datasets' worker turns
+      _packed.py       PackedList; the copy-on-write warning for Python lists
       _measure.py      measure_loader, PSS of the process tree
       _cli.py          gpufeed bench | tune | profile | doctor
       benchmarks/      python -m gpufeed.benchmarks [cpu|gpu]; the no-loader ceiling
@@ -43,6 +44,7 @@ from ._doctor import DoctorReport, Finding, diagnose
 from ._errors import WorkerError
 from ._gpu_transforms import Normalize
 from ._loader import DataLoader
+from ._packed import CopyOnWriteWarning, PackedList
 from ._profiler import Profiler, ProfileReport, profile
 from ._sampler import (
     SeededRandomSampler,
@@ -60,6 +62,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ArrayDataset",
     "Budget",
+    "CopyOnWriteWarning",
     "DataLoader",
     "DeviceIterator",
     "DeviceStats",
@@ -67,6 +70,7 @@ __all__ = [
     "Finding",
     "LoaderStats",
     "Normalize",
+    "PackedList",
     "PageableCopyWarning",
     "ProfileReport",
     "Profiler",
