@@ -40,7 +40,8 @@ def test_rows_become_one_array_and_ragged_rows_keep_lengths():
     np.testing.assert_array_equal(packed[2], np.float32(rows[2]))
     ragged = gpufeed.PackedList([[1, 2], [3], [], [4, 5, 6]])
     assert ragged.kind == "ragged" and [list(r) for r in ragged] == [[1, 2], [3], [], [4, 5, 6]]
-    assert not packed[0].flags.writeable  # rows are views into the shared buffer
+    packed[0][:] = 7  # a row is a copy: the shared buffer is never written
+    assert packed[0][0] == 0 and not packed._data.flags.writeable
 
 
 def test_bad_items_are_named():

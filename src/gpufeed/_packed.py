@@ -37,7 +37,7 @@ class PackedList(Sequence[Any]):
     ``items`` must be all ``str``, all ``bytes``, all numbers (``bool``, ``int`` or ``float``;
     one array), or all rows of numbers (lists, tuples or 1-D arrays: equal lengths become one
     2-D array, unequal ones one flat array plus offsets). ``packed[i]`` gives back a ``str``,
-    ``bytes``, Python number, or a read-only 1-D numpy array for a row; slices give a new
+    ``bytes``, Python number, or a 1-D numpy array (a copy) for a row; slices give a new
     ``PackedList``. No per-item Python object is kept, so forked workers that read it do not
     copy it (NOTE [ Copy-on-write and Python objects ]).
 
@@ -151,13 +151,13 @@ class PackedList(Sequence[Any]):
             raise IndexError(f"PackedList index {index} out of range for length {n}")
         kind = self._kind
         if self._offsets is None:
-            return self._data[i] if kind == "row" else self._data[i].item()
+            return self._data[i].copy() if kind == "row" else self._data[i].item()
         a, b = int(self._offsets[i]), int(self._offsets[i + 1])
         if kind == "str":
             return self._data[a:b].tobytes().decode()
         if kind == "bytes":
             return self._data[a:b].tobytes()
-        return self._data[a:b]
+        return self._data[a:b].copy()
 
     def _from_array(self, arr: np.ndarray) -> PackedList:
         out = PackedList.__new__(PackedList)
