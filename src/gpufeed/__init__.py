@@ -31,6 +31,8 @@
       _state.py        the state_dict format, its checks, dataset states
       _delivery.py     counting delivered batches; iterable datasets' worker turns
       _packed.py       PackedList; the copy-on-write warning for Python lists
+      _sources.py      batch sources: whole-batch reads; optional extras
+      _images.py       ImageFolder: JPEG folders, simplejpeg, crops seeded per sample
       _measure.py      measure_loader, PSS of the process tree
       _cli.py          gpufeed bench | tune | profile | doctor
       benchmarks/      python -m gpufeed.benchmarks [cpu|gpu]; the no-loader ceiling
@@ -43,6 +45,7 @@ from ._device import DeviceIterator, DeviceStats, PageableCopyWarning, to_device
 from ._doctor import DoctorReport, Finding, diagnose
 from ._errors import WorkerError
 from ._gpu_transforms import Normalize
+from ._images import ImageFolder
 from ._loader import DataLoader
 from ._packed import CopyOnWriteWarning, PackedList
 from ._profiler import Profiler, ProfileReport, profile
@@ -68,6 +71,7 @@ __all__ = [
     "DeviceStats",
     "DoctorReport",
     "Finding",
+    "ImageFolder",
     "LoaderStats",
     "Normalize",
     "PackedList",

@@ -47,8 +47,12 @@ class PackedList(Sequence[Any]):
             so values come back exactly; ``np.float32`` halves the memory of float rows).
     """
 
+    _kind: str
+    _data: np.ndarray
+    _offsets: np.ndarray | None
+
     def __init__(self, items: Iterable[Any], *, dtype: Any = None) -> None:
-        self._offsets: np.ndarray | None = None
+        self._offsets = None
         if isinstance(items, PackedList):
             self._kind, self._data, self._offsets = items._kind, items._data, items._offsets
             return
