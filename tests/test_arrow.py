@@ -72,7 +72,7 @@ def test_columns_without_a_fast_form_take_the_stock_path():
         "tokens": [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]],  # lengths differ
         "maybe": [1.0, None, 2.0, 3.0],
     }).with_format("numpy")
-    collate = lambda b: b  # noqa: E731
+    collate = lambda b: b
     want = list(DataLoader(ds, batch_size=2, collate_fn=collate))
     assert_equal(want, list(gpufeed.DataLoader(ds, batch_size=2, collate_fn=collate)))
     with pytest.raises(RuntimeError, match="equal size"):
@@ -83,7 +83,7 @@ def test_columns_without_a_fast_form_take_the_stock_path():
 
 def test_custom_collate_gets_the_stock_samples():
     ds = make().with_format("numpy")
-    collate = lambda b: [s["label"] for s in b]  # noqa: E731
+    collate = lambda b: [s["label"] for s in b]
     want = list(DataLoader(ds, batch_size=8, collate_fn=collate))
     assert list(gpufeed.DataLoader(ds, batch_size=8, collate_fn=collate, num_workers=2)) == want
 

@@ -33,6 +33,8 @@
       _packed.py       PackedList; the copy-on-write warning for Python lists
       _sources.py      batch sources: whole-batch reads; optional extras
       _images.py       ImageFolder: JPEG folders, simplejpeg, crops seeded per sample
+      _arrow.py        datasets.Dataset / pyarrow.Table: a batch from one take
+      _hdf5.py         HDF5Dataset: a handle per process, one sorted read per key
       _measure.py      measure_loader, PSS of the process tree
       _cli.py          gpufeed bench | tune | profile | doctor
       benchmarks/      python -m gpufeed.benchmarks [cpu|gpu]; the no-loader ceiling
@@ -45,6 +47,7 @@ from ._device import DeviceIterator, DeviceStats, PageableCopyWarning, to_device
 from ._doctor import DoctorReport, Finding, diagnose
 from ._errors import WorkerError
 from ._gpu_transforms import Normalize
+from ._hdf5 import HDF5Dataset
 from ._images import ImageFolder
 from ._loader import DataLoader
 from ._packed import CopyOnWriteWarning, PackedList
@@ -71,6 +74,7 @@ __all__ = [
     "DeviceStats",
     "DoctorReport",
     "Finding",
+    "HDF5Dataset",
     "ImageFolder",
     "LoaderStats",
     "Normalize",
