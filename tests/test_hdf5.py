@@ -92,11 +92,11 @@ def test_one_handle_per_process_never_across_fork(h5file):
 
 
 def test_faults_are_named(h5file, tmp_path, monkeypatch):
-    with pytest.raises(FileNotFoundError, match="nothing.h5"):
+    with pytest.raises(FileNotFoundError, match=r"nothing\.h5"):
         gpufeed.HDF5Dataset(tmp_path / "nothing.h5", ["x"])
     bad = tmp_path / "bad.h5"
     bad.write_bytes(b"not hdf5 at all" * 10)
-    with pytest.raises(OSError, match="bad.h5"):
+    with pytest.raises(OSError, match=r"bad\.h5"):
         gpufeed.HDF5Dataset(bad, ["x"])
     with pytest.raises(KeyError, match="no dataset 'nope'"):
         gpufeed.HDF5Dataset(h5file, ["labels", "nope"])
@@ -115,5 +115,5 @@ def test_file_removed_after_start_is_named(tmp_path):
         f["a"] = np.arange(8)
     ds = _hdf5.HDF5Dataset(path, ["a"])
     path.unlink()
-    with pytest.raises(Exception, match="gone.h5"):
+    with pytest.raises(Exception, match=r"gone\.h5"):
         list(gpufeed.DataLoader(ds, batch_size=4, num_workers=1))
