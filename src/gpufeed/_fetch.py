@@ -6,6 +6,7 @@ sample it is on, so that an exception is reported with the index that caused it.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -182,6 +183,24 @@ class IterFetcher:
         out = collate_into(samples, writer) if self.collate_fn is None else self.collate_fn(samples)
         self.collate_s = time.perf_counter() - t0
         return out
+
+
+def thread_copy(dataset: Any) -> Any:
+    """A thread worker's own shallow copy of an iterable dataset.
+
+    NOTE [ Iterable datasets in thread workers ]: a process worker iterates its own (forked or
+    pickled) copy of the dataset; many iterable datasets rely on it and keep their stream's
+    state on ``self`` in ``__iter__`` (litdata's ``StreamingDataset``: its worker's chunks,
+    reader and position). Thread workers therefore each get a shallow copy, which is also what
+    ``get_worker_info().dataset`` gives them (so a ``worker_init_fn`` that configures it
+    configures that worker's stream only, as under process workers). Attributes the copy shares
+    with the original (lists, buffers) are not copied: nested state mutated in place, rather
+    than rebound, stays shared. A dataset that cannot be copied is shared.
+    """
+    try:
+        return copy.copy(dataset)
+    except Exception:
+        return dataset
 
 
 def _alloc_for(writer: SlotWriter | None) -> Callable[[tuple[int, ...], Any], Any]:

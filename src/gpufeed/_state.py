@@ -28,6 +28,7 @@ delivered batch (``None``: it delivered none this epoch and starts its stream af
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict
 
@@ -171,11 +172,12 @@ def require_resumable(dataset: Any) -> None:
     """Raise ``TypeError`` naming the class when an iterable dataset has no ``state_dict`` and
     ``load_state_dict``: gpufeed cannot know where such a stream stood."""
     if isinstance(dataset, IterableDataset) and not (
-        hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")
+        stateful(dataset) and hasattr(dataset, "load_state_dict")
     ):
         raise TypeError(
             f"cannot save the position of {type(dataset).__name__}: an IterableDataset is resumed "
-            "through its own state_dict() and load_state_dict(state) methods, which it lacks; "
+            "through its own state_dict() and load_state_dict(state) methods, which it lacks "
+            "(or its state_dict needs arguments, as litdata's, made for its own loader); "
             "add them (returning plain Python values), or use a map-style Dataset"
         )
 
@@ -188,6 +190,25 @@ def capture_state(dataset: Any) -> Any:
     ``get_worker_info().id``), and ``load_state_dict`` (called in each worker with that worker's
     state) must set only the calling worker's; process workers each have their own copy.
     """
-    if isinstance(dataset, IterableDataset) and hasattr(dataset, "state_dict"):
+    if isinstance(dataset, IterableDataset) and stateful(dataset):
         return dataset.state_dict()
     return None
+
+
+_STATEFUL: dict[type, bool] = {}
+
+
+def stateful(dataset: Any) -> bool:
+    """Whether ``dataset.state_dict()`` can be called without arguments (cached per class)."""
+    cls = type(dataset)
+    known = _STATEFUL.get(cls)
+    if known is None:
+        method = getattr(dataset, "state_dict", None)
+        try:
+            known = method is not None and (inspect.signature(method).bind() is not None)
+        except TypeError:  # required arguments
+            known = False
+        except ValueError:  # no signature (a builtin): assume the protocol
+            known = True
+        _STATEFUL[cls] = known
+    return known
