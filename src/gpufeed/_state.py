@@ -191,7 +191,7 @@ def capture_state(dataset: Any) -> Any:
     state) must set only the calling worker's; process workers each have their own copy.
     """
     if isinstance(dataset, IterableDataset) and stateful(dataset):
-        return dataset.state_dict()
+        return dataset.state_dict()  # type: ignore[attr-defined]
     return None
 
 
