@@ -186,9 +186,11 @@ def capture_state(dataset: Any) -> Any:
     """Worker side, after each batch: the iterable dataset's ``state_dict()``, else ``None``.
 
     It runs once per batch, so a dataset's ``state_dict`` must be cheap (a few counters). Thread
-    workers share one dataset object: its state must then be kept per worker (keyed by
-    ``get_worker_info().id``), and ``load_state_dict`` (called in each worker with that worker's
-    state) must set only the calling worker's; process workers each have their own copy.
+    workers each iterate a shallow copy of the dataset (NOTE [ Iterable datasets in thread
+    workers ] in ``_fetch.py``): state kept in attributes rebound per worker is the worker's own;
+    state kept in a nested object mutated in place is shared and must be kept per worker (keyed
+    by ``get_worker_info().id``), with ``load_state_dict`` (called in each worker with that
+    worker's state) setting only the calling worker's. Process workers have their own copy.
     """
     if isinstance(dataset, IterableDataset) and stateful(dataset):
         return dataset.state_dict()  # type: ignore[attr-defined]
