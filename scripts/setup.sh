@@ -9,3 +9,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q -e ".[dev]"
+# litdata (tests of shard readers) depends on torchvision, which would replace torch: install it
+# without its dependencies, then the few it imports (its tests skip when it cannot be imported).
+"$PY" -m pip install -q --no-deps "litdata>=0.2"
+"$PY" -m pip install -q "lightning-utilities>=0.10" "filelock>=3" "boto3>=1" "obstore>=0.3" "tifffile>=2023" || true
