@@ -255,6 +255,8 @@ def _crop_resize(
         from PIL import Image
 
         box = (left, top, min(left + w, img.shape[1]), min(top + h, img.shape[0]))
-        out = np.asarray(Image.fromarray(img).resize((ow, oh), Image.Resampling.BILINEAR,
-                                                     box=box, reducing_gap=None))
+        img = np.ascontiguousarray(img)
+        src = Image.frombuffer("RGB", (img.shape[1], img.shape[0]), img, "raw", "RGB", 0, 1)
+        out = np.asarray(src.resize((ow, oh), Image.Resampling.BILINEAR, box=box,
+                                    reducing_gap=None))  # frombuffer: no copy of the image
     return out[:, ::-1] if flip else out
