@@ -114,3 +114,23 @@ def test_pyarrow_table_batches():
         assert_equal(want, got)
     samples = next(iter(gpufeed.DataLoader(table, batch_size=3, collate_fn=lambda b: b)))
     assert samples[1]["name"] == "n1" and samples[1]["y"] == 1
+
+
+def test_arrow_dataset_pads_lists_to_the_batch_maximum():
+    tokens = [[1, 2, 3], [4, 5], [6], [], [7, 8, 9, 10], [11]]
+    ds = datasets.Dataset.from_dict({"input_ids": tokens, "label": list(range(6))})
+    for data in (ds.with_format("torch"), ds.data.table):
+        padded = gpufeed.ArrowDataset(data, pad={"input_ids": -1})
+        for nw, wt in ((0, "process"), (2, "process"), (2, "thread")):
+            got = list(gpufeed.DataLoader(padded, batch_size=4, num_workers=nw, worker_type=wt))
+            assert [list(b) for b in got] == [["label", "input_ids", "input_ids_length"]] * 2
+            ids = torch.tensor([t + [-1] * (3 - len(t)) for t in tokens[:4]])
+            assert torch.equal(got[0]["input_ids"].long(), ids)  # Arrow's int dtype
+            assert got[1]["input_ids"].shape == (2, 4)  # this batch's own longest row
+            assert got[0]["input_ids_length"].tolist() == [3, 2, 1, 0]
+            assert torch.equal(got[1]["label"], torch.tensor([4, 5]))
+        assert padded[1]["label"] == 1 and list(padded[1]["input_ids"]) == [4, 5]
+    with pytest.raises(ValueError, match=r"lacks; it has \['input_ids', 'label'\]"):
+        gpufeed.ArrowDataset(ds, pad={"tokens": 0})
+    with pytest.raises(TypeError, match="not a list of numbers"):
+        gpufeed.ArrowDataset(ds, pad={"label": 0})

@@ -42,6 +42,7 @@
 
 from torch.utils.data import get_worker_info
 
+from ._arrow import ArrowDataset
 from ._datasets import ArrayDataset
 from ._device import DeviceIterator, DeviceStats, PageableCopyWarning, to_device
 from ._doctor import DoctorReport, Finding, diagnose
@@ -67,6 +68,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArrayDataset",
+    "ArrowDataset",
     "Budget",
     "CopyOnWriteWarning",
     "DataLoader",

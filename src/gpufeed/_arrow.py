@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import Dataset, default_collate
 
 from ._datasets import torch_dtype
-from ._sources import index_array
+from ._sources import index_array, require
 
 _FAST_FORMATS = (None, "numpy", "torch", "np", "pt")
 
@@ -169,3 +169,91 @@ def _numeric(typ: Any) -> bool:
 
 def _alloc(alloc: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype) if alloc is None else alloc(tuple(shape), dtype)
+
+
+class ArrowDataset(Dataset[Any]):
+    """A ``datasets.Dataset`` or ``pyarrow.Table`` whose variable-length list columns are
+    padded per batch.
+
+    ``dataset[i]`` and a user's ``collate_fn`` see the rows as the data gives them. With the
+    default collate, each column named in ``pad`` comes as a ``(B, longest row in the batch)``
+    tensor filled with its pad value, plus ``"<name>_length"`` (int64 row lengths), after the
+    other columns, which are batched as ``gpufeed.DataLoader(data)`` batches them (NOTE [ Arrow
+    batches ]). Needs ``pip install 'gpufeed[arrow]'``.
+
+    Args:
+        data: a ``datasets.Dataset`` (format none, numpy or torch) or a ``pyarrow.Table``.
+        pad: ``{column: pad value}`` for list-of-number columns, e.g. ``{"input_ids": 0}``.
+    """
+
+    def __init__(self, data: Any, *, pad: dict[str, Any] | None = None) -> None:
+        pa = require("pyarrow", "gpufeed.ArrowDataset")
+        self.data = data
+        self.pad = dict(pad or {})
+        hf = sys.modules.get("datasets")
+        self.hf = hf is not None and isinstance(data, hf.Dataset)
+        if not self.hf and not isinstance(data, pa.Table):
+            raise TypeError(f"ArrowDataset takes a datasets.Dataset or a pyarrow.Table, got "
+                            f"{type(data).__name__}")
+        names = data.column_names
+        missing = [c for c in self.pad if c not in names]
+        if missing:
+            raise ValueError(f"pad names columns {missing} that the data lacks; it has {names}")
+        for c in self.pad:
+            typ = (data.data if self.hf else data).schema.field(c).type
+            if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)) \
+                    or not _numeric(typ.value_type):
+                raise TypeError(f"pad column {c!r} is {typ}, not a list of numbers")
+        if self.hf:
+            self._rest = data.remove_columns(list(self.pad)) if self.pad else data
+            self._padded = data.with_format("arrow", columns=list(self.pad))
+        else:
+            self._rest = data.drop_columns(list(self.pad))
+            self._padded = data.select(list(self.pad))
+        self._source: ArrowSource | None = None
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.gpufeed_samples([index], seed=None, epoch=0)[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        return self.gpufeed_samples(indices, seed=None, epoch=0)
+
+    def gpufeed_samples(self, indices: Sequence[int], *, seed: int | None, epoch: int) -> Any:
+        idx = index_array(indices)
+        if self.hf:
+            return self.data.__getitems__(idx.tolist())
+        return self.data.take(idx).to_pylist()
+
+    def gpufeed_batch(self, indices: Sequence[int], *, seed: int | None, epoch: int,
+                      alloc: Any) -> Any:
+        idx = index_array(indices)
+        if self._source is None:
+            self._source = ArrowSource(self._rest, hf=self.hf)
+        out = dict(self._source.gpufeed_batch(indices, seed=seed, epoch=epoch, alloc=alloc)) \
+            if self._rest.num_columns else {}
+        rows = self._padded[idx.tolist()] if self.hf else self._padded.take(idx)
+        for name, value in self.pad.items():
+            col = rows.column(name).combine_chunks()
+            lengths = pa_lengths(col)
+            flat = col.flatten().to_numpy(zero_copy_only=False)
+            width = int(lengths.max()) if len(lengths) else 0
+            dst = _alloc(alloc, (len(idx), width), torch_dtype(flat.dtype))
+            arr = dst.numpy()
+            arr.fill(value)
+            starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+            arr[np.repeat(np.arange(len(idx)), lengths), np.arange(len(flat)) - starts] = flat
+            n = _alloc(alloc, (len(idx),), torch.int64)
+            n.numpy()[:] = lengths
+            out[name], out[f"{name}_length"] = dst, n
+        return out
+
+
+def pa_lengths(col: Any) -> np.ndarray:
+    """Row lengths of a list array (null rows count as empty)."""
+    import pyarrow as pa
+
+    return np.asarray(pa.compute.fill_null(pa.compute.list_value_length(col), 0)
+                      .to_numpy(zero_copy_only=False), dtype=np.int64)
