@@ -1,5 +1,7 @@
 """Hugging Face datasets and pyarrow Tables: one take per batch, the stock loader's batches."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -134,3 +136,10 @@ def test_arrow_dataset_pads_lists_to_the_batch_maximum():
         gpufeed.ArrowDataset(ds, pad={"tokens": 0})
     with pytest.raises(TypeError, match="not a list of numbers"):
         gpufeed.ArrowDataset(ds, pad={"label": 0})
+
+
+def test_missing_extra_names_it(monkeypatch):
+    ds = make()
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(ImportError, match=r"pip install 'gpufeed\[arrow\]'"):
+        gpufeed.ArrowDataset(ds, pad={"x": 0})

@@ -7,7 +7,7 @@
       _iterator.py     the iterator over workers: dispatch, chunking, order, epochs
       _pool.py         process and thread workers: start, talk, watch, stop
       _worker.py       the worker loop and its messages
-      _fetch.py        one batch: vectorised gather, __getitems__, or sample by sample
+      _fetch.py        one batch: batch source, vectorised gather, __getitems__, or per sample
       _collate.py      collating straight into a slot; packing and unpacking leaves
       _ring.py         the slot ring: shared memory, free list, byte budget, lifetimes
       _datasets.py     ArrayDataset and the vectorised gather

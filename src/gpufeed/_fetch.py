@@ -1,4 +1,4 @@
-"""Fetching one batch: vectorised gather, ``__getitems__``, or one sample at a time.
+"""Fetching one batch: a batch source, vectorised gather, ``__getitems__``, or sample by sample.
 
 A fetcher runs inside a worker (or the main process when ``num_workers=0``). It records which
 sample it is on, so that an exception is reported with the index that caused it.
