@@ -1,5 +1,6 @@
 """PackedList: list semantics from one buffer; the copy-on-write warning at process start."""
 
+import os
 import pickle
 import sys
 import warnings
@@ -108,3 +109,39 @@ def test_packed_dataset_batches_equal_the_list_ones():
     assert len(got) == len(want)
     for w, g in zip(want, got, strict=True):
         assert torch.equal(w.double(), g.double())
+
+
+def _private_dirty_kb() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith("Private_Dirty"))
+
+
+def _child_growth_kb(items) -> int:
+    """Private memory a forked child gains by reading every item (copy-on-write copies)."""
+    r, w = os.pipe()
+    with warnings.catch_warnings():  # Python 3.12+: fork with threads alive warns
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        try:
+            before = _private_dirty_kb()
+            total = 0
+            for i in range(len(items)):
+                total += len(items[i])
+            os.write(w, str(_private_dirty_kb() - before).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    got = int(os.read(r, 64))
+    os.close(r)
+    return got
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs Linux smaps")
+def test_forked_reader_copies_a_list_but_not_a_packed_list():
+    strings = [f"caption number {i} of the set" for i in range(300_000)]
+    packed = gpufeed.PackedList(strings)
+    listed = _child_growth_kb(strings)
+    assert listed > 8_000  # ~20 MB of str objects: their refcounts were written
+    assert _child_growth_kb(packed) < listed / 10
