@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, Seque
 import gpufeed
 from gpufeed import _resume
 from gpufeed._delivery import Delivered, DeliveryTracker, ResumePoint, WorkerStates, numbered
-from gpufeed._resume import GLOBAL_RNG, Progress, prepare_resume, sampler_state_of
+from gpufeed._resume import Progress, prepare_resume, sampler_state_of
 from gpufeed._sampler import SeededRandomSampler, ShardedSampler
 from gpufeed._state import capture_state, check_state, make_state, require_resumable
 from resume_checker import Case, RandomTransformDataset, ShardedStream, check_many, leaves
@@ -44,12 +45,27 @@ def test_state_round_trips_through_torch_save_weights_only():
 @pytest.mark.parametrize(("key", "value", "message"), [
     ("dataset_len", 11, "saved with dataset_len=10 but this loader has dataset_len=11"),
     ("world_size", 4, "saved with world_size=2 but this loader has world_size=4"),
-    ("rank", 0, "saved with rank=1 but this loader has rank=0; load the state file this rank"),
     ("batch_size", 8, "saved with batch_size=4 but this loader has batch_size=8"),
 ])
 def test_check_state_names_both_values(key, value, message):
     with pytest.raises(ValueError, match=message):
         check_state(_state(), **{**CURRENT, key: value})
+
+
+@pytest.mark.parametrize(("changes", "reason"), [
+    (dict(dataset_state={"num_workers": 2, "workers": [None, None]}),
+     "iterable dataset's per-worker stream positions"),
+    (dict(delivered_ahead=[5]), r"out of order \(in_order=False\)"),
+    (dict(sampler_state={"epoch_seed": 3}), "shuffle seed this rank drew"),
+    (dict(sampler_state={"generator_state": [1, 2]}), "sampler's own state"),
+])
+def test_another_ranks_state_loads_only_when_it_does_not_depend_on_the_rank(changes, reason):
+    """Frameworks save rank 0's loader state only and every rank loads it."""
+    assert check_state(_state(), **{**CURRENT, "rank": 0})["rank"] == 1  # map-style, seeded
+    assert check_state(_state(sampler_state={"unrewindable": "x"}), **{**CURRENT, "rank": 0})
+    with pytest.raises(ValueError, match=f"this loader is rank 0 but the state was saved by "
+                                         f"rank 1, and it .*{reason}"):
+        check_state(_state(**changes), **{**CURRENT, "rank": 0})
 
 
 def test_check_state_num_workers_binds_only_iterable_datasets():
@@ -160,7 +176,7 @@ def test_prepare_resume_user_sampler_skips_in_the_plan():
     assert list(numbered(batches, point)) == [(2, [8, 9])]
     assert sampler_state_of(SeededRandomSampler(range(3), seed=0)) is None
     assert sampler_state_of(SequentialSampler(range(3))) is None
-    assert sampler_state_of(RandomSampler(range(3))) is GLOBAL_RNG
+    assert sampler_state_of(RandomSampler(range(3))) is None  # its seed is recorded when drawn
 
 
 def test_stock_random_sampler_with_a_generator_resumes():
@@ -584,3 +600,81 @@ def test_load_state_dict_reseeds_persistent_workers(worker_type):
     list(loader)  # its workers run with seed 8
     loader.load_state_dict(state)
     assert [leaves(b) for b in loader] == want
+
+
+@integrated
+@pytest.mark.parametrize("kind", [dict(), dict(num_workers=2, worker_type="thread"),
+                                  dict(num_workers=2, in_order=False),
+                                  dict(num_workers=1, persistent_workers=True),
+                                  dict(batch_size=None)],
+                         ids=["single", "threads", "processes-any-order", "persistent",
+                              "unbatched"])
+def test_stock_shuffle_without_seed_resumes_exactly(kind, tmp_path):
+    """shuffle=True without seed= (torch's RandomSampler on the global generator): the order
+    (compared by sample index) is stock's, and the seed the epoch drew is saved, so a resume
+    in another global-RNG state delivers exactly the rest of the epoch (NOTE [ Rewinding
+    samplers ])."""
+    kind = {"batch_size": 3, **kind}
+    dataset = RandomTransformDataset(14)
+    torch.manual_seed(21)
+    stock = [b[0].flatten().tolist() for b in torch.utils.data.DataLoader(
+        dataset, shuffle=True, **{k: v for k, v in kind.items() if k != "worker_type"})]
+    torch.manual_seed(21)
+    loader = gpufeed.DataLoader(dataset, shuffle=True, **kind)
+    it = iter(loader)
+    head = [next(it)[0].flatten().tolist() for _ in range(2)]
+    state = loader.state_dict()
+    assert set(state["sampler_state"]) == {"epoch_seed"}
+    torch.save(state, tmp_path / "s.pt")
+    rest_of_run = [b[0].flatten().tolist() for b in it]
+    del it
+    torch.manual_seed(99)  # another run: its global generator is elsewhere
+    fresh = gpufeed.DataLoader(dataset, shuffle=True, **kind)
+    fresh.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    rest = [b[0].flatten().tolist() for b in fresh]
+    if kind.get("in_order", True):
+        assert head + rest_of_run == stock and rest == rest_of_run
+    else:
+        assert sorted(head + rest) == sorted(stock)
+
+
+@integrated
+def test_unrewindable_sampler_state_warns_once_and_restarts_the_epoch():
+    order = [5, 3, 0, 4, 1, 2]
+    sampler = iter(order)  # a one-shot iterable: nothing can replay it
+    loader = gpufeed.DataLoader(RandomTransformDataset(6), batch_size=2, sampler=sampler)
+    it = iter(loader)
+    next(it)
+    with pytest.warns(UserWarning, match="cannot be resumed exactly: its sampler list_iterator"):
+        state = loader.state_dict()
+    assert state["sampler_state"]["unrewindable"].startswith("its sampler list_iterator")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader.state_dict()  # once per loader
+    fresh = gpufeed.DataLoader(RandomTransformDataset(6), batch_size=2, sampler=order)
+    with pytest.warns(UserWarning, match=r"cannot resume epoch 0 at batch 1: .* The epoch "
+                                         r"restarts from its first batch, so the batches "
+                                         r"already delivered \(1\) come again"):
+        fresh.load_state_dict(state)
+    assert [b[0].flatten().tolist() for b in fresh] == [[5, 3], [0, 4], [1, 2]]
+    del it
+
+
+@integrated
+def test_stock_shuffle_without_seed_resumes_in_a_later_epoch_of_persistent_workers():
+    def make():
+        return gpufeed.DataLoader(RandomTransformDataset(10), batch_size=3, shuffle=True,
+                                  num_workers=1, persistent_workers=True)
+
+    loader = make()
+    list(loader)  # epoch 0
+    it = iter(loader)  # epoch 1 on the same workers (the iterator's _reset)
+    head = next(it)[0].flatten().tolist()
+    state = loader.state_dict()
+    rest_of_run = [b[0].flatten().tolist() for b in it]
+    fresh = make()
+    fresh.load_state_dict(state)
+    rest = [b[0].flatten().tolist() for b in fresh]
+    assert state["epoch"] == 1 and rest == rest_of_run
+    assert sorted(head + [i for b in rest for i in b]) == list(range(10))
+    del it

@@ -28,6 +28,7 @@
       _shards.py       rank and world size; sharding iterable datasets by (rank, worker)
       _seeding.py      per-sample random state from (seed, epoch, index)
       _resume.py       Progress: state_dict / load_state_dict, epochs, resuming samplers
+      _rewind.py       replaying a sampler's epoch: recorded seeds, unrewindable ones
       _state.py        the state_dict format, its checks, dataset states
       _delivery.py     counting delivered batches; iterable datasets' worker turns
       _packed.py       PackedList; the copy-on-write warning for Python lists

@@ -48,12 +48,15 @@ class ResumePoint(NamedTuple):
         done: batches ``0 .. done-1`` of its plan were delivered already.
         ahead: later batch numbers delivered already (``in_order=False`` only).
         seeked: the sampler itself starts at batch ``done`` (nothing to drop from the plan).
+        epoch_seed: the seed a ``RandomSampler`` on the global generator shuffles this epoch
+            with (NOTE [ Rewinding samplers ] in ``_rewind.py``); ``None``: drawn afresh.
     """
 
     epoch: int
     done: int = 0
     ahead: tuple[int, ...] = ()
     seeked: bool = False
+    epoch_seed: int | None = None
 
 
 class WorkerStates(NamedTuple):
@@ -123,6 +126,8 @@ class DeliveryTracker:
         self.ahead = set() if iterable else {n for n in point.ahead if n >= point.done}
         self.direct = direct
         self.finished = False
+        self.epoch_seed: Any = None  # an ``_rewind.EpochSeed`` for loaders that slice the
+        # order themselves (``_plan.make_plan``), set by whoever builds the tracker
         self.worker_states: dict[int, Any] = {}
         self.next_worker = 0
         if resumed is not None:

@@ -131,7 +131,8 @@ class WorkerIter(BaseIter):
         if not self._is_iterable and not point.ahead and plannable(self._index_sampler):
             shared = self._loader.worker_type == "process"
             skip = 0 if point.seeked else point.done
-            self._plan = make_plan(self._index_sampler, shared=shared, skip=skip)
+            self._plan = make_plan(self._index_sampler, shared=shared, skip=skip,
+                                   epoch_seed=self._tracker.epoch_seed)
             for w in range(self._nw):
                 self._pool.send(w, ("plan", self._gen, self._plan))
             self._stock_pulls(0)

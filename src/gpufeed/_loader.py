@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import select
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -65,7 +66,10 @@ class DataLoader(_TorchDataLoader):
 
     ``state_dict()`` / ``load_state_dict()`` save and restore the position of the batches
     delivered to you (not those prefetched), the epoch and the seed: a resumed loader yields
-    exactly the batches an uninterrupted one would have, whatever its ``num_workers``.
+    exactly the batches an uninterrupted one would have, whatever its ``num_workers``. Without
+    ``seed=``, a stock shuffle's epoch seed is saved; a sampler that cannot be rewound gives a
+    state that says so (NOTE [ Rewinding samplers ] in ``_rewind.py``). Loaders pickle and
+    ``copy.deepcopy`` like torch's (not while persistent workers run).
     """
 
     def __init__(
@@ -129,7 +133,10 @@ class DataLoader(_TorchDataLoader):
             raise ValueError("device_transform needs device=, e.g. device='cuda'")
         if deterministic is not None and not isinstance(deterministic, bool):
             raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
-        self.rank, self.world_size, distributed = resolve_world(rank, world_size)
+        # Private, read through properties: frameworks that rebuild a loader from its public
+        # attributes (Lightning's distributed sampler injection) must not pin the rank and
+        # world size resolved before torch.distributed was initialised.
+        self._rank, self._world_size, distributed = resolve_world(rank, world_size)
         self.deterministic = seed is not None if deterministic is None else deterministic
         self.seed = (
             resolve_seed(seed, generator, distributed=distributed)
@@ -157,6 +164,65 @@ class DataLoader(_TorchDataLoader):
         self.device_depth = device_depth
         self._recorder = StatsRecorder()
         self._progress = Progress()
+        self._prepared = False  # see _is_accelerate_prepared
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the loaders that share the dataset (0 without sharding)."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks share the dataset (1 without sharding)."""
+        return self._world_size
+
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        """Read by ``accelerate.Accelerator.prepare_data_loader`` before it rebuilds a loader.
+
+        Accelerate (1.x) rebuilds every ``torch.utils.data.DataLoader`` it prepares as a stock
+        one, from the batch sampler and the stock arguments, and offers no hook to build
+        another class. gpufeed's ring, thread workers, device stage, seed, stats and state
+        would be gone silently, so this warns at ``prepare`` time with the pattern that keeps
+        gpufeed (tested in ``tests/test_frameworks.py``).
+        """
+        if not self._prepared:
+            warnings.warn(
+                "accelerator.prepare(loader) rebuilds a gpufeed.DataLoader as a stock "
+                "torch.utils.data.DataLoader: gpufeed's ring, thread workers, device stage, "
+                "seed, stats and state_dict are dropped. To keep them, build the gpufeed loader "
+                "after Accelerator() (it then shards by rank itself) with "
+                "device=accelerator.device, and do not pass it to prepare()",
+                stacklevel=3,
+            )
+        return self._prepared
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        self._prepared = bool(value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle / ``copy.deepcopy`` the loader's configuration, as torch's DataLoader does.
+
+        The copy iterates to the batches the original would give from its next ``iter()``
+        (same sampler and generator states, epoch, seed, loaded state, stats so far); an epoch
+        in progress is not carried (as in torch, whose copy starts a new iterator). Like torch,
+        a loader whose persistent workers are running cannot be copied.
+        """
+        state = dict(self.__dict__)
+        iterator = state.get("_iterator")
+        if iterator is not None:
+            if not getattr(iterator, "_closed", False):
+                raise NotImplementedError(
+                    f"{type(self).__name__} with persistent_workers=True cannot be pickled or "
+                    "copied once it has started iterating (its workers are running), as with "
+                    "torch's DataLoader; copy it before the first iter(), or build a new one"
+                )
+            state["_iterator"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)  # bypasses DataLoader.__setattr__'s "already initialized"
 
     def state_dict(self) -> dict[str, Any]:
         """The position of the batches delivered so far, the epoch and the seed, as plain

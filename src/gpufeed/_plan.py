@@ -53,11 +53,15 @@ def plannable(batch_sampler: Any) -> bool:
     return type(s) is RandomSampler and not s.replacement and s._num_samples is None
 
 
-def make_plan(batch_sampler: BatchSampler, *, shared: bool, skip: int = 0) -> IndexPlan:
+def make_plan(
+    batch_sampler: BatchSampler, *, shared: bool, skip: int = 0, epoch_seed: Any = None
+) -> IndexPlan:
     """Draw the epoch's order as the stock sampler would at its first ``next()``.
 
     ``skip``: batches to leave out at the start (a resume; ``_resume.prepare_resume``). gpufeed's
-    samplers know it themselves, from their ``seek``.
+    samplers know it themselves, from their ``seek``. ``epoch_seed``: the tracker's
+    ``_rewind.EpochSeed`` for a ``RandomSampler`` on the global generator, which draws (and
+    records) or replays the epoch's seed (NOTE [ Rewinding samplers ]).
     """
     s = batch_sampler.sampler
     bs = batch_sampler.batch_size
@@ -68,7 +72,8 @@ def make_plan(batch_sampler: BatchSampler, *, shared: bool, skip: int = 0) -> In
     else:
         n = len(s.data_source)  # type: ignore[attr-defined]
         if type(s) is RandomSampler:
-            perm = torch.randperm(n, generator=_generator(s))
+            generator = epoch_seed.generator() if epoch_seed is not None else _generator(s)
+            perm = torch.randperm(n, generator=generator)
         start = skip * bs
         if start:
             perm = torch.arange(n) if perm is None else perm

@@ -5,28 +5,32 @@ The pieces (each module's docstring has the details):
 - ``_state.py``: the ``state_dict()`` format, its checks, and what an iterable dataset provides;
 - ``_delivery.py``: where an epoch starts and which batches reached the user
   (NOTE [ Delivery tracking ], NOTE [ Iterable resume ]);
+- ``_rewind.py``: what replays each kind of sampler's epoch (NOTE [ Rewinding samplers ]);
 - this module: :class:`Progress` (the loader's ``state_dict``/``load_state_dict``/``set_epoch``
   and each epoch's start delegate to it) and :func:`prepare_resume` (seek or replay the sampler).
 
-The names of the other two are re-exported here.
+The names of ``_state.py`` and ``_delivery.py`` are re-exported here.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-from torch.utils.data import (
-    BatchSampler,
-    IterableDataset,
-    RandomSampler,
-    SubsetRandomSampler,
-    WeightedRandomSampler,
-)
+from torch.utils.data import BatchSampler, IterableDataset
 
 from ._delivery import Delivered, DeliveryTracker, ResumePoint, WorkerStates, numbered
-from ._sampler import SeededRandomSampler, ShardedSampler
+from ._rewind import (
+    EPOCH_SEED,
+    UNREWINDABLE,
+    EpochSeed,
+    draws_epoch_seed,
+    inner_sampler,
+    is_ours,
+    restore_sampler,
+    sampler_state_of,
+)
 from ._state import (
     STATE_VERSION,
     LoaderState,
@@ -37,7 +41,6 @@ from ._state import (
 )
 
 __all__ = [
-    "GLOBAL_RNG",
     "STATE_VERSION",
     "Delivered",
     "DeliveryTracker",
@@ -81,10 +84,32 @@ def prepare_resume(
             epoch, done, ahead = epoch + 1, 0, []
     if iterable:  # batches are counted, not numbered (NOTE [ Iterable resume ])
         return ResumePoint(epoch, done, (), seeked=True)
-    point = ResumePoint(epoch, done, tuple(ahead))
     sampler = inner_sampler(index_sampler)
-    _restore_sampler(sampler, state["sampler_state"])
-    if _ours(sampler):
+    sampler_state, epoch_seed = state["sampler_state"], None
+    if isinstance(sampler_state, dict) and UNREWINDABLE in sampler_state:
+        if done or ahead:
+            warnings.warn(
+                f"cannot resume epoch {epoch} at batch {done}: {sampler_state[UNREWINDABLE]}. "
+                "The epoch restarts from its first batch, so the batches already delivered "
+                f"({done + len(ahead)}) come again",
+                stacklevel=4,
+            )
+            done, ahead = 0, []
+        sampler_state = None
+    elif isinstance(sampler_state, dict) and EPOCH_SEED in sampler_state:
+        if epoch == state["epoch"]:  # a rolled-over state's next epoch draws its own seed
+            if not draws_epoch_seed(sampler):
+                raise ValueError(
+                    "cannot resume: the state was saved by a loader that shuffled from torch's "
+                    f"global random generator (shuffle=True without seed=), but this one orders "
+                    f"its epochs with {type(sampler).__name__}; resume with the same shuffle, "
+                    "sampler, generator and seed arguments"
+                )
+            epoch_seed = int(sampler_state[EPOCH_SEED])
+        sampler_state = None
+    point = ResumePoint(epoch, done, tuple(ahead), epoch_seed=epoch_seed)
+    restore_sampler(sampler, sampler_state)
+    if is_ours(sampler):
         if index_sampler is sampler:
             sampler.seek(epoch, done)
             return point._replace(seeked=True)
@@ -94,49 +119,6 @@ def prepare_resume(
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
     return point
-
-
-def inner_sampler(index_sampler: Any) -> Any:
-    """The sampler that orders an epoch: a ``BatchSampler``'s sampler, else the object itself."""
-    return index_sampler.sampler if isinstance(index_sampler, BatchSampler) else index_sampler
-
-
-_STOCK_RANDOM = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
-GLOBAL_RNG: Any = "<drawn from torch's global RNG>"  # sampler state that cannot be saved
-
-
-def sampler_state_of(sampler: Any) -> Any:
-    """What restores ``sampler`` to the start of an epoch; take it when the epoch starts.
-
-    A sampler's own ``state_dict()``; for torch's random samplers, their generator's state (as a
-    list of ints), or :data:`GLOBAL_RNG` when they draw from torch's global RNG, which cannot
-    be restored; ``None`` for gpufeed's samplers (they seek) and deterministic samplers.
-    """
-    if _ours(sampler):
-        return None
-    state_dict = getattr(sampler, "state_dict", None)
-    if callable(state_dict):
-        return state_dict()
-    if isinstance(sampler, _STOCK_RANDOM):
-        if sampler.generator is None:
-            return GLOBAL_RNG
-        return {"generator_state": sampler.generator.get_state().tolist()}
-    return None
-
-
-def _restore_sampler(sampler: Any, state: Any) -> None:
-    if state is None:
-        return
-    if isinstance(sampler, _STOCK_RANDOM) and isinstance(state, dict) and (
-        sampler.generator is not None and "generator_state" in state
-    ):
-        sampler.generator.set_state(torch.tensor(state["generator_state"], dtype=torch.uint8))
-    elif hasattr(sampler, "load_state_dict"):
-        sampler.load_state_dict(state)
-
-
-def _ours(sampler: Any) -> bool:
-    return isinstance(sampler, (ShardedSampler, SeededRandomSampler))
 
 
 def _len(obj: Any) -> int | None:
@@ -159,11 +141,18 @@ class Progress:
         self.pending: ResumePoint | None = None  # a loaded state, for the next __iter__
         self.pending_dataset: WorkerStates | None = None
         self.tracker: DeliveryTracker | None = None
-        self.sampler_state: Any = None
+        self.sampler_state: Any = None  # sampler_state of the epoch in progress
+        self.warned = False  # the "cannot be rewound" warning was given
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copied loader starts its next epoch afresh: the epoch in progress stays here."""
+        state = dict(self.__dict__)
+        state["tracker"] = None
+        return state
 
     def next_epoch(self, loader: Any) -> int:
         sampler = inner_sampler(loader._index_sampler)
-        return int(sampler.epoch) if _ours(sampler) else self.epoch
+        return int(sampler.epoch) if is_ours(sampler) else self.epoch
 
     def set_epoch(self, loader: Any, epoch: int) -> None:
         """``loader.set_epoch``: the epoch of the next ``__iter__`` (drops a loaded state)."""
@@ -171,7 +160,7 @@ class Progress:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         self.pending = self.pending_dataset = None
         sampler = inner_sampler(loader._index_sampler)
-        if _ours(sampler):
+        if is_ours(sampler):
             sampler.set_epoch(epoch)
         self.epoch = epoch
 
@@ -179,17 +168,25 @@ class Progress:
         """Called once per epoch by the iterator; draw indices from ``tracker.indices``."""
         point, self.pending = self.pending, None
         sampler = inner_sampler(loader._index_sampler)
-        if point is not None and _ours(sampler) and sampler.epoch != point.epoch:
+        if point is not None and is_ours(sampler) and sampler.epoch != point.epoch:
             point = None  # sampler.set_epoch() chose another epoch after the load: start it
         if point is None:
             point, self.pending_dataset = ResumePoint(self.next_epoch(loader)), None
         self.epoch = point.epoch + 1
-        self.sampler_state = sampler_state_of(sampler)
+        iterable = isinstance(loader.dataset, IterableDataset)  # no order: its stream resumes
+        self.sampler_state = None if iterable else sampler_state_of(sampler)
+        plan, epoch_seed = loader._index_sampler, None
+        if draws_epoch_seed(sampler):  # NOTE [ Rewinding samplers ], case 4
+            epoch_seed = EpochSeed(point.epoch_seed, self._record_epoch_seed)
+            plan = epoch_seed.plan(plan, sampler)
         self.tracker = DeliveryTracker(
-            point, loader._index_sampler, direct=direct,
-            iterable=isinstance(loader.dataset, IterableDataset), resumed=self.pending_dataset,
+            point, plan, direct=direct, iterable=iterable, resumed=self.pending_dataset,
         )
+        self.tracker.epoch_seed = epoch_seed
         return self.tracker
+
+    def _record_epoch_seed(self, seed: int) -> None:
+        self.sampler_state = {EPOCH_SEED: seed}
 
     def current(self) -> DeliveryTracker:
         """The tracker of the epoch in progress (after the iterator began it)."""
@@ -204,19 +201,25 @@ class Progress:
         return states
 
     def state_dict(self, loader: Any) -> LoaderState:
-        if self.sampler_state is GLOBAL_RNG:
-            raise ValueError(
-                "cannot save the loader's position: its shuffle is drawn from torch's global "
-                "random generator, which a resumed run cannot replay; construct the DataLoader "
-                "with seed=<int> (or generator=torch.Generator().manual_seed(<int>))"
-            )
-        pending, tracker = self.pending, self.tracker
+        pending, tracker, sampler_state = self.pending, self.tracker, self.sampler_state
         if pending is not None:
             epoch, done, ahead = pending.epoch, pending.done, list(pending.ahead)
-        elif tracker is not None:
+        elif tracker is not None and not tracker.finished:
             epoch, done, ahead = tracker.position()
-        else:
-            epoch, done, ahead = self.next_epoch(loader), 0, []
+        else:  # at the start of an epoch: the sampler as it stands now starts it
+            epoch, done, ahead = tracker.position() if tracker else (self.next_epoch(loader), 0, [])
+            sampler_state = None if isinstance(loader.dataset, IterableDataset) else (
+                sampler_state_of(inner_sampler(loader._index_sampler))
+            )
+        lost = isinstance(sampler_state, dict) and UNREWINDABLE in sampler_state
+        if lost and (done or ahead) and not self.warned:  # once per loader
+            self.warned = True
+            warnings.warn(
+                f"loader.state_dict() at batch {done} of epoch {epoch} cannot be resumed "
+                f"exactly: {sampler_state[UNREWINDABLE]}. Loading this state restarts the "
+                "epoch from its first batch",
+                stacklevel=3,
+            )
         dataset_state = None
         if isinstance(loader.dataset, IterableDataset):
             require_resumable(loader.dataset)
@@ -236,7 +239,7 @@ class Progress:
             dataset_len=None if isinstance(loader.dataset, IterableDataset)
             else _len(loader.dataset),
             world_size=loader.world_size, rank=loader.rank, num_workers=loader.num_workers,
-            sampler_state=self.sampler_state, dataset_state=dataset_state,
+            sampler_state=sampler_state, dataset_state=dataset_state,
         )
 
     def load_state_dict(self, loader: Any, state: Mapping[str, Any]) -> None:
@@ -249,7 +252,7 @@ class Progress:
         sampler = inner_sampler(loader._index_sampler)
         if checked["seed"] is not None:
             loader.seed = checked["seed"]
-            if _ours(sampler):
+            if is_ours(sampler):
                 sampler.seed = checked["seed"]
         point = prepare_resume(
             checked, index_sampler=loader._index_sampler,
@@ -257,6 +260,10 @@ class Progress:
         )
         self.pending, self.epoch, self.tracker = point, point.epoch, None
         self.sampler_state = checked["sampler_state"]
+        if isinstance(self.sampler_state, dict) and EPOCH_SEED in self.sampler_state and (
+            point.epoch_seed is None  # rolled over: the next epoch draws its own
+        ):
+            self.sampler_state = None
         dataset_state = checked["dataset_state"]
         self.pending_dataset = None
         if dataset_state is not None and point.epoch == checked["epoch"]:

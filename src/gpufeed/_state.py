@@ -16,7 +16,9 @@ continues with exactly the next batch the user would have seen, whatever ``num_w
      "dataset_len": 1000,        # None for iterable datasets
      "world_size": 2, "rank": 0,
      "num_workers": 2,           # only binding for iterable datasets (their shards depend on it)
-     "sampler_state": None,      # a user sampler's own state_dict() at the start of the epoch
+     "sampler_state": None,      # what replays the epoch's order: a sampler's own state_dict(),
+                                 # {"generator_state": [...]}, {"epoch_seed": S} or
+                                 # {"unrewindable": why} (NOTE [ Rewinding samplers ], _rewind.py)
      "dataset_state": None}      # iterable datasets, see below
 
 ``dataset_state`` of an iterable dataset: ``{"num_workers": W, "workers": [state | None] * W,
@@ -33,6 +35,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict
 
 from torch.utils.data import IterableDataset
+
+from ._rewind import rank_bound
 
 __all__ = [
     "STATE_VERSION",
@@ -113,8 +117,11 @@ def check_state(
     """Validate a state against the loader that loads it; return it as a :class:`LoaderState`.
 
     Raises ``ValueError`` naming the saved and the current value when the version, dataset
-    length, world size, rank or batch size differ (and ``num_workers`` for iterable datasets,
-    whose shards depend on it): resuming across those would silently mix up samples.
+    length, world size or batch size differ (and ``num_workers`` for iterable datasets,
+    whose shards depend on it): resuming across those would silently mix up samples. Another
+    rank's state loads when it does not depend on the rank (``_rewind.rank_bound``: a map-style
+    loader ordered by ``(seed, epoch)``, as frameworks save rank 0's state only); otherwise
+    the error names why it does.
     """
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict from loader.state_dict(), got {type(state)!r}")
@@ -137,8 +144,12 @@ def check_state(
             "world_size", state["world_size"], world_size,
             "launch the same number of ranks (each rank loads the state it saved)",
         )
-    if state["rank"] != rank:
-        raise _mismatch("rank", state["rank"], rank, "load the state file this rank saved")
+    if state["rank"] != rank and (reason := rank_bound(state)) is not None:
+        raise ValueError(
+            f"cannot resume: this loader is rank {rank} but the state was saved by rank "
+            f"{state['rank']}, and {reason}; save loader.state_dict() on every rank and load "
+            "each rank's own (only map-style loaders ordered by seed=<int> share one state)"
+        )
     if state["batch_size"] != batch_size:
         raise _mismatch("batch_size", state["batch_size"], batch_size, fix)
     if state["dataset_state"] is not None:

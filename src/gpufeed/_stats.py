@@ -17,6 +17,7 @@ operations (about a microsecond); percentiles are computed only in :meth:`snapsh
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -222,6 +223,18 @@ class StatsRecorder:
             self._stages.clear()
             self._counters.clear()
             self._t0 = time.perf_counter()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle (a loader's copy, ``copy.deepcopy``) the figures, not the lock."""
+        with self._lock:
+            state = dict(self.__dict__)
+            state["_stages"] = copy.deepcopy(self._stages)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def snapshot(self) -> LoaderStats:
         """Frozen copy of the figures so far; percentiles are computed here, not in ``add``."""
