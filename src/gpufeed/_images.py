@@ -1,17 +1,19 @@
 """``ImageFolder``: class-per-folder JPEGs decoded by libjpeg-turbo, a batch per call.
 
-NOTE [ Decoding ]: JPEGs are decoded by ``simplejpeg`` (libjpeg-turbo in its wheel; it releases
-the GIL, so thread workers decode on every core, and it can decode at a reduced DCT scale: 1/2,
-1/4 or 1/8 of the stored size, for a fraction of the work). Pillow decodes JPEGs with the same
-library but scales only through ``draft`` and holds more Python around each call; PyTurboJPEG
-wraps the same library through ctypes and needs a system libjpeg-turbo, which a wheel cannot
-bring. Other formats (PNG, WebP, BMP, ...) and JPEGs libjpeg-turbo refuses (CMYK) go through
-Pillow. Exactness: with ``fast=False`` (default) a full-scale decode equals Pillow's
-``Image.open(f).convert("RGB")`` pixel for pixel (the accurate integer DCT and smooth chroma
-upsampling; tested). Trading accuracy for speed: ``fast=True`` (fast DCT and upsampling, a few
-percent faster, values off by a few levels), and ``dct_scale=True`` (default): when the crop
-is at least twice the output size in both directions, decode at the smallest scale that still
-gives at least the output size (the resampling then starts from a DCT-domain downscale).
+NOTE [ Decoding ]: JPEGs are decoded by ``simplejpeg`` (libjpeg-turbo in its wheel). It releases
+the GIL (checked here: another thread kept running through one 0.5 s decode), so thread workers
+decode on every core, and it decodes at a reduced DCT scale (1/2, 1/4 or 1/8 of the stored size)
+for a fraction of the work. Pillow decodes with the same library but scales only through
+``draft`` and holds more Python around each call; PyTurboJPEG wraps the same library through
+ctypes and needs a system libturbojpeg, which a wheel cannot bring (here, where none is
+installed, it fails to start). Other formats (PNG, WebP, BMP, ...) and JPEGs libjpeg-turbo
+refuses (CMYK) go through Pillow. Exactness: with ``fast=False`` (default) a full-scale decode
+equals Pillow's ``Image.open(f).convert("RGB")`` pixel for pixel (the accurate integer DCT and
+smooth chroma upsampling; tested). Trading accuracy for speed: ``fast=True`` (fast DCT and
+upsampling, a few percent faster, values off by a few levels), and ``dct_scale=True`` (default):
+when the crop is at least twice the output size in both directions, decode at the smallest
+scale that still gives at least the output size (the resampling then starts from a DCT-domain
+downscale).
 
 Crops and flips draw from one ``numpy`` generator per sample seeded by the loader's
 ``sample_seed(seed, epoch, index)`` (NOTE [ Batch sources ] in ``_sources.py``): batches are the
