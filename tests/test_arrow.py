@@ -64,9 +64,12 @@ def test_batches_equal_the_stock_loader(fmt):
 
 
 def test_a_selected_and_shuffled_dataset_keeps_its_row_mapping():
-    ds = make().shuffle(seed=3).select(range(10, 50)).with_format("torch")
+    ds = make().shuffle(seed=3).select(range(10, 50)).with_format("torch", columns=["x", "text"])
     want = list(DataLoader(ds, batch_size=7))
     assert_equal(want, list(gpufeed.DataLoader(ds, batch_size=7, num_workers=2)))
+    fetcher = MapFetcher(ds, auto_collation=True, collate_fn=None)
+    assert_equal(want[1], fetcher.fetch(range(7, 14), None))
+    assert fetcher.source.raw is not None and not fetcher.source.stock_only
 
 
 def test_columns_without_a_fast_form_take_the_stock_path():
