@@ -12,3 +12,8 @@ fi
 # runs gpufeed under. The installed torch is pinned so that none of them can move it.
 TORCH=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")
 "$PY" -m pip install -q -e ".[dev,test]" "torch==$TORCH"
+# litdata (tests of shard readers) depends on torchvision, which would replace torch: install it
+# without its dependencies, then the few it imports (its tests skip when it cannot be imported).
+"$PY" -m pip install -q --no-deps "litdata>=0.2"
+"$PY" -m pip install -q "lightning-utilities>=0.10" "filelock>=3" "boto3>=1" "obstore>=0.3" \
+    "tifffile>=2023" "torch==$TORCH" || true

@@ -290,6 +290,7 @@ def test_summary_ratio_comes_from_the_figures() -> None:
     assert "not judged" in sm["notes"][-1] and "1,800 vs 600 samples" in sm["notes"][-1]
 
 
+@pytest.mark.filterwarnings("ignore::gpufeed.CopyOnWriteWarning")  # python-list: on purpose
 def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "results"
     workloads = ["tabular", "image-array", "python-list", "synthetic"]

@@ -7,7 +7,7 @@
       _iterator.py     the iterator over workers: dispatch, chunking, order, epochs
       _pool.py         process and thread workers: start, talk, watch, stop
       _worker.py       the worker loop and its messages
-      _fetch.py        one batch: vectorised gather, __getitems__, or sample by sample
+      _fetch.py        one batch: batch source, vectorised gather, __getitems__, or per sample
       _collate.py      collating straight into a slot; packing and unpacking leaves
       _ring.py         the slot ring: shared memory, free list, byte budget, lifetimes
       _datasets.py     ArrayDataset and the vectorised gather
@@ -31,6 +31,11 @@
       _rewind.py       replaying a sampler's epoch: recorded seeds, unrewindable ones
       _state.py        the state_dict format, its checks, dataset states
       _delivery.py     counting delivered batches; iterable datasets' worker turns
+      _packed.py       PackedList; the copy-on-write warning for Python lists
+      _sources.py      batch sources: whole-batch reads; optional extras
+      _images.py       ImageFolder: JPEG folders, simplejpeg, crops seeded per sample
+      _arrow.py        datasets.Dataset / pyarrow.Table: a batch from one take
+      _hdf5.py         HDF5Dataset: a handle per process, one sorted read per key
       _measure.py      measure_loader, PSS of the process tree
       _cli.py          gpufeed bench | tune | profile | doctor
       benchmarks/      python -m gpufeed.benchmarks [cpu|gpu]; the no-loader ceiling
@@ -38,12 +43,16 @@
 
 from torch.utils.data import get_worker_info
 
+from ._arrow import ArrowDataset
 from ._datasets import ArrayDataset
 from ._device import DeviceIterator, DeviceStats, PageableCopyWarning, to_device
 from ._doctor import DoctorReport, Finding, diagnose
 from ._errors import WorkerError
 from ._gpu_transforms import Normalize
+from ._hdf5 import HDF5Dataset
+from ._images import ImageFolder
 from ._loader import DataLoader
+from ._packed import CopyOnWriteWarning, PackedList
 from ._profiler import Profiler, ProfileReport, profile
 from ._sampler import (
     SeededRandomSampler,
@@ -60,14 +69,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArrayDataset",
+    "ArrowDataset",
     "Budget",
+    "CopyOnWriteWarning",
     "DataLoader",
     "DeviceIterator",
     "DeviceStats",
     "DoctorReport",
     "Finding",
+    "HDF5Dataset",
+    "ImageFolder",
     "LoaderStats",
     "Normalize",
+    "PackedList",
     "PageableCopyWarning",
     "ProfileReport",
     "Profiler",

@@ -1,4 +1,4 @@
-"""Fetching one batch: vectorised gather, ``__getitems__``, or one sample at a time.
+"""Fetching one batch: a batch source, vectorised gather, ``__getitems__``, or sample by sample.
 
 A fetcher runs inside a worker (or the main process when ``num_workers=0``). It records which
 sample it is on, so that an exception is reported with the index that caused it.
@@ -6,6 +6,7 @@ sample it is on, so that an exception is reported with the index that caused it.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,6 +16,7 @@ from torch.utils.data import default_collate
 from ._collate import SlotWriter, collate_into
 from ._datasets import gather, gather_arrays
 from ._seeding import seeded
+from ._sources import batch_source
 
 _AT_SAMPLE = "while fetching a sample"  # MapFetcher.describe() adds which one
 
@@ -40,6 +42,7 @@ class MapFetcher:
         self.auto_collation = auto_collation
         self.collate_fn = None if collate_fn is default_collate else collate_fn
         self.arrays = gather_arrays(dataset) if self.collate_fn is None else None
+        self.source = batch_source(dataset) if auto_collation else None  # _sources.py
         self.getitems = getattr(dataset, "__getitems__", None)
         self.where = ""  # what it is doing, for error messages (see describe)
         self.index: Any = None  # the sample being fetched, when where is _AT_SAMPLE
@@ -57,19 +60,22 @@ class MapFetcher:
                 sample = self.dataset[indices]
             self.where = "in collate_fn"
             return self.collate_fn(sample) if self.collate_fn is not None else sample
+        if self.source is not None:
+            self.collate_s = 0.0
+            self.where = "while reading a batch"
+            if self.collate_fn is None:
+                return self.source.gpufeed_batch(
+                    indices, seed=self.seed, epoch=self.epoch, alloc=_alloc_for(writer))
+            samples = self.source.gpufeed_samples(indices, seed=self.seed, epoch=self.epoch)
+            self.where = "in collate_fn"
+            t0 = time.perf_counter()
+            out = self.collate_fn(samples)
+            self.collate_s = time.perf_counter() - t0
+            return out
         if self.arrays is not None:
             self.where = "while gathering a batch"
             self.collate_s = 0.0
-
-            def alloc(shape: tuple[int, ...], dtype: Any) -> Any:
-                if writer is None:
-                    import torch
-
-                    return torch.empty(shape, dtype=dtype)
-                out = writer.alloc(shape, dtype)
-                return out if out is not None else writer.fallback(shape, dtype)
-
-            return gather(self.arrays, indices, alloc)
+            return gather(self.arrays, indices, _alloc_for(writer))
         if self.seed is not None:
             samples = self._fetch_seeded(indices, self.seed)
         elif self.getitems is not None:
@@ -106,7 +112,7 @@ class MapFetcher:
     def describe(self, indices: Any) -> str:
         if self.where is _AT_SAMPLE:
             return f"while fetching sample index {self.index!r}"
-        if self.where in ("while gathering a batch", "in __getitems__"):
+        if self.where in ("while gathering a batch", "in __getitems__", "while reading a batch"):
             return f"{self.where} (indices {_short(indices)})"
         return self.where
 
@@ -177,6 +183,38 @@ class IterFetcher:
         out = collate_into(samples, writer) if self.collate_fn is None else self.collate_fn(samples)
         self.collate_s = time.perf_counter() - t0
         return out
+
+
+def thread_copy(dataset: Any) -> Any:
+    """A thread worker's own shallow copy of an iterable dataset.
+
+    NOTE [ Iterable datasets in thread workers ]: a process worker iterates its own (forked or
+    pickled) copy of the dataset; many iterable datasets rely on it and keep their stream's
+    state on ``self`` in ``__iter__`` (litdata's ``StreamingDataset``: its worker's chunks,
+    reader and position). Thread workers therefore each get a shallow copy, which is also what
+    ``get_worker_info().dataset`` gives them (so a ``worker_init_fn`` that configures it
+    configures that worker's stream only, as under process workers). Attributes the copy shares
+    with the original (lists, buffers) are not copied: nested state mutated in place, rather
+    than rebound, stays shared. A dataset that cannot be copied is shared.
+    """
+    try:
+        return copy.copy(dataset)
+    except Exception:
+        return dataset
+
+
+def _alloc_for(writer: SlotWriter | None) -> Callable[[tuple[int, ...], Any], Any]:
+    """Memory for a batch leaf: a slot of the ring when there is one, else a fresh tensor."""
+
+    def alloc(shape: tuple[int, ...], dtype: Any) -> Any:
+        if writer is None:
+            import torch
+
+            return torch.empty(shape, dtype=dtype)
+        out = writer.alloc(shape, dtype)
+        return out if out is not None else writer.fallback(shape, dtype)
+
+    return alloc
 
 
 def _short(indices: Any) -> str:

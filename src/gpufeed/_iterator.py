@@ -26,6 +26,7 @@ import torch
 
 from ._base_iter import BaseIter
 from ._errors import RemoteError, WorkerError
+from ._packed import check_copy_on_write
 from ._plan import IndexPlan, finish_plan, make_plan, plannable
 from ._pool import Pool, ProcessPool, ThreadPool
 from ._ring import SlotRing, reserve_for
@@ -83,6 +84,7 @@ class WorkerIter(BaseIter):
             )
             self._pool: Pool
             if shared:
+                check_copy_on_write(self._dataset)  # NOTE [ Copy-on-write and Python objects ]
                 ctx = loader.multiprocessing_context or torch.multiprocessing
                 self._pool = ProcessPool(nw, ctx, kwargs)
                 self._ring.mem.close_fd()

@@ -30,6 +30,7 @@ delivered batch (``None``: it delivered none this epoch and starts its stream af
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict
 
@@ -182,11 +183,12 @@ def require_resumable(dataset: Any) -> None:
     """Raise ``TypeError`` naming the class when an iterable dataset has no ``state_dict`` and
     ``load_state_dict``: gpufeed cannot know where such a stream stood."""
     if isinstance(dataset, IterableDataset) and not (
-        hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")
+        stateful(dataset) and hasattr(dataset, "load_state_dict")
     ):
         raise TypeError(
             f"cannot save the position of {type(dataset).__name__}: an IterableDataset is resumed "
-            "through its own state_dict() and load_state_dict(state) methods, which it lacks; "
+            "through its own state_dict() and load_state_dict(state) methods, which it lacks "
+            "(or its state_dict needs arguments, as litdata's, made for its own loader); "
             "add them (returning plain Python values), or use a map-style Dataset"
         )
 
@@ -195,10 +197,31 @@ def capture_state(dataset: Any) -> Any:
     """Worker side, after each batch: the iterable dataset's ``state_dict()``, else ``None``.
 
     It runs once per batch, so a dataset's ``state_dict`` must be cheap (a few counters). Thread
-    workers share one dataset object: its state must then be kept per worker (keyed by
-    ``get_worker_info().id``), and ``load_state_dict`` (called in each worker with that worker's
-    state) must set only the calling worker's; process workers each have their own copy.
+    workers each iterate a shallow copy of the dataset (NOTE [ Iterable datasets in thread
+    workers ] in ``_fetch.py``): state kept in attributes rebound per worker is the worker's own;
+    state kept in a nested object mutated in place is shared and must be kept per worker (keyed
+    by ``get_worker_info().id``), with ``load_state_dict`` (called in each worker with that
+    worker's state) setting only the calling worker's. Process workers have their own copy.
     """
-    if isinstance(dataset, IterableDataset) and hasattr(dataset, "state_dict"):
-        return dataset.state_dict()
+    if isinstance(dataset, IterableDataset) and stateful(dataset):
+        return dataset.state_dict()  # type: ignore[attr-defined]
     return None
+
+
+_STATEFUL: dict[type, bool] = {}
+
+
+def stateful(dataset: Any) -> bool:
+    """Whether ``dataset.state_dict()`` can be called without arguments (cached per class)."""
+    cls = type(dataset)
+    known = _STATEFUL.get(cls)
+    if known is None:
+        method = getattr(dataset, "state_dict", None)
+        try:
+            known = method is not None and (inspect.signature(method).bind() is not None)
+        except TypeError:  # required arguments
+            known = False
+        except ValueError:  # no signature (a builtin): assume the protocol
+            known = True
+        _STATEFUL[cls] = known
+    return known

@@ -44,7 +44,7 @@ from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 
 from ._collate import SlotWriter, pack
 from ._errors import capture
-from ._fetch import IterFetcher, MapFetcher
+from ._fetch import IterFetcher, MapFetcher, thread_copy
 from ._shards import ShardInfo, set_shard_info
 from ._state import capture_state
 
@@ -141,6 +141,7 @@ def worker_loop(
         )
         parent = os.getppid()
     else:
+        dataset = thread_copy(dataset) if is_iterable else dataset  # NOTE in _fetch.py
         _thread_local.info = WorkerInfo(
             id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset
         )

@@ -205,6 +205,10 @@ def write_results(doc: dict[str, Any], out: Path, stem: str = "cpu") -> tuple[Pa
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sources"]:  # data sources (gpufeed.benchmarks.sources)
+        from .sources import main as sources_main
+
+        return sources_main(argv[1:])
     if argv[:1] == ["gpu"]:
         try:
             gpu = importlib.import_module("gpufeed.benchmarks.gpu")

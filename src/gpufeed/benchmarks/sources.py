@@ -1,0 +1,329 @@
+"""``python -m gpufeed.benchmarks sources``: real data sources, gpufeed vs what users write today.
+
+Workloads (issue 13's targets; ``--quick`` shrinks every size for tests):
+
+- ``jpeg-crop``: 2,000 JPEGs 256x256, random 224 crop + flip, batch 64. Stock: a per-sample
+  Pillow ``Dataset``. gpufeed: ``ImageFolder(scale=None)`` (process and thread workers), and
+  gpufeed's loader alone on the Pillow ``Dataset``. Target 2x (the loader alone: 1.5x).
+- ``jpeg-rrc``: ImageNet-like JPEGs ~500x375, random-resized crop 224, batch 64. Target 2x.
+- ``hf-datasets``: Hugging Face ``datasets``, 200k rows x 64 float32 + label, format torch,
+  batch 256; the same dataset under both loaders. Target 3x.
+- ``hdf5``: 20k x 3x64x64 uint8 + label, shuffled, batch 128. Stock: a per-sample h5py
+  ``Dataset``. gpufeed: ``HDF5Dataset``. Target 3x.
+- ``python-list``: 1M rows of 64 floats as Python lists + labels, and 2M strings; one epoch
+  with process workers. Stock: the lists; gpufeed: the same dataset holding ``PackedList``\\ s.
+  Target: PSS growth over the epoch at most 5% of the PSS at start.
+
+Each (workload, side) runs ``--repeats`` times, gpufeed and stock alternating; the median rate
+and its spread (min-max) are reported, shuffled with one seed. Results: ``sources.json`` and
+``sources.md`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+from torch.utils.data import DataLoader as StockLoader
+from torch.utils.data import Dataset
+
+import gpufeed
+from gpufeed._measure import measure_loader
+
+WORKLOADS = ("jpeg-crop", "jpeg-rrc", "hf-datasets", "hdf5", "python-list")
+Factory = Callable[[], Any]
+
+
+# -- what users write today ------------------------------------------------------------------
+class PillowFolder(Dataset[tuple[torch.Tensor, int]]):
+    """A per-sample Pillow dataset: open, decode, crop (plain or random-resized), flip."""
+
+    def __init__(self, files: Sequence[str], size: int, resized: bool) -> None:
+        self.files, self.size, self.resized = gpufeed.PackedList(list(files)), size, resized
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        with Image.open(self.files[i]) as im:
+            im = im.convert("RGB")
+            w, h = im.size
+            s = self.size
+            if self.resized:
+                area = h * w * float(torch.empty(()).uniform_(0.08, 1.0))
+                ratio = float(torch.empty(()).uniform_(np.log(3 / 4), np.log(4 / 3)).exp())
+                cw = min(w, max(1, round((area * ratio) ** 0.5)))
+                ch = min(h, max(1, round((area / ratio) ** 0.5)))
+                top = int(torch.randint(0, h - ch + 1, ()))
+                left = int(torch.randint(0, w - cw + 1, ()))
+                im = im.resize((s, s), Image.Resampling.BILINEAR,
+                               box=(left, top, left + cw, top + ch))
+            else:
+                top, left = int(torch.randint(0, h - s + 1, ())), int(torch.randint(0, w - s + 1,
+                                                                                    ()))
+                im = im.crop((left, top, left + s, top + s))
+            arr = np.asarray(im)
+        if torch.rand(()) < 0.5:
+            arr = arr[:, ::-1]
+        return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1))), 0
+
+
+class H5PerSample(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A per-sample h5py dataset, opened lazily in each worker."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.f = path, None  # type: tuple[str, Any]
+        import h5py
+
+        with h5py.File(path, "r") as f:
+            self.n = len(f["labels"])
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import h5py
+
+        if self.f is None:
+            self.f = h5py.File(self.path, "r")
+        return torch.from_numpy(self.f["images"][i]), torch.as_tensor(self.f["labels"][i])
+
+
+class Rows(Dataset[Any]):
+    """Rows of floats, captions and labels, kept in whatever containers it is given; sample
+    ``i`` is (row ``i % len(rows)``, the caption's length, label ``i % len(rows)``)."""
+
+    def __init__(self, rows: Any, captions: Any, labels: Any) -> None:
+        self.rows, self.captions, self.labels = rows, captions, labels
+
+    def __len__(self) -> int:
+        return len(self.captions)
+
+    def __getitem__(self, i: int) -> Any:
+        j = i % len(self.rows)
+        return torch.as_tensor(self.rows[j]), len(self.captions[i]), self.labels[j]
+
+
+# -- data, built once in the cache -----------------------------------------------------------
+def _jpegs(cache: Path, name: str, count: int, hw: tuple[int, int]) -> Path:
+    from PIL import Image
+
+    root = cache / f"{name}-{count}-{hw[0]}x{hw[1]}"
+    done = root / ".done"
+    if done.exists():
+        return root
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:hw[0], 0:hw[1]]
+    for k in range(count):
+        d = root / f"c{k % 10}"
+        d.mkdir(parents=True, exist_ok=True)
+        base = np.stack([127 + 90 * np.sin(x / (9 + c + k % 7) + y / (13 + c)) for c in range(3)],
+                        -1)
+        img = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+        Image.fromarray(img).save(d / f"{k:06d}.jpg", quality=90)
+    done.touch()
+    return root
+
+
+def _h5(cache: Path, n: int, side: int) -> Path:
+    import h5py
+
+    path = cache / f"h5-{n}-{side}.h5"
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        tmp = path.with_suffix(".tmp")
+        with h5py.File(tmp, "w") as f:
+            f["images"] = rng.integers(0, 255, (n, 3, side, side), dtype=np.uint8)
+            f["labels"] = rng.integers(0, 1000, n)
+        tmp.rename(path)
+    return path
+
+
+# -- workloads: name -> (sides {side: factory}, target) --------------------------------------
+def _build(name: str, quick: bool, cache: Path, nw: int) -> tuple[dict[str, Factory], Any]:
+    kw: dict[str, Any] = dict(num_workers=nw, shuffle=True)
+    bs = (lambda full: full) if not quick else (lambda full: 8)
+    if name in ("jpeg-crop", "jpeg-rrc"):
+        resized = name == "jpeg-rrc"
+        hw = ((375, 500) if resized else (256, 256)) if not quick else (48, 64)
+        count, size = (2000, 224) if not quick else (64, 32)
+        root = _jpegs(cache, name, count, hw)
+        folder = gpufeed.ImageFolder(root, size=size, crop="random",
+                                     scale=(0.08, 1.0) if resized else None)
+        files = [folder.path(i) for i in range(len(folder))]
+        pil = PillowFolder(files, size, resized)
+        sides = {
+            "stock": lambda: StockLoader(pil, batch_size=bs(64), **kw),
+            "gpufeed ImageFolder (process)": lambda: gpufeed.DataLoader(
+                folder, batch_size=bs(64), seed=0, **kw),
+            "gpufeed ImageFolder (thread)": lambda: gpufeed.DataLoader(
+                folder, batch_size=bs(64), seed=0, worker_type="thread", **kw),
+        }
+        if not resized:
+            sides["gpufeed loader, Pillow Dataset"] = lambda: gpufeed.DataLoader(
+                pil, batch_size=bs(64), **kw)
+        return sides, {"ratio": 2.0, "gpufeed loader, Pillow Dataset": 1.5}
+    if name == "hf-datasets":
+        import datasets
+
+        n = 200_000 if not quick else 2_000
+        rng = np.random.default_rng(0)
+        table = {"x": list(rng.random((n, 64), dtype=np.float32)),
+                 "label": rng.integers(0, 10, n).tolist()}
+        ds = datasets.Dataset.from_dict(table).with_format("torch")
+        return {"stock": lambda: StockLoader(ds, batch_size=bs(256), **kw),
+                "gpufeed": lambda: gpufeed.DataLoader(ds, batch_size=bs(256), **kw)}, {"ratio": 3.0}
+    if name == "hdf5":
+        path = _h5(cache, 20_000 if not quick else 600, 64 if not quick else 16)
+        h5 = gpufeed.HDF5Dataset(path, ("images", "labels"))
+        plain = H5PerSample(str(path))
+        return {"stock": lambda: StockLoader(plain, batch_size=bs(128), **kw),
+                "gpufeed": lambda: gpufeed.DataLoader(h5, batch_size=bs(128), **kw)}, {"ratio": 3.0}
+    if name == "python-list":
+        n_rows, n_str = (1_000_000, 2_000_000) if not quick else (20_000, 40_000)
+
+        def lists() -> Any:
+            rows = np.random.default_rng(0).random((n_rows, 64)).tolist()
+            return Rows(rows, [f"caption {i} of the set" for i in range(n_str)],
+                        list(range(n_rows)))
+
+        def packed() -> Any:
+            rows = np.random.default_rng(0).random((n_rows, 64))
+            return Rows(gpufeed.PackedList(rows),
+                        gpufeed.PackedList([f"caption {i} of the set" for i in range(n_str)]),
+                        gpufeed.PackedList(np.arange(n_rows)))
+
+        return {"stock": lambda: StockLoader(lists(), batch_size=bs(256), **kw),
+                "gpufeed PackedList": lambda: gpufeed.DataLoader(
+                    packed(), batch_size=bs(256), **kw)}, {"pss_growth": 0.05}
+    raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
+
+
+def _measure(factory: Factory, quick: bool, whole_epoch: bool) -> dict[str, Any]:
+    m = measure_loader(factory, warmup_batches=1 if quick else 3,
+                       max_seconds=None if whole_epoch or quick else 20.0)
+    return {"samples_per_s": m.samples_per_s, "first_batch_s": m.first_batch_s,
+            "peak_pss_bytes": m.peak_pss_bytes, "start_pss_bytes": m.start_pss_bytes,
+            "pss_growth_bytes": m.pss_growth_bytes}
+
+
+def run_workload(name: str, *, repeats: int, quick: bool, cache: Path, nw: int,
+                 say: Callable[[str], None] = print) -> dict[str, Any]:
+    try:
+        sides, target = _build(name, quick, cache, nw)
+    except ImportError as exc:
+        return {"name": name, "skipped": str(exc)}
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+    for rep in range(repeats):  # alternating: every side once per repeat, order rotating
+        order = list(sides)
+        order = order[rep % len(order):] + order[:rep % len(order)]
+        for side in order:
+            runs[side].append(_measure(sides[side], quick, name == "python-list"))
+            say(f"{name} [{rep + 1}/{repeats}] {side}: "
+                f"{runs[side][-1]['samples_per_s']:,.0f} samples/s")
+    rows: list[dict[str, Any]] = []
+    for side, ms in runs.items():
+        rates = [m["samples_per_s"] for m in ms]
+        growth = [m["pss_growth_bytes"] / max(m["start_pss_bytes"], 1) for m in ms]
+        rows.append({"side": side, "runs": ms, "median_samples_per_s": statistics.median(rates),
+                     "min_samples_per_s": min(rates), "max_samples_per_s": max(rates),
+                     "median_pss_growth": statistics.median(growth),
+                     "median_peak_pss_bytes": statistics.median(m["peak_pss_bytes"] for m in ms)})
+    stock = next(r for r in rows if r["side"] == "stock")
+    for r in rows:
+        r["ratio"] = r["median_samples_per_s"] / max(stock["median_samples_per_s"], 1e-9)
+        if "pss_growth" in target:
+            r["target"] = f"PSS growth <= {target['pss_growth']:.0%}"
+            r["pass"] = None if r is stock else r["median_pss_growth"] <= target["pss_growth"]
+        else:
+            goal = target.get(r["side"], target["ratio"])
+            r["target"] = f">= {goal:g}x"
+            r["pass"] = None if r is stock else r["ratio"] >= goal
+    return {"name": name, "rows": rows}
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(), "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_bytes": psutil.virtual_memory().total, "loadavg_start": list(os.getloadavg()),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "numpy": np.__version__, "gpufeed": gpufeed.__version__,
+    }
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    env, s = doc["environment"], doc["settings"]
+    lines = ["# gpufeed data-source benchmark", "",
+             f"{env['date']} on `{env['hostname']}` ({env['cpu_affinity']} usable cores, "
+             f"{env['memory_bytes'] / 2**30:.0f} GiB); Python {env['python']}, torch "
+             f"{env['torch']}, numpy {env['numpy']}, gpufeed {env['gpufeed']}; load average "
+             f"{env['loadavg_start'][0]:.2f} at start. num_workers={s['num_workers']}, "
+             f"shuffled, median of {s['repeats']} runs (min-max), sides alternating in one run."
+             + (" **Quick mode: tiny data, figures mean nothing.**" if s["quick"] else ""), "",
+             "| workload | side | samples/s (median) | min-max | vs stock | target | | "
+             "PSS growth |", "| --- | --- | ---: | ---: | ---: | --- | --- | ---: |"]
+    for w in doc["workloads"]:
+        if "skipped" in w:
+            lines.append(f"| {w['name']} | skipped: {w['skipped']} | | | | | | |")
+            continue
+        for r in w["rows"]:
+            verdict = "" if r["pass"] is None else ("pass" if r["pass"] else "**miss**")
+            lines.append(
+                f"| {w['name']} | {r['side']} | {r['median_samples_per_s']:,.0f} | "
+                f"{r['min_samples_per_s']:,.0f}-{r['max_samples_per_s']:,.0f} | "
+                f"{r['ratio']:.2f}x | {r['target'] if r['pass'] is not None else ''} | "
+                f"{verdict} | {100 * r['median_pss_growth']:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gpufeed.benchmarks sources",
+                                description="data sources: gpufeed vs the stock loader")
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--repeats", type=int, default=None, help="default 5 (quick: 1)")
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="where the JPEGs and HDF5 file are built once "
+                        "(default $GPUFEED_BENCH_CACHE or <tmp>/gpufeed-bench)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for tests")
+    args = p.parse_args(argv)
+    cache = args.cache_dir or Path(os.environ.get("GPUFEED_BENCH_CACHE")
+                                   or Path(tempfile.gettempdir()) / "gpufeed-bench")
+    cache.mkdir(parents=True, exist_ok=True)
+    repeats = args.repeats or (1 if args.quick else 5)
+    torch.set_num_threads(1)
+    doc: dict[str, Any] = {"environment": environment(),
+           "settings": {"num_workers": args.num_workers, "repeats": repeats,
+                        "quick": args.quick},
+           "workloads": [run_workload(w, repeats=repeats, quick=args.quick, cache=cache,
+                                      nw=args.num_workers) for w in args.workloads]}
+    doc["environment"]["loadavg_end"] = list(os.getloadavg())
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sources.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (args.out / "sources.md").write_text(render_markdown(doc))
+    print(render_markdown(doc))
+    print(f"wrote {args.out / 'sources.json'} and {args.out / 'sources.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""``python -m gpufeed.benchmarks sources`` at tiny size: it runs and writes its results."""
+
+import json
+
+import pytest
+
+from gpufeed.benchmarks.__main__ import main
+
+
+def test_sources_benchmark_quick(tmp_path):
+    pytest.importorskip("h5py")
+    pytest.importorskip("simplejpeg")
+    out = tmp_path / "out"
+    assert main(["sources", "--quick", "--workloads", "jpeg-crop", "hdf5", "--num-workers", "1",
+                 "--out", str(out), "--cache-dir", str(tmp_path / "cache")]) == 0
+    doc = json.loads((out / "sources.json").read_text())
+    assert doc["environment"]["torch"] and doc["settings"]["quick"]
+    names = [w["name"] for w in doc["workloads"]]
+    assert names == ["jpeg-crop", "hdf5"]
+    for w in doc["workloads"]:
+        sides = {r["side"]: r for r in w["rows"]}
+        assert "stock" in sides and len(sides) >= 2
+        for r in sides.values():
+            assert r["median_samples_per_s"] > 0 and len(r["runs"]) == 1
+            assert r["min_samples_per_s"] <= r["median_samples_per_s"] <= r["max_samples_per_s"]
+    md = (out / "sources.md").read_text()
+    assert "Quick mode" in md and "| hdf5 | gpufeed |" in md
