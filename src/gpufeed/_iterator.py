@@ -29,6 +29,7 @@ from ._errors import RemoteError, WorkerError
 from ._plan import IndexPlan, finish_plan, make_plan, plannable
 from ._pool import Pool, ProcessPool, ThreadPool
 from ._ring import SlotRing, reserve_for
+from ._streams import pin_device_index
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -72,6 +73,8 @@ class WorkerIter(BaseIter):
             self._ring = SlotRing(
                 reserve=reserve_for(budget), budget=budget, shared=shared, pin=self._pin,
                 slots_hint=self._slots_for(self._max_out),
+                device=pin_device_index(loader.device, loader.pin_memory_device)
+                if self._pin else None,
             )
             kwargs = dict(
                 num_workers=nw, dataset=self._dataset, is_iterable=self._is_iterable,
@@ -307,6 +310,7 @@ class WorkerIter(BaseIter):
                 return
 
     def __next__(self) -> Any:
+        self._check_capture()
         asked_at = time.perf_counter()
         while True:
             if self._closed:
