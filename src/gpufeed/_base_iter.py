@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import IterableDataset
 
 from ._fetch import IterFetcher, MapFetcher
-from ._pinning import capturing, cuda_usable, pin_batch
+from . import _pinning
+from ._pinning import pin_batch
 from ._resume import capture_state
 from ._shards import ShardInfo, set_shard_info
 
@@ -34,7 +35,7 @@ class BaseIter:
         self._index_sampler = loader._index_sampler
         self._collate_fn = loader.collate_fn
         self._drop_last = loader.drop_last
-        if loader.pin_memory and not (torch.accelerator.is_available() or cuda_usable()):
+        if loader.pin_memory and not (torch.accelerator.is_available() or _pinning.cuda_usable()):
             warnings.warn(
                 "'pin_memory' argument is set as true but no accelerator is found, "
                 "then device pinned memory won't be used.",
@@ -42,7 +43,7 @@ class BaseIter:
             )
         # A CUDA device stage needs page-locked batches to copy asynchronously: pin then too.
         on_cuda = loader.device is not None and loader.device.type == "cuda"
-        self._pin = (loader.pin_memory or on_cuda) and cuda_usable()
+        self._pin = (loader.pin_memory or on_cuda) and _pinning.cuda_usable()
         self._sample_seed = loader.seed if loader.deterministic else None
         self._begin_epoch()
         self._base_seed = int(
@@ -103,7 +104,7 @@ class BaseIter:
     def _check_capture(self) -> None:
         """A batch cannot be fetched inside CUDA graph capture: pinning and the ring's
         release fences are CUDA calls that capture forbids or would record into the graph."""
-        if self._pin and capturing(None):
+        if self._pin and _pinning.capturing(None):
             raise RuntimeError(
                 "next() on a gpufeed DataLoader was called while the current CUDA stream is "
                 "capturing a graph; fetch the batch before torch.cuda.graph(...) and copy it "

@@ -51,9 +51,10 @@ NOTE [ Registered memory lifetime ]
     turns that into one warning and goes on unregistered (``_ring.py``).
 
 The functions ``cuda_usable``, ``cuda_initialized``, ``device_count``, ``current_device``,
-``device_guard``, ``current_stream_event``, ``capturing`` and ``pin`` are the only places
-that ask ``torch.cuda`` directly (with ``torch.cuda.cudart()`` and ``Tensor.is_pinned``):
-the simulated backend of the tests (tests/sim_cuda.py) replaces exactly these.
+``device_guard``, ``_record_on_current_stream``, ``_current_stream_capturing``,
+``_pinned_ptr`` and ``pin`` are the only places here that ask ``torch.cuda`` directly (with
+``torch.cuda.cudart()``): the simulated backend of the tests (tests/sim_cuda.py) replaces
+exactly these, so the guards placed around them are tested.
 """
 
 from __future__ import annotations
@@ -215,15 +216,23 @@ def current_stream_event(index: int | None) -> Any:
     """An event recorded now on the calling thread's current stream of device ``index``:
     it completes once everything queued there so far (a user's non_blocking copy) has."""
     with device_guard(index):
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(index))
-        return event
+        return _record_on_current_stream()
+
+
+def _record_on_current_stream() -> Any:
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream())  # the current device's: the guard's
+    return event
 
 
 def capturing(index: int | None) -> bool:
     """Whether the current stream of device ``index`` is capturing a CUDA graph."""
     with device_guard(index):
-        return bool(torch.cuda.is_current_stream_capturing())
+        return _current_stream_capturing()
+
+
+def _current_stream_capturing() -> bool:
+    return bool(torch.cuda.is_current_stream_capturing())
 
 
 def pin(t: torch.Tensor) -> torch.Tensor:
