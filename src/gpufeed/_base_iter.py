@@ -18,6 +18,7 @@ from ._fetch import IterFetcher, MapFetcher
 from . import _pinning
 from ._pinning import pin_batch
 from ._resume import capture_state
+from ._streams import pin_device_index
 from ._shards import ShardInfo, set_shard_info
 
 if TYPE_CHECKING:
@@ -44,6 +45,10 @@ class BaseIter:
         # A CUDA device stage needs page-locked batches to copy asynchronously: pin then too.
         on_cuda = loader.device is not None and loader.device.type == "cuda"
         self._pin = (loader.pin_memory or on_cuda) and _pinning.cuda_usable()
+        # The device pinning, registration and release fences run under (resolved now).
+        self._pin_device = (
+            pin_device_index(loader.device, loader.pin_memory_device) if self._pin else None
+        )
         self._sample_seed = loader.seed if loader.deterministic else None
         self._begin_epoch()
         self._base_seed = int(
@@ -96,7 +101,8 @@ class BaseIter:
                 stacklevel=3,
             )
         if self._pin:
-            data = pin_batch(data)
+            with _pinning.device_guard(self._pin_device):
+                data = pin_batch(data)
         self._tracker.produced_nth(k, worker_state)
         self._returned_at = time.perf_counter()
         return data
@@ -104,7 +110,7 @@ class BaseIter:
     def _check_capture(self) -> None:
         """A batch cannot be fetched inside CUDA graph capture: pinning and the ring's
         release fences are CUDA calls that capture forbids or would record into the graph."""
-        if self._pin and _pinning.capturing(None):
+        if self._pin and _pinning.capturing(self._pin_device):
             raise RuntimeError(
                 "next() on a gpufeed DataLoader was called while the current CUDA stream is "
                 "capturing a graph; fetch the batch before torch.cuda.graph(...) and copy it "

@@ -29,7 +29,6 @@ from ._errors import RemoteError, WorkerError
 from ._plan import IndexPlan, finish_plan, make_plan, plannable
 from ._pool import Pool, ProcessPool, ThreadPool
 from ._ring import SlotRing, reserve_for
-from ._streams import pin_device_index
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -73,8 +72,7 @@ class WorkerIter(BaseIter):
             self._ring = SlotRing(
                 reserve=reserve_for(budget), budget=budget, shared=shared, pin=self._pin,
                 slots_hint=self._slots_for(self._max_out),
-                device=pin_device_index(loader.device, loader.pin_memory_device)
-                if self._pin else None,
+                device=self._pin_device,
             )
             kwargs = dict(
                 num_workers=nw, dataset=self._dataset, is_iterable=self._is_iterable,
