@@ -33,7 +33,7 @@ The CUDA runtime around the device stage (``install(monkeypatch)``), for the use
 
 * Devices: ``devices`` of them, each with its own current stream per the CUDA rules (the
   consumer stream of device 0 is ``consumer``); a current device (``device_index``) that a
-  guard (``device_ctx``, installed as ``_pinning.device_guard``) changes. Every CUDA call is
+  guard (``device_ctx``, installed as ``_cuda.device_guard``) changes. Every CUDA call is
   logged in ``calls`` with the device current at the call: a call for the loader's device
   made under another is a context created on the wrong GPU.
 * ``cudaHostRegister``/``cudaHostUnregister`` (a fake ``torch.cuda.cudart()``) keep the
@@ -264,18 +264,19 @@ class SimCuda(SyncBackend):
     def install(self, monkeypatch: Any) -> None:
         """Make gpufeed's CUDA calls (``_pinning``'s seams, ``cudart``) and the user's
         ``Tensor.cuda``/``Tensor.to``/``Tensor.pin_memory`` go to this simulator."""
-        from gpufeed import _pinning, _prefetch
+        from gpufeed import _cuda, _pinning, _prefetch
 
         for name, fn in {
-            "cuda_usable": lambda: True,
             "cuda_initialized": lambda: self.initialized,
             "device_count": lambda: len(self.consumers),
             "current_device": lambda: self.device_index,
             "device_guard": self.device_ctx,
             "_record_on_current_stream": self._release_event,
             "_current_stream_capturing": lambda: self.capture,
-            "_pinned_ptr": self.pinned_ptr,
-            "pin": self.pin,
+        }.items():
+            monkeypatch.setattr(_cuda, name, fn)
+        for name, fn in {
+            "cuda_usable": lambda: True, "_pinned_ptr": self.pinned_ptr, "pin": self.pin,
         }.items():
             monkeypatch.setattr(_pinning, name, fn)
         monkeypatch.setattr(_prefetch, "backend_for", lambda device: self)

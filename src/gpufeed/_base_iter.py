@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import IterableDataset
 
+from . import _cuda, _pinning
 from ._fetch import IterFetcher, MapFetcher
-from . import _pinning
 from ._pinning import pin_batch
 from ._resume import capture_state
-from ._streams import pin_device_index
 from ._shards import ShardInfo, set_shard_info
+from ._streams import pin_device_index
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -101,7 +101,7 @@ class BaseIter:
                 stacklevel=3,
             )
         if self._pin:
-            with _pinning.device_guard(self._pin_device):
+            with _cuda.device_guard(self._pin_device):
                 data = pin_batch(data)
         self._tracker.produced_nth(k, worker_state)
         self._returned_at = time.perf_counter()
@@ -110,7 +110,7 @@ class BaseIter:
     def _check_capture(self) -> None:
         """A batch cannot be fetched inside CUDA graph capture: pinning and the ring's
         release fences are CUDA calls that capture forbids or would record into the graph."""
-        if self._pin and _pinning.capturing(self._pin_device):
+        if self._pin and _cuda.capturing(self._pin_device):
             raise RuntimeError(
                 "next() on a gpufeed DataLoader was called while the current CUDA stream is "
                 "capturing a graph; fetch the batch before torch.cuda.graph(...) and copy it "

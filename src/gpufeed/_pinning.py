@@ -50,11 +50,9 @@ NOTE [ Registered memory lifetime ]
 (6) Failure. ``register`` raises RuntimeError naming the CUDA error and the fix; the ring
     turns that into one warning and goes on unregistered (``_ring.py``).
 
-The functions ``cuda_usable``, ``cuda_initialized``, ``device_count``, ``current_device``,
-``device_guard``, ``_record_on_current_stream``, ``_current_stream_capturing``,
-``_pinned_ptr`` and ``pin`` are the only places here that ask ``torch.cuda`` directly (with
-``torch.cuda.cudart()``): the simulated backend of the tests (tests/sim_cuda.py) replaces
-exactly these, so the guards placed around them are tested.
+Here ``cuda_usable``, ``_pinned_ptr``, ``pin`` and ``torch.cuda.cudart()`` ask CUDA
+directly; guards, events and capture are in ``_cuda.py``. The simulated backend of the tests
+(tests/sim_cuda.py) replaces exactly those, so the guards placed around them are tested.
 """
 
 from __future__ import annotations
@@ -63,17 +61,16 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 
+from . import _cuda
+from ._cuda import Fences
 from ._tree import tree_map
 
 __all__ = [
-    "Fences", "PinnedRegion", "capturing", "cuda_initialized", "cuda_usable", "current_device",
-    "current_stream_event", "device_guard", "is_pinned", "pin_batch", "register",
+    "PinnedRegion", "cuda_usable", "is_pinned", "pin", "pin_batch", "register",
     "registered_bytes", "track_copies", "unregister", "untrack_copies",
 ]
 
@@ -84,56 +81,6 @@ _ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 # Reentrant: a handle collected while a register() holds the lock unregisters itself.
 _lock = threading.RLock()
 _refcounts: dict[tuple[int, int], int] = {}  # (ptr, nbytes) -> live handles we own
-
-
-class Fences:
-    """Events to pass before memory may be unregistered or reused (NOTE rule 3).
-
-    Entries are ``(event, payload)``; thread-safe (finalizers add from any thread). Held
-    strongly by whoever must wait for them, so no collection order can lose them.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: list[tuple[Any, Any]] = []
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def add(self, event: Any, payload: Any = None) -> None:
-        with self._lock:
-            self._entries.append((event, payload))
-
-    def done(self) -> list[Any]:
-        """Drop the entries whose event has completed (non-blocking); their payloads."""
-        with self._lock:
-            entries = list(self._entries)
-        finished = [e for e in entries if e[0].query()]
-        if not finished:
-            return []
-        with self._lock:
-            gone = {id(e) for e in finished}
-            self._entries = [e for e in self._entries if id(e) not in gone]
-        return [payload for _, payload in finished]
-
-    def retain(self, events: list[Any]) -> None:
-        """Keep only the entries whose event is one of ``events`` (known complete others)."""
-        keep = {id(e) for e in events}
-        with self._lock:
-            self._entries = [e for e in self._entries if id(e[0]) in keep]
-
-    def wait(self) -> list[Any]:
-        """Block until every event has completed; drop them all; their payloads."""
-        with self._lock:
-            entries, self._entries = self._entries, []
-        try:
-            for event, _ in entries:
-                event.synchronize()
-        except BaseException:
-            with self._lock:  # not waited for: keep them for the next wait
-                self._entries[:0] = entries
-            raise
-        return [payload for _, payload in entries]
 
 
 _tracked: set[Fences] = set()  # NOTE rule (3): strong on purpose
@@ -194,68 +141,9 @@ def cuda_usable() -> bool:
         return False
 
 
-def cuda_initialized() -> bool:
-    """Whether this process has initialised CUDA (False in a child forked after it did)."""
-    return bool(torch.cuda.is_initialized())
-
-
-def device_count() -> int:
-    return int(torch.cuda.device_count())
-
-
-def current_device() -> int:
-    return int(torch.cuda.current_device())
-
-
-def device_guard(index: int | None) -> AbstractContextManager[Any]:
-    """``torch.cuda.device(index)`` (NOTE rule 5); nothing for None."""
-    return nullcontext() if index is None else torch.cuda.device(index)
-
-
-def current_stream_event(index: int | None) -> Any:
-    """An event recorded now on the calling thread's current stream of device ``index``:
-    it completes once everything queued there so far (a user's non_blocking copy) has."""
-    with device_guard(index):
-        return _record_on_current_stream()
-
-
-def _record_on_current_stream() -> Any:
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream())  # the current device's: the guard's
-    return event
-
-
-def capturing(index: int | None) -> bool:
-    """Whether the current stream of device ``index`` is capturing a CUDA graph."""
-    with device_guard(index):
-        return _current_stream_capturing()
-
-
-def _current_stream_capturing() -> bool:
-    return bool(torch.cuda.is_current_stream_capturing())
-
-
 def pin(t: torch.Tensor) -> torch.Tensor:
     """A page-locked copy of ``t`` from torch's caching host allocator."""
     return t.pin_memory()
-
-
-@contextmanager
-def copies_complete() -> Iterator[None]:
-    """Batches dropped in this block had every copy from them completed (a device stage
-    drops a host batch only after its copy event): their slots need no release fence."""
-    _local.complete = getattr(_local, "complete", 0) + 1
-    try:
-        yield
-    finally:
-        _local.complete -= 1
-
-
-def in_copies_complete() -> bool:
-    return bool(getattr(_local, "complete", 0))
-
-
-_local = threading.local()
 
 
 def is_pinned(t: torch.Tensor) -> bool:
@@ -326,7 +214,7 @@ def register(
         # it, never unregister it. The probe is at ptr itself, not at t's storage (rule 1).
         if _pinned_ptr(ptr):
             return PinnedRegion(ptr, nbytes, owned=False)
-        with device_guard(device):
+        with _cuda.device_guard(device):
             cudart = torch.cuda.cudart()
             code = int(cudart.cudaHostRegister(ptr, nbytes, _PORTABLE))
             if code != 0:
@@ -370,7 +258,7 @@ def unregister(h: PinnedRegion | None) -> None:
             return
         _refcounts.pop(key, None)
         _wait_for_copies(h)
-        with device_guard(h.device):
+        with _cuda.device_guard(h.device):
             cudart = torch.cuda.cudart()
             code = int(cudart.cudaHostUnregister(h.ptr))
             del keep  # only now may the memory be unmapped
@@ -398,8 +286,8 @@ def untrack_copies(fences: Fences) -> None:
 
 def _wait_for_copies(h: PinnedRegion) -> None:
     if h.fences is not None:
-        if cuda_initialized():  # copies issued from memory the caller still holds
-            h.fences.add(current_stream_event(h.device))
+        if _cuda.cuda_initialized():  # copies issued from memory the caller still holds
+            h.fences.add(_cuda.current_stream_event(h.device))
         h.fences.wait()
     for fences in list(_tracked):
         fences.wait()

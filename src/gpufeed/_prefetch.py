@@ -51,11 +51,11 @@ NOTE [ Device stage: streams, events and slots ]
 (9) Device-resident leaves (a source that yields tensors already on the device) are not
     copied: S waits for C before the transform may read them (they may be produced there),
     and they get ``record_stream(S)``, so freeing them cannot recycle memory S still reads.
-(10) Unregistering. Every E_copy also goes into the iterator's ``_pinning.Fences``, tracked
+(10) Unregistering. Every E_copy also goes into the iterator's ``_cuda.Fences``, tracked
     (held strongly) by ``_pinning`` from the first next() to close: unregistering pinned
     memory (a ring slot retired, a ring closed first after a worker error, or collected
     before this iterator in a garbage cycle) waits for the copies in flight here before
-    ``cudaHostUnregister``. Host batches are dropped under ``_pinning.copies_complete()``:
+    ``cudaHostUnregister``. Host batches are dropped under ``_cuda.copies_complete()``:
     their copy has completed, so the ring needs no release fence for them (NOTE [ Slot
     lifetime ] (b)) and recycles their slots at once.
 (11) Device and capture. Every backend call runs under ``backend.guard()`` (the target
@@ -82,7 +82,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _pinning
+from . import _cuda, _pinning
 from ._pageable import staged_reason, warn_staged
 from ._streams import Event, SyncBackend, backend_for, parse_device
 from ._tree import tree_leaves, tree_map
@@ -166,7 +166,7 @@ class DeviceIterator(Iterator[Any]):
         self._host: deque[tuple[Event, Any]] = deque()
         self._ready: deque[tuple[Event, Any, int]] = deque()
         self._marks: deque[Event] = deque()
-        self._copies = _pinning.Fences()  # rule (10)
+        self._copies = _cuda.Fences()  # rule (10)
         self._source_done = False
         self._error: BaseException | None = None
         self._warned = False
@@ -236,7 +236,7 @@ class DeviceIterator(Iterator[Any]):
         self._bytes_held -= nbytes
         self._batches += 1
         self._fill()  # rule (4): i+1..i+depth issued before batch i is returned
-        with _pinning.copies_complete():
+        with _cuda.copies_complete():
             _drain(self._host)  # rule (3)
         self._copies.retain([e for e, _ in self._host])  # the others have completed
         return batch
@@ -272,18 +272,18 @@ class DeviceIterator(Iterator[Any]):
         self._state = state
         source, self._source = self._source, iter(())
         try:
-            with _pinning.copies_complete():
+            with _cuda.copies_complete():
                 while self._host:  # rule (6): no DMA may still read a slot we give back
                     self._host[0][0].synchronize()
                     self._host.popleft()
         finally:
-            with _pinning.copies_complete():  # a failed wait: released unfenced, as before
+            with _cuda.copies_complete():  # a failed wait: released unfenced, as before
                 self._host.clear()
             self._ready.clear()
             self._marks.clear()
             self._bytes_held = 0
             _pinning.untrack_copies(self._copies)
-            self._copies = _pinning.Fences()
+            self._copies = _cuda.Fences()
             logger.debug("to_device %s: %s", state.value, self.stats())
             close = getattr(source, "close", None)
             if state is _State.CLOSED and close_source and callable(close):
@@ -305,7 +305,7 @@ class DeviceIterator(Iterator[Any]):
     def _make_room(self) -> float:
         """Rules (3) and (8) before a batch is issued; returns the seconds spent waiting on
         copies (consumer waits are counted apart: they are not the input's fault)."""
-        with _pinning.copies_complete():
+        with _cuda.copies_complete():
             _drain(self._host)
         _drain(self._marks)
         waited = 0.0
@@ -313,7 +313,7 @@ class DeviceIterator(Iterator[Any]):
             start = time.perf_counter()
             while len(self._host) > self.depth:
                 self._host[0][0].synchronize()
-                with _pinning.copies_complete():
+                with _cuda.copies_complete():
                     self._host.popleft()
                 self._host_waits += 1
             waited = time.perf_counter() - start

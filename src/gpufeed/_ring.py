@@ -33,11 +33,17 @@ caching host allocator this way, but records nothing for registered memory:
     the user's to order: a copy queued on another stream (``with torch.cuda.stream(s)``)
     or to another device when the batch is dropped outside that block (drop it inside, or
     make the current stream wait for ``s``); tests/test_ring_release_sim.py shows both.
+    "Dropped" means the last reference went: ``for k, batch in enumerate(loader)`` keeps
+    the batch in enumerate's tuple until the next iteration, on whatever stream is current
+    then. Any thread may drop it; its own current stream is the one fenced.
 (b) Not fenced: batches a device stage drops after their copy's event (it says so with
-    ``_pinning.copies_complete``), slots of an unregistered ring (a copy from pageable
+    ``_cuda.copies_complete``), slots of an unregistered ring (a copy from pageable
     memory returns once the bytes are staged), and any release before CUDA is initialised.
 (c) A release that cannot record its event (a graph capture in progress, CUDA failing) is
     parked and fenced by the next ``acquire`` that can record one.
+(d) Waiting happens only where memory is unregistered: close (epoch end), a retired slot
+    (rare: batches grew) and collection; each waits for the current stream once, so an
+    epoch ends after the GPU has finished the steps queued so far. Code: ``_release.py``.
 
 Registration failure (locked-memory limit, unsupported, out of resources): one warning
 (``PinningFallbackWarning``) with CUDA's reason and the fix; the slot and every later one
@@ -58,11 +64,9 @@ from __future__ import annotations
 import bisect
 import collections
 import errno
-import logging
 import mmap
 import os
 import sys
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -70,9 +74,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _pinning
+from . import _cuda, _pinning
+from ._release import Releaser, warn_unpinned
 
-logger = logging.getLogger(__name__)
 # A sparse reservation must not be charged to the commit limit up front (Linux's value; newer
 # Pythons name it).
 _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
@@ -80,11 +84,6 @@ ALIGN = 64  # bytes; every leaf starts on a cache-line boundary
 PAGE = mmap.PAGESIZE  # 64 KiB on some aarch64 hosts (GH200): never assume 4096
 
 
-class PinningFallbackWarning(UserWarning):
-    """The ring could not be page-locked; its batches are pinned the ordinary way."""
-
-
-_warned_pinning = False  # once per process
 
 
 def align(n: int, to: int = ALIGN) -> int:
@@ -290,9 +289,9 @@ class SlotRing:
         self.closed = False
         # Finalizers may run on any thread; deque.append/popleft are atomic.
         self._released: collections.deque[int] = collections.deque()
-        self._fences = _pinning.Fences()  # (event, slot) of fenced releases; handles hold it
+        self._fences = _cuda.Fences()  # (event, slot) of fenced releases; handles hold it
         self._parked: collections.deque[int] = collections.deque()  # see (c)
-        self._releaser = _Releaser(self._released, self._fences, self._parked, self._pins,
+        self._releaser = Releaser(self._released, self._fences, self._parked, self._pins,
                                    device)
 
     # -- sizing ---------------------------------------------------------------------------
@@ -358,13 +357,7 @@ class SlotRing:
     def _unfence(self) -> None:
         """Slots whose release event has completed join the free list (never blocks)."""
         if self._parked:
-            try:
-                if not _pinning.capturing(self.device):
-                    event = _pinning.current_stream_event(self.device)
-                    while self._parked:
-                        self._fences.add(event, self._parked.popleft())
-            except Exception as e:  # still cannot fence: they stay parked
-                logger.debug("release fence not recorded yet: %s", e)
+            self._releaser.fence_parked()
         for sid in self._fences.done():
             if sid in self._slots:
                 self._free.append(sid)
@@ -404,19 +397,7 @@ class SlotRing:
             )
         except RuntimeError as e:
             self.pin = False  # no later slot tries again
-            global _warned_pinning
-            if not _warned_pinning:
-                _warned_pinning = True
-                warnings.warn(
-                    f"gpufeed could not page-lock its slot ring ({e}); batches are pinned "
-                    "the ordinary way instead (one extra host copy each). Fix: raise the "
-                    "locked-memory limit (`ulimit -l`, RLIMIT_MEMLOCK; docker: --ulimit "
-                    "memlock=-1), lower ring_bytes=, or pass pin_memory=False.",
-                    PinningFallbackWarning,
-                    stacklevel=2,
-                )
-            else:
-                logger.debug("slot ring left unregistered: %s", e)
+            warn_unpinned(e)
             return None
 
     def _retire(self, sid: int) -> None:
@@ -470,35 +451,6 @@ class SlotRing:
         self.region = self.region_np = None  # type: ignore[assignment]
         self.mem.release()
         self.mem = None  # type: ignore[assignment]
-
-
-class _Releaser:
-    """What a batch's finalizer calls (any thread): its slot back to the ring, behind a
-    release fence when the slot is registered and CUDA is initialised (NOTE above). It holds
-    the ring's containers, not the ring: a kept batch does not keep the ring alive."""
-
-    __slots__ = ("device", "fences", "parked", "pins", "released")
-
-    def __init__(self, released: collections.deque[int], fences: _pinning.Fences,
-                 parked: collections.deque[int], pins: dict[int, Any],
-                 device: int | None) -> None:
-        self.released, self.fences, self.parked = released, fences, parked
-        self.pins, self.device = pins, device
-
-    def __call__(self, sid: int) -> None:
-        if (
-            sid not in self.pins
-            or _pinning.in_copies_complete()
-            or not _pinning.cuda_initialized()
-        ):
-            self.released.append(sid)
-            return
-        try:
-            if _pinning.capturing(self.device):
-                raise RuntimeError("a CUDA graph capture is in progress")
-            self.fences.add(_pinning.current_stream_event(self.device), sid)
-        except Exception:  # (c): fenced by a later acquire
-            self.parked.append(sid)
 
 
 ReleaseFn = Callable[[int], None]

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from . import _pinning
+from . import _cuda, _pinning
 
 __all__ = ["CudaBackend", "Event", "SyncBackend", "backend_for", "parse_device"]
 
@@ -109,10 +109,10 @@ class CudaBackend(SyncBackend):
         return torch.cuda.current_stream(self.device)  # the target's, whatever device is current
 
     def guard(self) -> AbstractContextManager[Any]:
-        return _pinning.device_guard(self.device.index)
+        return _cuda.device_guard(self.device.index)
 
     def capturing(self) -> bool:
-        return _pinning.capturing(self.device.index)
+        return _cuda.capturing(self.device.index)
 
     def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
         return torch.cuda.stream(stream)
@@ -166,10 +166,10 @@ def parse_device(device: Any, *, injected: bool = False, resolve: bool = True) -
             f"device={device!r} but CUDA is not available (torch {torch.__version__}); install a "
             "CUDA build of torch and check the driver, or use device='cpu'"
         )
-    count = _pinning.device_count()
+    count = _cuda.device_count()
     if dev.index is None and not resolve:
         return dev
-    index = _pinning.current_device() if dev.index is None else dev.index
+    index = _cuda.current_device() if dev.index is None else dev.index
     if not 0 <= index < count:
         raise ValueError(f"device={device!r} but only {count} CUDA device(s) are visible")
     return torch.device("cuda", index)
@@ -180,9 +180,9 @@ def pin_device_index(device: torch.device | None, pin_memory_device: str = "") -
     ``device=``, else a CUDA ``pin_memory_device``, else the current device. Registration and
     release events run under it (NOTE [ Registered memory lifetime ] rule 5)."""
     if device is not None and device.type == "cuda":
-        return device.index if device.index is not None else _pinning.current_device()
+        return device.index if device.index is not None else _cuda.current_device()
     if pin_memory_device:
         pmd = torch.device(pin_memory_device)
         if pmd.type == "cuda" and pmd.index is not None:
             return pmd.index
-    return _pinning.current_device()
+    return _cuda.current_device()
