@@ -269,7 +269,7 @@ class SimCuda(SyncBackend):
         for name, fn in {
             "cuda_initialized": lambda: self.initialized,
             "device_count": lambda: len(self.consumers),
-            "current_device": lambda: self.device_index,
+            "current_device": self._current_device,
             "device_guard": self.device_ctx,
             "_record_on_current_stream": self._release_event,
             "_current_stream_capturing": lambda: self.capture,
@@ -306,6 +306,10 @@ class SimCuda(SyncBackend):
             yield
         finally:
             self.device_index = previous
+
+    def _current_device(self) -> int:
+        self.initialized = True  # torch.cuda.current_device() initialises CUDA
+        return self.device_index
 
     def set_device(self, index: int) -> None:
         self.device_index = index

@@ -283,6 +283,17 @@ def test_cuda_means_the_current_device_when_iteration_starts(sim: SimCuda) -> No
     assert {d for _, d in sim.calls} == {2}
 
 
+def test_cuda_is_not_initialised_before_the_workers_start(sim: SimCuda) -> None:
+    """``pin_memory=True`` alone: the ring's device is asked at its first registration, not
+    when the iterator starts (before the process workers fork)."""
+    loader = gpufeed.DataLoader(IndexDataset(40), batch_size=4, num_workers=2,
+                                worker_type="process", pin_memory=True)
+    it = iter(loader)
+    assert not sim.initialized
+    assert len(list(it)) == 10 and sim.initialized
+    assert {d for _, d in sim.calls} == {0}
+
+
 def test_page_size_is_the_systems() -> None:
     import mmap
 

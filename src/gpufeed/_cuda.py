@@ -62,6 +62,8 @@ def _record_on_current_stream() -> Any:
 
 def capturing(index: int | None) -> bool:
     """Whether the current stream of device ``index`` is capturing a CUDA graph."""
+    if not cuda_initialized():  # no capture without CUDA; asking would initialise it
+        return False
     with device_guard(index):
         return _current_stream_capturing()
 

@@ -392,9 +392,14 @@ class SlotRing:
         if not self.pin:
             return None
         try:
-            return _pinning.register(
+            handle = _pinning.register(
                 self.region[off : off + size], device=self.device, fences=self._fences
             )
+            if self.device is None:  # the current device, now that CUDA is initialised
+                self.device = self._releaser.device = _cuda.current_device()
+                if handle is not None:
+                    handle.device = self.device
+            return handle
         except RuntimeError as e:
             self.pin = False  # no later slot tries again
             warn_unpinned(e)
