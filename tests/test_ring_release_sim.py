@@ -150,6 +150,24 @@ def test_device_stage_batches_need_no_fence_so_slots_recycle(sim: SimCuda) -> No
     assert stats.counters.get("ring_grow", 0) <= 10, stats.counters
 
 
+def test_default_ring_leaves_room_for_a_gpu_two_steps_behind(sim: SimCuda) -> None:
+    """Fenced slots count against the ring's budget; the default one holds two of them, so a
+    loop that syncs on the step two back (``loss.item()`` of the step before the last) needs
+    no ordinary allocation. Without the slack about one batch in ten fell back."""
+    loader = gpufeed.DataLoader(IndexDataset(1200), batch_size=4, num_workers=2,
+                                worker_type="thread", prefetch_factor=2, pin_memory=True)
+    marks: list[Any] = []
+    for batch in loader:
+        x = batch["x"].cuda(non_blocking=True)
+        del batch
+        sim.launch(None, lambda t: None, x, cost=3)
+        marks.append(sim._release_event())  # stands in for the step's loss
+        while len(marks) > 2:
+            marks.pop(0).synchronize()
+    sim.drain()
+    assert loader.stats().counters.get("ring_fallback", 0) == 0, loader.stats().counters
+
+
 # -- 2. teardown in any order ------------------------------------------------------------------
 def test_a_stage_collected_after_the_ring_is_still_waited_for(
     sim: SimCuda, monkeypatch: pytest.MonkeyPatch
