@@ -429,3 +429,15 @@ def test_device_stage_follows_a_change_of_current_stream(sim: SimCuda) -> None:
             del batch
     sim.drain()
     assert problems(sim, sorted(seen), expected(400, 4)) == []
+
+
+def test_pageable_warning_still_names_the_users_line() -> None:
+    """The device guard added a frame to next(): the warning must still point at the caller."""
+    sim = SimCuda(0)
+    sim.needs_pinned = True
+    sim.is_pinned = lambda t: False  # type: ignore[method-assign]
+    it = gpufeed.to_device([torch.ones(3)], "cuda", backend=sim)
+    with pytest.warns(gpufeed.PageableCopyWarning) as record:
+        next(it)
+    assert record[0].filename == __file__
+    it.close()

@@ -380,5 +380,5 @@ class DeviceIterator(Iterator[Any]):
             self._recorder.count("pageable_batches")
         if not self._warned:
             self._warned = True
-            # user frame <- __next__ <- _fill <- _issue <- _on_staged <- warn_staged
-            warn_staged(t, reason, self.device, stacklevel=5)
+            # user frame <- __next__ <- _next <- _fill <- _issue <- _on_staged <- warn_staged
+            warn_staged(t, reason, self.device, stacklevel=6)

@@ -84,8 +84,6 @@ ALIGN = 64  # bytes; every leaf starts on a cache-line boundary
 PAGE = mmap.PAGESIZE  # 64 KiB on some aarch64 hosts (GH200): never assume 4096
 
 
-
-
 def align(n: int, to: int = ALIGN) -> int:
     return (n + to - 1) // to * to
 
@@ -395,10 +393,8 @@ class SlotRing:
             handle = _pinning.register(
                 self.region[off : off + size], device=self.device, fences=self._fences
             )
-            if self.device is None:  # the current device, now that CUDA is initialised
-                self.device = self._releaser.device = _cuda.current_device()
-                if handle is not None:
-                    handle.device = self.device
+            if handle is not None and self.device is None:  # CUDA is initialised now
+                self.device = self._releaser.device = handle.device = _cuda.current_device()
             return handle
         except RuntimeError as e:
             self.pin = False  # no later slot tries again
