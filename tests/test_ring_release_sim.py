@@ -4,7 +4,10 @@
 and the host batch dropped: the copy is queued behind the consumer's work and reads the
 slot's bytes when it runs, so the slot must not be recycled before (NOTE [ Slot lifetime ],
 release fences, in gpufeed/_ring.py), nor unregistered (NOTE [ Registered memory lifetime ]
-in gpufeed/_pinning.py). Each test here failed before the rule it checks was implemented.
+in gpufeed/_pinning.py). The tests of the rules failed on the code before them (release
+fences, teardown, registration failure, device guards, device at iteration start, capture);
+the ``test_catches_*`` tests break one rule at a time and see the failure. The tests of
+current-stream changes record what happens, covered or not (NOTE [ Slot lifetime ] (a)).
 """
 
 from __future__ import annotations

@@ -43,10 +43,12 @@ NOTE [ Registered memory lifetime ]
 (4) Per process: registrations belong to the process that made them. A forked child gets a
     copy of the bookkeeping; it is forgotten there, and handles do nothing outside the
     process that registered them (the child has no CUDA context to call).
-(5) Device guard. Every call here that touches CUDA for a loader's device (register,
-    unregister, events, the capture check) runs under ``torch.cuda.device(d)``: under
-    torchrun rank 3 creates no context on GPU 0. ``d`` is None only for callers that name no
-    device (then the current device is used, as by any CUDA call).
+(5) Device guard. Every call that touches CUDA for a loader's device (register,
+    unregister, release events, the capture check, and ``pin_batch`` of its fallback
+    batches) runs under ``torch.cuda.device(d)``: under torchrun rank 3 creates no context
+    on GPU 0. ``d`` is None for callers that name no device, and for a pinned ring without
+    ``device=`` until its first registration (asking earlier would initialise CUDA before
+    the workers fork): then the current device is used, as by any CUDA call.
 (6) Failure. ``register`` raises RuntimeError naming the CUDA error and the fix; the ring
     turns that into one warning and goes on unregistered (``_ring.py``).
 
