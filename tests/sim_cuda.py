@@ -28,10 +28,28 @@ What is faithful, and so what a missing or misplaced synchronisation breaks:
   reused (a missing ``record_stream``). Both are recorded in ``violations``.
 
 Device bytes in use (live blocks plus freed ones not yet reusable) are tracked, with a peak.
+
+The CUDA runtime around the device stage (``install(monkeypatch)``), for the user idioms:
+
+* Devices: ``devices`` of them, each with its own current stream per the CUDA rules (the
+  consumer stream of device 0 is ``consumer``); a current device (``device_index``) that a
+  guard (``device_ctx``, installed as ``_cuda.device_guard``) changes. Every CUDA call is
+  logged in ``calls`` with the device current at the call: a call for the loader's device
+  made under another is a context created on the wrong GPU.
+* ``cudaHostRegister``/``cudaHostUnregister`` (a fake ``torch.cuda.cudart()``) keep the
+  registered ranges; ``register_code`` injects a failure. ``Tensor.pin_memory`` gives a
+  pinned copy (torch's caching host allocator: kept until the test ends).
+* ``Tensor.cuda(non_blocking=True)`` / ``Tensor.to("cuda", non_blocking=True)``: from
+  registered memory an op on the current stream that holds the *address* (a DMA) and reads
+  the bytes when it executes, so a slot rewritten in between is seen as the wrong batch;
+  unregistering a range such a copy still has to read is a violation. From pageable memory
+  the bytes are staged at the call (CUDA returns once the pageable buffer is copied).
+* ``torch.cuda.is_initialized`` (True after the first CUDA call), graph capture (``capture``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import random
 import threading
 import time
@@ -127,15 +145,24 @@ class SimCuda(SyncBackend):
 
     def __init__(
         self, seed: int = 0, *, max_steps: int = 3, copy_cost: tuple[int, int] = (1, 3),
-        time_limit_s: float = 20.0,
+        time_limit_s: float = 20.0, devices: int = 1, target: int = 0,
     ) -> None:
-        super().__init__(torch.device("cuda", 0))
+        super().__init__(torch.device("cuda", target))
         self.rng = random.Random(seed)
         self.max_steps, self.copy_cost, self.time_limit_s = max_steps, copy_cost, time_limit_s
         self.lock = threading.RLock()  # finalizers may run in any thread
         self.consumer = SimStream("consumer")
-        self.streams: list[SimStream] = [self.consumer]
-        self.current = self.consumer
+        self.consumers = [self.consumer, *(SimStream(f"consumer{i}") for i in range(1, devices))]
+        self.streams: list[SimStream] = list(self.consumers)
+        self._current = dict(enumerate(self.consumers))  # device -> its current stream
+        self.device_index = 0  # the current device
+        self.initialized = False  # torch.cuda.is_initialized()
+        self.capture = False  # the current stream is capturing a graph
+        self.calls: list[tuple[str, int]] = []  # (CUDA call, current device at the call)
+        self.registered: dict[int, int] = {}  # cudaHostRegister'ed ptr -> nbytes
+        self.register_code = 0  # what cudaHostRegister returns (0: success)
+        self._pinned: list[torch.Tensor] = []  # from pin_memory(): the caching host allocator
+        self._reads: dict[int, tuple[int, int]] = {}  # queued DMA reads: id -> (ptr, nbytes)
         self.violations: list[str] = []
         self._blocks: dict[int, _Block] = {}  # data pointer -> block
         self._pools: dict[tuple[int, int], list[_Block]] = {}  # (id(stream), nbytes) -> free
@@ -143,15 +170,35 @@ class SimCuda(SyncBackend):
         self.peak_bytes = 0
         self.allocs = self.reuses = 0
 
+    @property
+    def current(self) -> SimStream:
+        """The current stream of the current device."""
+        return self._current[self.device_index]
+
+    @current.setter
+    def current(self, stream: SimStream) -> None:
+        self._current[self.device_index] = stream
+
+    def log(self, what: str) -> None:
+        self.initialized = True
+        self.calls.append((what, self.device_index))
+
     # -- the backend interface ----------------------------------------------------------------
     def new_stream(self) -> SimStream:
         with self.lock:
+            self.log("new_stream")
             stream = SimStream(f"side{len(self.streams)}")
             self.streams.append(stream)
             return stream
 
     def current_stream(self) -> SimStream:
-        return self.consumer
+        return self._current[self.device.index or 0]  # the target's, as CudaBackend's
+
+    def guard(self) -> Any:
+        return self.device_ctx(self.device.index)
+
+    def capturing(self) -> bool:
+        return self.capture
 
     @contextmanager  # type: ignore[override]
     def use_stream(self, stream: Any) -> Iterator[None]:
@@ -163,16 +210,23 @@ class SimCuda(SyncBackend):
 
     def record_event(self, stream: Any) -> SimEvent:
         with self.lock:
+            self.log("record_event")
             self.tick()
             return self._marker(stream)
 
     def wait_event(self, stream: Any, event: Any) -> None:
         with self.lock:
+            self.log("wait_event")
             self.tick()
             stream.ops.append(_Op("wait", 0, wait=event))
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         with self.lock:
+            nbytes = t.numel() * t.element_size()
+            if t.is_contiguous() and nbytes and self._is_registered(t.data_ptr(), nbytes):
+                self.calls.append(("copy", self.device_index))
+                return self.h2d(t, non_blocking=True)  # a DMA from registered memory
+            self.log("copy")
             self.tick()
             stream = self.current
             out = self.empty(t.shape, t.dtype)
@@ -194,6 +248,7 @@ class SimCuda(SyncBackend):
 
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         with self.lock:
+            self.log("record_stream")
             self.tick()
             block = self._block_of(t)
             if block is not None and stream is not block.stream:
@@ -204,6 +259,136 @@ class SimCuda(SyncBackend):
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         return True
+
+    # -- the CUDA runtime around the stage (install) -------------------------------------------
+    def install(self, monkeypatch: Any) -> None:
+        """Make gpufeed's CUDA calls (``_pinning``'s seams, ``cudart``) and the user's
+        ``Tensor.cuda``/``Tensor.to``/``Tensor.pin_memory`` go to this simulator."""
+        from gpufeed import _cuda, _pinning, _prefetch
+
+        for name, fn in {
+            "cuda_initialized": lambda: self.initialized,
+            "device_count": lambda: len(self.consumers),
+            "current_device": self._current_device,
+            "device_guard": self.device_ctx,
+            "_record_on_current_stream": self._release_event,
+            "_current_stream_capturing": lambda: self.capture,
+        }.items():
+            monkeypatch.setattr(_cuda, name, fn)
+        for name, fn in {
+            "cuda_usable": lambda: True, "_pinned_ptr": self.pinned_ptr, "pin": self.pin,
+        }.items():
+            monkeypatch.setattr(_pinning, name, fn)
+        monkeypatch.setattr(_prefetch, "backend_for", lambda device: self)
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart(self))
+        sim, real_to = self, torch.Tensor.to
+
+        def cuda(t: torch.Tensor, device: Any = None, non_blocking: bool = False) -> torch.Tensor:
+            return sim.h2d(t, device, non_blocking=non_blocking)
+
+        def to(t: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+            dev = args[0] if args else kw.get("device")
+            if isinstance(dev, str | torch.device) and torch.device(dev).type == "cuda":
+                return sim.h2d(t, dev, non_blocking=kw.get("non_blocking", False))
+            return real_to(t, *args, **kw)
+
+        monkeypatch.setattr(torch.Tensor, "cuda", cuda)
+        monkeypatch.setattr(torch.Tensor, "to", to)
+
+    @contextmanager
+    def device_ctx(self, index: int | None) -> Iterator[None]:
+        """``torch.cuda.device(index)``: the current device inside (None: unchanged)."""
+        if index is None:
+            yield
+            return
+        previous, self.device_index = self.device_index, index
+        try:
+            yield
+        finally:
+            self.device_index = previous
+
+    def _current_device(self) -> int:
+        self.initialized = True  # torch.cuda.current_device() initialises CUDA
+        return self.device_index
+
+    def set_device(self, index: int) -> None:
+        self.device_index = index
+
+    def _release_event(self) -> SimEvent:
+        with self.lock:
+            self.log("event")
+            self.tick()
+            return self._marker(self.current)
+
+    def pinned_ptr(self, ptr: int) -> bool:
+        spans = [*self.registered.items(),
+                 *((p.data_ptr(), p.numel() * p.element_size()) for p in self._pinned)]
+        return any(p <= ptr < p + n for p, n in spans)
+
+    def _is_registered(self, ptr: int, nbytes: int) -> bool:
+        return any(p <= ptr and ptr + nbytes <= p + n for p, n in self.registered.items())
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            self.log("pin_memory")
+            out = t.clone()
+            self._pinned.append(out)
+            return out
+
+    def h2d(self, t: torch.Tensor, device: Any = None, *, non_blocking: bool) -> torch.Tensor:
+        """``t.to(device, non_blocking=...)`` from host memory (see the module docstring)."""
+        with self.lock:
+            index = self.device_index
+            if device is not None:
+                dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(
+                    device)
+                index = self.device_index if dev.index is None else dev.index
+            with self.device_ctx(index):
+                self.log("h2d")
+                self.tick()
+                stream = self.current
+                out = self._alloc(tuple(t.shape), t.dtype, stream)
+                dst = self._handle(out) if out.numel() else None
+                ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+                pinned = any(p is t or p.data_ptr() == ptr for p in self._pinned)
+                if (non_blocking and t.is_contiguous() and nbytes
+                        and self._is_registered(ptr, nbytes)):
+                    key = id(object())
+                    self._reads[key] = (ptr, nbytes)
+                    dtype, shape = t.dtype, tuple(t.shape)
+
+                    def read() -> torch.Tensor | None:  # the DMA reads the address now
+                        self._reads.pop(key, None)
+                        if not self._is_registered(ptr, nbytes):
+                            self.violations.append(
+                                f"copy on {stream.name} read {nbytes} bytes at {ptr:#x} after "
+                                "they were unregistered")
+                            return None
+                        raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
+                        return torch.frombuffer(raw, dtype=torch.uint8).clone().view(
+                            dtype).view(shape)
+                else:  # pinned by the caching allocator (kept alive), or staged now
+                    staged = t if non_blocking and pinned else t.clone()
+
+                    def read() -> torch.Tensor | None:
+                        return staged
+
+                def run() -> None:
+                    host = read()
+                    view = self._resolve(dst, f"h2d on {stream.name}") if dst else None
+                    if host is not None and view is not None:
+                        view.copy_(host)
+
+                stream.ops.append(_Op("h2d", self.rng.randint(*self.copy_cost), run))
+                return out
+
+    def check_unregister(self, ptr: int) -> None:
+        nbytes = self.registered.get(ptr, 0)
+        for p, n in self._reads.values():
+            if p < ptr + nbytes and ptr < p + n:
+                self.violations.append(
+                    f"cudaHostUnregister at {ptr:#x} while a copy from it is still queued")
+                return
 
     # -- for tests: kernels and allocations ----------------------------------------------------
     def launch(self, stream: SimStream | None, fn: Callable[..., None], *tensors: torch.Tensor,
@@ -354,3 +539,35 @@ class SimCuda(SyncBackend):
             return None
         raw = torch.from_numpy(block.mem).view(h.dtype)
         return raw.as_strided(h.shape, h.stride, h.offset)
+
+
+class _Cudart:
+    """``torch.cuda.cudart()`` of the simulator: host registration, logged per device."""
+
+    cudaError = int  # the runtime's spelling
+
+    def __init__(self, sim: SimCuda) -> None:
+        self.sim = sim
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        sim = self.sim
+        with sim.lock:
+            sim.log("register")
+            if sim.register_code:
+                return sim.register_code
+            sim.registered[ptr] = nbytes
+            return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        sim = self.sim
+        with sim.lock:
+            sim.log("unregister")
+            sim.check_unregister(ptr)
+            return 0 if sim.registered.pop(ptr, None) is not None else 1
+
+    def cudaGetErrorString(self, code: Any) -> str:
+        return {2: "cudaErrorMemoryAllocation: out of memory",
+                801: "cudaErrorNotSupported: operation not supported"}.get(int(code), "unknown")
+
+    def cudaGetLastError(self) -> int:
+        return 0

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpufeed import _pinning
+from gpufeed import _cuda, _pinning
 
 Pair = namedtuple("Pair", ["x", "y"])
 
@@ -286,10 +286,10 @@ def test_a_forked_child_forgets_the_bookkeeping(
     cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_pinning, "_refcounts", {(1, PAGE): 1})
-    monkeypatch.setattr(_pinning, "_copy_sources", weakref.WeakSet())
+    monkeypatch.setattr(_pinning, "_tracked", {_cuda.Fences()})
     monkeypatch.setattr(_pinning, "_lock", _pinning._lock)
     _pinning._forget_after_fork()
-    assert _pinning.registered_bytes() == 0 and len(_pinning._copy_sources) == 0
+    assert _pinning.registered_bytes() == 0 and len(_pinning._tracked) == 0
 
 
 # ---------------------------------------------------------------- CUDA (run on a GPU)

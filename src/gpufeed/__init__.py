@@ -10,6 +10,7 @@
       _fetch.py        one batch: batch source, vectorised gather, __getitems__, or per sample
       _collate.py      collating straight into a slot; packing and unpacking leaves
       _ring.py         the slot ring: shared memory, free list, byte budget, lifetimes
+      _release.py      release fences of pinned slots; PinningFallbackWarning
       _datasets.py     ArrayDataset and the vectorised gather
       _tree.py         walking nested batches
       _errors.py       WorkerError and worker tracebacks
@@ -19,6 +20,7 @@
       _streams.py      CUDA streams and events, and a synchronous stand-in for tests
       _pageable.py     detecting copies that cannot be asynchronous; PageableCopyWarning
       _pinning.py      cudaHostRegister of ring slots; pinning fallback batches
+      _cuda.py         device guards, events, graph capture, Fences (the CUDA seams)
       _gpu_transforms.py  Normalize: uint8 -> float on the device, channels_last
       _stats.py        StatsRecorder and LoaderStats: stats as data
       _profiler.py     Profiler: the input-bound share of any loop
@@ -54,6 +56,7 @@ from ._images import ImageFolder
 from ._loader import DataLoader
 from ._packed import CopyOnWriteWarning, PackedList
 from ._profiler import Profiler, ProfileReport, profile
+from ._release import PinningFallbackWarning
 from ._sampler import (
     SeededRandomSampler,
     ShardedIterable,
@@ -83,6 +86,7 @@ __all__ = [
     "Normalize",
     "PackedList",
     "PageableCopyWarning",
+    "PinningFallbackWarning",
     "ProfileReport",
     "Profiler",
     "SeededRandomSampler",

@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import IterableDataset
 
+from . import _cuda, _pinning
 from ._fetch import IterFetcher, MapFetcher
 from ._pinning import pin_batch
 from ._resume import capture_state
 from ._shards import ShardInfo, set_shard_info
+from ._streams import pin_device_index
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -34,7 +36,7 @@ class BaseIter:
         self._index_sampler = loader._index_sampler
         self._collate_fn = loader.collate_fn
         self._drop_last = loader.drop_last
-        if loader.pin_memory and not torch.accelerator.is_available():
+        if loader.pin_memory and not (torch.accelerator.is_available() or _pinning.cuda_usable()):
             warnings.warn(
                 "'pin_memory' argument is set as true but no accelerator is found, "
                 "then device pinned memory won't be used.",
@@ -42,7 +44,11 @@ class BaseIter:
             )
         # A CUDA device stage needs page-locked batches to copy asynchronously: pin then too.
         on_cuda = loader.device is not None and loader.device.type == "cuda"
-        self._pin = (loader.pin_memory or on_cuda) and torch.cuda.is_available()
+        self._pin = (loader.pin_memory or on_cuda) and _pinning.cuda_usable()
+        # The device pinning, registration and release fences run under (resolved now).
+        self._pin_device = (
+            pin_device_index(loader.device, loader.pin_memory_device) if self._pin else None
+        )
         self._sample_seed = loader.seed if loader.deterministic else None
         self._begin_epoch()
         self._base_seed = int(
@@ -95,10 +101,22 @@ class BaseIter:
                 stacklevel=3,
             )
         if self._pin:
-            data = pin_batch(data)
+            with _cuda.device_guard(self._pin_device):
+                data = pin_batch(data)
         self._tracker.produced_nth(k, worker_state)
         self._returned_at = time.perf_counter()
         return data
+
+    def _check_capture(self) -> None:
+        """A batch cannot be fetched inside CUDA graph capture: pinning and the ring's
+        release fences are CUDA calls that capture forbids or would record into the graph."""
+        if self._pin and _cuda.capturing(self._pin_device):
+            raise RuntimeError(
+                "next() on a gpufeed DataLoader was called while the current CUDA stream is "
+                "capturing a graph; fetch the batch before torch.cuda.graph(...) and copy it "
+                "into the graph's static input tensors (static_x.copy_(batch)) inside or "
+                "before replay, never iterate the loader during capture"
+            )
 
     def close(self) -> None:
         """Stop workers and release memory; idempotent."""
@@ -135,6 +153,7 @@ class SingleIter(BaseIter):
             self._fetcher.reset(resumed.states[0])
 
     def __next__(self) -> Any:
+        self._check_capture()
         asked_at = time.perf_counter()
         try:
             indices = self._next_indices()

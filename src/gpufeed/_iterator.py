@@ -40,6 +40,7 @@ WAIT_SLICE_S = 1.0  # how often a waiting main process re-checks worker health
 CHUNK_TARGET_S = 0.01  # worker seconds of work per task message (see _worker.py)
 CHUNK_MAX = 64
 CHUNK_BYTES = 64 << 20  # never prefetch more than this in extra chunked batches
+FENCE_SLACK = 2  # slots of a pinned ring waiting for the user's copies (a GPU 2 steps behind)
 
 
 @atexit.register
@@ -73,6 +74,7 @@ class WorkerIter(BaseIter):
             self._ring = SlotRing(
                 reserve=reserve_for(budget), budget=budget, shared=shared, pin=self._pin,
                 slots_hint=self._slots_for(self._max_out),
+                device=self._pin_device,
             )
             kwargs = dict(
                 num_workers=nw, dataset=self._dataset, is_iterable=self._is_iterable,
@@ -222,9 +224,14 @@ class WorkerIter(BaseIter):
 
     def _slots_for(self, in_flight: int) -> int:
         """Default ring size: in-flight batches plus those the consumer holds (the loop's
-        current and previous batch, and a device stage's depth + 1). More would only raise
-        peak memory; a consumer that keeps more batches gets ordinary allocations."""
-        held = 2 + (self._loader.device_depth + 1 if self._loader.device is not None else 0)
+        current and previous batch, and a device stage's depth + 1; pinned without a device
+        stage, 2 whose release fence waits for the user's copies: NOTE [ Slot lifetime ]).
+        More would only raise peak memory; a consumer that keeps more batches, or a GPU
+        further behind, gets ordinary allocations."""
+        if self._loader.device is not None:
+            held = 2 + self._loader.device_depth + 1
+        else:
+            held = 2 + (FENCE_SLACK if self._pin else 0)
         return in_flight + held
 
     # -- receiving ----------------------------------------------------------------------------
@@ -310,6 +317,7 @@ class WorkerIter(BaseIter):
                 return
 
     def __next__(self) -> Any:
+        self._check_capture()
         asked_at = time.perf_counter()
         while True:
             if self._closed:

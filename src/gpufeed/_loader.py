@@ -159,7 +159,8 @@ class DataLoader(_TorchDataLoader):
         self._prefetch_explicit = prefetch_factor is not None
         self.worker_type = worker_type
         self.ring_bytes = ring_bytes
-        self.device = parse_device(device) if device is not None else None
+        # "cuda" stays without index until iteration starts (the current device then).
+        self.device = parse_device(device, resolve=False) if device is not None else None
         self.device_transform = device_transform
         self.device_depth = device_depth
         self._recorder = StatsRecorder()
@@ -262,6 +263,6 @@ class DataLoader(_TorchDataLoader):
         if self.device is None:
             return it
         return Delivered(to_device(
-            it, self.device, depth=self.device_depth, transform=self.device_transform,
+            it, parse_device(self.device), depth=self.device_depth, transform=self.device_transform,
             recorder=self._recorder,
         ), self._progress.current())

@@ -15,8 +15,10 @@ Without CUDA (CPU-only build, or no device) both are no-ops: ``register`` return
 
 NOTE [ Registered memory lifetime ]
 -----------------------------------
-    register(t) ──► cudaHostRegister(ptr, n) ──► handle keeps ``t`` (so its mapping) alive
-    unregister(h) ──► wait for tracked in-flight copies ──► cudaHostUnregister ──► drop ``t``
+    register(t, device=d, fences=F) ──► under device d: cudaHostRegister(ptr, n)
+                                    ──► handle keeps ``t`` (so its mapping) and F alive
+    unregister(h) ──► event on d's current stream into F ──► wait for F and every tracked
+                      Fences ──► under device d: cudaHostUnregister ──► drop ``t``
 
 (1) Pinned means "the bytes at this address are page-locked". ``Tensor.is_pinned()`` asks
     about the first byte of the tensor's *storage* (ATen ``is_pinned``:
@@ -28,12 +30,31 @@ NOTE [ Registered memory lifetime ]
     until ``cudaHostUnregister`` returns, so whatever order its owner drops things in (a
     ring that lets go of its region before unregistering its slots), the memory is unmapped
     only after it is unregistered. A handle collected while still active unregisters itself.
-(3) Never unregistered under a running DMA: device stages that copy from host memory
-    register themselves with ``track_copies``; ``unregister`` first waits for every copy
-    they have in flight (``wait_copies``), which costs nothing in steady state.
+(3) Never unregistered under a pending copy. Events that must complete before memory may be
+    unregistered live in ``Fences`` objects that are held *strongly*: the ring's (the events
+    recorded when its slots were released, NOTE [ Slot lifetime ] in ``_ring.py``) by every
+    handle of the ring, and a device stage's (its copies in flight) by this module while the
+    stage is tracked (``track_copies``). ``unregister`` first records an event on the current
+    stream of the handle's device (copies the caller issued from memory it still holds), then
+    waits for the handle's Fences and every tracked one. Nothing here is weak, so garbage
+    collection may tear a ring, its handles and a device stage down in any order: a handle
+    collected first still waits (a weak set of stages let the region go first before).
+    The cost is one wait at unregistering (epoch end, close), none per batch.
 (4) Per process: registrations belong to the process that made them. A forked child gets a
     copy of the bookkeeping; it is forgotten there, and handles do nothing outside the
     process that registered them (the child has no CUDA context to call).
+(5) Device guard. Every call that touches CUDA for a loader's device (register,
+    unregister, release events, the capture check, and ``pin_batch`` of its fallback
+    batches) runs under ``torch.cuda.device(d)``: under torchrun rank 3 creates no context
+    on GPU 0. ``d`` is None for callers that name no device, and for a pinned ring without
+    ``device=`` until its first registration (asking earlier would initialise CUDA before
+    the workers fork): then the current device is used, as by any CUDA call.
+(6) Failure. ``register`` raises RuntimeError naming the CUDA error and the fix; the ring
+    turns that into one warning and goes on unregistered (``_ring.py``).
+
+Here ``cuda_usable``, ``_pinned_ptr``, ``pin`` and ``torch.cuda.cudart()`` ask CUDA
+directly; guards, events and capture are in ``_cuda.py``. The simulated backend of the tests
+(tests/sim_cuda.py) replaces exactly those, so the guards placed around them are tested.
 """
 
 from __future__ import annotations
@@ -42,16 +63,17 @@ import ctypes
 import logging
 import os
 import threading
-import weakref
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from . import _cuda
+from ._cuda import Fences
 from ._tree import tree_map
 
 __all__ = [
-    "PinnedRegion", "cuda_usable", "is_pinned", "pin_batch", "register", "registered_bytes",
-    "track_copies", "unregister", "untrack_copies",
+    "PinnedRegion", "cuda_usable", "is_pinned", "pin", "pin_batch", "register",
+    "registered_bytes", "track_copies", "unregister", "untrack_copies",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,18 +85,14 @@ _lock = threading.RLock()
 _refcounts: dict[tuple[int, int], int] = {}  # (ptr, nbytes) -> live handles we own
 
 
-class CopySource(Protocol):
-    def wait_copies(self) -> None: ...
-
-
-_copy_sources: weakref.WeakSet[Any] = weakref.WeakSet()  # NOTE rule (3)
+_tracked: set[Fences] = set()  # NOTE rule (3): strong on purpose
 
 
 def _forget_after_fork() -> None:  # NOTE rule (4)
-    global _lock, _refcounts, _copy_sources
+    global _lock, _refcounts, _tracked
     _lock = threading.RLock()  # another thread may have held it at the fork
     _refcounts = {}
-    _copy_sources = weakref.WeakSet()
+    _tracked = set()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -90,15 +108,18 @@ class PinnedRegion:
     (NOTE [ Registered memory lifetime ], rule 2).
     """
 
-    __slots__ = ("_keep", "_pid", "active", "nbytes", "owned", "ptr")
+    __slots__ = ("_keep", "_pid", "active", "device", "fences", "nbytes", "owned", "ptr")
 
     def __init__(
-        self, ptr: int, nbytes: int, *, owned: bool, keep: torch.Tensor | None = None
+        self, ptr: int, nbytes: int, *, owned: bool, keep: torch.Tensor | None = None,
+        device: int | None = None, fences: Fences | None = None,
     ) -> None:
         self.ptr = ptr
         self.nbytes = nbytes
         self.owned = owned
         self.active = True
+        self.device = device
+        self.fences = fences if owned else None
         self._keep = keep if owned else None
         self._pid = os.getpid()
 
@@ -120,6 +141,11 @@ def cuda_usable() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:  # broken driver install: behave as CPU-only
         return False
+
+
+def pin(t: torch.Tensor) -> torch.Tensor:
+    """A page-locked copy of ``t`` from torch's caching host allocator."""
+    return t.pin_memory()
 
 
 def is_pinned(t: torch.Tensor) -> bool:
@@ -148,8 +174,13 @@ def _pinned_ptr(ptr: int) -> bool:
         return False
 
 
-def register(t: torch.Tensor) -> PinnedRegion | None:
+def register(
+    t: torch.Tensor, *, device: int | None = None, fences: Fences | None = None
+) -> PinnedRegion | None:
     """Page-lock the bytes of contiguous CPU tensor ``t`` with ``cudaHostRegister``.
+
+    ``device``: the device whose context makes the call (NOTE rule 5). ``fences``: events
+    that must pass before the memory is unregistered, kept by the handle (rule 3).
 
     Returns a :class:`PinnedRegion` handle, or None when there is nothing to do (no CUDA,
     empty storage). Idempotent per region: registering the same storage again returns a
@@ -180,15 +211,17 @@ def register(t: torch.Tensor) -> PinnedRegion | None:
     with _lock:
         if key in _refcounts:
             _refcounts[key] += 1
-            return PinnedRegion(ptr, nbytes, owned=True, keep=t)
+            return PinnedRegion(ptr, nbytes, owned=True, keep=t, device=device, fences=fences)
         # Pinned elsewhere (pin_memory(), or a registration that covers this range): share
         # it, never unregister it. The probe is at ptr itself, not at t's storage (rule 1).
         if _pinned_ptr(ptr):
             return PinnedRegion(ptr, nbytes, owned=False)
-        cudart = torch.cuda.cudart()
-        code = int(cudart.cudaHostRegister(ptr, nbytes, _PORTABLE))
+        with _cuda.device_guard(device):
+            cudart = torch.cuda.cudart()
+            code = int(cudart.cudaHostRegister(ptr, nbytes, _PORTABLE))
+            if code != 0:
+                _drain_last_error(cudart)
         if code != 0:
-            _drain_last_error(cudart)
             hint = (
                 "Part of this memory is already page-locked (an overlapping region was "
                 "registered): register the whole region once, before any part of it."
@@ -201,16 +234,17 @@ def register(t: torch.Tensor) -> PinnedRegion | None:
                 f"{_error_name(cudart, code)} (cudaError {code}). {hint}"
             )
         _refcounts[key] = 1
-        return PinnedRegion(ptr, nbytes, owned=True, keep=t)
+        return PinnedRegion(ptr, nbytes, owned=True, keep=t, device=device, fences=fences)
 
 
 def unregister(h: PinnedRegion | None) -> None:
     """Undo :func:`register`. Safe on None and safe to call twice on one handle.
 
-    The handle keeps the memory mapped until this returns (NOTE rule 2). Copies in flight
-    from device stages that ``track_copies`` are waited for first (rule 3): unregistering
-    pages under a running DMA is undefined behaviour in CUDA. In a process other than the
-    one that registered (a forked child) it only marks the handle released (rule 4).
+    The handle keeps the memory mapped until this returns (NOTE rule 2). Pending copies
+    are waited for first (rule 3): an event on the current stream of the handle's device,
+    the handle's Fences and every tracked one; unregistering pages under a running DMA is
+    undefined behaviour in CUDA. In a process other than the one that registered (a forked
+    child) it only marks the handle released (rule 4).
     """
     if h is None or not h.active:
         return
@@ -225,12 +259,14 @@ def unregister(h: PinnedRegion | None) -> None:
             _refcounts[key] = left
             return
         _refcounts.pop(key, None)
-        _wait_for_copies()
-        cudart = torch.cuda.cudart()
-        code = int(cudart.cudaHostUnregister(h.ptr))
-        del keep  # only now may the memory be unmapped
+        _wait_for_copies(h)
+        with _cuda.device_guard(h.device):
+            cudart = torch.cuda.cudart()
+            code = int(cudart.cudaHostUnregister(h.ptr))
+            del keep  # only now may the memory be unmapped
+            if code != 0:
+                _drain_last_error(cudart)
         if code != 0:
-            _drain_last_error(cudart)
             raise RuntimeError(
                 f"cudaHostUnregister at {h.ptr:#x} failed: {_error_name(cudart, code)} "
                 f"(cudaError {code}). Was this range unregistered by other code (e.g. "
@@ -239,20 +275,24 @@ def unregister(h: PinnedRegion | None) -> None:
             )
 
 
-def track_copies(source: CopySource) -> None:
-    """Make :func:`unregister` wait for ``source.wait_copies()`` first (held weakly)."""
+def track_copies(fences: Fences) -> None:
+    """Make :func:`unregister` wait for ``fences`` first (held strongly until untracked)."""
     with _lock:
-        _copy_sources.add(source)
+        _tracked.add(fences)
 
 
-def untrack_copies(source: CopySource) -> None:
+def untrack_copies(fences: Fences) -> None:
     with _lock:
-        _copy_sources.discard(source)
+        _tracked.discard(fences)
 
 
-def _wait_for_copies() -> None:
-    for source in list(_copy_sources):
-        source.wait_copies()
+def _wait_for_copies(h: PinnedRegion) -> None:
+    if h.fences is not None:
+        if _cuda.cuda_initialized():  # copies issued from memory the caller still holds
+            h.fences.add(_cuda.current_stream_event(h.device))
+        h.fences.wait()
+    for fences in list(_tracked):
+        fences.wait()
 
 
 def registered_bytes() -> int:
@@ -271,12 +311,12 @@ def pin_batch(batch: Any) -> Any:
     if not cuda_usable():
         return batch
 
-    def pin(x: Any) -> Any:
+    def pin_leaf(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.device.type == "cpu" and not is_pinned(x):
-            return x.pin_memory()
+            return pin(x)
         return x
 
-    return tree_map(pin, batch)
+    return tree_map(pin_leaf, batch)
 
 
 def _error_name(cudart: Any, code: int) -> str:

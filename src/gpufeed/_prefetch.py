@@ -51,9 +51,22 @@ NOTE [ Device stage: streams, events and slots ]
 (9) Device-resident leaves (a source that yields tensors already on the device) are not
     copied: S waits for C before the transform may read them (they may be produced there),
     and they get ``record_stream(S)``, so freeing them cannot recycle memory S still reads.
-(10) Unregistering. The iterator is known to ``_pinning.track_copies``: unregistering pinned
-    memory (a ring slot retired, or a ring closed first after a worker error) waits for the
-    copies in flight here (``wait_copies``) before ``cudaHostUnregister``.
+(10) Unregistering. Every E_copy also goes into the iterator's ``_cuda.Fences``, tracked
+    (held strongly) by ``_pinning`` from the first next() to close: unregistering pinned
+    memory (a ring slot retired, a ring closed first after a worker error, or collected
+    before this iterator in a garbage cycle) waits for the copies in flight here before
+    ``cudaHostUnregister``. Host batches are dropped under ``_cuda.copies_complete()``:
+    their copy has completed, so the ring needs no release fence for them (NOTE [ Slot
+    lifetime ] (b)) and recycles their slots at once.
+(11) Device and capture. Every backend call runs under ``backend.guard()`` (the target
+    device made current: no context on another GPU). next() during CUDA graph capture
+    raises: its copies, events and waits would be recorded into the graph.
+(12) Current stream. The consumer stream C is the current stream of the target device at
+    each next(), read afresh each time: batch i is ordered before the work queued on the
+    stream current when batch i was handed over, and protected (record_stream) against
+    reuse until that stream's work is done. Using a batch on another stream is the user's
+    to order (``s.wait_stream(C)``, ``t.record_stream(s)``), as with any CUDA tensor; the
+    marks of rule (8) are then taken on whichever stream was current at each next().
 """
 
 from __future__ import annotations
@@ -69,7 +82,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _pinning
+from . import _cuda, _pinning
 from ._pageable import staged_reason, warn_staged
 from ._streams import Event, SyncBackend, backend_for, parse_device
 from ._tree import tree_leaves, tree_map
@@ -153,6 +166,7 @@ class DeviceIterator(Iterator[Any]):
         self._host: deque[tuple[Event, Any]] = deque()
         self._ready: deque[tuple[Event, Any, int]] = deque()
         self._marks: deque[Event] = deque()
+        self._copies = _cuda.Fences()  # rule (10)
         self._source_done = False
         self._error: BaseException | None = None
         self._warned = False
@@ -180,7 +194,8 @@ class DeviceIterator(Iterator[Any]):
     def __del__(self) -> None:  # wait for copies, drop batches; the source is not ours to close
         try:
             if self._pid == os.getpid() and self._state not in (_State.CLOSED, _State.EXHAUSTED):
-                self._release(_State.CLOSED, close_source=False)
+                with self._backend.guard():
+                    self._release(_State.CLOSED, close_source=False)
         except Exception:
             pass
 
@@ -189,11 +204,22 @@ class DeviceIterator(Iterator[Any]):
             raise RuntimeError("this to_device iterator is closed; call to_device(...) again")
         if self._state is _State.EXHAUSTED:
             raise StopIteration
+        with self._backend.guard():  # rule (11)
+            if self._backend.capturing():
+                raise RuntimeError(
+                    f"next() on a to_device iterator was called while the current stream of "
+                    f"{self.device} is capturing a CUDA graph; fetch the batch before "
+                    "torch.cuda.graph(...) and copy it into the graph's static inputs "
+                    "(static_x.copy_(batch)), never iterate the loader during capture"
+                )
+            return self._next()
+
+    def _next(self) -> Any:
         backend = self._backend
         if self._state is _State.UNSTARTED:
             self._side = backend.new_stream()
             self._state = _State.RUNNING
-            _pinning.track_copies(self)  # rule (10)
+            _pinning.track_copies(self._copies)  # rule (10)
         elif self._batches:  # rule (8): what the user queued on the batches so far
             self._marks.append(backend.record_event(backend.current_stream()))
         self._fill()
@@ -210,7 +236,9 @@ class DeviceIterator(Iterator[Any]):
         self._bytes_held -= nbytes
         self._batches += 1
         self._fill()  # rule (4): i+1..i+depth issued before batch i is returned
-        _drain(self._host)  # rule (3)
+        with _cuda.copies_complete():
+            _drain(self._host)  # rule (3)
+        self._copies.retain([e for e, _ in self._host])  # the others have completed
         return batch
 
     def stats(self) -> DeviceStats:
@@ -231,32 +259,31 @@ class DeviceIterator(Iterator[Any]):
             consumer_wait_s=self._consumer_wait_s,
         )
 
-    def wait_copies(self) -> None:
-        """Block until every copy issued so far has completed; drops nothing (rule 10)."""
-        for event, _ in list(self._host):
-            event.synchronize()
-
     def close(self) -> None:
         """Wait for outstanding copies, release all batches, close the source (rule 6).
 
         Idempotent; after exhaustion it does nothing (the source is left as it is).
         """
         if self._state not in (_State.CLOSED, _State.EXHAUSTED):
-            self._release(_State.CLOSED)
+            with self._backend.guard():
+                self._release(_State.CLOSED)
 
     def _release(self, state: _State, *, close_source: bool = True) -> None:
         self._state = state
         source, self._source = self._source, iter(())
         try:
-            while self._host:  # rule (6): no DMA may still read a slot we give back
-                self._host[0][0].synchronize()
-                self._host.popleft()
+            with _cuda.copies_complete():
+                while self._host:  # rule (6): no DMA may still read a slot we give back
+                    self._host[0][0].synchronize()
+                    self._host.popleft()
         finally:
-            self._host.clear()
+            with _cuda.copies_complete():  # a failed wait: released unfenced, as before
+                self._host.clear()
             self._ready.clear()
             self._marks.clear()
             self._bytes_held = 0
-            _pinning.untrack_copies(self)
+            _pinning.untrack_copies(self._copies)
+            self._copies = _cuda.Fences()
             logger.debug("to_device %s: %s", state.value, self.stats())
             close = getattr(source, "close", None)
             if state is _State.CLOSED and close_source and callable(close):
@@ -278,14 +305,16 @@ class DeviceIterator(Iterator[Any]):
     def _make_room(self) -> float:
         """Rules (3) and (8) before a batch is issued; returns the seconds spent waiting on
         copies (consumer waits are counted apart: they are not the input's fault)."""
-        _drain(self._host)
+        with _cuda.copies_complete():
+            _drain(self._host)
         _drain(self._marks)
         waited = 0.0
         if len(self._host) > self.depth:
             start = time.perf_counter()
             while len(self._host) > self.depth:
                 self._host[0][0].synchronize()
-                self._host.popleft()
+                with _cuda.copies_complete():
+                    self._host.popleft()
                 self._host_waits += 1
             waited = time.perf_counter() - start
             self._host_wait_s += waited
@@ -329,6 +358,7 @@ class DeviceIterator(Iterator[Any]):
             finally:  # even after a failed copy: the leaves before it may be in flight
                 copied = backend.record_event(side)
                 self._host.append((copied, host))
+                self._copies.add(copied)
             self._bytes_copied += sent
             ready = copied
             if self._transform is not None:
@@ -350,5 +380,5 @@ class DeviceIterator(Iterator[Any]):
             self._recorder.count("pageable_batches")
         if not self._warned:
             self._warned = True
-            # user frame <- __next__ <- _fill <- _issue <- _on_staged <- warn_staged
-            warn_staged(t, reason, self.device, stacklevel=5)
+            # user frame <- __next__ <- _next <- _fill <- _issue <- _on_staged <- warn_staged
+            warn_staged(t, reason, self.device, stacklevel=6)

@@ -16,6 +16,39 @@ slice or derived view of the batch is gone. Only then does the slot return to th
 a batch the user keeps (``list(loader)``) is never overwritten. With a device stage the
 host batch is held until its copy's event has completed, which gives the same guarantee.
 
+Release fences (pinned rings): a slot registered with CUDA may still be read by a copy the
+user queued (``x.cuda(non_blocking=True)`` after ``DataLoader(pin_memory=True)``), so
+dropping the batch does not free the slot by itself. PyTorch protects memory from its own
+caching host allocator this way, but records nothing for registered memory:
+
+    finalizer, CUDA initialised ──► event E on the current stream of the ring's device
+                                    (the releasing thread's), (E, slot) into the ring's Fences
+    acquire() with no free slot ──► E.query() for each: completed slots join the free list;
+                                    none: carve a new slot or fall back (never blocks)
+    close(), retire, collection ──► wait for every E (and one more event on the current
+                                    stream, for slots the user still holds) before unregistering
+
+(a) Covered: copies queued on the releasing thread's current stream of the ring's device
+    before the last view went (the idiom above, in any order of ``del``). Not covered,
+    the user's to order: a copy queued on another stream (``with torch.cuda.stream(s)``)
+    or to another device when the batch is dropped outside that block (drop it inside, or
+    make the current stream wait for ``s``); tests/test_ring_release_sim.py shows both.
+    "Dropped" means the last reference went: ``for k, batch in enumerate(loader)`` keeps
+    the batch in enumerate's tuple until the next iteration, on whatever stream is current
+    then. Any thread may drop it; its own current stream is the one fenced.
+(b) Not fenced: batches a device stage drops after their copy's event (it says so with
+    ``_cuda.copies_complete``), slots of an unregistered ring (a copy from pageable
+    memory returns once the bytes are staged), and any release before CUDA is initialised.
+(c) A release that cannot record its event (a graph capture in progress, CUDA failing) is
+    parked and fenced by the next ``acquire`` that can record one.
+(d) Waiting happens only where memory is unregistered: close (epoch end), a retired slot
+    (rare: batches grew) and collection; each waits for the current stream once, so an
+    epoch ends after the GPU has finished the steps queued so far. Code: ``_release.py``.
+
+Registration failure (locked-memory limit, unsupported, out of resources): one warning
+(``PinningFallbackWarning``) with CUDA's reason and the fix; the slot and every later one
+stay unregistered and their batches are pinned the ordinary way (``pin_batch``).
+
 Growth and fallback: a batch needs ``need`` bytes (learnt from the first batch, and from any
 larger one later). When no slot is free, a new one is carved while the ring stays within its
 byte budget; past the budget a task gets no slot and the worker allocates ordinary shared
@@ -41,11 +74,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _cuda, _pinning
+from ._release import Releaser, warn_unpinned
+
 # A sparse reservation must not be charged to the commit limit up front (Linux's value; newer
 # Pythons name it).
 _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 ALIGN = 64  # bytes; every leaf starts on a cache-line boundary
-PAGE = 4096
+PAGE = mmap.PAGESIZE  # 64 KiB on some aarch64 hosts (GH200): never assume 4096
 
 
 def align(n: int, to: int = ALIGN) -> int:
@@ -208,12 +244,16 @@ class SlotRing:
         shared: shared memory (process workers) or ordinary memory (thread workers).
         pin: page-lock each slot when it is created (needs CUDA).
         slots_hint: slots the default budget allows.
+        device: the CUDA device index registrations and release events run under (None:
+            the current device).
     """
 
     def __init__(
-        self, *, reserve: int, budget: int | None, shared: bool, pin: bool, slots_hint: int
+        self, *, reserve: int, budget: int | None, shared: bool, pin: bool, slots_hint: int,
+        device: int | None = None,
     ) -> None:
         self.reserve = reserve
+        self.device = device
         self.budget = budget
         self.user_budget = budget
         self.slots_hint = slots_hint
@@ -247,6 +287,10 @@ class SlotRing:
         self.closed = False
         # Finalizers may run on any thread; deque.append/popleft are atomic.
         self._released: collections.deque[int] = collections.deque()
+        self._fences = _cuda.Fences()  # (event, slot) of fenced releases; handles hold it
+        self._parked: collections.deque[int] = collections.deque()  # see (c)
+        self._releaser = Releaser(self._released, self._fences, self._parked, self._pins,
+                                   device)
 
     # -- sizing ---------------------------------------------------------------------------
     def learn(self, need: int) -> None:
@@ -277,12 +321,19 @@ class SlotRing:
     def in_use(self) -> int:
         return len(self._slots) - len(self._free) - len(self._released)
 
+    @property
+    def fenced(self) -> int:
+        """Released slots still waiting for their release event (or parked, (c))."""
+        return len(self._fences) + len(self._parked)
+
     # -- acquire / release ---------------------------------------------------------------
     def acquire(self) -> tuple[int, int, int] | None:
         """A free slot as (id, offset, size), a new one within budget, or None (fallback)."""
         self.drain()
         if not self.slot_bytes or self.closed:
             return None
+        if not self._free:
+            self._unfence()
         while self._free:
             sid = self._free.pop()
             off, size = self._slots[sid]
@@ -298,8 +349,16 @@ class SlotRing:
         return None
 
     def release(self, sid: int) -> None:
-        """Return a slot (thread-safe; called by finalizers and for unused slots)."""
+        """Return a slot no copy can read (thread-safe): one a worker did not fill."""
         self._released.append(sid)
+
+    def _unfence(self) -> None:
+        """Slots whose release event has completed join the free list (never blocks)."""
+        if self._parked:
+            self._releaser.fence_parked()
+        for sid in self._fences.done():
+            if sid in self._slots:
+                self._free.append(sid)
 
     def drain(self) -> None:
         rel = self._released
@@ -311,6 +370,7 @@ class SlotRing:
     def _carve(self, size: int) -> tuple[int, int, int] | None:
         for i, (off, free) in enumerate(self._extents):
             if free >= size:
+                handle = self._register(off, size)  # before any bookkeeping
                 if free == size:
                     del self._extents[i]
                 else:
@@ -320,20 +380,32 @@ class SlotRing:
                 self._slots[sid] = (off, size)
                 self.live_bytes += size
                 self.grows += 1
-                if self.pin:
-                    from . import _pinning
-
-                    self._pins[sid] = _pinning.register(self.region[off : off + size])
+                if handle is not None:
+                    self._pins[sid] = handle
                 return sid, off, size
         return None
+
+    def _register(self, off: int, size: int) -> _pinning.PinnedRegion | None:
+        """Page-lock a new slot; on failure warn once and go on unregistered (see above)."""
+        if not self.pin:
+            return None
+        try:
+            handle = _pinning.register(
+                self.region[off : off + size], device=self.device, fences=self._fences
+            )
+            if handle is not None and self.device is None:  # CUDA is initialised now
+                self.device = self._releaser.device = handle.device = _cuda.current_device()
+            return handle
+        except RuntimeError as e:
+            self.pin = False  # no later slot tries again
+            warn_unpinned(e)
+            return None
 
     def _retire(self, sid: int) -> None:
         off, size = self._slots.pop(sid)
         handle = self._pins.pop(sid, None)
         if handle is not None:
-            from . import _pinning
-
-            _pinning.unregister(handle)
+            _pinning.unregister(handle)  # waits for the fences (rare: batches grew)
         self.live_bytes -= size
         self.mem.discard(off, size)
         i = bisect.bisect(self._extents, (off, size))
@@ -359,7 +431,7 @@ class SlotRing:
             self.release(sid)
             return unpack(packed, None)
         base = self.region_np[off : off + align(used)]
-        fin = weakref.finalize(base, self._released.append, sid)
+        fin = weakref.finalize(base, self._releaser, sid)
         fin.atexit = False
         return unpack(packed, base)
 
@@ -369,8 +441,9 @@ class SlotRing:
             return
         self.closed = True
         if self._pins:
-            from . import _pinning
-
+            # Each unregister first waits for the release fences and an event on the current
+            # stream (slots the user still holds, parked ones): NOTE [ Registered memory
+            # lifetime ] (3).
             for h in self._pins.values():
                 _pinning.unregister(h)
         self._pins.clear()

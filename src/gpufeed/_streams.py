@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from . import _pinning
+from . import _cuda, _pinning
 
 __all__ = ["CudaBackend", "Event", "SyncBackend", "backend_for", "parse_device"]
 
@@ -58,6 +58,14 @@ class SyncBackend:
 
     def current_stream(self) -> Any:  # the consumer's stream, asked at each handover
         return None
+
+    def guard(self) -> AbstractContextManager[Any]:
+        """Make the target the current device for the calls inside (no context elsewhere)."""
+        return nullcontext()
+
+    def capturing(self) -> bool:
+        """Whether the consumer's stream is capturing a CUDA graph now."""
+        return False
 
     def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
         return nullcontext()
@@ -100,6 +108,12 @@ class CudaBackend(SyncBackend):
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)  # the target's, whatever device is current
 
+    def guard(self) -> AbstractContextManager[Any]:
+        return _cuda.device_guard(self.device.index)
+
+    def capturing(self) -> bool:
+        return _cuda.capturing(self.device.index)
+
     def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
         return torch.cuda.stream(stream)
 
@@ -128,10 +142,12 @@ def backend_for(device: torch.device) -> SyncBackend:
     return CudaBackend(device) if device.type == "cuda" else SyncBackend(device)
 
 
-def parse_device(device: Any, *, injected: bool = False) -> torch.device:
+def parse_device(device: Any, *, injected: bool = False, resolve: bool = True) -> torch.device:
     """``device`` as a ``torch.device`` (CUDA: with its index), or a ValueError/TypeError/
     RuntimeError that names the value and the fix. ``injected``: a custom backend is given,
-    so CUDA need not be available."""
+    so CUDA need not be available. ``resolve=False`` leaves a bare "cuda" without index: a
+    loader resolves it to the current device when iteration starts (users call
+    ``torch.cuda.set_device(local_rank)`` after building their loaders)."""
     if isinstance(device, bool) or not isinstance(device, str | int | torch.device):
         raise TypeError(
             f"device must be a str, int or torch.device, got {type(device).__name__} "
@@ -150,8 +166,25 @@ def parse_device(device: Any, *, injected: bool = False) -> torch.device:
             f"device={device!r} but CUDA is not available (torch {torch.__version__}); install a "
             "CUDA build of torch and check the driver, or use device='cpu'"
         )
-    count = torch.cuda.device_count()
-    index = torch.cuda.current_device() if dev.index is None else dev.index
+    count = _cuda.device_count()
+    if dev.index is None and not resolve:
+        return dev
+    index = _cuda.current_device() if dev.index is None else dev.index
     if not 0 <= index < count:
         raise ValueError(f"device={device!r} but only {count} CUDA device(s) are visible")
     return torch.device("cuda", index)
+
+
+def pin_device_index(device: torch.device | None, pin_memory_device: str = "") -> int | None:
+    """The device a loader's pinned ring serves, resolved now (iteration start): its
+    ``device=``, else a CUDA ``pin_memory_device``, else the current device. Registration and
+    release events run under it (NOTE [ Registered memory lifetime ] rule 5). None when it
+    is the current device and CUDA is not initialised yet: asking would initialise CUDA
+    before the workers fork; the ring asks at its first registration instead."""
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return device.index
+    if device is None and pin_memory_device:
+        pmd = torch.device(pin_memory_device)
+        if pmd.type == "cuda" and pmd.index is not None:
+            return pmd.index
+    return _cuda.current_device() if _cuda.cuda_initialized() else None

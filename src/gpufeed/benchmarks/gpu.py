@@ -12,9 +12,16 @@ Host-to-device GB/s, one batch of ``batch_size`` uint8 3x224x224 images at a tim
 and the overlap of a synthetic step (``torch.cuda._sleep`` calibrated to T, the measured time
 of one copy) with that copy: a naive loop pays about 2T per step, ``to_device`` should pay T
 (target <= 1.05 T, start-up included). Targets for bandwidth: d >= 0.9 e (for the loader only
-when its workers gather faster than PCIe copies). Medians of ``repeats`` runs, warm-up batches
-excluded; every page of the data is touched before timing. Without CUDA it says so and exits
-with status 0, writing nothing.
+when its workers gather faster than PCIe copies). Medians of ``repeats`` runs; every page of
+the data is touched before timing. Without CUDA it says so and exits with status 0, writing
+nothing.
+
+Steady state: the loaders (c) and (d) read the same dataset (``gpufeed.ArrayDataset`` over the
+same tensor: one gather per batch for both). Each run warms up until gpufeed's ring has stopped
+growing (no slot carved, so nothing registered with ``cudaHostRegister``, for ``settle``
+batches in a row; at least ``warmup_batches``, at most 4x that), so registration and worker
+start-up stay outside the timed window; the stock loader gets as many warm-up batches. A ring
+that still grew inside the window is reported in ``notes``.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +43,7 @@ from .. import _pinning
 from .._device import to_device
 from .cpu import environment
 
-__all__ = ["main", "run_gpu_benchmark"]
+__all__ = ["main", "run_gpu_benchmark", "warm_up"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +53,7 @@ IMAGE = (3, 224, 224)
 TARGET_D_OVER_E = 0.9
 TARGET_OVERLAP = 1.05
 PREFETCH_DEPTH = 2  # to_device depth in (d); the data holds this many extra batches
+WARMUP_CAP = 4  # warm-up runs until the ring stops growing, at most this x warmup_batches
 
 
 def _median_s(run: Callable[[], float], repeats: int) -> float:
@@ -60,27 +68,59 @@ def _timed(body: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def _loader_seconds(
-    batches: Iterable[Any], n: int, warmup: int, consume: Callable[[Any], None]
-) -> float:
-    """Seconds for ``n`` batches of an iterable, after ``warmup`` untimed ones (start-up).
+def warm_up(
+    it: Iterator[Any], consume: Callable[[Any], None], grows: Callable[[], int],
+    settle: int, cap: int,
+) -> int:
+    """Consume batches until ``grows()`` (slots carved so far) has not changed for ``settle``
+    batches in a row, at least ``settle`` and at most ``cap`` of them; return how many."""
+    done, last, steady = 0, grows(), 0
+    while done < cap and (steady < settle or done < settle):
+        consume(next(it))
+        done += 1
+        now = grows()
+        steady = steady + 1 if now == last else 0
+        last = now
+    return done
 
-    A prefetching iterable has copied ``PREFETCH_DEPTH`` batches ahead when the clock starts
-    (finished by the synchronize, so free) and copies as many beyond the last timed batch
-    before the clock stops: the source must hold ``warmup + n + PREFETCH_DEPTH`` batches for
-    the timed window to contain exactly ``n`` copies. The iterator is closed afterwards, so
-    a gpufeed loader's page-locked ring and workers do not outlive their run.
+
+def _ring_grows(loader: Any) -> Callable[[], int]:
+    stats = getattr(loader, "stats", None)
+    if stats is None:
+        return lambda: 0
+    return lambda: int(stats().counters.get("ring_grow", 0))
+
+
+def _loader_seconds(
+    loader: Iterable[Any], n: int, warmup: int | tuple[int, int], consume: Callable[[Any], None],
+    log: dict[str, int] | None = None,
+) -> float:
+    """Seconds for ``n`` batches of an iterable, after untimed warm-up batches.
+
+    ``warmup``: a count, or ``(settle, cap)`` for :func:`warm_up` (until a gpufeed loader's
+    ring stops growing). ``log`` receives the warm-up batches and the slots carved inside the
+    timed window. A prefetching iterable has copied ``PREFETCH_DEPTH`` batches ahead when the
+    clock starts (finished by the synchronize, so free) and copies as many beyond the last
+    timed batch before the clock stops: the source must hold ``cap + n + PREFETCH_DEPTH``
+    batches. The iterator is closed afterwards, so a gpufeed loader's page-locked ring and
+    workers do not outlive their run.
     """
-    it = iter(batches)
+    grows = _ring_grows(loader)
+    settle, cap = (warmup, warmup) if isinstance(warmup, int) else warmup
+    it = iter(loader)
     try:
-        for _ in range(warmup):
-            consume(next(it))
+        warmed = warm_up(it, consume, grows, settle, cap)
+        before = grows()
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(n):
             consume(next(it))
         torch.cuda.synchronize()
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if log is not None:
+            log["warmup_batches"] = warmed
+            log["grew_in_window"] = grows() - before
+        return seconds
     finally:
         close = getattr(it, "close", None)
         if callable(close):
@@ -91,6 +131,7 @@ def _bandwidth(
     data: torch.Tensor, bs: int, dev: torch.device, s: dict[str, Any]
 ) -> dict[str, Any]:
     n, reps, warm, workers = s["batches"], s["repeats"], s["warmup_batches"], s["num_workers"]
+    cap = warm * WARMUP_CAP
     nbytes = bs * data[0].numel()
     views = [data[i * bs : (i + 1) * bs] for i in range(n + warm + PREFETCH_DEPTH)]
     gbps: dict[str, Any] = {}
@@ -118,28 +159,39 @@ def _bandwidth(
         body()  # warm-up: allocator blocks, pinned cache
         gbps[name] = rate(_median_s(functools.partial(_timed, body), reps))
 
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
+
+    import gpufeed
+
+    dataset = gpufeed.ArrayDataset(data)  # the same dataset (one gather per batch) for c and d
+    warmed: list[int] = []
 
     def stock() -> float:
-        loader = DataLoader(TensorDataset(data), batch_size=bs, num_workers=workers,
+        loader = DataLoader(dataset, batch_size=bs, num_workers=workers,
                             pin_memory=True, persistent_workers=False)
-        return _loader_seconds(loader, n, warm, lambda b: b[0].to(dev, non_blocking=True))
+        count = max(warmed, default=warm)  # as many warm-up batches as gpufeed's ring needed
+        return _loader_seconds(loader, n, count, lambda b: b[0].to(dev, non_blocking=True))
 
-    gbps["c_stock_dataloader_pin_memory"] = rate(_median_s(stock, reps))
+    gbps["c_stock_dataloader_pin_memory"] = None  # measured after d: its warm-up count
     gbps["d_gpufeed_dataloader"] = None
     try:
-        import gpufeed
-
         def ours() -> float:
-            loader = gpufeed.DataLoader(gpufeed.ArrayDataset(data), batch_size=bs,
+            loader = gpufeed.DataLoader(dataset, batch_size=bs,
                                         num_workers=workers, pin_memory=True, device=dev,
                                         device_depth=PREFETCH_DEPTH)
-            return _loader_seconds(loader, n, warm, lambda b: None)
+            log: dict[str, int] = {}
+            seconds = _loader_seconds(loader, n, (warm, cap), lambda b: None, log)
+            warmed.append(log["warmup_batches"])
+            if log["grew_in_window"]:
+                notes.append(f"d: the ring still grew by {log['grew_in_window']} slot(s) in "
+                             f"the timed window after {log['warmup_batches']} warm-up batches")
+            return seconds
 
         gbps["d_gpufeed_dataloader"] = rate(_median_s(ours, reps))
     except Exception as exc:  # the core may be missing or fail: still report the rest
         notes.append(f"d (gpufeed.DataLoader) not measured: {type(exc).__name__}: {exc}")
         logger.warning("gpufeed.DataLoader run failed: %s", exc)
+    gbps["c_stock_dataloader_pin_memory"] = rate(_median_s(stock, reps))
 
     gbps["d_to_device_pinned_region"] = None
     try:
@@ -224,8 +276,10 @@ def run_gpu_benchmark(
         out_path: JSON file to write (None: do not write). Nothing is written when skipped.
         batch_size: uint8 3x224x224 images per batch (256: 38.5 MB per batch).
         batches: timed batches per run; host memory used is about
-            (batches + warmup_batches + 2) x batch bytes, plus pinned copies.
-        warmup_batches: untimed batches first (worker start-up, first page faults).
+            (batches + 4 x warmup_batches + 2) x batch bytes, plus pinned copies.
+        warmup_batches: untimed batches first (worker start-up, first page faults); the
+            gpufeed loader warms up until its ring stops growing for this many batches (at
+            most 4x as many), and the stock loader gets as many.
         repeats: runs per figure; medians are reported. More is steadier, slower.
         num_workers: workers of the loaders (c) and (d); too few and the gather, not the
             copy, is measured.
@@ -243,7 +297,7 @@ def run_gpu_benchmark(
     env.update(gpu=torch.cuda.get_device_name(dev), cuda=torch.version.cuda,
                gpu_capability=list(torch.cuda.get_device_capability(dev)),
                gpu_count=torch.cuda.device_count())
-    total = batches + warmup_batches + PREFETCH_DEPTH  # see _loader_seconds
+    total = batches + warmup_batches * WARMUP_CAP + PREFETCH_DEPTH  # see _loader_seconds
     data = torch.empty((total * batch_size, *IMAGE), dtype=torch.uint8)
     data.view(-1)[:: 4096].fill_(1)  # touch every page before timing
     bw = _bandwidth(data, batch_size, dev, settings)
