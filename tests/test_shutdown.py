@@ -460,12 +460,63 @@ def test_iterators_inherited_by_forked_workers_are_not_closed_there():
         old = gpufeed.DataLoader(RichDataset(8), batch_size=2, num_workers=1,
                                  persistent_workers=True)
         next(iter(old))
-        del old  # loader <-> iterator cycle: garbage with a running iterator inside
+        old.cycle = old  # cyclic garbage with a running iterator inside
+        del old
         probes = drain(gpufeed.DataLoader(GcProbeDataset(), batch_size=None, num_workers=1))
     finally:
         gc.enable()
         gc.collect()
     assert probes == [0, 0], "finalizers raised in the worker process"
+
+
+STRESS_SCRIPT = """
+import faulthandler, gc, sys, threading, time
+import psutil, torch, torch.utils.data as tud, gpufeed
+from helpers import RichDataset
+faulthandler.dump_traceback_later({hang_s}, exit=True)  # a hang fails, with its stacks
+gc.disable()  # the point: shutdown may not wait for a cyclic collection
+me = psutil.Process()
+KINDS = [("process", False), ("thread", True), ("stock", False), ("process", True),
+         ("thread", False)]
+worst = 0.0
+for n in range({rounds}):
+    wt, persistent = KINDS[n % len(KINDS)]
+    ds = RichDataset(16)
+    if wt == "stock":
+        loader = tud.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=persistent)
+    else:
+        loader = gpufeed.DataLoader(ds, batch_size=4, num_workers=2, worker_type=wt,
+                                    persistent_workers=persistent)
+    before = {{p.pid for p in me.children()}}
+    for epoch in range(2 if persistent else 1):
+        it = iter(loader)
+        got = sum(1 for _ in it)
+        assert got == 4, (n, wt, got)  # every loader finishes its epochs
+    pids = {{p.pid for p in me.children()}} - before
+    threads = [t for t in threading.enumerate() if t.name.startswith("gpufeed-worker")]
+    del it, loader
+    t0 = time.monotonic()
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive += [t.name for t in threads if t.is_alive()]
+        if wt == "stock" or not alive:
+            break
+        if time.monotonic() - t0 > 5:
+            sys.exit(f"round {{n}} ({{wt}}, persistent={{persistent}}): {{alive}} outlived the "
+                     "loader by 5 s")
+        time.sleep(0.02)
+    worst = max(worst, time.monotonic() - t0)
+print("OK", worst)
+"""
+
+
+def test_dropping_loaders_stops_their_workers_without_the_garbage_collector():
+    """``del it, loader`` stops gpufeed's workers at once (no reference cycle keeps them), and
+    stock loaders created in between keep working: 50 loaders of five kinds, one after the
+    other, in one process with the cyclic collector off."""
+    proc = run_script(STRESS_SCRIPT.format(rounds=50, hang_s=150), timeout=180)
+    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr
 
 
 # -- interpreter exit and Ctrl-C -------------------------------------------------------------------

@@ -60,6 +60,8 @@ class WorkerIter(BaseIter):
             self._in_order = loader.in_order
             self._timeout = float(loader.timeout)
             self._persistent = loader.persistent_workers
+            # batches the consumer holds besides those in flight (see _slots_for)
+            self._held = 2 + (loader.device_depth + 1 if loader.device is not None else 0)
             self._pf_out = (loader.prefetch_factor or 2) * nw
             self._max_out = self._pf_out
             self._chunk = 1
@@ -127,7 +129,7 @@ class WorkerIter(BaseIter):
         self._plan: IndexPlan | None = None
         point = self._tracker.point
         if not self._is_iterable and not point.ahead and plannable(self._index_sampler):
-            shared = self._loader.worker_type == "process"
+            shared = loader.worker_type == "process"
             skip = 0 if point.seeked else point.done
             self._plan = make_plan(self._index_sampler, shared=shared, skip=skip)
             for w in range(self._nw):
@@ -221,8 +223,7 @@ class WorkerIter(BaseIter):
         """Default ring size: in-flight batches plus those the consumer holds (the loop's
         current and previous batch, and a device stage's depth + 1). More would only raise
         peak memory; a consumer that keeps more batches gets ordinary allocations."""
-        held = 2 + (self._loader.device_depth + 1 if self._loader.device is not None else 0)
-        return in_flight + held
+        return in_flight + self._held
 
     # -- receiving ----------------------------------------------------------------------------
     def _handle(self, w: int, msg: Any) -> None:
