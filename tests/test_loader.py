@@ -11,6 +11,7 @@ import functools
 import gc
 import sys
 import time
+import typing
 
 import numpy as np
 import pytest
@@ -677,3 +678,36 @@ def test_process_workers_without_poll_are_refused_clearly(monkeypatch):
     loader = gpufeed.DataLoader(RichDataset(4), batch_size=2, num_workers=2, worker_type="thread")
     assert len(list(loader)) == 2
     assert len(list(gpufeed.DataLoader(RichDataset(4), batch_size=2))) == 2
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # stock's __del__
+@pytest.mark.parametrize("value", [0, 1.5, 2.0, "2"])
+def test_prefetch_factor_stock_rejects_is_rejected_at_once(value):
+    """Stock takes these at construction and fails at ``iter()``; gpufeed raises ValueError
+    naming the value (not silently 2)."""
+    with pytest.raises((AssertionError, TypeError)):  # stock fails at iter()
+        list(tud.DataLoader(RichDataset(4), num_workers=1, prefetch_factor=value))
+    with pytest.raises(ValueError) as info:
+        gpufeed.DataLoader(RichDataset(4), num_workers=1, prefetch_factor=value)
+    assert f"prefetch_factor={value!r}" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [1, True, np.int64(3)])
+def test_prefetch_factor_stock_takes_is_taken(value):
+    expected = list(tud.DataLoader(RichDataset(6), batch_size=2, num_workers=1,
+                                   prefetch_factor=value))
+    got = list(gpufeed.DataLoader(RichDataset(6), batch_size=2, num_workers=1,
+                                  prefetch_factor=value))
+    assert_same(expected, got)
+
+
+def test_subscripts_like_the_stock_class():
+    """``DataLoader[T]`` for annotations and generics, as with torch's class."""
+    alias = gpufeed.DataLoader[int]
+    assert typing.get_origin(alias) is gpufeed.DataLoader
+    assert typing.get_args(alias) == typing.get_args(tud.DataLoader[int]) == (int,)
+
+    class Mine(gpufeed.DataLoader[torch.Tensor]):
+        pass
+
+    assert len(list(Mine(RichDataset(4), batch_size=2))) == 2

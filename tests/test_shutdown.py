@@ -65,6 +65,31 @@ def test_dataset_exception_reraised_with_type_traceback_and_index(exc_type, work
     assert re.search(r"worker \d", msg), msg[:300]
 
 
+@pytest.mark.parametrize("worker_type", WORKER_TYPES)
+def test_locally_defined_exception_class(worker_type):
+    """Thread workers pickle nothing: the original class comes back. Process workers cannot
+    send a class defined in a function: a RuntimeError that names it."""
+
+    class LocalBoom(Exception):
+        pass
+
+    class Bad(tud.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            if i == 5:
+                raise LocalBoom("sample 5 is bad")
+            return i
+
+    loader = gpufeed.DataLoader(Bad(), batch_size=2, num_workers=2, worker_type=worker_type)
+    expected = LocalBoom if worker_type == "thread" else RuntimeError
+    with no_leaks(), deadline(15), pytest.raises(expected) as info:
+        drain(loader)
+    assert type(info.value) is expected
+    assert "Caught LocalBoom" in str(info.value) and "sample 5 is bad" in str(info.value)
+
+
 def test_dataset_exception_in_main_process_is_the_original():
     with pytest.raises(DatasetBoom) as ours:
         list(gpufeed.DataLoader(FailingDataset(20, bad=13), batch_size=4))
@@ -280,6 +305,13 @@ def test_failing_dataset_state_dict_is_reraised_not_lost(worker_type, capfd):
 # -- dying and hanging workers -------------------------------------------------------------------
 
 
+# torch's own phrases (torch/csrc/DataLoader.cpp), which programs and frameworks match on.
+STOCK_DEATH = {
+    "sigkill": r"DataLoader worker \(pid \d+\) is killed by signal: Killed\. ",
+    "exit": r"DataLoader worker \(pid \d+\) exited unexpectedly with exit code 3\. ",
+}
+
+
 @pytest.mark.parametrize("how,needle", [("sigkill", "SIGKILL"), ("exit", "exited with code 3")])
 def test_worker_dying_inside_getitem_is_reported(how, needle):
     loader = gpufeed.DataLoader(KillDataset(20, bad=9, how=how), batch_size=4, num_workers=2)
@@ -289,10 +321,21 @@ def test_worker_dying_inside_getitem_is_reported(how, needle):
         msg = str(info.value)
         del info
     assert elapsed() < 5, f"the death was noticed after {elapsed():.1f} s"
+    assert re.match(STOCK_DEATH[how], msg), msg
     assert needle in msg and re.search(r"worker \d", msg), msg
     held = re.search(r"held batch(?:es)? ([\d, ]+)", msg)
     assert held, f"no batch named: {msg}"
     assert "2" in held.group(1).replace(" ", "").split(","), f"sample 9 is in batch 2: {msg}"
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_stock_reports_worker_death_with_the_same_phrase(how):
+    """The phrase gpufeed starts with is the one the stock loader uses (stock raises it as the
+    cause of its "DataLoader worker (pid(s) N) exited unexpectedly")."""
+    with deadline(30), pytest.raises(RuntimeError) as info:
+        drain(tud.DataLoader(KillDataset(20, bad=9, how=how), batch_size=4, num_workers=2))
+    chain = f"{info.value}\n{info.value.__cause__}"
+    assert re.search(STOCK_DEATH[how], chain), chain
 
 
 def test_worker_killed_from_outside_is_reported_with_its_pid():
@@ -308,7 +351,8 @@ def test_worker_killed_from_outside_is_reported_with_its_pid():
         msg = str(info.value)
         del info, it
     assert elapsed() < 5
-    assert f"pid {victim}" in msg and "SIGKILL" in msg, msg
+    assert msg.startswith(f"DataLoader worker (pid {victim}) is killed by signal: Killed."), msg
+    assert "SIGKILL" in msg, msg
     assert re.search(r"batch(?:es)? \d+", msg), f"no batch named: {msg}"
 
 
@@ -324,7 +368,15 @@ def test_timeout_raises_within_timeout_plus_a_few_seconds(worker_type, seconds):
         raised_after = elapsed()
         del info
     assert raised_after < 1 + 4, f"timeout=1 raised after {raised_after:.1f} s"
-    assert "timed out" in msg and "1" in msg, msg
+    assert msg.startswith("DataLoader timed out after 1 seconds"), msg  # stock's words
+
+
+@pytest.mark.parametrize("timeout", [1, 0.5])
+def test_stock_times_out_with_the_same_phrase(timeout):
+    ds = SleepDataset(20, slow_from=5, seconds=3)
+    with deadline(20), pytest.raises(RuntimeError) as info:
+        drain(tud.DataLoader(ds, batch_size=4, num_workers=1, timeout=timeout))
+    assert str(info.value).startswith(f"DataLoader timed out after {timeout} seconds")
 
 
 def test_timeout_applies_per_batch():
@@ -518,6 +570,35 @@ def test_dropping_loaders_stops_their_workers_without_the_garbage_collector():
     proc = run_script(STRESS_SCRIPT.format(rounds=50, hang_s=150), timeout=180)
     assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr
 
+
+
+FORK_SCRIPT = """
+import os, sys, gpufeed
+from helpers import RichDataset
+loader = gpufeed.DataLoader(RichDataset(8), batch_size=2, num_workers=2,
+                            worker_type={wt!r}, persistent_workers=True)
+assert len(list(loader)) == 4
+pid = os.fork()
+if pid == 0:
+    try:
+        list(loader)
+    except RuntimeError as e:
+        print("CHILD", e, flush=True)
+        os._exit(0)
+    os._exit(3)
+_, status = os.waitpid(pid, 0)
+assert len(list(loader)) == 4  # the parent's loader still works
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+@pytest.mark.parametrize("worker_type", WORKER_TYPES)
+def test_persistent_loader_inherited_by_fork_says_to_recreate_it(worker_type):
+    proc = run_script(FORK_SCRIPT.format(wt=worker_type), timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "created before a fork" in proc.stdout and "re-create the DataLoader" in proc.stdout, \
+        proc.stdout
 
 # -- interpreter exit and Ctrl-C -------------------------------------------------------------------
 

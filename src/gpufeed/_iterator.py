@@ -27,7 +27,7 @@ import torch
 from ._base_iter import BaseIter
 from ._errors import RemoteError, WorkerError
 from ._plan import IndexPlan, finish_plan, make_plan, plannable
-from ._pool import Pool, ProcessPool, ThreadPool
+from ._pool import Pool, ProcessPool, ThreadPool, forked_message
 from ._ring import SlotRing, reserve_for
 
 if TYPE_CHECKING:
@@ -59,6 +59,7 @@ class WorkerIter(BaseIter):
             self._nw = nw
             self._in_order = loader.in_order
             self._timeout = float(loader.timeout)
+            self._timeout_text = str(loader.timeout)  # as given: torch's message prints it so
             self._persistent = loader.persistent_workers
             # batches the consumer holds besides those in flight (see _slots_for)
             self._held = 2 + (loader.device_depth + 1 if loader.device is not None else 0)
@@ -101,6 +102,7 @@ class WorkerIter(BaseIter):
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         if self._closed:
             raise RuntimeError("this gpufeed iterator was closed; iterate the DataLoader again")
+        self._check_pid()
         self._gen += 1
         if not first_iter:
             self._begin_epoch()
@@ -266,8 +268,13 @@ class WorkerIter(BaseIter):
         else:
             self._ready[idx] = res[3]
 
+    def _check_pid(self) -> None:
+        if os.getpid() != self._pid:  # a persistent loader (or an iterator) inherited by fork
+            raise RuntimeError(forked_message(self._pid))
+
     def _wait(self) -> None:
         """Receive at least one message, or raise for a dead worker or a timeout."""
+        self._check_pid()
         start = time.monotonic()
         while True:
             slice_s = WAIT_SLICE_S
@@ -276,10 +283,10 @@ class WorkerIter(BaseIter):
                 if left <= 0:
                     waiting = [f"batch {i} on worker {w}" for i, w in sorted(self._tasks.items())]
                     self.close()
-                    raise WorkerError(
-                        f"gpufeed DataLoader timed out after {self._timeout} seconds waiting for "
-                        f"{', '.join(waiting[:4]) or 'a batch'}; raise timeout= or find what "
-                        "blocks the dataset"
+                    raise WorkerError(  # torch's phrase first: programs match on it
+                        f"DataLoader timed out after {self._timeout_text} seconds (gpufeed: "
+                        f"waiting for {', '.join(waiting[:4]) or 'a batch'}); raise timeout= "
+                        "or find what blocks the dataset"
                     )
                 slice_s = min(slice_s, left)
             msgs, dead = self._pool.poll(slice_s)

@@ -28,6 +28,7 @@ A process that exits while the iterator is running is reported by its sentinel (
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import select
 import signal
@@ -47,9 +48,11 @@ _STOP_MSG = bytes(ForkingPickler.dumps(None))
 INLINE_BYTES = 4096  # task messages up to this size are written inline (never blocks)
 
 
-def describe_exit(code: int | None) -> str:
+def describe_exit(pid: int | None, w: int, code: int | None) -> str:
+    """What happened to worker ``w``: torch's own phrase first (programs and frameworks match
+    on it), then gpufeed's detail."""
     if code is None:
-        return "is still running"
+        return f"gpufeed worker {w} (pid {pid}) is still running"
     if code < 0:
         try:
             name = signal.Signals(-code).name
@@ -62,8 +65,23 @@ def describe_exit(code: int | None) -> str:
             "ring_bytes; `gpufeed doctor` checks it)",
             "SIGSEGV": " (a crash in native code of the dataset or a library it calls)",
         }.get(name, "")
-        return f"was killed by {name}{hint}"
-    return f"exited with code {code}"
+        stock = f"DataLoader worker (pid {pid}) is killed by signal: {signal.strsignal(-code)}."
+        return f"{stock} gpufeed worker {w} was killed by {name}{hint}"
+    if code == 0:
+        return f"DataLoader worker (pid {pid}) exited unexpectedly (gpufeed worker {w}, code 0)"
+    return (
+        f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}. "
+        f"gpufeed worker {w} exited with code {code}"
+    )
+
+
+def forked_message(pid: int) -> str:
+    return (
+        f"this gpufeed DataLoader's workers were started in process {pid}, and this process "
+        f"(pid {os.getpid()}) is a fork of it: the loader was created before a fork and cannot "
+        "be used here (threads do not survive fork(), and process workers answer their parent "
+        "only); re-create the DataLoader in this process"
+    )
 
 
 class ProcessPool:
@@ -157,7 +175,7 @@ class ProcessPool:
             return f"gpufeed worker {w}"
         proc = self.procs[w]
         proc.join(0.5)
-        return f"gpufeed worker {w} (pid {proc.pid}) {describe_exit(proc.exitcode)}"
+        return describe_exit(proc.pid, w, proc.exitcode)
 
     def close(self) -> None:
         """Stop the workers, bounded in time (NOTE [ Shutdown ]); idempotent."""
@@ -254,6 +272,7 @@ class _Sender:
 class ThreadPool:
     def __init__(self, n: int, kwargs: dict[str, Any]) -> None:
         install_thread_worker_info()
+        self.pid = os.getpid()  # threads do not survive fork(): see forked_message
         self.n = n
         self.results: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self.chans = [ThreadChannel(w, self.results) for w in range(n)]
@@ -291,7 +310,9 @@ class ThreadPool:
         return []
 
     def exit_description(self, w: int) -> str:
-        return f"gpufeed thread worker {w} stopped unexpectedly"
+        if os.getpid() != self.pid:
+            return forked_message(self.pid)
+        return f"DataLoader worker (thread {w}) exited unexpectedly: gpufeed thread worker {w}"
 
     def close(self) -> None:
         if self.closed:
