@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import multiprocessing
 import sys
 import time
 import typing
@@ -711,3 +712,41 @@ def test_subscripts_like_the_stock_class():
         pass
 
     assert len(list(Mine(RichDataset(4), batch_size=2))) == 2
+
+
+class SlowCountingDataset(tud.Dataset):
+    """Sleeps ``seconds`` per sample and counts fetches across thread and forked workers."""
+
+    def __init__(self, n: int, seconds: float) -> None:
+        self.n, self.seconds = n, seconds
+        self.count = multiprocessing.get_context("fork").Value("i", 0)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(self.seconds)
+        with self.count.get_lock():
+            self.count.value += 1
+        return i
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_restarting_a_persistent_iterator_drops_the_abandoned_work_ahead(worker_type):
+    """Batches dispatched ahead for an epoch abandoned by ``iter(loader)`` are not fetched:
+    workers drop them, so the new epoch does not wait for them."""
+    ds = SlowCountingDataset(40, seconds=0.01)
+    loader = gpufeed.DataLoader(ds, batch_size=1, num_workers=2, prefetch_factor=8,
+                                persistent_workers=True, worker_type=worker_type)
+    it = iter(loader)
+    assert [int(next(it)), int(next(it))] == [0, 1]  # 16 more batches are dispatched now
+    time.sleep(0.03)  # workers are inside the abandoned epoch's tasks
+    at_restart = ds.count.value
+    assert [int(b) for b in iter(loader)] == list(range(40))
+    after_restart = ds.count.value - 40 - at_restart
+    # each worker may finish the sample it was fetching (and one more, racing the restart
+    # message); finishing the work-ahead would take ~18 - at_restart more
+    assert after_restart <= 2 * 2, (
+        f"{after_restart} samples fetched for the abandoned epoch after the restart "
+        f"({at_restart} before it)"
+    )

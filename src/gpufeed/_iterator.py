@@ -9,7 +9,10 @@ never more than ``CHUNK_BYTES`` of extra slots), hands each task to
 the next active worker in turn with a free slot of the ring (or none: see NOTE [ Slot
 lifetime ] in ``_ring.py``), and delivers in order (``in_order=True``) or as they come.
 Each epoch of a persistent iterator is a new *generation*; answers from an older one are
-dropped and their slots released. Only small messages cross: indices out; slot offsets,
+dropped and their slots released. A worker that sees a newer generation (or a stop) waiting
+on its channel answers "drop" to the older tasks it still holds, between tasks, without
+running them: restarting an epoch does not wait for the abandoned work-ahead. Only small
+messages cross: indices out; slot offsets,
 dtypes and shapes back. The message format is in ``_worker.py``.
 """
 
@@ -25,10 +28,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._base_iter import BaseIter
+from ._collate import unpack
 from ._errors import RemoteError, WorkerError
 from ._plan import IndexPlan, finish_plan, make_plan, plannable
 from ._pool import Pool, ProcessPool, ThreadPool, forked_message
 from ._ring import SlotRing, reserve_for
+from ._spill import spilled_base
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -170,9 +175,12 @@ class WorkerIter(BaseIter):
         in one message.
         """
         while not self._sampler_done:
+            # An epoch's first window is one batch per worker: its first batch then waits for
+            # one batch of work, not for a whole chunk (a persistent iterator restarted).
+            chunk = self._chunk if self._send_idx >= self._nw else 1
             room = self._max_out - len(self._tasks) - len(self._ready)
-            window = min(self._chunk * self._nw, room)
-            if window <= 0 or (window < self._chunk * self._nw and (self._tasks or self._ready)):
+            window = min(chunk * self._nw, room)
+            if window <= 0 or (window < chunk * self._nw and (self._tasks or self._ready)):
                 return
             per_worker: dict[int, list[Any]] = {}
             for _ in range(window):
@@ -254,11 +262,16 @@ class WorkerIter(BaseIter):
             return
         self._tasks.pop(idx, None)
         if kind == "ok":
-            used, need, packed = res[3], res[4], res[5]
-            if len(res) > 8 and res[8] is not None:
+            used, need, packed, spill = res[3], res[4], res[5], spilled_base(res[9])
+            if res[8] is not None:
                 self._wstates[idx] = (w, res[8])
+            if res[10]:
+                self._rec.count("ring_unsupported")
             self._ring.learn(need)
-            self._ready[idx] = self._ring.views(sid, used, packed) if sid >= 0 else packed
+            self._ready[idx] = (
+                self._ring.views(sid, used, packed, spill) if sid >= 0
+                else unpack(packed, None, spill)
+            )
             return
         if sid >= 0:
             self._ring.release(sid)

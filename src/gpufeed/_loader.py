@@ -80,7 +80,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     def __init__(
         self,
-        dataset: Dataset[Any],
+        dataset: Dataset[_T_co],
         batch_size: int | None = 1,
         shuffle: bool | None = None,
         sampler: Sampler[Any] | Iterable[Any] | None = None,
