@@ -93,9 +93,9 @@ class SlotWriter:
 def _stack_rule(writer: SlotWriter | None) -> Callable[..., torch.Tensor]:
     def stack(batch: Any, *, collate_fn_map: Any = None) -> torch.Tensor:
         elem = batch[0]
-        shape = elem.shape
         if writer is None or not ringable(elem):  # torch's own rule, and its memory
             return collate(batch, collate_fn_map=default_collate_fn_map)
+        shape = elem.shape
         for t in batch:
             if t.shape != shape:  # let torch raise its own message
                 return torch.stack(batch, 0)
@@ -229,7 +229,7 @@ def _span(t: torch.Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
-def unpack(packed: Any, base: np.ndarray | None, spill: np.ndarray | None = None) -> Any:
+def unpack(packed: Any, base: np.ndarray | None, spill: torch.Tensor | None = None) -> Any:
     """Rebuild a packed batch as views of ``base`` (the slot's bytes; None: no leaf lies
     there but empty ones) and ``spill`` (its spill file's bytes, if any)."""
     if base is None and spill is None:
@@ -244,7 +244,9 @@ def unpack(packed: Any, base: np.ndarray | None, spill: np.ndarray | None = None
         key = (x.spill, x.dtype)
         flat = typed.get(key)
         if flat is None:  # frombuffer per dtype: much cheaper than a uint8 .view(dtype)
-            flat = typed[key] = torch.frombuffer(spill if x.spill else base, dtype=x.dtype)
+            flat = typed[key] = (
+                spill.view(x.dtype) if x.spill else torch.frombuffer(base, dtype=x.dtype)
+            )
         t = flat.as_strided(x.shape, x.stride, x.offset)
         return t.numpy() if x.is_numpy else t
 

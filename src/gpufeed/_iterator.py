@@ -33,7 +33,6 @@ from ._errors import RemoteError, WorkerError
 from ._plan import IndexPlan, finish_plan, make_plan, plannable
 from ._pool import Pool, ProcessPool, ThreadPool, forked_message
 from ._ring import SlotRing, reserve_for
-from ._spill import spilled_base
 
 if TYPE_CHECKING:
     from ._loader import DataLoader
@@ -262,7 +261,7 @@ class WorkerIter(BaseIter):
             return
         self._tasks.pop(idx, None)
         if kind == "ok":
-            used, need, packed, spill = res[3], res[4], res[5], spilled_base(res[9])
+            used, need, packed, spill = res[3], res[4], res[5], res[9]
             if res[8] is not None:
                 self._wstates[idx] = (w, res[8])
             if res[10]:

@@ -196,7 +196,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
         Stages: ``fetch`` and ``collate`` (worker side), ``wait`` (your loop blocked on the
         loader), ``step`` (your loop's own time between batches). Counters: ``batches``,
-        ``ring_grow`` (slots carved), ``ring_fallback`` (batches that got no slot).
+        ``ring_grow`` (slots carved), ``ring_fallback`` (batches that got no slot: with
+        process workers they travel in a memory file of their own, never /dev/shm),
+        ``ring_unsupported`` (batches with a tensor the ring cannot hold: nested, sparse or
+        quantized, a tensor subclass, or on another device; such tensors travel torch's own
+        way, as with the stock loader, and the batch equals stock's).
         """
         return self._recorder.snapshot()
 

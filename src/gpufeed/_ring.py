@@ -347,7 +347,7 @@ class SlotRing:
         self._extents = merged
 
     # -- views ----------------------------------------------------------------------------
-    def views(self, sid: int, used: int, packed: Any, spill: np.ndarray | None = None) -> Any:
+    def views(self, sid: int, used: int, packed: Any, spill: torch.Tensor | None = None) -> Any:
         """Turn a worker's packed batch into tensors viewing slot ``sid`` (and its spill file's
         bytes ``spill``, if any: NOTE [ Spill ] in _spill.py).
 

@@ -24,7 +24,9 @@ memory, how much was asked for, and the ways out.
 
 from __future__ import annotations
 
+import mmap
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -97,7 +99,7 @@ class Spill:
     def owns_ptr(self, ptr: int) -> bool:
         return self.base <= ptr < self.base + self.cur
 
-    def seal(self) -> Region:
+    def seal(self) -> SpillFile:
         """The file, cut down to the bytes used, ready to be pickled into the result."""
         size = align(max(self.cur, 1), PAGE)
         self._typed.clear()
@@ -107,7 +109,7 @@ class Spill:
         except OSError as e:
             raise _out_of_memory(size, f"resizing it failed ({e.strerror})") from e
         region.size = size
-        return region
+        return SpillFile(region.fd, size)
 
     def release(self) -> None:
         """The worker's side is done (after the result was sent): unmap, close."""
@@ -115,6 +117,30 @@ class Spill:
         self.region.release()
 
 
-def spilled_base(region: Region | None) -> np.ndarray | None:
-    """Main side: the bytes of a received spill file, or None when the batch had none."""
-    return None if region is None else region.array
+class SpillFile:
+    """A sealed spill file in a result message: pickles as its descriptor (passed the way
+    ``Region`` passes the ring's) and arrives as a uint8 tensor mapping it."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing.reduction import DupFd
+
+        return (_map, (DupFd(self.fd), self.size))
+
+
+def _map(dupfd: Any, size: int) -> torch.Tensor:
+    """Map a received spill file. Through /proc/self/fd where there is one: torch's mapping
+    keeps no descriptor (a user who keeps many batches holds no file descriptor per batch);
+    elsewhere an ``mmap``, which keeps one until the last view is gone."""
+    fd = dupfd.detach()
+    try:
+        path = f"/proc/self/fd/{fd}"
+        if os.path.exists(path):
+            storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=size)
+            return torch.empty(0, dtype=torch.uint8).set_(storage)
+        mm = mmap.mmap(fd, size)
+        return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+    finally:
+        os.close(fd)
