@@ -128,10 +128,10 @@ def test_batches_without_a_slot_leave_nothing_and_stay_intact():
         del kept, loader
 
 
-def _fail_in_workers(main_pid: int):  # noqa: ANN202 (a Region stand-in)
+def _fail_in_workers(main_pid: int):
     real = gpufeed._spill.Region
 
-    def region(size: int, *, shared: bool):  # noqa: ANN202
+    def region(size: int, *, shared: bool):
         if os.getpid() != main_pid:
             raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
         return real(size, shared=shared)

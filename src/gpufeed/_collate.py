@@ -245,7 +245,8 @@ def unpack(packed: Any, base: np.ndarray | None, spill: torch.Tensor | None = No
         flat = typed.get(key)
         if flat is None:  # frombuffer per dtype: much cheaper than a uint8 .view(dtype)
             flat = typed[key] = (
-                spill.view(x.dtype) if x.spill else torch.frombuffer(base, dtype=x.dtype)
+                spill.view(x.dtype) if spill is not None and x.spill
+                else torch.frombuffer(base, dtype=x.dtype)
             )
         t = flat.as_strided(x.shape, x.stride, x.offset)
         return t.numpy() if x.is_numpy else t

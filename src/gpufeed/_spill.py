@@ -139,7 +139,7 @@ def _map(dupfd: Any, size: int) -> torch.Tensor:
         path = f"/proc/self/fd/{fd}"
         if os.path.exists(path):
             storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=size)
-            return torch.empty(0, dtype=torch.uint8).set_(storage)
+            return torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
         mm = mmap.mmap(fd, size)
         return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
     finally:
