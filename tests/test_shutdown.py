@@ -600,6 +600,38 @@ def test_persistent_loader_inherited_by_fork_says_to_recreate_it(worker_type):
     assert "created before a fork" in proc.stdout and "re-create the DataLoader" in proc.stdout, \
         proc.stdout
 
+
+FD_SCRIPT = """
+import os, resource, gpufeed
+from helpers import RichDataset
+it = iter(gpufeed.DataLoader(RichDataset(64), batch_size=4, num_workers=2, ring_bytes=0,
+                             prefetch_factor=2))  # every batch arrives as a descriptor
+next(it)
+top = max(int(f) for f in os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE,
+                   (top + 8, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+hold = []
+while True:  # use up every descriptor number
+    try:
+        hold.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        break
+try:
+    sum(1 for _ in it)
+except RuntimeError as e:
+    print(type(e).__name__, e)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_running_out_of_file_descriptors_says_so_like_stock():
+    proc = run_script(FD_SCRIPT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    msg = proc.stdout
+    assert msg.startswith("WorkerError Too many open files."), msg + proc.stderr
+    assert "`ulimit -n`" in msg and "set_sharing_strategy('file_system')" in msg, msg
+    assert "ancdata" not in msg, msg
+
 # -- interpreter exit and Ctrl-C -------------------------------------------------------------------
 
 EXIT_SCRIPT = """

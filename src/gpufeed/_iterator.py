@@ -301,7 +301,11 @@ class WorkerIter(BaseIter):
                         "or find what blocks the dataset"
                     )
                 slice_s = min(slice_s, left)
-            msgs, dead = self._pool.poll(slice_s)
+            try:
+                msgs, dead = self._pool.poll(slice_s)
+            except WorkerError:  # out of file descriptors: nothing more can arrive
+                self.close()
+                raise
             for w, msg in msgs:
                 self._handle(w, msg)
             for w in dead:
