@@ -17,7 +17,7 @@ task names, and answers with small messages (see NOTE [ Messages ] in ``_iterato
     worker -> main   ("done", gen, [result, ...])            one result per task, in order:
                         ("ok", batch, slot_id, used, need, packed, fetch_s, collate_s,
                          dataset_state,                      iterable datasets' state_dict()
-                         spill,                              a Region or None (NOTE [ Spill ])
+                         spill,                              a SpillFile or None (NOTE [ Spill ])
                          unsupported)                        a leaf went torch's way (_collate)
                         ("drop", batch, slot_id)             not run: its epoch was abandoned
                         ("stop", batch, slot_id)             iterable dataset exhausted
