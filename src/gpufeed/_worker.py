@@ -260,8 +260,9 @@ def _send_results(worker_id: int, chan: Any, gen: int, results: list[Any]) -> No
         raise
     except Exception:
         where = (
-            f"in gpufeed worker {worker_id} sending a batch with leaves the ring cannot hold "
-            "(they use torch's shared memory, in /dev/shm)"
+            f"in gpufeed worker {worker_id} sending a batch with tensors the ring cannot hold "
+            "(nested, sparse, quantized, subclasses: torch shares them through /dev/shm; a "
+            "larger /dev/shm, e.g. docker --shm-size, or worker_type='thread' avoids it)"
         )
         err = capture(where)
         chan.send(("done", gen, [("err", r[1], r[2], err) for r in results]))
