@@ -176,6 +176,19 @@ for kw in (dict(), dict(ring_bytes=0)):
     got = list(gpufeed.DataLoader(Big(), batch_size=8, num_workers=2, **kw))
     assert len(got) == len(expected)
     assert all(torch.equal(g["x"], e["x"]) for g, e in zip(got, expected))
+
+class BigSparse(tud.Dataset):  # torch shares sparse tensors through /dev/shm: too small
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return torch.full((512, 512), float(i)).to_sparse()
+
+try:
+    list(gpufeed.DataLoader(BigSparse(), batch_size=4, num_workers=2, collate_fn=list))
+except RuntimeError as e:  # an error that names the memory and the ways out, not a crash
+    assert "/dev/shm" in str(e) and "worker_type='thread'" in str(e), str(e)
+else:
+    raise AssertionError("sparse batches fit a 1 MB /dev/shm?")
 print("OK")
 """
 
