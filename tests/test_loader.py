@@ -9,8 +9,10 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import multiprocessing
 import sys
 import time
+import typing
 
 import numpy as np
 import pytest
@@ -677,3 +679,74 @@ def test_process_workers_without_poll_are_refused_clearly(monkeypatch):
     loader = gpufeed.DataLoader(RichDataset(4), batch_size=2, num_workers=2, worker_type="thread")
     assert len(list(loader)) == 2
     assert len(list(gpufeed.DataLoader(RichDataset(4), batch_size=2))) == 2
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # stock's __del__
+@pytest.mark.parametrize("value", [0, 1.5, 2.0, "2"])
+def test_prefetch_factor_stock_rejects_is_rejected_at_once(value):
+    """Stock takes these at construction and fails at ``iter()``; gpufeed raises ValueError
+    naming the value (not silently 2)."""
+    with pytest.raises((AssertionError, TypeError)):  # stock fails at iter()
+        list(tud.DataLoader(RichDataset(4), num_workers=1, prefetch_factor=value))
+    with pytest.raises(ValueError) as info:
+        gpufeed.DataLoader(RichDataset(4), num_workers=1, prefetch_factor=value)
+    assert f"prefetch_factor={value!r}" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [1, True, np.int64(3)])
+def test_prefetch_factor_stock_takes_is_taken(value):
+    expected = list(tud.DataLoader(RichDataset(6), batch_size=2, num_workers=1,
+                                   prefetch_factor=value))
+    got = list(gpufeed.DataLoader(RichDataset(6), batch_size=2, num_workers=1,
+                                  prefetch_factor=value))
+    assert_same(expected, got)
+
+
+def test_subscripts_like_the_stock_class():
+    """``DataLoader[T]`` for annotations and generics, as with torch's class."""
+    alias = gpufeed.DataLoader[int]
+    assert typing.get_origin(alias) is gpufeed.DataLoader
+    assert typing.get_args(alias) == typing.get_args(tud.DataLoader[int]) == (int,)
+
+    class Mine(gpufeed.DataLoader[torch.Tensor]):
+        pass
+
+    assert len(list(Mine(RichDataset(4), batch_size=2))) == 2
+
+
+class SlowCountingDataset(tud.Dataset):
+    """Sleeps ``seconds`` per sample and counts fetches across thread and forked workers."""
+
+    def __init__(self, n: int, seconds: float) -> None:
+        self.n, self.seconds = n, seconds
+        self.count = multiprocessing.get_context("fork").Value("i", 0)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(self.seconds)
+        with self.count.get_lock():
+            self.count.value += 1
+        return i
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_restarting_a_persistent_iterator_drops_the_abandoned_work_ahead(worker_type):
+    """Batches dispatched ahead for an epoch abandoned by ``iter(loader)`` are not fetched:
+    workers drop them, so the new epoch does not wait for them."""
+    ds = SlowCountingDataset(40, seconds=0.01)
+    loader = gpufeed.DataLoader(ds, batch_size=1, num_workers=2, prefetch_factor=8,
+                                persistent_workers=True, worker_type=worker_type)
+    it = iter(loader)
+    assert [int(next(it)), int(next(it))] == [0, 1]  # 16 more batches are dispatched now
+    time.sleep(0.03)  # workers are inside the abandoned epoch's tasks
+    at_restart = ds.count.value
+    assert [int(b) for b in iter(loader)] == list(range(40))
+    after_restart = ds.count.value - 40 - at_restart
+    # each worker may finish the sample it was fetching (and one more, racing the restart
+    # message); finishing the work-ahead would take ~18 - at_restart more
+    assert after_restart <= 2 * 2, (
+        f"{after_restart} samples fetched for the abandoned epoch after the restart "
+        f"({at_restart} before it)"
+    )

@@ -65,6 +65,31 @@ def test_dataset_exception_reraised_with_type_traceback_and_index(exc_type, work
     assert re.search(r"worker \d", msg), msg[:300]
 
 
+@pytest.mark.parametrize("worker_type", WORKER_TYPES)
+def test_locally_defined_exception_class(worker_type):
+    """Thread workers pickle nothing: the original class comes back. Process workers cannot
+    send a class defined in a function: a RuntimeError that names it."""
+
+    class LocalBoom(Exception):
+        pass
+
+    class Bad(tud.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            if i == 5:
+                raise LocalBoom("sample 5 is bad")
+            return i
+
+    loader = gpufeed.DataLoader(Bad(), batch_size=2, num_workers=2, worker_type=worker_type)
+    expected = LocalBoom if worker_type == "thread" else RuntimeError
+    with no_leaks(), deadline(15), pytest.raises(expected) as info:
+        drain(loader)
+    assert type(info.value) is expected
+    assert "Caught LocalBoom" in str(info.value) and "sample 5 is bad" in str(info.value)
+
+
 def test_dataset_exception_in_main_process_is_the_original():
     with pytest.raises(DatasetBoom) as ours:
         list(gpufeed.DataLoader(FailingDataset(20, bad=13), batch_size=4))
@@ -280,6 +305,13 @@ def test_failing_dataset_state_dict_is_reraised_not_lost(worker_type, capfd):
 # -- dying and hanging workers -------------------------------------------------------------------
 
 
+# torch's own phrases (torch/csrc/DataLoader.cpp), which programs and frameworks match on.
+STOCK_DEATH = {
+    "sigkill": r"DataLoader worker \(pid \d+\) is killed by signal: Killed\. ",
+    "exit": r"DataLoader worker \(pid \d+\) exited unexpectedly with exit code 3\. ",
+}
+
+
 @pytest.mark.parametrize("how,needle", [("sigkill", "SIGKILL"), ("exit", "exited with code 3")])
 def test_worker_dying_inside_getitem_is_reported(how, needle):
     loader = gpufeed.DataLoader(KillDataset(20, bad=9, how=how), batch_size=4, num_workers=2)
@@ -289,10 +321,21 @@ def test_worker_dying_inside_getitem_is_reported(how, needle):
         msg = str(info.value)
         del info
     assert elapsed() < 5, f"the death was noticed after {elapsed():.1f} s"
+    assert re.match(STOCK_DEATH[how], msg), msg
     assert needle in msg and re.search(r"worker \d", msg), msg
     held = re.search(r"held batch(?:es)? ([\d, ]+)", msg)
     assert held, f"no batch named: {msg}"
     assert "2" in held.group(1).replace(" ", "").split(","), f"sample 9 is in batch 2: {msg}"
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_stock_reports_worker_death_with_the_same_phrase(how):
+    """The phrase gpufeed starts with is the one the stock loader uses (stock raises it as the
+    cause of its "DataLoader worker (pid(s) N) exited unexpectedly")."""
+    with deadline(30), pytest.raises(RuntimeError) as info:
+        drain(tud.DataLoader(KillDataset(20, bad=9, how=how), batch_size=4, num_workers=2))
+    chain = f"{info.value}\n{info.value.__cause__}"
+    assert re.search(STOCK_DEATH[how], chain), chain
 
 
 def test_worker_killed_from_outside_is_reported_with_its_pid():
@@ -308,7 +351,8 @@ def test_worker_killed_from_outside_is_reported_with_its_pid():
         msg = str(info.value)
         del info, it
     assert elapsed() < 5
-    assert f"pid {victim}" in msg and "SIGKILL" in msg, msg
+    assert msg.startswith(f"DataLoader worker (pid {victim}) is killed by signal: Killed."), msg
+    assert "SIGKILL" in msg, msg
     assert re.search(r"batch(?:es)? \d+", msg), f"no batch named: {msg}"
 
 
@@ -324,7 +368,15 @@ def test_timeout_raises_within_timeout_plus_a_few_seconds(worker_type, seconds):
         raised_after = elapsed()
         del info
     assert raised_after < 1 + 4, f"timeout=1 raised after {raised_after:.1f} s"
-    assert "timed out" in msg and "1" in msg, msg
+    assert msg.startswith("DataLoader timed out after 1 seconds"), msg  # stock's words
+
+
+@pytest.mark.parametrize("timeout", [1, 0.5])
+def test_stock_times_out_with_the_same_phrase(timeout):
+    ds = SleepDataset(20, slow_from=5, seconds=3)
+    with deadline(20), pytest.raises(RuntimeError) as info:
+        drain(tud.DataLoader(ds, batch_size=4, num_workers=1, timeout=timeout))
+    assert str(info.value).startswith(f"DataLoader timed out after {timeout} seconds")
 
 
 def test_timeout_applies_per_batch():
@@ -460,13 +512,125 @@ def test_iterators_inherited_by_forked_workers_are_not_closed_there():
         old = gpufeed.DataLoader(RichDataset(8), batch_size=2, num_workers=1,
                                  persistent_workers=True)
         next(iter(old))
-        del old  # loader <-> iterator cycle: garbage with a running iterator inside
+        old.cycle = old  # cyclic garbage with a running iterator inside
+        del old
         probes = drain(gpufeed.DataLoader(GcProbeDataset(), batch_size=None, num_workers=1))
     finally:
         gc.enable()
         gc.collect()
     assert probes == [0, 0], "finalizers raised in the worker process"
 
+
+STRESS_SCRIPT = """
+import faulthandler, gc, sys, threading, time
+import psutil, torch, torch.utils.data as tud, gpufeed
+from helpers import RichDataset
+faulthandler.dump_traceback_later({hang_s}, exit=True)  # a hang fails, with its stacks
+gc.disable()  # the point: shutdown may not wait for a cyclic collection
+me = psutil.Process()
+KINDS = [("process", False), ("thread", True), ("stock", False), ("process", True),
+         ("thread", False)]
+worst = 0.0
+for n in range({rounds}):
+    wt, persistent = KINDS[n % len(KINDS)]
+    ds = RichDataset(16)
+    if wt == "stock":
+        loader = tud.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=persistent)
+    else:
+        loader = gpufeed.DataLoader(ds, batch_size=4, num_workers=2, worker_type=wt,
+                                    persistent_workers=persistent)
+    before = {{p.pid for p in me.children()}}
+    for epoch in range(2 if persistent else 1):
+        it = iter(loader)
+        got = sum(1 for _ in it)
+        assert got == 4, (n, wt, got)  # every loader finishes its epochs
+    pids = {{p.pid for p in me.children()}} - before
+    threads = [t for t in threading.enumerate() if t.name.startswith("gpufeed-worker")]
+    del it, loader
+    t0 = time.monotonic()
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive += [t.name for t in threads if t.is_alive()]
+        if wt == "stock" or not alive:
+            break
+        if time.monotonic() - t0 > 5:
+            sys.exit(f"round {{n}} ({{wt}}, persistent={{persistent}}): {{alive}} outlived the "
+                     "loader by 5 s")
+        time.sleep(0.02)
+    worst = max(worst, time.monotonic() - t0)
+print("OK", worst)
+"""
+
+
+def test_dropping_loaders_stops_their_workers_without_the_garbage_collector():
+    """``del it, loader`` stops gpufeed's workers at once (no reference cycle keeps them), and
+    stock loaders created in between keep working: 50 loaders of five kinds, one after the
+    other, in one process with the cyclic collector off."""
+    proc = run_script(STRESS_SCRIPT.format(rounds=50, hang_s=150), timeout=180)
+    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr
+
+
+
+FORK_SCRIPT = """
+import os, sys, gpufeed
+from helpers import RichDataset
+loader = gpufeed.DataLoader(RichDataset(8), batch_size=2, num_workers=2,
+                            worker_type={wt!r}, persistent_workers=True)
+assert len(list(loader)) == 4
+pid = os.fork()
+if pid == 0:
+    try:
+        list(loader)
+    except RuntimeError as e:
+        print("CHILD", e, flush=True)
+        os._exit(0)
+    os._exit(3)
+_, status = os.waitpid(pid, 0)
+assert len(list(loader)) == 4  # the parent's loader still works
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+@pytest.mark.parametrize("worker_type", WORKER_TYPES)
+def test_persistent_loader_inherited_by_fork_says_to_recreate_it(worker_type):
+    proc = run_script(FORK_SCRIPT.format(wt=worker_type), timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "created before a fork" in proc.stdout and "re-create the DataLoader" in proc.stdout, \
+        proc.stdout
+
+
+FD_SCRIPT = """
+import os, resource, gpufeed
+from helpers import RichDataset
+it = iter(gpufeed.DataLoader(RichDataset(64), batch_size=4, num_workers=2, ring_bytes=0,
+                             prefetch_factor=2))  # every batch arrives as a descriptor
+next(it)
+top = max(int(f) for f in os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE,
+                   (top + 8, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+hold = []
+while True:  # use up every descriptor number
+    try:
+        hold.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        break
+try:
+    sum(1 for _ in it)
+except RuntimeError as e:
+    print(type(e).__name__, e)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_running_out_of_file_descriptors_says_so_like_stock():
+    proc = run_script(FD_SCRIPT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    msg = proc.stdout
+    assert msg.startswith("WorkerError Too many open files."), msg + proc.stderr
+    assert "`ulimit -n`" in msg and "set_sharing_strategy('file_system')" in msg, msg
+    assert "ancdata" not in msg, msg
 
 # -- interpreter exit and Ctrl-C -------------------------------------------------------------------
 

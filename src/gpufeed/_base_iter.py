@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,7 +30,10 @@ class BaseIter:
     """What both iterators share: sampler, seed, pinning, length, counting."""
 
     def __init__(self, loader: DataLoader) -> None:
-        self._loader = loader
+        # Weak: a persistent loader keeps its iterator (``_iterator``), and a strong reference
+        # back would make a cycle that only the garbage collector frees, keeping the workers
+        # alive after ``del it, loader`` (NOTE [ Shutdown ] in _pool.py).
+        self._loader_ref = weakref.ref(loader)
         self._dataset = loader.dataset
         self._is_iterable = isinstance(loader.dataset, IterableDataset)
         self._auto_collation = loader._auto_collation
@@ -58,6 +62,13 @@ class BaseIter:
         self._len_called = loader._IterableDataset_len_called
         self._rec = loader._recorder
         self._returned_at = 0.0  # when the last batch was handed over (for "step")
+
+    @property
+    def _loader(self) -> DataLoader:
+        loader = self._loader_ref()
+        if loader is None:  # only epoch starts need it, and the loader starts them
+            raise RuntimeError("the gpufeed DataLoader of this iterator was deleted")
+        return loader
 
     def __iter__(self) -> BaseIter:
         return self

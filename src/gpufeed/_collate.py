@@ -12,13 +12,14 @@ already; ``unpack`` turns those leaves back into tensors or arrays viewing the s
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from ._ring import ALIGN, align
+from ._spill import Spill
 from ._tree import tree_map
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], "torch.Tensor | None"]
@@ -32,11 +33,22 @@ class SlotWriter:
         self.base = region.data_ptr()
         self.shared_fallback = shared_fallback
         self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self.spill: Spill | None = None
         self.begin(0, 0)
 
     def begin(self, offset: int, size: int) -> None:
+        """Start a batch in the slot at ``offset`` (``size`` 0: no slot). The previous batch's
+        spill was taken by ``take_spill``, unless that batch failed: it is dropped here."""
         self.start = self.cur = offset
         self.end = offset + size
+        if self.spill is not None:
+            self.spill.release()
+            self.spill = None
+
+    def take_spill(self) -> Spill | None:
+        """The batch's spill file, if it needed one (the caller seals, sends, releases it)."""
+        spill, self.spill = self.spill, None
+        return spill
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         numel = 1
@@ -59,26 +71,31 @@ class SlotWriter:
         return t
 
     def fallback(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Memory for a tensor that does not fit: shared memory when it must cross processes."""
+        """Memory for a tensor that does not fit the slot: the batch's spill file when it must
+        cross processes (NOTE [ Spill ] in _spill.py), else ordinary memory."""
         if not self.shared_fallback:
             return torch.empty(shape, dtype=dtype)
-        numel = 1
-        for d in shape:
-            numel *= d
-        storage = torch.UntypedStorage._new_shared(max(numel * dtype.itemsize, 1))
-        strides = torch.empty(shape, device="meta").stride()
-        return torch.empty(0, dtype=dtype).set_(storage, 0, shape, strides)
+        if self.spill is None:
+            self.spill = Spill()
+        return self.spill.alloc(shape, dtype)
 
     def owns_ptr(self, ptr: int) -> bool:
         return self.start + self.base <= ptr < self.end + self.base
+
+    def spill_offset(self, ptr: int) -> int | None:
+        """Byte offset of ``ptr`` in this batch's spill file, or None if it is not there."""
+        spill = self.spill
+        if spill is None or not spill.owns_ptr(ptr):
+            return None
+        return ptr - spill.base
 
 
 def _stack_rule(writer: SlotWriter | None) -> Callable[..., torch.Tensor]:
     def stack(batch: Any, *, collate_fn_map: Any = None) -> torch.Tensor:
         elem = batch[0]
-        shape = elem.shape
-        if elem.is_nested or elem.layout != torch.strided or writer is None:
+        if writer is None or not ringable(elem):  # torch's own rule, and its memory
             return collate(batch, collate_fn_map=default_collate_fn_map)
+        shape = elem.shape
         for t in batch:
             if t.shape != shape:  # let torch raise its own message
                 return torch.stack(batch, 0)
@@ -98,36 +115,59 @@ def collate_into(batch: list[Any], writer: SlotWriter | None) -> Any:
     return collate(batch, collate_fn_map=rules)
 
 
-class Leaf:
-    """Where one tensor (or numpy array) of a batch lies in its slot."""
+def ringable(t: torch.Tensor) -> bool:
+    """Whether the ring (or a spill file) can hold ``t`` as raw bytes viewed back as a tensor:
+    a plain strided CPU tensor. Nested, sparse and quantized tensors, tensor subclasses (their
+    type and attributes) and tensors on other devices go torch's own way."""
+    return (
+        type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided
+        and not t.is_nested and not t.is_quantized
+    )
 
-    __slots__ = ("dtype", "is_numpy", "offset", "shape", "stride")
+
+class Leaf:
+    """Where one tensor (or numpy array) of a batch lies: in its slot, or in its spill file."""
+
+    __slots__ = ("dtype", "is_numpy", "offset", "shape", "spill", "stride")
 
     def __init__(
         self, offset: int, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...],
-        is_numpy: bool,
+        is_numpy: bool, spill: bool = False,
     ) -> None:
         self.offset, self.dtype, self.shape, self.stride = offset, dtype, shape, stride
-        self.is_numpy = is_numpy
+        self.is_numpy, self.spill = is_numpy, spill
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Leaf, (self.offset, self.dtype, self.shape, self.stride, self.is_numpy))
+        return (Leaf, (self.offset, self.dtype, self.shape, self.stride, self.is_numpy,
+                       self.spill))
 
 
-def pack(batch: Any, writer: SlotWriter | None) -> tuple[Any, int, int]:
-    """Describe ``batch`` by slot offsets; returns (packed, bytes used, bytes needed).
+class Packed(NamedTuple):
+    """A batch described for the trip to the main process (see :func:`pack`)."""
 
-    ``needed`` is what the whole batch would take in a slot; the main process learns slot
-    sizes from it. Leaves that do not fit stay ordinary tensors (never truncated).
+    batch: Any  # the batch, its ringable leaves replaced by Leaf
+    used: int  # bytes of the slot the leaves span
+    need: int  # bytes the whole batch would take in a slot (the ring learns slot sizes)
+    unsupported: bool  # some tensor leaf is not ringable: it travels torch's own way
+
+
+def pack(batch: Any, writer: SlotWriter | None) -> Packed:
+    """Describe ``batch`` by offsets in its slot and, for process workers, its spill file.
+
+    Leaves that do not fit the slot are copied into the spill file (process workers) or stay
+    ordinary tensors (threads); never truncated. Leaves that are not ``ringable`` stay as they
+    are (torch's pickling carries them, as the stock loader's).
     """
     used = 0
     need = 0
+    unsupported = False
 
     def leaf(x: Any) -> Any:
-        nonlocal used, need
+        nonlocal used, need, unsupported
         is_numpy = False
-        if type(x) is torch.Tensor or isinstance(x, torch.Tensor):
-            if x.device.type != "cpu" or x.layout != torch.strided:
+        if isinstance(x, torch.Tensor):
+            if not ringable(x):
+                unsupported = True
                 return x
             t = x
         elif isinstance(x, np.ndarray):
@@ -148,9 +188,19 @@ def pack(batch: Any, writer: SlotWriter | None) -> tuple[Any, int, int]:
             return x
         ptr = t.data_ptr()
         if not writer.owns_ptr(ptr):
+            spilled = writer.spill_offset(ptr)
+            if spilled is not None:  # collated into the spill file already
+                return Leaf(spilled // esize, t.dtype, tuple(t.shape), t.stride(), is_numpy,
+                            spill=True)
             dst = writer.alloc(tuple(t.shape), t.dtype)
             if dst is None:
-                return x
+                if not writer.shared_fallback:
+                    return x
+                dst = writer.fallback(tuple(t.shape), t.dtype)
+                dst.copy_(t)
+                rel = dst.data_ptr() - writer.spill.base  # type: ignore[union-attr]
+                return Leaf(rel // esize, t.dtype, tuple(t.shape), dst.stride(), is_numpy,
+                            spill=True)
             dst.copy_(t)
             t = dst
             ptr = t.data_ptr()
@@ -161,7 +211,7 @@ def pack(batch: Any, writer: SlotWriter | None) -> tuple[Any, int, int]:
         return Leaf(rel // esize, t.dtype, tuple(t.shape), t.stride(), is_numpy)
 
     packed = tree_map(leaf, batch)
-    return packed, used, need
+    return Packed(packed, used, need, unsupported)
 
 
 def _empty_leaf(x: Any) -> Any:
@@ -179,24 +229,29 @@ def _span(t: torch.Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
-def unpack(packed: Any, base: np.ndarray | None) -> Any:
-    """Rebuild a packed batch as views of ``base`` (the slot's bytes)."""
-    if base is None:  # nothing of the batch lies in a slot but empty tensors, if any
+def unpack(packed: Any, base: np.ndarray | None, spill: torch.Tensor | None = None) -> Any:
+    """Rebuild a packed batch as views of ``base`` (the slot's bytes; None: no leaf lies
+    there but empty ones) and ``spill`` (its spill file's bytes, if any)."""
+    if base is None and spill is None:
         return tree_map(_empty_leaf, packed)
-    typed: dict[torch.dtype, torch.Tensor] = {}
+    typed: dict[tuple[bool, torch.dtype], torch.Tensor] = {}
 
     def leaf(x: Any) -> Any:
         if type(x) is not Leaf:
             return x
         if 0 in x.shape:
             return _empty_leaf(x)
-        flat = typed.get(x.dtype)
+        key = (x.spill, x.dtype)
+        flat = typed.get(key)
         if flat is None:  # frombuffer per dtype: much cheaper than a uint8 .view(dtype)
-            flat = typed[x.dtype] = torch.frombuffer(base, dtype=x.dtype)
+            flat = typed[key] = (
+                spill.view(x.dtype) if spill is not None and x.spill
+                else torch.frombuffer(base, dtype=x.dtype)
+            )
         t = flat.as_strided(x.shape, x.stride, x.offset)
         return t.numpy() if x.is_numpy else t
 
     return tree_map(leaf, packed)
 
 
-__all__ = ["ALIGN", "Leaf", "SlotWriter", "collate_into", "pack", "unpack"]
+__all__ = ["ALIGN", "Leaf", "Packed", "SlotWriter", "collate_into", "pack", "ringable", "unpack"]

@@ -3,9 +3,14 @@
     Exception
      └── RuntimeError
           └── WorkerError        a worker process died (signal or exit code), timed out,
-                                 or its start-up failed
+               │                 or its start-up failed; the main process ran out of file
+               │                 descriptors (torch's "Too many open files" message)
+               └── SharedMemoryError (_spill.py)  a process worker got no shared memory for
+                                 a batch the ring did not hold
 Exceptions raised by the user's dataset or collate function are re-raised in the main
-process with their own type where possible, the worker's traceback and the sample index.
+process with their own type, the worker's traceback and the sample index. A class that cannot
+be pickled (defined in a function, or in ``__main__`` of a spawned child) becomes a
+RuntimeError naming it, and only where it must cross processes: thread workers keep it.
 """
 
 from __future__ import annotations
@@ -25,19 +30,21 @@ class RemoteError:
 
     def __init__(self, exc: BaseException, where: str) -> None:
         self.exc_type: type[BaseException] = type(exc)
-        try:
-            pickle.dumps(self.exc_type)
-        except Exception:  # a class defined in a closure or __main__ of a spawned child
-            self.exc_type = RuntimeError
+        self.type_name = type(exc).__name__
         self.where = where
         self.text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (self.exc_type, self.where, self.text))
+        exc_type = self.exc_type
+        try:  # checked only here: a thread worker's error is never pickled
+            pickle.dumps(exc_type)
+        except Exception:  # a class defined in a closure or __main__ of a spawned child
+            exc_type = RuntimeError
+        return (_rebuild, (exc_type, self.type_name, self.where, self.text))
 
     def reraise(self) -> None:
         msg = (
-            f"Caught {self.exc_type.__name__} {self.where}.\n"
+            f"Caught {self.type_name} {self.where}.\n"
             f"Original traceback (worker):\n{self.text}"
         )
         if self.exc_type is KeyError:
@@ -56,9 +63,11 @@ class KeyErrorMessage(str):
         return str(self)
 
 
-def _rebuild(exc_type: type[BaseException], where: str, text: str) -> RemoteError:
+def _rebuild(
+    exc_type: type[BaseException], type_name: str, where: str, text: str
+) -> RemoteError:
     obj = RemoteError.__new__(RemoteError)
-    obj.exc_type, obj.where, obj.text = exc_type, where, text
+    obj.exc_type, obj.type_name, obj.where, obj.text = exc_type, type_name, where, text
     return obj
 
 

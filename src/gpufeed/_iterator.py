@@ -9,7 +9,10 @@ never more than ``CHUNK_BYTES`` of extra slots), hands each task to
 the next active worker in turn with a free slot of the ring (or none: see NOTE [ Slot
 lifetime ] in ``_ring.py``), and delivers in order (``in_order=True``) or as they come.
 Each epoch of a persistent iterator is a new *generation*; answers from an older one are
-dropped and their slots released. Only small messages cross: indices out; slot offsets,
+dropped and their slots released. A worker that sees a newer generation (or a stop) waiting
+on its channel answers "drop" to the older tasks it still holds, between tasks, without
+running them: restarting an epoch does not wait for the abandoned work-ahead. Only small
+messages cross: indices out; slot offsets,
 dtypes and shapes back. The message format is in ``_worker.py``.
 """
 
@@ -25,10 +28,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._base_iter import BaseIter
+from ._collate import unpack
 from ._errors import RemoteError, WorkerError
 from ._packed import check_copy_on_write
 from ._plan import IndexPlan, finish_plan, make_plan, plannable
-from ._pool import Pool, ProcessPool, ThreadPool
+from ._pool import Pool, ProcessPool, ThreadPool, forked_message
 from ._ring import SlotRing, reserve_for
 
 if TYPE_CHECKING:
@@ -61,7 +65,13 @@ class WorkerIter(BaseIter):
             self._nw = nw
             self._in_order = loader.in_order
             self._timeout = float(loader.timeout)
+            self._timeout_text = str(loader.timeout)  # as given: torch's message prints it so
             self._persistent = loader.persistent_workers
+            # batches the consumer holds besides those in flight (see _slots_for)
+            if loader.device is not None:
+                self._held = 2 + loader.device_depth + 1
+            else:
+                self._held = 2 + (FENCE_SLACK if self._pin else 0)
             self._pf_out = (loader.prefetch_factor or 2) * nw
             self._max_out = self._pf_out
             self._chunk = 1
@@ -103,6 +113,7 @@ class WorkerIter(BaseIter):
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         if self._closed:
             raise RuntimeError("this gpufeed iterator was closed; iterate the DataLoader again")
+        self._check_pid()
         self._gen += 1
         if not first_iter:
             self._begin_epoch()
@@ -131,7 +142,7 @@ class WorkerIter(BaseIter):
         self._plan: IndexPlan | None = None
         point = self._tracker.point
         if not self._is_iterable and not point.ahead and plannable(self._index_sampler):
-            shared = self._loader.worker_type == "process"
+            shared = loader.worker_type == "process"
             skip = 0 if point.seeked else point.done
             self._plan = make_plan(self._index_sampler, shared=shared, skip=skip,
                                    epoch_seed=self._tracker.epoch_seed)
@@ -171,9 +182,12 @@ class WorkerIter(BaseIter):
         in one message.
         """
         while not self._sampler_done:
+            # An epoch's first window is one batch per worker: its first batch then waits for
+            # one batch of work, not for a whole chunk (a persistent iterator restarted).
+            chunk = self._chunk if self._send_idx >= self._nw else 1
             room = self._max_out - len(self._tasks) - len(self._ready)
-            window = min(self._chunk * self._nw, room)
-            if window <= 0 or (window < self._chunk * self._nw and (self._tasks or self._ready)):
+            window = min(chunk * self._nw, room)
+            if window <= 0 or (window < chunk * self._nw and (self._tasks or self._ready)):
                 return
             per_worker: dict[int, list[Any]] = {}
             for _ in range(window):
@@ -225,14 +239,10 @@ class WorkerIter(BaseIter):
     def _slots_for(self, in_flight: int) -> int:
         """Default ring size: in-flight batches plus those the consumer holds (the loop's
         current and previous batch, and a device stage's depth + 1; pinned without a device
-        stage, 2 whose release fence waits for the user's copies: NOTE [ Slot lifetime ]).
-        More would only raise peak memory; a consumer that keeps more batches, or a GPU
-        further behind, gets ordinary allocations."""
-        if self._loader.device is not None:
-            held = 2 + self._loader.device_depth + 1
-        else:
-            held = 2 + (FENCE_SLACK if self._pin else 0)
-        return in_flight + held
+        stage, FENCE_SLACK more whose release fence waits for the user's copies: NOTE [ Slot
+        lifetime ]). More would only raise peak memory; a consumer that keeps more batches,
+        or a GPU further behind, gets ordinary allocations."""
+        return in_flight + self._held
 
     # -- receiving ----------------------------------------------------------------------------
     def _handle(self, w: int, msg: Any) -> None:
@@ -261,11 +271,16 @@ class WorkerIter(BaseIter):
             return
         self._tasks.pop(idx, None)
         if kind == "ok":
-            used, need, packed = res[3], res[4], res[5]
-            if len(res) > 8 and res[8] is not None:
+            used, need, packed, spill = res[3], res[4], res[5], res[9]
+            if res[8] is not None:
                 self._wstates[idx] = (w, res[8])
+            if res[10]:
+                self._rec.count("ring_unsupported")
             self._ring.learn(need)
-            self._ready[idx] = self._ring.views(sid, used, packed) if sid >= 0 else packed
+            self._ready[idx] = (
+                self._ring.views(sid, used, packed, spill) if sid >= 0
+                else unpack(packed, None, spill)
+            )
             return
         if sid >= 0:
             self._ring.release(sid)
@@ -275,8 +290,13 @@ class WorkerIter(BaseIter):
         else:
             self._ready[idx] = res[3]
 
+    def _check_pid(self) -> None:
+        if os.getpid() != self._pid:  # a persistent loader (or an iterator) inherited by fork
+            raise RuntimeError(forked_message(self._pid))
+
     def _wait(self) -> None:
         """Receive at least one message, or raise for a dead worker or a timeout."""
+        self._check_pid()
         start = time.monotonic()
         while True:
             slice_s = WAIT_SLICE_S
@@ -285,13 +305,17 @@ class WorkerIter(BaseIter):
                 if left <= 0:
                     waiting = [f"batch {i} on worker {w}" for i, w in sorted(self._tasks.items())]
                     self.close()
-                    raise WorkerError(
-                        f"gpufeed DataLoader timed out after {self._timeout} seconds waiting for "
-                        f"{', '.join(waiting[:4]) or 'a batch'}; raise timeout= or find what "
-                        "blocks the dataset"
+                    raise WorkerError(  # torch's phrase first: programs match on it
+                        f"DataLoader timed out after {self._timeout_text} seconds (gpufeed: "
+                        f"waiting for {', '.join(waiting[:4]) or 'a batch'}); raise timeout= "
+                        "or find what blocks the dataset"
                     )
                 slice_s = min(slice_s, left)
-            msgs, dead = self._pool.poll(slice_s)
+            try:
+                msgs, dead = self._pool.poll(slice_s)
+            except WorkerError:  # out of file descriptors: nothing more can arrive
+                self.close()
+                raise
             for w, msg in msgs:
                 self._handle(w, msg)
             for w in dead:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import operator
 import select
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
@@ -21,9 +22,18 @@ from ._seeding import resolve_seed
 from ._stats import LoaderStats, StatsRecorder
 
 WORKER_TYPES = ("process", "thread")
+_T_co = TypeVar("_T_co", covariant=True)
 
 
-class DataLoader(_TorchDataLoader):
+def _whole_positive(value: Any) -> bool:
+    """An int >= 1, or anything torch's ``range(prefetch_factor * num_workers)`` takes."""
+    try:
+        return operator.index(value) >= 1
+    except TypeError:
+        return False
+
+
+class DataLoader(_TorchDataLoader[_T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` whose workers write into a recycled ring.
 
     Every argument of ``torch.utils.data.DataLoader`` has the same meaning and default; an
@@ -74,7 +84,7 @@ class DataLoader(_TorchDataLoader):
 
     def __init__(
         self,
-        dataset: Dataset[Any],
+        dataset: Dataset[_T_co],
         batch_size: int | None = 1,
         shuffle: bool | None = None,
         sampler: Sampler[Any] | Iterable[Any] | None = None,
@@ -117,6 +127,13 @@ class DataLoader(_TorchDataLoader):
             raise ValueError(
                 "multiprocessing_context only applies to process workers; drop it or use "
                 "worker_type='process'"
+            )
+        if workers and prefetch_factor is not None and not _whole_positive(prefetch_factor):
+            # stock takes these at construction and fails at iter(); gpufeed says so at once
+            raise ValueError(
+                f"prefetch_factor={prefetch_factor!r} is not supported with workers: it is the "
+                "whole number of batches each worker loads ahead, an int >= 1 (None: the "
+                "default, 2 in torch)"
             )
         if ring_bytes is not None:
             if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, int):
@@ -246,7 +263,11 @@ class DataLoader(_TorchDataLoader):
 
         Stages: ``fetch`` and ``collate`` (worker side), ``wait`` (your loop blocked on the
         loader), ``step`` (your loop's own time between batches). Counters: ``batches``,
-        ``ring_grow`` (slots carved), ``ring_fallback`` (batches that got no slot).
+        ``ring_grow`` (slots carved), ``ring_fallback`` (batches that got no slot: with
+        process workers they travel in a memory file of their own, never /dev/shm),
+        ``ring_unsupported`` (batches with a tensor the ring cannot hold: nested, sparse or
+        quantized, a tensor subclass, or on another device; such tensors travel torch's own
+        way, as with the stock loader, and the batch equals stock's).
         """
         return self._recorder.snapshot()
 

@@ -17,6 +17,12 @@ viewing it.
 Thread workers get a stop message; threads are daemons, so one stuck in user code cannot
 keep the interpreter alive.
 
+Dropping the last reference closes at once, without waiting for the cyclic garbage collector:
+the iterator holds its loader weakly (``BaseIter._loader_ref``), so a persistent loader and
+its iterator form no cycle, and nothing else the iterator owns (pool, ring, sender thread)
+refers back to it. Keep it so: a cycle through the iterator keeps its workers alive until a
+collection runs.
+
 A pool that fails while starting (a worker's arguments cannot be pickled for spawn, fork
 fails) stops the workers it already started and closes every pipe before the error leaves
 ``__init__``.
@@ -27,7 +33,9 @@ A process that exits while the iterator is running is reported by its sentinel (
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import queue
 import select
 import signal
@@ -38,7 +46,7 @@ from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from ._errors import capture
+from ._errors import WorkerError, capture
 from ._worker import ThreadChannel, install_thread_worker_info, worker_loop
 
 log = logging.getLogger("gpufeed")
@@ -47,9 +55,11 @@ _STOP_MSG = bytes(ForkingPickler.dumps(None))
 INLINE_BYTES = 4096  # task messages up to this size are written inline (never blocks)
 
 
-def describe_exit(code: int | None) -> str:
+def describe_exit(pid: int | None, w: int, code: int | None) -> str:
+    """What happened to worker ``w``: torch's own phrase first (programs and frameworks match
+    on it), then gpufeed's detail."""
     if code is None:
-        return "is still running"
+        return f"gpufeed worker {w} (pid {pid}) is still running"
     if code < 0:
         try:
             name = signal.Signals(-code).name
@@ -62,8 +72,51 @@ def describe_exit(code: int | None) -> str:
             "ring_bytes; `gpufeed doctor` checks it)",
             "SIGSEGV": " (a crash in native code of the dataset or a library it calls)",
         }.get(name, "")
-        return f"was killed by {name}{hint}"
-    return f"exited with code {code}"
+        stock = f"DataLoader worker (pid {pid}) is killed by signal: {signal.strsignal(-code)}."
+        return f"{stock} gpufeed worker {w} was killed by {name}{hint}"
+    if code == 0:
+        return f"DataLoader worker (pid {pid}) exited unexpectedly (gpufeed worker {w}, code 0)"
+    return (
+        f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}. "
+        f"gpufeed worker {w} exited with code {code}"
+    )
+
+
+# torch's words first (dataloader.py, NOTE [ DataLoader on Linux and open files limit ]),
+# which programs match on; then what gpufeed passes descriptors for.
+TOO_MANY_FILES = (
+    "Too many open files. Communication with the workers is no longer possible. Please "
+    "increase the limit using `ulimit -n` in the shell or change the sharing strategy by "
+    "calling `torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning of "
+    "your code. (gpufeed: receiving a batch from worker {w}; each batch the slot ring does not "
+    "hold arrives as a file descriptor, closed at once, and each tensor the ring cannot hold "
+    "(nested, sparse, subclasses) as torch shares it, which the sharing strategy governs; a "
+    "larger ring_bytes= or worker_type='thread' needs none)"
+)
+
+
+def out_of_fds(margin: int = 10) -> bool:
+    """Whether this process is (nearly) out of file descriptors, tested as torch tests it:
+    by opening ``margin`` of them."""
+    fds: list[int] = []
+    try:
+        for _ in range(margin):
+            fds.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError as e:
+        return e.errno == errno.EMFILE
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return False
+
+
+def forked_message(pid: int) -> str:
+    return (
+        f"this gpufeed DataLoader's workers were started in process {pid}, and this process "
+        f"(pid {os.getpid()}) is a fork of it: the loader was created before a fork and cannot "
+        "be used here (threads do not survive fork(), and process workers answer their parent "
+        "only); re-create the DataLoader in this process"
+    )
 
 
 class ProcessPool:
@@ -133,7 +186,11 @@ class ProcessPool:
             if kind == "conn":
                 try:
                     msgs.append((w, self.conns[w].recv()))
-                except (EOFError, OSError):
+                except Exception as e:
+                    if out_of_fds():
+                        raise WorkerError(TOO_MANY_FILES.format(w=w)) from e
+                    if not isinstance(e, (EOFError, OSError)):
+                        raise
                     self._poller.unregister(fd)
                     dead.append(w)
             else:
@@ -157,7 +214,7 @@ class ProcessPool:
             return f"gpufeed worker {w}"
         proc = self.procs[w]
         proc.join(0.5)
-        return f"gpufeed worker {w} (pid {proc.pid}) {describe_exit(proc.exitcode)}"
+        return describe_exit(proc.pid, w, proc.exitcode)
 
     def close(self) -> None:
         """Stop the workers, bounded in time (NOTE [ Shutdown ]); idempotent."""
@@ -254,6 +311,7 @@ class _Sender:
 class ThreadPool:
     def __init__(self, n: int, kwargs: dict[str, Any]) -> None:
         install_thread_worker_info()
+        self.pid = os.getpid()  # threads do not survive fork(): see forked_message
         self.n = n
         self.results: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self.chans = [ThreadChannel(w, self.results) for w in range(n)]
@@ -291,7 +349,9 @@ class ThreadPool:
         return []
 
     def exit_description(self, w: int) -> str:
-        return f"gpufeed thread worker {w} stopped unexpectedly"
+        if os.getpid() != self.pid:
+            return forked_message(self.pid)
+        return f"DataLoader worker (thread {w}) exited unexpectedly: gpufeed thread worker {w}"
 
     def close(self) -> None:
         if self.closed:

@@ -419,8 +419,9 @@ class SlotRing:
         self._extents = merged
 
     # -- views ----------------------------------------------------------------------------
-    def views(self, sid: int, used: int, packed: Any) -> Any:
-        """Turn a worker's packed batch into tensors viewing slot ``sid``.
+    def views(self, sid: int, used: int, packed: Any, spill: torch.Tensor | None = None) -> Any:
+        """Turn a worker's packed batch into tensors viewing slot ``sid`` (and its spill file's
+        bytes ``spill``, if any: NOTE [ Spill ] in _spill.py).
 
         See NOTE [ Slot lifetime ]: the slot is released when the last view is gone.
         """
@@ -429,11 +430,11 @@ class SlotRing:
         off, _ = self._slots[sid]
         if used == 0:
             self.release(sid)
-            return unpack(packed, None)
+            return unpack(packed, None, spill)
         base = self.region_np[off : off + align(used)]
         fin = weakref.finalize(base, self._releaser, sid)
         fin.atexit = False
-        return unpack(packed, base)
+        return unpack(packed, base, spill)
 
     def close(self) -> None:
         """Forget the slots; memory stays mapped while user tensors still view it."""

@@ -112,7 +112,8 @@ class LoaderStats:
         wall_s: seconds since the recorder was created or last reset.
         stages: per-stage figures, by stage name, in the order first reported.
         counters: event counts, e.g. "batches", "samples", "ring_grow", "ring_fallback",
-            "ring_slots", "ring_bytes".
+            "ring_unsupported" (batches with a tensor the ring cannot hold, sent torch's own
+            way: see ``gpufeed.DataLoader.stats``), "ring_slots", "ring_bytes".
     """
 
     wall_s: float

@@ -16,7 +16,10 @@ task names, and answers with small messages (see NOTE [ Messages ] in ``_iterato
                      None                                    stop (or EOF on the pipe)
     worker -> main   ("done", gen, [result, ...])            one result per task, in order:
                         ("ok", batch, slot_id, used, need, packed, fetch_s, collate_s,
-                         dataset_state)                      iterable datasets' state_dict()
+                         dataset_state,                      iterable datasets' state_dict()
+                         spill,                              a SpillFile or None (NOTE [ Spill ])
+                         unsupported)                        a leaf went torch's way (_collate)
+                        ("drop", batch, slot_id)             not run: its epoch was abandoned
                         ("stop", batch, slot_id)             iterable dataset exhausted
                         ("err", batch, slot_id, RemoteError)
                      ("init_err", RemoteError)               worker_init_fn or set-up failed
@@ -28,6 +31,7 @@ sleeping process costs 0.1-0.4 ms, more than gathering a small batch.
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import random
@@ -46,6 +50,7 @@ from ._collate import SlotWriter, pack
 from ._errors import capture
 from ._fetch import IterFetcher, MapFetcher, thread_copy
 from ._shards import ShardInfo, set_shard_info
+from ._spill import SharedMemoryError, Spill
 from ._state import capture_state
 
 POLL_S = 0.5  # how often an idle worker checks that the main process is alive
@@ -60,7 +65,10 @@ class ThreadChannel:
         self.results = results
 
     def recv(self, timeout: float) -> Any:
-        return self.tasks.get(timeout=timeout)
+        return self.tasks.get(timeout=timeout) if timeout > 0 else self.tasks.get_nowait()
+
+    def waiting(self) -> bool:
+        return not self.tasks.empty()
 
     def send(self, msg: Any) -> None:
         self.results.put((self.worker_id, msg))
@@ -78,6 +86,10 @@ class ProcessChannel:
         if not self.poller.poll(int(timeout * 1000)):
             raise TimeoutError
         return self.conn.recv()
+
+    def waiting(self) -> bool:
+        """Something (a message, or EOF) can be read now."""
+        return bool(self.poller.poll(0))
 
     def send(self, msg: Any) -> None:
         self.conn.send(msg)
@@ -175,18 +187,24 @@ def _serve(
     worker_id: int, chan: Any, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None,
     parent: int,
 ) -> None:
+    inbox: collections.deque[Any] = collections.deque()  # read ahead by _newer
+    latest = 0  # the newest generation seen: tasks of older ones are dropped, not run
     while True:
-        try:
-            msg = chan.recv(POLL_S)
-        except (queue.Empty, TimeoutError):
-            if parent != -1 and os.getppid() != parent:
-                return  # the main process died without closing us
-            continue
-        except (EOFError, OSError):
-            return
+        if inbox:
+            msg = inbox.popleft()
+        else:
+            try:
+                msg = chan.recv(POLL_S)
+            except (queue.Empty, TimeoutError):
+                if parent != -1 and os.getppid() != parent:
+                    return  # the main process died without closing us
+                continue
+            except (EOFError, OSError):
+                return
         if msg is None:
             return
         kind, gen = msg[0], msg[1]
+        latest = max(latest, gen)
         if kind == "reset":
             if isinstance(fetcher, IterFetcher):
                 fetcher.reset(msg[2] if len(msg) > 2 else None)
@@ -201,16 +219,59 @@ def _serve(
             continue
         if len(msg) > 3 and isinstance(fetcher, MapFetcher):
             fetcher.epoch = msg[3]
-        results = [_run_task(worker_id, fetcher, writer, task) for task in msg[2]]
+        spills: list[Spill] = []
+        results = []
+        for task in msg[2]:
+            if gen < latest or _newer(chan, inbox, gen):
+                # NOTE [ Messages ] in _iterator.py: the epoch was abandoned (a restarted
+                # persistent iterator) or the pool is closing; the slot goes back unused
+                latest = max(latest, gen + 1)
+                results.append(("drop", task[0], task[3][0] if task[3] is not None else -1))
+                continue
+            results.append(_run_task(worker_id, fetcher, writer, task, spills))
         try:
-            chan.send(("done", gen, results))
+            _send_results(worker_id, chan, gen, results)
         except (BrokenPipeError, EOFError, OSError):
             return
+        finally:
+            for spill in spills:  # the main process has the descriptors now (or never will)
+                spill.release()
         del results
 
 
+def _newer(chan: Any, inbox: collections.deque[Any], gen: int) -> bool:
+    """Read what is waiting into ``inbox``; True if it holds a stop or a newer generation."""
+    while chan.waiting():
+        try:
+            inbox.append(chan.recv(0))
+        except (queue.Empty, TimeoutError):
+            break
+        except (EOFError, OSError):
+            inbox.append(None)
+            break
+    return any(m is None or m[1] > gen for m in inbox)
+
+
+def _send_results(worker_id: int, chan: Any, gen: int, results: list[Any]) -> None:
+    """Send a message's results; if pickling them fails (torch's own shared memory, which
+    the leaves the ring cannot hold still use, is full), each becomes that error."""
+    try:
+        chan.send(("done", gen, results))
+    except (BrokenPipeError, EOFError, OSError):
+        raise
+    except Exception:
+        where = (
+            f"in gpufeed worker {worker_id} sending a batch with tensors the ring cannot hold "
+            "(nested, sparse, quantized, subclasses: torch shares them through /dev/shm; a "
+            "larger /dev/shm, e.g. docker --shm-size, or worker_type='thread' avoids it)"
+        )
+        err = capture(where)
+        chan.send(("done", gen, [("err", r[1], r[2], err) for r in results]))
+
+
 def _run_task(
-    worker_id: int, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None, task: Any
+    worker_id: int, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None, task: Any,
+    spills: list[Spill],
 ) -> tuple[Any, ...]:
     batch, planned, indices, slot = task
     sid = -1
@@ -228,10 +289,17 @@ def _run_task(
                 indices = indices.tolist()
         data = fetcher.fetch(indices, writer)
         t1 = time.perf_counter()
-        packed, used, need = pack(data, writer)
+        packed, used, need, unsupported = pack(data, writer)
         del data
+        spill = writer.take_spill() if writer is not None else None
+        region = None
+        if spill is not None:
+            spills.append(spill)
+            region = spill.seal()
     except StopIteration:
         return ("stop", batch, sid)
+    except SharedMemoryError:  # gpufeed's own allocation, not the user's collate_fn
+        return ("err", batch, sid, capture(f"in gpufeed worker {worker_id} (batch {batch})"))
     except Exception:
         where = f"in gpufeed worker {worker_id} {fetcher.describe(indices)} (batch {batch})"
         return ("err", batch, sid, capture(where))
@@ -242,4 +310,7 @@ def _run_task(
     except Exception:
         where = f"in gpufeed worker {worker_id} saving the dataset's state after batch {batch}"
         return ("err", batch, sid, capture(where))
-    return ("ok", batch, sid, used, need, packed, t2 - t0 - collate_s, collate_s, state)
+    return (
+        "ok", batch, sid, used, need, packed, t2 - t0 - collate_s, collate_s, state, region,
+        unsupported,
+    )
