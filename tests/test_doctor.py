@@ -46,7 +46,7 @@ def test_healthy_machine_is_all_ok():
     assert "nothing here will break a data loader" in str(report)
 
 
-@pytest.mark.parametrize(("free", "status"), [(0.5 * GiB, "fail"), (2 * GiB, "warn"),
+@pytest.mark.parametrize(("free", "status"), [(0.5 * GiB, "warn"), (2 * GiB, "warn"),
                                               (8 * GiB, "ok")])
 def test_shm_thresholds_and_advice(free, status):
     report = diagnose(probe=healthy(shm=lambda: (int(free), int(free))))
@@ -55,6 +55,7 @@ def test_shm_thresholds_and_advice(free, status):
     assert report.exit_code == (1 if status == "fail" else 0)
     if status != "ok":
         assert "--shm-size=8g" in f.advice
+        assert "not /dev/shm" in f.advice  # gpufeed's own batches do not need it
 
 
 def test_missing_shm_fails():
@@ -107,7 +108,7 @@ def test_shm_only_for_process_workers_and_against_the_batches_in_flight():
     f = by_name(diagnose(probe=probe, workload=small))["/dev/shm"]
     assert f.status == "ok" and "batches in flight: 512.0 MiB" in f.value
     big = Workload(num_workers=16, batch_bytes=128 << 20)  # 4 GiB in flight > 3 GiB free
-    assert by_name(diagnose(probe=probe, workload=big))["/dev/shm"].status == "fail"
+    assert by_name(diagnose(probe=probe, workload=big))["/dev/shm"].status == "warn"
 
 
 def test_cpu_affinity_and_quota():

@@ -322,6 +322,8 @@ def test_worker_dying_inside_getitem_is_reported(how, needle):
         del info
     assert elapsed() < 5, f"the death was noticed after {elapsed():.1f} s"
     assert re.match(STOCK_DEATH[how], msg), msg
+    if how == "sigkill":  # stock's top-level words too (its signal phrase is their cause)
+        assert re.search(r"DataLoader worker \(pid\(s\) \d+\) exited unexpectedly", msg), msg
     assert needle in msg and re.search(r"worker \d", msg), msg
     held = re.search(r"held batch(?:es)? ([\d, ]+)", msg)
     assert held, f"no batch named: {msg}"
@@ -336,6 +338,8 @@ def test_stock_reports_worker_death_with_the_same_phrase(how):
         drain(tud.DataLoader(KillDataset(20, bad=9, how=how), batch_size=4, num_workers=2))
     chain = f"{info.value}\n{info.value.__cause__}"
     assert re.search(STOCK_DEATH[how], chain), chain
+    if how == "sigkill":
+        assert re.match(r"DataLoader worker \(pid\(s\) \d+\) exited unexpectedly", str(info.value))
 
 
 def test_worker_killed_from_outside_is_reported_with_its_pid():

@@ -55,8 +55,11 @@ MEANINGS: dict[str, str] = {
     "batches": "batches handed to your loop",
     "samples": "samples handed to your loop",
     "ring_grow": "ring slots carved (grows with the prefetch; keeps growing if batch sizes vary)",
-    "ring_fallback": "batches that found no free ring slot and used ordinary shared memory "
-                     "(the stock path: slower, one segment per tensor)",
+    "ring_fallback": "batches that found no free ring slot and got memory of their own (a "
+                     "per-batch memory file with process workers): one allocation and page "
+                     "faults per batch instead of a recycled slot",
+    "ring_unsupported": "batches with a tensor the ring cannot hold (nested, sparse, quantized, "
+                        "a tensor subclass), sent torch's own way (through /dev/shm)",
     "ring_slots": "slots the ring holds now",
     "ring_bytes": "bytes the ring's slots take now",
     "consumer_waits": "device stage: times your loop waited for a batch on the device",

@@ -73,7 +73,11 @@ def describe_exit(pid: int | None, w: int, code: int | None) -> str:
             "SIGSEGV": " (a crash in native code of the dataset or a library it calls)",
         }.get(name, "")
         stock = f"DataLoader worker (pid {pid}) is killed by signal: {signal.strsignal(-code)}."
-        return f"{stock} gpufeed worker {w} was killed by {name}{hint}"
+        # Stock raises "... exited unexpectedly" from the signal's message: both phrases.
+        return (
+            f"{stock} DataLoader worker (pid(s) {pid}) exited unexpectedly: gpufeed worker "
+            f"{w} was killed by {name}{hint}"
+        )
     if code == 0:
         return f"DataLoader worker (pid {pid}) exited unexpectedly (gpufeed worker {w}, code 0)"
     return (
