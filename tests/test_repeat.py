@@ -12,10 +12,19 @@ def test_spread_median_range_and_overlap():
     c = Spread((111.0, 120.0))
     assert a.overlaps(b) and b.overlaps(a) and a.verdict(b) == "same within noise"
     assert not a.overlaps(c) and c.verdict(a) == "faster" and a.verdict(c) == "slower"
-    mid, lo, hi = c.ratio(a)
-    assert mid == pytest.approx(115.5 / 100) and lo == pytest.approx(111 / 110)
+    mid, lo, hi = c.ratio(a)  # rounds side by side: 111/100 and 120/90
+    assert mid == pytest.approx((111 / 100 + 120 / 90) / 2) and lo == pytest.approx(111 / 110)
     assert hi == pytest.approx(120 / 90)
     assert a.to_dict()["runs"] == list(a.runs)
+
+
+def test_a_ratio_pairs_runs_of_the_same_round():
+    """Slow patches that slow both sides of a round leave that round's ratio alone; a ratio of
+    medians taken from different rounds would mix them."""
+    stock = Spread((100.0, 100.0, 50.0, 50.0, 100.0))
+    gpufeed = Spread((220.0, 200.0, 100.0, 90.0, 180.0))  # 2.2, 2.0, 2.0, 1.8, 1.8
+    assert gpufeed.ratio(stock)[0] == pytest.approx(2.0)
+    assert gpufeed.median / stock.median == pytest.approx(1.8)
 
 
 @pytest.mark.parametrize(("runs", "done"), [

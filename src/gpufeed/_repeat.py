@@ -11,8 +11,9 @@ NOTE [ Repeated measurement ]:
 2. A configuration is reported as the **median** of its runs and its **spread**, the range
    from the slowest to the fastest run.
 3. Two configurations are called different only when their spreads do not overlap; otherwise
-   they are "the same within noise". A ratio of two configurations carries its own range
-   (slowest over fastest, fastest over slowest).
+   they are "the same within noise". A ratio of two configurations is the median of the
+   ratios of their runs taken side by side (round ``i`` of each: a slow patch of the machine
+   cancels out), and carries its own range (slowest over fastest, fastest over slowest).
 4. While measuring, :class:`LoadMonitor` reads the CPU time the whole machine used
    (``/proc/stat``) and subtracts what this process tree used: the rest is *other processes*.
    Steal time (a hypervisor running other guests on our CPUs) is read from the same line.
@@ -70,10 +71,20 @@ class Spread:
         return self.lo <= other.hi and other.lo <= self.hi
 
     def ratio(self, other: Spread) -> tuple[float, float, float]:
-        """``self / other`` as (median ratio, lowest, highest) over the two ranges."""
+        """``self / other`` as (paired median ratio, lowest, highest) (NOTE rule 3).
+
+        The middle figure is the median of the per-round ratios ``self.runs[i] /
+        other.runs[i]``: runs are interleaved, so run ``i`` of both ran side by side and a
+        slow patch of the machine slows both; their ratio cancels it, where a ratio of two
+        medians taken from different rounds does not. The range stays the conservative one
+        of the two spreads.
+        """
         if other.median <= 0 or other.lo <= 0:
             return (0.0, 0.0, 0.0)
-        return (self.median / other.median, self.lo / other.hi, self.hi / other.lo)
+        n = min(len(self.runs), len(other.runs))
+        paired = [self.runs[i] / other.runs[i] for i in range(n) if other.runs[i] > 0]
+        mid = float(statistics.median(paired)) if paired else self.median / other.median
+        return (mid, self.lo / other.hi, self.hi / other.lo)
 
     def verdict(self, other: Spread) -> str:
         """"faster", "slower" or "same within noise" (see NOTE [ Repeated measurement ])."""
