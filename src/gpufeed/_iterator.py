@@ -284,6 +284,11 @@ class WorkerIter(BaseIter):
             return
         if sid >= 0:
             self._ring.release(sid)
+        if kind == "drop":  # workers drop only an abandoned epoch's tasks (answered above)
+            raise RuntimeError(
+                f"gpufeed internal error: a worker dropped batch {idx} of the current epoch; "
+                "please report it"
+            )
         if kind == "stop":
             self._active[w] = False
             self._ready[idx] = _STOP
