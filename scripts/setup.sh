@@ -16,4 +16,4 @@ TORCH=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")
 # without its dependencies, then the few it imports (its tests skip when it cannot be imported).
 "$PY" -m pip install -q --no-deps "litdata>=0.2"
 "$PY" -m pip install -q "lightning-utilities>=0.10" "filelock>=3" "boto3>=1" "obstore>=0.3" \
-    "tifffile>=2023" "torch==$TORCH" || true
+    "tifffile>=2023" "requests>=2" "urllib3>=1.26" "torch==$TORCH" || true
