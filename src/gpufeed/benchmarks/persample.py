@@ -155,10 +155,15 @@ def _loader_totals(make: Callable[[list[int]], Any], batches: int, n: int,
 
 
 def _loader_run(make: Callable[[list[int]], Any], batches: int, n: int) -> dict[str, Any]:
-    """Per-batch costs as the difference of a long and a short pass (start-up cancels out)."""
+    """Per-batch costs as the difference of a long and a short pass (start-up cancels out).
+
+    CPU times come in clock ticks (10 ms on Linux) and the two passes start differently, so
+    a difference over few batches can come out below zero: it is read as 0 (no cost can be
+    negative), and only runs of many batches (the default 60) give figures worth reading.
+    """
     short = _loader_totals(make, 8, n)
     long = _loader_totals(make, 8 + batches, n)
-    d = [b - a for a, b in zip(short, long, strict=True)]
+    d = [max(b - a, 0) for a, b in zip(short, long, strict=True)]
     return {"main_cpu_ms_per_batch": d[0] / batches * 1e3,
             "main_wakeups_per_batch": d[1] / batches,
             "worker_cpu_ms_per_batch": d[2] / batches * 1e3,
