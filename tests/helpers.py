@@ -699,3 +699,17 @@ def spawn_script(code: str) -> subprocess.Popen[str]:
         [sys.executable, "-u", "-c", code], env=script_env(), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )
+
+
+class IndexDataset(Dataset[dict[str, Any]]):
+    """Sample i: ``{"x": arange(width) + i * width (float32), "y": i}``, so a batch's
+    checksum tells which samples it holds (the simulated-CUDA tests)."""
+
+    def __init__(self, n: int, width: int = 16) -> None:
+        self.n, self.width = n, width
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": torch.arange(self.width, dtype=torch.float32) + i * self.width, "y": i}

@@ -15,12 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import Dataset
 
 import gpufeed
 from gpufeed import _prefetch
 from gpufeed._device import to_device
-from helpers import deadline
+from helpers import IndexDataset, deadline
 from sim_cuda import SimCuda
 
 WIDTH = 64  # floats per batch in the plain source
@@ -152,17 +151,6 @@ def test_harness_interleaves_and_lags() -> None:
 
 
 # -- 2. over gpufeed.DataLoader, ring slots recycled --------------------------------------------
-class IndexDataset(Dataset[dict[str, Any]]):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"x": torch.arange(16, dtype=torch.float32) + i * 16, "y": i}
-
-
 class Tap:
     """Passes the loader's batches through, holding none of them; notes its ring's counters."""
 

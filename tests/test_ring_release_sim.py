@@ -14,32 +14,29 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import Dataset
 
 import gpufeed
 from gpufeed import _pinning, _prefetch, _release, _ring
 from gpufeed._release import PinningFallbackWarning
 from gpufeed._ring import SlotRing
-from helpers import deadline
+from helpers import IndexDataset, deadline
 from sim_cuda import SimCuda
 
 WIDTH = 16
 
 
-class IndexDataset(Dataset[dict[str, Any]]):
-    def __init__(self, n: int) -> None:
-        self.n = n
+def recorder(seen: list[tuple[int, float]]) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """A consumer kernel: records (first index, checksum) of the batch when it runs."""
 
-    def __len__(self) -> int:
-        return self.n
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        seen.append((int(y[0]), float(x.double().sum())))
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"x": torch.arange(WIDTH, dtype=torch.float32) + i * WIDTH, "y": i}
+    return step
 
 
 def expected(n: int, bs: int) -> list[tuple[int, float]]:
@@ -78,9 +75,7 @@ def user_loop(sim: SimCuda, loader: Any, *, idiom: str = "cuda", cost: int = 6,
     """The idiom in the wild: copy, drop the host batch, queue a step on the (busy)
     current stream; the step records what it read when it runs."""
     seen: list[tuple[int, float]] = []
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        seen.append((int(y[0]), float(x.double().sum())))
+    step = recorder(seen)
 
     for k, batch in enumerate(loader):
         if idiom == "cuda":
@@ -137,9 +132,7 @@ def test_device_stage_batches_need_no_fence_so_slots_recycle(sim: SimCuda) -> No
     loader = gpufeed.DataLoader(IndexDataset(1600), batch_size=4, num_workers=2,
                                 worker_type="thread", prefetch_factor=2, device="cuda")
     seen: list[tuple[int, float]] = []
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        seen.append((int(y[0]), float(x.double().sum())))
+    step = recorder(seen)
 
     it = iter(loader)
     for batch in it:
@@ -172,6 +165,22 @@ def test_default_ring_leaves_room_for_a_gpu_two_steps_behind(sim: SimCuda) -> No
 
 
 # -- 2. teardown in any order ------------------------------------------------------------------
+def collect_a_stage_cycle_with_copies_queued(sim: SimCuda) -> None:
+    """A device stage in a garbage cycle with its loader's ring, collected while its copies
+    are still queued on the simulated side stream."""
+    sim.copy_cost = (6, 9)  # copies still queued when the cycle goes
+    loader = gpufeed.DataLoader(IndexDataset(400), batch_size=4, num_workers=2,
+                                worker_type="thread", prefetch_factor=2, device="cuda")
+    it = iter(loader)
+    for _ in range(10):  # past the first batches (no slot yet: pinned the ordinary way)
+        next(it)
+    stage = it.inner
+    assert len(stage._copies) > 0  # copies in flight
+    stage._cycle = stage
+    del it, stage
+    gc.collect()
+
+
 def test_a_stage_collected_after_the_ring_is_still_waited_for(
     sim: SimCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -181,17 +190,7 @@ def test_a_stage_collected_after_the_ring_is_still_waited_for(
     never), and the cycle is collected; unregistering must still wait for its copies."""
     monkeypatch.setattr(_pinning, "_tracked", set())
     monkeypatch.setattr(_prefetch.DeviceIterator, "__del__", lambda self: None)
-    sim.copy_cost = (6, 9)  # copies still queued when the cycle goes
-    loader = gpufeed.DataLoader(IndexDataset(400), batch_size=4, num_workers=2,
-                                worker_type="thread", prefetch_factor=2, device="cuda")
-    it = iter(loader)
-    for _ in range(10):  # past the first batches (no slot yet: pinned the ordinary way)
-        next(it)
-    stage = it.inner  # type: ignore[attr-defined]
-    assert len(stage._copies) > 0  # copies in flight
-    stage._cycle = stage
-    del it, stage
-    gc.collect()
+    collect_a_stage_cycle_with_copies_queued(sim)
     assert sim.registered == {}  # the ring went with the cycle
     assert [v for v in sim.violations if "unregister" in v] == []
     sim.drain()
@@ -207,16 +206,7 @@ def test_catches_a_weak_registry_of_stages(
 
     monkeypatch.setattr(_pinning, "_tracked", weakref.WeakSet())
     monkeypatch.setattr(_prefetch.DeviceIterator, "__del__", lambda self: None)
-    sim.copy_cost = (6, 9)
-    loader = gpufeed.DataLoader(IndexDataset(400), batch_size=4, num_workers=2,
-                                worker_type="thread", prefetch_factor=2, device="cuda")
-    it = iter(loader)
-    for _ in range(10):  # past the first batches (no slot yet: pinned the ordinary way)
-        next(it)
-    stage = it.inner  # type: ignore[attr-defined]
-    stage._cycle = stage
-    del it, stage
-    gc.collect()
+    collect_a_stage_cycle_with_copies_queued(sim)
     sim.drain()
     assert any("unregister" in v for v in sim.violations), sim.violations
 
@@ -345,9 +335,7 @@ def test_a_slot_released_during_capture_is_fenced_after_it(sim: SimCuda) -> None
     loader = gpufeed.DataLoader(IndexDataset(400), batch_size=4, num_workers=2,
                                 worker_type="thread", prefetch_factor=2, pin_memory=True)
     seen: list[tuple[int, float]] = []
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        seen.append((int(y[0]), float(x.double().sum())))
+    step = recorder(seen)
 
     parked, k = 0, -1
     it = iter(loader)
@@ -372,9 +360,7 @@ def test_copy_on_another_stream_dropped_inside_its_block_is_covered(sim: SimCuda
     loader = gpufeed.DataLoader(IndexDataset(1600), batch_size=4, num_workers=2,
                                 worker_type="thread", prefetch_factor=2, pin_memory=True)
     seen: list[tuple[int, float]] = []
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        seen.append((int(y[0]), float(x.double().sum())))
+    step = recorder(seen)
 
     # Not enumerate(loader): its reused result tuple would hold the batch until the next
     # iteration, so the last reference would go outside the block (then: not covered).
@@ -397,9 +383,7 @@ def test_copy_on_another_stream_dropped_outside_it_is_the_users_to_order(sim: Si
     loader = gpufeed.DataLoader(IndexDataset(1600), batch_size=4, num_workers=2,
                                 worker_type="thread", prefetch_factor=2, pin_memory=True)
     seen: list[tuple[int, float]] = []
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        seen.append((int(y[0]), float(x.double().sum())))
+    step = recorder(seen)
 
     for batch in loader:
         with sim.use_stream(other):
@@ -417,9 +401,7 @@ def test_device_stage_follows_a_change_of_current_stream(sim: SimCuda) -> None:
     loader = gpufeed.DataLoader(IndexDataset(1600), batch_size=4, num_workers=2,
                                 worker_type="thread", prefetch_factor=2, device="cuda")
     seen: list[tuple[int, float]] = []
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        seen.append((int(y[0]), float(x.double().sum())))
+    step = recorder(seen)
 
     it = iter(loader)
     for k in itertools.count():

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
-from ._ring import ALIGN, align
+from ._ring import ALIGN, align, contiguous_at
 from ._spill import Spill
 from ._tree import tree_map
 
@@ -61,12 +61,7 @@ class SlotWriter:
         typed = self._typed.get(dtype)
         if typed is None:  # the region's size is a multiple of every itemsize
             typed = self._typed[dtype] = self.region.view(dtype)
-        stride = []
-        acc = 1
-        for d in reversed(shape):
-            stride.append(acc)
-            acc *= d
-        t = typed.as_strided(shape, stride[::-1], self.cur // isz)
+        t = contiguous_at(typed, shape, self.cur // isz)
         self.cur += align(nbytes)
         return t
 

@@ -88,6 +88,17 @@ def align(n: int, to: int = ALIGN) -> int:
     return (n + to - 1) // to * to
 
 
+def contiguous_at(typed: torch.Tensor, shape: tuple[int, ...], offset: int) -> torch.Tensor:
+    """A C-contiguous tensor of ``shape`` viewing the 1-D ``typed`` from element ``offset``
+    (how slot writers and spill files carve a leaf out of their memory)."""
+    stride = []
+    acc = 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= d
+    return typed.as_strided(shape, stride[::-1], offset)
+
+
 def shm_free_bytes(path: str = "/dev/shm") -> int | None:
     """Free bytes in the shared-memory file system, or None where there is none."""
     try:

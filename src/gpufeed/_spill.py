@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ._errors import WorkerError
-from ._ring import ALIGN, PAGE, Region, align
+from ._ring import ALIGN, PAGE, Region, align, contiguous_at
 
 _reserve = 0
 
@@ -87,12 +87,7 @@ class Spill:
         typed = self._typed.get(dtype)
         if typed is None:
             typed = self._typed[dtype] = self.region.tensor.view(dtype)
-        stride = []
-        acc = 1
-        for d in reversed(shape):
-            stride.append(acc)
-            acc *= d
-        t = typed.as_strided(shape, stride[::-1], self.cur // isz)
+        t = contiguous_at(typed, shape, self.cur // isz)
         self.cur += align(nbytes, ALIGN)
         return t
 
