@@ -183,22 +183,19 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
             return x
         ptr = t.data_ptr()
         if not writer.owns_ptr(ptr):
-            spilled = writer.spill_offset(ptr)
-            if spilled is not None:  # collated into the spill file already
+            spilled = writer.spill_offset(ptr)  # collated into the spill file already?
+            if spilled is None:  # copy it into the slot, else into the batch's spill file
+                dst = writer.alloc(tuple(t.shape), t.dtype)
+                if dst is None:
+                    if not writer.shared_fallback:
+                        return x
+                    dst = writer.fallback(tuple(t.shape), t.dtype)
+                t = dst.copy_(t)
+                ptr = t.data_ptr()
+                spilled = writer.spill_offset(ptr)
+            if spilled is not None:
                 return Leaf(spilled // esize, t.dtype, tuple(t.shape), t.stride(), is_numpy,
                             spill=True)
-            dst = writer.alloc(tuple(t.shape), t.dtype)
-            if dst is None:
-                if not writer.shared_fallback:
-                    return x
-                dst = writer.fallback(tuple(t.shape), t.dtype)
-                dst.copy_(t)
-                rel = dst.data_ptr() - writer.spill.base  # type: ignore[union-attr]
-                return Leaf(rel // esize, t.dtype, tuple(t.shape), dst.stride(), is_numpy,
-                            spill=True)
-            dst.copy_(t)
-            t = dst
-            ptr = t.data_ptr()
         rel = ptr - writer.base - writer.start
         span = nbytes if t.is_contiguous() else _span(t)
         if rel + span > used:

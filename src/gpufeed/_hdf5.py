@@ -79,7 +79,7 @@ class HDF5Dataset(Dataset[tuple[torch.Tensor, ...]]):
                 raise ValueError(f"HDF5Dataset keys {self.keys} differ in length {lengths}; "
                                  "they must all match")
             self._len = lengths[0]
-            self._meta = [(f[k].shape[1:], f[k].dtype) for k in self.keys]
+            self._meta = [(f[k].shape[1:], torch_dtype(f[k].dtype)) for k in self.keys]
         finally:
             self.close()
 
@@ -141,8 +141,7 @@ class HDF5Dataset(Dataset[tuple[torch.Tensor, ...]]):
         uniq, inverse = np.unique(idx, return_inverse=True)
         f = self._open()
         out = []
-        for k, (shape, dtype) in zip(self.keys, self._meta, strict=True):
-            tdtype = torch_dtype(dtype)
+        for k, (shape, tdtype) in zip(self.keys, self._meta, strict=True):
             dst = torch.empty((n, *shape), dtype=tdtype) if alloc is None else alloc(
                 (n, *shape), tdtype)
             if n:

@@ -147,6 +147,7 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
         else:
             images, labels = alloc((n, 3, h, w), torch.uint8), alloc((n,), torch.int64)
         labels.numpy()[:] = self.targets[idx]
+        out = images.numpy().transpose(0, 2, 3, 1)  # NHWC views of the CHW slot
         for k, (i, s) in enumerate(zip(idx.tolist(), sample_seeds(idx, seed, epoch),
                                        strict=True)):
             try:
@@ -160,7 +161,7 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
                 images[k].zero_()
                 labels[k] = -1
                 continue
-            np.copyto(images[k].numpy().transpose(1, 2, 0), hwc)  # HWC into the CHW slot
+            np.copyto(out[k], hwc)  # HWC into the CHW slot
         return [images, labels]
 
     def _load(self, index: int, rng: np.random.Generator) -> np.ndarray:
