@@ -20,8 +20,9 @@ import torch
 import torch.utils.data as tud
 
 import gpufeed
-from gpufeed._iterator import CHUNK_MAX
-from helpers import (
+from gpufeed._host.worker_iter import CHUNK_MAX
+from support.compare import assert_same, assert_same_batches, collect, drain, seed_all
+from support.fakes import (
     Box,
     CountingDataset,
     GetitemsDataset,
@@ -33,20 +34,15 @@ from helpers import (
     RichDataset,
     VarLenDataset,
     WorkerInfoDataset,
-    assert_same,
-    assert_same_batches,
     box_collate,
-    collect,
-    drain,
     identity_collate,
     init_calls,
-    no_leaks,
     numpy_collate,
     pad_collate,
     pair_collate,
     record_init,
-    seed_all,
 )
+from support.leaks import no_leaks
 
 # -- the grid ---------------------------------------------------------------------------------
 
@@ -554,7 +550,7 @@ def test_worker_init_fn_called_once_per_worker(tmp_path, worker_type, persistent
 
 @pytest.mark.slow
 def test_spawn_context_matches_stock(tmp_path):
-    """Datasets and worker_init_fn come from helpers.py, importable in a spawned child."""
+    """Datasets and worker_init_fn come from support/fakes.py, importable in a spawned child."""
     kwargs = dict(batch_size=3, shuffle=True, num_workers=1)
     expected = collect(tud.DataLoader, RichDataset(10), **kwargs)[0]
     got = collect(

@@ -1,5 +1,5 @@
-"""``python -m gpufeed``: the same command as ``gpufeed`` (see ``gpufeed._cli``)."""
+"""``python -m gpufeed``: the same command as ``gpufeed`` (see ``gpufeed._cli.main``)."""
 
-from gpufeed._cli import main
+from gpufeed._cli.main import main
 
 raise SystemExit(main())

@@ -13,13 +13,13 @@ import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, Sampler
 
-from ._base_iter import BaseIter, SingleIter
-from ._device import parse_device, to_device
-from ._iterator import WorkerIter
-from ._resume import Delivered, Progress
-from ._sampler import build_sampler, resolve_world
-from ._seeding import resolve_seed
-from ._stats import LoaderStats, StatsRecorder
+from ._base.stats import LoaderStats, StatsRecorder
+from ._device.stage import parse_device, to_device
+from ._host.iterator import BaseIter, SingleIter
+from ._host.worker_iter import WorkerIter
+from ._order.resume import Delivered, Progress
+from ._order.sampler import build_sampler, resolve_world
+from ._order.seeding import resolve_seed
 
 WORKER_TYPES = ("process", "thread")
 _T_co = TypeVar("_T_co", covariant=True)
@@ -67,7 +67,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         seed: base seed (an int >= 0) of the shuffle and of the random state each
             ``__getitem__`` sees (from ``(seed, epoch, index)``: the same bytes for any
             ``num_workers`` or ``worker_type``, and after a resume). Costs ~10-20 us per sample
-            (see ``_seeding.py``). None (default): torch's own sampler and worker seeding.
+            (see ``_order/seeding.py``). None (default): torch's own sampler and worker seeding.
         deterministic: per-sample random state on (``True``) or off (``False``: the stock
             per-worker seeding, for speed or stock behaviour). Default: on iff ``seed`` is given.
         rank, world_size: shard the dataset for this process (``DistributedSampler``
@@ -78,7 +78,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
     delivered to you (not those prefetched), the epoch and the seed: a resumed loader yields
     exactly the batches an uninterrupted one would have, whatever its ``num_workers``. Without
     ``seed=``, a stock shuffle's epoch seed is saved; a sampler that cannot be rewound gives a
-    state that says so (NOTE [ Rewinding samplers ] in ``_rewind.py``). Loaders pickle and
+    state that says so (NOTE [ Rewinding samplers ] in ``_order/rewind.py``). Loaders pickle and
     ``copy.deepcopy`` like torch's (not while persistent workers run).
     """
 
@@ -172,7 +172,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, in_order=in_order,
         )
-        # Unset: gpufeed sizes work-ahead itself (NOTE [ Messages ] in _iterator.py).
+        # Unset: gpufeed sizes work-ahead itself (NOTE [ Messages ] in _host/worker_iter.py).
         self._prefetch_explicit = prefetch_factor is not None
         self.worker_type = worker_type
         self.ring_bytes = ring_bytes

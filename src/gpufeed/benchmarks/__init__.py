@@ -9,7 +9,7 @@ Files:
 - ``__main__.py``: the command line; writes ``cpu.json`` and a Markdown table ``cpu.md``;
 - ``gpu.py``: the GPU comparison (host-to-device path), where CUDA is available.
 
-Measurement itself (rates, first-batch latency, process-tree PSS) is ``gpufeed._measure``.
+Measurement itself (rates, first-batch latency, process-tree PSS) is ``gpufeed._tools.measure``.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._measure import batch_samples_and_bytes
+from .._tools.measure import batch_samples_and_bytes
 
 __all__ = ["NoLoaderMeasurement", "measure_no_loader"]
 

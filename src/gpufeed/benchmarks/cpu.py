@@ -13,7 +13,8 @@ loader's best variant.
 Each repeat also measures, for every variant and in the same rotation as the loaders, the
 **no-loader ceiling**: ``num_workers`` plain forked processes with one torch thread each, fetching
 and collating their share of the same epoch's batches and dropping them (NOTE [ No-loader
-ceiling ] in ``gpufeed._measure``), each batch fetched the fastest way gpufeed's workers know for
+ceiling ] in ``gpufeed._tools.measure``), each batch fetched the fastest way gpufeed's workers know
+for
 the variant (``_ceiling_fetch``). It is what the machine does with that many workers and no
 loader at all; each loader's best is also reported as a share of it. The targets stay ratios to
 the stock loader.
@@ -55,7 +56,7 @@ import psutil
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, default_collate
 
-from .._measure import measure_loader
+from .._tools.measure import measure_loader
 from .ceiling import measure_no_loader
 from .workloads import Variant, Workload, WorkloadUnavailable, build
 
@@ -232,7 +233,7 @@ def _ceiling_fetch(variant: Variant) -> tuple[str, Callable[[list[int]], Any]]:
     the ceiling below gpufeed's own rate."""
     if variant.collate_fn is None:
         try:
-            datasets: Any = importlib.import_module("gpufeed._datasets")
+            datasets: Any = importlib.import_module("gpufeed._sources.arrays")
         except ImportError:  # gpufeed's core not importable: the stand-in has no gather
             datasets = None
         arrays = None if datasets is None else datasets.gather_arrays(variant.dataset)

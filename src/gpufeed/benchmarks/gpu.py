@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from .. import _pinning
-from .._device import to_device
+from .._device.stage import to_device
+from .._memory import pinning as _pinning
 from .cpu import environment
 
 __all__ = ["main", "run_gpu_benchmark", "warm_up"]

@@ -5,7 +5,8 @@ and maybe flips one uint8 CHW image of a memory map with numpy, and returns
 ``(tensor, int)``; batch 64, 2 workers, the default collate function.
 
 ``compare``: the stock DataLoader and gpufeed's, side by side, repeated and interleaved
-(NOTE [ Repeated measurement ] in ``_repeat.py``); the ratio with its range. Wall-clock figures:
+(NOTE [ Repeated measurement ] in ``_tools/repeat.py``); the ratio with its range. Wall-clock
+figures:
 run it on a quiet machine.
 
 ``profile``: where the time goes, in figures that hold on a loaded machine (CPU time of this
@@ -72,8 +73,8 @@ def _top(prof: cProfile.Profile, n: int) -> list[dict[str, Any]]:
 
 def profile_worker(dataset: Any, batches: int = 40, top: int = 12) -> dict[str, Any]:
     """One worker's work per batch, gpufeed's and the stock one's, in this process."""
-    from gpufeed._collate import SlotWriter, pack
-    from gpufeed._fetch import MapFetcher
+    from gpufeed._host.collate import SlotWriter, pack
+    from gpufeed._host.fetch import MapFetcher
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the loaders' workers (one_intra_op_thread)
@@ -196,7 +197,7 @@ def profile_loaders(dataset: Any, batches: int = 60, top: int = 12) -> dict[str,
 
 def compare(dataset: Any, *, seconds: float, runs: int) -> dict[str, Any]:
     """Stock vs gpufeed on the per-sample path, repeated and interleaved."""
-    from gpufeed import _bench
+    from gpufeed._tools import bench as _bench
 
     rows = _bench.configs({"per-sample": (dataset, None)}, [WORKERS], BATCH)
     load = _bench.run_bench(rows, seconds=seconds, runs=runs, target_spread=0.05)

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader as StockLoader
 from torch.utils.data import Dataset
 
 import gpufeed
-from gpufeed._measure import measure_loader
+from gpufeed._tools.measure import measure_loader
 
 WORKLOADS = ("jpeg-crop", "jpeg-rrc", "hf-datasets", "hdf5", "python-list")
 Factory = Callable[[], Any]

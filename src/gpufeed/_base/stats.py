@@ -1,0 +1,279 @@
+"""Loader statistics as data: a cheap recorder in the hot path, frozen snapshots for people.
+
+The core calls :class:`StatsRecorder` once per batch and stage; ``loader.stats()`` returns
+:meth:`StatsRecorder.snapshot`, a :class:`LoaderStats` of frozen dataclasses.
+
+Stages the core reports (seconds per batch):
+
+``fetch``     worker side: reading the samples of one batch.
+``collate``   worker side: building the batch (into a ring slot when possible).
+``wait``      main thread blocked waiting for the next batch (``blocked_s``).
+``step``      time the user spent between two ``next()`` calls (``busy_s``).
+``transfer``  device stage: host-to-device copy (and device transform).
+
+Cost: :meth:`StatsRecorder.add` is one lock round trip, a dict look-up and a few float
+operations (about a microsecond); percentiles are computed only in :meth:`snapshot`.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["LoaderStats", "StageStats", "StatsRecorder", "format_table", "human_bytes",
+           "percentile"]
+
+DEFAULT_WINDOW = 4096
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of already sorted values, linearly interpolated.
+
+    Returns 0.0 for an empty sequence, so a stage that never ran reads as zero time.
+    """
+    n = len(sorted_values)
+    if n == 0:
+        return 0.0
+    pos = (n - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, n - 1)
+    frac = pos - lo
+    return float(sorted_values[lo] * (1.0 - frac) + sorted_values[hi] * frac)
+
+
+def human_bytes(n: float) -> str:
+    """Bytes for people, in powers of 1024: "512 B", "3.2 MiB", "15.6 GiB"."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:,.0f} B" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{value:,.1f} TiB"  # not reached
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *,
+                 left: int = 1) -> str:
+    """Render rows as a plain aligned text table: the first ``left`` columns (text) aligned
+    left, the rest (numbers) right."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        parts = [c.ljust(w) if i < left else c.rjust(w)
+                 for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        return "  ".join(parts).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """What one stage of the data path did.
+
+    Fields:
+        name: the stage ("fetch", "collate", "wait", "step", "transfer", ...).
+        batches: batches that went through the stage.
+        busy_s: total seconds spent working on them.
+        blocked_s: total seconds spent blocked (on a queue, a free slot, the next batch).
+        p50_s, p90_s, p99_s: percentiles of ``busy_s + blocked_s`` per batch, in seconds, over
+            the last ``window`` batches (a bounded ring: old batches fall out).
+        occupancy_mean, occupancy_max: queue or ring slots in use, sampled once per batch
+            (0 when never sampled).
+        capacity: slots available at the last sample (0 when never sampled).
+    """
+
+    name: str
+    batches: int
+    busy_s: float
+    blocked_s: float
+    p50_s: float
+    p90_s: float
+    p99_s: float
+    occupancy_mean: float = 0.0
+    occupancy_max: int = 0
+    capacity: int = 0
+
+    @property
+    def mean_s(self) -> float:
+        """Mean seconds per batch (busy plus blocked); 0.0 when no batch went through."""
+        return (self.busy_s + self.blocked_s) / self.batches if self.batches else 0.0
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """A snapshot of a loader's statistics.
+
+    Fields:
+        wall_s: seconds since the recorder was created or last reset.
+        stages: per-stage figures, by stage name, in the order first reported.
+        counters: event counts, e.g. "batches", "samples", "ring_grow", "ring_fallback",
+            "ring_unsupported" (batches with a tensor the ring cannot hold, sent torch's own
+            way: see ``gpufeed.DataLoader.stats``), "ring_slots", "ring_bytes".
+    """
+
+    wall_s: float
+    stages: Mapping[str, StageStats] = field(default_factory=dict)
+    counters: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def input_bound(self) -> float | None:
+        """Share (0-1) of the user's loop spent waiting for data: wait / (wait + step).
+
+        None until both the "wait" and "step" stages have been reported. The first batch's
+        wait (worker start-up) counts here; ``gpufeed.Profiler`` leaves it out.
+        """
+        wait, step = self.stages.get("wait"), self.stages.get("step")
+        if wait is None or step is None:
+            return None
+        total = wait.busy_s + wait.blocked_s + step.busy_s + step.blocked_s
+        return (wait.busy_s + wait.blocked_s) / total if total > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-ready) of the snapshot."""
+        return {
+            "wall_s": self.wall_s,
+            "stages": {name: asdict(s) for name, s in self.stages.items()},
+            "counters": dict(self.counters),
+        }
+
+    def __str__(self) -> str:
+        rows = []
+        for s in self.stages.values():
+            occ = (f"{s.occupancy_mean:.1f}/{s.capacity} (max {s.occupancy_max})"
+                   if s.capacity else "-")
+            times = ([f"{s.busy_s:.3f}", f"{s.blocked_s:.3f}", f"{s.p50_s * 1e3:.2f}",
+                      f"{s.p90_s * 1e3:.2f}", f"{s.p99_s * 1e3:.2f}"]
+                     if s.batches else ["-"] * 5)  # an occupancy-only stage (a queue, the ring)
+            rows.append([s.name, s.batches or "-", *times, occ])
+        headers = ["stage", "batches", "busy s", "blocked s", "p50 ms", "p90 ms", "p99 ms",
+                   "occupancy"]
+        text = [f"gpufeed loader stats over {self.wall_s:.2f} s", format_table(headers, rows)]
+        if self.counters:
+            text.append("counters: " + ", ".join(f"{k}={v}" for k, v in self.counters.items()))
+        bound = self.input_bound
+        if bound is not None:
+            text.append(f"input-bound: {bound:.0%}")
+        from .explain import ring_findings  # it reads this module's classes
+
+        text += ring_findings(self)
+        return "\n".join(text)
+
+    def explain(self) -> str:
+        """One line per stage, counter and column of this snapshot saying what it means."""
+        from .explain import explain
+
+        return "\n".join(explain(self))
+
+
+class _Stage:
+    """Mutable per-stage accumulator; ``samples`` is a ring of the last ``window`` batch times."""
+
+    __slots__ = ("batches", "blocked", "busy", "cap", "occ_max", "occ_n", "occ_sum", "pos",
+                 "samples")
+
+    def __init__(self, window: int) -> None:
+        self.batches = 0
+        self.busy = 0.0
+        self.blocked = 0.0
+        self.samples = [0.0] * window
+        self.pos = 0
+        self.occ_sum = 0
+        self.occ_n = 0
+        self.occ_max = 0
+        self.cap = 0
+
+
+class StatsRecorder:
+    """Per-stage timings, occupancy and counters, recorded from any thread.
+
+    Args:
+        window: how many recent batches per stage feed the percentiles (a ring buffer). Larger
+            windows give steadier P99s and cost 8 bytes per batch per stage; 4096 by default.
+
+    Thread safety: all methods take one internal lock, held for a few operations only.
+    """
+
+    def __init__(self, *, window: int = DEFAULT_WINDOW) -> None:
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int (batches), got {window!r}")
+        self._window = window
+        self._lock = threading.Lock()
+        self._stages: dict[str, _Stage] = {}
+        self._counters: dict[str, int] = {}
+        self._t0 = time.perf_counter()
+
+    def _stage(self, stage: str) -> _Stage:
+        st = self._stages.get(stage)
+        if st is None:
+            st = self._stages[stage] = _Stage(self._window)
+        return st
+
+    def add(self, stage: str, busy_s: float = 0.0, blocked_s: float = 0.0) -> None:
+        """Record one batch through ``stage``: ``busy_s`` seconds working, ``blocked_s`` blocked."""
+        with self._lock:
+            st = self._stages.get(stage) or self._stage(stage)
+            st.busy += busy_s
+            st.blocked += blocked_s
+            st.samples[st.pos % self._window] = busy_s + blocked_s
+            st.pos += 1
+            st.batches += 1
+
+    def occupancy(self, stage: str, used: int, capacity: int) -> None:
+        """Sample how many of ``capacity`` queue or ring slots of ``stage`` are in use now."""
+        with self._lock:
+            st = self._stages.get(stage) or self._stage(stage)
+            st.occ_sum += used
+            st.occ_n += 1
+            if used > st.occ_max:
+                st.occ_max = used
+            st.cap = capacity
+
+    def count(self, name: str, k: int = 1) -> None:
+        """Add ``k`` to the counter ``name`` (e.g. "ring_fallback")."""
+        with self._lock:
+            self._counters[name] = self._counters.get(name, 0) + k
+
+    def reset(self) -> None:
+        """Forget everything recorded so far and restart the wall clock (e.g. at a new epoch)."""
+        with self._lock:
+            self._stages.clear()
+            self._counters.clear()
+            self._t0 = time.perf_counter()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle (a loader's copy, ``copy.deepcopy``) the figures, not the lock."""
+        with self._lock:
+            state = dict(self.__dict__)
+            state["_stages"] = copy.deepcopy(self._stages)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def snapshot(self) -> LoaderStats:
+        """Frozen copy of the figures so far; percentiles are computed here, not in ``add``."""
+        with self._lock:
+            raw = [(name, st.batches, st.busy, st.blocked,
+                    list(st.samples[: min(st.pos, self._window)]),
+                    st.occ_sum, st.occ_n, st.occ_max, st.cap)
+                   for name, st in self._stages.items()]
+            counters = dict(self._counters)
+            wall = time.perf_counter() - self._t0
+        stages: dict[str, StageStats] = {}
+        for name, batches, busy, blocked, samples, occ_sum, occ_n, occ_max, cap in raw:
+            samples.sort()
+            stages[name] = StageStats(
+                name=name, batches=batches, busy_s=busy, blocked_s=blocked,
+                p50_s=percentile(samples, 50), p90_s=percentile(samples, 90),
+                p99_s=percentile(samples, 99),
+                occupancy_mean=occ_sum / occ_n if occ_n else 0.0, occupancy_max=occ_max,
+                capacity=cap,
+            )
+        return LoaderStats(wall_s=wall, stages=stages, counters=counters)

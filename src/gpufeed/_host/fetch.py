@@ -1,0 +1,230 @@
+"""Fetching one batch: a batch source, vectorised gather, ``__getitems__``, or sample by sample.
+
+A fetcher runs inside a worker (or the main process when ``num_workers=0``). It records which
+sample it is on, so that an exception is reported with the index that caused it.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import default_collate
+
+from .._order.seeding import seeded
+from .._sources.arrays import gather, gather_arrays
+from .._sources.protocol import batch_source
+from .collate import SlotWriter, collate_into
+
+_AT_SAMPLE = "while fetching a sample"  # MapFetcher.describe() adds which one
+
+
+class MapFetcher:
+    """Batches of a map-style dataset from lists of indices.
+
+    Args:
+        auto_collation: True when batches are formed (``batch_size`` or ``batch_sampler``);
+            False for ``batch_size=None``, where each "batch" is one sample.
+        collate_fn: the user's function, or None for default collation into the slot.
+        seed: base seed of per-sample random state (``_order/seeding.py``): each ``__getitem__``
+            sees state from ``(seed, self.epoch, index)``. None: the stock behaviour.
+    """
+
+    def __init__(
+        self, dataset: Any, *, auto_collation: bool, collate_fn: Callable[[Any], Any] | None,
+        seed: int | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.epoch = 0  # set per task message when seed is not None
+        self.auto_collation = auto_collation
+        self.collate_fn = None if collate_fn is default_collate else collate_fn
+        self.arrays = gather_arrays(dataset) if self.collate_fn is None else None
+        self.source = batch_source(dataset) if auto_collation else None  # _sources/protocol.py
+        self.getitems = getattr(dataset, "__getitems__", None)
+        self.where = ""  # what it is doing, for error messages (see describe)
+        self.index: Any = None  # the sample being fetched, when where is _AT_SAMPLE
+        self.plan: Any = None  # an _plan.IndexPlan, when the main process sent one
+        self.collate_s = 0.0
+
+    def fetch(self, indices: Any, writer: SlotWriter | None) -> Any:
+        if not self.auto_collation:
+            self.where = f"while fetching sample index {indices!r}"
+            if self.seed is not None:
+                with seeded(self.seed, self.epoch) as reseed:
+                    reseed(indices)
+                    sample = self.dataset[indices]
+            else:
+                sample = self.dataset[indices]
+            self.where = "in collate_fn"
+            return self.collate_fn(sample) if self.collate_fn is not None else sample
+        if self.source is not None:
+            self.collate_s = 0.0
+            self.where = "while reading a batch"
+            if self.collate_fn is None:
+                return self.source.gpufeed_batch(
+                    indices, seed=self.seed, epoch=self.epoch, alloc=_alloc_for(writer))
+            samples = self.source.gpufeed_samples(indices, seed=self.seed, epoch=self.epoch)
+            self.where = "in collate_fn"
+            t0 = time.perf_counter()
+            out = self.collate_fn(samples)
+            self.collate_s = time.perf_counter() - t0
+            return out
+        if self.arrays is not None:
+            self.where = "while gathering a batch"
+            self.collate_s = 0.0
+            return gather(self.arrays, indices, _alloc_for(writer))
+        if self.seed is not None:
+            samples = self._fetch_seeded(indices, self.seed)
+        elif self.getitems is not None:
+            self.where = "in __getitems__"
+            samples = self.getitems(indices)
+        else:
+            samples = []
+            append, dataset = samples.append, self.dataset
+            self.where = _AT_SAMPLE  # formatted only on error: this loop is per sample
+            for i in indices:
+                self.index = i
+                append(dataset[i])
+        self.where = "in collate_fn"
+        t0 = time.perf_counter()
+        out = collate_into(samples, writer) if self.collate_fn is None else self.collate_fn(samples)
+        self.collate_s = time.perf_counter() - t0
+        return out
+
+    def _fetch_seeded(self, indices: Any, seed: int) -> list[Any]:
+        """Samples with per-sample random state (NOTE [ Seeding and threads ] in
+        _order/seeding.py)."""
+        with seeded(seed, self.epoch) as reseed:
+            if self.getitems is not None:
+                self.where = "in __getitems__"
+                reseed.batch(indices)
+                return list(self.getitems(indices))
+            samples = []
+            self.where = _AT_SAMPLE
+            for i in indices:
+                self.index = i
+                reseed(i)
+                samples.append(self.dataset[i])
+            return samples
+
+    def describe(self, indices: Any) -> str:
+        if self.where is _AT_SAMPLE:
+            return f"while fetching sample index {self.index!r}"
+        if self.where in ("while gathering a batch", "in __getitems__", "while reading a batch"):
+            return f"{self.where} (indices {_short(indices)})"
+        return self.where
+
+
+class IterFetcher:
+    """Batches of an iterable-style dataset; each worker iterates its own copy.
+
+    ``fetch(n)`` takes up to ``n`` samples (``n=None``: one sample, no collation) and raises
+    StopIteration when the dataset is exhausted (or, with ``drop_last``, when short).
+    """
+
+    def __init__(
+        self, dataset: Any, *, auto_collation: bool, collate_fn: Callable[[Any], Any] | None,
+        drop_last: bool,
+    ) -> None:
+        self.dataset = dataset
+        self.auto_collation = auto_collation
+        self.collate_fn = None if collate_fn is default_collate else collate_fn
+        self.drop_last = drop_last
+        self.where = ""
+        self._it: Iterator[Any] | None = None
+        self._state: Any = None  # a dataset state to load before the next iter (resume)
+        self.epoch = 0  # unused: iterable datasets get no per-sample seeding
+        self.ended = False
+        self.count = 0
+        self.collate_s = 0.0
+        self.arrays = None
+
+    def describe(self, indices: Any) -> str:
+        return self.where
+
+    def reset(self, state: Any = None) -> None:
+        """Restart the stream; ``state`` (resume): load it into the dataset before ``iter``."""
+        self._it = None
+        self.ended = False
+        self.count = 0
+        self._state = state
+
+    def fetch(self, n: int | None, writer: SlotWriter | None) -> Any:
+        if self.ended:
+            raise StopIteration
+        if self._it is None:
+            if self._state is not None:
+                self.where = "in the dataset's load_state_dict"
+                self.dataset.load_state_dict(self._state)
+                self._state = None
+            self.where = "in the dataset's __iter__"
+            self._it = iter(self.dataset)
+        self.where = f"while fetching sample {self.count} of this worker's stream"
+        if n is None:
+            sample = next(self._it)
+            self.count += 1
+            self.where = "in collate_fn"
+            return self.collate_fn(sample) if self.collate_fn is not None else sample
+        samples = []
+        for _ in range(n):
+            self.where = f"while fetching sample {self.count} of this worker's stream"
+            try:
+                samples.append(next(self._it))
+            except StopIteration:
+                self.ended = True
+                break
+            self.count += 1
+        if not samples or (self.drop_last and len(samples) < n):
+            raise StopIteration
+        self.where = "in collate_fn"
+        t0 = time.perf_counter()
+        out = collate_into(samples, writer) if self.collate_fn is None else self.collate_fn(samples)
+        self.collate_s = time.perf_counter() - t0
+        return out
+
+
+def thread_copy(dataset: Any) -> Any:
+    """A thread worker's own shallow copy of an iterable dataset.
+
+    NOTE [ Iterable datasets in thread workers ]: a process worker iterates its own (forked or
+    pickled) copy of the dataset; many iterable datasets rely on it and keep their stream's
+    state on ``self`` in ``__iter__`` (litdata's ``StreamingDataset``: its worker's chunks,
+    reader and position). Thread workers therefore each get a shallow copy, which is also what
+    ``get_worker_info().dataset`` gives them (so a ``worker_init_fn`` that configures it
+    configures that worker's stream only, as under process workers). Attributes the copy shares
+    with the original (lists, buffers) are not copied: nested state mutated in place, rather
+    than rebound, stays shared. A dataset that cannot be copied is shared.
+    """
+    try:
+        return copy.copy(dataset)
+    except Exception:
+        return dataset
+
+
+def _alloc_for(writer: SlotWriter | None) -> Callable[[tuple[int, ...], Any], Any]:
+    """Memory for a batch leaf: a slot of the ring when there is one, else a fresh tensor."""
+
+    def alloc(shape: tuple[int, ...], dtype: Any) -> Any:
+        if writer is None:
+            import torch
+
+            return torch.empty(shape, dtype=dtype)
+        out = writer.alloc(shape, dtype)
+        return out if out is not None else writer.fallback(shape, dtype)
+
+    return alloc
+
+
+def _short(indices: Any) -> str:
+    if hasattr(indices, "tolist"):
+        indices = indices.tolist()
+    try:
+        seq = list(indices)
+    except TypeError:
+        return repr(indices)
+    if len(seq) <= 8:
+        return repr(seq)
+    return f"[{', '.join(map(repr, seq[:4]))}, ... {len(seq)} in all]"

@@ -1,0 +1,385 @@
+"""Starting, talking to, watching and stopping workers (processes or threads).
+
+NOTE [ Shutdown ]
+-----------------
+``close()`` is idempotent and bounded in time. Process workers: the main process shuts down
+its end of each worker's socket (``_hang_up``); a worker waiting for a task sees EOF, one busy
+in user code finds the socket broken when it answers, and either way it exits. shutdown()
+acts on the socket, not on one descriptor: copies of our end inherited by workers forked
+later do not keep it open, and the ``_Sender`` thread, if it is blocked writing a large task
+to a busy worker, wakes with an error at once. Only once that thread has exited are the
+connections closed (closing a descriptor under a thread still writing to it would make it
+write to whatever file reuses the number). Workers still alive after ``GRACE_S`` get
+SIGTERM, then SIGKILL. Each worker also exits when its parent process changes (the main
+process died). The ring's shared memory is an anonymous memory file (``_ring.Region``), so
+nothing is left in /dev/shm even after SIGKILL; the mapping goes with the last tensor
+viewing it.
+Thread workers get a stop message; threads are daemons, so one stuck in user code cannot
+keep the interpreter alive.
+
+Dropping the last reference closes at once, without waiting for the cyclic garbage collector:
+the iterator holds its loader weakly (``BaseIter._loader_ref``), so a persistent loader and
+its iterator form no cycle, and nothing else the iterator owns (pool, ring, sender thread)
+refers back to it. Keep it so: a cycle through the iterator keeps its workers alive until a
+collection runs.
+
+A pool that fails while starting (a worker's arguments cannot be pickled for spawn, fork
+fails) stops the workers it already started and closes every pipe before the error leaves
+``__init__``.
+
+A process that exits while the iterator is running is reported by its sentinel (see
+``poll``), with its exit code or signal; that is never a hang.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import select
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from .._base.errors import WorkerError, capture
+from .worker import ThreadChannel, install_thread_worker_info, worker_loop
+
+log = logging.getLogger("gpufeed")
+GRACE_S = 2.0
+_STOP_MSG = bytes(ForkingPickler.dumps(None))
+INLINE_BYTES = 4096  # task messages up to this size are written inline (never blocks)
+
+
+def describe_exit(pid: int | None, w: int, code: int | None) -> str:
+    """What happened to worker ``w``: torch's own phrase first (programs and frameworks match
+    on it), then gpufeed's detail."""
+    if code is None:
+        return f"gpufeed worker {w} (pid {pid}) is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = {
+            "SIGKILL": " (often the kernel's out-of-memory killer: lower num_workers or "
+            "batch size)",
+            "SIGBUS": " (often /dev/shm is full: enlarge it, e.g. docker --shm-size, or lower "
+            "ring_bytes; `gpufeed doctor` checks it)",
+            "SIGSEGV": " (a crash in native code of the dataset or a library it calls)",
+        }.get(name, "")
+        stock = f"DataLoader worker (pid {pid}) is killed by signal: {signal.strsignal(-code)}."
+        # Stock raises "... exited unexpectedly" from the signal's message: both phrases.
+        return (
+            f"{stock} DataLoader worker (pid(s) {pid}) exited unexpectedly: gpufeed worker "
+            f"{w} was killed by {name}{hint}"
+        )
+    if code == 0:
+        return f"DataLoader worker (pid {pid}) exited unexpectedly (gpufeed worker {w}, code 0)"
+    return (
+        f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}. "
+        f"gpufeed worker {w} exited with code {code}"
+    )
+
+
+# torch's words first (dataloader.py, NOTE [ DataLoader on Linux and open files limit ]),
+# which programs match on; then what gpufeed passes descriptors for.
+TOO_MANY_FILES = (
+    "Too many open files. Communication with the workers is no longer possible. Please "
+    "increase the limit using `ulimit -n` in the shell or change the sharing strategy by "
+    "calling `torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning of "
+    "your code. (gpufeed: receiving a batch from worker {w}; each batch the slot ring does not "
+    "hold arrives as a file descriptor, closed at once, and each tensor the ring cannot hold "
+    "(nested, sparse, subclasses) as torch shares it, which the sharing strategy governs; a "
+    "larger ring_bytes= or worker_type='thread' needs none)"
+)
+
+
+def out_of_fds(margin: int = 10) -> bool:
+    """Whether this process is (nearly) out of file descriptors, tested as torch tests it:
+    by opening ``margin`` of them."""
+    fds: list[int] = []
+    try:
+        for _ in range(margin):
+            fds.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError as e:
+        return e.errno == errno.EMFILE
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return False
+
+
+def forked_message(pid: int) -> str:
+    return (
+        f"this gpufeed DataLoader's workers were started in process {pid}, and this process "
+        f"(pid {os.getpid()}) is a fork of it: the loader was created before a fork and cannot "
+        "be used here (threads do not survive fork(), and process workers answer their parent "
+        "only); re-create the DataLoader in this process"
+    )
+
+
+class ProcessPool:
+    def __init__(self, n: int, ctx: Any, kwargs: dict[str, Any]) -> None:
+        self.n = n
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        self._sender: _Sender | None = None
+        self.closed = False
+        pipes: list[tuple[Any, Any]] = []
+        try:
+            for _ in range(n):
+                pipes.append(ctx.Pipe(duplex=True))
+                self.conns.append(pipes[-1][0])
+            self._start(ctx, kwargs, pipes)
+        except BaseException:  # see NOTE [ Shutdown ]: nothing outlives a failed start
+            for _, worker_end in pipes:
+                worker_end.close()
+            self.close()
+            raise
+        for _, worker_end in pipes:
+            worker_end.close()
+        self._poller = select.poll()
+        self._fd_owner: dict[int, tuple[str, int]] = {}
+        for w in range(n):
+            self._watch(self.conns[w].fileno(), ("conn", w))
+            self._watch(self.procs[w].sentinel, ("exit", w))
+
+    def _start(self, ctx: Any, kwargs: dict[str, Any], pipes: list[tuple[Any, Any]]) -> None:
+        fork = ctx.get_start_method() == "fork"
+        close_fds: tuple[int, ...] = ()
+        if fork:  # each child closes every end but its own
+            close_fds = tuple(c.fileno() for p in pipes for c in p)
+        for w in range(self.n):
+            own = pipes[w][1].fileno()
+            proc = ctx.Process(
+                target=worker_loop,
+                kwargs=dict(
+                    kwargs, worker_id=w, kind="process", chan=pipes[w][1],
+                    close_fds=tuple(fd for fd in close_fds if fd != own),
+                ),
+                daemon=True,
+            )
+            proc.start()
+            self.procs.append(proc)
+
+    def _watch(self, fd: int, what: tuple[str, int]) -> None:
+        self._poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        self._fd_owner[fd] = what
+
+    def send(self, w: int, msg: Any) -> None:
+        payload = ForkingPickler.dumps(msg)
+        if len(payload) <= INLINE_BYTES and (self._sender is None or not self._sender.busy(w)):
+            self.conns[w].send_bytes(payload)
+        else:  # a large task could fill the pipe while the worker is busy answering
+            if self._sender is None:
+                self._sender = _Sender(self.conns)
+            self._sender.put(w, payload)
+
+    def poll(self, timeout: float | None) -> tuple[list[tuple[int, Any]], list[int]]:
+        """Messages that arrived (worker, msg) and workers that exited, waiting up to timeout."""
+        ms = -1 if timeout is None else max(int(timeout * 1000), 0)
+        msgs: list[tuple[int, Any]] = []
+        dead: list[int] = []
+        for fd, _ in self._poller.poll(ms):
+            kind, w = self._fd_owner[fd]
+            if kind == "conn":
+                try:
+                    msgs.append((w, self.conns[w].recv()))
+                except Exception as e:
+                    if out_of_fds():
+                        raise WorkerError(TOO_MANY_FILES.format(w=w)) from e
+                    if not isinstance(e, (EOFError, OSError)):
+                        raise
+                    self._poller.unregister(fd)
+                    dead.append(w)
+            else:
+                self._poller.unregister(fd)
+                dead.append(w)
+        return msgs, dead
+
+    def drain(self, w: int) -> list[Any]:
+        """Whatever worker ``w`` sent before it died."""
+        out = []
+        conn = self.conns[w]
+        try:
+            while conn.poll(0):
+                out.append(conn.recv())
+        except (EOFError, OSError):
+            pass
+        return out
+
+    def exit_description(self, w: int) -> str:
+        if self.closed:
+            return f"gpufeed worker {w}"
+        proc = self.procs[w]
+        proc.join(0.5)
+        return describe_exit(proc.pid, w, proc.exitcode)
+
+    def close(self) -> None:
+        """Stop the workers, bounded in time (NOTE [ Shutdown ]); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        sender = self._sender
+        for w, conn in enumerate(self.conns):
+            _hang_up(conn, may_write=sender is None or not sender.busy(w))
+        if sender is not None and not sender.stop():
+            log.warning("gpufeed sender thread did not stop: its connections are left open")
+        else:
+            for conn in self.conns:
+                conn.close()
+        deadline = time.monotonic() + GRACE_S
+        for proc in self.procs:
+            proc.join(max(deadline - time.monotonic(), 0))
+        for stop in ("terminate", "kill"):
+            alive = [p for p in self.procs if p.is_alive()]
+            if not alive:
+                break
+            for p in alive:
+                getattr(p, stop)()
+            for p in alive:
+                p.join(1.0)
+        for p in self.procs:
+            if p.is_alive():
+                log.warning("gpufeed worker pid %s did not stop", p.pid)
+            else:
+                p.close()
+        self.procs = []  # their arguments hold the ring: let it go with the last user view
+
+
+def _hang_up(conn: Any, *, may_write: bool) -> None:
+    """End the conversation on ``conn`` for good (NOTE [ Shutdown ]): the worker reads EOF,
+    and every write, the worker's and ours, fails at once from now on."""
+    try:  # (fromfd works on a duplicate descriptor, which the with block closes)
+        with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+        return
+    except OSError:
+        pass  # not a socket (or the worker is gone): an explicit stop message instead
+    if may_write:  # never from this thread while the sender may be writing to it
+        try:  # EOF alone is not enough when a later fork inherited our end
+            conn.send_bytes(_STOP_MSG)
+        except (OSError, ValueError):
+            pass
+
+
+class _Sender:
+    """Writes large task messages from a thread, so the main thread never blocks on a pipe.
+
+    It owns writing to a connection while ``busy`` for it; ``ProcessPool.close`` hangs up
+    first, so a write in progress fails at once, then stops the thread before closing any
+    connection (NOTE [ Shutdown ]).
+    """
+
+    def __init__(self, conns: list[Any]) -> None:
+        self.conns = conns
+        self.q: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        self.pending = [0] * len(conns)
+        self.lock = threading.Lock()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="gpufeed-sender", daemon=True)
+        self.thread.start()
+
+    def busy(self, w: int) -> bool:
+        return self.pending[w] > 0
+
+    def put(self, w: int, payload: Any) -> None:
+        with self.lock:
+            self.pending[w] += 1
+        self.q.put((w, payload))
+
+    def _run(self) -> None:
+        while (item := self.q.get()) is not None:
+            w, payload = item
+            if not self.stopping:
+                try:
+                    self.conns[w].send_bytes(payload)
+                except (OSError, ValueError):
+                    pass  # the pool is closing, or the worker died: the iterator reports it
+            with self.lock:
+                self.pending[w] -= 1
+
+    def stop(self) -> bool:
+        """Drop what is still queued and end the thread; True once it has ended."""
+        self.stopping = True
+        self.q.put(None)
+        self.thread.join(GRACE_S)
+        return not self.thread.is_alive()
+
+
+class ThreadPool:
+    def __init__(self, n: int, kwargs: dict[str, Any]) -> None:
+        install_thread_worker_info()
+        self.pid = os.getpid()  # threads do not survive fork(): see forked_message
+        self.n = n
+        self.results: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self.chans = [ThreadChannel(w, self.results) for w in range(n)]
+        self.threads: list[threading.Thread] = []
+        self.closed = False
+        try:
+            for w in range(n):
+                t = threading.Thread(
+                    target=_thread_entry,
+                    kwargs=dict(kwargs, worker_id=w, kind="thread", chan=self.chans[w]),
+                    name=f"gpufeed-worker-{w}",
+                    daemon=True,
+                )
+                t.start()
+                self.threads.append(t)
+        except BaseException:  # e.g. "can't start new thread": stop those that started
+            self.close()
+            raise
+
+    def send(self, w: int, msg: Any) -> None:
+        self.chans[w].tasks.put(msg)
+
+    def poll(self, timeout: float | None) -> tuple[list[tuple[int, Any]], list[int]]:
+        msgs = []
+        try:
+            msgs.append(self.results.get(timeout=timeout))
+            while True:
+                msgs.append(self.results.get_nowait())
+        except queue.Empty:
+            pass
+        dead = [] if msgs else [w for w, t in enumerate(self.threads) if not t.is_alive()]
+        return msgs, dead
+
+    def drain(self, w: int) -> list[Any]:
+        return []
+
+    def exit_description(self, w: int) -> str:
+        if os.getpid() != self.pid:
+            return forked_message(self.pid)
+        return f"DataLoader worker (thread {w}) exited unexpectedly: gpufeed thread worker {w}"
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for chan in self.chans:
+            chan.tasks.put(None)
+        deadline = time.monotonic() + GRACE_S
+        for t in self.threads:
+            t.join(max(deadline - time.monotonic(), 0))
+            if t.is_alive():
+                log.warning("gpufeed worker %s is still in user code: left as daemon", t.name)
+
+
+def _thread_entry(**kwargs: Any) -> None:
+    """Run a thread worker; an error that escapes the loop (a dataset's ``state_dict()``,
+    say) is sent to the main process, which re-raises it, instead of killing the thread with
+    an uncaught exception that leaves the iterator only "stopped unexpectedly"."""
+    try:
+        worker_loop(**kwargs)
+    except BaseException:
+        where = f"in gpufeed thread worker {kwargs['worker_id']}"
+        kwargs["chan"].send(("init_err", capture(where)))
+
+
+Pool = ProcessPool | ThreadPool
+PoolFactory = Callable[..., Pool]

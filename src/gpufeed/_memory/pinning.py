@@ -1,0 +1,351 @@
+"""Page-locked ("pinned") host memory: register existing memory, pin fallback batches.
+
+Two ways to get memory the GPU can read by DMA, and where gpufeed uses each:
+
+* ``register(t)`` page-locks memory that already exists (``cudaHostRegister`` on the
+  bytes of ``t``). The loader calls it once per slot of its shared ring, when the slot is
+  carved, so every batch a worker writes into a slot is pinned with no per-batch copy;
+  ``unregister(handle)`` undoes it when the slot is retired or the ring closes.
+  Portable flag: the pages are pinned for every CUDA context.
+* ``pin_batch(batch)`` copies an ordinary batch (one that fell back to ordinary
+  allocation) into pinned memory the ordinary way, ``Tensor.pin_memory()``, leaf by leaf.
+
+Without CUDA (CPU-only build, or no device) both are no-ops: ``register`` returns None and
+``pin_batch`` returns the batch unchanged. ``is_pinned(t)`` never raises.
+
+NOTE [ Registered memory lifetime ]
+-----------------------------------
+    register(t, device=d, fences=F) ──► under device d: cudaHostRegister(ptr, n)
+                                    ──► handle keeps ``t`` (so its mapping) and F alive
+    unregister(h) ──► event on d's current stream into F ──► wait for F and every tracked
+                      Fences ──► under device d: cudaHostUnregister ──► drop ``t``
+
+(1) Pinned means "the bytes at this address are page-locked". ``Tensor.is_pinned()`` asks
+    about the first byte of the tensor's *storage* (ATen ``is_pinned``:
+    ``isPinnedPtr(self.storage().data())``), and a slice ``region[off:off+n]`` keeps the
+    region's storage: it would answer for offset 0. ``is_pinned`` here probes the tensor's
+    own first and last byte (``cudaPointerGetAttributes`` says ``cudaMemoryTypeHost`` for
+    registered memory too).
+(2) Never unmapped while registered: the handle holds a reference to the registered tensor
+    until ``cudaHostUnregister`` returns, so whatever order its owner drops things in (a
+    ring that lets go of its region before unregistering its slots), the memory is unmapped
+    only after it is unregistered. A handle collected while still active unregisters itself.
+(3) Never unregistered under a pending copy. Events that must complete before memory may be
+    unregistered live in ``Fences`` objects that are held *strongly*: the ring's (the events
+    recorded when its slots were released, NOTE [ Slot lifetime ] in ``_memory/ring.py``) by every
+    handle of the ring, and a device stage's (its copies in flight) by this module while the
+    stage is tracked (``track_copies``). ``unregister`` first records an event on the current
+    stream of the handle's device (copies the caller issued from memory it still holds), then
+    waits for the handle's Fences and every tracked one. Nothing here is weak, so garbage
+    collection may tear a ring, its handles and a device stage down in any order: a handle
+    collected first still waits (a weak set of stages let the region go first before).
+    The cost is one wait at unregistering (epoch end, close), none per batch.
+(4) Per process: registrations belong to the process that made them. A forked child gets a
+    copy of the bookkeeping; it is forgotten there, and handles do nothing outside the
+    process that registered them (the child has no CUDA context to call).
+(5) Device guard. Every call that touches CUDA for a loader's device (register,
+    unregister, release events, the capture check, and ``pin_batch`` of its fallback
+    batches) runs under ``torch.cuda.device(d)``: under torchrun rank 3 creates no context
+    on GPU 0. ``d`` is None for callers that name no device, and for a pinned ring without
+    ``device=`` until its first registration (asking earlier would initialise CUDA before
+    the workers fork): then the current device is used, as by any CUDA call.
+(6) Failure. ``register`` raises RuntimeError naming the CUDA error and the fix; the ring
+    turns that into one warning and goes on unregistered (``_memory/ring.py``).
+
+Here ``cuda_usable``, ``_pinned_ptr``, ``pin`` and ``torch.cuda.cudart()`` ask CUDA
+directly; guards, events and capture are in ``_base/cuda.py``. The simulated backend of the tests
+(tests/sim_cuda.py) replaces exactly those, so the guards placed around them are tested.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+
+from .._base import cuda as _cuda
+from .._base.cuda import Fences
+from .._base.tree import tree_map
+
+__all__ = [
+    "PinnedRegion", "cuda_usable", "is_pinned", "pin", "pin_batch", "register",
+    "registered_bytes", "track_copies", "unregister", "untrack_copies",
+]
+
+logger = logging.getLogger(__name__)
+
+_PORTABLE = 1  # cudaHostRegisterPortable
+_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+# Reentrant: a handle collected while a register() holds the lock unregisters itself.
+_lock = threading.RLock()
+_refcounts: dict[tuple[int, int], int] = {}  # (ptr, nbytes) -> live handles we own
+
+
+_tracked: set[Fences] = set()  # NOTE rule (3): strong on purpose
+
+
+def _forget_after_fork() -> None:  # NOTE rule (4)
+    global _lock, _refcounts, _tracked
+    _lock = threading.RLock()  # another thread may have held it at the fork
+    _refcounts = {}
+    _tracked = set()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+class PinnedRegion:
+    """Handle returned by :func:`register`; pass it to :func:`unregister`.
+
+    ``ptr`` and ``nbytes`` describe the page-locked storage. ``owned`` is False when the
+    memory was already pinned by someone else (then unregistering leaves it pinned).
+    ``active`` turns False after the first :func:`unregister`. An owned handle keeps the
+    registered tensor alive until then, and unregisters when it is collected still active
+    (NOTE [ Registered memory lifetime ], rule 2).
+    """
+
+    __slots__ = ("_keep", "_pid", "active", "device", "fences", "nbytes", "owned", "ptr")
+
+    def __init__(
+        self, ptr: int, nbytes: int, *, owned: bool, keep: torch.Tensor | None = None,
+        device: int | None = None, fences: Fences | None = None,
+    ) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.owned = owned
+        self.active = True
+        self.device = device
+        self.fences = fences if owned else None
+        self._keep = keep if owned else None
+        self._pid = os.getpid()
+
+    def __del__(self) -> None:
+        if getattr(self, "active", False) and self.owned:
+            try:
+                unregister(self)
+            except Exception:  # interpreter exit, CUDA torn down: nothing left to do
+                pass
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "released"
+        return f"PinnedRegion(ptr={self.ptr:#x}, nbytes={self.nbytes}, owned={self.owned}, {state})"
+
+
+def cuda_usable() -> bool:
+    """True when this torch build has CUDA and at least one device is visible."""
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # broken driver install: behave as CPU-only
+        return False
+
+
+def pin(t: torch.Tensor) -> torch.Tensor:
+    """A page-locked copy of ``t`` from torch's caching host allocator."""
+    return t.pin_memory()
+
+
+def is_pinned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes are page-locked host memory (its first and last byte, not its
+    storage's: NOTE rule 1). False (never an error) without CUDA, or for an empty tensor."""
+    if t.device.type != "cpu" or t.numel() == 0 or not cuda_usable():
+        return False
+    first = t.data_ptr()
+    last = first + _extent(t) - 1
+    return _pinned_ptr(first) and (last == first or _pinned_ptr(last))
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to just past its last."""
+    span = sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True))
+    return (span + 1) * t.element_size()
+
+
+def _pinned_ptr(ptr: int) -> bool:
+    """Whether host address ``ptr`` is page-locked: ``is_pinned()`` of a one-byte tensor whose
+    storage starts exactly there."""
+    try:
+        probe = torch.frombuffer((ctypes.c_uint8 * 1).from_address(ptr), dtype=torch.uint8)
+        return bool(probe.is_pinned())
+    except (RuntimeError, ValueError):
+        return False
+
+
+def register(
+    t: torch.Tensor, *, device: int | None = None, fences: Fences | None = None
+) -> PinnedRegion | None:
+    """Page-lock the bytes of contiguous CPU tensor ``t`` with ``cudaHostRegister``.
+
+    ``device``: the device whose context makes the call (NOTE rule 5). ``fences``: events
+    that must pass before the memory is unregistered, kept by the handle (rule 3).
+
+    Returns a :class:`PinnedRegion` handle, or None when there is nothing to do (no CUDA,
+    empty storage). Idempotent per region: registering the same storage again returns a
+    new handle on the same registration (reference counted), and memory that is already
+    pinned (e.g. from ``pin_memory()``) gets a handle that does not own it.
+
+    Cost: registering faults in and locks every page up front, in time proportional to the
+    size (once per ring, never per batch). The pages count against the locked-memory limit
+    (``ulimit -l``) and cannot be swapped out until unregistered.
+
+    Raises:
+        TypeError: ``t`` is not a tensor.
+        ValueError: ``t`` is not on the CPU.
+        RuntimeError: the CUDA runtime refused (message names the CUDA error and the fix).
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"register() expects a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"register() expects a CPU tensor, got one on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError("register() expects a contiguous tensor (a byte range of memory)")
+    # Exactly t's bytes, not its whole storage: the ring registers one page-aligned slot at a
+    # time inside a sparse region that may reserve far more address space than it touches.
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    if nbytes == 0 or not cuda_usable():
+        return None
+    key = (ptr, nbytes)
+    with _lock:
+        if key in _refcounts:
+            _refcounts[key] += 1
+            return PinnedRegion(ptr, nbytes, owned=True, keep=t, device=device, fences=fences)
+        # Pinned elsewhere (pin_memory(), or a registration that covers this range): share
+        # it, never unregister it. The probe is at ptr itself, not at t's storage (rule 1).
+        if _pinned_ptr(ptr):
+            return PinnedRegion(ptr, nbytes, owned=False)
+        with _cuda.device_guard(device):
+            cudart = torch.cuda.cudart()
+            code = int(cudart.cudaHostRegister(ptr, nbytes, _PORTABLE))
+            if code != 0:
+                _drain_last_error(cudart)
+        if code != 0:
+            hint = (
+                "Part of this memory is already page-locked (an overlapping region was "
+                "registered): register the whole region once, before any part of it."
+                if code == _ALREADY_REGISTERED
+                else "Check the locked-memory limit (`ulimit -l`, RLIMIT_MEMLOCK) and free "
+                "host memory, or pass pin_memory=False to go without pinned memory."
+            )
+            raise RuntimeError(
+                f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed: "
+                f"{_error_name(cudart, code)} (cudaError {code}). {hint}"
+            )
+        _refcounts[key] = 1
+        return PinnedRegion(ptr, nbytes, owned=True, keep=t, device=device, fences=fences)
+
+
+def unregister(h: PinnedRegion | None) -> None:
+    """Undo :func:`register`. Safe on None and safe to call twice on one handle.
+
+    The handle keeps the memory mapped until this returns (NOTE rule 2). Pending copies
+    are waited for first (rule 3): an event on the current stream of the handle's device,
+    the handle's Fences and every tracked one; unregistering pages under a running DMA is
+    undefined behaviour in CUDA. In a process other than the one that registered (a forked
+    child) it only marks the handle released (rule 4).
+    """
+    if h is None or not h.active:
+        return
+    h.active = False
+    keep, h._keep = h._keep, None
+    if not h.owned or h._pid != os.getpid():
+        return
+    key = (h.ptr, h.nbytes)
+    with _lock:
+        left = _refcounts.get(key, 0) - 1
+        if left > 0:
+            _refcounts[key] = left
+            return
+        _refcounts.pop(key, None)
+        _wait_for_copies(h)
+        with _cuda.device_guard(h.device):
+            cudart = torch.cuda.cudart()
+            code = int(cudart.cudaHostUnregister(h.ptr))
+            del keep  # only now may the memory be unmapped
+            if code != 0:
+                _drain_last_error(cudart)
+        if code != 0:
+            raise RuntimeError(
+                f"cudaHostUnregister at {h.ptr:#x} failed: {_error_name(cudart, code)} "
+                f"(cudaError {code}). Was this range unregistered by other code (e.g. "
+                "cudart().cudaHostUnregister called directly)? Unregister only through its "
+                "handle."
+            )
+
+
+def track_copies(fences: Fences) -> None:
+    """Make :func:`unregister` wait for ``fences`` first (held strongly until untracked)."""
+    with _lock:
+        _tracked.add(fences)
+
+
+def untrack_copies(fences: Fences) -> None:
+    with _lock:
+        _tracked.discard(fences)
+
+
+def _wait_for_copies(h: PinnedRegion) -> None:
+    if h.fences is not None:
+        if _cuda.cuda_initialized():  # copies issued from memory the caller still holds
+            h.fences.add(_cuda.current_stream_event(h.device))
+        h.fences.wait()
+    for fences in list(_tracked):
+        fences.wait()
+
+
+def registered_bytes() -> int:
+    """Bytes currently page-locked through :func:`register` in this process."""
+    with _lock:
+        return sum(nbytes for (_, nbytes) in _refcounts)
+
+
+def pin_batch(batch: Any) -> Any:
+    """Return ``batch`` with every CPU tensor leaf in pinned memory (``pin_memory()``).
+
+    For batches that fell back to ordinary allocation: costs one host copy per leaf from
+    torch's caching pinned allocator. Already pinned leaves are kept as they are. Without
+    CUDA the batch is returned unchanged.
+    """
+    if not cuda_usable():
+        return batch
+
+    def pin_leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu" and not is_pinned(x):
+            return pin(x)
+        return x
+
+    return tree_map(pin_leaf, batch)
+
+
+def _error_name(cudart: Any, code: int) -> str:
+    try:
+        return str(cudart.cudaGetErrorString(cudart.cudaError(code)))
+    except Exception:
+        return "unknown CUDA error"
+
+
+def _drain_last_error(cudart: Any) -> None:
+    """Consume the error a failed runtime call left behind (best effort).
+
+    A failed ``cudaHostRegister`` leaves a pending per-thread error; torch's next kernel
+    launch check (``cudaGetLastError``) would then raise it against an unrelated op.
+    torch's own binding exposes ``cudaGetLastError`` only in some versions, so fall back to
+    every libcudart mapped into this process (wheels bundle it as ``libcudart-<hash>``).
+    """
+    getter = getattr(cudart, "cudaGetLastError", None)
+    if getter is not None:
+        getter()
+        return
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(None, 5)[-1].strip() for line in maps if "libcudart" in line}
+    except OSError:
+        return
+    for path in paths:
+        path = path.removesuffix(" (deleted)")
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+        except (OSError, AttributeError):
+            logger.debug("could not clear the CUDA error through %s", path)

@@ -1,0 +1,230 @@
+"""Where an epoch starts, and which of its batches have reached the user.
+
+NOTE [ Delivery tracking ]: the host iterator numbers the batches of an epoch by their position in
+the batch plan and calls :meth:`DeliveryTracker.produced` as it hands each one on; whatever is
+outermost (the host iterator itself, or the device stage wrapped in :class:`Delivered`) calls
+:meth:`DeliveryTracker.delivered` when the user receives one. Stages between the two are FIFO, so
+the oldest produced batch is the one delivered.
+
+NOTE [ Iterable resume ]: an iterable dataset has no batch plan. Each worker reads its own
+stream, and the next batch goes to the next worker in turn (torch's round robin: batch ``k`` to
+worker ``k % num_workers`` while all have data); a worker that runs dry answers "stop" for the
+batch it was given, which is skipped, and drops out of the turn. The delivered sequence is thus
+a function of the workers' streams alone, and a resume needs exactly two things:
+
+1. each worker's ``dataset.state_dict()`` as of its *last delivered* batch (batches it had
+   fetched ahead are fetched again), and
+2. whose turn is next: the worker after the one that delivered the last batch.
+
+The resumed iterator restarts each worker from its state and starts the turn at that worker. A
+worker that had run dry is restored at the end of its stream and answers "stop" at once, which
+drops it from the turn just as in the uninterrupted run. "stop" answers use batch numbers but
+never reach the user, so for iterable datasets the tracker counts delivered batches instead of
+numbering them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple, TypeVar
+
+__all__ = [
+    "Delivered",
+    "DeliveryTracker",
+    "ResumePoint",
+    "WorkerStates",
+    "numbered",
+]
+
+T = TypeVar("T")
+
+
+class ResumePoint(NamedTuple):
+    """Where the next ``__iter__`` starts: ``_resume.prepare_resume``, or ``ResumePoint(epoch)``.
+
+    Attributes:
+        epoch: the epoch to run (seeds per-sample random state; the loader's epoch counter).
+        done: batches ``0 .. done-1`` of its plan were delivered already.
+        ahead: later batch numbers delivered already (``in_order=False`` only).
+        seeked: the sampler itself starts at batch ``done`` (nothing to drop from the plan).
+        epoch_seed: the seed a ``RandomSampler`` on the global generator shuffles this epoch
+            with (NOTE [ Rewinding samplers ] in ``_order/rewind.py``); ``None``: drawn afresh.
+    """
+
+    epoch: int
+    done: int = 0
+    ahead: tuple[int, ...] = ()
+    seeked: bool = False
+    epoch_seed: int | None = None
+
+
+class WorkerStates(NamedTuple):
+    """An iterable dataset's position (NOTE [ Iterable resume ]).
+
+    Attributes:
+        states: per worker, its ``dataset.state_dict()`` as of its last delivered batch, or
+            ``None`` when it delivered none this epoch (its stream starts afresh).
+        next_worker: the worker whose turn it is to produce the next batch.
+    """
+
+    states: list[Any]
+    next_worker: int = 0
+
+
+def numbered(plan: Iterable[T], point: ResumePoint) -> Iterator[tuple[int, T]]:
+    """``(batch_number, indices)`` of the batches still to deliver in ``point.epoch``.
+
+    Unless the sampler seeked, the first ``point.done`` items of ``plan`` are drawn and dropped
+    (indices only: no data is fetched); numbers in ``point.ahead`` are dropped too. Numbers are
+    positions in the whole epoch. Raises ``ValueError`` when the plan is too short (the state
+    belongs to a different configuration).
+    """
+    iterator = iter(plan)
+    skip = 0 if point.seeked else point.done
+    for dropped in range(skip):
+        if next(iterator, _END) is _END:
+            raise ValueError(
+                f"cannot skip {skip} batches: the batch plan ended after {dropped}; the state "
+                "belongs to a loader with another dataset, batch_size or sampler"
+            )
+    excluded = set(point.ahead)
+    for number, item in enumerate(iterator, start=point.done):
+        if number not in excluded:
+            yield number, item
+
+
+_END: Any = object()
+
+
+class DeliveryTracker:
+    """Which batches of one epoch the user has received (NOTE [ Delivery tracking ]).
+
+    Args:
+        point: where the epoch starts.
+        plan: the loader's index sampler; :attr:`indices` draws from it what is still to fetch
+            (see :func:`numbered`). Loaders that slice an order themselves start at
+            ``point.done`` and skip ``point.ahead``.
+        direct: the host iterator is outermost, so a produced batch is delivered at once;
+            ``False`` when a device stage wrapped in :class:`Delivered` sits in between.
+        iterable: an iterable dataset's epoch: delivered batches are counted, whatever their
+            numbers, and the workers' positions are kept (NOTE [ Iterable resume ]).
+        resumed: the positions the epoch resumes from (iterable datasets).
+
+    Every call is O(1) amortised; out-of-order numbers (``in_order=False``) wait in a set until
+    the contiguous prefix reaches them.
+    """
+
+    def __init__(
+        self, point: ResumePoint, plan: Iterable[Any] = (), *, direct: bool = True,
+        iterable: bool = False, resumed: WorkerStates | None = None,
+    ) -> None:
+        self.point = point
+        self.epoch = point.epoch
+        self.prefix = point.done
+        self.iterable = iterable
+        self.ahead = set() if iterable else {n for n in point.ahead if n >= point.done}
+        self.direct = direct
+        self.finished = False
+        self.epoch_seed: Any = None  # an ``_rewind.EpochSeed`` for loaders that slice the
+        # order themselves (``_plan.make_plan``), set by whoever builds the tracker
+        self.worker_states: dict[int, Any] = {}
+        self.next_worker = 0
+        if resumed is not None:
+            self.worker_states = {w: s for w, s in enumerate(resumed.states) if s is not None}
+            self.next_worker = resumed.next_worker
+        self._in_flight: deque[tuple[int, Any]] = deque()
+        self._numbers: list[int] = []
+        self.indices: Iterator[Any] = self._draw(numbered(plan, point))
+        self._advance()
+
+    def _draw(self, plan: Iterator[tuple[int, Any]]) -> Iterator[Any]:
+        for number, item in plan:
+            self._numbers.append(number)
+            yield item
+
+    def produced_nth(self, k: int, worker_state: tuple[int, Any] | None = None) -> None:
+        """:meth:`produced` for the iterator's ``k``-th batch of the epoch (0-based): the
+        ``k``-th drawn from :attr:`indices`, or, for a loader that slices an order itself
+        without drawing, batch ``point.done + k``."""
+        number = self._numbers[k] if k < len(self._numbers) else self.point.done + k
+        self.produced(number, worker_state)
+
+    def produced(self, batch_number: int, worker_state: tuple[int, Any] | None = None) -> None:
+        """Host side: batch ``batch_number`` (its position in the epoch's plan) leaves the host
+        iterator, with ``(worker_id, dataset.state_dict())`` for iterable datasets."""
+        self._in_flight.append((batch_number, worker_state))
+        if self.direct:
+            self.delivered()
+
+    def delivered(self) -> None:
+        """User side: the oldest produced batch has reached the user."""
+        number, worker_state = self._in_flight.popleft()
+        if worker_state is not None:
+            worker, self.worker_states[worker] = worker_state
+            self.next_worker = worker + 1  # taken modulo num_workers by dataset_states()
+        if self.iterable or number == self.prefix:
+            self.prefix += 1
+            self._advance()
+        else:
+            self.ahead.add(number)
+
+    def host_exhausted(self) -> None:
+        """The host iterator raised ``StopIteration`` (ends the epoch only when ``direct``)."""
+        if self.direct:
+            self.finished = True
+
+    def user_exhausted(self) -> None:
+        """The user saw ``StopIteration``: the epoch is over."""
+        self.finished = True
+
+    def _advance(self) -> None:
+        while self.prefix in self.ahead:
+            self.ahead.discard(self.prefix)
+            self.prefix += 1
+
+    def position(self) -> tuple[int, int, list[int]]:
+        """``(epoch, batches_delivered, delivered_ahead)`` for the state; a finished epoch
+        reads as the start of the next one."""
+        if self.finished:
+            return self.epoch + 1, 0, []
+        return self.epoch, self.prefix, sorted(self.ahead)
+
+    def dataset_states(self, workers: int) -> WorkerStates:
+        """An iterable dataset's position over ``workers`` workers (NOTE [ Iterable resume ]);
+        all ``None`` from worker 0 once the epoch is over: the next one starts afresh."""
+        if self.finished:
+            return WorkerStates([None] * workers, 0)
+        states = [self.worker_states.get(w) for w in range(workers)]
+        return WorkerStates(states, self.next_worker % workers)
+
+
+class Delivered(Iterator[T]):
+    """Wrap the outermost iterator (e.g. the device stage) to report deliveries to a tracker.
+
+    Forwards ``len()``, ``close()`` and any other attribute to the wrapped iterator.
+    """
+
+    def __init__(self, inner: Iterator[T], tracker: DeliveryTracker) -> None:
+        self.inner = inner
+        self.tracker = tracker
+
+    def __next__(self) -> T:
+        try:
+            item = next(self.inner)
+        except StopIteration:
+            self.tracker.user_exhausted()
+            raise
+        self.tracker.delivered()
+        return item
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

@@ -1,0 +1,101 @@
+"""An epoch's batches as slices of one index tensor, for torch's stock samplers.
+
+With ``BatchSampler(SequentialSampler | RandomSampler)`` (what ``batch_size``/``shuffle``
+build), the main process draws the epoch's permutation once, exactly as torch's
+``RandomSampler`` would (same generator, same calls, same order), and workers slice it: no
+Python list of indices is built per batch in the main process and none crosses a pipe.
+gpufeed's own samplers (``_order/sampler.py``) hand over their order through ``take_epoch()``. Any
+other sampler goes through the generic path, one list of indices per batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+from .sampler import SeededRandomSampler, ShardedSampler
+
+
+class IndexPlan:
+    """Batch ``k`` is ``perm[k*batch_size : (k+1)*batch_size]`` (``perm`` None: arange)."""
+
+    def __init__(self, perm: torch.Tensor | None, n: int, batch_size: int, drop_last: bool):
+        self.perm, self.n, self.batch_size, self.drop_last = perm, n, batch_size, drop_last
+        self.n_batches = n // batch_size if drop_last else -(-n // batch_size)
+        self.finished = False  # the sampler's closing draw was made (main process only)
+
+    @property
+    def closing_pull(self) -> int:
+        """Which ``next()`` on torch's ``BatchSampler`` exhausts its sampler: the last batch's
+        when it is partial and kept (``islice`` runs into the end), else the one after it."""
+        partial = not self.drop_last and self.n % self.batch_size
+        return self.n_batches if partial else self.n_batches + 1
+
+    def batch(self, k: int) -> torch.Tensor:
+        lo = k * self.batch_size
+        hi = min(lo + self.batch_size, self.n)
+        if self.perm is None:
+            return torch.arange(lo, hi)
+        return self.perm[lo:hi]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (IndexPlan, (self.perm, self.n, self.batch_size, self.drop_last))
+
+
+def plannable(batch_sampler: Any) -> bool:
+    if type(batch_sampler) is not BatchSampler:
+        return False
+    s = batch_sampler.sampler
+    if type(s) is SequentialSampler or isinstance(s, (ShardedSampler, SeededRandomSampler)):
+        return True
+    return type(s) is RandomSampler and not s.replacement and s._num_samples is None
+
+
+def make_plan(
+    batch_sampler: BatchSampler, *, shared: bool, skip: int = 0, epoch_seed: Any = None
+) -> IndexPlan:
+    """Draw the epoch's order as the stock sampler would at its first ``next()``.
+
+    ``skip``: batches to leave out at the start (a resume; ``_resume.prepare_resume``). gpufeed's
+    samplers know it themselves, from their ``seek``. ``epoch_seed``: the tracker's
+    ``_rewind.EpochSeed`` for a ``RandomSampler`` on the global generator, which draws (and
+    records) or replays the epoch's seed (NOTE [ Rewinding samplers ]).
+    """
+    s = batch_sampler.sampler
+    bs = batch_sampler.batch_size
+    perm: torch.Tensor | None = None
+    if isinstance(s, (ShardedSampler, SeededRandomSampler)):
+        _, perm, start = s.take_epoch()
+        n = len(perm)
+    else:
+        n = len(s.data_source)  # type: ignore[attr-defined]
+        if type(s) is RandomSampler:
+            generator = epoch_seed.generator() if epoch_seed is not None else _generator(s)
+            perm = torch.randperm(n, generator=generator)
+        start = skip * bs
+        if start:
+            perm = torch.arange(n) if perm is None else perm
+    if perm is not None:
+        if start:
+            perm, n = perm[start:].clone(), n - start
+        if shared:
+            perm.share_memory_()
+    return IndexPlan(perm, n, batch_size=bs, drop_last=batch_sampler.drop_last)
+
+
+def finish_plan(batch_sampler: BatchSampler) -> None:
+    """Consume what the stock sampler consumes when it runs out (a second ``randperm``)."""
+    s = batch_sampler.sampler
+    if type(s) is RandomSampler and s.generator is not None:
+        torch.randperm(len(s.data_source), generator=s.generator)
+
+
+def _generator(s: RandomSampler) -> torch.Generator:
+    if s.generator is not None:
+        return s.generator
+    seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g

@@ -1,0 +1,273 @@
+"""Exact mid-epoch resume: the loader's bookkeeping, and setting its sampler up for a state.
+
+The pieces (each module's docstring has the details):
+
+- ``_order/state.py``: the ``state_dict()`` format, its checks, and what an iterable dataset
+provides;
+- ``_order/delivery.py``: where an epoch starts and which batches reached the user
+  (NOTE [ Delivery tracking ], NOTE [ Iterable resume ]);
+- ``_order/rewind.py``: what replays each kind of sampler's epoch (NOTE [ Rewinding samplers ]);
+- this module: :class:`Progress` (the loader's ``state_dict``/``load_state_dict``/``set_epoch``
+  and each epoch's start delegate to it) and :func:`prepare_resume` (seek or replay the sampler).
+
+The names of ``_order/state.py`` and ``_order/delivery.py`` are re-exported here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from torch.utils.data import BatchSampler, IterableDataset
+
+from .delivery import Delivered, DeliveryTracker, ResumePoint, WorkerStates, numbered
+from .rewind import (
+    EPOCH_SEED,
+    UNREWINDABLE,
+    EpochSeed,
+    draws_epoch_seed,
+    inner_sampler,
+    is_ours,
+    restore_sampler,
+    sampler_state_of,
+)
+from .state import (
+    STATE_VERSION,
+    LoaderState,
+    capture_state,
+    check_state,
+    make_state,
+    require_resumable,
+)
+
+__all__ = [
+    "STATE_VERSION",
+    "Delivered",
+    "DeliveryTracker",
+    "LoaderState",
+    "Progress",
+    "ResumePoint",
+    "WorkerStates",
+    "capture_state",
+    "check_state",
+    "inner_sampler",
+    "make_state",
+    "numbered",
+    "prepare_resume",
+    "require_resumable",
+    "sampler_state_of",
+]
+
+
+def prepare_resume(
+    state: LoaderState, *, index_sampler: Any, num_batches: int | None, iterable: bool = False
+) -> ResumePoint:
+    """Set the sampler up for ``state`` and say where the next ``__iter__`` starts.
+
+    ``index_sampler`` is the loader's ``_index_sampler`` (its batch sampler, or its sampler
+    without automatic batching). gpufeed's own samplers seek directly (the permutation is
+    regenerated, nothing is fetched). Other samplers get their epoch-start state back
+    (:func:`sampler_state_of`) and ``set_epoch`` if they have it, and the iterator draws and
+    drops ``done`` batches of indices (:func:`numbered`). Iterable datasets resume through
+    their own state (``iterable=True``). A state taken after the epoch's last batch
+    (``num_batches`` known and reached) rolls over to the start of the next epoch.
+    """
+    epoch, done, ahead = state["epoch"], state["batches_delivered"], state["delivered_ahead"]
+    if num_batches is not None:
+        if done > num_batches:
+            raise ValueError(
+                f"loader state says {done} batches of epoch {epoch} were delivered but this "
+                f"loader's epoch has only {num_batches}; resume with the same batch_size, "
+                "drop_last and sampler"
+            )
+        if done == num_batches:
+            epoch, done, ahead = epoch + 1, 0, []
+    if iterable:  # batches are counted, not numbered (NOTE [ Iterable resume ])
+        return ResumePoint(epoch, done, (), seeked=True)
+    sampler = inner_sampler(index_sampler)
+    sampler_state, epoch_seed = state["sampler_state"], None
+    if isinstance(sampler_state, dict) and UNREWINDABLE in sampler_state:
+        if done or ahead:
+            warnings.warn(
+                f"cannot resume epoch {epoch} at batch {done}: {sampler_state[UNREWINDABLE]}. "
+                "The epoch restarts from its first batch, so the batches already delivered "
+                f"({done + len(ahead)}) come again",
+                stacklevel=4,
+            )
+            done, ahead = 0, []
+        sampler_state = None
+    elif isinstance(sampler_state, dict) and EPOCH_SEED in sampler_state:
+        if epoch == state["epoch"]:  # a rolled-over state's next epoch draws its own seed
+            if not draws_epoch_seed(sampler):
+                raise ValueError(
+                    "cannot resume: the state was saved by a loader that shuffled from torch's "
+                    f"global random generator (shuffle=True without seed=), but this one orders "
+                    f"its epochs with {type(sampler).__name__}; resume with the same shuffle, "
+                    "sampler, generator and seed arguments"
+                )
+            epoch_seed = int(sampler_state[EPOCH_SEED])
+        sampler_state = None
+    point = ResumePoint(epoch, done, tuple(ahead), epoch_seed=epoch_seed)
+    restore_sampler(sampler, sampler_state)
+    if is_ours(sampler):
+        if index_sampler is sampler:
+            sampler.seek(epoch, done)
+            return point._replace(seeked=True)
+        if type(index_sampler) is BatchSampler:
+            sampler.seek(epoch, done * index_sampler.batch_size)
+            return point._replace(seeked=True)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    return point
+
+
+def _len(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
+class Progress:
+    """One loader's resume bookkeeping; the loader's ``state_dict``/``load_state_dict`` and each
+    epoch's start delegate here.
+
+    ``loader`` arguments need: ``dataset``, ``sampler``, ``batch_sampler``, ``_index_sampler``,
+    ``batch_size``, ``num_workers``, ``seed``, ``rank`` and ``world_size``.
+    """
+
+    def __init__(self) -> None:
+        self.epoch = 0  # next epoch, for samplers that do not count their own
+        self.pending: ResumePoint | None = None  # a loaded state, for the next __iter__
+        self.pending_dataset: WorkerStates | None = None
+        self.tracker: DeliveryTracker | None = None
+        self.sampler_state: Any = None  # sampler_state of the epoch in progress
+        self.warned = False  # the "cannot be rewound" warning was given
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copied loader starts its next epoch afresh: the epoch in progress stays here."""
+        state = dict(self.__dict__)
+        state["tracker"] = None
+        return state
+
+    def next_epoch(self, loader: Any) -> int:
+        sampler = inner_sampler(loader._index_sampler)
+        return int(sampler.epoch) if is_ours(sampler) else self.epoch
+
+    def set_epoch(self, loader: Any, epoch: int) -> None:
+        """``loader.set_epoch``: the epoch of the next ``__iter__`` (drops a loaded state)."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        self.pending = self.pending_dataset = None
+        sampler = inner_sampler(loader._index_sampler)
+        if is_ours(sampler):
+            sampler.set_epoch(epoch)
+        self.epoch = epoch
+
+    def begin_epoch(self, loader: Any, *, direct: bool) -> DeliveryTracker:
+        """Called once per epoch by the iterator; draw indices from ``tracker.indices``."""
+        point, self.pending = self.pending, None
+        sampler = inner_sampler(loader._index_sampler)
+        if point is not None and is_ours(sampler) and sampler.epoch != point.epoch:
+            point = None  # sampler.set_epoch() chose another epoch after the load: start it
+        if point is None:
+            point, self.pending_dataset = ResumePoint(self.next_epoch(loader)), None
+        self.epoch = point.epoch + 1
+        iterable = isinstance(loader.dataset, IterableDataset)  # no order: its stream resumes
+        self.sampler_state = None if iterable else sampler_state_of(sampler)
+        plan, epoch_seed = loader._index_sampler, None
+        if draws_epoch_seed(sampler):  # NOTE [ Rewinding samplers ], case 4
+            epoch_seed = EpochSeed(point.epoch_seed, self._record_epoch_seed)
+            plan = epoch_seed.plan(plan, sampler)
+        self.tracker = DeliveryTracker(
+            point, plan, direct=direct, iterable=iterable, resumed=self.pending_dataset,
+        )
+        self.tracker.epoch_seed = epoch_seed
+        return self.tracker
+
+    def _record_epoch_seed(self, seed: int) -> None:
+        self.sampler_state = {EPOCH_SEED: seed}
+
+    def current(self) -> DeliveryTracker:
+        """The tracker of the epoch in progress (after the iterator began it)."""
+        if self.tracker is None:
+            raise RuntimeError("no epoch has started: iterate the loader first")
+        return self.tracker
+
+    def take_dataset_states(self) -> WorkerStates | None:
+        """Where an iterable dataset's workers resume this epoch (once; after
+        :meth:`begin_epoch`): each worker's state to load, and whose turn is first."""
+        states, self.pending_dataset = self.pending_dataset, None
+        return states
+
+    def state_dict(self, loader: Any) -> LoaderState:
+        pending, tracker, sampler_state = self.pending, self.tracker, self.sampler_state
+        if pending is not None:
+            epoch, done, ahead = pending.epoch, pending.done, list(pending.ahead)
+        elif tracker is not None and not tracker.finished:
+            epoch, done, ahead = tracker.position()
+        else:  # at the start of an epoch: the sampler as it stands now starts it
+            epoch, done, ahead = tracker.position() if tracker else (self.next_epoch(loader), 0, [])
+            sampler_state = None if isinstance(loader.dataset, IterableDataset) else (
+                sampler_state_of(inner_sampler(loader._index_sampler))
+            )
+        lost = isinstance(sampler_state, dict) and UNREWINDABLE in sampler_state
+        if lost and (done or ahead) and not self.warned:  # once per loader
+            self.warned = True
+            warnings.warn(
+                f"loader.state_dict() at batch {done} of epoch {epoch} cannot be resumed "
+                f"exactly: {sampler_state[UNREWINDABLE]}. Loading this state restarts the "
+                "epoch from its first batch",
+                stacklevel=3,
+            )
+        dataset_state = None
+        if isinstance(loader.dataset, IterableDataset):
+            require_resumable(loader.dataset)
+            workers = max(loader.num_workers, 1)
+            position = WorkerStates([None] * workers)
+            if pending is not None and self.pending_dataset is not None:
+                position = self.pending_dataset
+            elif pending is None and tracker is not None:
+                position = tracker.dataset_states(workers)
+            dataset_state = {
+                "num_workers": workers, "workers": list(position.states),
+                "next_worker": position.next_worker,
+            }
+        return make_state(
+            epoch=epoch, batches_delivered=done, delivered_ahead=ahead,
+            batch_size=loader.batch_size, seed=loader.seed,
+            dataset_len=None if isinstance(loader.dataset, IterableDataset)
+            else _len(loader.dataset),
+            world_size=loader.world_size, rank=loader.rank, num_workers=loader.num_workers,
+            sampler_state=sampler_state, dataset_state=dataset_state,
+        )
+
+    def load_state_dict(self, loader: Any, state: Mapping[str, Any]) -> None:
+        iterable = isinstance(loader.dataset, IterableDataset)
+        checked = check_state(
+            state, dataset_len=None if iterable else _len(loader.dataset),
+            world_size=loader.world_size, rank=loader.rank, batch_size=loader.batch_size,
+            num_workers=loader.num_workers,
+        )
+        sampler = inner_sampler(loader._index_sampler)
+        if checked["seed"] is not None:
+            loader.seed = checked["seed"]
+            if is_ours(sampler):
+                sampler.seed = checked["seed"]
+        point = prepare_resume(
+            checked, index_sampler=loader._index_sampler,
+            num_batches=None if iterable else _len(loader._index_sampler), iterable=iterable,
+        )
+        self.pending, self.epoch, self.tracker = point, point.epoch, None
+        self.sampler_state = checked["sampler_state"]
+        if isinstance(self.sampler_state, dict) and EPOCH_SEED in self.sampler_state and (
+            point.epoch_seed is None  # rolled over: the next epoch draws its own
+        ):
+            self.sampler_state = None
+        dataset_state = checked["dataset_state"]
+        self.pending_dataset = None
+        if dataset_state is not None and point.epoch == checked["epoch"]:
+            self.pending_dataset = WorkerStates(
+                list(dataset_state["workers"]), dataset_state.get("next_worker", 0)
+            )

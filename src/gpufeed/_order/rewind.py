@@ -1,0 +1,202 @@
+"""Bringing a sampler back to a point of its epoch: what is recorded when the epoch starts, and
+how a resume replays it.
+
+NOTE [ Rewinding samplers ]: a resume must give the rest of the epoch exactly, so the state
+holds what reproduces the epoch's order (``sampler_state``), taken as the epoch starts:
+
+1. gpufeed's samplers: nothing; their order is a function of ``(seed, epoch)`` and they seek.
+2. A sampler with ``state_dict()``/``load_state_dict()``: its own state.
+3. torch's random samplers with a ``generator``: the generator's state (a list of ints).
+4. torch's ``RandomSampler`` on torch's global generator (``shuffle=True`` without ``seed=``,
+   the stock user's loader): it draws one seed per epoch from the global generator, at its
+   first index, and shuffles with a fresh generator seeded by it. gpufeed makes that draw
+   itself, with the same call at the same moment (so the order stays the stock one, bit for
+   bit), hands the sampler a generator seeded by it, and records ``{"epoch_seed": seed}``; a
+   resume shuffles from that seed again (:class:`EpochSeed`). Later epochs draw afresh, as in
+   torch: the resumed run's global generator decides them.
+5. Samplers whose order is fixed or a function of the epoch (``SequentialSampler``, a list or
+   range of indices, ``DistributedSampler``, anything with ``set_epoch``): nothing; the resume
+   calls ``set_epoch`` and draws and drops the delivered batches' indices.
+6. Anything else cannot be rewound: a user sampler of unknown order, ``SubsetRandomSampler`` or
+   ``WeightedRandomSampler`` drawing straight from the global generator. ``state_dict()`` still
+   succeeds (a loader that iterates can always be checkpointed): ``sampler_state`` is
+   ``{"unrewindable": reason}``, and the loader warns once. Loading such a mid-epoch state
+   restarts that epoch from its first batch, with a warning that says so and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+from torch.utils.data.distributed import DistributedSampler
+
+from .sampler import SeededRandomSampler, ShardedSampler
+
+__all__ = [
+    "EPOCH_SEED",
+    "UNREWINDABLE",
+    "EpochSeed",
+    "draws_epoch_seed",
+    "inner_sampler",
+    "is_ours",
+    "rank_bound",
+    "restore_sampler",
+    "sampler_state_of",
+    "unrewindable_reason",
+]
+
+EPOCH_SEED = "epoch_seed"
+UNREWINDABLE = "unrewindable"
+_STOCK_RANDOM = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+_FIXED_ORDER = (SequentialSampler, DistributedSampler, range, Sequence)
+
+
+def inner_sampler(index_sampler: Any) -> Any:
+    """The sampler that orders an epoch: a ``BatchSampler``'s sampler, else the object itself."""
+    return index_sampler.sampler if isinstance(index_sampler, BatchSampler) else index_sampler
+
+
+def is_ours(sampler: Any) -> bool:
+    return isinstance(sampler, (ShardedSampler, SeededRandomSampler))
+
+
+def draws_epoch_seed(sampler: Any) -> bool:
+    """Case 4 of NOTE [ Rewinding samplers ]: torch's own ``RandomSampler.__iter__`` on the
+    global generator."""
+    return (
+        isinstance(sampler, RandomSampler)
+        and not is_ours(sampler)
+        and type(sampler).__iter__ is RandomSampler.__iter__
+        and sampler.generator is None
+    )
+
+
+def unrewindable_reason(sampler: Any) -> str | None:
+    """Why ``sampler``'s epoch cannot be replayed (case 6), or ``None`` when it can."""
+    if is_ours(sampler) or callable(getattr(sampler, "state_dict", None)):
+        return None
+    name = type(sampler).__name__
+    if isinstance(sampler, _STOCK_RANDOM):
+        if sampler.generator is not None or draws_epoch_seed(sampler):
+            return None
+        return (
+            f"its {name} draws its order from torch's global random generator, whose state at "
+            "the epoch's start was not saved; pass the DataLoader seed=<int> (or a sampler "
+            "with generator=torch.Generator().manual_seed(<int>))"
+        )
+    if isinstance(sampler, _FIXED_ORDER) or callable(getattr(sampler, "set_epoch", None)):
+        return None
+    return (
+        f"its sampler {name} has no state_dict()/load_state_dict() (nor set_epoch), so gpufeed "
+        "cannot know that it repeats its order; give it those methods, or use shuffle=True "
+        "with seed=<int>"
+    )
+
+
+def sampler_state_of(sampler: Any) -> Any:
+    """What restores ``sampler`` to the start of an epoch; take it when the epoch starts.
+
+    ``None`` for cases 1, 4 (its seed is recorded at its first draw) and 5 of NOTE [ Rewinding
+    samplers ]; the sampler's own state (2); ``{"generator_state": [...]}`` (3);
+    ``{"unrewindable": reason}`` (6).
+    """
+    if is_ours(sampler):
+        return None
+    state_dict = getattr(sampler, "state_dict", None)
+    if callable(state_dict):
+        return state_dict()
+    if isinstance(sampler, _STOCK_RANDOM) and sampler.generator is not None:
+        return {"generator_state": sampler.generator.get_state().tolist()}
+    reason = unrewindable_reason(sampler)
+    return None if reason is None else {UNREWINDABLE: reason}
+
+
+def restore_sampler(sampler: Any, state: Any) -> None:
+    """Put ``sampler`` back where :func:`sampler_state_of` found it (cases 2 and 3)."""
+    if state is None or _marker(state):
+        return
+    if isinstance(sampler, _STOCK_RANDOM) and isinstance(state, dict) and (
+        sampler.generator is not None and "generator_state" in state
+    ):
+        sampler.generator.set_state(torch.tensor(state["generator_state"], dtype=torch.uint8))
+    elif hasattr(sampler, "load_state_dict"):
+        sampler.load_state_dict(state)
+
+
+def _marker(state: Any) -> bool:
+    return isinstance(state, dict) and len(state) == 1 and (
+        EPOCH_SEED in state or UNREWINDABLE in state
+    )
+
+
+def rank_bound(state: Any) -> str | None:
+    """Why a loader state saved on one rank cannot be loaded on another, or ``None``.
+
+    A map-style loader whose order is a function of ``(seed, epoch)`` (gpufeed's samplers,
+    ``DistributedSampler``) is at the same batch count on every rank of a DDP job, so one
+    rank's state serves all (frameworks save rank 0's only).
+    """
+    if state.get("dataset_state") is not None:
+        return "it holds an iterable dataset's per-worker stream positions, which differ per rank"
+    if state.get("delivered_ahead"):
+        return "it lists batches delivered out of order (in_order=False), which differ per rank"
+    sampler_state = state.get("sampler_state")
+    if isinstance(sampler_state, dict) and EPOCH_SEED in sampler_state:
+        return (
+            "it holds the shuffle seed this rank drew from torch's global random generator "
+            "(shuffle=True without seed=); pass seed=<int>, the same on every rank"
+        )
+    if sampler_state is not None and not (
+        isinstance(sampler_state, dict) and UNREWINDABLE in sampler_state
+    ):
+        return "it holds the sampler's own state (or its generator's), which may differ per rank"
+    return None
+
+
+class EpochSeed:
+    """The seed of one epoch of a ``RandomSampler`` on the global generator (case 4).
+
+    Args:
+        replay: the seed to shuffle with (a resume), or ``None`` to draw it as torch would.
+        record: called with the seed, once, when it is drawn or replayed.
+    """
+
+    def __init__(self, replay: int | None, record: Callable[[int], None]) -> None:
+        self.replay = replay
+        self.record = record
+
+    def generator(self) -> torch.Generator:
+        """A generator seeded as ``RandomSampler.__iter__`` seeds its own: call it where the
+        sampler would draw (its first index)."""
+        seed = self.replay
+        if seed is None:
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        self.record(seed)
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        return generator
+
+    def plan(self, index_sampler: Iterable[Any], sampler: RandomSampler) -> Iterator[Any]:
+        """Iterate ``index_sampler`` with ``sampler`` shuffling from this epoch's seed."""
+        iterator = iter(index_sampler)  # generators: nothing is drawn yet
+        sampler.generator = self.generator()
+        try:
+            first = next(iterator, _END)  # RandomSampler.__iter__ reads .generator here, once
+        finally:
+            sampler.generator = None
+        if first is _END:
+            return
+        yield first
+        yield from iterator
+
+
+_END: Any = object()

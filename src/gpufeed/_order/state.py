@@ -1,0 +1,228 @@
+"""The loader's ``state_dict()``: its format, its checks against the loader that loads it, and
+what an iterable dataset must provide to be resumed.
+
+The state counts batches *delivered to the user*, never those fetched or prefetched, so a resume
+continues with exactly the next batch the user would have seen, whatever ``num_workers``,
+``worker_type`` or prefetch depth either run used. It is a dict of plain Python values, so
+``torch.save`` / ``torch.load(weights_only=True)`` round-trip it::
+
+    {"version": 1,
+     "epoch": 3,                 # epoch in progress (the next one if the last was exhausted)
+     "batches_delivered": 17,    # batches 0..16 of that epoch's plan were handed to the user
+                                 # (iterable datasets: how many batches were handed out)
+     "delivered_ahead": [19],    # later batch numbers already handed out (in_order=False only)
+     "batch_size": 8,            # None without automatic batching
+     "seed": 1234,               # base seed of shuffles and per-sample random state
+     "dataset_len": 1000,        # None for iterable datasets
+     "world_size": 2, "rank": 0,
+     "num_workers": 2,           # only binding for iterable datasets (their shards depend on it)
+     "sampler_state": None,      # what replays the epoch's order: a sampler's own state_dict(),
+                                 # {"generator_state": [...]}, {"epoch_seed": S} or
+                                 # {"unrewindable": why} (NOTE [ Rewinding samplers ],
+                                 # _order/rewind.py)
+     "dataset_state": None}      # iterable datasets, see below
+
+``dataset_state`` of an iterable dataset: ``{"num_workers": W, "workers": [state | None] * W,
+"next_worker": w}``; ``workers[i]`` is worker ``i``'s ``dataset.state_dict()`` as of its last
+delivered batch (``None``: it delivered none this epoch and starts its stream afresh), and
+``next_worker`` is the worker the next batch goes to (NOTE [ Iterable resume ] in
+``_order/delivery.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from typing import Any, TypedDict
+
+from torch.utils.data import IterableDataset
+
+from .rewind import rank_bound
+
+__all__ = [
+    "STATE_VERSION",
+    "LoaderState",
+    "capture_state",
+    "check_state",
+    "make_state",
+    "require_resumable",
+]
+
+STATE_VERSION = 1
+
+
+class LoaderState(TypedDict):
+    """The loader's ``state_dict()`` (see the module docstring for each field)."""
+
+    version: int
+    epoch: int
+    batches_delivered: int
+    delivered_ahead: list[int]
+    batch_size: int | None
+    seed: int | None
+    dataset_len: int | None
+    world_size: int
+    rank: int
+    num_workers: int
+    sampler_state: Any
+    dataset_state: Any
+
+
+def make_state(
+    *,
+    epoch: int,
+    batches_delivered: int,
+    delivered_ahead: Iterable[int] = (),
+    batch_size: int | None,
+    seed: int | None,
+    dataset_len: int | None,
+    world_size: int,
+    rank: int,
+    num_workers: int,
+    sampler_state: Any = None,
+    dataset_state: Any = None,
+) -> LoaderState:
+    """Build a state dict of plain Python values."""
+    return {
+        "version": STATE_VERSION,
+        "epoch": int(epoch),
+        "batches_delivered": int(batches_delivered),
+        "delivered_ahead": sorted(int(n) for n in delivered_ahead),
+        "batch_size": batch_size,
+        "seed": seed,
+        "dataset_len": dataset_len,
+        "world_size": int(world_size),
+        "rank": int(rank),
+        "num_workers": int(num_workers),
+        "sampler_state": sampler_state,
+        "dataset_state": dataset_state,
+    }
+
+
+def _mismatch(key: str, saved: Any, now: Any, fix: str) -> ValueError:
+    return ValueError(
+        f"cannot resume: the state was saved with {key}={saved!r} but this loader has "
+        f"{key}={now!r}; {fix}"
+    )
+
+
+def check_state(
+    state: Mapping[str, Any],
+    *,
+    dataset_len: int | None,
+    world_size: int,
+    rank: int,
+    batch_size: int | None,
+    num_workers: int,
+) -> LoaderState:
+    """Validate a state against the loader that loads it; return it as a :class:`LoaderState`.
+
+    Raises ``ValueError`` naming the saved and the current value when the version, dataset
+    length, world size or batch size differ (and ``num_workers`` for iterable datasets,
+    whose shards depend on it): resuming across those would silently mix up samples. Another
+    rank's state loads when it does not depend on the rank (``_rewind.rank_bound``: a map-style
+    loader ordered by ``(seed, epoch)``, as frameworks save rank 0's state only); otherwise
+    the error names why it does.
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a dict from loader.state_dict(), got {type(state)!r}")
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(
+            f"unsupported loader state version {state.get('version')!r} (this gpufeed reads "
+            f"version {STATE_VERSION}); pass a dict made by gpufeed's loader.state_dict()"
+        )
+    missing = sorted(set(LoaderState.__annotations__) - set(state))
+    if missing:
+        raise ValueError(f"loader state is missing keys {missing}; was it edited or truncated?")
+    for key in ("epoch", "batches_delivered"):
+        if not isinstance(state[key], int) or state[key] < 0:
+            raise ValueError(f"loader state {key} must be an int >= 0, got {state[key]!r}")
+    fix = "resume with the same dataset and loader settings, or start without the state"
+    if state["dataset_len"] != dataset_len:
+        raise _mismatch("dataset_len", state["dataset_len"], dataset_len, fix)
+    if state["world_size"] != world_size:
+        raise _mismatch(
+            "world_size", state["world_size"], world_size,
+            "launch the same number of ranks (each rank loads the state it saved)",
+        )
+    if state["rank"] != rank and (reason := rank_bound(state)) is not None:
+        raise ValueError(
+            f"cannot resume: this loader is rank {rank} but the state was saved by rank "
+            f"{state['rank']}, and {reason}; save loader.state_dict() on every rank and load "
+            "each rank's own (only map-style loaders ordered by seed=<int> share one state)"
+        )
+    if state["batch_size"] != batch_size:
+        raise _mismatch("batch_size", state["batch_size"], batch_size, fix)
+    if state["dataset_state"] is not None:
+        if state["num_workers"] != num_workers:
+            raise _mismatch(
+                "num_workers", state["num_workers"], num_workers,
+                "an iterable dataset is sharded per worker, so resume it with the same "
+                "num_workers",
+            )
+        _check_dataset_state(state["dataset_state"])
+    return dict(state)  # type: ignore[return-value]
+
+
+def _check_dataset_state(dataset_state: Any) -> None:
+    workers = dataset_state.get("workers") if isinstance(dataset_state, Mapping) else None
+    count = dataset_state.get("num_workers") if isinstance(dataset_state, Mapping) else None
+    if not isinstance(workers, list) or not isinstance(count, int) or len(workers) != count:
+        raise ValueError(
+            "loader state dataset_state must be {'num_workers': W, 'workers': [W states], "
+            f"'next_worker': w}}, got {dataset_state!r}; was it edited or truncated?"
+        )
+    nxt = dataset_state.get("next_worker", 0)  # states saved before it existed: worker 0
+    if not isinstance(nxt, int) or not 0 <= nxt < count:
+        raise ValueError(
+            f"loader state dataset_state next_worker must be an int in [0, {count - 1}], "
+            f"got {nxt!r}"
+        )
+
+
+def require_resumable(dataset: Any) -> None:
+    """Raise ``TypeError`` naming the class when an iterable dataset has no ``state_dict`` and
+    ``load_state_dict``: gpufeed cannot know where such a stream stood."""
+    if isinstance(dataset, IterableDataset) and not (
+        stateful(dataset) and hasattr(dataset, "load_state_dict")
+    ):
+        raise TypeError(
+            f"cannot save the position of {type(dataset).__name__}: an IterableDataset is resumed "
+            "through its own state_dict() and load_state_dict(state) methods, which it lacks "
+            "(or its state_dict needs arguments, as litdata's, made for its own loader); "
+            "add them (returning plain Python values), or use a map-style Dataset"
+        )
+
+
+def capture_state(dataset: Any) -> Any:
+    """Worker side, after each batch: the iterable dataset's ``state_dict()``, else ``None``.
+
+    It runs once per batch, so a dataset's ``state_dict`` must be cheap (a few counters). Thread
+    workers each iterate a shallow copy of the dataset (NOTE [ Iterable datasets in thread
+    workers ] in ``_host/fetch.py``): state kept in attributes rebound per worker is the worker's
+    own; state kept in a nested object mutated in place is shared and must be kept per worker (keyed
+    by ``get_worker_info().id``), with ``load_state_dict`` (called in each worker with that
+    worker's state) setting only the calling worker's. Process workers have their own copy.
+    """
+    if isinstance(dataset, IterableDataset) and stateful(dataset):
+        return dataset.state_dict()  # type: ignore[attr-defined]
+    return None
+
+
+_STATEFUL: dict[type, bool] = {}
+
+
+def stateful(dataset: Any) -> bool:
+    """Whether ``dataset.state_dict()`` can be called without arguments (cached per class)."""
+    cls = type(dataset)
+    known = _STATEFUL.get(cls)
+    if known is None:
+        method = getattr(dataset, "state_dict", None)
+        try:
+            known = method is not None and (inspect.signature(method).bind() is not None)
+        except TypeError:  # required arguments
+            known = False
+        except ValueError:  # no signature (a builtin): assume the protocol
+            known = True
+        _STATEFUL[cls] = known
+    return known

@@ -1,0 +1,1 @@
+"""Floor 2: datasets that read a whole batch per call."""

@@ -1,0 +1,287 @@
+"""Hugging Face ``datasets.Dataset`` and ``pyarrow.Table``: a batch from one ``take``.
+
+NOTE [ Arrow batches ]: the stock loader turns each row into Python objects (a dict of lists,
+ints and strings), then ``default_collate`` turns them back into tensors. Here a batch is one
+``take`` of its rows from the Arrow table; each numeric column (and each list column whose rows
+have one length) becomes one numpy array written straight into the slot, strings a list of
+``str``. What the stock path makes of a column depends on the dataset's format (``None``:
+a list column becomes a *list* of per-position tensors, float64; ``"numpy"``: float64 scalars
+become float32; ...), so for a ``datasets.Dataset`` the first batch is also fetched the stock
+way on two rows and each column's fast result is checked against it, dtype and layout
+included; a column that does not match exactly (nested features, images, nulls, a custom
+transform) sends every batch down the stock path. A batch whose list rows differ in length
+also goes the stock way (which raises as the stock loader does). A ``pyarrow.Table`` has no
+stock meaning: its batch is ``{column: tensor}`` in Arrow's own dtypes (lists of one length:
+``(B, L)``), strings and other columns as lists of Python values.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from .arrays import torch_dtype
+from .protocol import index_array, require
+
+_FAST_FORMATS = (None, "numpy", "torch", "np", "pt")
+
+
+def arrow_source(dataset: Any) -> Any:
+    """An :class:`ArrowSource` for a ``datasets.Dataset`` or ``pyarrow.Table``, else None."""
+    hf = sys.modules.get("datasets")
+    if hf is not None and isinstance(dataset, hf.Dataset):
+        fmt = dataset.format
+        if fmt.get("type") not in _FAST_FORMATS or fmt.get("output_all_columns"):
+            return None
+        return ArrowSource(dataset, hf=True)
+    pa = sys.modules.get("pyarrow")
+    if pa is not None and isinstance(dataset, pa.Table):
+        return ArrowSource(dataset, hf=False)
+    return None
+
+
+class ArrowSource:
+    """Reads a batch of rows with one ``take`` (NOTE [ Arrow batches ])."""
+
+    def __init__(self, dataset: Any, *, hf: bool) -> None:
+        self.dataset = dataset
+        self.hf = hf
+        self.table = dataset.with_format(
+            "arrow", columns=dataset.format.get("columns")) if hf else dataset
+        self.plan: dict[str, Any] | None = None if hf else {}  # name -> ("tensor"|"columns", dtype)
+        self.stock_only = False
+        self.raw = _raw_table(dataset) if hf else None
+
+    def _rows(self, idx: np.ndarray) -> Any:
+        if self.raw is not None:  # the Arrow table itself: a fifth of the cost of __getitem__
+            table, mapping = self.raw
+            return table.take(idx if mapping is None else mapping.take(idx))
+        return self.table[idx.tolist()] if self.hf else self.table.take(idx)
+
+    def gpufeed_samples(self, indices: Sequence[int], *, seed: int | None, epoch: int) -> Any:
+        idx = index_array(indices)
+        if self.hf:
+            return self.dataset.__getitems__(idx.tolist())
+        return self._rows(idx).to_pylist()
+
+    def gpufeed_batch(self, indices: Sequence[int], *, seed: int | None, epoch: int,
+                      alloc: Any) -> Any:
+        idx = index_array(indices)
+        if self.plan is None:
+            self.plan = self._calibrate(idx[:2])
+        if self.stock_only:
+            return default_collate(self.dataset.__getitems__(idx.tolist()))
+        rows = self._rows(idx)
+        out: dict[str, Any] = {}
+        for name in rows.column_names:
+            value = _column(rows.column(name), self.plan.get(name), alloc)
+            if value is None:  # rows of different lengths, or nulls: the stock path decides
+                if not self.hf:
+                    out[name] = rows.column(name).to_pylist()
+                    continue
+                return default_collate(self.dataset.__getitems__(idx.tolist()))
+            out[name] = value
+        return out
+
+    def _calibrate(self, probe: np.ndarray) -> dict[str, Any]:
+        """Per column: how the stock path lays it out; a mismatch sends batches the stock way."""
+        want = default_collate(self.dataset.__getitems__(probe.tolist()))
+        rows = self._rows(probe)
+        plan: dict[str, Any] = {}
+        if not isinstance(want, dict) or list(want) != rows.column_names:
+            self.stock_only = True
+            return plan
+        for name in rows.column_names:
+            stock = want[name]
+            if isinstance(stock, torch.Tensor):
+                plan[name] = ("tensor", stock.dtype)
+            elif isinstance(stock, list) and stock and all(
+                    isinstance(t, torch.Tensor) and t.dim() == 1 for t in stock):
+                plan[name] = ("columns", stock[0].dtype)
+            elif isinstance(stock, list) and all(isinstance(s, str) for s in stock):
+                plan[name] = ("str", None)
+            else:
+                self.stock_only = True
+                return plan
+            got = _column(rows.column(name), plan[name], None)
+            if got is None or not _same(stock, got):
+                self.stock_only = True
+                return plan
+        return plan
+
+
+def _raw_table(dataset: Any) -> tuple[Any, Any] | None:
+    """(the format's columns of the dataset's Arrow table, its row mapping or None), when the
+    dataset exposes them as ``datasets`` 2.x-5.x does (``data.table``, ``_indices``); else None
+    (reads go through ``__getitem__``). Batches read this way are still checked against the
+    stock path on the first batch (``_calibrate``)."""
+    import pyarrow as pa
+
+    table = getattr(getattr(dataset, "data", None), "table", None)
+    indices = getattr(dataset, "_indices", None)
+    if not isinstance(table, pa.Table):
+        return None
+    mapping = None
+    if indices is not None:
+        inner = getattr(indices, "table", None)
+        if not isinstance(inner, pa.Table) or inner.num_columns != 1:
+            return None
+        mapping = inner.column(0)
+    columns = dataset.format.get("columns") or table.column_names
+    try:
+        return table.select(list(columns)), mapping
+    except (KeyError, ValueError, pa.ArrowInvalid):
+        return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape \
+            and bool(torch.equal(a, b))
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(
+            _same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, str):  # numpy's str_ is a str: equal, and what users compare
+        return isinstance(b, str) and a == b
+    return bool(type(a) is type(b) and a == b)
+
+
+def _column(col: Any, plan: Any, alloc: Any) -> Any:
+    """One column of a batch, as ``plan`` says; None when it cannot be done without objects."""
+    import pyarrow as pa
+
+    kind, dtype = plan if plan is not None else (None, None)
+    if kind == "str" or (kind is None and pa.types.is_string(col.type)):
+        return [str(s) for s in col.to_pylist()] if col.null_count == 0 else None
+    if col.null_count:
+        return None
+    typ = col.type
+    if pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_boolean(typ):
+        arr = col.to_numpy()
+    elif (pa.types.is_list(typ) or pa.types.is_large_list(typ)
+          or pa.types.is_fixed_size_list(typ)) and _numeric(typ.value_type):
+        flat = col.combine_chunks()
+        lengths = pa.compute.list_value_length(flat).to_numpy(zero_copy_only=False)
+        if len(lengths) and (lengths != lengths[0]).any():
+            return None
+        values = flat.flatten()
+        if values.null_count:
+            return None
+        arr = values.to_numpy(zero_copy_only=False).reshape(len(col), -1)
+    else:
+        return None if plan is not None else col.to_pylist()
+    if dtype is None:
+        dtype = torch_dtype(arr.dtype)
+    if kind == "columns":
+        if arr.ndim != 2:
+            return None
+        dst = _alloc(alloc, (arr.shape[1], arr.shape[0]), dtype)
+        np.copyto(dst.numpy(), arr.T, casting="unsafe")
+        return list(dst)
+    dst = _alloc(alloc, arr.shape, dtype)
+    np.copyto(dst.numpy(), arr, casting="unsafe")
+    return dst
+
+
+def _numeric(typ: Any) -> bool:
+    import pyarrow as pa
+
+    return bool(pa.types.is_integer(typ) or pa.types.is_floating(typ)
+                or pa.types.is_boolean(typ))
+
+
+def _alloc(alloc: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype) if alloc is None else alloc(tuple(shape), dtype)
+
+
+class ArrowDataset(Dataset[Any]):
+    """A ``datasets.Dataset`` or ``pyarrow.Table`` whose variable-length list columns are
+    padded per batch.
+
+    ``dataset[i]`` and a user's ``collate_fn`` see the rows as the data gives them. With the
+    default collate, each column named in ``pad`` comes as a ``(B, longest row in the batch)``
+    tensor filled with its pad value, plus ``"<name>_length"`` (int64 row lengths), after the
+    other columns, which are batched as ``gpufeed.DataLoader(data)`` batches them (NOTE [ Arrow
+    batches ]). Needs ``pip install 'gpufeed[arrow]'``.
+
+    Args:
+        data: a ``datasets.Dataset`` (format none, numpy or torch) or a ``pyarrow.Table``.
+        pad: ``{column: pad value}`` for list-of-number columns, e.g. ``{"input_ids": 0}``.
+    """
+
+    def __init__(self, data: Any, *, pad: dict[str, Any] | None = None) -> None:
+        pa = require("pyarrow", "gpufeed.ArrowDataset")
+        self.data = data
+        self.pad = dict(pad or {})
+        hf = sys.modules.get("datasets")
+        self.hf = hf is not None and isinstance(data, hf.Dataset)
+        if not self.hf and not isinstance(data, pa.Table):
+            raise TypeError(f"ArrowDataset takes a datasets.Dataset or a pyarrow.Table, got "
+                            f"{type(data).__name__}")
+        names = data.column_names
+        missing = [c for c in self.pad if c not in names]
+        if missing:
+            raise ValueError(f"pad names columns {missing} that the data lacks; it has {names}")
+        for c in self.pad:
+            typ = (data.data if self.hf else data).schema.field(c).type
+            if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)) \
+                    or not _numeric(typ.value_type):
+                raise TypeError(f"pad column {c!r} is {typ}, not a list of numbers")
+        if self.hf:
+            self._rest = data.remove_columns(list(self.pad)) if self.pad else data
+            self._padded = data.with_format("arrow", columns=list(self.pad))
+        else:
+            self._rest = data.drop_columns(list(self.pad))
+            self._padded = data.select(list(self.pad))
+        self._source: ArrowSource | None = None
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.gpufeed_samples([index], seed=None, epoch=0)[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        return self.gpufeed_samples(indices, seed=None, epoch=0)
+
+    def gpufeed_samples(self, indices: Sequence[int], *, seed: int | None, epoch: int) -> Any:
+        idx = index_array(indices)
+        if self.hf:
+            return self.data.__getitems__(idx.tolist())
+        return self.data.take(idx).to_pylist()
+
+    def gpufeed_batch(self, indices: Sequence[int], *, seed: int | None, epoch: int,
+                      alloc: Any) -> Any:
+        idx = index_array(indices)
+        if self._source is None:
+            self._source = ArrowSource(self._rest, hf=self.hf)
+        out = dict(self._source.gpufeed_batch(indices, seed=seed, epoch=epoch, alloc=alloc)) \
+            if self._rest.num_columns else {}
+        rows = self._padded[idx.tolist()] if self.hf else self._padded.take(idx)
+        for name, value in self.pad.items():
+            col = rows.column(name).combine_chunks()
+            lengths = pa_lengths(col)
+            flat = col.flatten().to_numpy(zero_copy_only=False)
+            width = int(lengths.max()) if len(lengths) else 0
+            dst = _alloc(alloc, (len(idx), width), torch_dtype(flat.dtype))
+            arr = dst.numpy()
+            arr.fill(value)
+            starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+            arr[np.repeat(np.arange(len(idx)), lengths), np.arange(len(flat)) - starts] = flat
+            n = _alloc(alloc, (len(idx),), torch.int64)
+            n.numpy()[:] = lengths
+            out[name], out[f"{name}_length"] = dst, n
+        return out
+
+
+def pa_lengths(col: Any) -> np.ndarray:
+    """Row lengths of a list array (null rows count as empty)."""
+    import pyarrow as pa
+
+    return np.asarray(pa.compute.fill_null(pa.compute.list_value_length(col), 0)
+                      .to_numpy(zero_copy_only=False), dtype=np.int64)

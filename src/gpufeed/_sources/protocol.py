@@ -1,0 +1,77 @@
+"""Batch sources: datasets that read a whole batch per call, and optional dependencies.
+
+NOTE [ Batch sources ]: a map-style dataset may read a batch faster than sample by sample
+(one decode loop writing into the slot, one ``take`` of Arrow rows, one sorted HDF5 read).
+:func:`batch_source` finds the object that does it for a dataset: the dataset itself when it
+has the two methods below (``ImageFolder``, ``HDF5Dataset``), a wrapper for a Hugging Face
+``datasets.Dataset`` or a ``pyarrow.Table`` (``_sources/arrow.py``), else None (the usual paths of
+``_host/fetch.py``). The fetcher then calls, once per batch:
+
+- ``gpufeed_batch(indices, *, seed, epoch, alloc)`` with the default collate function: the
+  batch as ``default_collate`` would make it from the samples, its tensors taken from
+  ``alloc(shape, dtype)`` (memory in the slot ring);
+- ``gpufeed_samples(indices, *, seed, epoch)`` with a user's ``collate_fn``: the samples, as
+  ``[dataset[i] for i in indices]`` would give them.
+
+``seed`` is the loader's per-sample seed, or None without one (``deterministic=False``):
+a source with random transforms then draws from torch's global generator, as a stock worker
+would. Random choices come from ``sample_seed(seed, epoch, index)`` per sample, so they do not
+depend on the batch, the worker, or its kind; sources hold no global lock while they read, so
+thread workers overlap (unlike ``__getitem__`` seeding, NOTE [ Seeding and threads ]).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._order.seeding import sample_seed
+
+EXTRAS = {
+    "simplejpeg": "image", "PIL": "image", "pyarrow": "arrow", "datasets": "arrow",
+    "h5py": "hdf5",
+}
+
+
+def require(module: str, what: str) -> Any:
+    """Import ``module`` or raise ImportError naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        extra = EXTRAS[module.split(".")[0]]
+        raise ImportError(
+            f"{what} needs the {module.split('.')[0]!r} package: pip install 'gpufeed[{extra}]'"
+        ) from exc
+
+
+def batch_source(dataset: Any) -> Any:
+    """The object that reads ``dataset``'s batches in one call, or None (NOTE above)."""
+    if hasattr(type(dataset), "gpufeed_batch"):
+        return dataset
+    if "pyarrow" in sys.modules or "datasets" in sys.modules:  # never import them ourselves
+        from .arrow import arrow_source
+
+        return arrow_source(dataset)
+    return None
+
+
+def sample_seeds(indices: Sequence[int] | np.ndarray, seed: int | None, epoch: int) -> list[int]:
+    """One 64-bit seed per sample: from ``(seed, epoch, index)``, else from torch's generator."""
+    if seed is None:
+        return torch.randint(0, 2**62, (len(indices),), dtype=torch.int64).tolist()
+    return [sample_seed(seed, epoch, int(i)) for i in indices]
+
+
+def index_array(indices: Any) -> np.ndarray:
+    """A batch's indices as a flat int64 array."""
+    if isinstance(indices, torch.Tensor):
+        indices = indices.numpy()
+    idx = np.asarray(indices, dtype=np.int64)
+    if idx.ndim != 1:
+        raise TypeError(f"batch indices must be a flat sequence of ints, got shape {idx.shape}")
+    return idx

@@ -1,0 +1,1 @@
+"""Floor 7: measuring and advising (measure, profile, tune, doctor, bench)."""

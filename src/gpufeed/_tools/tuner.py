@@ -1,0 +1,366 @@
+"""Tuner: measure short trials of loader settings and recommend the smallest good one.
+
+Search (each trial is ``runs`` passes of about ``trial_seconds``, see ``_tools/trial.py`` and NOTE
+[ Repeated measurement ] in ``_tools/repeat.py``):
+
+1. ``num_workers=0`` once, then for each worker type the worker ladder 1, 2, 4, ... (up to
+   twice the usable CPUs, since threads blocked on I/O or in GIL-free code can outnumber cores).
+   A type's ladder stops as soon as more workers stop helping (the new trial is within the
+   noise of that type's best: their ranges overlap, or it gains less than ``tolerance``) or a
+   trial goes over the memory budget (more workers only cost more).
+2. Around the fastest trial: the other prefetch factors (None: the loader's default, which
+   in gpufeed adapts to cheap batches), and ``pin_memory=True`` when CUDA is
+   available (without a GPU pinning only costs).
+
+Memory per trial: peak PSS of the process tree (shared and pinned pages that are mapped count
+once, proportionally), growth of /dev/shm use, and pinned host bytes (CUDA only). A trial over
+any part of the :class:`Budget` is rejected.
+
+NOTE [ The recommendation ]: the fastest accepted trial (highest median) is the *best*; a trial
+is *within the noise* of it when their ranges of runs overlap or its median is within
+``tolerance`` of the best's. The recommendation is the *smallest* accepted trial within the
+noise (fewest workers, then the default or lowest prefetch, no pinning, least memory): extra
+workers that buy nothing measurable cost RAM and CPU the training needs. On a GIL-bound
+dataset thread workers stay at one core's speed while process workers scale to the cores, so
+process workers equal to the core count come out best and more add nothing: the rule picks them.
+With a ``step`` the rate is the training loop's, so configurations that keep up with the step
+are all within the noise of the best and the smallest of them wins.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from .._base.stats import format_table, human_bytes
+from . import measure as _measure
+from .repeat import LoadMonitor, MachineLoad, spreads_text
+from .trial import Trial, _kwargs_text, run_trial
+
+__all__ = ["Budget", "Trial", "TuneResult", "choose", "parse_bytes", "require_matplotlib", "tune",
+           "within_noise"]
+
+log = logging.getLogger(__name__)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Bytes from an int or a string such as "512MiB", "8GB" or "1.5g" (k/m/g are powers of 10)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"cannot read {value!r} as a size in bytes; write e.g. 8GiB, 512MB or "
+                         "an int of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def require_matplotlib() -> Any:
+    """Import matplotlib (non-interactive backend) or say how to install it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("plots need matplotlib: pip install 'gpufeed[plot]' "
+                          "(or leave out --plot)") from exc
+    return plt
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Limits a trial must stay within; None means "no limit".
+
+    Fields:
+        memory_bytes: peak PSS of the process tree (this process and its workers).
+        shm_bytes: growth of /dev/shm use during the trial.
+        pinned_bytes: page-locked host memory (CUDA only).
+    """
+
+    memory_bytes: int | None = None
+    shm_bytes: int | None = None
+    pinned_bytes: int | None = None
+
+    @classmethod
+    def default(cls) -> Budget:
+        """80% of what this machine can give now: available RAM plus this tree's PSS, and free
+        /dev/shm."""
+        free_shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
+        mem = psutil.virtual_memory().available + _measure.process_tree_pss()
+        return cls(memory_bytes=int(0.8 * mem),
+                   shm_bytes=int(0.8 * free_shm) if free_shm is not None else None)
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The measured table and the recommendation.
+
+    Fields:
+        trials: every trial in the order run, rejected ones included.
+        recommended: DataLoader keyword arguments of ``chosen``, ready to paste.
+        chosen: the smallest accepted trial within ``tolerance`` of ``best``.
+        best: the fastest accepted trial.
+        tolerance: the fraction used (0.05 = within 5%).
+        budget: the limits the trials were held to.
+        elapsed_s: wall time of the whole search.
+        out_of_time: True when ``time_budget_s`` cut the search short.
+        machine: what other processes did meanwhile (``machine.busy``: the figures are noisy).
+    """
+
+    trials: tuple[Trial, ...]
+    recommended: dict[str, Any]
+    chosen: Trial
+    best: Trial
+    tolerance: float
+    budget: Budget
+    elapsed_s: float
+    out_of_time: bool = False
+    machine: MachineLoad | None = None
+
+    @property
+    def kwargs_text(self) -> str:
+        """The recommendation as Python keyword arguments: ``num_workers=2, ...``."""
+        return _kwargs_text(self.recommended)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``recommended`` (kwargs) and ``trials`` (one row per trial)."""
+        return {"recommended": dict(self.recommended),
+                "trials": [asdict(t) for t in self.trials],
+                "best": self.best.kwargs, "tolerance": self.tolerance,
+                "budget": asdict(self.budget), "elapsed_s": self.elapsed_s,
+                "out_of_time": self.out_of_time,
+                "machine": self.machine.to_dict() if self.machine else None,
+                "machine_busy": bool(self.machine and self.machine.busy)}
+
+    def write_json(self, path: str | os.PathLike[str]) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def __str__(self) -> str:
+        stepped = any(t.input_bound is not None for t in self.trials)
+        rows = []
+        for t in self.trials:
+            why = ("* " if t is self.chosen else "") + (t.note or (
+                "best" if t is self.best else "within noise of best"
+                if within_noise(t, self.best, self.tolerance) else "slower"))
+            row = [t.worker_type or "-", t.num_workers,
+                   t.prefetch_factor or ("default" if t.num_workers else "-"),
+                   "yes" if t.pin_memory else "no", t.spread.text() if t.accepted else "-"]
+            if stepped:
+                row.append("-" if t.input_bound is None else f"{t.input_bound:.0%}")
+            rows.append([*row, human_bytes(t.peak_pss_bytes), human_bytes(t.shm_bytes), why])
+        headers = ["type", "workers", "prefetch", "pin", "samples/s (range)",
+                   *(["input-bound"] if stepped else []), "PSS", "shm", "result"]
+        table = format_table(headers, rows, left=2)
+        gain = self.best.samples_per_s / max(self.chosen.samples_per_s, 1e-9) - 1
+        why = ("the fastest" if self.chosen is self.best else
+               f"the smallest within the noise of the fastest ({gain:.1%} faster, ranges "
+               "overlap or within tolerance)")
+        lines = [f"gpufeed tune: {len(self.trials)} trials in {self.elapsed_s:.1f} s, "
+                 f"{spreads_text([t.spread for t in self.trials if t.accepted])} each"
+                 + (" (time budget reached)" if self.out_of_time else ""), table]
+        if stepped:
+            lines.append("input-bound: share of the training loop spent waiting for data "
+                         "(0% = the loader keeps up with the step)")
+        if self.machine is not None:
+            lines.append(self.machine.summary)
+        lines.append(f"recommended (* above; {why}): "
+                     f"DataLoader(dataset, batch_size=..., {self.kwargs_text})")
+        return "\n".join(lines)
+
+    def plot(self, path: str | os.PathLike[str]) -> None:
+        """Samples/s against num_workers per worker type (needs matplotlib)."""
+        plt = require_matplotlib()
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for kind in sorted({t.worker_type or "-" for t in self.trials}):
+            first: dict[int, Trial] = {}  # the ladder's trial at each count (prefetch pf0)
+            for t in self.trials:
+                if t.accepted and not t.pin_memory and (t.worker_type or "-") in (kind, "-"):
+                    first.setdefault(t.num_workers, t)
+            pts = sorted((n, t.spread.median, t.spread.lo, t.spread.hi)
+                         for n, t in first.items())
+            if pts:
+                ax.errorbar([p[0] for p in pts], [p[1] for p in pts],
+                            yerr=[[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]],
+                            marker="o", capsize=3, label=kind)
+        ax.plot([self.chosen.num_workers], [self.chosen.samples_per_s], marker="*",
+                markersize=16, linestyle="none", color="tab:red", label="recommended")
+        ax.set(xlabel="num_workers", ylabel="samples/s (median, range of runs)",
+               title="gpufeed tune")
+        ax.legend()
+        fig.savefig(path, bbox_inches="tight", dpi=100)
+        plt.close(fig)
+
+
+def _usable_cpus() -> int:
+    getter = getattr(os, "sched_getaffinity", None)
+    return len(getter(0)) if getter is not None else (os.cpu_count() or 1)
+
+
+def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | None = None,
+         step: Callable[[Any], object] | None = None, budget: Budget | int | str | None = None,
+         worker_types: Sequence[str] = ("process", "thread"),
+         num_workers: Sequence[int] | None = None,
+         prefetch_factors: Sequence[int | None] = (None, 4),
+         pin_memory: Sequence[bool] | None = None, tolerance: float = 0.05,
+         trial_seconds: float = 0.5, time_budget_s: float = 120.0,
+         loader_factory: Callable[..., Iterable[Any]] | None = None,
+         progress: Callable[[Trial], None] | None = None, runs: int = 5,
+         target_spread: float = 0.05) -> TuneResult:
+    """Measure loader settings on ``dataset`` and recommend the smallest good one.
+
+    Args:
+        dataset: the map-style or iterable dataset to load.
+        batch_size: samples per batch, as in training.
+        collate_fn: passed to the loader (None: its default).
+        step: called on every batch, as the training step would be; its time counts and each
+            trial reports the loop's input-bound share. None measures the loader alone (the
+            upper bound of what it can deliver).
+        budget: a :class:`Budget`, or a memory limit in bytes (int or "8GiB"). None: 80% of
+            the available RAM and free /dev/shm.
+        worker_types: worker kinds to try: "process" (parallel Python, pickles the dataset)
+            and/or "thread" (cheap start and memory; scales only where the GIL is released).
+        num_workers: worker counts to try, ascending; None: 0, 1, 2, 4, ... up to twice the
+            usable CPUs. The ladder stops early once more workers stop helping.
+        prefetch_factors: batches in flight per worker to try; the first is the one used
+            while sweeping workers. None is the loader's default (gpufeed: at least 2, more
+            for cheap batches; stock: 2). Deeper prefetch hides jitter and costs memory.
+        pin_memory: values to try; None: (False, True) with CUDA, (False,) without.
+        tolerance: a trial within this fraction of the best's median is within the noise even
+            when the ranges do not overlap (see NOTE [ The recommendation ]).
+        trial_seconds: timed seconds per run of a trial (after warm-up). Longer is steadier.
+        time_budget_s: no trial starts after this many seconds; the result says so.
+        loader_factory: builds a loader from (dataset, batch_size=..., num_workers=...,
+            pin_memory=..., and with workers worker_type=..., prefetch_factor=...); default
+            ``gpufeed.DataLoader``.
+        progress: called with each finished :class:`Trial` (for progress bars).
+        runs: runs per trial (fewer, at least 3, once they agree within ``target_spread``).
+        target_spread: (fastest - slowest) / median of the runs that counts as steady.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if not 0 <= tolerance < 1:
+        raise ValueError(f"tolerance is a fraction in [0, 1), e.g. 0.05; got {tolerance!r}")
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise ValueError(f"runs must be a positive int (5 is the default), got {runs!r}")
+    bad = [w for w in worker_types if w not in ("process", "thread")]
+    if bad or not worker_types:
+        raise ValueError(f"worker_types must name 'process' and/or 'thread', got {worker_types!r}")
+    if not prefetch_factors or any(
+            pf is not None and (isinstance(pf, bool) or not isinstance(pf, int) or pf < 1)
+            for pf in prefetch_factors):
+        raise ValueError(f"prefetch_factors must be positive ints or None (the loader's "
+                         f"default), got {prefetch_factors!r}")
+    if loader_factory is None:
+        import gpufeed
+
+        loader_factory = gpufeed.DataLoader
+    if budget is None:
+        budget = Budget.default()
+    elif not isinstance(budget, Budget):
+        budget = Budget(memory_bytes=parse_bytes(budget))
+    ladder = list(num_workers) if num_workers is not None else [0] + [
+        2**i for i in range(8) if 2**i <= 2 * _usable_cpus()]
+    pins = tuple(pin_memory) if pin_memory is not None else (
+        (False, True) if torch.cuda.is_available() else (False,))
+    t_start = time.perf_counter()
+    monitor = LoadMonitor(_usable_cpus()).start()
+    trials: list[Trial] = []
+    done: dict[tuple[Any, ...], Trial] = {}
+    skipped: list[tuple[Any, ...]] = []
+
+    def run(n: int, kind: str | None, pf: int | None, pin: bool) -> Trial | None:
+        key = (n, kind if n else None, pf if n else None, pin)
+        if key in done:
+            return done[key]
+        if trials and time.perf_counter() - t_start > time_budget_s:
+            skipped.append(key)
+            return None
+        trial = run_trial(dataset, loader_factory, batch_size, collate_fn, step, budget,
+                          trial_seconds, *key, runs=runs, target_spread=target_spread)
+        done[key] = trial
+        trials.append(trial)
+        if progress is not None:
+            progress(trial)
+        return trial
+
+    pf0 = prefetch_factors[0]
+    if 0 in ladder:
+        run(0, None, None, pins[0])
+    for kind in worker_types:
+        best: Trial | None = None
+        for n in (n for n in ladder if n > 0):
+            t = run(n, kind, pf0, pins[0])
+            if t is None or not t.accepted:
+                break
+            if best is not None and (t.spread.overlaps(best.spread)
+                                     or t.samples_per_s < best.samples_per_s * (1 + tolerance)):
+                break  # more workers stopped helping
+            if best is None or t.samples_per_s > best.samples_per_s:
+                best = t
+    accepted = [t for t in trials if t.accepted]
+    if accepted:
+        top = max(accepted, key=lambda t: t.samples_per_s)
+        for pf in prefetch_factors if top.num_workers else (None,):
+            for pin in pins:
+                run(top.num_workers, top.worker_type, pf, pin)
+    if skipped:
+        log.warning("time_budget_s=%s reached: %d trial(s) not run", time_budget_s, len(skipped))
+    return _result(trials, tolerance, budget, time.perf_counter() - t_start, bool(skipped),
+                   monitor.stop())
+
+
+def within_noise(t: Trial, best: Trial, tolerance: float) -> bool:
+    """Whether ``t`` cannot be told from ``best`` (see NOTE [ The recommendation ])."""
+    return t.accepted and (t.spread.overlaps(best.spread)
+                           or t.samples_per_s >= (1 - tolerance) * best.samples_per_s)
+
+
+def choose(trials: Sequence[Trial], tolerance: float) -> tuple[Trial, Trial]:
+    """(chosen, best) of NOTE [ The recommendation ]; raises when no trial was accepted."""
+    accepted = [t for t in trials if t.accepted]
+    if not accepted:
+        raise RuntimeError(_nothing_worked(trials))
+    best = max(accepted, key=lambda t: t.samples_per_s)
+    good = [t for t in accepted if within_noise(t, best, tolerance)]
+    chosen = min(good, key=lambda t: (t.num_workers, t.prefetch_factor or 0, t.pin_memory,
+                                      t.peak_pss_bytes))
+    return chosen, best
+
+
+def _nothing_worked(trials: Sequence[Trial]) -> str:
+    """Why no trial was accepted, with the fix that applies to it."""
+    notes = "; ".join(f"{_kwargs_text(t.kwargs)}: {t.note}" for t in trials[:3])
+    over = [t for t in trials if t.note.startswith("over budget")]
+    fixes = []
+    if over:
+        fixes.append("raise the budget (--budget-memory / --budget-shm / --budget-pinned, or "
+                     "budget=) or lower batch_size")
+    if len(over) < len(trials):
+        text = " ".join(t.note for t in trials)
+        ragged = any(s in text for s in ("stack expects each tensor to be equal size",
+                                          "resize", "equal size", "must match the size"))
+        fixes.append("samples of different sizes need a collate_fn that pads them "
+                     "(--collate MODULE:FUNCTION, or collate_fn=)" if ragged else
+                     "fix the error the trials raised (run one batch of the loader by hand "
+                     "to see its traceback)")
+    return f"no configuration worked ({notes}); " + "; ".join(fixes)
+
+
+def _result(trials: list[Trial], tolerance: float, budget: Budget, elapsed: float,
+            out_of_time: bool, machine: MachineLoad | None = None) -> TuneResult:
+    chosen, best = choose(trials, tolerance)
+    return TuneResult(tuple(trials), chosen.kwargs, chosen, best, tolerance, budget, elapsed,
+                      out_of_time=out_of_time, machine=machine)

@@ -1,0 +1,382 @@
+"""The measuring helpers (gpufeed._tools.measure) and the benchmark harness (gpufeed.benchmarks)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from gpufeed._tools.measure import (
+    batch_samples_and_bytes,
+    measure_loader,
+    process_tree_memory,
+    process_tree_pss,
+)
+from gpufeed.benchmarks import Settings, Workload, build
+from gpufeed.benchmarks.__main__ import main, render_markdown
+from gpufeed.benchmarks.ceiling import measure_no_loader
+from gpufeed.benchmarks.cpu import CEILING, _run_workload, summarize
+from gpufeed.benchmarks.workloads import Variant
+
+MiB = 1 << 20
+
+
+def _paced(n: int, *, first_s: float, step_s: float, rows: int = 10) -> Iterator[torch.Tensor]:
+    time.sleep(first_s)
+    for k in range(n):
+        if k:
+            time.sleep(step_s)
+        yield torch.zeros(rows, 4)  # 160 bytes
+
+
+def test_measure_loader_timing_of_a_paced_iterable() -> None:
+    built = []
+
+    def make() -> Iterator[torch.Tensor]:
+        time.sleep(0.1)  # building the loader is not timed
+        built.append(1)
+        return _paced(10, first_s=0.05, step_s=0.02)
+
+    m = measure_loader(make, warmup_batches=2, sample_memory=False)
+    assert built == [1]
+    assert (m.batches, m.samples, m.warmup_batches) == (8, 80, 2)
+    assert 0.05 <= m.first_batch_s < 0.05 + 0.09  # slack for a busy machine
+    assert 8 * 0.02 <= m.seconds < 8 * 0.02 + 0.12  # the warm-up batches' time is excluded
+    assert m.samples_per_s == pytest.approx(m.samples / m.seconds)
+    assert m.bytes_per_s == pytest.approx(80 * 16 / m.seconds)
+    assert (m.peak_pss_bytes, m.memory_samples) == (0, 0)
+
+
+def test_measure_loader_stops_and_consumes() -> None:
+    seen: list[int] = []
+    m = measure_loader(lambda: _paced(100, first_s=0, step_s=0), max_batches=5,
+                       warmup_batches=1, consume=lambda b: seen.append(len(b)),
+                       sample_memory=False)
+    assert (m.batches, seen) == (4, [10] * 5)
+    m = measure_loader(lambda: _paced(10_000, first_s=0, step_s=0.01), max_seconds=0.1,
+                       warmup_batches=1, sample_memory=False)
+    assert 2 <= m.batches <= 12 and 0.1 <= m.seconds < 0.3
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"warmup_batches": -1}, "warmup_batches=-1"),
+    ({"max_batches": 2, "warmup_batches": 2}, "max_batches=2"),
+    ({"max_seconds": 0}, "max_seconds=0"),
+])
+def test_measure_loader_rejects_bad_knobs(kwargs: dict[str, int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        measure_loader(lambda: [torch.zeros(1)] * 4, sample_memory=False, **kwargs)  # type: ignore[arg-type]
+
+
+def test_measure_loader_needs_a_batch_after_warmup() -> None:
+    with pytest.raises(ValueError, match="gave 2 batches"):
+        measure_loader(lambda: [torch.zeros(1)] * 2, warmup_batches=2, sample_memory=False)
+
+
+def test_batch_samples_and_bytes_walks_nested_batches() -> None:
+    batch = {"x": torch.zeros(8, 3, dtype=torch.float64), "meta": [np.zeros((8, 2), np.int32), "s"]}
+    assert batch_samples_and_bytes(batch) == (8, 8 * 3 * 8 + 8 * 2 * 4)
+    assert batch_samples_and_bytes([1, 2, 3]) == (3, 0)
+
+
+def test_sampler_catches_a_short_peak() -> None:
+    def spike() -> Iterator[torch.Tensor]:
+        for k in range(6):
+            if k == 3:
+                block = np.ones(128 * MiB, dtype=np.uint8)  # touched: resident
+                time.sleep(0.6)  # a slow sample (big process) stretches the interval
+                del block
+            yield torch.zeros(2)
+
+    m = measure_loader(spike, warmup_batches=1)
+    assert m.memory_samples >= 4
+    assert m.pss_growth_bytes >= 100 * MiB
+
+
+class _Growing:
+    """A pass of known length whose memory only grows, and is freed when the pass ends (as a
+    loader's workers unmap a memory-mapped dataset when they exit)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.blocks: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for k in range(self.n):
+            if k == self.n - 1:
+                self.blocks.append(np.ones(96 * MiB, dtype=np.uint8))  # touched: resident
+            yield torch.zeros(2)
+        self.blocks.clear()
+
+
+def test_peak_includes_the_end_of_the_pass() -> None:
+    """The sampler may be asleep when the last batch arrives: the end-of-pass sample is not."""
+    m = measure_loader(lambda: _Growing(4), warmup_batches=1, sample_interval_s=60.0)
+    assert m.pss_growth_bytes >= 90 * MiB
+    assert m.memory_samples == 3  # start, end of the pass, stop
+
+
+def test_process_tree_pss_counts_a_child() -> None:
+    code = ("import sys, time; b = bytes(range(256)) * (96 << 12); "
+            "print('ready', flush=True); time.sleep(30)")
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                          text=True) as child:
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+            own = psutil.Process().memory_full_info().pss
+            assert process_tree_pss() - own >= 90 * MiB
+            assert process_tree_pss(child.pid) >= 90 * MiB
+        finally:
+            child.kill()
+
+
+def test_process_tree_memory_splits_by_kind(tmp_path: Path) -> None:
+    import mmap
+    import os
+
+    if not Path("/proc/self/smaps_rollup").exists():
+        pytest.skip("needs /proc/<pid>/smaps_rollup")
+    before = process_tree_memory()
+    if before.anon == 0:
+        pytest.skip("this kernel's smaps_rollup has no Pss_Anon/Pss_File/Pss_Shmem split")
+    assert before.anon + before.file + before.shmem == pytest.approx(before.pss, abs=64 << 10)
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"\x01" * (48 * MiB))
+    fd = os.memfd_create("test-shmem")
+    try:
+        os.ftruncate(fd, 48 * MiB)
+        shm = mmap.mmap(fd, 48 * MiB)
+        shm.write(b"\x02" * (48 * MiB))  # touched: resident shared memory
+        anon = np.ones(48 * MiB, dtype=np.uint8)
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+        assert int(data.sum(dtype=np.int64)) == 48 * MiB  # every page of the file mapped in
+        after = process_tree_memory()
+        assert after.anon - before.anon >= 40 * MiB
+        assert after.file - before.file >= 40 * MiB
+        assert after.shmem - before.shmem >= 40 * MiB
+        del anon, data
+        shm.close()
+    finally:
+        os.close(fd)
+
+
+def test_each_run_gets_a_fresh_dataset(tmp_path: Path) -> None:
+    """A thread-worker run opens image-array's memory map in the main process; the workload's
+    own dataset object must not keep it (and its pages) for the runs after it."""
+    work = build("image-array", cache_dir=tmp_path, quick=True)
+    loaders = ["torch", "gpufeed-thread"]
+    rows, ceiling = _run_workload(work, loaders, Settings(repeats=1, warmup_batches=1,
+                                                          quick=True), lambda line: None)
+    for v in work.variants:
+        assert v.dataset._map is None  # the ceiling's processes open it, not this one
+    timed = len(work.variants[0].dataset) - work.batch_size  # one epoch less the warm-up batch
+    assert {r["median"]["samples"] for r in rows} == {timed}
+    assert all(r["median"]["peak_pss_bytes"] > 0 for r in rows)
+    assert {c["median"]["samples"] for c in ceiling} == {len(work.variants[0].dataset)}
+
+
+class _Sleepy(torch.utils.data.Dataset[torch.Tensor]):
+    """Each sample costs ``sleep_s`` of wall time and no CPU."""
+
+    def __init__(self, n: int, sleep_s: float) -> None:
+        self.n, self.sleep_s = n, sleep_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(self.sleep_s)
+        return torch.full((4,), float(i))
+
+
+def test_ceiling_of_a_sleeping_dataset() -> None:
+    """Two processes that each sleep 4 ms a sample cannot beat 2 / 4 ms = 500 samples/s and,
+    sleeping rather than computing, should come close to it."""
+    work = Workload("sleepy", "sleeps", batch_size=8, samples=96,
+                    variants=(Variant("per-sample", _Sleepy(96, 0.004)),))
+    lines: list[str] = []
+    rows, ceiling = _run_workload(work, [], Settings(num_workers=2, repeats=2), lines.append)
+    assert rows == [] and len(lines) == 2 and CEILING in lines[0]
+    (c,) = ceiling
+    assert (c["loader"], c["variant"], c["fetch"], len(c["runs"])) == (
+        CEILING, "per-sample", "__getitem__", 2)
+    assert c["median"]["samples"] == 96
+    assert all(r["batches"] == 12 and len(r["process_seconds"]) == 2 for r in c["runs"])
+    assert 0.5 * 500 < c["median"]["samples_per_s"] <= 500
+    assert not psutil.Process().children()
+
+
+def _fail_on_seven(indices: list[int]) -> torch.Tensor:
+    if 7 in indices:
+        raise KeyError("no sample 7")
+    return torch.zeros(len(indices))
+
+
+def test_no_loader_reports_a_failing_process() -> None:
+    with pytest.raises(RuntimeError, match=r"(?s)no-loader process 1 failed:.*no sample 7"):
+        measure_no_loader(_fail_on_seven, [[0, 1], [6, 7]], processes=2)
+    with pytest.raises(ValueError, match="processes=0"):
+        measure_no_loader(_fail_on_seven, [[0]], processes=0)
+    assert not psutil.Process().children()
+
+
+def test_workload_variants_give_the_same_batches(tmp_path: Path) -> None:
+    pytest.importorskip("PIL")
+    for name in ("tabular", "image-array", "jpeg"):
+        work = build(name, cache_dir=tmp_path, quick=True)
+        again = build(name, cache_dir=tmp_path, quick=True)  # reuses the files
+        idx = [5, 0, 17, 3]
+        ref = torch.utils.data.default_collate([work.variants[0].dataset[i] for i in idx])
+        for v in (*work.variants[1:], *again.variants):
+            getitems = getattr(v.dataset, "__getitems__", None)
+            got = getitems(idx) if getitems else [v.dataset[i] for i in idx]
+            got = v.collate_fn(got) if v.collate_fn else torch.utils.data.default_collate(got)
+            for a, b in zip(ref, got, strict=True):
+                assert torch.equal(a, b), (name, v.name)
+
+
+def test_summary_ratio_comes_from_the_figures() -> None:
+    def row(loader: str, variant: str, rate: float, pss: float,
+            samples: float = 1000.0) -> dict[str, object]:
+        return {"loader": loader, "variant": variant,
+                "median": {"samples_per_s": rate, "bytes_per_s": 0.0, "peak_pss_bytes": pss,
+                           "pss_growth_bytes": 0.0, "first_batch_s": 0.0, "samples": samples}}
+
+    rows = [row("torch", "per-sample", 100.0, 10.0), row("torch", "getitems", 300.0, 20.0),
+            row("gpufeed", "getitems", 900.0, 19.0), row("gpufeed-thread", "array", 3300.0, 9.0)]
+    ceiling = [{"variant": v, "median": {"samples_per_s": rate, "bytes_per_s": 0.0}}
+               for v, rate in (("per-sample", 400.0), ("getitems", 1000.0), ("array", 4000.0))]
+    sm = summarize("image-array", rows, ceiling)
+    assert sm["ceiling"] == {"gpufeed_variant": "array", "gpufeed_variant_ceiling": 4000.0,
+                             "gpufeed_of_ceiling": pytest.approx(3300.0 / 4000.0),
+                             "stock_variant": "getitems", "stock_variant_ceiling": 1000.0,
+                             "stock_of_ceiling": pytest.approx(300.0 / 1000.0)}
+    assert "| 4,000 (array) | 82% | 30% of 1,000 (getitems) |" in render_markdown(
+        {"environment": {"date": "d", "hostname": "h", "cpu_model": "c", "cpu_affinity": 2,
+                         "memory_bytes": 2**30, "python": "p", "torch": "t", "numpy": "n",
+                         "torchdata": None, "gpufeed": "g", "loadavg_start": [0.0]},
+         "settings": {**Settings().__dict__}, "loaders": {},
+         "workloads": [{"name": "image-array", "summary": sm, "results": rows,
+                        "ceiling": ceiling}]})
+    assert summarize("image-array", rows)["ceiling"] is None
+    assert sm["stock_best"]["variant"] == "getitems"
+    assert sm["gpufeed_best"]["loader"] == "gpufeed-thread"
+    assert sm["ratio"] == pytest.approx(11.0) and sm["ratio_pass"] is True
+    assert sm["gpufeed_process_best"]["samples_per_s"] == 900.0
+    assert sm["pss_pass"] is True and sm["pss_ratio_process"] == pytest.approx(19.0 / 20.0)
+    sm = summarize("image-array", [*rows[:2], row("gpufeed", "getitems", 900.0, 25.0), rows[3]])
+    assert sm["pss_pass"] is True and "process workers (its fastest variant, getitems): " \
+        "peak PSS 1.25x" in sm["also"][0]
+    sm = summarize("tabular", rows[:3])
+    assert sm["ratio"] == pytest.approx(3.0) and sm["ratio_pass"] is False
+    assert sm["pss_ratio"] == pytest.approx(19.0 / 20.0) and sm["pss_pass"] is True
+    assert "misses the 15x target by 80%" in sm["notes"][0]
+    # unequal work (a time cap): the PSS ratio is shown but not judged
+    sm = summarize("tabular", [row("torch", "getitems", 300.0, 20.0, samples=600.0),
+                               row("gpufeed", "getitems", 900.0, 30.0, samples=1800.0)])
+    assert sm["pss_ratio"] == pytest.approx(1.5) and sm["pss_pass"] is None
+    assert "not judged" in sm["notes"][-1] and "1,800 vs 600 samples" in sm["notes"][-1]
+
+
+@pytest.mark.filterwarnings("ignore::gpufeed.CopyOnWriteWarning")  # python-list: on purpose
+def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "results"
+    workloads = ["tabular", "image-array", "python-list", "synthetic"]
+    rc = main(["cpu", "--quick", "--workloads", *workloads, "--loaders", "torch", "gpufeed",
+               "--out", str(out), "--cache-dir", str(tmp_path / "cache")])
+    assert rc == 0
+    doc = json.loads((out / "cpu.json").read_text())
+    assert doc["schema"] == "gpufeed-bench-cpu/1" and doc["settings"]["quick"] is True
+    env = doc["environment"]
+    for key in ("date", "hostname", "cpu_model", "cpu_count", "torch", "numpy", "python",
+                "gpufeed", "git_commit", "loadavg_end"):
+        assert key in env
+    assert [w["name"] for w in doc["workloads"]] == workloads
+    for w in doc["workloads"]:
+        assert {r["loader"] for r in w["results"]} == {"torch", "gpufeed"}
+        for r in w["results"]:
+            runs = r["runs"]
+            assert len(runs) == 1 and runs[0]["samples"] > 0
+            for key in ("samples_per_s", "peak_pss_bytes", "first_batch_s"):
+                assert r["median"][key] == statistics.median(x[key] for x in runs)
+            assert r["median"]["peak_pss_bytes"] > 0
+            kinds = sum(r["median"][f"peak_pss_{k}_bytes"] for k in ("anon", "file", "shmem"))
+            assert kinds == 0 or kinds == pytest.approx(r["median"]["peak_pss_bytes"], rel=0.05)
+        # equal work: every loader delivered the same samples (one epoch)
+        assert len({r["median"]["samples"] for r in w["results"]}) == 1
+        # the no-loader ceiling of every variant, over the whole epoch
+        assert {c["variant"] for c in w["ceiling"]} == {r["variant"] for r in w["results"]}
+        for c in w["ceiling"]:
+            assert c["loader"] == CEILING and len(c["runs"]) == 1
+            assert c["fetch"] == {"per-sample": "__getitem__", "getitems": "__getitems__",
+                                  "array": "gather"}[c["variant"]]  # the fastest fetch of each
+            assert c["median"]["samples"] == w["samples"] and c["median"]["samples_per_s"] > 0
+        ceil = w["summary"]["ceiling"]
+        assert ceil["gpufeed_variant"] == w["summary"]["gpufeed_best"]["variant"]
+        assert ceil["gpufeed_of_ceiling"] > 0 and ceil["stock_of_ceiling"] > 0
+        sm = w["summary"]
+        stock = max((r for r in w["results"] if r["loader"] == "torch"),
+                    key=lambda r: r["median"]["samples_per_s"])
+        ours = max((r for r in w["results"] if r["loader"] == "gpufeed"),
+                   key=lambda r: r["median"]["samples_per_s"])
+        assert sm["ratio"] == pytest.approx(
+            ours["median"]["samples_per_s"] / stock["median"]["samples_per_s"])
+        if sm["target_ratio"] is not None:
+            assert sm["ratio_pass"] == (sm["ratio"] >= sm["target_ratio"])
+    md = (out / "cpu.md").read_text()
+    assert md == render_markdown(doc) and "| workload | stock best |" in md
+    assert "| gpufeed % of ceiling |" in md and "No-loader ceiling: 2 plain forked" in md
+    for w in doc["workloads"]:
+        for c in w["ceiling"]:
+            assert f"| {w['name']} | {c['variant']} | {CEILING} | " in md
+    assert "wrote" in capsys.readouterr().out
+    assert not psutil.Process().children()  # every worker is gone
+
+
+def test_gpu_subcommand_is_handed_its_arguments(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib
+    import types
+
+    seen: list[list[str]] = []
+    fake = types.ModuleType("gpufeed.benchmarks.gpu")
+    fake.main = lambda argv: seen.append(list(argv)) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "gpufeed.benchmarks.gpu", fake)
+    assert main(["gpu", "--out", "x"]) == 0 and seen == [["--out", "x"]]
+
+    def missing(name: str) -> types.ModuleType:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    assert main(["gpu"]) == 2
+    assert "not part of this checkout" in capsys.readouterr().err
+
+
+def test_per_sample_profile_and_compare_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from gpufeed.benchmarks import persample
+
+    monkeypatch.setenv("GPUFEED_BENCH_CACHE", str(tmp_path))
+    out = tmp_path / "persample.json"
+    assert persample.main(["both", "--quick", "--seconds", "0.05", "--runs", "1",
+                           "--batches", "6", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "gpufeed vs stock, both per-sample" in text and "wake-ups per batch" in text
+    doc = json.loads(out.read_text())
+    for name in ("stock", "gpufeed"):
+        w, r = doc["worker"][name], doc["loaders"][name]
+        assert w["cpu_us_per_batch"] > 0 and w["top"][0]["own_share"] > 0
+        assert r["worker_processes"] == 2 and r["worker_cpu_ms_per_batch"] >= 0
+    assert doc["loaders"]["gpufeed_main_top"]

@@ -1,0 +1,268 @@
+"""gpufeed under the frameworks users train with: Lightning (one process, and DDP on two CPU
+processes), Accelerate (a CPU Accelerator) and Hugging Face ``datasets``.
+
+The frameworks are in the ``test`` extra (``scripts/setup.sh`` installs it); ``importorskip``
+only guards a bare install.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+import gpufeed
+from support.frameworks import (
+    Pairs,
+    PairStream,
+    PythonRandomSampler,
+    lightning_module,
+    quiet_fit,
+    trainer,
+)
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def _flat(batches):
+    return [i for batch in batches for i in batch]
+
+# -- Lightning, one process ------------------------------------------------------------------
+
+# 22 samples in batches of 4: 6 steps an epoch, 12 in two; a checkpoint every 2 steps.
+N, BATCH, EPOCHS = 22, 4, 2
+
+
+def _stock_users_loader() -> gpufeed.DataLoader:
+    """As stock users write it: shuffle=True, process workers, no seed=."""
+    return gpufeed.DataLoader(Pairs(N), batch_size=BATCH, shuffle=True, num_workers=2)
+
+
+def test_lightning_resumes_mid_epoch_exactly_without_seed(tmp_path):
+    pytest.importorskip("lightning")
+    reference = lightning_module()
+    assert quiet_fit(trainer(tmp_path, epochs=EPOCHS, every=2), reference,
+                     train_dataloaders=_stock_users_loader()) == []
+    assert len(reference.seen) == 12
+    for epoch in (0, 1):  # each epoch is a permutation of the dataset
+        assert sorted(_flat(reference.seen[6 * epoch:6 * epoch + 6])) == list(range(N))
+
+    # step 8 = batch 2 of epoch 1: the rest of that epoch must be exactly the reference's
+    resumed = lightning_module()
+    assert quiet_fit(trainer(tmp_path / "again", epochs=EPOCHS), resumed,
+                     train_dataloaders=_stock_users_loader(),
+                     ckpt_path=tmp_path / "ckpt" / "epoch=1-step=8.ckpt") == []
+    assert resumed.seen == reference.seen[8:]
+
+    # step 4 = batch 4 of epoch 0: exact to the epoch's end; epoch 1 draws a new shuffle from
+    # this run's global generator, as torch's RandomSampler does
+    early = lightning_module()
+    quiet_fit(trainer(tmp_path / "early", epochs=EPOCHS), early,
+              train_dataloaders=_stock_users_loader(),
+              ckpt_path=tmp_path / "ckpt" / "epoch=0-step=4.ckpt")
+    assert early.seen[:2] == reference.seen[4:6] and len(early.seen) == 8
+    assert sorted(_flat(early.seen[2:])) == list(range(N))
+
+
+def test_lightning_with_an_unrewindable_sampler_warns_and_restarts_the_epoch(tmp_path):
+    pytest.importorskip("lightning")
+
+    def make():
+        return gpufeed.DataLoader(Pairs(N), batch_size=BATCH, sampler=PythonRandomSampler(N))
+
+    first = lightning_module()
+    said = quiet_fit(trainer(tmp_path, epochs=1, every=2), first, train_dataloaders=make())
+    assert len(first.seen) == 6  # training went on: state_dict() did not raise
+    assert len(said) == 1  # once, not at every checkpoint
+    assert "cannot be resumed exactly: its sampler PythonRandomSampler" in said[0]
+    resumed = lightning_module()
+    said = quiet_fit(trainer(tmp_path / "again", epochs=1), resumed, train_dataloaders=make(),
+                     ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    assert len(said) == 1 and "epoch restarts from its first batch" in said[0]
+    # Lightning counts 4 steps left in the epoch; the loader restarted it with a new shuffle
+    assert len(resumed.seen) == 4 and len(set(_flat(resumed.seen))) == 16
+
+    loader = make()  # outside Lightning: the whole epoch again
+    with pytest.warns(UserWarning, match="epoch restarts from its first batch"):
+        loader.load_state_dict(torch.load(tmp_path / "ckpt" / "epoch=0-step=2.ckpt",
+                                          weights_only=False)["loops"]["fit_loop"][
+                                              "state_dict"]["combined_loader"][0])
+    assert sorted(_flat(b[0].int().flatten().tolist() for b in loader)) == list(range(N))
+
+
+def test_lightning_resumes_a_sized_iterable_dataset_exactly(tmp_path):
+    """With ``__len__``, Lightning fetches no batch ahead, so the checkpointed position is the
+    last trained batch (without it Lightning's fetcher holds one batch, which a resume skips:
+    documented in the README)."""
+    pytest.importorskip("lightning")
+
+    class SizedStream(PairStream):
+        def __len__(self):
+            return N
+
+    def make():
+        return gpufeed.DataLoader(SizedStream(N), batch_size=BATCH)
+
+    reference = lightning_module()
+    quiet_fit(trainer(tmp_path, epochs=1, every=2), reference, train_dataloaders=make())
+    resumed = lightning_module()
+    quiet_fit(trainer(tmp_path / "again", epochs=1), resumed, train_dataloaders=make(),
+              ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    assert resumed.seen == reference.seen[2:] and len(reference.seen) == 6
+
+
+def test_loader_rebuilt_by_lightning_keeps_gpufeed_and_takes_the_sampler():
+    """Lightning's DDP injects a DistributedSampler by rebuilding the loader from its public
+    attributes; a loader built before torch.distributed was initialised must accept it."""
+    data = pytest.importorskip("lightning.pytorch.utilities.data")
+    loader = gpufeed.DataLoader(Pairs(N), batch_size=BATCH, shuffle=True, num_workers=1,
+                                worker_type="thread", seed=3)
+    sampler = tud.DistributedSampler(Pairs(N), num_replicas=2, rank=1, shuffle=True, seed=0)
+    rebuilt = data._update_dataloader(loader, sampler)
+    assert type(rebuilt) is gpufeed.DataLoader and rebuilt.worker_type == "thread"
+    stock = tud.DataLoader(Pairs(N), batch_size=BATCH, sampler=sampler)
+    assert [b[0].tolist() for b in rebuilt] == [b[0].tolist() for b in stock]
+
+
+# -- Lightning DDP: two CPU processes, gloo, launched by torchrun -------------------------------
+
+
+def _torchrun(mode: str, out: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            "--monitor-interval=0.5", str(TESTS / "support" / "lightning_ddp.py"), mode, str(out)]
+    # its own session, so that a timeout ends torchrun's workers too, not only torchrun
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, cwd=out, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"torchrun {mode} did not finish in {timeout} s:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+def test_lightning_ddp_resumes_every_rank_from_rank_0s_checkpoint(tmp_path):
+    pytest.importorskip("lightning")
+    done = _torchrun("seeded", tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt"]
+    for rank, result in enumerate(ranks):
+        assert result["rank"] == rank and result["saved_rank"] == 0
+        assert len(result["reference"]) == 8  # 2 epochs of 4 steps on each rank
+        assert result["resumed"] == result["reference"][6:], rank  # from step 6 = mid-epoch 1
+    # the two ranks saw disjoint halves of each epoch (gpufeed sharded by itself)
+    epoch0 = [_flat(r["reference"][:4]) for r in ranks]
+    assert not set(epoch0[0]) & set(epoch0[1])
+
+
+@pytest.mark.slow
+def test_lightning_ddp_refuses_rank_0s_state_where_it_depends_on_the_rank(tmp_path):
+    pytest.importorskip("lightning")
+    done = _torchrun("iterable", tmp_path)
+    assert done.returncode != 0  # rank 1 stopped the job
+    message = (tmp_path / "rank1.error").read_text()
+    assert "this loader is rank 1 but the state was saved by rank 0" in message
+    assert "iterable dataset's per-worker stream positions" in message
+    assert not (tmp_path / "rank0.error").exists()  # rank 0 loads its own state
+
+
+# -- Accelerate ------------------------------------------------------------------------------
+
+
+def test_accelerate_prepare_warns_and_the_documented_pattern_keeps_gpufeed():
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(cpu=True)
+    loader = gpufeed.DataLoader(Pairs(N), batch_size=BATCH, shuffle=True, seed=4,
+                                num_workers=1, worker_type="thread")
+    with pytest.warns(UserWarning, match=r"accelerator.prepare\(loader\) rebuilds"):
+        prepared = accelerator.prepare(loader)
+    assert not isinstance(prepared.base_dataloader, gpufeed.DataLoader)  # what it warned of
+
+    # the pattern: built after Accelerator(), on its device, not passed to prepare
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    loader = gpufeed.DataLoader(Pairs(N), batch_size=BATCH, shuffle=True, seed=4,
+                                num_workers=1, worker_type="thread",
+                                device=accelerator.device)
+    seen = []
+    for x, y in loader:
+        optimizer.zero_grad()
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        seen.append(x.flatten().tolist())
+    assert [b[0].flatten().tolist() for b in prepared] == seen  # same order as prepared
+    assert loader.stats().counters["batches"] == 6 and loader.state_dict()["epoch"] == 1
+
+
+def test_accelerate_checkpoints_a_registered_loader_mid_epoch(tmp_path):
+    """With the pattern above, ``register_for_checkpointing`` puts the loader's position in
+    ``save_state``; ``load_state`` resumes it (stock users' loader: no seed=)."""
+    accelerate = pytest.importorskip("accelerate")
+
+    def make(accelerator):
+        loader = gpufeed.DataLoader(Pairs(N), batch_size=BATCH, shuffle=True, num_workers=1,
+                                    worker_type="thread", device=accelerator.device)
+        accelerator.register_for_checkpointing(loader)
+        return loader
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    it = iter(make(accelerator))
+    next(it), next(it)
+    accelerator.save_state(tmp_path / "state")
+    rest_of_run = [b[0].flatten().tolist() for b in it]
+    del it
+    again = accelerate.Accelerator(cpu=True)
+    fresh = make(again)
+    again.load_state(tmp_path / "state")
+    assert [b[0].flatten().tolist() for b in fresh] == rest_of_run and len(rest_of_run) == 4
+
+
+# -- Hugging Face datasets -------------------------------------------------------------------
+
+
+def _pad(batch):
+    ids = [item["ids"] for item in batch]
+    longest = max(len(t) for t in ids)
+    padded = torch.zeros(len(ids), longest, dtype=torch.long)
+    for row, t in enumerate(ids):
+        padded[row, : len(t)] = t
+    return {"ids": padded, "label": torch.stack([item["label"] for item in batch]),
+            "length": torch.tensor([len(t) for t in ids])}
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_hf_dataset_with_format_torch_and_a_padding_collate(worker_type):
+    datasets = pytest.importorskip("datasets")
+    rows = {"ids": [list(range(1, 1 + (i * 7) % 11 + 1)) for i in range(30)],
+            "label": [i % 3 for i in range(30)]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # datasets' own deprecation notices
+        ds = datasets.Dataset.from_dict(rows).with_format("torch")
+    stock = tud.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, collate_fn=_pad,
+                           generator=torch.Generator().manual_seed(1))
+    loader = gpufeed.DataLoader(ds, batch_size=4, shuffle=True, num_workers=2,
+                                collate_fn=_pad, worker_type=worker_type,
+                                generator=torch.Generator().manual_seed(1))
+    want, got = list(stock), list(loader)
+    assert len(got) == len(want) == 8
+    for a, b in zip(want, got, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    assert {tuple(b["ids"].shape)[1] for b in got} != {11}  # the widths vary by batch

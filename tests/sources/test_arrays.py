@@ -1,0 +1,220 @@
+"""Batched fetch: ArrayDataset (arrays, memory maps, tensors), TensorDataset, __getitems__."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+
+import gpufeed
+from gpufeed import ArrayDataset
+from support.compare import assert_same, assert_same_batches, collect, drain
+from support.fakes import GetitemsDataset
+
+WORKERS = [
+    pytest.param(dict(num_workers=0), id="main"),
+    pytest.param(dict(num_workers=2), id="process"),
+    pytest.param(dict(num_workers=2, worker_type="thread"), id="thread"),
+]
+
+
+class PerSample(tud.Dataset):
+    """The same samples, one ``__getitem__`` at a time (no batched path anywhere)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        return self.inner[i]
+
+
+def _arrays(n=37):
+    rng = np.random.default_rng(0)
+    return (
+        rng.standard_normal((n, 3, 4)).astype(np.float32),
+        rng.integers(0, 1000, n).astype(np.int64),
+        rng.integers(0, 255, (n, 5)).astype(np.uint8),
+        rng.random(n) > 0.5,
+        rng.standard_normal((n, 2)).astype(np.float16),
+    )
+
+
+def _memmaps(tmp_path, n=37):
+    out = []
+    for k, a in enumerate(_arrays(n)):
+        mm = np.lib.format.open_memmap(tmp_path / f"a{k}.npy", mode="w+", dtype=a.dtype,
+                                       shape=a.shape)
+        mm[:] = a
+        mm.flush()
+        del mm
+        out.append(np.load(tmp_path / f"a{k}.npy", mmap_mode="r"))
+    return tuple(out)
+
+
+def _sources(kind, tmp_path):
+    if kind == "numpy":
+        return _arrays()
+    if kind == "memmap":
+        return _memmaps(tmp_path)
+    if kind == "tensor":
+        return tuple(torch.from_numpy(a.copy()) for a in _arrays())
+    arrays = _arrays()
+    return (arrays[0], torch.from_numpy(arrays[1].copy()), _memmaps(tmp_path)[2])  # mixed
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("kind", ["numpy", "memmap", "tensor", "mixed"])
+def test_array_dataset_batches_equal_per_sample(kind, workers, tmp_path):
+    ds = ArrayDataset(*_sources(kind, tmp_path))
+    kwargs = dict(batch_size=8, shuffle=True)
+    expected = collect(tud.DataLoader, PerSample(ds), **kwargs)[0]
+    got = collect(gpufeed.DataLoader, ds, **kwargs, **workers)[0]
+    assert_same_batches(expected, got)
+    assert type(got[0]) is list and len(got[0]) == len(ds.arrays)  # like TensorDataset
+
+
+@pytest.mark.parametrize("kind", ["numpy", "memmap", "tensor"])
+def test_array_dataset_samples(kind, tmp_path):
+    sources = _sources(kind, tmp_path)
+    ds = ArrayDataset(*sources)
+    assert len(ds) == 37
+    for i in (0, 5, 36, -1):
+        sample = ds[i]
+        assert type(sample) is tuple and len(sample) == len(sources)
+        for a, t in zip(sources, sample, strict=True):
+            want = torch.from_numpy(np.array(a[i])) if not isinstance(a, torch.Tensor) else a[i]
+            assert_same(want, t, f"sample {i}")
+    items = ds.__getitems__([3, 0, 3, 36])
+    assert len(items) == 4
+    for got, i in zip(items, [3, 0, 3, 36], strict=True):
+        assert_same(ds[i], tuple(got))
+
+
+def test_memmap_dataset_stays_read_only_and_unchanged(tmp_path):
+    arrays = _memmaps(tmp_path)
+    before = [np.array(a) for a in arrays]
+    ds = ArrayDataset(*arrays)
+    for b in gpufeed.DataLoader(ds, batch_size=5, num_workers=2):
+        b[0].add_(1)  # the user owns the batch: writing it must not reach the file
+    for a, want in zip(arrays, before, strict=True):
+        assert np.array_equal(a, want)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_array_dataset_with_other_loader_features(workers):
+    ds = ArrayDataset(*_arrays())
+    for kwargs in (
+        dict(batch_size=None),
+        dict(batch_size=4, collate_fn=lambda b: [s[1] for s in b]),
+        dict(batch_size=6, drop_last=True),
+        dict(sampler=[5, 1, 1, 30], batch_size=3),
+        dict(batch_sampler=[[2, 3], [36], [0, 0, 0]]),
+    ):
+        expected = collect(tud.DataLoader, PerSample(ds), **kwargs)[0]
+        got = collect(gpufeed.DataLoader, ds, **kwargs, **workers)[0]
+        assert_same_batches(expected, got)
+
+
+def test_array_dataset_with_stock_loader_uses_getitems():
+    ds = ArrayDataset(*_arrays())
+    expected = list(tud.DataLoader(PerSample(ds), batch_size=7))
+    got = list(tud.DataLoader(ds, batch_size=7))
+    assert_same_batches(expected, got)
+
+
+@pytest.mark.parametrize(
+    "args,exc,needle",
+    [
+        ((), ValueError, "at least one"),
+        (([1, 2, 3],), TypeError, "list"),
+        ((np.zeros(3), np.zeros(4)), ValueError, "[3, 4]"),
+        ((np.float32(1.0),), (TypeError, ValueError), ""),
+        ((np.array(5.0),), ValueError, "0-d"),
+        ((np.array([object(), object()]),), TypeError, "object"),
+    ],
+    ids=["none", "list", "lengths", "scalar", "0d", "object"],
+)
+def test_array_dataset_rejects_bad_input(args, exc, needle):
+    with pytest.raises(exc) as info:
+        ArrayDataset(*args)
+    assert needle in str(info.value)
+
+
+def test_array_dataset_out_of_range_index_is_an_index_error():
+    ds = ArrayDataset(np.arange(10))
+    with pytest.raises(IndexError):
+        ds[10]
+    loader = gpufeed.DataLoader(ds, sampler=[0, 1, 99], batch_size=3, num_workers=1)
+    with pytest.raises(IndexError):
+        drain(loader)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_tensor_dataset_matches_stock(workers):
+    x = torch.randn(29, 3, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(29)
+    ds = tud.TensorDataset(x, y)
+    kwargs = dict(batch_size=4, shuffle=True)
+    expected = collect(tud.DataLoader, ds, **kwargs)[0]
+    got = collect(gpufeed.DataLoader, ds, **kwargs, **workers)[0]
+    assert_same_batches(expected, got)
+
+
+def test_tensor_dataset_with_strided_tensor():
+    base = torch.arange(60, dtype=torch.float64).reshape(6, 10)
+    ds = tud.TensorDataset(base.t(), torch.arange(10))  # non-contiguous rows
+    expected = list(tud.DataLoader(ds, batch_size=3))
+    got = drain(gpufeed.DataLoader(ds, batch_size=3, num_workers=1))
+    assert_same_batches(expected, got)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("batch_size", [1, 5])
+def test_getitems_called_once_per_batch(workers, batch_size):
+    n = 23
+    batches = collect(gpufeed.DataLoader, GetitemsDataset(n), batch_size=batch_size,
+                      **workers)[0]
+    calls: dict[str, int] = {}
+    seen = []
+    for b in batches:
+        idx, size, call = b
+        seen.extend(idx.tolist())
+        assert len(set(call)) == 1, f"one batch came from several __getitems__ calls: {call}"
+        assert set(size.tolist()) == {len(idx)}, "__getitems__ got a different batch size"
+        calls[call[0]] = len(idx)
+    assert seen == list(range(n))
+    assert len(calls) == len(batches), "__getitems__ was called more often than once per batch"
+    assert "per-sample" not in calls
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_getitems_not_used_without_auto_collation(workers):
+    """batch_size=None fetches single samples with __getitem__, as stock does."""
+    expected = collect(tud.DataLoader, GetitemsDataset(5), batch_size=None)[0]
+    got = collect(gpufeed.DataLoader, GetitemsDataset(5), batch_size=None, **workers)[0]
+    assert_same_batches(expected, got)
+    assert {b[2] for b in got} == {"per-sample"}
+
+
+class OddGetitems(tud.Dataset):
+    """__getitems__ that returns samples as a list of dicts with numpy leaves."""
+
+    def __len__(self):
+        return 11
+
+    def __getitem__(self, i):
+        raise AssertionError("__getitem__ must not be called")
+
+    def __getitems__(self, indices):
+        return [{"i": i, "v": np.full(3, i, dtype=np.int32)} for i in indices]
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_getitems_results_collated_like_stock(workers):
+    expected = list(tud.DataLoader(OddGetitems(), batch_size=4))
+    got = collect(gpufeed.DataLoader, OddGetitems(), batch_size=4, **workers)[0]
+    assert_same_batches(expected, got)

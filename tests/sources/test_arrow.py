@@ -1,0 +1,148 @@
+"""Hugging Face datasets and pyarrow Tables: one take per batch, the stock loader's batches."""
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import gpufeed
+from gpufeed._host.fetch import MapFetcher
+from gpufeed._sources.arrow import ArrowSource
+
+datasets = pytest.importorskip("datasets")
+pa = pytest.importorskip("pyarrow")
+
+
+def assert_equal(want, got):
+    assert type(want) is type(got) or (isinstance(want, str) and isinstance(got, str))
+    if isinstance(want, torch.Tensor):
+        assert want.dtype == got.dtype and want.shape == got.shape and torch.equal(want, got)
+    elif isinstance(want, dict):
+        assert list(want) == list(got)
+        for k in want:
+            assert_equal(want[k], got[k])
+    elif isinstance(want, list):
+        assert len(want) == len(got)
+        for a, b in zip(want, got, strict=True):
+            assert_equal(a, b)
+    elif isinstance(want, np.ndarray):
+        assert want.dtype == got.dtype and np.array_equal(want, got, equal_nan=True)
+    elif isinstance(want, (float, np.floating)) and want != want:
+        assert got != got
+    else:
+        assert want == got
+
+
+def make(n=60):
+    rng = np.random.default_rng(0)
+    return datasets.Dataset.from_dict({
+        "x": list(rng.random((n, 5), dtype=np.float32)),
+        "label": rng.integers(0, 10, n).tolist(),
+        "text": [f"row {i}" for i in range(n)],
+        "weight": rng.random(n).tolist(),
+        "flag": [i % 3 == 0 for i in range(n)],
+    })
+
+
+ORDER = np.random.default_rng(1).permutation(60).tolist()
+
+
+@pytest.mark.parametrize("fmt", [None, "numpy", "torch"])
+def test_batches_equal_the_stock_loader(fmt):
+    ds = make().with_format(fmt)
+    want = list(DataLoader(ds, batch_size=8, sampler=ORDER))
+    for nw, wt in ((0, "process"), (2, "process"), (2, "thread")):
+        got = list(gpufeed.DataLoader(ds, batch_size=8, sampler=ORDER, num_workers=nw,
+                                      worker_type=wt))
+        assert_equal(want, got)
+    fetcher = MapFetcher(ds, auto_collation=True, collate_fn=None)
+    fetcher.fetch(ORDER[:8], None)
+    assert isinstance(fetcher.source, ArrowSource) and not fetcher.source.stock_only
+    assert fetcher.source.plan["x"][0] == ("columns" if fmt is None else "tensor")
+
+
+def test_a_selected_and_shuffled_dataset_keeps_its_row_mapping():
+    ds = make().shuffle(seed=3).select(range(10, 50)).with_format("torch", columns=["x", "text"])
+    want = list(DataLoader(ds, batch_size=7))
+    assert_equal(want, list(gpufeed.DataLoader(ds, batch_size=7, num_workers=2)))
+    fetcher = MapFetcher(ds, auto_collation=True, collate_fn=None)
+    assert_equal(want[1], fetcher.fetch(range(7, 14), None))
+    assert fetcher.source.raw is not None and not fetcher.source.stock_only
+
+
+def test_columns_without_a_fast_form_take_the_stock_path():
+    ds = datasets.Dataset.from_dict({
+        "tokens": [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]],  # lengths differ
+        "maybe": [1.0, None, 2.0, 3.0],
+    }).with_format("numpy")
+    collate = lambda b: b
+    want = list(DataLoader(ds, batch_size=2, collate_fn=collate))
+    assert_equal(want, list(gpufeed.DataLoader(ds, batch_size=2, collate_fn=collate)))
+    with pytest.raises(RuntimeError, match="equal size"):
+        list(DataLoader(ds.select_columns(["tokens"]).with_format(None), batch_size=2))
+    with pytest.raises(RuntimeError, match="equal size"):
+        list(gpufeed.DataLoader(ds.select_columns(["tokens"]).with_format(None), batch_size=2))
+
+
+def test_custom_collate_gets_the_stock_samples():
+    ds = make().with_format("numpy")
+    collate = lambda b: [s["label"] for s in b]
+    want = list(DataLoader(ds, batch_size=8, collate_fn=collate))
+    assert list(gpufeed.DataLoader(ds, batch_size=8, collate_fn=collate, num_workers=2)) == want
+
+
+class Rows(Dataset):
+    """What a pyarrow.Table's batch means: rows as numpy values."""
+
+    def __init__(self, table):
+        self.rows = table.to_pylist()
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        r = self.rows[i]
+        return {"x": np.asarray(r["x"], dtype=np.float32), "y": np.int64(r["y"]),
+                "name": r["name"]}
+
+
+def test_pyarrow_table_batches():
+    x = np.random.default_rng(2).random((30, 4), dtype=np.float32)
+    table = pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 4),
+                      "y": pa.array(np.arange(30), pa.int64()),
+                      "name": [f"n{i}" for i in range(30)]})
+    want = list(DataLoader(Rows(table), batch_size=8))
+    for nw in (0, 2):
+        got = list(gpufeed.DataLoader(table, batch_size=8, num_workers=nw))
+        assert_equal(want, got)
+    samples = next(iter(gpufeed.DataLoader(table, batch_size=3, collate_fn=lambda b: b)))
+    assert samples[1]["name"] == "n1" and samples[1]["y"] == 1
+
+
+def test_arrow_dataset_pads_lists_to_the_batch_maximum():
+    tokens = [[1, 2, 3], [4, 5], [6], [], [7, 8, 9, 10], [11]]
+    ds = datasets.Dataset.from_dict({"input_ids": tokens, "label": list(range(6))})
+    for data in (ds.with_format("torch"), ds.data.table):
+        padded = gpufeed.ArrowDataset(data, pad={"input_ids": -1})
+        for nw, wt in ((0, "process"), (2, "process"), (2, "thread")):
+            got = list(gpufeed.DataLoader(padded, batch_size=4, num_workers=nw, worker_type=wt))
+            assert [list(b) for b in got] == [["label", "input_ids", "input_ids_length"]] * 2
+            ids = torch.tensor([t + [-1] * (3 - len(t)) for t in tokens[:4]])
+            assert torch.equal(got[0]["input_ids"].long(), ids)  # Arrow's int dtype
+            assert got[1]["input_ids"].shape == (2, 4)  # this batch's own longest row
+            assert got[0]["input_ids_length"].tolist() == [3, 2, 1, 0]
+            assert torch.equal(got[1]["label"], torch.tensor([4, 5]))
+        assert padded[1]["label"] == 1 and list(padded[1]["input_ids"]) == [4, 5]
+    with pytest.raises(ValueError, match=r"lacks; it has \['input_ids', 'label'\]"):
+        gpufeed.ArrowDataset(ds, pad={"tokens": 0})
+    with pytest.raises(TypeError, match="not a list of numbers"):
+        gpufeed.ArrowDataset(ds, pad={"label": 0})
+
+
+def test_missing_extra_names_it(monkeypatch):
+    ds = make()
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(ImportError, match=r"pip install 'gpufeed\[arrow\]'"):
+        gpufeed.ArrowDataset(ds, pad={"x": 0})

@@ -1,0 +1,176 @@
+"""ImageFolder: layout, pixel fidelity, seeded crops for any workers, faults, missing extra."""
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import gpufeed
+from gpufeed._sources.images import _random_resized
+
+pytest.importorskip("simplejpeg")
+Image = pytest.importorskip("PIL.Image")
+
+
+def _photo(h, w, seed, gray=False):
+    """A smooth image with some detail, so JPEG keeps it recognisable."""
+    y, x = np.mgrid[0:h, 0:w]
+    rng = np.random.default_rng(seed)
+    chans = [(127 + 100 * np.sin(x / (5 + 3 * c) + y / (7 + c) + seed)).astype(np.uint8)
+             for c in range(3)]
+    img = np.stack(chans, -1) + rng.integers(0, 20, (h, w, 3), dtype=np.uint8)
+    return img[..., 0] if gray else img
+
+
+def make_folder(root, sizes=((48, 64), (64, 48), (40, 40), (80, 90))):
+    """Three classes; JPEGs of several shapes, a grayscale JPEG and a PNG."""
+    k = 0
+    for c in ("cat", "ant", "bee"):
+        (root / c).mkdir(parents=True)
+        for j, (h, w) in enumerate(sizes):
+            Image.fromarray(_photo(h, w, k)).save(root / c / f"{j}.jpg", quality=90)
+            k += 1
+        Image.fromarray(_photo(50, 50, k, gray=True)).save(root / c / "g.jpeg")
+        Image.fromarray(_photo(30, 44, k + 1)).save(root / c / "p.png")
+        (root / c / "notes.txt").write_text("not an image")
+        k += 2
+    return root
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_folder(tmp_path_factory.mktemp("imgs"))
+
+
+def test_layout_follows_torchvision(folder):
+    ds = gpufeed.ImageFolder(folder, size=32)
+    assert ds.classes == ["ant", "bee", "cat"] and ds.class_to_idx["cat"] == 2
+    assert len(ds) == 18 and list(ds.targets) == [0] * 6 + [1] * 6 + [2] * 6
+    assert ds.files[0] == "ant/0.jpg" and isinstance(ds.files, gpufeed.PackedList)
+    img, label = ds[7]
+    assert img.dtype == torch.uint8 and img.shape == (3, 32, 32) and label == 1
+
+
+def test_accurate_decode_equals_pillow(folder):
+    """No crop, no resize: the tensor is Pillow's decode of the file, pixel for pixel."""
+    for name, hw in (("0.jpg", (48, 64)), ("g.jpeg", (50, 50)), ("p.png", (30, 44))):
+        ds = gpufeed.ImageFolder(folder, size=hw, crop="center", center_fraction=1.0,
+                                 flip=False)
+        i = [str(f) for f in ds.files].index(f"bee/{name}")
+        want = np.asarray(Image.open(folder / "bee" / name).convert("RGB"))
+        got = ds[i][0].permute(1, 2, 0).numpy()
+        np.testing.assert_array_equal(got, want)
+    fast = gpufeed.ImageFolder(folder, size=(48, 64), crop="center", center_fraction=1.0,
+                               fast=True)
+    diff = np.abs(fast[6][0].permute(1, 2, 0).numpy().astype(int)
+                  - np.asarray(Image.open(folder / "bee/0.jpg")).astype(int))
+    assert 0 < diff.mean() < 8  # fast DCT/upsampling: close (a few levels), not exact
+
+
+def test_reduced_dct_scale_is_close_to_full_decode(tmp_path):
+    (tmp_path / "a").mkdir()
+    Image.fromarray(_photo(256, 256, 1)).save(tmp_path / "a" / "x.jpg", quality=95)
+    kw = dict(size=64, crop="center", center_fraction=1.0)
+    scaled = gpufeed.ImageFolder(tmp_path, **kw)[0][0].int()
+    full = gpufeed.ImageFolder(tmp_path, dct_scale=False, **kw)[0][0].int()
+    assert not torch.equal(scaled, full)  # the 1/4 scale decode was taken
+    assert (scaled - full).abs().float().mean() < 4
+
+
+def test_random_resized_parameters_respect_scale_and_ratio():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        top, left, h, w = _random_resized(375, 500, (0.2, 0.6), (0.75, 1.33), rng)
+        assert 0 <= top <= 375 - h and 0 <= left <= 500 - w
+        assert 0.2 - 0.01 <= h * w / (375 * 500) <= 0.6 + 0.01
+        assert 0.74 <= w / h <= 1.34
+
+
+@pytest.mark.parametrize("crop", ["random", "center"])
+def test_batches_same_for_any_workers_and_batch_size(folder, crop):
+    ds = gpufeed.ImageFolder(folder, size=24, crop=crop, scale=(0.3, 1.0))
+    runs = {}
+    for nw, wt in ((0, "process"), (2, "process"), (2, "thread")):
+        loader = gpufeed.DataLoader(ds, batch_size=4, shuffle=True, seed=5, num_workers=nw,
+                                    worker_type=wt)
+        runs[(nw, wt)] = [[t.clone() for t in b] for b in loader]
+    first = runs[(0, "process")]
+    for got in runs.values():
+        assert all(torch.equal(a, b) for x, y in zip(first, got, strict=True)
+                   for a, b in zip(x, y, strict=True))
+    # per-sample seeds: the same images whatever the batch size; the next epoch differs
+    loader = gpufeed.DataLoader(ds, batch_size=6, shuffle=True, seed=5)
+    assert torch.equal(torch.cat([b[0] for b in loader]), torch.cat([b[0] for b in first]))
+    second = torch.cat([b[0] for b in loader])
+    if crop == "random":
+        assert not torch.equal(second, torch.cat([b[0] for b in first]))
+
+
+def test_equals_the_stock_loader(folder):
+    ds = gpufeed.ImageFolder(folder, size=(20, 28), crop="center")
+    want = list(torch.utils.data.DataLoader(ds, batch_size=5))
+    for nw in (0, 2):
+        got = list(gpufeed.DataLoader(ds, batch_size=5, num_workers=nw))
+        assert len(got) == len(want)
+        for w, g in zip(want, got, strict=True):
+            assert type(g) is list and torch.equal(w[0], g[0]) and torch.equal(w[1], g[1])
+    got = list(gpufeed.DataLoader(ds, batch_size=5, collate_fn=lambda b: b))
+    assert [s[1] for b in got for s in b] == list(ds.targets)
+
+
+def test_flip_mirrors(folder):
+    ds = gpufeed.ImageFolder(folder, size=(48, 64), crop="random", scale=None, flip=True)
+    plain = gpufeed.ImageFolder(folder, size=(48, 64), crop="center", center_fraction=1.0)
+    flips = [torch.equal(ds.gpufeed_batch([0], seed=s, epoch=0, alloc=None)[0][0],
+                         plain[0][0].flip(-1)) for s in range(12)]
+    assert any(flips) and not all(flips)
+
+
+def _corrupt(root):
+    bad = root / "bee" / "9_bad.jpg"
+    bad.write_bytes(b"\xff\xd8\xff\xe0" + b"garbage" * 10)
+    return bad
+
+
+def test_corrupt_file_is_named_and_can_be_skipped(tmp_path):
+    root = make_folder(tmp_path, sizes=((40, 40),))
+    bad = _corrupt(root)
+    ds = gpufeed.ImageFolder(root, size=16)
+    for nw in (0, 2):
+        loader = gpufeed.DataLoader(ds, batch_size=4, num_workers=nw)
+        with pytest.raises(Exception, match=str(bad.name)) as info:
+            list(loader)
+        assert "on_error='skip'" in str(info.value)
+    ds = gpufeed.ImageFolder(root, size=16, on_error="skip")
+    batches = list(gpufeed.DataLoader(ds, batch_size=4, num_workers=2))
+    labels = torch.cat([b[1] for b in batches])
+    k = [str(f) for f in ds.files].index("bee/9_bad.jpg")
+    assert labels[k] == -1 and (labels >= 0).sum() == len(ds) - 1
+    assert torch.cat([b[0] for b in batches])[k].sum() == 0
+
+
+def test_bad_arguments_and_paths(tmp_path, folder):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        gpufeed.ImageFolder(tmp_path / "nowhere", size=8)
+    (tmp_path / "empty" / "a").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="no images"):
+        gpufeed.ImageFolder(tmp_path / "empty", size=8)
+    with pytest.raises(ValueError, match="crop='middle'"):
+        gpufeed.ImageFolder(folder, size=8, crop="middle")
+    with pytest.raises(ValueError, match="size=0"):
+        gpufeed.ImageFolder(folder, size=0)
+
+
+def test_missing_extra_names_it(folder, monkeypatch):
+    monkeypatch.setitem(sys.modules, "simplejpeg", None)
+    with pytest.raises(ImportError, match=r"pip install 'gpufeed\[image\]'"):
+        gpufeed.ImageFolder(folder, size=8)
+
+
+def test_unreadable_file_named(tmp_path):
+    root = make_folder(tmp_path, sizes=((40, 40),))
+    ds = gpufeed.ImageFolder(root, size=16)
+    (root / "ant" / "0.jpg").unlink()
+    with pytest.raises(ValueError, match=r"ant/0\.jpg"):
+        ds[0]

@@ -1,0 +1,81 @@
+"""Run by tests/test_distributed.py under ``torchrun --nproc_per_node=2`` (gloo, CPU).
+
+Each rank records what it sees, epoch by epoch, and writes ``<out>/rank<R>.json``; the test
+checks the ranks against each other. Recorded per configuration:
+
+- ``sampler/*``: gpufeed's ShardedSampler fed to torch's own DataLoader (rank and world size
+  read from the process group);
+- ``loader/*``: ``gpufeed.DataLoader(..., seed=3)``, which must shard by itself once the process
+  group is up (only when the loader has ``seed=``);
+- ``iterable``: an iterable dataset wrapped in ShardedIterable, two thread workers per rank.
+
+Usage: ``torchrun --nproc_per_node=2 tests/dist_sampling.py OUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+import gpufeed
+from gpufeed._order.sampler import ShardedIterable, ShardedSampler
+
+N, BATCH, EPOCHS = 21, 4, 3
+
+
+class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor(index), torch.rand(())
+
+
+def epochs(loader: object) -> list[list[list[float]]]:
+    """Per epoch, the (index, random draw) pairs in delivery order."""
+    out = []
+    for _ in range(EPOCHS):
+        seen = []
+        for index, draw in loader:  # type: ignore[attr-defined]
+            seen += [[int(i), float(d)] for i, d in zip(index, draw, strict=True)]
+        out.append(seen)
+    return out
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    report: dict[str, object] = {"rank": rank, "world_size": dist.get_world_size()}
+    integrated = "seed" in inspect.signature(gpufeed.DataLoader.__init__).parameters
+    for shuffle in (True, False):
+        for drop_last in (False, True):
+            key = f"shuffle={shuffle},drop_last={drop_last}"
+            sampler = ShardedSampler(Indexed(), shuffle=shuffle, seed=3, drop_last=drop_last)
+            report[f"sampler/{key}"] = epochs(
+                DataLoader(Indexed(), batch_size=BATCH, sampler=sampler, drop_last=drop_last)
+            )
+            if integrated:
+                loader = gpufeed.DataLoader(
+                    Indexed(), batch_size=BATCH, shuffle=shuffle, drop_last=drop_last,
+                    seed=3, num_workers=2 if shuffle else 0, worker_type="thread",
+                )
+                report[f"loader/{key}"] = epochs(loader)
+                report[f"loader_sampler/{key}"] = type(loader.sampler).__name__
+    stream = ShardedIterable(range(N))
+    report["iterable"] = [
+        [int(x) for x in gpufeed.DataLoader(stream, batch_size=None, num_workers=2,
+                                            worker_type="thread")]
+    ]
+    Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import gpufeed._cli.main
+from gpufeed._cli.main import main
+
+USER_MODULE = """
+import time
+
+import torch
+
+
+class Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 512
+
+    def __getitem__(self, i):
+        return torch.full((4,), float(i * i))
+
+
+def make():
+    return Squares()
+
+
+def not_a_dataset():
+    return 42
+
+
+VALUE = 3
+
+
+def loop(profiler):
+    for _ in profiler.wrap(torch.utils.data.DataLoader(Squares(), batch_size=16)):
+        time.sleep(0.001)
+
+
+def pair():
+    return range(20), lambda batch: time.sleep(0.001)
+
+
+def bad_pair():
+    return 5
+
+
+def broken():
+    raise RuntimeError("the user's bug")
+
+
+class Ragged(torch.utils.data.Dataset):
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, i):
+        return torch.arange(1 + i % 7)
+
+
+def padded():
+    return Ragged()
+
+
+def pad(samples):
+    return torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "cli_user_mod.py").write_text(textwrap.dedent(USER_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "cli_user_mod"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["tune", "--help"],
+                                  ["profile", "--help"], ["doctor", "--help"]])
+def test_help_of_every_command(argv, capsys):
+    assert main(argv) == 0
+    assert "usage: gpufeed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [[], ["fly"], ["tune"], ["tune", "m:f", "--batch-size", "0"],
+                                  ["tune", "m:f", "--budget", "lots"],
+                                  ["bench", "--workers", "a,b"], ["doctor", "--workers", "-1"],
+                                  ["doctor", "--batch-bytes", "big"]])
+def test_usage_errors_exit_2(argv, capsys):
+    assert main(argv) == 2
+    assert "usage: gpufeed" in capsys.readouterr().err
+
+
+def png_is_a_real_chart(path, min_size=(300, 200)):
+    """Open the PNG with Pillow: big enough, and not one flat colour (a blank canvas)."""
+    Image = pytest.importorskip("PIL.Image")
+    with Image.open(path) as im:
+        assert im.format == "PNG"
+        assert im.size[0] >= min_size[0] and im.size[1] >= min_size[1], im.size
+        gray = im.convert("L")
+        lo, hi = gray.getextrema()
+        assert hi - lo > 100, "blank image"
+        # drawn pixels (axes, bars, text): well above a frame's worth, well below all
+        dark = sum(gray.histogram()[:200])
+        assert 0.005 < dark / (im.size[0] * im.size[1]) < 0.9
+
+
+def test_bench_builtin_workload(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = main(["bench", "--quick", "--seconds", "0.05", "--workers", "0", "--runs", "3",
+               "--no-progress", "--json", str(out), "--plot", str(png)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "built-in synthetic workload" in text and "gpufeed vs stock, both per-sample" in text
+    assert "batched-path gain: gpufeed array vs gpufeed per-sample" in text
+    assert "machine busy" in text or "machine quiet" in text
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    # both loaders on every fetch path: like for like
+    assert {(r["loader"], r["path"]) for r in rows} == {
+        (lo, p) for lo in ("torch", "gpufeed") for p in ("per-sample", "getitems", "array")}
+    assert all(len(r["spread"]["runs"]) == 3 and r["samples_per_s"] > 0 for r in rows)
+    assert all(r["spread"]["lo"] <= r["samples_per_s"] <= r["spread"]["hi"] for r in rows)
+    whats = [c["what"] for c in doc["comparisons"]]
+    assert len(whats) == 5 and all(c["ratio_lo"] <= c["ratio"] <= c["ratio_hi"]
+                                   for c in doc["comparisons"])
+    assert {"busy", "other_cpus", "steal_share"} <= set(doc["machine"])
+    png_is_a_real_chart(png)
+
+
+def test_bench_user_dataset(user_module, capsys):
+    assert main(["bench", f"{user_module}:make", "--workers", "0", "--seconds", "0.2",
+                 "--batch-size", "16", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"gpufeed bench: {user_module}:make, batch_size=16" in out
+
+
+@pytest.mark.parametrize(("target", "message"), [
+    ("no_colon", "expected MODULE:FACTORY (e.g. mypkg.data:factory), got 'no_colon'"),
+    ("no_such_module_xyz:make", "cannot import module 'no_such_module_xyz'"),
+    ("{mod}:missing", "has no attribute 'missing'"),
+    ("{mod}:VALUE", "is a int, not a callable"),
+    ("{mod}:not_a_dataset", "returned a int, not a dataset"),
+    ("missing_file.py:make", "no file 'missing_file.py'"),
+])
+def test_bad_targets_name_the_value_and_the_form(user_module, target, message, capsys):
+    target = target.format(mod=user_module)
+    assert main(["bench", target, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("gpufeed bench: error:")
+
+
+def test_target_from_a_file_path(tmp_path, capsys):
+    path = tmp_path / "by_path.py"
+    path.write_text(textwrap.dedent(USER_MODULE))
+    assert main(["profile", f"{path}:pair"]) == 0
+    assert "input-bound:" in capsys.readouterr().out
+
+
+def test_tune_writes_recommendation_json(user_module, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "tune.json", tmp_path / "tune.png"
+    rc = main(["tune", f"{user_module}:make", "--batch-size", "16", "--worker-types", "thread",
+               "--trial-seconds", "0.1", "--runs", "3", "--time-budget", "4", "--no-progress",
+               "--json", str(out), "--plot", str(png)])
+    assert rc == 0, capsys.readouterr().err
+    text = capsys.readouterr().out
+    assert "recommended" in text and ("machine busy" in text or "machine quiet" in text)
+    data = json.loads(out.read_text())
+    assert set(data["recommended"]) >= {"num_workers", "pin_memory"}
+    assert data["trials"] and "samples_per_s" in data["trials"][0]
+    assert all(len(t["runs"]) == 3 for t in data["trials"] if t["accepted"])
+    assert isinstance(data["machine_busy"], bool)
+    png_is_a_real_chart(png)
+
+
+def test_tune_with_collate_step_and_budgets(user_module, tmp_path, capsys):
+    out = tmp_path / "tune.json"
+    rc = main(["tune", f"{user_module}:padded", "--collate", f"{user_module}:pad",
+               "--step-ms", "5", "--batch-size", "8", "--worker-types", "thread",
+               "--trial-seconds", "0.1", "--runs", "1", "--time-budget", "3", "--no-progress",
+               "--budget-memory", "64GiB", "--budget-shm", "1TiB", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    text = capsys.readouterr().out
+    assert "input-bound" in text
+    data = json.loads(out.read_text())
+    assert data["budget"]["memory_bytes"] == 64 << 30 and data["budget"]["shm_bytes"] == 1 << 40
+    assert all(t["input_bound"] is not None for t in data["trials"])
+    # without --collate the default collate cannot stack the ragged samples: no trial works
+    rc = main(["tune", f"{user_module}:padded", "--batch-size", "8", "--worker-types", "thread",
+               "--trial-seconds", "0.1", "--runs", "1", "--time-budget", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "no configuration worked" in err and "--collate MODULE:FUNCTION" in err
+    assert "raise the budget" not in err and "Traceback" not in err
+
+
+def test_tune_step_and_step_ms_are_exclusive(user_module, capsys):
+    assert main(["tune", f"{user_module}:make", "--step", f"{user_module}:pad",
+                 "--step-ms", "3"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("function", ["loop", "pair"])
+def test_profile_both_function_forms(user_module, function, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["profile", f"{user_module}:{function}", "--json", str(out)]) == 0
+    assert "input-bound:" in capsys.readouterr().out
+    assert json.loads(out.read_text())["steps"] > 0
+
+
+def test_profile_bad_return_and_user_errors(user_module, capsys):
+    assert main(["profile", f"{user_module}:bad_pair"]) == 2
+    assert "return (iterable, step)" in capsys.readouterr().err
+    assert main(["profile", f"{user_module}:broken"]) == 1
+    err = capsys.readouterr().err
+    assert "RuntimeError: the user's bug" in err and "Traceback" in err
+
+
+def test_tune_bad_worker_type_is_a_usage_error(user_module, capsys):
+    assert main(["tune", f"{user_module}:make", "--worker-types", "fiber"]) == 2
+    assert "worker_types must name 'process' and/or 'thread'" in capsys.readouterr().err
+
+
+def test_doctor_exit_code_and_json(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    rc = main(["doctor", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == data["exit_code"] in (0, 1)
+    assert "gpufeed doctor" in capsys.readouterr().out
+    main(["doctor", "--workers", "0", "--no-pin-memory", "--batch-bytes", "1MiB",
+          "--json", str(out)])
+    names = {f["name"] for f in json.loads(out.read_text())["findings"]}
+    assert "/dev/shm" not in names and "RLIMIT_MEMLOCK" not in names  # do not apply
+    assert "0 workers x prefetch 2" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_says_how_to_install(user_module, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    rc = main(["tune", f"{user_module}:make", "--plot", str(tmp_path / "t.png")])
+    assert rc == 1
+    assert "pip install 'gpufeed[plot]'" in capsys.readouterr().err
+
+
+def test_python_dash_m_gpufeed(tmp_path):
+    src = str(Path(gpufeed._cli.main.__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "d.json"
+    done = subprocess.run([sys.executable, "-m", "gpufeed", "doctor", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode in (0, 1), done.stderr
+    assert "gpufeed doctor" in done.stdout and json.loads(out.read_text())["findings"]
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize(("argv", "terminal", "drawn"), [
+    ([], True, True), (["--json", "{out}"], True, False), ([], False, False),
+    (["--no-progress"], True, False)])
+def test_progress_bar_only_on_a_terminal_and_without_json(user_module, tmp_path, monkeypatch,
+                                                           capsys, argv, terminal, drawn):
+    pytest.importorskip("tqdm")
+    err = FakeTerminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    extra = [a.format(out=tmp_path / "o.json") for a in argv]
+    assert main(["profile", f"{user_module}:pair", *extra]) == 0
+    assert main(["tune", f"{user_module}:make", "--worker-types", "thread", "--runs", "1",
+                 "--trial-seconds", "0.05", "--time-budget", "0.5", *extra]) == 0
+    text = err.getvalue()
+    assert ("gpufeed profile" in text and "gpufeed tune" in text) is drawn, text
+    assert "input-bound" in capsys.readouterr().out  # the results still go to stdout

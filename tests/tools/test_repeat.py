@@ -1,0 +1,70 @@
+import pytest
+
+from gpufeed._tools import repeat as _repeat
+from gpufeed._tools.repeat import LoadMonitor, MachineLoad, Spread
+
+
+def test_spread_median_range_and_overlap():
+    a = Spread((100.0, 90.0, 110.0, 105.0, 95.0))
+    assert (a.median, a.lo, a.hi) == (100.0, 90.0, 110.0)
+    assert a.rel_spread == pytest.approx(0.2)
+    b = Spread((108.0, 120.0, 130.0))
+    c = Spread((111.0, 120.0))
+    assert a.overlaps(b) and b.overlaps(a) and a.verdict(b) == "same within noise"
+    assert not a.overlaps(c) and c.verdict(a) == "faster" and a.verdict(c) == "slower"
+    mid, lo, hi = c.ratio(a)  # rounds side by side: 111/100 and 120/90
+    assert mid == pytest.approx((111 / 100 + 120 / 90) / 2) and lo == pytest.approx(111 / 110)
+    assert hi == pytest.approx(120 / 90)
+    assert a.to_dict()["runs"] == list(a.runs)
+
+
+def test_a_ratio_pairs_runs_of_the_same_round():
+    """Slow patches that slow both sides of a round leave that round's ratio alone; a ratio of
+    medians taken from different rounds would mix them."""
+    stock = Spread((100.0, 100.0, 50.0, 50.0, 100.0))
+    gpufeed = Spread((220.0, 200.0, 100.0, 90.0, 180.0))  # 2.2, 2.0, 2.0, 1.8, 1.8
+    assert gpufeed.ratio(stock)[0] == pytest.approx(2.0)
+    assert gpufeed.median / stock.median == pytest.approx(1.8)
+
+
+@pytest.mark.parametrize(("runs", "done"), [
+    ((100.0, 101.0), False),               # fewer than MIN_RUNS
+    ((100.0, 101.0, 102.0), True),         # 3 runs agreeing within 5%
+    ((100.0, 130.0, 80.0), False),         # 3 runs far apart: go on
+    ((100.0, 130.0, 80.0, 90.0, 95.0), True),  # the limit of 5 runs
+])
+def test_runs_stop_at_five_or_when_the_spread_is_small(runs, done):
+    assert Spread(runs).done(5, 0.05) is done
+
+
+@pytest.mark.parametrize(("other", "steal", "busy"), [
+    (0.02, 0.0, False), (0.3, 0.0, True), (0.02, 0.06, True), (0.5, None, True),
+    (0.5, 0.0, False),  # 0.5 of 16 CPUs is under the 10% share on a large machine
+])
+def test_busy_thresholds(other, steal, busy):
+    cpus = 16 if other == 0.5 and steal == 0.0 else 2
+    load = MachineLoad(10.0, cpus, other, steal)
+    assert load.busy is busy
+    assert load.summary.startswith("machine busy" if busy else "machine quiet")
+    assert load.to_dict()["busy"] is busy
+
+
+def test_monitor_counts_other_processes_not_ours(monkeypatch):
+    # Fabricated clocks: in 2 s the machine was busy 3 CPU-s, 0.2 of it stolen; our tree used
+    # 1 CPU-s, so other processes used 2 CPU-s = 1 CPU on average.
+    stats = iter([(100.0, 1.0, 400.0), (103.0, 1.2, 404.0)])
+    ours = iter([10.0, 11.0])
+    clock = iter([0.0, 2.0])
+    monkeypatch.setattr(_repeat, "_proc_stat", lambda: next(stats))
+    monkeypatch.setattr(_repeat, "_tree_cpu_s", lambda: next(ours))
+    monkeypatch.setattr(_repeat.time, "perf_counter", lambda: next(clock))
+    load = LoadMonitor(cpus=2).start().stop()
+    assert load.other_cpus == pytest.approx(1.0)
+    assert load.steal_share == pytest.approx(0.05)
+    assert load.busy
+
+
+def test_monitor_on_this_machine_reads_real_counters():
+    load = LoadMonitor().start().stop()
+    assert load.other_cpus >= 0 and load.cpus >= 1
+    assert load.steal_share is None or 0 <= load.steal_share <= 1
