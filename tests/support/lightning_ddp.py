@@ -71,6 +71,11 @@ def main(mode: str, out: Path) -> None:
         "rank": rank, "saved_rank": saved_state["rank"],
         "reference": reference.seen, "resumed": resumed.seen,
     }))
+    # Lightning leaves the gloo process group up; tearing it down at interpreter exit sometimes
+    # aborts the process ("terminate called without an active exception", exit code -6) after
+    # the results are written. Close it here, while the other rank is still in step.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
