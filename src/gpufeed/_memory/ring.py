@@ -32,7 +32,7 @@ caching host allocator this way, but records nothing for registered memory:
     before the last view went (the idiom above, in any order of ``del``). Not covered,
     the user's to order: a copy queued on another stream (``with torch.cuda.stream(s)``)
     or to another device when the batch is dropped outside that block (drop it inside, or
-    make the current stream wait for ``s``); tests/test_ring_release_sim.py shows both.
+    make the current stream wait for ``s``); tests/memory/test_release_sim.py shows both.
     "Dropped" means the last reference went: ``for k, batch in enumerate(loader)`` keeps
     the batch in enumerate's tuple until the next iteration, on whatever stream is current
     then. Any thread may drop it; its own current stream is the one fenced.
@@ -64,9 +64,7 @@ from __future__ import annotations
 import bisect
 import collections
 import errno
-import os
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -75,15 +73,6 @@ from .._base import cuda as _cuda
 from . import pinning as _pinning
 from .region import PAGE, Region, align, reserve_for
 from .release import Releaser, warn_unpinned
-
-
-def shm_free_bytes(path: str = "/dev/shm") -> int | None:
-    """Free bytes in the shared-memory file system, or None where there is none."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
 
 
 class SlotRing:
@@ -114,7 +103,7 @@ class SlotRing:
         if budget is not None:
             self.budget = self.user_budget = min(budget, reserve)  # see reserve_for
         try:
-            self.mem = Region(max(reserve, PAGE), shared=shared)
+            self.region = Region(max(reserve, PAGE), shared=shared)
         except OSError as e:
             if e.errno not in (errno.ENOMEM, errno.EFBIG, errno.EINVAL):
                 raise
@@ -126,8 +115,8 @@ class SlotRing:
                 f"gpufeed cannot reserve {reserve} bytes of address space for its slot ring "
                 f"({e.strerror}): {fix}, or pass ring_bytes=0 to do without the ring"
             ) from e
-        self.region = self.mem.tensor
-        self.region_np = self.mem.array
+        self.region_tensor = self.region.tensor
+        self.region_array = self.region.array
         self.slot_bytes = 0  # size of new slots; 0 until the first batch says
         self._extents: list[tuple[int, int]] = [(0, reserve)]  # free (offset, size), sorted
         self._slots: dict[int, tuple[int, int]] = {}  # id -> (offset, size)
@@ -182,7 +171,7 @@ class SlotRing:
     # -- acquire / release ---------------------------------------------------------------
     def acquire(self) -> tuple[int, int, int] | None:
         """A free slot as (id, offset, size), a new one within budget, or None (fallback)."""
-        self.drain()
+        self._collect_released()
         if not self.slot_bytes or self.closed:
             return None
         if not self._free:
@@ -213,7 +202,8 @@ class SlotRing:
             if sid in self._slots:
                 self._free.append(sid)
 
-    def drain(self) -> None:
+    def _collect_released(self) -> None:
+        """Slots released without a fence (``release``, unfenced finalizers) join the free list."""
         rel = self._released
         while rel:
             sid = rel.popleft()
@@ -244,7 +234,7 @@ class SlotRing:
             return None
         try:
             handle = _pinning.register(
-                self.region[off : off + size], device=self.device, fences=self._fences
+                self.region_tensor[off : off + size], device=self.device, fences=self._fences
             )
             if handle is not None and self.device is None:  # CUDA is initialised now
                 self.device = self._releaser.device = handle.device = _cuda.current_device()
@@ -260,7 +250,7 @@ class SlotRing:
         if handle is not None:
             _pinning.unregister(handle)  # waits for the fences (rare: batches grew)
         self.live_bytes -= size
-        self.mem.discard(off, size)
+        self.region.discard(off, size)
         i = bisect.bisect(self._extents, (off, size))
         self._extents.insert(i, (off, size))
         merged: list[tuple[int, int]] = []
@@ -284,7 +274,7 @@ class SlotRing:
         if used == 0:
             self.release(sid)
             return None
-        base = self.region_np[off : off + align(used)]
+        base = self.region_array[off : off + align(used)]
         fin = weakref.finalize(base, self._releaser, sid)
         fin.atexit = False
         return base
@@ -303,12 +293,10 @@ class SlotRing:
         self._pins.clear()
         # Views handed to the user keep the memory mapped; the ring itself lets go of it
         # (unpinned first: memory is never unmapped while registered with CUDA).
-        self.region = self.region_np = None  # type: ignore[assignment]
-        self.mem.release()
-        self.mem = None  # type: ignore[assignment]
+        self.region_tensor = self.region_array = None  # type: ignore[assignment]
+        self.region.release()
+        self.region = None  # type: ignore[assignment]
 
-
-ReleaseFn = Callable[[int], None]
 
 
 __all__ = ["SlotRing", "reserve_for"]  # reserve_for: sizes a ring (``_memory/region.py``)
