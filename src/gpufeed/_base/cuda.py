@@ -1,9 +1,10 @@
 """CUDA calls outside the copies themselves: device guard, events, capture, fences.
 
 Every call here asks ``torch.cuda`` directly for a loader's device; nothing else in gpufeed
-does, apart from ``_pinning`` (``cudart``, ``is_pinned``, ``pin_memory``) and the device
-stage's backend (``_device/streams.py``). The simulated backend of the tests (tests/sim_cuda.py)
-replaces exactly these functions, so the guards placed around them are tested:
+does, apart from ``_memory/pinning.py`` (``cudart``, ``is_pinned``, ``pin_memory``) and the
+device stage's backend (``_device/streams.py``). The simulated backend of the tests
+(tests/support/sim_cuda.py) replaces exactly these functions, so the guards placed around
+them are tested:
 
 * ``device_guard(d)``: ``torch.cuda.device(d)`` (NOTE [ Registered memory lifetime ] rule 5:
   under torchrun, rank 3 creates no context on GPU 0);
@@ -43,7 +44,8 @@ def current_device() -> int:
 
 
 def device_guard(index: int | None) -> AbstractContextManager[Any]:
-    """``torch.cuda.device(index)`` (NOTE rule 5); nothing for None."""
+    """``torch.cuda.device(index)`` (NOTE [ Registered memory lifetime ] rule (5), in
+    ``_memory/pinning.py``); nothing for None."""
     return nullcontext() if index is None else torch.cuda.device(index)
 
 
@@ -93,7 +95,8 @@ _local = threading.local()
 
 
 class Fences:
-    """Events to pass before memory may be unregistered or reused (NOTE rule 3).
+    """Events to pass before memory may be unregistered or reused (NOTE [ Registered memory
+    lifetime ] rule (3) in ``_memory/pinning.py``).
 
     Entries are ``(event, payload)``; thread-safe (finalizers add from any thread). Held
     strongly by whoever must wait for them, so no collection order can lose them.

@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
+import torch
+
 _ATOMS = (str, bytes, bytearray, memoryview)
 
 
@@ -83,6 +85,15 @@ def tree_leaves(obj: Any) -> list[Any]:
 
     tree_map(visit, obj)
     return out
+
+
+def byte_extent(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to just past its last, strides and all (0 when it has
+    no element): what a view of ``t`` spans in its storage."""
+    if t.numel() == 0:
+        return 0
+    last = sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
 
 
 def _is_tensor_like(t: type) -> bool:

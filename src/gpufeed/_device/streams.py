@@ -174,18 +174,3 @@ def parse_device(device: Any, *, injected: bool = False, resolve: bool = True) -
     if not 0 <= index < count:
         raise ValueError(f"device={device!r} but only {count} CUDA device(s) are visible")
     return torch.device("cuda", index)
-
-
-def pin_device_index(device: torch.device | None, pin_memory_device: str = "") -> int | None:
-    """The device a loader's pinned ring serves, resolved now (iteration start): its
-    ``device=``, else a CUDA ``pin_memory_device``, else the current device. Registration and
-    release events run under it (NOTE [ Registered memory lifetime ] rule 5). None when it
-    is the current device and CUDA is not initialised yet: asking would initialise CUDA
-    before the workers fork; the ring asks at its first registration instead."""
-    if device is not None and device.type == "cuda" and device.index is not None:
-        return device.index
-    if device is None and pin_memory_device:
-        pmd = torch.device(pin_memory_device)
-        if pmd.type == "cuda" and pmd.index is not None:
-            return pmd.index
-    return _cuda.current_device() if _cuda.cuda_initialized() else None

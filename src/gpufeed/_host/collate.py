@@ -18,11 +18,9 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
-from .._base.tree import tree_map
-from .._memory.ring import ALIGN, align, contiguous_at
+from .._base.tree import byte_extent, tree_map
+from .._memory.region import ALIGN, align, contiguous_at
 from .._memory.spill import Spill
-
-Alloc = Callable[[tuple[int, ...], torch.dtype], "torch.Tensor | None"]
 
 
 class SlotWriter:
@@ -197,7 +195,7 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
                 return Leaf(spilled // esize, t.dtype, tuple(t.shape), t.stride(), is_numpy,
                             spill=True)
         rel = ptr - writer.base - writer.start
-        span = nbytes if t.is_contiguous() else _span(t)
+        span = nbytes if t.is_contiguous() else byte_extent(t)
         if rel + span > used:
             used = rel + span
         return Leaf(rel // esize, t.dtype, tuple(t.shape), t.stride(), is_numpy)
@@ -211,14 +209,6 @@ def _empty_leaf(x: Any) -> Any:
         return x
     t = torch.empty(x.shape, dtype=x.dtype)
     return t.numpy() if x.is_numpy else t
-
-
-def _span(t: torch.Tensor) -> int:
-    """Bytes from a tensor's first element to just past its last."""
-    if t.numel() == 0:
-        return 0
-    last = sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True))
-    return (last + 1) * t.element_size()
 
 
 def unpack(packed: Any, base: np.ndarray | None, spill: torch.Tensor | None = None) -> Any:

@@ -17,9 +17,8 @@ import torch
 from torch.utils.data import IterableDataset
 
 from .._base import cuda as _cuda
-from .._device.streams import pin_device_index
 from .._memory import pinning as _pinning
-from .._memory.pinning import pin_batch
+from .._memory.pinning import pin_batch, pin_device_index
 from .._order.resume import capture_state
 from .._order.shards import ShardInfo, set_shard_info
 from .fetch import IterFetcher, MapFetcher

@@ -89,7 +89,8 @@ class WorkerIter(BaseIter):
             kwargs = dict(
                 num_workers=nw, dataset=self._dataset, is_iterable=self._is_iterable,
                 auto_collation=self._auto_collation, collate_fn=self._collate_fn,
-                drop_last=self._drop_last, region=self._ring.mem if shared else self._ring.region,
+                drop_last=self._drop_last,
+                region=self._ring.region if shared else self._ring.region_tensor,
                 base_seed=self._base_seed,
                 init_fn=loader.worker_init_fn, sample_seed=self._sample_seed, rank=loader.rank,
                 world_size=loader.world_size,
@@ -99,7 +100,7 @@ class WorkerIter(BaseIter):
                 check_copy_on_write(self._dataset)  # NOTE [ Copy-on-write and Python objects ]
                 ctx = loader.multiprocessing_context or torch.multiprocessing
                 self._pool = ProcessPool(nw, ctx, kwargs)
-                self._ring.mem.close_fd()
+                self._ring.region.close_fd()
             else:
                 self._pool = ThreadPool(nw, kwargs)
             _live.add(self)
@@ -277,9 +278,8 @@ class WorkerIter(BaseIter):
             if res[10]:
                 self._rec.count("ring_unsupported")
             self._ring.learn(need)
-            self._ready[idx] = (
-                self._ring.views(sid, used, packed, spill) if sid >= 0
-                else unpack(packed, None, spill)
+            self._ready[idx] = unpack(
+                packed, self._ring.lease(sid, used) if sid >= 0 else None, spill
             )
             return
         if sid >= 0:

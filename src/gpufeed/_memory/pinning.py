@@ -54,7 +54,7 @@ NOTE [ Registered memory lifetime ]
 
 Here ``cuda_usable``, ``_pinned_ptr``, ``pin`` and ``torch.cuda.cudart()`` ask CUDA
 directly; guards, events and capture are in ``_base/cuda.py``. The simulated backend of the tests
-(tests/sim_cuda.py) replaces exactly those, so the guards placed around them are tested.
+(tests/support/sim_cuda.py) replaces exactly those, so the guards placed around them are tested.
 """
 
 from __future__ import annotations
@@ -69,11 +69,11 @@ import torch
 
 from .._base import cuda as _cuda
 from .._base.cuda import Fences
-from .._base.tree import tree_map
+from .._base.tree import byte_extent, tree_map
 
 __all__ = [
-    "PinnedRegion", "cuda_usable", "is_pinned", "pin", "pin_batch", "register",
-    "registered_bytes", "track_copies", "unregister", "untrack_copies",
+    "PinnedRegion", "cuda_usable", "is_pinned", "pin", "pin_batch", "pin_device_index",
+    "register", "registered_bytes", "track_copies", "unregister", "untrack_copies",
 ]
 
 logger = logging.getLogger(__name__)
@@ -85,10 +85,10 @@ _lock = threading.RLock()
 _refcounts: dict[tuple[int, int], int] = {}  # (ptr, nbytes) -> live handles we own
 
 
-_tracked: set[Fences] = set()  # NOTE rule (3): strong on purpose
+_tracked: set[Fences] = set()  # NOTE [ Registered memory lifetime ] rule (3): strong on purpose
 
 
-def _forget_after_fork() -> None:  # NOTE rule (4)
+def _forget_after_fork() -> None:  # NOTE [ Registered memory lifetime ] rule (4)
     global _lock, _refcounts, _tracked
     _lock = threading.RLock()  # another thread may have held it at the fork
     _refcounts = {}
@@ -150,18 +150,13 @@ def pin(t: torch.Tensor) -> torch.Tensor:
 
 def is_pinned(t: torch.Tensor) -> bool:
     """Whether ``t``'s bytes are page-locked host memory (its first and last byte, not its
-    storage's: NOTE rule 1). False (never an error) without CUDA, or for an empty tensor."""
+    storage's: NOTE [ Registered memory lifetime ] rule (1)). False (never an error) without
+    CUDA, or for an empty tensor."""
     if t.device.type != "cpu" or t.numel() == 0 or not cuda_usable():
         return False
     first = t.data_ptr()
-    last = first + _extent(t) - 1
+    last = first + byte_extent(t) - 1
     return _pinned_ptr(first) and (last == first or _pinned_ptr(last))
-
-
-def _extent(t: torch.Tensor) -> int:
-    """Bytes from ``t``'s first element to just past its last."""
-    span = sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True))
-    return (span + 1) * t.element_size()
 
 
 def _pinned_ptr(ptr: int) -> bool:
@@ -179,8 +174,9 @@ def register(
 ) -> PinnedRegion | None:
     """Page-lock the bytes of contiguous CPU tensor ``t`` with ``cudaHostRegister``.
 
-    ``device``: the device whose context makes the call (NOTE rule 5). ``fences``: events
-    that must pass before the memory is unregistered, kept by the handle (rule 3).
+    ``device``: the device whose context makes the call (NOTE [ Registered memory lifetime ]
+    rule (5)). ``fences``: events that must pass before the memory is unregistered, kept by
+    the handle (rule 3).
 
     Returns a :class:`PinnedRegion` handle, or None when there is nothing to do (no CUDA,
     empty storage). Idempotent per region: registering the same storage again returns a
@@ -240,11 +236,12 @@ def register(
 def unregister(h: PinnedRegion | None) -> None:
     """Undo :func:`register`. Safe on None and safe to call twice on one handle.
 
-    The handle keeps the memory mapped until this returns (NOTE rule 2). Pending copies
-    are waited for first (rule 3): an event on the current stream of the handle's device,
-    the handle's Fences and every tracked one; unregistering pages under a running DMA is
-    undefined behaviour in CUDA. In a process other than the one that registered (a forked
-    child) it only marks the handle released (rule 4).
+    The handle keeps the memory mapped until this returns (NOTE [ Registered memory
+    lifetime ] rule (2)). Pending copies are waited for first (rule 3): an event on the
+    current stream of the handle's device, the handle's Fences and every tracked one;
+    unregistering pages under a running DMA is undefined behaviour in CUDA. In a process
+    other than the one that registered (a forked child) it only marks the handle released
+    (rule 4).
     """
     if h is None or not h.active:
         return
@@ -293,6 +290,21 @@ def _wait_for_copies(h: PinnedRegion) -> None:
         h.fences.wait()
     for fences in list(_tracked):
         fences.wait()
+
+
+def pin_device_index(device: torch.device | None, pin_memory_device: str = "") -> int | None:
+    """The device a loader's pinned ring serves, resolved now (iteration start): its
+    ``device=``, else a CUDA ``pin_memory_device``, else the current device. Registration and
+    release events run under it (NOTE [ Registered memory lifetime ] rule (5)). None when it
+    is the current device and CUDA is not initialised yet: asking would initialise CUDA
+    before the workers fork; the ring asks at its first registration instead."""
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return device.index
+    if device is None and pin_memory_device:
+        pmd = torch.device(pin_memory_device)
+        if pmd.type == "cuda" and pmd.index is not None:
+            return pmd.index
+    return _cuda.current_device() if _cuda.cuda_initialized() else None
 
 
 def registered_bytes() -> int:

@@ -7,7 +7,7 @@ before the workers start, so they inherit or receive it once), ordinary memory f
 workers. Slots are carved out of it as needed; the iterator owns the bookkeeping.
 
     main: acquire() ──(slot offset, size)──> worker: collate into the slot, send a small
-          message (leaf offsets, dtypes, shapes) ──> main: views(), hand batch to user
+          message (leaf offsets, dtypes, shapes) ──> main: lease() + unpack(), hand batch to user
     user drops the last tensor viewing the batch ──> finalizer ──> release() ──> free list
 
 The user's tensors are views of one per-batch numpy "base" array that spans the slot; each
@@ -32,7 +32,7 @@ caching host allocator this way, but records nothing for registered memory:
     before the last view went (the idiom above, in any order of ``del``). Not covered,
     the user's to order: a copy queued on another stream (``with torch.cuda.stream(s)``)
     or to another device when the batch is dropped outside that block (drop it inside, or
-    make the current stream wait for ``s``); tests/test_ring_release_sim.py shows both.
+    make the current stream wait for ``s``); tests/memory/test_release_sim.py shows both.
     "Dropped" means the last reference went: ``for k, batch in enumerate(loader)`` keeps
     the batch in enumerate's tuple until the next iteration, on whatever stream is current
     then. Any thread may drop it; its own current stream is the one fenced.
@@ -64,185 +64,15 @@ from __future__ import annotations
 import bisect
 import collections
 import errno
-import mmap
-import os
-import sys
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 
 from .._base import cuda as _cuda
 from . import pinning as _pinning
+from .region import PAGE, Region, align, reserve_for
 from .release import Releaser, warn_unpinned
-
-# A sparse reservation must not be charged to the commit limit up front (Linux's value; newer
-# Pythons name it).
-_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
-ALIGN = 64  # bytes; every leaf starts on a cache-line boundary
-PAGE = mmap.PAGESIZE  # 64 KiB on some aarch64 hosts (GH200): never assume 4096
-
-
-def align(n: int, to: int = ALIGN) -> int:
-    return (n + to - 1) // to * to
-
-
-def contiguous_at(typed: torch.Tensor, shape: tuple[int, ...], offset: int) -> torch.Tensor:
-    """A C-contiguous tensor of ``shape`` viewing the 1-D ``typed`` from element ``offset``
-    (how slot writers and spill files carve a leaf out of their memory)."""
-    stride = []
-    acc = 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= d
-    return typed.as_strided(shape, stride[::-1], offset)
-
-
-def shm_free_bytes(path: str = "/dev/shm") -> int | None:
-    """Free bytes in the shared-memory file system, or None where there is none."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
-def default_reserve() -> int:
-    """Address space reserved for a ring whose budget the user did not set.
-
-    The reservation is sparse: pages cost memory only once a slot touches them, and the
-    budget (learnt from the first batch) bounds what is touched.
-    """
-    import psutil
-
-    cap = min(16 << 30, psutil.virtual_memory().total // 2)
-    return max(cap // PAGE * PAGE, PAGE)
-
-
-def reserve_for(budget: int | None) -> int:
-    """Address space to reserve for a ring whose budget is ``budget`` bytes (None: default).
-
-    A user's budget is reserved up to the physical memory: live slots are touched memory, so
-    a ring can never usefully hold more, and mapping more fails (128 TiB is the whole address
-    space). Past the reservation batches fall back to ordinary allocation, as past the budget.
-    """
-    if budget is None:
-        return default_reserve()
-    import psutil
-
-    return min(budget, max(psutil.virtual_memory().total // PAGE * PAGE, PAGE))
-
-
-def _anonymous_file(size: int) -> int:
-    """A descriptor of a nameless file for the shared region (the caller sizes and maps it).
-
-    Linux: a memory file (``memfd``). Elsewhere (macOS, the BSDs): an unlinked temporary file,
-    in /dev/shm when there is one; it leaves nothing behind either, but its pages may be
-    written back to disk under memory pressure.
-    """
-    create = getattr(os, "memfd_create", None)
-    if create is not None:
-        return int(create("gpufeed-ring", getattr(os, "MFD_CLOEXEC", 0)))
-    import tempfile
-
-    ram = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryFile(prefix="gpufeed-ring-", dir=ram) as f:  # unlinked already
-        return os.dup(f.fileno())  # not inheritable (PEP 446), like MFD_CLOEXEC
-
-
-def _close_fd(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
-
-
-class Region:
-    """A sparse block of memory; shared (memfd) for process workers, private for threads.
-
-    Shared regions live in an anonymous memory file (``_anonymous_file``: a memfd on Linux, an
-    unlinked temporary file elsewhere), not in /dev/shm: nothing to unlink,
-    nothing left behind if a process is killed, and no /dev/shm size limit to hit. Pickling
-    one (for spawned workers) passes its descriptor; fork inherits the mapping. Private
-    regions are private anonymous memory, so ``discard`` really frees their pages (a shared
-    anonymous mapping would keep them in shmem).
-
-    The region owns its descriptor: ``close_fd()`` closes it, and so does a finalizer when the
-    region is collected first, or when ``__init__`` fails after creating it. The mapping
-    belongs to ``mm`` (which keeps a descriptor of its own: CPython's mmap dups it); numpy and
-    torch views keep ``mm`` alive. ``release()`` lets go of both: it unmaps at once when
-    nothing views the memory any more, else the mapping goes with the last view. So a region
-    still referenced after its ring closed (by a failed start-up's traceback, say) holds no
-    descriptor and no memory.
-    """
-
-    def __init__(self, size: int, *, shared: bool) -> None:
-        self.size = size
-        self.fd = -1
-        self.shared = shared
-        self._fd_fin: weakref.finalize[Any, Any] | None = None
-        if shared:
-            self.fd = _anonymous_file(size)
-            self._fd_fin = weakref.finalize(self, _close_fd, self.fd)
-            try:
-                os.ftruncate(self.fd, size)
-                self.mm = mmap.mmap(self.fd, size)
-            except BaseException:
-                self.close_fd()
-                raise
-        else:
-            self.mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
-        self.array: np.ndarray = np.frombuffer(self.mm, dtype=np.uint8)
-        self.tensor = torch.from_numpy(self.array)
-
-    def discard(self, offset: int, size: int) -> None:
-        """Give the pages of a retired slot back to the system (contents are lost)."""
-        advice = getattr(mmap, "MADV_REMOVE" if self.shared else "MADV_DONTNEED", None)
-        if advice is None:
-            return  # this platform cannot punch holes: the pages stay until the ring closes
-        try:
-            self.mm.madvise(advice, offset, size)
-        except (OSError, ValueError):
-            pass  # only memory use is at stake
-
-    def close_fd(self) -> None:
-        """Drop the descriptor once workers have it; the mapping stays. Idempotent."""
-        if self._fd_fin is not None:
-            self._fd_fin()  # closes the descriptor once, and never again at collection
-        self.fd = -1
-
-    def release(self) -> None:
-        """Let go of the descriptor and the mapping (see the class docstring). Idempotent."""
-        self.close_fd()
-        mm, self.mm = self.mm, None  # type: ignore[assignment]
-        self.array = self.tensor = None  # type: ignore[assignment]
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # views of it are alive: it is unmapped with the last of them
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        if self.fd < 0:
-            raise RuntimeError("a gpufeed ring can only be sent to workers while they start")
-        from multiprocessing.reduction import DupFd
-
-        return (_attach, (DupFd(self.fd), self.size))
-
-
-def _attach(dupfd: Any, size: int) -> Region:
-    fd = dupfd.detach()
-    obj = Region.__new__(Region)
-    obj.size, obj.fd, obj.shared, obj._fd_fin = size, -1, True, None
-    try:
-        obj.mm = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-    obj.array = np.frombuffer(obj.mm, dtype=np.uint8)
-    obj.tensor = torch.from_numpy(obj.array)
-    return obj
 
 
 class SlotRing:
@@ -273,7 +103,7 @@ class SlotRing:
         if budget is not None:
             self.budget = self.user_budget = min(budget, reserve)  # see reserve_for
         try:
-            self.mem = Region(max(reserve, PAGE), shared=shared)
+            self.region = Region(max(reserve, PAGE), shared=shared)
         except OSError as e:
             if e.errno not in (errno.ENOMEM, errno.EFBIG, errno.EINVAL):
                 raise
@@ -285,8 +115,8 @@ class SlotRing:
                 f"gpufeed cannot reserve {reserve} bytes of address space for its slot ring "
                 f"({e.strerror}): {fix}, or pass ring_bytes=0 to do without the ring"
             ) from e
-        self.region = self.mem.tensor
-        self.region_np = self.mem.array
+        self.region_tensor = self.region.tensor
+        self.region_array = self.region.array
         self.slot_bytes = 0  # size of new slots; 0 until the first batch says
         self._extents: list[tuple[int, int]] = [(0, reserve)]  # free (offset, size), sorted
         self._slots: dict[int, tuple[int, int]] = {}  # id -> (offset, size)
@@ -341,7 +171,7 @@ class SlotRing:
     # -- acquire / release ---------------------------------------------------------------
     def acquire(self) -> tuple[int, int, int] | None:
         """A free slot as (id, offset, size), a new one within budget, or None (fallback)."""
-        self.drain()
+        self._collect_released()
         if not self.slot_bytes or self.closed:
             return None
         if not self._free:
@@ -372,7 +202,8 @@ class SlotRing:
             if sid in self._slots:
                 self._free.append(sid)
 
-    def drain(self) -> None:
+    def _collect_released(self) -> None:
+        """Slots released without a fence (``release``, unfenced finalizers) join the free list."""
         rel = self._released
         while rel:
             sid = rel.popleft()
@@ -403,7 +234,7 @@ class SlotRing:
             return None
         try:
             handle = _pinning.register(
-                self.region[off : off + size], device=self.device, fences=self._fences
+                self.region_tensor[off : off + size], device=self.device, fences=self._fences
             )
             if handle is not None and self.device is None:  # CUDA is initialised now
                 self.device = self._releaser.device = handle.device = _cuda.current_device()
@@ -419,7 +250,7 @@ class SlotRing:
         if handle is not None:
             _pinning.unregister(handle)  # waits for the fences (rare: batches grew)
         self.live_bytes -= size
-        self.mem.discard(off, size)
+        self.region.discard(off, size)
         i = bisect.bisect(self._extents, (off, size))
         self._extents.insert(i, (off, size))
         merged: list[tuple[int, int]] = []
@@ -430,23 +261,23 @@ class SlotRing:
                 merged.append((o, s))
         self._extents = merged
 
-    # -- views ----------------------------------------------------------------------------
-    def views(self, sid: int, used: int, packed: Any, spill: torch.Tensor | None = None) -> Any:
-        """Turn a worker's packed batch into tensors viewing slot ``sid`` (and its spill file's
-        bytes ``spill``, if any: NOTE [ Spill ] in _memory/spill.py).
+    # -- lease --------------------------------------------------------------------------
+    def lease(self, sid: int, used: int) -> np.ndarray | None:
+        """The bytes of slot ``sid`` a worker filled (``used`` of them), as one numpy array to
+        view the batch through (``_host/collate.py``'s ``unpack``); None when the batch left
+        nothing in the slot (``used`` 0), which is then released at once.
 
-        See NOTE [ Slot lifetime ]: the slot is released when the last view is gone.
+        See NOTE [ Slot lifetime ]: the array carries the slot's release, which runs when the
+        array and the last view of it are gone.
         """
-        from .._host.collate import unpack
-
         off, _ = self._slots[sid]
         if used == 0:
             self.release(sid)
-            return unpack(packed, None, spill)
-        base = self.region_np[off : off + align(used)]
+            return None
+        base = self.region_array[off : off + align(used)]
         fin = weakref.finalize(base, self._releaser, sid)
         fin.atexit = False
-        return unpack(packed, base, spill)
+        return base
 
     def close(self) -> None:
         """Forget the slots; memory stays mapped while user tensors still view it."""
@@ -462,9 +293,10 @@ class SlotRing:
         self._pins.clear()
         # Views handed to the user keep the memory mapped; the ring itself lets go of it
         # (unpinned first: memory is never unmapped while registered with CUDA).
-        self.region = self.region_np = None  # type: ignore[assignment]
-        self.mem.release()
-        self.mem = None  # type: ignore[assignment]
+        self.region_tensor = self.region_array = None  # type: ignore[assignment]
+        self.region.release()
+        self.region = None  # type: ignore[assignment]
 
 
-ReleaseFn = Callable[[int], None]
+
+__all__ = ["SlotRing", "reserve_for"]  # reserve_for: sizes a ring (``_memory/region.py``)
