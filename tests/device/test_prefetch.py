@@ -1,6 +1,6 @@
-"""to_device: the stream/event/slot protocol (NOTE [ Device stage ] in gpufeed/_device/prefetch.py),
-its backends (_device/streams.py) and the detection of copies that cannot overlap
-(_device/pageable.py).
+"""to_device: the stream/event/slot protocol (NOTE [ Device stage: streams, events and slots ]
+in gpufeed/_device/prefetch.py), its backends (_device/streams.py) and the detection of copies
+that cannot overlap (_device/pageable.py).
 
 CPU tests drive the protocol through a fake backend whose events the test completes by
 hand; ``cuda``-marked tests run the real thing on a GPU.

@@ -2,8 +2,9 @@
 
 The consumer's work runs on the consumer stream, late, in seeded random interleavings with
 the side stream's copies and transforms: a missing or misplaced synchronisation in
-``DeviceIterator`` (NOTE [ Device stage ] in gpufeed/_device/prefetch.py) shows as a wrong checksum
-or a recorded violation. The mutation tests break one rule at a time to show that it does.
+``DeviceIterator`` (NOTE [ Device stage: streams, events and slots ] in
+gpufeed/_device/prefetch.py) shows as a wrong checksum or a recorded violation. The mutation
+tests break one rule at a time to show that it does.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def test_catches_a_missing_record_stream(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_catches_a_host_batch_released_before_its_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_prefetch, "_drain", lambda fifo: fifo.clear())
+    monkeypatch.setattr(_prefetch, "_pop_completed", lambda fifo: fifo.clear())
     assert caught("slow_copies") == [0, 1, 2]
     _, _, bad = loader_run("thread", 0, 2, "slow_copies", n=200)
     assert any("host tensor was released before the copy ran" in p for p in bad)

@@ -24,9 +24,10 @@ More than one cause can hold at once; with none of them visible the finding says
 
 from __future__ import annotations
 
-from .stats import LoaderStats
+from collections.abc import Mapping
+from typing import Protocol
 
-__all__ = ["FALLBACK_HIGH", "MEANINGS", "explain", "ring_findings"]
+__all__ = ["FALLBACK_HIGH", "MEANINGS", "StageView", "StatsView", "explain", "ring_findings"]
 
 #: a fallback share above this gets a finding (a few fall-backs while the ring grows are normal)
 FALLBACK_HIGH = 0.1
@@ -38,6 +39,31 @@ RING_FULL = 0.75
 #: loop that keeps nothing holds one or two: the batch it works on and the one just handed over)
 HELD_MIN = 4
 HELD_SHARE = 0.1
+
+
+class StageView(Protocol):
+    """What the findings read of one stage (a ``StageStats``)."""
+
+    @property
+    def batches(self) -> int: ...
+    @property
+    def occupancy_mean(self) -> float: ...
+    @property
+    def occupancy_max(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+
+
+class StatsView(Protocol):
+    """What :func:`explain` and :func:`ring_findings` read of a snapshot (a ``LoaderStats``)."""
+
+    @property
+    def stages(self) -> Mapping[str, StageView]: ...
+    @property
+    def counters(self) -> Mapping[str, int]: ...
+    @property
+    def input_bound(self) -> float | None: ...
+
 
 MEANINGS: dict[str, str] = {
     # stages (seconds per batch)
@@ -73,7 +99,7 @@ MEANINGS: dict[str, str] = {
 }
 
 
-def explain(stats: LoaderStats) -> list[str]:
+def explain(stats: StatsView) -> list[str]:
     """One line per stage, counter and column present in ``stats``: "name: meaning"."""
     names = [*stats.stages, *stats.counters, "busy s", "blocked s", "p50/p90/p99 ms"]
     if any(s.capacity for s in stats.stages.values()):
@@ -83,7 +109,7 @@ def explain(stats: LoaderStats) -> list[str]:
     return [f"{n}: {MEANINGS[n]}" for n in dict.fromkeys(names) if n in MEANINGS]
 
 
-def ring_findings(stats: LoaderStats) -> list[str]:
+def ring_findings(stats: StatsView) -> list[str]:
     """Causes and fixes of a high ring fallback share (NOTE [ Ring fallback causes ]); empty
     when the share is low or the loader has no ring."""
     fallbacks = stats.counters.get("ring_fallback", 0)

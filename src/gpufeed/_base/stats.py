@@ -11,6 +11,9 @@ Stages the core reports (seconds per batch):
 ``step``      time the user spent between two ``next()`` calls (``busy_s``).
 ``transfer``  device stage: host-to-device copy (and device transform).
 
+A ``to_device`` iterator keeps its own counters; ``DeviceIterator.stats()`` returns them as a
+:class:`DeviceStats`.
+
 Cost: :meth:`StatsRecorder.add` is one lock round trip, a dict look-up and a few float
 operations (about a microsecond); percentiles are computed only in :meth:`snapshot`.
 """
@@ -24,8 +27,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["LoaderStats", "StageStats", "StatsRecorder", "format_table", "human_bytes",
-           "percentile"]
+from .explain import explain, ring_findings
+
+__all__ = ["DeviceStats", "LoaderStats", "StageStats", "StatsRecorder", "format_table",
+           "human_bytes", "percentile"]
 
 DEFAULT_WINDOW = 4096
 
@@ -158,16 +163,44 @@ class LoaderStats:
         bound = self.input_bound
         if bound is not None:
             text.append(f"input-bound: {bound:.0%}")
-        from .explain import ring_findings  # it reads this module's classes
-
         text += ring_findings(self)
         return "\n".join(text)
 
     def explain(self) -> str:
         """One line per stage, counter and column of this snapshot saying what it means."""
-        from .explain import explain
-
         return "\n".join(explain(self))
+
+
+@dataclass(frozen=True)
+class DeviceStats:
+    """Counters of one ``to_device`` iterator (bytes are bytes, times are seconds). Rules are
+    those of NOTE [ Device stage: streams, events and slots ] in ``_device/prefetch.py``.
+
+    batches: batches handed to the consumer.
+    bytes_copied: host bytes sent to the device (sum of tensor leaf sizes).
+    in_flight: batches issued but not yet handed over (at most ``depth``).
+    bytes_held: device bytes of those batches, after the transform.
+    peak_bytes_held: largest ``bytes_held`` seen (while issuing, before a handover).
+    host_batches_held: host batches kept alive until their copy completes (<= depth + 1).
+    host_waits / host_wait_s: times, and seconds in total, next() blocked on a copy event
+        to release a host batch (rule 3); non-zero means copies are slower than steps.
+    pageable_batches: batches with a leaf whose copy could not overlap (rule 7).
+    consumer_waits / consumer_wait_s: times, and seconds in total, next() blocked because
+        the consumer stream was more than ``depth`` steps behind the CPU (rule 8): the GPU,
+        not the input, is the bottleneck then.
+    """
+
+    batches: int
+    bytes_copied: int
+    in_flight: int
+    bytes_held: int
+    peak_bytes_held: int
+    host_batches_held: int
+    host_waits: int
+    host_wait_s: float
+    pageable_batches: int
+    consumer_waits: int = 0
+    consumer_wait_s: float = 0.0
 
 
 class _Stage:

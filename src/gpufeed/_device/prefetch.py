@@ -46,8 +46,8 @@ NOTE [ Device stage: streams, events and slots ]
     most 2 * depth + 1 batches: depth issued ahead, the one in use, and depth that C has not
     finished with (plus any the user keeps). A plain ``for`` loop keeps one: its variable
     holds batch i-1 while next() issues i+depth, and its free is queued on C after the
-    marks recorded so far, so such a loop may use 2 * depth + 2 (tests/test_device_sim.py
-    measures both).
+    marks recorded so far, so such a loop may use 2 * depth + 2
+    (tests/device/test_prefetch_sim.py measures both).
 (9) Device-resident leaves (a source that yields tensors already on the device) are not
     copied: S waits for C before the transform may read them (they may be produced there),
     and they get ``record_stream(S)``, so freeing them cannot recycle memory S still reads.
@@ -78,18 +78,16 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .._base import cuda as _cuda
+from .._base.stats import DeviceStats
 from .._base.tree import tree_leaves, tree_map
 from .._memory import pinning as _pinning
 from .pageable import staged_reason, warn_staged
 from .streams import Event, SyncBackend, backend_for, parse_device
-
-if TYPE_CHECKING:
-    from .stage import DeviceStats
 
 __all__ = ["DeviceIterator", "map_tensors"]
 
@@ -113,7 +111,7 @@ def _nbytes(batch: Any) -> int:
     return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
 
 
-def _drain(fifo: deque[Any]) -> None:
+def _pop_completed(fifo: deque[Any]) -> None:
     """Pop entries (events, or tuples starting with one) from the left once complete."""
     while fifo and _event(fifo[0]).query():
         fifo.popleft()
@@ -124,7 +122,8 @@ def _event(entry: Any) -> Any:
 
 
 class DeviceIterator(Iterator[Any]):
-    """Iterator returned by :func:`to_device`; see NOTE [ Device stage ] for the protocol.
+    """Iterator returned by :func:`to_device`; the protocol is NOTE [ Device stage: streams,
+    events and slots ].
 
     Single pass, not thread-safe. ``close()`` (also on ``with`` exit, exhaustion or garbage
     collection) waits for outstanding copies and releases every batch it holds (rule 6).
@@ -238,14 +237,12 @@ class DeviceIterator(Iterator[Any]):
         self._batches += 1
         self._fill()  # rule (4): i+1..i+depth issued before batch i is returned
         with _cuda.copies_complete():
-            _drain(self._host)  # rule (3)
+            _pop_completed(self._host)  # rule (3)
         self._copies.retain([e for e, _ in self._host])  # the others have completed
         return batch
 
     def stats(self) -> DeviceStats:
         """A snapshot of this iterator's counters (see :class:`DeviceStats`)."""
-        from .stage import DeviceStats  # the public stats type lives with to_device
-
         return DeviceStats(
             batches=self._batches,
             bytes_copied=self._bytes_copied,
@@ -307,8 +304,8 @@ class DeviceIterator(Iterator[Any]):
         """Rules (3) and (8) before a batch is issued; returns the seconds spent waiting on
         copies (consumer waits are counted apart: they are not the input's fault)."""
         with _cuda.copies_complete():
-            _drain(self._host)
-        _drain(self._marks)
+            _pop_completed(self._host)
+        _pop_completed(self._marks)
         waited = 0.0
         if len(self._host) > self.depth:
             start = time.perf_counter()

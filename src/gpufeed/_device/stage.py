@@ -6,21 +6,22 @@ returns, and it works just as well over a stock ``torch.utils.data.DataLoader``.
 
 The stage, one concept per module:
 
-    _device/stage.py     to_device() and DeviceStats: the public entry (this file)
+    _device/stage.py      to_device(): the public entry (this file)
     _device/prefetch.py   DeviceIterator: NOTE [ Device stage: streams, events and slots ]
     _device/streams.py    backends (streams, events, copies): SyncBackend, CudaBackend; parse_device
     _device/pageable.py   PageableCopyWarning: copies that cannot overlap, detected and reported
     _memory/pinning.py    cudaHostRegister of ring slots; NOTE [ Registered memory lifetime ]
+    _base/stats.py        DeviceStats: the iterator's counters, next to the loader's
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .._base.stats import DeviceStats
 from .pageable import PageableCopyWarning
 from .prefetch import DeviceIterator
 from .streams import CudaBackend, SyncBackend, parse_device
@@ -34,38 +35,6 @@ __all__ = [
     "parse_device",
     "to_device",
 ]
-
-
-@dataclass(frozen=True)
-class DeviceStats:
-    """Counters of one ``to_device`` iterator (bytes are bytes, times are seconds). Rules are
-    those of NOTE [ Device stage: streams, events and slots ] in ``_device/prefetch.py``.
-
-    batches: batches handed to the consumer.
-    bytes_copied: host bytes sent to the device (sum of tensor leaf sizes).
-    in_flight: batches issued but not yet handed over (at most ``depth``).
-    bytes_held: device bytes of those batches, after the transform.
-    peak_bytes_held: largest ``bytes_held`` seen (while issuing, before a handover).
-    host_batches_held: host batches kept alive until their copy completes (<= depth + 1).
-    host_waits / host_wait_s: times, and seconds in total, next() blocked on a copy event
-        to release a host batch (rule 3); non-zero means copies are slower than steps.
-    pageable_batches: batches with a leaf whose copy could not overlap (rule 7).
-    consumer_waits / consumer_wait_s: times, and seconds in total, next() blocked because
-        the consumer stream was more than ``depth`` steps behind the CPU (rule 8): the GPU,
-        not the input, is the bottleneck then.
-    """
-
-    batches: int
-    bytes_copied: int
-    in_flight: int
-    bytes_held: int
-    peak_bytes_held: int
-    host_batches_held: int
-    host_waits: int
-    host_wait_s: float
-    pageable_batches: int
-    consumer_waits: int = 0
-    consumer_wait_s: float = 0.0
 
 
 def to_device(
@@ -90,9 +59,9 @@ def to_device(
         depth: batches copied ahead of the one being used (>= 1). Each costs one batch of
             device memory (after ``transform``) and one held host batch; 2 hides a copy
             as long as a step; raise it only for bursty sources. It also bounds how many
-            steps the CPU may run ahead of the GPU (NOTE rule 8): device memory used is at
-            most 2 * depth + 1 batches, + 1 while a ``for`` loop still holds the previous
-            batch as ``next()`` runs.
+            steps the CPU may run ahead of the GPU (NOTE [ Device stage: streams, events
+            and slots ] rule (8)): device memory used is at most 2 * depth + 1 batches, + 1
+            while a ``for`` loop still holds the previous batch as ``next()`` runs.
         transform: callable ``batch -> batch`` run on the device, on the side stream, right
             after the copy (e.g. ``gpufeed.Normalize``): ship uint8, compute in float there.
             Its outputs must be tensors in the batch's containers (they get

@@ -1,6 +1,6 @@
 """Streams, events and copies for the device stage: the backend interface of ``to_device``.
 
-``DeviceIterator`` (``_device/stage.py``) never calls ``torch.cuda`` itself; it asks a backend:
+``DeviceIterator`` (``_device/prefetch.py``) never calls ``torch.cuda`` itself; it asks a backend:
 
     SyncBackend   blocking copies, no streams, events complete at once ("cpu": a pass-through)
     CudaBackend   torch.cuda streams and events, ``non_blocking`` copies

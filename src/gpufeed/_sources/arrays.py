@@ -10,7 +10,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from .protocol import index_array
+
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def allocate(alloc: Alloc | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor for a batch from ``alloc`` (the loader's slot memory, NOTE [ Batch sources ]),
+    or a fresh one without it (``dataset[i]``, ``__getitems__``, other loaders)."""
+    return torch.empty(shape, dtype=dtype) if alloc is None else alloc(tuple(shape), dtype)
 
 
 class ArrayDataset(Dataset[tuple[torch.Tensor, ...]]):
@@ -52,9 +60,7 @@ class ArrayDataset(Dataset[tuple[torch.Tensor, ...]]):
         return tuple(_row(a, index) for a in self.arrays)
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, ...]]:
-        cols = gather(
-            self.gather_arrays, indices, lambda shape, dtype: torch.empty(shape, dtype=dtype)
-        )
+        cols = gather(self.gather_arrays, indices, None)
         return list(zip(*cols, strict=True))
 
 
@@ -82,27 +88,21 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
-def gather(arrays: Sequence[Any], indices: Sequence[int], alloc: Alloc) -> list[torch.Tensor]:
+def gather(arrays: Sequence[Any], indices: Sequence[int],
+           alloc: Alloc | None) -> list[torch.Tensor]:
     """Rows ``indices`` of each array, stacked into memory from ``alloc`` (one op per array)."""
-    n = len(indices)
-    if isinstance(indices, torch.Tensor):
-        idx_np = indices.numpy()
-    else:
-        idx_np = np.asarray(indices, dtype=np.int64)
-    if idx_np.ndim != 1:
-        raise TypeError(f"batch indices must be a flat sequence of ints, got shape {idx_np.shape}")
+    idx_np = index_array(indices)
+    n = len(idx_np)
     out: list[torch.Tensor] = []
     idx_t: torch.Tensor | None = None
     for a in arrays:
         if isinstance(a, torch.Tensor):
             if idx_t is None:
-                idx_t = torch.from_numpy(idx_np) if idx_np.dtype == np.int64 else torch.as_tensor(
-                    idx_np, dtype=torch.int64
-                )
-            dst = alloc((n, *a.shape[1:]), a.dtype)
+                idx_t = torch.from_numpy(idx_np)
+            dst = allocate(alloc, (n, *a.shape[1:]), a.dtype)
             torch.index_select(a, 0, idx_t, out=dst)
         else:
-            dst = alloc((n, *a.shape[1:]), torch_dtype(a.dtype))
+            dst = allocate(alloc, (n, *a.shape[1:]), torch_dtype(a.dtype))
             np.take(a, idx_np, axis=0, out=dst.numpy())
         out.append(dst)
     return out

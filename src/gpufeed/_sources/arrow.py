@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from .arrays import torch_dtype
+from .arrays import Alloc, allocate, torch_dtype
 from .protocol import index_array, require
 
 _FAST_FORMATS = (None, "numpy", "torch", "np", "pt")
@@ -64,14 +64,14 @@ class ArrowSource:
         return self.table[idx.tolist()] if self.hf else self.table.take(idx)
 
     def gpufeed_samples(self, indices: Sequence[int], *, seed: int | None, epoch: int) -> Any:
-        idx = index_array(indices)
-        if self.hf:
-            return self.dataset.__getitems__(idx.tolist())
-        return self._rows(idx).to_pylist()
+        return samples(self.dataset, index_array(indices), hf=self.hf)
 
     def gpufeed_batch(self, indices: Sequence[int], *, seed: int | None, epoch: int,
                       alloc: Any) -> Any:
-        idx = index_array(indices)
+        return self.batch(index_array(indices), alloc)
+
+    def batch(self, idx: np.ndarray, alloc: Alloc | None) -> Any:
+        """The batch of rows ``idx`` (an index array), its tensors from ``alloc``."""
         if self.plan is None:
             self.plan = self._calibrate(idx[:2])
         if self.stock_only:
@@ -115,6 +115,12 @@ class ArrowSource:
         return plan
 
 
+def samples(data: Any, idx: np.ndarray, *, hf: bool) -> Any:
+    """Rows ``idx`` of a ``datasets.Dataset`` (``hf``) or ``pyarrow.Table`` as the stock path
+    gives them: the dataset's own ``__getitems__``, or the table's rows as dicts."""
+    return data.__getitems__(idx.tolist()) if hf else data.take(idx).to_pylist()
+
+
 def _raw_table(dataset: Any) -> tuple[Any, Any] | None:
     """(the format's columns of the dataset's Arrow table, its row mapping or None), when the
     dataset exposes them as ``datasets`` 2.x-5.x does (``data.table``, ``_indices``); else None
@@ -151,13 +157,13 @@ def _same(a: Any, b: Any) -> bool:
     return bool(type(a) is type(b) and a == b)
 
 
-def _column(col: Any, plan: Any, alloc: Any) -> Any:
+def _column(col: Any, plan: Any, alloc: Alloc | None) -> Any:
     """One column of a batch, as ``plan`` says; None when it cannot be done without objects."""
     import pyarrow as pa
 
     kind, dtype = plan if plan is not None else (None, None)
     if kind == "str" or (kind is None and pa.types.is_string(col.type)):
-        return [str(s) for s in col.to_pylist()] if col.null_count == 0 else None
+        return col.to_pylist() if col.null_count == 0 else None  # already str values
     if col.null_count:
         return None
     typ = col.type
@@ -180,10 +186,10 @@ def _column(col: Any, plan: Any, alloc: Any) -> Any:
     if kind == "columns":
         if arr.ndim != 2:
             return None
-        dst = _alloc(alloc, (arr.shape[1], arr.shape[0]), dtype)
+        dst = allocate(alloc, (arr.shape[1], arr.shape[0]), dtype)
         np.copyto(dst.numpy(), arr.T, casting="unsafe")
         return list(dst)
-    dst = _alloc(alloc, arr.shape, dtype)
+    dst = allocate(alloc, arr.shape, dtype)
     np.copyto(dst.numpy(), arr, casting="unsafe")
     return dst
 
@@ -193,10 +199,6 @@ def _numeric(typ: Any) -> bool:
 
     return bool(pa.types.is_integer(typ) or pa.types.is_floating(typ)
                 or pa.types.is_boolean(typ))
-
-
-def _alloc(alloc: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype) if alloc is None else alloc(tuple(shape), dtype)
 
 
 class ArrowDataset(Dataset[Any]):
@@ -250,30 +252,26 @@ class ArrowDataset(Dataset[Any]):
         return self.gpufeed_samples(indices, seed=None, epoch=0)
 
     def gpufeed_samples(self, indices: Sequence[int], *, seed: int | None, epoch: int) -> Any:
-        idx = index_array(indices)
-        if self.hf:
-            return self.data.__getitems__(idx.tolist())
-        return self.data.take(idx).to_pylist()
+        return samples(self.data, index_array(indices), hf=self.hf)
 
     def gpufeed_batch(self, indices: Sequence[int], *, seed: int | None, epoch: int,
                       alloc: Any) -> Any:
         idx = index_array(indices)
         if self._source is None:
             self._source = ArrowSource(self._rest, hf=self.hf)
-        out = dict(self._source.gpufeed_batch(indices, seed=seed, epoch=epoch, alloc=alloc)) \
-            if self._rest.num_columns else {}
+        out = dict(self._source.batch(idx, alloc)) if self._rest.num_columns else {}
         rows = self._padded[idx.tolist()] if self.hf else self._padded.take(idx)
         for name, value in self.pad.items():
             col = rows.column(name).combine_chunks()
             lengths = pa_lengths(col)
             flat = col.flatten().to_numpy(zero_copy_only=False)
             width = int(lengths.max()) if len(lengths) else 0
-            dst = _alloc(alloc, (len(idx), width), torch_dtype(flat.dtype))
+            dst = allocate(alloc, (len(idx), width), torch_dtype(flat.dtype))
             arr = dst.numpy()
             arr.fill(value)
             starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
             arr[np.repeat(np.arange(len(idx)), lengths), np.arange(len(flat)) - starts] = flat
-            n = _alloc(alloc, (len(idx),), torch.int64)
+            n = allocate(alloc, (len(idx),), torch.int64)
             n.numpy()[:] = lengths
             out[name], out[f"{name}_length"] = dst, n
         return out

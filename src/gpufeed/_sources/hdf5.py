@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .arrays import torch_dtype
+from .arrays import allocate, torch_dtype
 from .protocol import index_array, require
 
 _open_lock = threading.Lock()  # the forked child gets a fresh one (at_fork below)
@@ -142,8 +142,7 @@ class HDF5Dataset(Dataset[tuple[torch.Tensor, ...]]):
         f = self._open()
         out = []
         for k, (shape, tdtype) in zip(self.keys, self._meta, strict=True):
-            dst = torch.empty((n, *shape), dtype=tdtype) if alloc is None else alloc(
-                (n, *shape), tdtype)
+            dst = allocate(alloc, (n, *shape), tdtype)
             if n:
                 lo, hi = int(uniq[0]), int(uniq[-1]) + 1
                 if hi - lo <= DENSE * len(uniq):

@@ -23,6 +23,8 @@ same for any ``num_workers`` or ``worker_type``.
 
 from __future__ import annotations
 
+import functools
+import io
 import math
 import os
 from collections.abc import Sequence
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .arrays import allocate
 from .packed import PackedList
 from .protocol import index_array, require, sample_seeds
 
@@ -142,11 +145,8 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
         idx = index_array(indices)
         n = len(idx)
         h, w = self.size
-        if alloc is None:
-            images, labels = torch.empty((n, 3, h, w), dtype=torch.uint8), torch.empty(
-                n, dtype=torch.int64)
-        else:
-            images, labels = alloc((n, 3, h, w), torch.uint8), alloc((n,), torch.int64)
+        images = allocate(alloc, (n, 3, h, w), torch.uint8)
+        labels = allocate(alloc, (n,), torch.int64)
         labels.numpy()[:] = self.targets[idx]
         out = images.numpy().transpose(0, 2, 3, 1)  # NHWC views of the CHW slot
         for k, (i, s) in enumerate(zip(idx.tolist(), sample_seeds(idx, seed, epoch),
@@ -193,8 +193,7 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
         return top, left, ch, cw, flip
 
     def _jpeg(self, data: bytes, rng: np.random.Generator) -> np.ndarray:
-        import simplejpeg
-
+        simplejpeg = _codecs()[0]
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
         top, left, ch, cw, flip = self._region(height, width, rng)
         oh, ow = self.size
@@ -210,14 +209,19 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
         return _crop_resize(img, top * sy, left * sx, ch * sy, cw * sx, self.size, flip)
 
     def _pillow(self, data: bytes, rng: np.random.Generator) -> np.ndarray:
-        import io
-
-        from PIL import Image
-
+        Image = _codecs()[1]
         with Image.open(io.BytesIO(data)) as im:
             img = np.asarray(im.convert("RGB"))
         top, left, ch, cw, flip = self._region(img.shape[0], img.shape[1], rng)
         return _crop_resize(img, top, left, ch, cw, self.size, flip)
+
+
+@functools.cache
+def _codecs() -> tuple[Any, Any]:
+    """``simplejpeg`` and ``PIL.Image``, imported once, at the first decode: the image extra
+    is optional, so the package imports without them (``ImageFolder`` checks for them)."""
+    return (require("simplejpeg", "gpufeed.ImageFolder"),
+            require("PIL.Image", "gpufeed.ImageFolder"))
 
 
 def _random_resized(
@@ -256,8 +260,7 @@ def _crop_resize(
     if (round(h), round(w)) == (oh, ow) and abs(t - top) < 1e-6 and abs(lft - left) < 1e-6:
         out = img[t:t + oh, lft:lft + ow]  # an exact window: no resampling
     else:
-        from PIL import Image
-
+        Image = _codecs()[1]
         box = (left, top, min(left + w, img.shape[1]), min(top + h, img.shape[0]))
         img = np.ascontiguousarray(img)
         src = Image.frombuffer("RGB", (img.shape[1], img.shape[0]), img, "raw", "RGB", 0, 1)

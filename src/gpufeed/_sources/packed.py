@@ -24,8 +24,6 @@ __all__ = ["COW_THRESHOLD", "CopyOnWriteWarning", "PackedList", "check_copy_on_w
 
 COW_THRESHOLD = 100_000  # Python objects in one container before the warning fires
 
-_KINDS = ("str", "bytes", "int", "float", "bool", "row", "ragged")
-
 
 class CopyOnWriteWarning(UserWarning):
     """A dataset holds a large Python container that forked process workers will copy."""
