@@ -23,7 +23,10 @@ from typing import Any
 import torch
 
 from .._base.stats import format_table, human_bytes
+from .._loader import DataLoader
+from .measure import measure_loader, one_intra_op_thread
 from .repeat import LoadMonitor, MachineLoad, Spread, spreads_text
+from .tuner import require_matplotlib
 
 __all__ = ["BenchConfig", "Comparison", "compare", "configs", "plot", "render", "run_bench"]
 
@@ -86,13 +89,10 @@ class Comparison:
 def configs(variants: dict[str, tuple[Any, Any]], workers: Sequence[int], batch_size: int,
             worker_type: str = "process") -> list[BenchConfig]:
     """Both loaders on every fetch path at every ``num_workers`` (see the module docstring)."""
-    import gpufeed
-    from gpufeed.benchmarks.cpu import one_intra_op_thread
-
     out = []
     for n in workers:
         common: dict[str, Any] = {"batch_size": batch_size, "num_workers": n}
-        if n:  # one torch thread per worker (see DESIGN: measuring honestly)
+        if n:  # NOTE [ Measuring honestly ] (2) in ``_tools/measure.py``
             common["worker_init_fn"] = one_intra_op_thread
         for path, (ds, collate) in variants.items():
             common_path = {**common, "collate_fn": collate} if collate is not None else common
@@ -100,15 +100,13 @@ def configs(variants: dict[str, tuple[Any, Any]], workers: Sequence[int], batch_
                 torch.utils.data.DataLoader, ds, **common_path)))
             kind: dict[str, Any] = {"worker_type": worker_type} if n else {}
             out.append(BenchConfig("gpufeed", path, n, partial(
-                gpufeed.DataLoader, ds, **common_path, **kind)))
+                DataLoader, ds, **common_path, **kind)))
     return out
 
 
 def run_bench(rows: list[BenchConfig], *, seconds: float, runs: int, target_spread: float,
               step: Callable[[str], None] | None = None) -> MachineLoad:
     """Measure every row round-robin until each is done (NOTE [ Repeated measurement ])."""
-    from .measure import measure_loader
-
     monitor = LoadMonitor().start()
     while True:
         todo = [r for r in rows if not r.spread.done(runs, target_spread)]
@@ -170,8 +168,6 @@ def render(title: str, rows: Sequence[BenchConfig], comparisons: Sequence[Compar
 
 def plot(rows: Sequence[BenchConfig], path: str) -> None:
     """Horizontal bars of the median samples/s per row, with the range as error bars."""
-    from .tuner import require_matplotlib
-
     plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.2))
     labels = [f"{r.loader} {r.path} w{r.num_workers}" for r in rows]

@@ -7,16 +7,13 @@
   includes starting workers) and stops when the first batch arrives;
 - the first ``warmup_batches`` batches are **excluded from the rate**: the rate clock starts when
   the last warm-up batch has been delivered;
-- the **memory** figure is the PSS (proportional set size) of this process plus all its
-  descendants, summed. PSS divides every shared page (shared memory, memory-mapped files,
-  copy-on-write pages after ``fork``) between the processes that map it, so the sum counts each
-  page once. Summed RSS counts a shared page once per process and overstates a multi-process
-  loader several times over. A daemon thread samples the sum every ``sample_interval_s`` and keeps
-  the peak. Reading PSS makes the kernel walk every page table of every process (about 40 us per
-  resident MiB on the VMs we measure on), so when one sample costs more than a tenth of the
-  interval the interval is stretched to ten times the cost: the sampler never takes more than
-  about 10% of one core, at the price of sparser samples for large processes. One more sample
-  is taken, outside the timed span, when the pass is about to end (the last batch of a
+- the **memory** figure is the PSS of this process plus all its descendants, summed (NOTE
+  [ Measuring honestly ] (1)). A daemon thread samples the sum every ``sample_interval_s`` and
+  keeps the peak. Reading PSS makes the kernel walk every page table of every process (about
+  40 us per resident MiB on the VMs we measure on), so when one sample costs more than a tenth
+  of the interval the interval is stretched to ten times the cost: the sampler never takes more
+  than about 10% of one core, at the price of sparser samples for large processes. One more
+  sample is taken, outside the timed span, when the pass is about to end (the last batch of a
   ``len()``-known pass, or the batch that hits ``max_batches``/``max_seconds``), while the
   workers still run: memory that only grows during a pass (mapped file pages) peaks there, and
   sparse samples would otherwise miss it by a varying amount.
@@ -34,6 +31,25 @@ differently when two loaders are compared:
 - **shmem**: shared memory that some process of the tree maps (the stock loader's per-batch
   segments once received, gpufeed's slot ring). Shared memory that is open but mapped by no
   process (a stock batch still in transit, passed as a file descriptor) is in no PSS.
+
+NOTE [ Measuring honestly ]
+---------------------------
+What the figures of ``measure_loader``, ``gpufeed bench`` and ``python -m gpufeed.benchmarks``
+rest on, so that two loaders are compared and not two conditions:
+
+1. **PSS, not RSS.** PSS (proportional set size) divides every shared page (shared memory,
+   memory-mapped files, copy-on-write pages after ``fork``) between the processes that map it,
+   so the sum over the process tree counts each page once. Summed RSS counts a shared page once
+   per process and overstates a multi-process loader several times over.
+2. **One intra-op thread.** In ``gpufeed bench`` and the CPU benchmark every loader's workers
+   start with :func:`one_intra_op_thread` as their ``worker_init_fn``: a worker left at torch's
+   default of one thread per core oversubscribes the CPUs and collapses decode throughput on
+   small machines. The CPU benchmark runs its main process with one torch thread too.
+3. **A warm page cache.** The benchmark workloads that read files read every file once before
+   any timing (``warm`` in ``benchmarks/workloads.py``): no loader pays for the first read.
+4. **Interleaved repeats.** Every configuration runs several times, round-robin with the others
+   (``gpufeed bench``: NOTE [ Repeated measurement ] in ``_tools/repeat.py``; the CPU benchmark
+   rotates the order of its loaders from one repeat to the next), and reports the median.
 """
 
 from __future__ import annotations
@@ -46,19 +62,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
+
+from .._memory.pinning import registered_bytes
+from .probe import TreeMemory, process_tree_memory, process_tree_pss, shm_usage
 
 __all__ = [
     "Measurement",
+    "PeakSampler",
     "TreeMemory",
     "batch_samples_and_bytes",
     "measure_loader",
+    "one_intra_op_thread",
+    "pinned_bytes",
     "process_tree_memory",
     "process_tree_pss",
 ]
-
-_GONE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied, FileNotFoundError)
 
 
 @dataclass(frozen=True)
@@ -103,81 +122,6 @@ class Measurement:
         return max(0, self.peak_pss_bytes - self.start_pss_bytes)
 
 
-@dataclass(frozen=True)
-class TreeMemory:
-    """PSS of a process tree in bytes, whole and by kind (see the module docstring).
-
-    Attributes:
-        pss: the sum over the tree of each process's PSS.
-        anon, file, shmem: its ``Pss_Anon``, ``Pss_File`` and ``Pss_Shmem`` parts (0 where the
-            kernel has no ``smaps_rollup`` split: before Linux 5.9, or not Linux).
-    """
-
-    pss: int
-    anon: int = 0
-    file: int = 0
-    shmem: int = 0
-
-
-_ROLLUP_KEYS = {"Pss:": "pss", "Pss_Anon:": "anon", "Pss_File:": "file", "Pss_Shmem:": "shmem"}
-
-
-def _rollup(pid: int) -> dict[str, int] | None:
-    """PSS fields of ``/proc/<pid>/smaps_rollup`` in bytes; None where it cannot be read."""
-    out: dict[str, int] = {}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                key, _, rest = line.partition(" ")
-                name = _ROLLUP_KEYS.get(key)
-                if name is not None:
-                    out[name] = int(rest.split()[0]) * 1024  # the file says kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return out if "pss" in out else None
-
-
-def _psutil_pss(proc: psutil.Process) -> int:
-    pss = getattr(proc.memory_full_info(), "pss", None)
-    if pss is None:
-        raise RuntimeError(
-            "psutil reports no PSS on this platform; measure with sample_memory=False "
-            "(PSS is available on Linux)"
-        )
-    return int(pss)
-
-
-def process_tree_memory(pid: int | None = None) -> TreeMemory:
-    """PSS of process ``pid`` (default: this one) plus all its descendants, whole and by kind.
-
-    Reads ``/proc/<pid>/smaps_rollup``, or psutil's ``memory_full_info().pss`` where that file
-    is missing (no split then). Processes that exit while being read are skipped. Raises
-    ``RuntimeError`` where the platform has no PSS (psutil exposes it on Linux only).
-    """
-    root = psutil.Process(pid)
-    try:
-        tree = [root, *root.children(recursive=True)]
-    except _GONE:
-        tree = [root]
-    total = {"pss": 0, "anon": 0, "file": 0, "shmem": 0}
-    for proc in tree:
-        fields = _rollup(proc.pid)
-        if fields is None:
-            try:
-                fields = {"pss": _psutil_pss(proc)}
-            except _GONE:
-                continue
-        for name, value in fields.items():
-            total[name] += value
-    return TreeMemory(**total)
-
-
-def process_tree_pss(pid: int | None = None) -> int:
-    """Return the PSS in bytes of process ``pid`` (default: this one) plus all its descendants
-    (``process_tree_memory(pid).pss``)."""
-    return process_tree_memory(pid).pss
-
-
 def batch_samples_and_bytes(batch: Any) -> tuple[int, int]:
     """Return ``(samples, bytes)`` of a batch: the first dimension of its first tensor or array
     leaf, and the bytes of all tensor and array leaves. Walks tuples, lists, dicts and namedtuples;
@@ -206,28 +150,83 @@ def batch_samples_and_bytes(batch: Any) -> tuple[int, int]:
     return samples, nbytes
 
 
-class _PeakSampler:
-    """A daemon thread that samples ``process_tree_memory`` and keeps the peak sample."""
+def one_intra_op_thread(worker_id: int = 0) -> None:
+    """``worker_init_fn`` given to every loader measured side by side: one torch intra-op
+    thread per worker (NOTE [ Measuring honestly ] (2))."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
-    def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s
-        self.start = process_tree_memory()
-        self.peak = self.start
-        self.count = 1
+
+def pinned_bytes() -> int:
+    """Pinned host bytes (CUDA only): torch's caching host allocator plus the regions gpufeed
+    registered (``pinning.registered_bytes``)."""
+    stats = torch.cuda.host_memory_stats()
+    return int(stats.get("allocated_bytes.current", 0)) + int(registered_bytes())
+
+
+def _shm_used() -> int:
+    usage = shm_usage()
+    return usage[0] - usage[1] if usage is not None else 0
+
+
+class PeakSampler:
+    """Peaks of this process tree's memory, sampled on demand or by a daemon thread.
+
+    ``sample()`` reads the tree's PSS (``process_tree_memory``) and keeps the highest sample as
+    ``peak``; ``start`` is the first sample, ``count`` how many were taken. ``start_thread``
+    samples every ``interval_s`` until ``stop()``; a per-batch hook calls ``maybe_sample`` to
+    sample at most every ``every_s``. With ``gauges=True``, ``sample_gauges()`` also keeps the
+    peaks of two cheap reads: ``shm_used``, bytes used on /dev/shm (machine-wide: other programs
+    count too; ``shm_start`` when built), and ``pinned``, :func:`pinned_bytes` (CUDA only).
+    """
+
+    def __init__(self, *, gauges: bool = False) -> None:
+        self.start = self.peak = TreeMemory(0)
+        self.count = 0
+        self.interval_s = 0.0
+        self.shm_start = self.shm_used = _shm_used() if gauges else 0
+        self.pinned = 0
+        self._cuda = gauges and torch.cuda.is_available() and hasattr(torch.cuda,
+                                                                      "host_memory_stats")
+        self._next = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start_thread(self, interval_s: float) -> PeakSampler:
+        """Sample now, then every ``interval_s`` (stretched to ten times the cost of a sample
+        when that is longer) in a daemon thread until :meth:`stop`."""
+        self.interval_s = interval_s
+        self.sample()
         self._thread = threading.Thread(target=self._run, name="gpufeed-pss", daemon=True)
         self._thread.start()
+        return self
 
     def sample(self) -> float:
         """Take one sample now (any thread); return what it cost in seconds."""
         t0 = time.perf_counter()
         value = process_tree_memory()
         with self._lock:
-            if value.pss > self.peak.pss:
+            if self.count == 0:
+                self.start = self.peak = value
+            elif value.pss > self.peak.pss:
                 self.peak = value
             self.count += 1
         return time.perf_counter() - t0
+
+    def maybe_sample(self, every_s: float) -> None:
+        """Sample when ``every_s`` seconds have passed since this method last sampled (the
+        first call samples)."""
+        now = time.perf_counter()
+        if now >= self._next:
+            self.sample()
+            self._next = now + every_s
+
+    def sample_gauges(self) -> None:
+        """Read /dev/shm use and pinned bytes (``gauges=True``) and keep their peaks."""
+        self.shm_used = max(self.shm_used, _shm_used())
+        if self._cuda:
+            self.pinned = max(self.pinned, pinned_bytes())
 
     def _run(self) -> None:
         wait = self.interval_s
@@ -236,8 +235,10 @@ class _PeakSampler:
             wait = max(self.interval_s, 10.0 * cost)
 
     def stop(self) -> None:
+        """Stop the thread (if started) and take a last sample."""
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         self.sample()
 
 
@@ -297,7 +298,7 @@ def measure_loader(
         pass_len = None
     ends = [n for n in (pass_len, max_batches) if n is not None]
     last = min(ends) if ends else None  # the batch after which the pass ends, when known
-    sampler = _PeakSampler(sample_interval_s) if sample_memory else None
+    sampler = PeakSampler().start_thread(sample_interval_s) if sample_memory else None
     seen = samples = nbytes = 0
     first_batch_s = 0.0
     t_start = time.perf_counter()

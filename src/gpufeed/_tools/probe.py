@@ -1,5 +1,6 @@
-"""The system reads of ``gpufeed doctor``, one small function each, held by a :class:`Probe`
-(tests replace them), and the GPUs it finds (nvidia-smi, else sysfs, else torch)."""
+"""System reads: those of ``gpufeed doctor``, one small function each, held by a :class:`Probe`
+(tests replace them), and the GPUs it finds (nvidia-smi, else sysfs, else torch); /dev/shm use;
+the PSS of a process tree, whole and by kind (``_tools/measure.py`` says what the kinds hold)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["GpuInfo", "Probe", "cpulist", "query_gpus"]
+import psutil
+
+__all__ = ["GpuInfo", "Probe", "TreeMemory", "cpulist", "process_tree_memory", "process_tree_pss",
+           "query_gpus", "shm_usage"]
+
+_GONE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied, FileNotFoundError)
 
 
-def _shm_usage() -> tuple[int, int] | None:
+def shm_usage() -> tuple[int, int] | None:
+    """(total, free) bytes of /dev/shm, None where it cannot be read: gpufeed's one reader of
+    /dev/shm (the doctor, the tuner's budget and its trials' gauge)."""
     try:
         usage = shutil.disk_usage("/dev/shm")
     except OSError:
@@ -37,8 +45,6 @@ def _affinity() -> set[int] | None:
 
 
 def _memory() -> tuple[int, int]:
-    import psutil
-
     vm = psutil.virtual_memory()
     return vm.total, vm.available
 
@@ -80,7 +86,7 @@ def _cuda_names() -> list[str]:
 class Probe:
     """The system reads the doctor makes, one function each (replace any of them in tests)."""
 
-    shm: Callable[[], tuple[int, int] | None] = _shm_usage  # (total, free) bytes, None if absent
+    shm: Callable[[], tuple[int, int] | None] = shm_usage  # (total, free) bytes, None if absent
     nofile: Callable[[], tuple[int, int]] = field(
         default=lambda: resource.getrlimit(resource.RLIMIT_NOFILE))  # (soft, hard)
     memlock: Callable[[], tuple[int, int]] = field(
@@ -167,3 +173,78 @@ def query_gpus(probe: Probe) -> list[GpuInfo]:
                     _int(probe.read_text(f"/sys/bus/pci/devices/{g.bus_id}/numa_node"))
                     if g.bus_id else None)
             for g in gpus]
+
+
+@dataclass(frozen=True)
+class TreeMemory:
+    """PSS of a process tree in bytes, whole and by kind (see ``_tools/measure.py``).
+
+    Attributes:
+        pss: the sum over the tree of each process's PSS.
+        anon, file, shmem: its ``Pss_Anon``, ``Pss_File`` and ``Pss_Shmem`` parts (0 where the
+            kernel has no ``smaps_rollup`` split: before Linux 5.9, or not Linux).
+    """
+
+    pss: int
+    anon: int = 0
+    file: int = 0
+    shmem: int = 0
+
+
+_ROLLUP_KEYS = {"Pss:": "pss", "Pss_Anon:": "anon", "Pss_File:": "file", "Pss_Shmem:": "shmem"}
+
+
+def _rollup(pid: int) -> dict[str, int] | None:
+    """PSS fields of ``/proc/<pid>/smaps_rollup`` in bytes; None where it cannot be read."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(" ")
+                name = _ROLLUP_KEYS.get(key)
+                if name is not None:
+                    out[name] = int(rest.split()[0]) * 1024  # the file says kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return out if "pss" in out else None
+
+
+def _psutil_pss(proc: psutil.Process) -> int:
+    pss = getattr(proc.memory_full_info(), "pss", None)
+    if pss is None:
+        raise RuntimeError(
+            "psutil reports no PSS on this platform; measure with sample_memory=False "
+            "(PSS is available on Linux)"
+        )
+    return int(pss)
+
+
+def process_tree_memory(pid: int | None = None) -> TreeMemory:
+    """PSS of process ``pid`` (default: this one) plus all its descendants, whole and by kind.
+
+    Reads ``/proc/<pid>/smaps_rollup``, or psutil's ``memory_full_info().pss`` where that file
+    is missing (no split then). Processes that exit while being read are skipped. Raises
+    ``RuntimeError`` where the platform has no PSS (psutil exposes it on Linux only).
+    """
+    root = psutil.Process(pid)
+    try:
+        tree = [root, *root.children(recursive=True)]
+    except _GONE:
+        tree = [root]
+    total = {"pss": 0, "anon": 0, "file": 0, "shmem": 0}
+    for proc in tree:
+        fields = _rollup(proc.pid)
+        if fields is None:
+            try:
+                fields = {"pss": _psutil_pss(proc)}
+            except _GONE:
+                continue
+        for name, value in fields.items():
+            total[name] += value
+    return TreeMemory(**total)
+
+
+def process_tree_pss(pid: int | None = None) -> int:
+    """Return the PSS in bytes of process ``pid`` (default: this one) plus all its descendants
+    (``process_tree_memory(pid).pss``)."""
+    return process_tree_memory(pid).pss

@@ -71,7 +71,8 @@ class Spread:
         return self.lo <= other.hi and other.lo <= self.hi
 
     def ratio(self, other: Spread) -> tuple[float, float, float]:
-        """``self / other`` as (paired median ratio, lowest, highest) (NOTE rule 3).
+        """``self / other`` as (paired median ratio, lowest, highest) (NOTE [ Repeated
+        measurement ] rule (3)).
 
         The middle figure is the median of the per-round ratios ``self.runs[i] /
         other.runs[i]``: runs are interleaved, so run ``i`` of both ran side by side and a

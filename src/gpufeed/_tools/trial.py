@@ -14,25 +14,68 @@ keeps up with the step has an input-bound share near 0, whatever its raw through
 from __future__ import annotations
 
 import logging
-import shutil
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
+import psutil
 
 from .._base.stats import human_bytes
 from . import measure as _measure
+from .probe import process_tree_pss, shm_usage
 from .repeat import Spread
 
-if TYPE_CHECKING:
-    from .tuner import Budget
-
-__all__ = ["Trial", "run_trial"]
+__all__ = ["Budget", "Trial", "kwargs_text", "parse_bytes", "run_trial"]
 
 log = logging.getLogger(__name__)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+#: seconds between the PSS samples a run's ``consume`` hook takes after the warm-up.
+PSS_EVERY_S = 0.25
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Bytes from an int or a string such as "512MiB", "8GB" or "1.5g" (k/m/g are powers of 10)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"cannot read {value!r} as a size in bytes; write e.g. 8GiB, 512MB or "
+                         "an int of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def kwargs_text(kwargs: dict[str, Any]) -> str:
+    """Keyword arguments as Python source: ``num_workers=2, pin_memory=False``."""
+    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Limits a trial must stay within; None means "no limit".
+
+    Fields:
+        memory_bytes: peak PSS of the process tree (this process and its workers).
+        shm_bytes: growth of /dev/shm use during the trial.
+        pinned_bytes: page-locked host memory (CUDA only).
+    """
+
+    memory_bytes: int | None = None
+    shm_bytes: int | None = None
+    pinned_bytes: int | None = None
+
+    @classmethod
+    def default(cls) -> Budget:
+        """80% of what this machine can give now: available RAM plus this tree's PSS, and free
+        /dev/shm."""
+        shm = shm_usage()
+        free_shm = shm[1] if shm is not None else None
+        mem = psutil.virtual_memory().available + process_tree_pss()
+        return cls(memory_bytes=int(0.8 * mem),
+                   shm_bytes=int(0.8 * free_shm) if free_shm is not None else None)
 
 
 @dataclass(frozen=True)
@@ -73,30 +116,16 @@ class Trial:
         return out
 
 
-class _Peaks:
-    """``consume`` hook of a run: runs the user's step, times the loop's wait for each batch,
-    then samples /dev/shm use and pinned bytes every batch, and the process tree's PSS once the
-    warm-up is over and then every ``pss_every_s`` (a sample costs a few ms: about 2% of a
-    run's time). This complements ``measure_loader``'s sampler thread, which can miss the peak
-    of a short run."""
+class _StepTimer:
+    """Times a run's training loop: runs the user's step on each batch and, after the warm-up,
+    adds the step's time and the loop's wait for the batch (from the end of the previous step,
+    :meth:`ready`, to the batch's arrival)."""
 
-    def __init__(self, step: Callable[[Any], object] | None, warmup: int,
-                 pss_every_s: float = 0.25) -> None:
-        self.step = step
-        self.shm0 = self.shm = self._shm_used()
-        self.pinned = self.pss = self.batches = 0
-        self.warmup, self.every, self.next_pss = warmup, pss_every_s, 0.0
-        self.cuda = torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats")
+    def __init__(self, step: Callable[[Any], object] | None, warmup: int) -> None:
+        self.step, self.warmup = step, warmup
+        self.batches = 0
         self.wait_s = self.step_s = 0.0
         self._step_end: float | None = None
-
-    @staticmethod
-    def _shm_used() -> int:
-        try:
-            u = shutil.disk_usage("/dev/shm")
-        except OSError:
-            return 0
-        return u.total - u.free
 
     def __call__(self, batch: Any) -> None:
         t0 = time.perf_counter()
@@ -107,33 +136,26 @@ class _Peaks:
                 self.wait_s += t0 - self._step_end
                 self.step_s += t1 - t0
         self.batches += 1
-        self.shm = max(self.shm, self._shm_used())
-        if self.cuda:
-            self.pinned = max(self.pinned, _pinned_bytes())
-        now = time.perf_counter()
-        if self.batches >= self.warmup and now >= self.next_pss:
-            self.pss = max(self.pss, _measure.process_tree_pss())
-            self.next_pss = now + self.every
-        self._step_end = time.perf_counter()  # the loop asks for the next batch from here
 
-    @property
-    def input_bound(self) -> float | None:
-        total = self.wait_s + self.step_s
-        return self.wait_s / total if self.step is not None and total > 0 else None
+    def ready(self) -> None:
+        """The loop asks for the next batch from now on."""
+        self._step_end = time.perf_counter()
 
 
-def _pinned_bytes() -> int:
-    """Pinned host bytes: torch's caching host allocator plus regions gpufeed registered
-    (``_pinning.registered_bytes()``, where the device module provides it)."""
-    from .._memory import pinning as _pinning
+def _consume(timer: _StepTimer, peaks: _measure.PeakSampler) -> Callable[[Any], None]:
+    """``consume`` hook of a run: the step and its timing, then the memory gauges every batch
+    and the process tree's PSS once the warm-up is over and then every ``PSS_EVERY_S`` (a
+    sample costs a few ms: about 2% of a run's time). This complements ``measure_loader``'s
+    sampler thread, which can miss the peak of a short run."""
 
-    registered = getattr(_pinning, "registered_bytes", None)
-    stats = torch.cuda.host_memory_stats()
-    return int(stats.get("allocated_bytes.current", 0)) + (int(registered()) if registered else 0)
+    def consume(batch: Any) -> None:
+        timer(batch)
+        peaks.sample_gauges()
+        if timer.batches >= timer.warmup:
+            peaks.maybe_sample(PSS_EVERY_S)
+        timer.ready()
 
-
-def _kwargs_text(kwargs: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    return consume
 
 
 def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: int,
@@ -152,25 +174,25 @@ def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: i
     pss = shm = pinned = 0
     wait_s = step_s = 0.0
     while not Spread(tuple(rates)).done(runs, target_spread):
-        peaks = _Peaks(step, warmup)
+        timer, peaks = _StepTimer(step, warmup), _measure.PeakSampler(gauges=True)
         try:
             with warnings.catch_warnings():  # trying more workers than CPUs is the point here
                 warnings.filterwarnings("ignore", message="This DataLoader will create",
                                         category=UserWarning)
                 m = _measure.measure_loader(lambda: factory(dataset, **kwargs),
                                             max_seconds=seconds, warmup_batches=warmup,
-                                            consume=peaks)
+                                            consume=_consume(timer, peaks))
         except Exception as exc:  # a failing configuration is a result, not the end of the search
-            log.warning("trial %s failed: %s: %s", _kwargs_text(kwargs), type(exc).__name__, exc)
+            log.warning("trial %s failed: %s: %s", kwargs_text(kwargs), type(exc).__name__, exc)
             first = (str(exc).strip().splitlines() or [""])[0]  # not the worker's traceback
             return Trial(n, kind, pf, pin, 0.0, 0.0, 0, 0, 0, False,
                          f"failed: {type(exc).__name__}: {first}"[:200])
         rates.append(m.samples_per_s)
         firsts.append(m.first_batch_s)
-        shm = max(shm, peaks.shm - peaks.shm0)
-        pss = max(pss, m.peak_pss_bytes, peaks.pss)
+        shm = max(shm, peaks.shm_used - peaks.shm_start)
+        pss = max(pss, m.peak_pss_bytes, peaks.peak.pss)
         pinned = max(pinned, peaks.pinned)
-        wait_s, step_s = wait_s + peaks.wait_s, step_s + peaks.step_s
+        wait_s, step_s = wait_s + timer.wait_s, step_s + timer.step_s
         over = _over(budget, pss, shm, pinned)
         if over:  # more runs cannot bring a peak down
             break

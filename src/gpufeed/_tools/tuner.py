@@ -32,39 +32,23 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 from .._base.stats import format_table, human_bytes
-from . import measure as _measure
+from .._loader import DataLoader
 from .repeat import LoadMonitor, MachineLoad, spreads_text
-from .trial import Trial, _kwargs_text, run_trial
+from .trial import Budget, Trial, kwargs_text, parse_bytes, run_trial
 
 __all__ = ["Budget", "Trial", "TuneResult", "choose", "parse_bytes", "require_matplotlib", "tune",
            "within_noise"]
 
 log = logging.getLogger(__name__)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-          "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: int | float | str) -> int:
-    """Bytes from an int or a string such as "512MiB", "8GB" or "1.5g" (k/m/g are powers of 10)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"cannot read {value!r} as a size in bytes; write e.g. 8GiB, 512MB or "
-                         "an int of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def require_matplotlib() -> Any:
@@ -78,30 +62,6 @@ def require_matplotlib() -> Any:
         raise ImportError("plots need matplotlib: pip install 'gpufeed[plot]' "
                           "(or leave out --plot)") from exc
     return plt
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Limits a trial must stay within; None means "no limit".
-
-    Fields:
-        memory_bytes: peak PSS of the process tree (this process and its workers).
-        shm_bytes: growth of /dev/shm use during the trial.
-        pinned_bytes: page-locked host memory (CUDA only).
-    """
-
-    memory_bytes: int | None = None
-    shm_bytes: int | None = None
-    pinned_bytes: int | None = None
-
-    @classmethod
-    def default(cls) -> Budget:
-        """80% of what this machine can give now: available RAM plus this tree's PSS, and free
-        /dev/shm."""
-        free_shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
-        mem = psutil.virtual_memory().available + _measure.process_tree_pss()
-        return cls(memory_bytes=int(0.8 * mem),
-                   shm_bytes=int(0.8 * free_shm) if free_shm is not None else None)
 
 
 @dataclass(frozen=True)
@@ -133,7 +93,7 @@ class TuneResult:
     @property
     def kwargs_text(self) -> str:
         """The recommendation as Python keyword arguments: ``num_workers=2, ...``."""
-        return _kwargs_text(self.recommended)
+        return kwargs_text(self.recommended)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: ``recommended`` (kwargs) and ``trials`` (one row per trial)."""
@@ -264,9 +224,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
         raise ValueError(f"prefetch_factors must be positive ints or None (the loader's "
                          f"default), got {prefetch_factors!r}")
     if loader_factory is None:
-        import gpufeed
-
-        loader_factory = gpufeed.DataLoader
+        loader_factory = DataLoader
     if budget is None:
         budget = Budget.default()
     elif not isinstance(budget, Budget):
@@ -342,7 +300,7 @@ def choose(trials: Sequence[Trial], tolerance: float) -> tuple[Trial, Trial]:
 
 def _nothing_worked(trials: Sequence[Trial]) -> str:
     """Why no trial was accepted, with the fix that applies to it."""
-    notes = "; ".join(f"{_kwargs_text(t.kwargs)}: {t.note}" for t in trials[:3])
+    notes = "; ".join(f"{kwargs_text(t.kwargs)}: {t.note}" for t in trials[:3])
     over = [t for t in trials if t.note.startswith("over budget")]
     fixes = []
     if over:

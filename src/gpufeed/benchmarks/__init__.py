@@ -5,9 +5,14 @@ Files:
 - ``workloads.py``: the workloads (tabular, image-array, jpeg, python-list, synthetic), built
   deterministically once in a cache directory and warmed into the page cache before timing;
 - ``cpu.py``: the CPU comparison, gpufeed against the stock DataLoader (and torchdata.nodes)
-  at the same settings, alternating, medians of repeats, ratios and targets;
+  at the same settings, alternating, medians of repeats;
+- ``summary.py``: each workload's verdict: ratios against the targets, peak PSS, the ceiling;
+- ``environment.py``: date, machine and versions, recorded with every result file;
+- ``ceiling.py``: the no-loader ceiling (plain processes fetching the same batches);
 - ``__main__.py``: the command line; writes ``cpu.json`` and a Markdown table ``cpu.md``;
-- ``gpu.py``: the GPU comparison (host-to-device path), where CUDA is available.
+- ``gpu.py``: the GPU comparison (host-to-device path), where CUDA is available;
+- ``sources.py``, ``persample.py``: the source readers, and one worker's cost per sample;
+- ``seeding.py``: the cost of per-sample seeding (``python -m gpufeed.benchmarks.seeding``).
 
 Measurement itself (rates, first-batch latency, process-tree PSS) is ``gpufeed._tools.measure``.
 """
@@ -16,7 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .cpu import LOADERS, TARGETS, Settings, environment, run_cpu
+from .cpu import LOADERS, Settings, run_cpu
+from .environment import environment
+from .summary import TARGETS
 from .workloads import WORKLOADS, Workload, WorkloadUnavailable, build
 
 __all__ = [

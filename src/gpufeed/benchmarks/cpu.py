@@ -13,9 +13,8 @@ loader's best variant.
 Each repeat also measures, for every variant and in the same rotation as the loaders, the
 **no-loader ceiling**: ``num_workers`` plain forked processes with one torch thread each, fetching
 and collating their share of the same epoch's batches and dropping them (NOTE [ No-loader
-ceiling ] in ``gpufeed._tools.measure``), each batch fetched the fastest way gpufeed's workers know
-for
-the variant (``_ceiling_fetch``). It is what the machine does with that many workers and no
+ceiling ] in ``benchmarks/ceiling.py``), each batch fetched the fastest way gpufeed's workers know
+for the variant (``_ceiling_fetch``). It is what the machine does with that many workers and no
 loader at all; each loader's best is also reported as a share of it. The targets stay ratios to
 the stock loader.
 
@@ -37,38 +36,31 @@ from __future__ import annotations
 import copy
 import gc
 import importlib
-import importlib.metadata
 import os
-import platform
-import socket
 import statistics
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import psutil
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, default_collate
 
-from .._tools.measure import measure_loader
+from .._tools.measure import measure_loader, one_intra_op_thread
 from .ceiling import measure_no_loader
+from .environment import environment
+from .summary import PSS_TOLERANCE, TARGETS, summarize
 from .workloads import Variant, Workload, WorkloadUnavailable, build
 
-__all__ = ["CEILING", "LOADERS", "PSS_TOLERANCE", "TARGETS", "Settings", "environment", "run_cpu"]
+__all__ = ["CEILING", "LOADERS", "PSS_TOLERANCE", "TARGETS", "Settings", "environment", "run_cpu",
+           "summarize"]
 
 LOADERS = ("torch", "gpufeed", "gpufeed-thread", "torchdata.nodes")
 #: Name of the no-loader ceiling in the results and progress lines.
 CEILING = "no-loader ceiling"
-#: Minimum ratio of samples/s, gpufeed's best over the stock loader's best (issue 2, item 6).
-TARGETS: dict[str, float] = {"tabular": 15.0, "image-array": 3.0, "jpeg": 1.15}
-#: Peak PSS passes when gpufeed's is at most the stock loader's times (1 + this): sampling noise.
-PSS_TOLERANCE = 0.02
 SCHEMA = "gpufeed-bench-cpu/1"
 STAND_IN = "stand-in: torch.utils.data.DataLoader (gpufeed.DataLoader is not importable)"
 
@@ -111,12 +103,6 @@ class Settings:
             raise ValueError(f"num_workers={self.num_workers}: the comparison needs workers (>= 1)")
         if self.repeats < 1:
             raise ValueError(f"repeats={self.repeats} must be at least 1")
-
-
-def one_intra_op_thread(worker_id: int = 0) -> None:
-    """``worker_init_fn`` given to every loader: one torch intra-op thread per worker."""
-    if torch.get_num_threads() != 1:
-        torch.set_num_threads(1)
 
 
 class _FetchBatch:
@@ -281,136 +267,6 @@ def _fresh(variant: Variant) -> Variant:
     that the dataset drops when pickled (an open memory map) starts anew (NOTE [ Equal work
     for memory ])."""
     return Variant(variant.name, copy.copy(variant.dataset), variant.collate_fn)
-
-
-def summarize(name: str, rows: Sequence[dict[str, Any]],
-              ceiling: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
-    """Best stock figure, best gpufeed figure, their ratio and the targets' pass/miss, and each
-    best as a share of the no-loader ceiling of its variant.
-
-    ``rows`` are the result rows of one workload (``loader``, ``variant``, ``median``),
-    ``ceiling`` its no-loader rows (``variant``, ``median``)."""
-    def best(loaders: Sequence[str]) -> dict[str, Any] | None:
-        cands = [r for r in rows if r["loader"] in loaders]
-        return max(cands, key=lambda r: r["median"]["samples_per_s"], default=None)
-
-    def same_variant(loader: str, variant: str) -> dict[str, Any] | None:
-        return next((r for r in rows if r["loader"] == loader and r["variant"] == variant), None)
-
-    def brief(r: dict[str, Any] | None) -> dict[str, Any] | None:
-        if r is None:
-            return None
-        return {"loader": r["loader"], "variant": r["variant"], **r["median"]}
-
-    stock, ours = best(["torch"]), best(["gpufeed", "gpufeed-thread"])
-    out: dict[str, Any] = {"stock_best": brief(stock), "gpufeed_best": brief(ours),
-                           "gpufeed_process_best": brief(best(["gpufeed"])),
-                           "nodes_best": brief(best(["torchdata.nodes"])),
-                           "target_ratio": TARGETS.get(name), "ratio": None, "ratio_pass": None,
-                           "pss_ratio": None, "pss_pass": None, "pss_ratio_process": None,
-                           "notes": [], "also": [],
-                           "ceiling": _ceiling_summary(stock, ours, ceiling)}
-    if stock is None or ours is None:
-        out["notes"].append("no comparison: the stock loader or gpufeed did not run")
-        return out
-    ratio = ours["median"]["samples_per_s"] / stock["median"]["samples_per_s"]
-    out["ratio"] = ratio
-    target = TARGETS.get(name)
-    if target is not None:
-        out["ratio_pass"] = ratio >= target
-        if ratio < target:
-            out["notes"].append(f"samples/s ratio {ratio:.2f}x misses the {target:g}x target "
-                                f"by {100 * (1 - ratio / target):.0f}%")
-
-    def pss_vs_stock(r: dict[str, Any]) -> tuple[float, dict[str, Any], bool]:
-        """(peak PSS ratio to the stock loader on r's variant, that stock row, equal work)"""
-        ref = same_variant("torch", r["variant"]) or stock
-        n, ref_n = r["median"].get("samples"), ref["median"].get("samples")
-        ratio = r["median"]["peak_pss_bytes"] / max(ref["median"]["peak_pss_bytes"], 1.0)
-        return ratio, ref, n is None or ref_n is None or n == ref_n
-
-    pss_ratio, ref, equal = pss_vs_stock(ours)
-    out["pss_ratio"] = pss_ratio
-    out["pss_reference"] = {"loader": "torch", "variant": ref["variant"]}
-    if not equal:  # NOTE [ Equal work for memory ]: no verdict on runs that read different data
-        out["notes"].append(
-            f"peak PSS not judged: the runs did unequal work ({ours['median']['samples']:,.0f} "
-            f"vs {ref['median']['samples']:,.0f} samples timed); run whole epochs (no "
-            "max_seconds)")
-        return out
-    out["pss_pass"] = pss_ratio <= 1 + PSS_TOLERANCE
-    if not out["pss_pass"]:
-        out["notes"].append(f"peak PSS {pss_ratio:.2f}x the stock loader's on the same variant")
-    proc = best(["gpufeed"])  # the judged row may be the thread loader: show the process one too
-    if proc is not None and proc is not ours:
-        ratio, _, equal = pss_vs_stock(proc)
-        out["pss_ratio_process"] = ratio
-        if equal and ratio > 1 + PSS_TOLERANCE:
-            out["also"].append(f"gpufeed with process workers (its fastest variant, "
-                               f"{proc['variant']}): peak PSS {ratio:.2f}x the stock loader's")
-    return out
-
-
-def _ceiling_summary(stock: dict[str, Any] | None, ours: dict[str, Any] | None,
-                     ceiling: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """Each best row's variant, that variant's no-loader ceiling and the best as a share of it
-    (None where no ceiling was measured)."""
-    if not ceiling:
-        return None
-    out: dict[str, Any] = {}
-    for side, r in (("gpufeed", ours), ("stock", stock)):
-        c = None if r is None else next((c for c in ceiling if c["variant"] == r["variant"]),
-                                        None)
-        rate = None if c is None else c["median"]["samples_per_s"]
-        out[f"{side}_variant"] = None if r is None else r["variant"]
-        out[f"{side}_variant_ceiling"] = rate
-        out[f"{side}_of_ceiling"] = (None if r is None or not rate
-                                     else r["median"]["samples_per_s"] / rate)
-    return out
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _git(*args: str) -> str | None:
-    try:
-        done = subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True,
-                              text=True, timeout=10, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip()
-
-
-def environment() -> dict[str, Any]:
-    """Date, machine and versions, recorded with every result file."""
-    cpu_model = platform.processor() or None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next((ln.split(":", 1)[1].strip() for ln in f
-                              if ln.startswith("model name")), cpu_model)
-    except OSError:
-        pass
-    commit = _git("rev-parse", "HEAD")
-    try:
-        gpufeed = _version("gpufeed") or importlib.import_module("gpufeed").__version__
-    except (ImportError, AttributeError):
-        gpufeed = None
-    return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "hostname": socket.gethostname(), "platform": platform.platform(),
-        "cpu_model": cpu_model, "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "memory_bytes": psutil.virtual_memory().total, "loadavg_start": list(os.getloadavg()),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "numpy": np.__version__, "gpufeed": gpufeed, "torchdata": _version("torchdata"),
-        "pillow": _version("Pillow"), "git_commit": commit,
-        "git_dirty": bool(_git("status", "--porcelain")) if commit else None,
-        "torch_threads_main": torch.get_num_threads(),
-    }
 
 
 def _run_workload(work: Workload, loaders: Sequence[str], s: Settings,

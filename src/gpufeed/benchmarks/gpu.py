@@ -41,7 +41,7 @@ import torch
 
 from .._device.stage import to_device
 from .._memory import pinning as _pinning
-from .cpu import environment
+from .environment import environment
 
 __all__ = ["main", "run_gpu_benchmark", "warm_up"]
 

@@ -179,7 +179,7 @@ def _with_sampler(make: Callable[..., Any], order: list[int]) -> Any:
 def profile_loaders(dataset: Any, batches: int = 60, top: int = 12) -> dict[str, Any]:
     """CPU time and wake-ups per batch of the main process and the workers, both loaders."""
     import gpufeed
-    from gpufeed.benchmarks.cpu import one_intra_op_thread
+    from gpufeed._tools.measure import one_intra_op_thread
 
     common: dict[str, Any] = {"batch_size": BATCH, "num_workers": WORKERS,
                               "worker_init_fn": one_intra_op_thread}

@@ -1,0 +1,193 @@
+"""The ``gpufeed`` subcommands, one function each (``cmd_bench``, ``cmd_tune``, ``cmd_profile``,
+``cmd_doctor``: an ``argparse`` namespace in, the exit code out), and their progress bar.
+
+Each command imports the tools and benchmarks it uses when it runs (``gpu`` only with CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .targets import TargetError, UsageError, load_dataset, load_target
+
+__all__ = ["cmd_bench", "cmd_doctor", "cmd_profile", "cmd_tune"]
+
+
+class _ProgressBar:
+    """A tqdm bar on stderr when tqdm is installed and enabled, else nothing."""
+
+    def __init__(self, enabled: bool, total: int | None, desc: str, unit: str = "run") -> None:
+        self.bar: Any = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self.bar = tqdm(total=total, desc=desc, unit=unit, leave=False, disable=None)
+
+    def step(self, text: str = "") -> None:
+        if self.bar is not None:
+            if text:
+                self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _progress_on(args: argparse.Namespace) -> bool:
+    """A bar unless --no-progress or --json (the bar itself stays off when stderr is no
+    terminal: tqdm's ``disable=None``)."""
+    return not (args.no_progress or args.json)
+
+
+def _write_json(path: str | None, doc: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        print(f"wrote {path}")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .._tools import bench as _bench
+
+    if args.plot:
+        from .._tools.tuner import require_matplotlib
+
+        require_matplotlib()  # fail before the runs, not after
+    if args.target:
+        dataset, batch_size, title = load_dataset(args.target), args.batch_size or 32, args.target
+        variants: dict[str, tuple[Any, Any]] = {"yours": (dataset, None)}
+    else:
+        from ..benchmarks.workloads import build
+
+        work = build("synthetic", quick=args.quick)
+        batch_size = args.batch_size or work.batch_size
+        title = f"built-in synthetic workload: {work.description}"
+        variants = {v.name: (v.dataset, v.collate_fn) for v in work.variants}
+    rows = _bench.configs(variants, args.workers, batch_size, args.worker_type)
+    bar = _ProgressBar(_progress_on(args), len(rows) * args.runs, "gpufeed bench")
+    try:
+        load = _bench.run_bench(rows, seconds=args.seconds, runs=args.runs,
+                                target_spread=args.target_spread, step=bar.step)
+    finally:
+        bar.close()
+    comparisons = _bench.compare(rows)
+    print(_bench.render(f"{title}, batch_size={batch_size}", rows, comparisons, load,
+                        args.seconds))
+    from ..benchmarks.environment import environment
+
+    doc: dict[str, Any] = {"workload": title, "batch_size": batch_size,
+                           "rows": [r.to_dict() for r in rows],
+                           "comparisons": [c.to_dict() for c in comparisons],
+                           "machine": load.to_dict(), "seconds_per_run": args.seconds,
+                           "runs": args.runs, "environment": environment()}
+    if torch.cuda.is_available():
+        from ..benchmarks import gpu
+
+        doc["gpu"] = gpu.run_gpu_benchmark(batches=16, repeats=1)
+        if "skipped" not in doc["gpu"]:
+            print(gpu.render_markdown(doc["gpu"]))
+    _write_json(args.json, doc)
+    if args.plot:
+        _bench.plot(rows, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+class _SleepStep:
+    """``--step-ms N``: a training step that takes N ms and leaves the CPUs free, as a step
+    waiting on the GPU does (picklable, like a step of the user's)."""
+
+    def __init__(self, ms: float) -> None:
+        self.seconds = ms / 1e3
+
+    def __call__(self, batch: Any) -> None:
+        time.sleep(self.seconds)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .._tools.tuner import Budget, require_matplotlib, tune
+
+    if args.plot:
+        require_matplotlib()  # fail before minutes of trials, not after
+    dataset = load_dataset(args.target)
+    collate = load_target(args.collate, what="FUNCTION") if args.collate else None
+    step = (load_target(args.step, what="FUNCTION") if args.step
+            else _SleepStep(args.step_ms) if args.step_ms else None)
+    default = Budget.default()
+    budget = Budget(memory_bytes=args.budget_memory or default.memory_bytes,
+                    shm_bytes=args.budget_shm or default.shm_bytes,
+                    pinned_bytes=args.budget_pinned)
+    bar = _ProgressBar(_progress_on(args), None, "gpufeed tune")
+    try:
+        result = tune(dataset, batch_size=args.batch_size, budget=budget, collate_fn=collate,
+                      step=step, worker_types=args.worker_types, runs=args.runs,
+                      trial_seconds=args.trial_seconds, time_budget_s=args.time_budget,
+                      progress=lambda t: bar.step(
+                          f"{t.num_workers} {t.worker_type or ''}: {t.samples_per_s:,.0f}/s"))
+    except ValueError as exc:  # trials catch the dataset's errors: this is a bad option
+        raise UsageError(str(exc)) from exc
+    except RuntimeError as exc:  # no trial worked: the message says why and the fix
+        print(f"gpufeed tune: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        bar.close()
+    print(result)
+    _write_json(args.json, result.to_dict())
+    if args.plot:
+        result.plot(args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .._tools.profiler import Profiler, profile
+
+    fn = load_target(args.target, what="FUNCTION")
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if params:  # fn(profiler): the user's loop wraps its loader with profiler.wrap(...)
+        with Profiler(warmup_steps=args.warmup, max_steps=args.steps) as prof:
+            fn(prof)
+        report = prof.report()
+    else:  # fn() -> (iterable, step)
+        pair = fn()
+        if not (isinstance(pair, tuple) and len(pair) == 2 and callable(pair[1])):
+            raise TargetError(f"{args.target!r} returned a {type(pair).__name__}; FUNCTION must "
+                              "either take the profiler (and loop over profiler.wrap(loader)) or "
+                              "take no argument and return (iterable, step)")
+        iterable, user_step = pair
+        bar = _ProgressBar(_progress_on(args), args.steps, "gpufeed profile", unit="step")
+
+        def step(batch: Any) -> None:
+            user_step(batch)
+            bar.step()  # a microsecond or so, counted in compute
+
+        try:
+            report = profile(iterable, step if bar.bar is not None else user_step,
+                             max_steps=args.steps, warmup_steps=args.warmup)
+        finally:
+            bar.close()
+    print(report)
+    _write_json(args.json, report.to_dict())
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .._tools.doctor import Workload, diagnose
+
+    report = diagnose(workload=Workload(
+        num_workers=args.workers, prefetch_factor=args.prefetch_factor,
+        pin_memory=args.pin_memory, batch_bytes=args.batch_bytes, worker_type=args.worker_type))
+    print(report)
+    _write_json(args.json, report.to_dict())
+    return report.exit_code
