@@ -1,5 +1,35 @@
+"""Fixtures shared by every test folder.
+
+- ``worker_type``: a test that takes it runs once per entry of :data:`WORKER_TYPES`, ids
+  ``[process]`` and ``[thread]`` (first, before the ids of the test's own parameters). A test
+  that parametrizes ``worker_type`` itself, in a grid with other arguments, overrides the
+  fixture; such grids take their values from ``from conftest import WORKER_TYPES``.
+- ``small_dataset``: ``RichDataset(8)``, a fresh one per test.
+- ``no_leaks`` (``@pytest.mark.usefixtures("no_leaks")``): a resource snapshot (processes,
+  /dev/shm, fds, gpufeed threads) before the test, :func:`support.leaks.assert_no_leaks` at
+  teardown, once the test's locals are gone; a failed test is not checked (as with the context
+  manager). ``@pytest.mark.leaks(settle_s=...)`` sets how long it waits (default 3 s). A check
+  that must run while the test still holds something (an exception, a closed iterator), or
+  inside a loop, uses the context manager :func:`support.leaks.no_leaks` instead.
+
+Tests marked ``cuda`` are skipped without a CUDA device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
 import pytest
 import torch
+
+from support.fakes import RichDataset
+from support.leaks import assert_no_leaks, snapshot
+
+WORKER_TYPES = ["process", "thread"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "leaks(settle_s): how long the no_leaks fixture waits")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -9,3 +39,35 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+_CALL_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Records whether the test's call failed, for ``no_leaks``."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.stash[_CALL_FAILED] = report.failed
+
+
+@pytest.fixture(params=WORKER_TYPES)
+def worker_type(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def small_dataset() -> RichDataset:
+    return RichDataset(8)
+
+
+@pytest.fixture
+def no_leaks(request) -> Iterator[None]:
+    marker = request.node.get_closest_marker("leaks")
+    settle_s = marker.kwargs.get("settle_s", 3.0) if marker else 3.0
+    before = snapshot()
+    yield
+    if not request.node.stash.get(_CALL_FAILED, True):
+        assert_no_leaks(before, settle_s)

@@ -21,7 +21,7 @@ import torch.utils.data as tud
 
 import gpufeed
 from gpufeed._host.worker_iter import CHUNK_MAX
-from support.compare import assert_same, assert_same_batches, collect, drain, seed_all
+from support.compare import assert_same, assert_same_batches, collect, list_or_stop, seed_all
 from support.fakes import (
     Box,
     CountingDataset,
@@ -237,8 +237,8 @@ def test_sample_kinds_match_stock(batch_size, workers):
     else:
         kwargs = dict(batch_sampler=[list(range(k * 4, k * 4 + batch_size))
                                      for k in range(len(SAMPLE_KINDS))])
-    expected = drain(tud.DataLoader(ds, **kwargs))
-    got = drain(gpufeed.DataLoader(ds, **kwargs, **workers))
+    expected = list_or_stop(tud.DataLoader(ds, **kwargs))
+    got = list_or_stop(gpufeed.DataLoader(ds, **kwargs, **workers))
     assert len(got) == len(expected)
     for k, (e, g) in enumerate(zip(expected, got, strict=True)):
         kind = SAMPLE_KINDS[k if batch_size else k // 4]
@@ -276,16 +276,15 @@ def test_custom_collate_results_match_stock(collate_fn, workers):
         assert all(isinstance(first[k], np.ndarray) for k in ("c", "f", "strided"))
 
 
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_numpy_string_arrays_pass_through(worker_type):
     """Non-numeric arrays (here <U2) cannot go in a slot: they travel as they are."""
     ds = NumpyLeafDataset(np.array(["ab", "cd"]))
-    expected = drain(tud.DataLoader(ds, batch_size=None, num_workers=1))
-    got = drain(gpufeed.DataLoader(ds, batch_size=None, num_workers=1, worker_type=worker_type))
+    expected = list_or_stop(tud.DataLoader(ds, batch_size=None, num_workers=1))
+    got = list_or_stop(gpufeed.DataLoader(ds, batch_size=None, num_workers=1,
+                                          worker_type=worker_type))
     assert_same_batches(expected, got)
 
 
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_numpy_big_endian_arrays_pass_through(worker_type):
     """Non-native byte order arrays from a collate_fn arrive with their values.
 
@@ -293,10 +292,10 @@ def test_numpy_big_endian_arrays_pass_through(worker_type):
     order may differ.)
     """
     ds = NumpyLeafDataset(np.arange(3, dtype=">f4"))
-    expected = drain(tud.DataLoader(ds, batch_size=2, num_workers=1,
-                                    collate_fn=identity_collate))
-    got = drain(gpufeed.DataLoader(ds, batch_size=2, num_workers=1, collate_fn=identity_collate,
-                                   worker_type=worker_type))
+    expected = list_or_stop(tud.DataLoader(ds, batch_size=2, num_workers=1,
+                                           collate_fn=identity_collate))
+    got = list_or_stop(gpufeed.DataLoader(ds, batch_size=2, num_workers=1,
+                                          collate_fn=identity_collate, worker_type=worker_type))
     assert len(got) == len(expected)
     for e, g in zip(expected, got, strict=True):
         assert type(g) is list and len(g) == len(e)
@@ -358,7 +357,6 @@ def _infos(batches):
     return rows
 
 
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_get_worker_info_inside_workers(worker_type):
     expected = _infos(collect(tud.DataLoader, WorkerInfoDataset(12), batch_size=2,
                               num_workers=2)[0])
@@ -381,7 +379,6 @@ def test_get_worker_info_is_none_in_main_thread_while_threads_run():
 
 @pytest.mark.parametrize("in_order", [True, False])
 @pytest.mark.parametrize("batch_size", [1, 4, None])
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_iterable_sharding_gives_each_sample_once(worker_type, batch_size, in_order):
     loader = gpufeed.DataLoader(RangeIterable(31, rich=False), batch_size=batch_size,
                                 num_workers=2, worker_type=worker_type, in_order=in_order)
@@ -394,7 +391,6 @@ def test_iterable_sharding_gives_each_sample_once(worker_type, batch_size, in_or
 # -- persistent workers, in_order, epochs ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
 @pytest.mark.parametrize("kind", ["map-shuffle", "iterable"])
 def test_persistent_workers_two_epochs_match_stock(kind, worker_type):
     if kind == "iterable":
@@ -405,7 +401,6 @@ def test_persistent_workers_two_epochs_match_stock(kind, worker_type):
              persistent_workers=True, same_workers=True, **kw)
 
 
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_persistent_break_then_next_epoch_matches_stock(worker_type):
     def run(cls, **kw):
         seed_all(3)
@@ -425,9 +420,8 @@ def test_persistent_break_then_next_epoch_matches_stock(worker_type):
         assert_same_batches(e, g)
 
 
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
-def test_persistent_loader_usable_after_iterator_closed(worker_type):
-    loader = gpufeed.DataLoader(RichDataset(8), batch_size=4, num_workers=2,
+def test_persistent_loader_usable_after_iterator_closed(worker_type, small_dataset):
+    loader = gpufeed.DataLoader(small_dataset, batch_size=4, num_workers=2,
                                 persistent_workers=True, worker_type=worker_type)
     it = iter(loader)
     next(it)
@@ -533,7 +527,6 @@ def test_is_a_torch_dataloader():
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_worker_init_fn_called_once_per_worker(tmp_path, worker_type, persistent):
     loader = gpufeed.DataLoader(
         RichDataset(12), batch_size=2, num_workers=2, worker_type=worker_type,
@@ -609,8 +602,7 @@ def test_bad_arguments_name_the_value(kwargs, exc, needle):
     assert needle in str(info.value)
 
 
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
-def test_huge_ring_bytes_works_or_is_rejected_clearly(worker_type):
+def test_huge_ring_bytes_works_or_is_rejected_clearly(worker_type, small_dataset):
     unraisable: list[str] = []
     old_hook = sys.unraisablehook
     sys.unraisablehook = lambda u: unraisable.append(f"{u.object!r}: {u.exc_value!r}")
@@ -619,8 +611,9 @@ def test_huge_ring_bytes_works_or_is_rejected_clearly(worker_type):
     try:
         with no_leaks():
             try:
-                batches = drain(gpufeed.DataLoader(RichDataset(8), batch_size=4, num_workers=2,
-                                                   worker_type=worker_type, ring_bytes=1 << 47))
+                batches = list_or_stop(gpufeed.DataLoader(small_dataset, batch_size=4,
+                                                          num_workers=2, worker_type=worker_type,
+                                                          ring_bytes=1 << 47))
                 n_batches = len(batches)
                 del batches  # the user's batches hold their memory (the first ones fall back)
             except Exception as e:  # rejecting is fine, if it says what to change
@@ -727,7 +720,6 @@ class SlowCountingDataset(tud.Dataset):
         return i
 
 
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_restarting_a_persistent_iterator_drops_the_abandoned_work_ahead(worker_type):
     """Batches dispatched ahead for an epoch abandoned by ``iter(loader)`` are not fetched:
     workers drop them, so the new epoch does not wait for them."""

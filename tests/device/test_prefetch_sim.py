@@ -190,7 +190,6 @@ def loader_run(worker_type: str, seed: int, depth: int, regime: str, n: int = 10
     return sim, tap, problems(sim, seen, expected)
 
 
-@pytest.mark.parametrize("worker_type", ["thread", "process"])
 @pytest.mark.parametrize(("seed", "depth", "regime"), [(0, 1, "slow_copies"),
                                                        (1, 4, "slow_consumer")])
 def test_over_gpufeed_dataloader_with_recycled_slots(

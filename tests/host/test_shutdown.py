@@ -1,416 +1,33 @@
-"""Errors, crashes, timeouts and shutdown: nothing hangs, nothing leaks.
+"""Shutdown: closing, dropping and forking loaders, running out of descriptors, interpreter
+exit and Ctrl-C: nothing hangs, nothing leaks.
 
 "Nothing leaks" is checked by :func:`support.leaks.no_leaks`: child processes of the test process,
 /dev/shm entries, open file descriptors and gpufeed threads, before and after (after
-``gc.collect()``, allowed a few seconds to settle).
+``gc.collect()``, allowed a few seconds to settle). Errors raised in workers are in
+``test_worker_errors.py``.
 """
 
 from __future__ import annotations
 
-import errno
 import gc
-import multiprocessing.context
 import os
 import re
 import signal
-import sys
-import threading
 import time
 
 import pytest
-import torch.utils.data as tud
 
 import gpufeed
-from support.compare import drain
+from conftest import WORKER_TYPES
+from support.compare import list_or_stop
 from support.fakes import (
     BlockDataset,
     DatasetBoom,
     FailingDataset,
     GcProbeDataset,
-    KillDataset,
-    RichDataset,
-    SleepDataset,
-    failing_init,
-    staggered_failing_init,
 )
-from support.leaks import gone, no_leaks, snapshot, worker_pids
+from support.leaks import gone, no_leaks, snapshot
 from support.procs import deadline, run_script, spawn_script, timer
-
-WORKER_TYPES = ["process", "thread"]
-
-
-# -- exceptions raised by user code ------------------------------------------------------------
-
-
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
-@pytest.mark.parametrize("exc_type", [DatasetBoom, KeyError, ValueError, IndexError])
-def test_dataset_exception_reraised_with_type_traceback_and_index(exc_type, worker_type):
-    loader = gpufeed.DataLoader(FailingDataset(20, bad=13, exc_type=exc_type), batch_size=4,
-                                num_workers=2, worker_type=worker_type)
-    with no_leaks(), deadline(15):
-        with pytest.raises(exc_type) as info:
-            drain(loader)
-        msg = str(info.value)
-        del info
-    assert "cannot load sample 13" in msg  # the original message
-    assert "Traceback (most recent call last)" in msg and "fakes.py" in msg
-    assert "__getitem__" in msg  # the worker's frames
-    assert re.search(r"index[^\n]*\b13\b", msg), f"no failing sample index in: {msg[:300]}"
-    assert re.search(r"worker \d", msg), msg[:300]
-
-
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
-def test_locally_defined_exception_class(worker_type):
-    """Thread workers pickle nothing: the original class comes back. Process workers cannot
-    send a class defined in a function: a RuntimeError that names it."""
-
-    class LocalBoom(Exception):
-        pass
-
-    class Bad(tud.Dataset):
-        def __len__(self):
-            return 8
-
-        def __getitem__(self, i):
-            if i == 5:
-                raise LocalBoom("sample 5 is bad")
-            return i
-
-    loader = gpufeed.DataLoader(Bad(), batch_size=2, num_workers=2, worker_type=worker_type)
-    expected = LocalBoom if worker_type == "thread" else RuntimeError
-    with no_leaks(), deadline(15), pytest.raises(expected) as info:
-        drain(loader)
-    assert type(info.value) is expected
-    assert "Caught LocalBoom" in str(info.value) and "sample 5 is bad" in str(info.value)
-
-
-def test_dataset_exception_in_main_process_is_the_original():
-    with pytest.raises(DatasetBoom) as ours:
-        list(gpufeed.DataLoader(FailingDataset(20, bad=13), batch_size=4))
-    with pytest.raises(DatasetBoom) as stock:
-        list(tud.DataLoader(FailingDataset(20, bad=13), batch_size=4))
-    assert str(ours.value) == str(stock.value) == "cannot load sample 13"
-
-
-def _outcomes(loader):
-    """Every next() of one epoch: a batch (as a list) or the name of the exception."""
-    it = iter(loader)
-    out = []
-    try:
-        while True:
-            try:
-                out.append(next(it).tolist())
-            except StopIteration:
-                return out
-            except DatasetBoom:
-                out.append("DatasetBoom")
-    finally:
-        if hasattr(it, "close"):
-            it.close()
-
-
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
-def test_iteration_continues_after_a_dataset_exception_like_stock(worker_type):
-    expected = _outcomes(tud.DataLoader(FailingDataset(20, bad=5), batch_size=4, num_workers=2))
-    got = _outcomes(gpufeed.DataLoader(FailingDataset(20, bad=5), batch_size=4, num_workers=2,
-                                       worker_type=worker_type))
-    assert got == expected
-    assert "DatasetBoom" in got
-
-
-class BrokenStream(tud.IterableDataset):
-    """Each worker's stream raises on sample 7 (whichever worker owns it)."""
-
-    def __iter__(self):
-        info = tud.get_worker_info()
-        start, step = (info.id, info.num_workers) if info else (0, 1)
-        for i in range(start, 20, step):
-            if i == 7:
-                raise DatasetBoom(f"stream broke at {i}")
-            yield i
-
-
-@pytest.mark.parametrize("num_workers,worker_type", [(0, "process"), (2, "process"),
-                                                     (2, "thread")])
-def test_iterable_dataset_exception_then_continues_like_stock(num_workers, worker_type):
-    expected = _outcomes(tud.DataLoader(BrokenStream(), batch_size=2, num_workers=num_workers))
-    got = _outcomes(gpufeed.DataLoader(BrokenStream(), batch_size=2, num_workers=num_workers,
-                                       worker_type=worker_type))
-    assert got == expected and "DatasetBoom" in got
-
-
-def _bad_collate(batch):
-    raise ValueError(f"collate cannot handle {len(batch)} samples")
-
-
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
-def test_collate_fn_exception_reraised(worker_type):
-    loader = gpufeed.DataLoader(RichDataset(8), batch_size=4, num_workers=1,
-                                collate_fn=_bad_collate, worker_type=worker_type)
-    with no_leaks(), deadline(15):
-        with pytest.raises(ValueError) as info:
-            drain(loader)
-        msg = str(info.value)
-        del info
-    assert "collate cannot handle 4 samples" in msg and "_bad_collate" in msg
-    assert "collate_fn" in msg
-
-
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
-def test_worker_init_fn_error_is_clear_and_leaves_nothing(worker_type):
-    loader = gpufeed.DataLoader(RichDataset(8), batch_size=4, num_workers=2,
-                                worker_init_fn=failing_init, worker_type=worker_type)
-    with no_leaks(), deadline(15), timer() as elapsed:
-        with pytest.raises(ValueError) as info:
-            drain(loader)
-        msg = str(info.value)
-        del info
-    assert elapsed() < 5
-    assert re.search(r"init failed in worker \d", msg) and "failing_init" in msg
-    assert re.search(r"worker \d", msg)
-
-
-def test_second_worker_init_error_prints_nothing(capfd):
-    """Worker 1 fails after the main process has closed the pipes: no traceback on stderr."""
-    loader = gpufeed.DataLoader(RichDataset(8), batch_size=4, num_workers=2,
-                                worker_init_fn=staggered_failing_init)
-    with deadline(15), pytest.raises(ValueError):
-        drain(loader)
-    time.sleep(1.0)  # worker 1 fails 0.5 s after worker 0
-    err = capfd.readouterr().err
-    assert "Traceback" not in err, err
-
-
-def test_unpicklable_spawn_arguments_fail_cleanly():
-    unraisable: list[str] = []
-    old_hook = sys.unraisablehook
-    sys.unraisablehook = lambda u: unraisable.append(f"{u.object!r}: {u.exc_value!r}")
-    message = ""
-    try:
-        with no_leaks(), deadline(30):
-            try:
-                drain(gpufeed.DataLoader(RichDataset(8), batch_size=4, num_workers=2,
-                                         multiprocessing_context="spawn",
-                                         collate_fn=lambda b: b))
-            except Exception as e:
-                message = f"{type(e).__name__}: {e}"
-            gc.collect()
-    finally:
-        sys.unraisablehook = old_hook
-    assert "pickle" in message.lower(), message
-    assert unraisable == [], unraisable
-
-
-class _SecondForkFails(multiprocessing.context.ForkProcess):
-    """fork() fails for the second worker (as at the process limit: EAGAIN)."""
-
-    starts = 0
-
-    def start(self):
-        type(self).starts += 1
-        if type(self).starts == 2:
-            raise OSError(errno.EAGAIN, "fork failed (test)")
-        super().start()
-
-
-class _SecondForkFailsContext(multiprocessing.context.ForkContext):
-    Process = _SecondForkFails
-
-
-class _SecondThreadFails(threading.Thread):
-    def start(self):
-        if self.name == "gpufeed-worker-1":
-            raise RuntimeError("can't start new thread (test)")
-        super().start()
-
-
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
-def test_a_worker_that_cannot_start_leaves_nothing(worker_type, monkeypatch):
-    """Worker 0 runs, worker 1 cannot start: worker 0, the pipes and the ring go at once."""
-    kwargs = {}
-    if worker_type == "process":
-        _SecondForkFails.starts = 0
-        kwargs["multiprocessing_context"] = _SecondForkFailsContext()
-    else:
-        monkeypatch.setattr(threading, "Thread", _SecondThreadFails)
-    loader = gpufeed.DataLoader(RichDataset(8), batch_size=4, num_workers=2,
-                                worker_type=worker_type, **kwargs)
-    with no_leaks(), deadline(15), pytest.raises((OSError, RuntimeError)) as info:
-        iter(loader)
-    assert "(test)" in str(info.value)
-
-
-class _BrokenSampler(tud.Sampler):
-    def __init__(self):
-        pass
-
-    def __len__(self):
-        return 8
-
-    def __iter__(self):
-        raise DatasetBoom("the sampler failed")
-
-
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
-def test_iterator_that_fails_while_starting_stops_its_workers_at_once(worker_type):
-    """The first dispatch fails after the workers started. The exception kept by the caller
-    holds the half-built iterator (in its traceback): stopping must not wait for the gc."""
-    loader = gpufeed.DataLoader(RichDataset(8), sampler=_BrokenSampler(), batch_size=4,
-                                num_workers=2, worker_type=worker_type)
-    with no_leaks(), deadline(15):
-        with pytest.raises(DatasetBoom) as info:
-            iter(loader)
-        kept = info.value  # (alive through the leak check, as a caller might keep it)
-    del info, kept
-
-
-class _BadStateStream(tud.IterableDataset):
-    """Batches fetch fine; the per-batch state_dict(), outside the fetch, fails."""
-
-    def __iter__(self):
-        yield from range(8)
-
-    def state_dict(self):
-        raise DatasetBoom("state_dict failed")
-
-
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
-def test_failing_dataset_state_dict_is_reraised_not_lost(worker_type, capfd):
-    """An iterable dataset whose state_dict() raises: the user gets that error, with where."""
-    errors: list[str] = []
-    old_hook = threading.excepthook
-    threading.excepthook = lambda a: errors.append(f"{a.thread.name}: {a.exc_value!r}")
-    try:
-        loader = gpufeed.DataLoader(_BadStateStream(), batch_size=2, num_workers=2,
-                                    worker_type=worker_type)
-        with no_leaks(), deadline(15):
-            with pytest.raises(DatasetBoom) as info:
-                drain(loader)
-            msg = str(info.value)
-            del info
-    finally:
-        threading.excepthook = old_hook
-    assert errors == [], errors
-    assert "state_dict failed" in msg, msg
-    assert re.search(r"worker \d saving the dataset's state", msg), msg
-    assert "Traceback" not in capfd.readouterr().err  # no worker died printing one
-
-
-# -- dying and hanging workers -------------------------------------------------------------------
-
-
-# torch's own phrases (torch/csrc/DataLoader.cpp), which programs and frameworks match on.
-STOCK_DEATH = {
-    "sigkill": r"DataLoader worker \(pid \d+\) is killed by signal: Killed\. ",
-    "exit": r"DataLoader worker \(pid \d+\) exited unexpectedly with exit code 3\. ",
-}
-
-
-@pytest.mark.parametrize("how,needle", [("sigkill", "SIGKILL"), ("exit", "exited with code 3")])
-def test_worker_dying_inside_getitem_is_reported(how, needle):
-    loader = gpufeed.DataLoader(KillDataset(20, bad=9, how=how), batch_size=4, num_workers=2)
-    with no_leaks(), deadline(15), timer() as elapsed:
-        with pytest.raises(gpufeed.WorkerError) as info:
-            drain(loader)
-        msg = str(info.value)
-        del info
-    assert elapsed() < 5, f"the death was noticed after {elapsed():.1f} s"
-    assert re.match(STOCK_DEATH[how], msg), msg
-    if how == "sigkill":  # stock's top-level words too (its signal phrase is their cause)
-        assert re.search(r"DataLoader worker \(pid\(s\) \d+\) exited unexpectedly", msg), msg
-    assert needle in msg and re.search(r"worker \d", msg), msg
-    held = re.search(r"held batch(?:es)? ([\d, ]+)", msg)
-    assert held, f"no batch named: {msg}"
-    assert "2" in held.group(1).replace(" ", "").split(","), f"sample 9 is in batch 2: {msg}"
-
-
-@pytest.mark.parametrize("how", ["sigkill", "exit"])
-def test_stock_reports_worker_death_with_the_same_phrase(how):
-    """The phrase gpufeed starts with is the one the stock loader uses (stock raises it as the
-    cause of its "DataLoader worker (pid(s) N) exited unexpectedly")."""
-    with deadline(30), pytest.raises(RuntimeError) as info:
-        drain(tud.DataLoader(KillDataset(20, bad=9, how=how), batch_size=4, num_workers=2))
-    chain = f"{info.value}\n{info.value.__cause__}"
-    assert re.search(STOCK_DEATH[how], chain), chain
-    if how == "sigkill":
-        assert re.match(r"DataLoader worker \(pid\(s\) \d+\) exited unexpectedly", str(info.value))
-
-
-def test_worker_killed_from_outside_is_reported_with_its_pid():
-    ds = SleepDataset(200, slow_from=0, seconds=0.05, once=False)  # workers always busy
-    with no_leaks(), deadline(15):
-        others = set(worker_pids())  # e.g. multiprocessing's resource tracker
-        it = iter(gpufeed.DataLoader(ds, batch_size=1, num_workers=2))
-        next(it)
-        victim = next(p for p in worker_pids() if p not in others)
-        os.kill(victim, signal.SIGKILL)
-        with timer() as elapsed, pytest.raises(gpufeed.WorkerError) as info:
-            sum(1 for _b in it)  # (a loop variable would keep the last batch alive)
-        msg = str(info.value)
-        del info, it
-    assert elapsed() < 5
-    assert msg.startswith(f"DataLoader worker (pid {victim}) is killed by signal: Killed."), msg
-    assert "SIGKILL" in msg, msg
-    assert re.search(r"batch(?:es)? \d+", msg), f"no batch named: {msg}"
-
-
-@pytest.mark.parametrize("worker_type,seconds", [("process", 30.0), ("thread", 1.6)])
-def test_timeout_raises_within_timeout_plus_a_few_seconds(worker_type, seconds):
-    ds = SleepDataset(20, slow_from=5, seconds=seconds)
-    loader = gpufeed.DataLoader(ds, batch_size=4, num_workers=2, timeout=1,
-                                worker_type=worker_type)
-    with no_leaks(settle_s=4.0), deadline(20), timer() as elapsed:
-        with pytest.raises(RuntimeError) as info:  # stock raises RuntimeError too
-            drain(loader)
-        msg = str(info.value)
-        raised_after = elapsed()
-        del info
-    assert raised_after < 1 + 4, f"timeout=1 raised after {raised_after:.1f} s"
-    assert msg.startswith("DataLoader timed out after 1 seconds"), msg  # stock's words
-
-
-@pytest.mark.parametrize("timeout", [1, 0.5])
-def test_stock_times_out_with_the_same_phrase(timeout):
-    ds = SleepDataset(20, slow_from=5, seconds=3)
-    with deadline(20), pytest.raises(RuntimeError) as info:
-        drain(tud.DataLoader(ds, batch_size=4, num_workers=1, timeout=timeout))
-    assert str(info.value).startswith(f"DataLoader timed out after {timeout} seconds")
-
-
-def test_timeout_applies_per_batch():
-    """300 cheap batches, then 0.05 s each: timeout=1 must not fire (it is per batch)."""
-    ds = SleepDataset(400, slow_from=300, seconds=0.05, once=False)
-    loader = gpufeed.DataLoader(ds, batch_size=1, num_workers=1, timeout=1)
-    with deadline(30):
-        it = iter(loader)
-        try:
-            for k, _ in enumerate(it):
-                if k == 330:
-                    break
-        finally:
-            it.close()
-
-
-@pytest.mark.slow
-def test_close_while_a_large_task_message_is_being_sent():
-    """Batches of 50,000 indices from a custom sampler go through the sender thread."""
-    errors: list[str] = []
-    old_hook = threading.excepthook
-    threading.excepthook = lambda a: errors.append(f"{a.thread.name}: {a.exc_value!r}")
-    try:
-        loader = gpufeed.DataLoader(SleepDataset(400_000, slow_from=0, seconds=60),
-                                    sampler=list(range(400_000)), batch_size=50_000,
-                                    num_workers=1, timeout=1)
-        with no_leaks(settle_s=4.0), deadline(30), timer() as elapsed:
-            with pytest.raises(gpufeed.WorkerError):
-                drain(loader)
-            raised_after = elapsed()
-            del loader
-    finally:
-        threading.excepthook = old_hook
-    assert errors == [], errors
-    assert raised_after < 1 + 3, f"timeout=1 raised after {raised_after:.1f} s"
-
 
 # -- closing -------------------------------------------------------------------------------------
 
@@ -502,17 +119,17 @@ def test_close_is_fast_while_another_iterator_runs():
         b.close()
 
 
-def test_iterators_inherited_by_forked_workers_are_not_closed_there():
+def test_iterators_inherited_by_forked_workers_are_not_closed_there(small_dataset):
     """A worker's gc may collect an unclosed iterator it inherited: nothing may run there."""
     gc.collect()
     gc.disable()  # keep the garbage below uncollected until the workers have forked
     try:
-        old = gpufeed.DataLoader(RichDataset(8), batch_size=2, num_workers=1,
+        old = gpufeed.DataLoader(small_dataset, batch_size=2, num_workers=1,
                                  persistent_workers=True)
         next(iter(old))
         old.cycle = old  # cyclic garbage with a running iterator inside
         del old
-        probes = drain(gpufeed.DataLoader(GcProbeDataset(), batch_size=None, num_workers=1))
+        probes = list_or_stop(gpufeed.DataLoader(GcProbeDataset(), batch_size=None, num_workers=1))
     finally:
         gc.enable()
         gc.collect()
@@ -591,7 +208,6 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_persistent_loader_inherited_by_fork_says_to_recreate_it(worker_type):
     proc = run_script(FORK_SCRIPT.format(wt=worker_type), timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -707,7 +323,6 @@ for _ in it:
 """
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_ctrl_c_stops_promptly_with_keyboard_interrupt(worker_type):
     proc = spawn_script(CTRL_C_SCRIPT.format(wt=worker_type))
     try:

@@ -246,7 +246,6 @@ def _pad(batch):
             "length": torch.tensor([len(t) for t in ids])}
 
 
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_hf_dataset_with_format_torch_and_a_padding_collate(worker_type):
     datasets = pytest.importorskip("datasets")
     rows = {"ids": [list(range(1, 1 + (i * 7) % 11 + 1)) for i in range(30)],

@@ -15,7 +15,7 @@ import torch.utils.data as tud
 import gpufeed
 from gpufeed._memory.region import PAGE, Region, default_reserve, reserve_for
 from gpufeed._memory.ring import SlotRing
-from support.compare import assert_same, assert_same_batches, drain
+from support.compare import assert_same, assert_same_batches, list_or_stop
 from support.fakes import (
     BlockDataset,
     EmptyLaterDataset,
@@ -27,7 +27,6 @@ from support.fakes import (
 )
 from support.leaks import no_leaks
 
-WORKER_TYPES = ["process", "thread"]
 RING_KEYS = {"slot_bytes", "live_bytes", "in_use", "grows", "fallbacks", "budget"}
 
 
@@ -57,7 +56,6 @@ def _clone(batch):
     return batch
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_kept_batches_are_never_overwritten(worker_type):
     """list(loader) keeps every batch: each one still equals stock's at the end."""
     expected = list(tud.DataLoader(BlockDataset(64), batch_size=4, shuffle=False))
@@ -67,7 +65,6 @@ def test_kept_batches_are_never_overwritten(worker_type):
     assert_same_batches(expected, batches)
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_batches_kept_across_persistent_epochs(worker_type):
     """Epoch 2 reuses the same ring: epoch 1's kept batches must stay intact."""
     loader = _loader(BlockDataset(48), worker_type, batch_size=4, persistent_workers=True)
@@ -82,7 +79,6 @@ def test_batches_kept_across_persistent_epochs(worker_type):
     gc.collect()
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_kept_views_and_leaves_keep_their_slot(worker_type):
     """Keeping only a slice, a reshaped view or the numpy view of a leaf keeps its bytes."""
     kept = []
@@ -107,7 +103,6 @@ def test_kept_views_and_leaves_keep_their_slot(worker_type):
             assert (v == first + 2).all(), f"batch {k} ({how}) was overwritten"
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_ring_grows_to_budget_then_falls_back(worker_type):
     expected = list(tud.DataLoader(BlockDataset(64), batch_size=4))
     # a slot for one batch (4 x 256 float32 + 4 int64) is 1-2 pages: room for a few slots
@@ -121,7 +116,6 @@ def test_ring_grows_to_budget_then_falls_back(worker_type):
     assert info["fallbacks"] > 0, f"16 kept batches cannot all fit in {budget} bytes: {info}"
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_default_budget_is_bounded_and_falls_back(worker_type):
     """Keeping 600 batches: the default budget stops growth, the rest falls back intact."""
     expected = list(tud.DataLoader(BlockDataset(2400, 16), batch_size=4))
@@ -131,7 +125,6 @@ def test_default_budget_is_bounded_and_falls_back(worker_type):
     assert info["grows"] < len(batches) and info["fallbacks"] > 0, info
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_default_budget_bounds_live_bytes(worker_type):
     """400 cheap batches then 40 slow ones, all kept: the ring stays within its budget."""
     batches, info = _epoch(_loader(SleepDataset(440, slow_from=400, seconds=0.015, once=False),
@@ -140,7 +133,6 @@ def test_default_budget_bounds_live_bytes(worker_type):
     assert info["live_bytes"] <= info["budget"], info
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_ring_bytes_zero_always_falls_back(worker_type):
     expected = list(tud.DataLoader(RichDataset(23), batch_size=5))
     batches, info = _epoch(_loader(RichDataset(23), worker_type, batch_size=5, ring_bytes=0))
@@ -148,7 +140,6 @@ def test_ring_bytes_zero_always_falls_back(worker_type):
     assert info["grows"] == 0 and info["live_bytes"] == 0 and info["in_use"] == 0, info
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 @pytest.mark.parametrize("ring_bytes", [None, 3 * 4096])
 def test_later_bigger_batches_are_not_truncated(worker_type, ring_bytes):
     """The first batch is the smallest; later ones outgrow the learnt slot."""
@@ -159,7 +150,6 @@ def test_later_bigger_batches_are_not_truncated(worker_type, ring_bytes):
     assert batches[-1]["grow"].shape == (4, 1 + 9 * 700)
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_variable_size_batches_with_padding_not_truncated(worker_type):
     expected = list(tud.DataLoader(VarLenDataset(60), batch_size=3, collate_fn=pad_collate))
     batches, _ = _epoch(_loader(VarLenDataset(60), worker_type, batch_size=3,
@@ -167,7 +157,6 @@ def test_variable_size_batches_with_padding_not_truncated(worker_type):
     assert_same_batches(expected, batches)
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_last_short_batch_not_padded_or_truncated(worker_type):
     expected = list(tud.DataLoader(BlockDataset(23, 100), batch_size=5))
     batches, _ = _epoch(_loader(BlockDataset(23, 100), worker_type, batch_size=5))
@@ -175,7 +164,6 @@ def test_last_short_batch_not_padded_or_truncated(worker_type):
     assert_same_batches(expected, batches)
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_slots_are_recycled_when_batches_are_dropped(worker_type):
     """2,000 batches, each dropped before the next: a bounded ring, never a fallback."""
     n_batches = 2000
@@ -191,7 +179,6 @@ def test_slots_are_recycled_when_batches_are_dropped(worker_type):
     assert info["grows"] <= n_batches // 4, f"slots were not recycled: {info}"
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_slots_return_when_the_user_drops_kept_batches(worker_type):
     """Held batches pin their slots; once dropped, every slot is free again."""
     loader = _loader(BlockDataset(64), worker_type, batch_size=4, persistent_workers=True)
@@ -211,14 +198,12 @@ def test_slots_return_when_the_user_drops_kept_batches(worker_type):
     gc.collect()
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_empty_tensor_batches_after_slot_learnt(worker_type):
     expected = list(tud.DataLoader(EmptyLaterDataset(), batch_size=4))
-    got = drain(_loader(EmptyLaterDataset(), worker_type, batch_size=4, num_workers=1))
+    got = list_or_stop(_loader(EmptyLaterDataset(), worker_type, batch_size=4, num_workers=1))
     assert_same_batches(expected, got)
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_in_place_changes_by_the_user_stay_in_their_batch(worker_type):
     """A user writing into a batch must not change any other batch."""
     expected = list(tud.DataLoader(BlockDataset(40, 32), batch_size=4))
@@ -308,19 +293,20 @@ def test_a_ring_that_cannot_be_mapped_names_ring_bytes(shared):
     assert f"ring_bytes= (it is {1 << 47})" in msg and "ring_bytes=0" in msg, msg
 
 
+@pytest.mark.usefixtures("no_leaks")
+@pytest.mark.leaks(settle_s=0.5)
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_platforms_without_memfd_share_an_unlinked_file(monkeypatch, context):
     """macOS and the BSDs have no memfd: the ring is an unlinked temporary file instead, with
     the same batches, recycling and cleanup (fork inherits the mapping, spawn gets the fd)."""
     monkeypatch.delattr("os.memfd_create")
     expected = list(tud.DataLoader(BlockDataset(48), batch_size=4))
-    with no_leaks(settle_s=0.5):
-        loader = gpufeed.DataLoader(BlockDataset(48), batch_size=4, num_workers=2,
-                                    multiprocessing_context=context)
-        it = iter(loader)
-        got = [_clone(b) for b in it]
-        info = it.ring_info()
-        del it, loader
-        gc.collect()
+    loader = gpufeed.DataLoader(BlockDataset(48), batch_size=4, num_workers=2,
+                                multiprocessing_context=context)
+    it = iter(loader)
+    got = [_clone(b) for b in it]
+    info = it.ring_info()
+    del it, loader
+    gc.collect()
     assert info["grows"] > 0, f"the ring was never used: {info}"
     assert_same_batches(expected, got)

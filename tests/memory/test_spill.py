@@ -18,12 +18,11 @@ import torch.utils.data as tud
 
 import gpufeed
 import gpufeed._memory.spill
-from support.compare import assert_same_batches, drain
+from conftest import WORKER_TYPES
+from support.compare import assert_same_batches, list_or_stop
 from support.fakes import RichDataset
 from support.leaks import no_leaks
 from support.procs import deadline, script_env
-
-WORKER_TYPES = ["process", "thread"]
 
 
 class Sub(torch.Tensor):
@@ -86,13 +85,14 @@ def _plain(x: object) -> object:
         pytest.param("quantized", "process", marks=pytest.mark.skip("torch cannot send it")),
     ],
 )
+@pytest.mark.usefixtures("no_leaks")
 def test_leaves_the_ring_cannot_hold_go_the_ordinary_way_and_are_counted(kind, worker_type):
     ds = OddLeafDataset(kind)
     expected = list(tud.DataLoader(ds, batch_size=2, collate_fn=list_collate))
     loader = gpufeed.DataLoader(ds, batch_size=2, num_workers=2, collate_fn=list_collate,
                                 worker_type=worker_type)
-    with no_leaks(), deadline(30):
-        got = drain(loader)
+    with deadline(30):
+        got = list_or_stop(loader)
         assert len(got) == len(expected) == 3
         for e, g in zip(expected, got, strict=True):
             assert _plain(g["odd"]) == _plain(e["odd"])
@@ -101,24 +101,24 @@ def test_leaves_the_ring_cannot_hold_go_the_ordinary_way_and_are_counted(kind, w
     assert loader.stats().counters.get("ring_unsupported") == 3
 
 
-@pytest.mark.parametrize("worker_type", WORKER_TYPES)
 def test_tensor_subclass_keeps_its_type_through_default_collate(worker_type):
     ds = OddLeafDataset("subclass")
     expected = list(tud.DataLoader(ds, batch_size=2, num_workers=2))
     loader = gpufeed.DataLoader(ds, batch_size=2, num_workers=2, worker_type=worker_type)
-    got = drain(loader)
+    got = list_or_stop(loader)
     assert [_plain(b["odd"]) for b in got] == [_plain(b["odd"]) for b in expected]
     assert all(type(b["odd"]) is Sub for b in got)
     assert loader.stats().counters.get("ring_unsupported") == 3
 
 
+@pytest.mark.usefixtures("no_leaks")
 def test_batches_without_a_slot_leave_nothing_and_stay_intact():
     """ring_bytes=0: every batch travels in a spill file; kept batches are not overwritten,
     and nothing (file descriptor, /dev/shm entry, process) is left once they are dropped."""
     expected = list(tud.DataLoader(RichDataset(23), batch_size=5))
-    with no_leaks(), deadline(30):
+    with deadline(30):
         loader = gpufeed.DataLoader(RichDataset(23), batch_size=5, num_workers=2, ring_bytes=0)
-        kept = drain(loader)
+        kept = list_or_stop(loader)
         assert_same_batches(expected, kept)
         assert loader.stats().counters.get("ring_grow", 0) == 0
         del kept, loader
@@ -135,13 +135,14 @@ def _fail_in_workers(main_pid: int):
     return region
 
 
-def test_out_of_shared_memory_says_which_memory_how_much_and_the_fixes(monkeypatch):
+def test_out_of_shared_memory_says_which_memory_how_much_and_the_fixes(monkeypatch,
+                                                                       small_dataset):
     """An injected failure to create a spill file (the workers inherit it by fork)."""
     monkeypatch.setattr(gpufeed._memory.spill, "Region", _fail_in_workers(os.getpid()))
-    loader = gpufeed.DataLoader(RichDataset(8), batch_size=2, num_workers=2, ring_bytes=0,
+    loader = gpufeed.DataLoader(small_dataset, batch_size=2, num_workers=2, ring_bytes=0,
                                 multiprocessing_context="fork")
     with no_leaks(), deadline(30), pytest.raises(gpufeed.WorkerError) as info:
-        drain(loader)
+        list_or_stop(loader)
     msg = str(info.value)
     del info
     assert "shared memory" in msg and "memfd" in msg, msg

@@ -561,7 +561,6 @@ def test_iterable_dataset_with_process_workers_resumes_per_worker(tmp_path):
 
 
 @integrated
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_iterable_dataset_resumes_again_before_every_worker_delivered(worker_type):
     """A chain of resumes, one batch each: a worker that has not delivered since the last
     resume keeps the position that resume loaded (NOTE [ Iterable resume ])."""
@@ -585,7 +584,6 @@ def test_iterable_dataset_resumes_again_before_every_worker_delivered(worker_typ
 
 
 @integrated
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_load_state_dict_reseeds_persistent_workers(worker_type):
     def make(seed):
         return gpufeed.DataLoader(RandomTransformDataset(12), batch_size=4, shuffle=True,

@@ -9,7 +9,7 @@ import torch.utils.data as tud
 
 import gpufeed
 from gpufeed import ArrayDataset
-from support.compare import assert_same, assert_same_batches, collect, drain
+from support.compare import assert_same, assert_same_batches, collect, list_or_stop
 from support.fakes import GetitemsDataset
 
 WORKERS = [
@@ -150,7 +150,7 @@ def test_array_dataset_out_of_range_index_is_an_index_error():
         ds[10]
     loader = gpufeed.DataLoader(ds, sampler=[0, 1, 99], batch_size=3, num_workers=1)
     with pytest.raises(IndexError):
-        drain(loader)
+        list_or_stop(loader)
 
 
 @pytest.mark.parametrize("workers", WORKERS)
@@ -168,7 +168,7 @@ def test_tensor_dataset_with_strided_tensor():
     base = torch.arange(60, dtype=torch.float64).reshape(6, 10)
     ds = tud.TensorDataset(base.t(), torch.arange(10))  # non-contiguous rows
     expected = list(tud.DataLoader(ds, batch_size=3))
-    got = drain(gpufeed.DataLoader(ds, batch_size=3, num_workers=1))
+    got = list_or_stop(gpufeed.DataLoader(ds, batch_size=3, num_workers=1))
     assert_same_batches(expected, got)
 
 

@@ -83,7 +83,7 @@ def shutdown(it: Any) -> None:
         it._shutdown_workers()
 
 
-def drain(loader: Any) -> list[Any]:
+def list_or_stop(loader: Any) -> list[Any]:
     """``list(loader)``, but the workers stop at once if it raises.
 
     A failed ``list(loader)`` leaves the iterator referenced by the traceback, its workers
@@ -104,7 +104,7 @@ def collect(
     seed_all(seed)
     loader = loader_cls(dataset, **kwargs)
     try:
-        return [drain(loader) for _ in range(epochs)]
+        return [list_or_stop(loader) for _ in range(epochs)]
     finally:
         if kwargs.get("persistent_workers"):
             del loader

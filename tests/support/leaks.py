@@ -87,6 +87,8 @@ def assert_no_leaks(before: Resources, settle_s: float = 3.0) -> None:
 
 @contextlib.contextmanager
 def no_leaks(settle_s: float = 3.0) -> Iterator[None]:
+    """The check of the ``no_leaks`` fixture (``tests/conftest.py``) around a block: for a check
+    that must run while the test still holds something (an exception, a closed iterator)."""
     before = snapshot()
     yield
     assert_no_leaks(before, settle_s)
