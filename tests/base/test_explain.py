@@ -86,11 +86,13 @@ def test_explain_covers_what_the_snapshot_shows():
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("prefetch", [None, 2])  # adaptive (the ring grows) or fixed
 def test_a_loop_that_keeps_labels_is_diagnosed(keep, prefetch):
-    ds = gpufeed.ArrayDataset(np.zeros((2048, 16), np.float32), np.arange(2048))
+    # 512 batches: twice the most an adaptive loader keeps in flight with 2 workers (its ring
+    # grows to that), so kept labels fill the ring however fast the machine is
+    ds = gpufeed.ArrayDataset(np.zeros((8192, 16), np.float32), np.arange(8192))
     loader = gpufeed.DataLoader(ds, batch_size=16, num_workers=2, prefetch_factor=prefetch)
     kept = []
     report = profile(loader, (lambda b: kept.append(b[1])) if keep else (lambda b: None))
     text = str(report)
     assert "what the figures mean:" in text and "ring_fallback: batches that found" in text
     assert ("cause: batches held by your loop" in text) is keep
-    assert report.to_dict()["loader_stats"]["counters"]["batches"] == 128
+    assert report.to_dict()["loader_stats"]["counters"]["batches"] == 512
