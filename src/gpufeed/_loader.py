@@ -20,7 +20,7 @@ from ._host.config import IterConfig
 from ._host.iterator import BaseIter, SingleIter
 from ._host.worker_iter import WorkerIter
 from ._memory import pinning as _pinning
-from ._order.resume import Delivered, Progress
+from ._order.resume import Delivered, LoaderPosition
 from ._order.sampler import build_sampler, resolve_world
 from ._order.seeding import resolve_seed
 
@@ -184,7 +184,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.device_transform = device_transform
         self.device_depth = device_depth
         self._recorder = StatsRecorder()
-        self._progress = Progress()
+        self._position = LoaderPosition()
         self._prepared = False  # see _is_accelerate_prepared
 
     @property
@@ -248,18 +248,20 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def state_dict(self) -> dict[str, Any]:
         """The position of the batches delivered so far, the epoch and the seed, as plain
         Python values (``torch.save``-able, ``torch.load(weights_only=True)``-able)."""
-        return dict(self._progress.state_dict(self))
+        return dict(self._position.state_dict(self))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue, at the next ``iter(loader)``, right after the last batch ``state`` counted.
 
         Raises ``ValueError`` when the dataset length, world size, rank or batch size differ.
         """
-        self._progress.load_state_dict(self, state)
+        seed = self._position.load_state_dict(self, state)
+        if seed is not None:
+            self.seed = seed
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter(loader)`` run epoch ``epoch`` (epochs otherwise count up)."""
-        self._progress.set_epoch(self, epoch)
+        self._position.set_epoch(self, epoch)
 
     def stats(self) -> LoaderStats:
         """Per-stage timings, ring and prefetch occupancy, and counters since construction.
@@ -292,7 +294,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             world_size=self.world_size,
             sample_seed=self.seed if self.deterministic else None,
             generator=self.generator,
-            position=self._progress,
+            position=self._position,
             recorder=self._recorder,
             pin_memory=self.pin_memory,
             pin=pin,
@@ -327,4 +329,4 @@ class DataLoader(_TorchDataLoader[_T_co]):
         return Delivered(to_device(
             it, parse_device(self.device), depth=self.device_depth, transform=self.device_transform,
             recorder=self._recorder,
-        ), self._progress.current())
+        ), self._position.current())

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from .._base.stats import StatsRecorder
-from .._order.resume import Progress
+from .._order.resume import LoaderPosition
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +41,7 @@ class IterConfig:
     # -- seeds and order
     sample_seed: int | None  # per-sample random state (``deterministic``), else None
     generator: torch.Generator | None  # live: each iterator draws its base seed from it
-    position: Progress  # live: epochs, resume, delivered batches
+    position: LoaderPosition  # live: epochs, resume, delivered batches
     recorder: StatsRecorder  # live: the loader's stats
     # -- pinning and the device stage
     pin_memory: bool  # as asked (warned about without an accelerator)

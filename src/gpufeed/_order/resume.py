@@ -7,8 +7,9 @@ provides;
 - ``_order/delivery.py``: where an epoch starts and which batches reached the user
   (NOTE [ Delivery tracking ], NOTE [ Iterable resume ]);
 - ``_order/rewind.py``: what replays each kind of sampler's epoch (NOTE [ Rewinding samplers ]);
-- this module: :class:`Progress` (the loader's ``state_dict``/``load_state_dict``/``set_epoch``
-  and each epoch's start delegate to it) and :func:`prepare_resume` (seek or replay the sampler).
+- this module: :class:`LoaderPosition` (the loader's ``state_dict``/``load_state_dict``/
+  ``set_epoch`` and each epoch's start delegate to it; what it reads of the loader is
+  :class:`LoaderView`) and :func:`prepare_resume` (seek or replay the sampler).
 
 The names of ``_order/state.py`` and ``_order/delivery.py`` are re-exported here.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from torch.utils.data import BatchSampler, IterableDataset
 
@@ -45,8 +46,9 @@ __all__ = [
     "STATE_VERSION",
     "Delivered",
     "DeliveryTracker",
+    "LoaderPosition",
     "LoaderState",
-    "Progress",
+    "LoaderView",
     "ResumePoint",
     "WorkerStates",
     "capture_state",
@@ -129,13 +131,31 @@ def _len(obj: Any) -> int | None:
         return None
 
 
-class Progress:
-    """One loader's resume bookkeeping; the loader's ``state_dict``/``load_state_dict`` and each
-    epoch's start delegate here.
+class LoaderView(Protocol):
+    """What :class:`LoaderPosition` reads of its loader (``gpufeed.DataLoader``). It is handed
+    the loader per call and keeps no reference to it; it writes nothing back (a loaded seed is
+    returned for the loader to take)."""
 
-    ``loader`` arguments need: ``dataset``, ``sampler``, ``batch_sampler``, ``_index_sampler``,
-    ``batch_size``, ``num_workers``, ``seed``, ``rank`` and ``world_size``.
-    """
+    @property
+    def dataset(self) -> Any: ...
+    @property
+    def _index_sampler(self) -> Any: ...  # its batch sampler, or its sampler without batching
+    @property
+    def batch_size(self) -> int | None: ...
+    @property
+    def num_workers(self) -> int: ...
+    @property
+    def seed(self) -> int | None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+
+
+class LoaderPosition:
+    """Where one loader stands: the epoch, a loaded state waiting for the next ``__iter__``, and
+    the epoch in progress's delivered batches. The loader's ``state_dict``/``load_state_dict``/
+    ``set_epoch`` and each epoch's start (by the host iterator) delegate here."""
 
     def __init__(self) -> None:
         self.epoch = 0  # next epoch, for samplers that do not count their own
@@ -155,7 +175,7 @@ class Progress:
         sampler = inner_sampler(index_sampler)
         return int(sampler.epoch) if is_ours(sampler) else self.epoch
 
-    def set_epoch(self, loader: Any, epoch: int) -> None:
+    def set_epoch(self, loader: LoaderView, epoch: int) -> None:
         """``loader.set_epoch``: the epoch of the next ``__iter__`` (drops a loaded state)."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
@@ -204,7 +224,7 @@ class Progress:
         states, self.pending_dataset = self.pending_dataset, None
         return states
 
-    def state_dict(self, loader: Any) -> LoaderState:
+    def state_dict(self, loader: LoaderView) -> LoaderState:
         pending, tracker, sampler_state = self.pending, self.tracker, self.sampler_state
         if pending is not None:
             epoch, done, ahead = pending.epoch, pending.done, list(pending.ahead)
@@ -248,7 +268,10 @@ class Progress:
             sampler_state=sampler_state, dataset_state=dataset_state,
         )
 
-    def load_state_dict(self, loader: Any, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, loader: LoaderView, state: Mapping[str, Any]) -> int | None:
+        """Check ``state`` against ``loader`` and set the sampler up for it; the next
+        :meth:`begin_epoch` resumes there. Returns the state's seed, which the loader takes (its
+        ``seed``), or ``None`` when the state has none."""
         iterable = isinstance(loader.dataset, IterableDataset)
         checked = check_state(
             state, dataset_len=None if iterable else _len(loader.dataset),
@@ -256,10 +279,9 @@ class Progress:
             num_workers=loader.num_workers,
         )
         sampler = inner_sampler(loader._index_sampler)
-        if checked["seed"] is not None:
-            loader.seed = checked["seed"]
-            if is_ours(sampler):
-                sampler.seed = checked["seed"]
+        seed = checked["seed"]
+        if seed is not None and is_ours(sampler):
+            sampler.seed = seed
         point = prepare_resume(
             checked, index_sampler=loader._index_sampler,
             num_batches=None if iterable else _len(loader._index_sampler), iterable=iterable,
@@ -276,3 +298,4 @@ class Progress:
             self.pending_dataset = WorkerStates(
                 list(dataset_state["workers"]), dataset_state.get("next_worker", 0)
             )
+        return seed
