@@ -11,13 +11,16 @@ from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from ._base.stats import LoaderStats, StatsRecorder
 from ._device.stage import parse_device, to_device
+from ._device.streams import pin_device_index
+from ._host.config import IterConfig
 from ._host.iterator import BaseIter, SingleIter
 from ._host.worker_iter import WorkerIter
-from ._order.resume import Delivered, Progress
+from ._memory import pinning as _pinning
+from ._order.resume import Delivered, LoaderPosition
 from ._order.sampler import build_sampler, resolve_world
 from ._order.seeding import resolve_seed
 
@@ -181,7 +184,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.device_transform = device_transform
         self.device_depth = device_depth
         self._recorder = StatsRecorder()
-        self._progress = Progress()
+        self._position = LoaderPosition()
         self._prepared = False  # see _is_accelerate_prepared
 
     @property
@@ -230,7 +233,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         state = dict(self.__dict__)
         iterator = state.get("_iterator")
         if iterator is not None:
-            if not getattr(iterator, "_closed", False):
+            if not (isinstance(iterator, BaseIter) and iterator.closed):
                 raise NotImplementedError(
                     f"{type(self).__name__} with persistent_workers=True cannot be pickled or "
                     "copied once it has started iterating (its workers are running), as with "
@@ -245,18 +248,20 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def state_dict(self) -> dict[str, Any]:
         """The position of the batches delivered so far, the epoch and the seed, as plain
         Python values (``torch.save``-able, ``torch.load(weights_only=True)``-able)."""
-        return dict(self._progress.state_dict(self))
+        return dict(self._position.state_dict(self))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue, at the next ``iter(loader)``, right after the last batch ``state`` counted.
 
         Raises ``ValueError`` when the dataset length, world size, rank or batch size differ.
         """
-        self._progress.load_state_dict(self, state)
+        seed = self._position.load_state_dict(self, state)
+        if seed is not None:
+            self.seed = seed
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter(loader)`` run epoch ``epoch`` (epochs otherwise count up)."""
-        self._progress.set_epoch(self, epoch)
+        self._position.set_epoch(self, epoch)
 
     def stats(self) -> LoaderStats:
         """Per-stage timings, ring and prefetch occupancy, and counters since construction.
@@ -271,14 +276,52 @@ class DataLoader(_TorchDataLoader[_T_co]):
         """
         return self._recorder.snapshot()
 
+    def _iter_config(self) -> IterConfig:
+        """All an iterator knows of this loader, read now (NOTE [ Shutdown ] in
+        ``_host/pool.py``: it holds no reference back to the loader)."""
+        # A CUDA device stage needs page-locked batches to copy asynchronously: pin then too.
+        on_cuda = self.device is not None and self.device.type == "cuda"
+        pin = (self.pin_memory or on_cuda) and _pinning.cuda_usable()
+        return IterConfig(
+            dataset=self.dataset,
+            is_iterable=isinstance(self.dataset, IterableDataset),
+            auto_collation=self._auto_collation,
+            index_sampler=self._index_sampler,
+            collate_fn=self.collate_fn,
+            drop_last=self.drop_last,
+            len_called=self._IterableDataset_len_called,
+            rank=self.rank,
+            world_size=self.world_size,
+            sample_seed=self.seed if self.deterministic else None,
+            generator=self.generator,
+            position=self._position,
+            recorder=self._recorder,
+            pin_memory=self.pin_memory,
+            pin=pin,
+            pin_device=pin_device_index(self.device, self.pin_memory_device) if pin else None,
+            device_depth=self.device_depth if self.device is not None else None,
+            num_workers=self.num_workers,
+            worker_type=self.worker_type,
+            in_order=self.in_order,
+            timeout=float(self.timeout),
+            timeout_text=str(self.timeout),
+            persistent=self.persistent_workers,
+            prefetch_factor=self.prefetch_factor,
+            prefetch_explicit=self._prefetch_explicit,
+            ring_bytes=self.ring_bytes,
+            worker_init_fn=self.worker_init_fn,
+            multiprocessing_context=self.multiprocessing_context,
+        )
+
     def _get_iterator(self) -> BaseIter:  # type: ignore[override]
         if self.num_workers == 0:
-            return SingleIter(self)
+            return SingleIter(self._iter_config())
         self.check_worker_number_rationality()
-        return WorkerIter(self)
+        return WorkerIter(self._iter_config())
 
     def __iter__(self) -> Any:
-        if getattr(self._iterator, "_closed", False):  # closed by the user: start afresh
+        iterator = self._iterator
+        if isinstance(iterator, BaseIter) and iterator.closed:  # closed by the user: afresh
             self._iterator = None
         it = super().__iter__()
         if self.device is None:
@@ -286,4 +329,4 @@ class DataLoader(_TorchDataLoader[_T_co]):
         return Delivered(to_device(
             it, parse_device(self.device), depth=self.device_depth, transform=self.device_transform,
             recorder=self._recorder,
-        ), self._progress.current())
+        ), self._position.current())

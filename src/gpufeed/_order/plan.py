@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
+from .rewind import EpochSeed
 from .sampler import SeededRandomSampler, ShardedSampler
 
 
@@ -54,14 +55,15 @@ def plannable(batch_sampler: Any) -> bool:
 
 
 def make_plan(
-    batch_sampler: BatchSampler, *, shared: bool, skip: int = 0, epoch_seed: Any = None
+    batch_sampler: BatchSampler, *, shared: bool, skip: int = 0,
+    epoch_seed: EpochSeed | None = None,
 ) -> IndexPlan:
     """Draw the epoch's order as the stock sampler would at its first ``next()``.
 
-    ``skip``: batches to leave out at the start (a resume; ``_resume.prepare_resume``). gpufeed's
+    ``skip``: batches to leave out at the start (a resume; ``resume.prepare_resume``). gpufeed's
     samplers know it themselves, from their ``seek``. ``epoch_seed``: the tracker's
-    ``_rewind.EpochSeed`` for a ``RandomSampler`` on the global generator, which draws (and
-    records) or replays the epoch's seed (NOTE [ Rewinding samplers ]).
+    ``rewind.EpochSeed``, which every ``RandomSampler`` on the global generator has: it draws
+    (and records) or replays the epoch's seed (NOTE [ Rewinding samplers ], case 4).
     """
     s = batch_sampler.sampler
     bs = batch_sampler.batch_size
@@ -93,9 +95,11 @@ def finish_plan(batch_sampler: BatchSampler) -> None:
 
 
 def _generator(s: RandomSampler) -> torch.Generator:
-    if s.generator is not None:
-        return s.generator
-    seed = int(torch.empty((), dtype=torch.int64).random_().item())
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return g
+    """The user's generator of a ``RandomSampler``; one on the global generator always comes
+    with the tracker's ``EpochSeed`` (``LoaderPosition.begin_epoch``), so none reaches here."""
+    if s.generator is None:
+        raise RuntimeError(
+            "gpufeed internal error: an epoch plan of a RandomSampler on torch's global "
+            "generator was drawn without its EpochSeed; please report it"
+        )
+    return s.generator

@@ -7,8 +7,9 @@ provides;
 - ``_order/delivery.py``: where an epoch starts and which batches reached the user
   (NOTE [ Delivery tracking ], NOTE [ Iterable resume ]);
 - ``_order/rewind.py``: what replays each kind of sampler's epoch (NOTE [ Rewinding samplers ]);
-- this module: :class:`Progress` (the loader's ``state_dict``/``load_state_dict``/``set_epoch``
-  and each epoch's start delegate to it) and :func:`prepare_resume` (seek or replay the sampler).
+- this module: :class:`LoaderPosition` (the loader's ``state_dict``/``load_state_dict``/
+  ``set_epoch`` and each epoch's start delegate to it; what it reads of the loader is
+  :class:`LoaderView`) and :func:`prepare_resume` (seek or replay the sampler).
 
 The names of ``_order/state.py`` and ``_order/delivery.py`` are re-exported here.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from torch.utils.data import BatchSampler, IterableDataset
 
@@ -45,8 +46,9 @@ __all__ = [
     "STATE_VERSION",
     "Delivered",
     "DeliveryTracker",
+    "LoaderPosition",
     "LoaderState",
-    "Progress",
+    "LoaderView",
     "ResumePoint",
     "WorkerStates",
     "capture_state",
@@ -129,13 +131,31 @@ def _len(obj: Any) -> int | None:
         return None
 
 
-class Progress:
-    """One loader's resume bookkeeping; the loader's ``state_dict``/``load_state_dict`` and each
-    epoch's start delegate here.
+class LoaderView(Protocol):
+    """What :class:`LoaderPosition` reads of its loader (``gpufeed.DataLoader``). It is handed
+    the loader per call and keeps no reference to it; it writes nothing back (a loaded seed is
+    returned for the loader to take)."""
 
-    ``loader`` arguments need: ``dataset``, ``sampler``, ``batch_sampler``, ``_index_sampler``,
-    ``batch_size``, ``num_workers``, ``seed``, ``rank`` and ``world_size``.
-    """
+    @property
+    def dataset(self) -> Any: ...
+    @property
+    def _index_sampler(self) -> Any: ...  # its batch sampler, or its sampler without batching
+    @property
+    def batch_size(self) -> int | None: ...
+    @property
+    def num_workers(self) -> int: ...
+    @property
+    def seed(self) -> int | None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+
+
+class LoaderPosition:
+    """Where one loader stands: the epoch, a loaded state waiting for the next ``__iter__``, and
+    the epoch in progress's delivered batches. The loader's ``state_dict``/``load_state_dict``/
+    ``set_epoch`` and each epoch's start (by the host iterator) delegate here."""
 
     def __init__(self) -> None:
         self.epoch = 0  # next epoch, for samplers that do not count their own
@@ -151,11 +171,11 @@ class Progress:
         state["tracker"] = None
         return state
 
-    def next_epoch(self, loader: Any) -> int:
-        sampler = inner_sampler(loader._index_sampler)
+    def next_epoch(self, index_sampler: Any) -> int:
+        sampler = inner_sampler(index_sampler)
         return int(sampler.epoch) if is_ours(sampler) else self.epoch
 
-    def set_epoch(self, loader: Any, epoch: int) -> None:
+    def set_epoch(self, loader: LoaderView, epoch: int) -> None:
         """``loader.set_epoch``: the epoch of the next ``__iter__`` (drops a loaded state)."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
@@ -165,18 +185,21 @@ class Progress:
             sampler.set_epoch(epoch)
         self.epoch = epoch
 
-    def begin_epoch(self, loader: Any, *, direct: bool) -> DeliveryTracker:
-        """Called once per epoch by the iterator; draw indices from ``tracker.indices``."""
+    def begin_epoch(
+        self, index_sampler: Any, *, iterable: bool, direct: bool
+    ) -> DeliveryTracker:
+        """Called once per epoch by the iterator with the loader's ``_index_sampler``; draw
+        indices from ``tracker.indices``. ``iterable``: the dataset is an ``IterableDataset``
+        (no order: its stream resumes); ``direct``: no device stage follows the iterator."""
         point, self.pending = self.pending, None
-        sampler = inner_sampler(loader._index_sampler)
+        sampler = inner_sampler(index_sampler)
         if point is not None and is_ours(sampler) and sampler.epoch != point.epoch:
             point = None  # sampler.set_epoch() chose another epoch after the load: start it
         if point is None:
-            point, self.pending_dataset = ResumePoint(self.next_epoch(loader)), None
+            point, self.pending_dataset = ResumePoint(self.next_epoch(index_sampler)), None
         self.epoch = point.epoch + 1
-        iterable = isinstance(loader.dataset, IterableDataset)  # no order: its stream resumes
         self.sampler_state = None if iterable else sampler_state_of(sampler)
-        plan, epoch_seed = loader._index_sampler, None
+        plan, epoch_seed = index_sampler, None
         if draws_epoch_seed(sampler):  # NOTE [ Rewinding samplers ], case 4
             epoch_seed = EpochSeed(point.epoch_seed, self._record_epoch_seed)
             plan = epoch_seed.plan(plan, sampler)
@@ -201,14 +224,16 @@ class Progress:
         states, self.pending_dataset = self.pending_dataset, None
         return states
 
-    def state_dict(self, loader: Any) -> LoaderState:
+    def state_dict(self, loader: LoaderView) -> LoaderState:
         pending, tracker, sampler_state = self.pending, self.tracker, self.sampler_state
         if pending is not None:
             epoch, done, ahead = pending.epoch, pending.done, list(pending.ahead)
         elif tracker is not None and not tracker.finished:
             epoch, done, ahead = tracker.position()
         else:  # at the start of an epoch: the sampler as it stands now starts it
-            epoch, done, ahead = tracker.position() if tracker else (self.next_epoch(loader), 0, [])
+            epoch, done, ahead = tracker.position() if tracker else (
+                self.next_epoch(loader._index_sampler), 0, []
+            )
             sampler_state = None if isinstance(loader.dataset, IterableDataset) else (
                 sampler_state_of(inner_sampler(loader._index_sampler))
             )
@@ -243,7 +268,10 @@ class Progress:
             sampler_state=sampler_state, dataset_state=dataset_state,
         )
 
-    def load_state_dict(self, loader: Any, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, loader: LoaderView, state: Mapping[str, Any]) -> int | None:
+        """Check ``state`` against ``loader`` and set the sampler up for it; the next
+        :meth:`begin_epoch` resumes there. Returns the state's seed, which the loader takes (its
+        ``seed``), or ``None`` when the state has none."""
         iterable = isinstance(loader.dataset, IterableDataset)
         checked = check_state(
             state, dataset_len=None if iterable else _len(loader.dataset),
@@ -251,10 +279,9 @@ class Progress:
             num_workers=loader.num_workers,
         )
         sampler = inner_sampler(loader._index_sampler)
-        if checked["seed"] is not None:
-            loader.seed = checked["seed"]
-            if is_ours(sampler):
-                sampler.seed = checked["seed"]
+        seed = checked["seed"]
+        if seed is not None and is_ours(sampler):
+            sampler.seed = seed
         point = prepare_resume(
             checked, index_sampler=loader._index_sampler,
             num_batches=None if iterable else _len(loader._index_sampler), iterable=iterable,
@@ -271,3 +298,4 @@ class Progress:
             self.pending_dataset = WorkerStates(
                 list(dataset_state["workers"]), dataset_state.get("next_worker", 0)
             )
+        return seed
