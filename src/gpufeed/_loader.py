@@ -15,11 +15,11 @@ from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from ._base.stats import LoaderStats, StatsRecorder
 from ._device.stage import parse_device, to_device
-from ._device.streams import pin_device_index
 from ._host.config import IterConfig
 from ._host.iterator import BaseIter, SingleIter
 from ._host.worker_iter import WorkerIter
 from ._memory import pinning as _pinning
+from ._memory.pinning import pin_device_index
 from ._order.resume import Delivered, LoaderPosition
 from ._order.sampler import build_sampler, resolve_world
 from ._order.seeding import resolve_seed
