@@ -13,7 +13,8 @@ import torch
 import torch.utils.data as tud
 
 import gpufeed
-from gpufeed._memory.ring import PAGE, Region, SlotRing, default_reserve, reserve_for
+from gpufeed._memory.region import PAGE, Region, default_reserve, reserve_for
+from gpufeed._memory.ring import SlotRing
 from support.compare import assert_same, assert_same_batches, drain
 from support.fakes import (
     BlockDataset,

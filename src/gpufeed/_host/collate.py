@@ -19,7 +19,7 @@ import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from .._base.tree import tree_map
-from .._memory.ring import ALIGN, align, contiguous_at
+from .._memory.region import ALIGN, align, contiguous_at
 from .._memory.spill import Spill
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], "torch.Tensor | None"]

@@ -277,9 +277,8 @@ class WorkerIter(BaseIter):
             if res[10]:
                 self._rec.count("ring_unsupported")
             self._ring.learn(need)
-            self._ready[idx] = (
-                self._ring.views(sid, used, packed, spill) if sid >= 0
-                else unpack(packed, None, spill)
+            self._ready[idx] = unpack(
+                packed, self._ring.lease(sid, used) if sid >= 0 else None, spill
             )
             return
         if sid >= 0:

@@ -7,7 +7,7 @@ before the workers start, so they inherit or receive it once), ordinary memory f
 workers. Slots are carved out of it as needed; the iterator owns the bookkeeping.
 
     main: acquire() ──(slot offset, size)──> worker: collate into the slot, send a small
-          message (leaf offsets, dtypes, shapes) ──> main: views(), hand batch to user
+          message (leaf offsets, dtypes, shapes) ──> main: lease() + unpack(), hand batch to user
     user drops the last tensor viewing the batch ──> finalizer ──> release() ──> free list
 
 The user's tensors are views of one per-batch numpy "base" array that spans the slot; each
@@ -64,40 +64,17 @@ from __future__ import annotations
 import bisect
 import collections
 import errno
-import mmap
 import os
-import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 
 from .._base import cuda as _cuda
 from . import pinning as _pinning
+from .region import PAGE, Region, align, reserve_for
 from .release import Releaser, warn_unpinned
-
-# A sparse reservation must not be charged to the commit limit up front (Linux's value; newer
-# Pythons name it).
-_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
-ALIGN = 64  # bytes; every leaf starts on a cache-line boundary
-PAGE = mmap.PAGESIZE  # 64 KiB on some aarch64 hosts (GH200): never assume 4096
-
-
-def align(n: int, to: int = ALIGN) -> int:
-    return (n + to - 1) // to * to
-
-
-def contiguous_at(typed: torch.Tensor, shape: tuple[int, ...], offset: int) -> torch.Tensor:
-    """A C-contiguous tensor of ``shape`` viewing the 1-D ``typed`` from element ``offset``
-    (how slot writers and spill files carve a leaf out of their memory)."""
-    stride = []
-    acc = 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= d
-    return typed.as_strided(shape, stride[::-1], offset)
 
 
 def shm_free_bytes(path: str = "/dev/shm") -> int | None:
@@ -107,142 +84,6 @@ def shm_free_bytes(path: str = "/dev/shm") -> int | None:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
-
-
-def default_reserve() -> int:
-    """Address space reserved for a ring whose budget the user did not set.
-
-    The reservation is sparse: pages cost memory only once a slot touches them, and the
-    budget (learnt from the first batch) bounds what is touched.
-    """
-    import psutil
-
-    cap = min(16 << 30, psutil.virtual_memory().total // 2)
-    return max(cap // PAGE * PAGE, PAGE)
-
-
-def reserve_for(budget: int | None) -> int:
-    """Address space to reserve for a ring whose budget is ``budget`` bytes (None: default).
-
-    A user's budget is reserved up to the physical memory: live slots are touched memory, so
-    a ring can never usefully hold more, and mapping more fails (128 TiB is the whole address
-    space). Past the reservation batches fall back to ordinary allocation, as past the budget.
-    """
-    if budget is None:
-        return default_reserve()
-    import psutil
-
-    return min(budget, max(psutil.virtual_memory().total // PAGE * PAGE, PAGE))
-
-
-def _anonymous_file(size: int) -> int:
-    """A descriptor of a nameless file for the shared region (the caller sizes and maps it).
-
-    Linux: a memory file (``memfd``). Elsewhere (macOS, the BSDs): an unlinked temporary file,
-    in /dev/shm when there is one; it leaves nothing behind either, but its pages may be
-    written back to disk under memory pressure.
-    """
-    create = getattr(os, "memfd_create", None)
-    if create is not None:
-        return int(create("gpufeed-ring", getattr(os, "MFD_CLOEXEC", 0)))
-    import tempfile
-
-    ram = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryFile(prefix="gpufeed-ring-", dir=ram) as f:  # unlinked already
-        return os.dup(f.fileno())  # not inheritable (PEP 446), like MFD_CLOEXEC
-
-
-def _close_fd(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
-
-
-class Region:
-    """A sparse block of memory; shared (memfd) for process workers, private for threads.
-
-    Shared regions live in an anonymous memory file (``_anonymous_file``: a memfd on Linux, an
-    unlinked temporary file elsewhere), not in /dev/shm: nothing to unlink,
-    nothing left behind if a process is killed, and no /dev/shm size limit to hit. Pickling
-    one (for spawned workers) passes its descriptor; fork inherits the mapping. Private
-    regions are private anonymous memory, so ``discard`` really frees their pages (a shared
-    anonymous mapping would keep them in shmem).
-
-    The region owns its descriptor: ``close_fd()`` closes it, and so does a finalizer when the
-    region is collected first, or when ``__init__`` fails after creating it. The mapping
-    belongs to ``mm`` (which keeps a descriptor of its own: CPython's mmap dups it); numpy and
-    torch views keep ``mm`` alive. ``release()`` lets go of both: it unmaps at once when
-    nothing views the memory any more, else the mapping goes with the last view. So a region
-    still referenced after its ring closed (by a failed start-up's traceback, say) holds no
-    descriptor and no memory.
-    """
-
-    def __init__(self, size: int, *, shared: bool) -> None:
-        self.size = size
-        self.fd = -1
-        self.shared = shared
-        self._fd_fin: weakref.finalize[Any, Any] | None = None
-        if shared:
-            self.fd = _anonymous_file(size)
-            self._fd_fin = weakref.finalize(self, _close_fd, self.fd)
-            try:
-                os.ftruncate(self.fd, size)
-                self.mm = mmap.mmap(self.fd, size)
-            except BaseException:
-                self.close_fd()
-                raise
-        else:
-            self.mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
-        self.array: np.ndarray = np.frombuffer(self.mm, dtype=np.uint8)
-        self.tensor = torch.from_numpy(self.array)
-
-    def discard(self, offset: int, size: int) -> None:
-        """Give the pages of a retired slot back to the system (contents are lost)."""
-        advice = getattr(mmap, "MADV_REMOVE" if self.shared else "MADV_DONTNEED", None)
-        if advice is None:
-            return  # this platform cannot punch holes: the pages stay until the ring closes
-        try:
-            self.mm.madvise(advice, offset, size)
-        except (OSError, ValueError):
-            pass  # only memory use is at stake
-
-    def close_fd(self) -> None:
-        """Drop the descriptor once workers have it; the mapping stays. Idempotent."""
-        if self._fd_fin is not None:
-            self._fd_fin()  # closes the descriptor once, and never again at collection
-        self.fd = -1
-
-    def release(self) -> None:
-        """Let go of the descriptor and the mapping (see the class docstring). Idempotent."""
-        self.close_fd()
-        mm, self.mm = self.mm, None  # type: ignore[assignment]
-        self.array = self.tensor = None  # type: ignore[assignment]
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # views of it are alive: it is unmapped with the last of them
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        if self.fd < 0:
-            raise RuntimeError("a gpufeed ring can only be sent to workers while they start")
-        from multiprocessing.reduction import DupFd
-
-        return (_attach, (DupFd(self.fd), self.size))
-
-
-def _attach(dupfd: Any, size: int) -> Region:
-    fd = dupfd.detach()
-    obj = Region.__new__(Region)
-    obj.size, obj.fd, obj.shared, obj._fd_fin = size, -1, True, None
-    try:
-        obj.mm = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-    obj.array = np.frombuffer(obj.mm, dtype=np.uint8)
-    obj.tensor = torch.from_numpy(obj.array)
-    return obj
 
 
 class SlotRing:
@@ -430,23 +271,23 @@ class SlotRing:
                 merged.append((o, s))
         self._extents = merged
 
-    # -- views ----------------------------------------------------------------------------
-    def views(self, sid: int, used: int, packed: Any, spill: torch.Tensor | None = None) -> Any:
-        """Turn a worker's packed batch into tensors viewing slot ``sid`` (and its spill file's
-        bytes ``spill``, if any: NOTE [ Spill ] in _memory/spill.py).
+    # -- lease --------------------------------------------------------------------------
+    def lease(self, sid: int, used: int) -> np.ndarray | None:
+        """The bytes of slot ``sid`` a worker filled (``used`` of them), as one numpy array to
+        view the batch through (``_host/collate.py``'s ``unpack``); None when the batch left
+        nothing in the slot (``used`` 0), which is then released at once.
 
-        See NOTE [ Slot lifetime ]: the slot is released when the last view is gone.
+        See NOTE [ Slot lifetime ]: the array carries the slot's release, which runs when the
+        array and the last view of it are gone.
         """
-        from .._host.collate import unpack
-
         off, _ = self._slots[sid]
         if used == 0:
             self.release(sid)
-            return unpack(packed, None, spill)
+            return None
         base = self.region_np[off : off + align(used)]
         fin = weakref.finalize(base, self._releaser, sid)
         fin.atexit = False
-        return unpack(packed, base, spill)
+        return base
 
     def close(self) -> None:
         """Forget the slots; memory stays mapped while user tensors still view it."""
@@ -468,3 +309,6 @@ class SlotRing:
 
 
 ReleaseFn = Callable[[int], None]
+
+
+__all__ = ["SlotRing", "reserve_for"]  # reserve_for: sizes a ring (``_memory/region.py``)

@@ -4,9 +4,9 @@ NOTE [ Spill ]
 --------------
 A process worker's batch that gets no slot (the first batches, before the ring knows their
 size; a ring past its budget) or has leaves that do not fit its slot is written into a
-*spill*: a memory file of its own (``_ring.Region``, a memfd on Linux), created for that batch,
-the ring's mechanism without the recycling. So /dev/shm and its size play no part, as for
-the ring:
+*spill*: a memory file of its own (a ``Region`` of ``_memory/region.py``, a memfd on Linux),
+created for that batch, the ring's mechanism without the recycling. So /dev/shm and its size
+play no part, as for the ring:
 
     worker: Spill() ──reserve a sparse file, bump-allocate the leaves, seal(): truncate the
             file to the bytes used──> the result message carries the file's descriptor
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .._base.errors import WorkerError
-from .ring import ALIGN, PAGE, Region, align, contiguous_at
+from .region import ALIGN, PAGE, Region, align, contiguous_at
 
 _reserve = 0
 
