@@ -11,12 +11,15 @@ from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from ._base.stats import LoaderStats, StatsRecorder
 from ._device.stage import parse_device, to_device
+from ._device.streams import pin_device_index
+from ._host.config import IterConfig
 from ._host.iterator import BaseIter, SingleIter
 from ._host.worker_iter import WorkerIter
+from ._memory import pinning as _pinning
 from ._order.resume import Delivered, Progress
 from ._order.sampler import build_sampler, resolve_world
 from ._order.seeding import resolve_seed
@@ -230,7 +233,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         state = dict(self.__dict__)
         iterator = state.get("_iterator")
         if iterator is not None:
-            if not getattr(iterator, "_closed", False):
+            if not (isinstance(iterator, BaseIter) and iterator.closed):
                 raise NotImplementedError(
                     f"{type(self).__name__} with persistent_workers=True cannot be pickled or "
                     "copied once it has started iterating (its workers are running), as with "
@@ -271,14 +274,52 @@ class DataLoader(_TorchDataLoader[_T_co]):
         """
         return self._recorder.snapshot()
 
+    def _iter_config(self) -> IterConfig:
+        """All an iterator knows of this loader, read now (NOTE [ Shutdown ] in
+        ``_host/pool.py``: it holds no reference back to the loader)."""
+        # A CUDA device stage needs page-locked batches to copy asynchronously: pin then too.
+        on_cuda = self.device is not None and self.device.type == "cuda"
+        pin = (self.pin_memory or on_cuda) and _pinning.cuda_usable()
+        return IterConfig(
+            dataset=self.dataset,
+            is_iterable=isinstance(self.dataset, IterableDataset),
+            auto_collation=self._auto_collation,
+            index_sampler=self._index_sampler,
+            collate_fn=self.collate_fn,
+            drop_last=self.drop_last,
+            len_called=self._IterableDataset_len_called,
+            rank=self.rank,
+            world_size=self.world_size,
+            sample_seed=self.seed if self.deterministic else None,
+            generator=self.generator,
+            position=self._progress,
+            recorder=self._recorder,
+            pin_memory=self.pin_memory,
+            pin=pin,
+            pin_device=pin_device_index(self.device, self.pin_memory_device) if pin else None,
+            device_depth=self.device_depth if self.device is not None else None,
+            num_workers=self.num_workers,
+            worker_type=self.worker_type,
+            in_order=self.in_order,
+            timeout=float(self.timeout),
+            timeout_text=str(self.timeout),
+            persistent=self.persistent_workers,
+            prefetch_factor=self.prefetch_factor,
+            prefetch_explicit=self._prefetch_explicit,
+            ring_bytes=self.ring_bytes,
+            worker_init_fn=self.worker_init_fn,
+            multiprocessing_context=self.multiprocessing_context,
+        )
+
     def _get_iterator(self) -> BaseIter:  # type: ignore[override]
         if self.num_workers == 0:
-            return SingleIter(self)
+            return SingleIter(self._iter_config())
         self.check_worker_number_rationality()
-        return WorkerIter(self)
+        return WorkerIter(self._iter_config())
 
     def __iter__(self) -> Any:
-        if getattr(self._iterator, "_closed", False):  # closed by the user: start afresh
+        iterator = self._iterator
+        if isinstance(iterator, BaseIter) and iterator.closed:  # closed by the user: afresh
             self._iterator = None
         it = super().__iter__()
         if self.device is None:

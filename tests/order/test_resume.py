@@ -317,7 +317,7 @@ def test_progress_counts_epochs_and_resumes():
     loader = _fake_loader(list(range(10)), SeededRandomSampler(range(10), seed=8))
     progress = Progress()
     assert progress.state_dict(loader)["epoch"] == 0
-    tracker = progress.begin_epoch(loader, direct=True)
+    tracker = progress.begin_epoch(loader._index_sampler, iterable=False, direct=True)
     epoch0 = list(tracker.indices)
     for k in range(2):
         tracker.produced_nth(k)
@@ -328,13 +328,13 @@ def test_progress_counts_epochs_and_resumes():
     resumed = Progress()
     resumed.load_state_dict(other, state)
     assert other.seed == 8 and resumed.state_dict(other)["batches_delivered"] == 2
-    tracker = resumed.begin_epoch(other, direct=True)
+    tracker = resumed.begin_epoch(other._index_sampler, iterable=False, direct=True)
     assert tracker.epoch == 0 and list(tracker.indices) == epoch0[2:]
     tracker.produced_nth(0)
     assert resumed.state_dict(other)["batches_delivered"] == 3
     tracker.host_exhausted()
     assert resumed.state_dict(other)["epoch"] == 1
-    assert resumed.begin_epoch(other, direct=True).epoch == 1
+    assert resumed.begin_epoch(other._index_sampler, iterable=False, direct=True).epoch == 1
 
 
 def test_progress_sampler_set_epoch_after_load_wins():
@@ -343,12 +343,12 @@ def test_progress_sampler_set_epoch_after_load_wins():
     progress.load_state_dict(loader, _state(epoch=1, batches_delivered=1, seed=8, world_size=1,
                                             rank=0, num_workers=0))
     loader.sampler.set_epoch(1)  # the DistributedSampler idiom, same epoch: resume kept
-    tracker = progress.begin_epoch(loader, direct=True)
+    tracker = progress.begin_epoch(loader._index_sampler, iterable=False, direct=True)
     assert (tracker.epoch, len(list(tracker.indices))) == (1, 2)
     progress.load_state_dict(loader, _state(epoch=1, batches_delivered=1, seed=8, world_size=1,
                                             rank=0, num_workers=0))
     loader.sampler.set_epoch(4)  # another epoch: it starts from its beginning
-    tracker = progress.begin_epoch(loader, direct=True)
+    tracker = progress.begin_epoch(loader._index_sampler, iterable=False, direct=True)
     assert (tracker.epoch, len(list(tracker.indices))) == (4, 3)
 
 
@@ -356,9 +356,9 @@ def test_progress_set_epoch_and_user_sampler():
     loader = _fake_loader(list(range(10)), _CountingSampler(range(10)))
     progress = Progress()
     progress.set_epoch(loader, 5)
-    assert progress.begin_epoch(loader, direct=True).epoch == 5
+    assert progress.begin_epoch(loader._index_sampler, iterable=False, direct=True).epoch == 5
     assert progress.state_dict(loader)["sampler_state"] == {"n": 1}
-    assert progress.begin_epoch(loader, direct=True).epoch == 6
+    assert progress.begin_epoch(loader._index_sampler, iterable=False, direct=True).epoch == 6
     with pytest.raises(ValueError, match="epoch must be an int >= 0, got -2"):
         progress.set_epoch(loader, -2)
 
@@ -370,7 +370,7 @@ def test_progress_iterable_dataset_states():
         batch_size=None, num_workers=2, seed=1, rank=0, world_size=1,
     )
     progress = Progress()
-    tracker = progress.begin_epoch(loader, direct=True)
+    tracker = progress.begin_epoch(loader._index_sampler, iterable=True, direct=True)
     next(tracker.indices)
     tracker.produced_nth(0, (1, {"at": 3}))
     state = progress.state_dict(loader)
@@ -380,7 +380,7 @@ def test_progress_iterable_dataset_states():
     resumed = Progress()
     resumed.load_state_dict(loader, state)
     assert resumed.state_dict(loader)["dataset_state"] == state["dataset_state"]
-    tracker = resumed.begin_epoch(loader, direct=True)
+    tracker = resumed.begin_epoch(loader._index_sampler, iterable=True, direct=True)
     assert resumed.take_dataset_states() == WorkerStates([None, {"at": 3}], 0)
     assert resumed.take_dataset_states() is None
     # saved again before worker 1 delivers anything: its loaded position is kept

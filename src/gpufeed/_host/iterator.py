@@ -10,67 +10,58 @@ from __future__ import annotations
 
 import time
 import warnings
-import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset
 
 from .._base import cuda as _cuda
-from .._device.streams import pin_device_index
 from .._memory import pinning as _pinning
 from .._memory.pinning import pin_batch
 from .._order.resume import capture_state
 from .._order.shards import ShardInfo, set_shard_info
+from .config import ConfigSource, IterConfig
 from .fetch import IterFetcher, MapFetcher
-
-if TYPE_CHECKING:
-    from .._loader import DataLoader
 
 
 class BaseIter:
     """What both iterators share: sampler, seed, pinning, length, counting."""
 
-    def __init__(self, loader: DataLoader) -> None:
-        # Weak: a persistent loader keeps its iterator (``_iterator``), and a strong reference
-        # back would make a cycle that only the garbage collector frees, keeping the workers
-        # alive after ``del it, loader`` (NOTE [ Shutdown ] in _host/pool.py).
-        self._loader_ref = weakref.ref(loader)
-        self._dataset = loader.dataset
-        self._is_iterable = isinstance(loader.dataset, IterableDataset)
-        self._auto_collation = loader._auto_collation
-        self._index_sampler = loader._index_sampler
-        self._collate_fn = loader.collate_fn
-        self._drop_last = loader.drop_last
-        if loader.pin_memory and not (torch.accelerator.is_available() or _pinning.cuda_usable()):
+    def __init__(self, config: IterConfig) -> None:
+        # The config holds no reference to the loader: a persistent loader keeps its iterator
+        # (``_iterator``), and a reference back would make a cycle that only the garbage
+        # collector frees, keeping the workers alive after ``del it, loader`` (NOTE [ Shutdown ]
+        # in _host/pool.py).
+        self._position = config.position
+        self._direct = config.direct
+        self._dataset = config.dataset
+        self._is_iterable = config.is_iterable
+        self._auto_collation = config.auto_collation
+        self._index_sampler = config.index_sampler
+        self._collate_fn = config.collate_fn
+        self._drop_last = config.drop_last
+        if config.pin_memory and not (torch.accelerator.is_available() or _pinning.cuda_usable()):
             warnings.warn(
                 "'pin_memory' argument is set as true but no accelerator is found, "
                 "then device pinned memory won't be used.",
                 stacklevel=3,
             )
-        # A CUDA device stage needs page-locked batches to copy asynchronously: pin then too.
-        on_cuda = loader.device is not None and loader.device.type == "cuda"
-        self._pin = (loader.pin_memory or on_cuda) and _pinning.cuda_usable()
-        # The device pinning, registration and release fences run under (resolved now).
-        self._pin_device = (
-            pin_device_index(loader.device, loader.pin_memory_device) if self._pin else None
-        )
-        self._sample_seed = loader.seed if loader.deterministic else None
+        self._pin = config.pin  # asked for, or implied by a CUDA device stage
+        self._pin_device = config.pin_device  # pinning, registration and release fences run under
+        self._sample_seed = config.sample_seed
         self._begin_epoch()
         self._base_seed = int(
-            torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item()
+            torch.empty((), dtype=torch.int64).random_(generator=config.generator).item()
         )
         self._num_yielded = 0
-        self._len_called = loader._IterableDataset_len_called
-        self._rec = loader._recorder
+        self._len_called = config.len_called
+        self._rec = config.recorder
         self._returned_at = 0.0  # when the last batch was handed over (for "step")
 
     @property
-    def _loader(self) -> DataLoader:
-        loader = self._loader_ref()
-        if loader is None:  # only epoch starts need it, and the loader starts them
-            raise RuntimeError("the gpufeed DataLoader of this iterator was deleted")
-        return loader
+    def closed(self) -> bool:
+        """Whether ``close()`` ran: the loader then starts a new iterator at its next
+        ``iter()``, even with persistent workers."""
+        return bool(getattr(self, "_closed", False))
 
     def __iter__(self) -> BaseIter:
         return self
@@ -80,9 +71,10 @@ class BaseIter:
 
     def _begin_epoch(self) -> None:
         """Start the epoch's index plan and delivery count (NOTE [ Delivery tracking ] in
-        ``_order/resume.py``); resumes where ``loader.load_state_dict`` said."""
-        loader = self._loader
-        self._tracker = loader._progress.begin_epoch(loader, direct=loader.device is None)
+        ``_order/delivery.py``); resumes where ``loader.load_state_dict`` said."""
+        self._tracker = self._position.begin_epoch(
+            self._index_sampler, iterable=self._is_iterable, direct=self._direct
+        )
         self._sampler_iter = self._tracker.indices
 
     def _next_indices(self) -> Any:
@@ -131,6 +123,16 @@ class BaseIter:
                 "before replay, never iterate the loader during capture"
             )
 
+    def _reset(self, loader: ConfigSource, first_iter: bool = False) -> None:
+        """torch's persistent-worker hook: ``DataLoader.__iter__`` calls it with the loader to
+        start the next epoch. The one place an iterator is handed its loader: it only asks it
+        for the epoch's config."""
+        self._restart(loader._iter_config(), first_iter=first_iter)
+
+    def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
+        """Start the next epoch (``first_iter``: the one ``__init__`` started)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Stop workers and release memory; idempotent."""
 
@@ -144,8 +146,8 @@ class BaseIter:
 class SingleIter(BaseIter):
     """``num_workers=0``: fetch in the calling thread (batched gather where possible)."""
 
-    def __init__(self, loader: DataLoader) -> None:
-        super().__init__(loader)
+    def __init__(self, config: IterConfig) -> None:
+        super().__init__(config)
         self._fetcher: MapFetcher | IterFetcher
         if self._is_iterable:
             self._fetcher = IterFetcher(
@@ -157,11 +159,11 @@ class SingleIter(BaseIter):
                 self._dataset, auto_collation=self._auto_collation, collate_fn=self._collate_fn,
                 seed=self._sample_seed,
             )
-        set_shard_info(ShardInfo(loader.rank, loader.world_size, 0, 1))
+        set_shard_info(ShardInfo(config.rank, config.world_size, 0, 1))
         self._load_dataset_state()
 
     def _load_dataset_state(self) -> None:
-        resumed = self._loader._progress.take_dataset_states()
+        resumed = self._position.take_dataset_states()
         if resumed is not None and isinstance(self._fetcher, IterFetcher):
             self._fetcher.reset(resumed.states[0])
 
@@ -181,7 +183,7 @@ class SingleIter(BaseIter):
         state = (0, capture_state(self._dataset)) if self._is_iterable else None
         return self._finish(data, fetched, self._num_yielded, state)
 
-    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
+    def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
         self._begin_epoch()
         self._load_dataset_state()
         self._num_yielded = 0

@@ -23,7 +23,7 @@ import itertools
 import os
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -32,11 +32,9 @@ from .._memory.ring import SlotRing, reserve_for
 from .._order.plan import IndexPlan, finish_plan, make_plan, plannable
 from .._sources.packed import check_copy_on_write
 from .collate import unpack
+from .config import IterConfig
 from .iterator import BaseIter
 from .pool import Pool, ProcessPool, ThreadPool, forked_message
-
-if TYPE_CHECKING:
-    from .._loader import DataLoader
 
 _live: weakref.WeakSet[WorkerIter] = weakref.WeakSet()
 _STOP = object()  # an iterable dataset's worker ran dry
@@ -56,31 +54,32 @@ def _close_all() -> None:
 class WorkerIter(BaseIter):
     """Batches from ``num_workers`` process or thread workers through the slot ring."""
 
-    def __init__(self, loader: DataLoader) -> None:
+    def __init__(self, config: IterConfig) -> None:
         self._closed = False  # first: close() below must work on a half-built iterator
         self._pid = os.getpid()  # a forked child inherits this object: it must not close it
         try:
-            super().__init__(loader)
-            nw = loader.num_workers
+            super().__init__(config)
+            nw = config.num_workers
             self._nw = nw
-            self._in_order = loader.in_order
-            self._timeout = float(loader.timeout)
-            self._timeout_text = str(loader.timeout)  # as given: torch's message prints it so
-            self._persistent = loader.persistent_workers
+            self._in_order = config.in_order
+            self._timeout = config.timeout
+            self._timeout_text = config.timeout_text  # as given: torch's message prints it so
+            self._persistent = config.persistent
+            self._shared = config.worker_type == "process"
             # batches the consumer holds besides those in flight (see _slots_for)
-            if loader.device is not None:
-                self._held = 2 + loader.device_depth + 1
+            if config.device_depth is not None:
+                self._held = 2 + config.device_depth + 1
             else:
                 self._held = 2 + (FENCE_SLACK if self._pin else 0)
-            self._pf_out = (loader.prefetch_factor or 2) * nw
+            self._pf_out = (config.prefetch_factor or 2) * nw
             self._max_out = self._pf_out
             self._chunk = 1
             self._seen_grows = self._seen_fallbacks = 0
             self._batch_s = 0.0  # moving average of worker seconds per batch
             # Chunking only when prefetch_factor was left unset and without timeout= (_adapt).
-            self._adaptive = self._timeout <= 0 and not loader._prefetch_explicit
-            shared = loader.worker_type == "process"
-            budget = loader.ring_bytes
+            self._adaptive = self._timeout <= 0 and not config.prefetch_explicit
+            shared = self._shared
+            budget = config.ring_bytes
             self._ring = SlotRing(
                 reserve=reserve_for(budget), budget=budget, shared=shared, pin=self._pin,
                 slots_hint=self._slots_for(self._max_out),
@@ -91,26 +90,26 @@ class WorkerIter(BaseIter):
                 auto_collation=self._auto_collation, collate_fn=self._collate_fn,
                 drop_last=self._drop_last, region=self._ring.mem if shared else self._ring.region,
                 base_seed=self._base_seed,
-                init_fn=loader.worker_init_fn, sample_seed=self._sample_seed, rank=loader.rank,
-                world_size=loader.world_size,
+                init_fn=config.worker_init_fn, sample_seed=self._sample_seed, rank=config.rank,
+                world_size=config.world_size,
             )
             self._pool: Pool
             if shared:
                 check_copy_on_write(self._dataset)  # NOTE [ Copy-on-write and Python objects ]
-                ctx = loader.multiprocessing_context or torch.multiprocessing
+                ctx = config.multiprocessing_context or torch.multiprocessing
                 self._pool = ProcessPool(nw, ctx, kwargs)
                 self._ring.mem.close_fd()
             else:
                 self._pool = ThreadPool(nw, kwargs)
             _live.add(self)
             self._gen = 0
-            self._reset(loader, first_iter=True)
+            self._restart(config, first_iter=True)
         except BaseException:
             self.close()  # a failed start leaves no worker, thread or descriptor behind
             raise
 
     # -- epoch bookkeeping ------------------------------------------------------------------
-    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
+    def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
         if self._closed:
             raise RuntimeError("this gpufeed iterator was closed; iterate the DataLoader again")
         self._check_pid()
@@ -127,14 +126,14 @@ class WorkerIter(BaseIter):
         self._sampler_done = False
         # NOTE [ Iterable resume ] in _order/delivery.py: each worker restarts from its state as of
         # its last delivered batch, and the turn starts with the worker that was next.
-        resumed = loader._progress.take_dataset_states() if self._is_iterable else None
+        resumed = self._position.take_dataset_states() if self._is_iterable else None
         first = resumed.next_worker if resumed is not None else 0
         self._cycle = itertools.cycle([*range(first, self._nw), *range(first)])
         if self._is_iterable and (resumed is not None or not first_iter):
             for w in range(self._nw):
                 state = resumed.states[w] if resumed is not None else None
                 self._pool.send(w, ("reset", self._gen, state))
-        seed = loader.seed if loader.deterministic else None
+        seed = config.sample_seed
         if seed != self._sample_seed:  # load_state_dict brought another seed: re-seed workers
             self._sample_seed = seed
             for w in range(self._nw):
@@ -142,9 +141,8 @@ class WorkerIter(BaseIter):
         self._plan: IndexPlan | None = None
         point = self._tracker.point
         if not self._is_iterable and not point.ahead and plannable(self._index_sampler):
-            shared = loader.worker_type == "process"
             skip = 0 if point.seeked else point.done
-            self._plan = make_plan(self._index_sampler, shared=shared, skip=skip,
+            self._plan = make_plan(self._index_sampler, shared=self._shared, skip=skip,
                                    epoch_seed=self._tracker.epoch_seed)
             for w in range(self._nw):
                 self._pool.send(w, ("plan", self._gen, self._plan))

@@ -151,8 +151,8 @@ class Progress:
         state["tracker"] = None
         return state
 
-    def next_epoch(self, loader: Any) -> int:
-        sampler = inner_sampler(loader._index_sampler)
+    def next_epoch(self, index_sampler: Any) -> int:
+        sampler = inner_sampler(index_sampler)
         return int(sampler.epoch) if is_ours(sampler) else self.epoch
 
     def set_epoch(self, loader: Any, epoch: int) -> None:
@@ -165,18 +165,21 @@ class Progress:
             sampler.set_epoch(epoch)
         self.epoch = epoch
 
-    def begin_epoch(self, loader: Any, *, direct: bool) -> DeliveryTracker:
-        """Called once per epoch by the iterator; draw indices from ``tracker.indices``."""
+    def begin_epoch(
+        self, index_sampler: Any, *, iterable: bool, direct: bool
+    ) -> DeliveryTracker:
+        """Called once per epoch by the iterator with the loader's ``_index_sampler``; draw
+        indices from ``tracker.indices``. ``iterable``: the dataset is an ``IterableDataset``
+        (no order: its stream resumes); ``direct``: no device stage follows the iterator."""
         point, self.pending = self.pending, None
-        sampler = inner_sampler(loader._index_sampler)
+        sampler = inner_sampler(index_sampler)
         if point is not None and is_ours(sampler) and sampler.epoch != point.epoch:
             point = None  # sampler.set_epoch() chose another epoch after the load: start it
         if point is None:
-            point, self.pending_dataset = ResumePoint(self.next_epoch(loader)), None
+            point, self.pending_dataset = ResumePoint(self.next_epoch(index_sampler)), None
         self.epoch = point.epoch + 1
-        iterable = isinstance(loader.dataset, IterableDataset)  # no order: its stream resumes
         self.sampler_state = None if iterable else sampler_state_of(sampler)
-        plan, epoch_seed = loader._index_sampler, None
+        plan, epoch_seed = index_sampler, None
         if draws_epoch_seed(sampler):  # NOTE [ Rewinding samplers ], case 4
             epoch_seed = EpochSeed(point.epoch_seed, self._record_epoch_seed)
             plan = epoch_seed.plan(plan, sampler)
@@ -208,7 +211,9 @@ class Progress:
         elif tracker is not None and not tracker.finished:
             epoch, done, ahead = tracker.position()
         else:  # at the start of an epoch: the sampler as it stands now starts it
-            epoch, done, ahead = tracker.position() if tracker else (self.next_epoch(loader), 0, [])
+            epoch, done, ahead = tracker.position() if tracker else (
+                self.next_epoch(loader._index_sampler), 0, []
+            )
             sampler_state = None if isinstance(loader.dataset, IterableDataset) else (
                 sampler_state_of(inner_sampler(loader._index_sampler))
             )

@@ -1,0 +1,74 @@
+"""IterConfig: all a host iterator knows of its loader.
+
+``DataLoader._iter_config()`` builds one when an iterator starts (and, for a persistent
+iterator, at each epoch: torch restarts it with the loader, ``BaseIter._reset``). The iterators
+read this and never the loader: they import nothing from ``_loader.py``, and the config holds
+no reference to the loader (NOTE [ Shutdown ] in ``_host/pool.py``).
+
+Values are read from the loader when the config is built, as the iterators read them before;
+the live objects the loader and its iterators share are held by reference: ``generator`` (each
+iterator draws its base seed from it), ``position`` (which batches reached the user) and
+``recorder`` (the stats). A persistent iterator takes from each epoch's config only what may
+change between epochs: ``sample_seed`` (``load_state_dict`` may bring another seed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .._base.stats import StatsRecorder
+from .._order.resume import Progress
+
+
+@dataclass(frozen=True, kw_only=True)
+class IterConfig:
+    """What a host iterator reads of its loader; built by ``DataLoader._iter_config()``."""
+
+    # -- what to read, and how to batch it
+    dataset: Any
+    is_iterable: bool  # an ``IterableDataset``: counts, not indices, and per-worker streams
+    auto_collation: bool
+    index_sampler: Any  # the loader's batch sampler, or its sampler without auto-collation
+    collate_fn: Callable[[Any], Any] | None
+    drop_last: bool
+    len_called: int | None  # ``len(loader)`` of an iterable dataset, when it was asked
+    rank: int
+    world_size: int
+    # -- seeds and order
+    sample_seed: int | None  # per-sample random state (``deterministic``), else None
+    generator: torch.Generator | None  # live: each iterator draws its base seed from it
+    position: Progress  # live: epochs, resume, delivered batches
+    recorder: StatsRecorder  # live: the loader's stats
+    # -- pinning and the device stage
+    pin_memory: bool  # as asked (warned about without an accelerator)
+    pin: bool  # batches (or the ring) page-locked: asked for, or a CUDA device stage
+    pin_device: int | None  # the device pinning runs under (resolved at iteration start)
+    device_depth: int | None  # the device stage's depth; None: batches are delivered on host
+    # -- workers (``num_workers > 0``)
+    num_workers: int
+    worker_type: str  # "process" or "thread"
+    in_order: bool
+    timeout: float  # seconds per batch; <= 0: none
+    timeout_text: str  # the timeout as given: torch's message prints it so
+    persistent: bool
+    prefetch_factor: int | None
+    prefetch_explicit: bool  # given by the user (a strict bound), not torch's default
+    ring_bytes: int | None
+    worker_init_fn: Callable[[int], None] | None
+    multiprocessing_context: Any
+
+    @property
+    def direct(self) -> bool:
+        """The host iterator hands batches to the user itself (no device stage after it)."""
+        return self.device_depth is None
+
+
+class ConfigSource(Protocol):
+    """What torch's persistent-worker hook hands an iterator: something that builds its config
+    (the loader; ``BaseIter._reset``)."""
+
+    def _iter_config(self) -> IterConfig: ...
