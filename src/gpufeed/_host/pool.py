@@ -115,6 +115,19 @@ def out_of_fds(margin: int = 10) -> bool:
     return False
 
 
+def lost_worker(desc: str, held: list[int]) -> WorkerError:
+    """The error for a worker that exited (``desc``) holding batches ``held``: it works through
+    them in order, but a result it already sent can be lost with it (a fallback batch's memory
+    is handed over by the dead process), so the culprit is one of them, not necessarily the
+    first."""
+    named = ", ".join(map(str, sorted(held)[:6])) + (", ..." if len(held) > 6 else "")
+    detail = f" while it held batch{'es' if len(held) > 1 else ''} {named}" if held else ""
+    return WorkerError(
+        f"{desc}{detail}. No batch was lost silently: the epoch stops here. "
+        "Rerun with num_workers=0 to see the error in the main process."
+    )
+
+
 def forked_message(pid: int) -> str:
     return (
         f"this gpufeed DataLoader's workers were started in process {pid}, and this process "
@@ -125,10 +138,9 @@ def forked_message(pid: int) -> str:
 
 
 class _Watch(enum.Enum):
-    """What a descriptor the pool polls tells: a worker's message, or its exit."""
-
-    CONN = enum.auto()  # the worker's pipe: a message (or EOF)
-    EXIT = enum.auto()  # the process's sentinel: it exited
+    """What a polled descriptor reports: a worker's message (or EOF), or its process's exit."""
+    CONN = enum.auto()
+    EXIT = enum.auto()
 
 
 class ProcessPool:
@@ -164,15 +176,9 @@ class ProcessPool:
             close_fds = tuple(c.fileno() for p in pipes for c in p)
         for w in range(self.n):
             own = pipes[w][1].fileno()
-            proc = ctx.Process(
-                target=worker_loop,
-                args=(spec,),
-                kwargs=dict(
-                    worker_id=w, kind="process", chan=pipes[w][1],
-                    close_fds=tuple(fd for fd in close_fds if fd != own),
-                ),
-                daemon=True,
-            )
+            kwargs = dict(worker_id=w, kind="process", chan=pipes[w][1],
+                          close_fds=tuple(fd for fd in close_fds if fd != own))
+            proc = ctx.Process(target=worker_loop, args=(spec,), kwargs=kwargs, daemon=True)
             proc.start()
             self.procs.append(proc)
 
@@ -322,8 +328,7 @@ class _Sender:
 
 
 class ThreadPool:
-    """Thread workers. Threads do not survive fork(): the iterator, which owns the pool, checks
-    that it is used in the process that made it (``forked_message``)."""
+    """Threads do not survive fork(): WorkerIter checks its process (``forked_message``)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         install_thread_worker_info()

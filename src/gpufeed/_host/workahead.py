@@ -44,6 +44,18 @@ class WorkAhead:
         self.chunk = 1  # batches per worker per task message
         self._batch_s = 0.0  # moving average of worker seconds per batch
 
+    def window(self, first: bool, in_flight: int) -> int:
+        """How many batches to hand out now, with ``in_flight`` dispatched and not delivered:
+        a chunk per worker, once that many fit under the bound (else 0), or whatever fits
+        when nothing is in flight. An epoch's ``first`` window is one batch per worker: its
+        first batch then waits for one batch of work, not for a whole chunk (a persistent
+        iterator restarted)."""
+        full = (1 if first else self.chunk) * self.num_workers
+        window = min(full, self.in_flight_bound - in_flight)
+        if window <= 0 or (window < full and in_flight):
+            return 0
+        return window
+
     @property
     def slots_hint(self) -> int:
         """Default ring size: in-flight batches plus those the consumer holds (the loop's
