@@ -20,7 +20,7 @@ import torch
 import torch.utils.data as tud
 
 import gpufeed
-from gpufeed._host.worker_iter import CHUNK_MAX
+from gpufeed._host.workahead import CHUNK_MAX
 from support.compare import assert_same, assert_same_batches, collect, list_or_stop, seed_all
 from support.fakes import (
     Box,

@@ -7,6 +7,7 @@ sample it is on, so that an exception is reported with the index that caused it.
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,10 +16,34 @@ from torch.utils.data import default_collate
 
 from .._order.seeding import seeded
 from .._sources.arrays import gather, gather_arrays
-from .._sources.protocol import batch_source
+from .._sources.arrow import arrow_source
 from .collate import SlotWriter, collate_into
 
 _AT_SAMPLE = "while fetching a sample"  # MapFetcher.describe() adds which one
+
+
+def make_fetcher(
+    dataset: Any, *, is_iterable: bool, auto_collation: bool,
+    collate_fn: Callable[[Any], Any] | None, drop_last: bool, sample_seed: int | None,
+) -> MapFetcher | IterFetcher:
+    """The fetcher for ``dataset``, in a worker or in the main process (``num_workers=0``)."""
+    if is_iterable:
+        return IterFetcher(
+            dataset, auto_collation=auto_collation, collate_fn=collate_fn, drop_last=drop_last
+        )
+    return MapFetcher(
+        dataset, auto_collation=auto_collation, collate_fn=collate_fn, seed=sample_seed
+    )
+
+
+def batch_source(dataset: Any) -> Any:
+    """The object that reads ``dataset``'s batches in one call, or None (NOTE [ Batch sources ]
+    in ``_sources/protocol.py``)."""
+    if hasattr(type(dataset), "gpufeed_batch"):
+        return dataset
+    if "pyarrow" in sys.modules or "datasets" in sys.modules:  # never import them ourselves
+        return arrow_source(dataset)
+    return None
 
 
 class MapFetcher:
@@ -29,7 +54,8 @@ class MapFetcher:
             False for ``batch_size=None``, where each "batch" is one sample.
         collate_fn: the user's function, or None for default collation into the slot.
         seed: base seed of per-sample random state (``_order/seeding.py``): each ``__getitem__``
-            sees state from ``(seed, self.epoch, index)``. None: the stock behaviour.
+            sees state from ``(seed, epoch, index)``, ``epoch`` given to :meth:`fetch`. None:
+            the stock behaviour.
     """
 
     def __init__(
@@ -38,22 +64,22 @@ class MapFetcher:
     ) -> None:
         self.dataset = dataset
         self.seed = seed
-        self.epoch = 0  # set per task message when seed is not None
         self.auto_collation = auto_collation
         self.collate_fn = None if collate_fn is default_collate else collate_fn
         self.arrays = gather_arrays(dataset) if self.collate_fn is None else None
-        self.source = batch_source(dataset) if auto_collation else None  # _sources/protocol.py
+        self.source = batch_source(dataset) if auto_collation else None
         self.getitems = getattr(dataset, "__getitems__", None)
         self.where = ""  # what it is doing, for error messages (see describe)
         self.index: Any = None  # the sample being fetched, when where is _AT_SAMPLE
         self.plan: Any = None  # an _plan.IndexPlan, when the main process sent one
         self.collate_s = 0.0
 
-    def fetch(self, indices: Any, writer: SlotWriter | None) -> Any:
+    def fetch(self, indices: Any, writer: SlotWriter | None, *, epoch: int = 0) -> Any:
+        """The batch of ``indices``; ``epoch`` seeds per-sample random state (with a seed)."""
         if not self.auto_collation:
             self.where = f"while fetching sample index {indices!r}"
             if self.seed is not None:
-                with seeded(self.seed, self.epoch) as reseed:
+                with seeded(self.seed, epoch) as reseed:
                     reseed(indices)
                     sample = self.dataset[indices]
             else:
@@ -65,8 +91,8 @@ class MapFetcher:
             self.where = "while reading a batch"
             if self.collate_fn is None:
                 return self.source.gpufeed_batch(
-                    indices, seed=self.seed, epoch=self.epoch, alloc=_alloc_for(writer))
-            samples = self.source.gpufeed_samples(indices, seed=self.seed, epoch=self.epoch)
+                    indices, seed=self.seed, epoch=epoch, alloc=_alloc_for(writer))
+            samples = self.source.gpufeed_samples(indices, seed=self.seed, epoch=epoch)
             self.where = "in collate_fn"
             t0 = time.perf_counter()
             out = self.collate_fn(samples)
@@ -77,7 +103,7 @@ class MapFetcher:
             self.collate_s = 0.0
             return gather(self.arrays, indices, _alloc_for(writer))
         if self.seed is not None:
-            samples = self._fetch_seeded(indices, self.seed)
+            samples = self._fetch_seeded(indices, self.seed, epoch)
         elif self.getitems is not None:
             self.where = "in __getitems__"
             samples = self.getitems(indices)
@@ -94,10 +120,10 @@ class MapFetcher:
         self.collate_s = time.perf_counter() - t0
         return out
 
-    def _fetch_seeded(self, indices: Any, seed: int) -> list[Any]:
+    def _fetch_seeded(self, indices: Any, seed: int, epoch: int) -> list[Any]:
         """Samples with per-sample random state (NOTE [ Seeding and threads ] in
         _order/seeding.py)."""
-        with seeded(seed, self.epoch) as reseed:
+        with seeded(seed, epoch) as reseed:
             if self.getitems is not None:
                 self.where = "in __getitems__"
                 reseed.batch(indices)
@@ -122,7 +148,9 @@ class IterFetcher:
     """Batches of an iterable-style dataset; each worker iterates its own copy.
 
     ``fetch(n)`` takes up to ``n`` samples (``n=None``: one sample, no collation) and raises
-    StopIteration when the dataset is exhausted (or, with ``drop_last``, when short).
+    StopIteration when the dataset is exhausted (or, with ``drop_last``, when short). It takes
+    ``epoch`` as :meth:`MapFetcher.fetch` does, so both are called alike, and ignores it:
+    iterable datasets get no per-sample seeding.
     """
 
     def __init__(
@@ -136,7 +164,6 @@ class IterFetcher:
         self.where = ""
         self._it: Iterator[Any] | None = None
         self._state: Any = None  # a dataset state to load before the next iter (resume)
-        self.epoch = 0  # unused: iterable datasets get no per-sample seeding
         self.ended = False
         self.count = 0
         self.collate_s = 0.0
@@ -152,7 +179,7 @@ class IterFetcher:
         self.count = 0
         self._state = state
 
-    def fetch(self, n: int | None, writer: SlotWriter | None) -> Any:
+    def fetch(self, n: int | None, writer: SlotWriter | None, *, epoch: int = 0) -> Any:
         if self.ended:
             raise StopIteration
         if self._it is None:

@@ -16,11 +16,11 @@ import torch
 
 from .._base import cuda as _cuda
 from .._memory import pinning as _pinning
-from .._memory.pinning import pin_batch, pin_device_index
+from .._memory.pinning import pin_batch
 from .._order.resume import capture_state
 from .._order.shards import ShardInfo, set_shard_info
 from .config import ConfigSource, IterConfig
-from .fetch import IterFetcher, MapFetcher
+from .fetch import IterFetcher, make_fetcher
 
 
 class BaseIter:
@@ -54,7 +54,7 @@ class BaseIter:
         )
         self._num_yielded = 0
         self._len_called = config.len_called
-        self._rec = config.recorder
+        self._recorder = config.recorder
         self._returned_at = 0.0  # when the last batch was handed over (for "step")
 
     @property
@@ -88,7 +88,7 @@ class BaseIter:
     ) -> Any:
         """Hand batch ``k`` of this epoch (the iterator's count) to the user."""
         now = time.perf_counter()
-        rec = self._rec
+        rec = self._recorder
         if self._returned_at:
             rec.add("step", busy_s=asked_at - self._returned_at)
         rec.add("wait", blocked_s=now - asked_at)
@@ -148,17 +148,10 @@ class SingleIter(BaseIter):
 
     def __init__(self, config: IterConfig) -> None:
         super().__init__(config)
-        self._fetcher: MapFetcher | IterFetcher
-        if self._is_iterable:
-            self._fetcher = IterFetcher(
-                self._dataset, auto_collation=self._auto_collation,
-                collate_fn=self._collate_fn, drop_last=self._drop_last,
-            )
-        else:
-            self._fetcher = MapFetcher(
-                self._dataset, auto_collation=self._auto_collation, collate_fn=self._collate_fn,
-                seed=self._sample_seed,
-            )
+        self._fetcher = make_fetcher(
+            self._dataset, is_iterable=self._is_iterable, auto_collation=self._auto_collation,
+            collate_fn=self._collate_fn, drop_last=self._drop_last, sample_seed=self._sample_seed,
+        )
         set_shard_info(ShardInfo(config.rank, config.world_size, 0, 1))
         self._load_dataset_state()
 
@@ -172,14 +165,13 @@ class SingleIter(BaseIter):
         asked_at = time.perf_counter()
         try:
             indices = self._next_indices()
-            self._fetcher.epoch = self._tracker.epoch
-            data = self._fetcher.fetch(indices, None)
+            data = self._fetcher.fetch(indices, None, epoch=self._tracker.epoch)
         except StopIteration:
             self._tracker.host_exhausted()
             raise
         fetched = time.perf_counter()
-        self._rec.add("fetch", busy_s=fetched - asked_at - self._fetcher.collate_s)
-        self._rec.add("collate", busy_s=self._fetcher.collate_s)
+        self._recorder.add("fetch", busy_s=fetched - asked_at - self._fetcher.collate_s)
+        self._recorder.add("collate", busy_s=self._fetcher.collate_s)
         state = (0, capture_state(self._dataset)) if self._is_iterable else None
         return self._finish(data, fetched, self._num_yielded, state)
 

@@ -33,6 +33,7 @@ A process that exits while the iterator is running is reported by its sentinel (
 
 from __future__ import annotations
 
+import enum
 import errno
 import logging
 import os
@@ -42,11 +43,11 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from .._base.errors import WorkerError, capture
+from .messages import StartFailed, ToMain, ToWorker, WorkerSpec
 from .worker import ThreadChannel, install_thread_worker_info, worker_loop
 
 log = logging.getLogger("gpufeed")
@@ -114,6 +115,19 @@ def out_of_fds(margin: int = 10) -> bool:
     return False
 
 
+def lost_worker(desc: str, held: list[int]) -> WorkerError:
+    """The error for a worker that exited (``desc``) holding batches ``held``: it works through
+    them in order, but a result it already sent can be lost with it (a fallback batch's memory
+    is handed over by the dead process), so the culprit is one of them, not necessarily the
+    first."""
+    named = ", ".join(map(str, sorted(held)[:6])) + (", ..." if len(held) > 6 else "")
+    detail = f" while it held batch{'es' if len(held) > 1 else ''} {named}" if held else ""
+    return WorkerError(
+        f"{desc}{detail}. No batch was lost silently: the epoch stops here. "
+        "Rerun with num_workers=0 to see the error in the main process."
+    )
+
+
 def forked_message(pid: int) -> str:
     return (
         f"this gpufeed DataLoader's workers were started in process {pid}, and this process "
@@ -123,9 +137,15 @@ def forked_message(pid: int) -> str:
     )
 
 
+class _Watch(enum.Enum):
+    """What a polled descriptor reports: a worker's message (or EOF), or its process's exit."""
+    CONN = enum.auto()
+    EXIT = enum.auto()
+
+
 class ProcessPool:
-    def __init__(self, n: int, ctx: Any, kwargs: dict[str, Any]) -> None:
-        self.n = n
+    def __init__(self, spec: WorkerSpec, ctx: Any) -> None:
+        n = self.n = spec.num_workers
         self.conns: list[Any] = []
         self.procs: list[Any] = []
         self._sender: _Sender | None = None
@@ -135,7 +155,7 @@ class ProcessPool:
             for _ in range(n):
                 pipes.append(ctx.Pipe(duplex=True))
                 self.conns.append(pipes[-1][0])
-            self._start(ctx, kwargs, pipes)
+            self._start(ctx, spec, pipes)
         except BaseException:  # see NOTE [ Shutdown ]: nothing outlives a failed start
             for _, worker_end in pipes:
                 worker_end.close()
@@ -144,34 +164,29 @@ class ProcessPool:
         for _, worker_end in pipes:
             worker_end.close()
         self._poller = select.poll()
-        self._fd_owner: dict[int, tuple[str, int]] = {}
+        self._fd_owner: dict[int, tuple[_Watch, int]] = {}  # fd -> (what, worker)
         for w in range(n):
-            self._watch(self.conns[w].fileno(), ("conn", w))
-            self._watch(self.procs[w].sentinel, ("exit", w))
+            self._watch(self.conns[w].fileno(), _Watch.CONN, w)
+            self._watch(self.procs[w].sentinel, _Watch.EXIT, w)
 
-    def _start(self, ctx: Any, kwargs: dict[str, Any], pipes: list[tuple[Any, Any]]) -> None:
+    def _start(self, ctx: Any, spec: WorkerSpec, pipes: list[tuple[Any, Any]]) -> None:
         fork = ctx.get_start_method() == "fork"
         close_fds: tuple[int, ...] = ()
         if fork:  # each child closes every end but its own
             close_fds = tuple(c.fileno() for p in pipes for c in p)
         for w in range(self.n):
             own = pipes[w][1].fileno()
-            proc = ctx.Process(
-                target=worker_loop,
-                kwargs=dict(
-                    kwargs, worker_id=w, kind="process", chan=pipes[w][1],
-                    close_fds=tuple(fd for fd in close_fds if fd != own),
-                ),
-                daemon=True,
-            )
+            kwargs = dict(worker_id=w, kind="process", chan=pipes[w][1],
+                          close_fds=tuple(fd for fd in close_fds if fd != own))
+            proc = ctx.Process(target=worker_loop, args=(spec,), kwargs=kwargs, daemon=True)
             proc.start()
             self.procs.append(proc)
 
-    def _watch(self, fd: int, what: tuple[str, int]) -> None:
+    def _watch(self, fd: int, what: _Watch, w: int) -> None:
         self._poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-        self._fd_owner[fd] = what
+        self._fd_owner[fd] = (what, w)
 
-    def send(self, w: int, msg: Any) -> None:
+    def send(self, w: int, msg: ToWorker) -> None:
         payload = ForkingPickler.dumps(msg)
         if len(payload) <= INLINE_BYTES and (self._sender is None or not self._sender.busy(w)):
             self.conns[w].send_bytes(payload)
@@ -180,14 +195,14 @@ class ProcessPool:
                 self._sender = _Sender(self.conns)
             self._sender.put(w, payload)
 
-    def poll(self, timeout: float | None) -> tuple[list[tuple[int, Any]], list[int]]:
+    def poll(self, timeout: float | None) -> tuple[list[tuple[int, ToMain]], list[int]]:
         """Messages that arrived (worker, msg) and workers that exited, waiting up to timeout."""
         ms = -1 if timeout is None else max(int(timeout * 1000), 0)
-        msgs: list[tuple[int, Any]] = []
+        msgs: list[tuple[int, ToMain]] = []
         dead: list[int] = []
         for fd, _ in self._poller.poll(ms):
-            kind, w = self._fd_owner[fd]
-            if kind == "conn":
+            what, w = self._fd_owner[fd]
+            if what is _Watch.CONN:
                 try:
                     msgs.append((w, self.conns[w].recv()))
                 except Exception as e:
@@ -202,7 +217,7 @@ class ProcessPool:
                 dead.append(w)
         return msgs, dead
 
-    def drain(self, w: int) -> list[Any]:
+    def last_messages(self, w: int) -> list[ToMain]:
         """Whatever worker ``w`` sent before it died."""
         out = []
         conn = self.conns[w]
@@ -313,11 +328,12 @@ class _Sender:
 
 
 class ThreadPool:
-    def __init__(self, n: int, kwargs: dict[str, Any]) -> None:
+    """Threads do not survive fork(): WorkerIter checks its process (``forked_message``)."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
         install_thread_worker_info()
-        self.pid = os.getpid()  # threads do not survive fork(): see forked_message
-        self.n = n
-        self.results: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        n = self.n = spec.num_workers
+        self.results: queue.SimpleQueue[tuple[int, ToMain]] = queue.SimpleQueue()
         self.chans = [ThreadChannel(w, self.results) for w in range(n)]
         self.threads: list[threading.Thread] = []
         self.closed = False
@@ -325,7 +341,7 @@ class ThreadPool:
             for w in range(n):
                 t = threading.Thread(
                     target=_thread_entry,
-                    kwargs=dict(kwargs, worker_id=w, kind="thread", chan=self.chans[w]),
+                    args=(spec, w, self.chans[w]),
                     name=f"gpufeed-worker-{w}",
                     daemon=True,
                 )
@@ -335,10 +351,10 @@ class ThreadPool:
             self.close()
             raise
 
-    def send(self, w: int, msg: Any) -> None:
+    def send(self, w: int, msg: ToWorker) -> None:
         self.chans[w].tasks.put(msg)
 
-    def poll(self, timeout: float | None) -> tuple[list[tuple[int, Any]], list[int]]:
+    def poll(self, timeout: float | None) -> tuple[list[tuple[int, ToMain]], list[int]]:
         msgs = []
         try:
             msgs.append(self.results.get(timeout=timeout))
@@ -349,12 +365,10 @@ class ThreadPool:
         dead = [] if msgs else [w for w, t in enumerate(self.threads) if not t.is_alive()]
         return msgs, dead
 
-    def drain(self, w: int) -> list[Any]:
+    def last_messages(self, w: int) -> list[ToMain]:
         return []
 
     def exit_description(self, w: int) -> str:
-        if os.getpid() != self.pid:
-            return forked_message(self.pid)
         return f"DataLoader worker (thread {w}) exited unexpectedly: gpufeed thread worker {w}"
 
     def close(self) -> None:
@@ -370,16 +384,14 @@ class ThreadPool:
                 log.warning("gpufeed worker %s is still in user code: left as daemon", t.name)
 
 
-def _thread_entry(**kwargs: Any) -> None:
+def _thread_entry(spec: WorkerSpec, worker_id: int, chan: ThreadChannel) -> None:
     """Run a thread worker; an error that escapes the loop (a dataset's ``state_dict()``,
     say) is sent to the main process, which re-raises it, instead of killing the thread with
     an uncaught exception that leaves the iterator only "stopped unexpectedly"."""
     try:
-        worker_loop(**kwargs)
+        worker_loop(spec, worker_id=worker_id, kind="thread", chan=chan)
     except BaseException:
-        where = f"in gpufeed thread worker {kwargs['worker_id']}"
-        kwargs["chan"].send(("init_err", capture(where)))
+        chan.send(StartFailed(capture(f"in gpufeed thread worker {worker_id}")))
 
 
 Pool = ProcessPool | ThreadPool
-PoolFactory = Callable[..., Pool]

@@ -1,28 +1,29 @@
 """The worker loop, shared by process and thread workers.
 
 A worker receives small task messages, fetches and collates each batch into the slot the
-task names, and answers with small messages (see NOTE [ Messages ] in ``_host/worker_iter.py``):
+task names, and answers with small messages (see NOTE [ Messages ] in ``_host/worker_iter.py``;
+the classes are in ``_host/messages.py``):
 
-    main -> worker   ("tasks", gen, [(batch, planned, indices, slot), ...], epoch)
+    main -> worker   Tasks(gen, [Task(batch, planned, indices, slot), ...], epoch)
                         planned: take batch ``batch`` of the epoch's IndexPlan (indices unused)
-                        slot: (id, offset, size), or None for ordinary allocation
+                        slot: Slot(id, offset, size), or None for ordinary allocation
                         epoch: seeds per-sample random state (``_order/seeding.py``)
-                     ("plan", gen, IndexPlan)                this epoch's index plan
-                     ("reset", gen, state)                   iterable datasets: restart (from
+                     UsePlan(gen, plan)                      this epoch's IndexPlan
+                     ResetStream(gen, state)                 iterable datasets: restart (from
                                                              ``state`` on resume, else None)
-                     ("seed", gen, seed)                     per-sample seeding's base seed from
+                     Reseed(gen, seed)                       per-sample seeding's base seed from
                                                              now on (None: off); a persistent
                                                              pool after load_state_dict
                      None                                    stop (or EOF on the pipe)
-    worker -> main   ("done", gen, [result, ...])            one result per task, in order:
-                        ("ok", batch, slot_id, used, need, packed, fetch_s, collate_s,
-                         dataset_state,                      iterable datasets' state_dict()
-                         spill,                              a SpillFile or None (NOTE [ Spill ])
-                         unsupported)                        a leaf went torch's way (_collate)
-                        ("drop", batch, slot_id)             not run: its epoch was abandoned
-                        ("stop", batch, slot_id)             iterable dataset exhausted
-                        ("err", batch, slot_id, RemoteError)
-                     ("init_err", RemoteError)               worker_init_fn or set-up failed
+    worker -> main   Done(gen, [result, ...])                one result per task, in order:
+                        Fetched(batch, slot_id, used, need, packed, fetch_s, collate_s,
+                                dataset_state,               iterable datasets' state_dict()
+                                spill,                       a SpillFile or None (NOTE [ Spill ])
+                                unsupported)                 a leaf went torch's way (_collate)
+                        Dropped(batch, slot_id)              not run: its epoch was abandoned
+                        Exhausted(batch, slot_id)            iterable dataset exhausted
+                        Failed(batch, slot_id, error)        error: a RemoteError
+                     StartFailed(error)                      worker_init_fn or set-up failed
                                                              (threads: or the loop itself)
 
 Several tasks travel in one message when batches are cheap: on these machines waking a
@@ -39,7 +40,6 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,7 +51,23 @@ from .._memory.spill import SharedMemoryError, Spill
 from .._order.shards import ShardInfo, set_shard_info
 from .._order.state import capture_state
 from .collate import SlotWriter, pack
-from .fetch import IterFetcher, MapFetcher, thread_copy
+from .fetch import IterFetcher, MapFetcher, make_fetcher, thread_copy
+from .messages import (
+    Done,
+    Dropped,
+    Exhausted,
+    Failed,
+    Fetched,
+    Reseed,
+    ResetStream,
+    Result,
+    StartFailed,
+    Task,
+    ToMain,
+    ToWorker,
+    UsePlan,
+    WorkerSpec,
+)
 
 POLL_S = 0.5  # how often an idle worker checks that the main process is alive
 
@@ -59,18 +75,18 @@ POLL_S = 0.5  # how often an idle worker checks that the main process is alive
 class ThreadChannel:
     """A thread worker's end: its own task queue, and the results queue all workers share."""
 
-    def __init__(self, worker_id: int, results: queue.SimpleQueue[Any]) -> None:
+    def __init__(self, worker_id: int, results: queue.SimpleQueue[tuple[int, ToMain]]) -> None:
         self.worker_id = worker_id
-        self.tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.tasks: queue.SimpleQueue[ToWorker] = queue.SimpleQueue()
         self.results = results
 
-    def recv(self, timeout: float) -> Any:
+    def recv(self, timeout: float) -> ToWorker:
         return self.tasks.get(timeout=timeout) if timeout > 0 else self.tasks.get_nowait()
 
     def waiting(self) -> bool:
         return not self.tasks.empty()
 
-    def send(self, msg: Any) -> None:
+    def send(self, msg: ToMain) -> None:
         self.results.put((self.worker_id, msg))
 
 
@@ -82,7 +98,7 @@ class ProcessChannel:
         self.poller = select.poll()  # made once: Connection.poll builds a selector per call
         self.poller.register(conn.fileno(), select.POLLIN | select.POLLHUP | select.POLLERR)
 
-    def recv(self, timeout: float) -> Any:
+    def recv(self, timeout: float) -> ToWorker:
         if not self.poller.poll(int(timeout * 1000)):
             raise TimeoutError
         return self.conn.recv()
@@ -91,7 +107,7 @@ class ProcessChannel:
         """Something (a message, or EOF) can be read now."""
         return bool(self.poller.poll(0))
 
-    def send(self, msg: Any) -> None:
+    def send(self, msg: ToMain) -> None:
         self.conn.send(msg)
 
 
@@ -124,18 +140,20 @@ def install_thread_worker_info() -> None:
 
 
 def worker_loop(
-    *, worker_id: int, num_workers: int, kind: str, chan: Any, dataset: Any, is_iterable: bool,
-    auto_collation: bool, collate_fn: Callable[[Any], Any] | None, drop_last: bool,
-    region: Any, base_seed: int, init_fn: Callable[[int], None] | None,
-    close_fds: tuple[int, ...] = (), sample_seed: int | None = None, rank: int = 0,
-    world_size: int = 1,
+    spec: WorkerSpec, *, worker_id: int, kind: str, chan: Any, close_fds: tuple[int, ...] = (),
 ) -> None:
-    """Run one worker until told to stop, the main process goes away, or the pipe closes."""
+    """Run one worker until told to stop, the main process goes away, or the pipe closes.
+
+    ``chan``: a process worker's end of its pipe, or a thread worker's ``ThreadChannel``;
+    ``close_fds``: descriptors a forked process worker inherited and closes at once.
+    """
     is_process = kind == "process"
-    seed = base_seed + worker_id
+    seed = spec.base_seed + worker_id
+    dataset = spec.dataset
+    region = spec.region
     if is_process:
         chan = ProcessChannel(chan)
-        region = region.tensor if region is not None else None  # a _ring.Region
+        region = region.tensor if region is not None else None  # a _memory.ring.Region
         for fd in close_fds:  # the main's ends of other workers' pipes, inherited by fork
             try:
                 os.close(fd)
@@ -147,36 +165,32 @@ def worker_loop(
         torch.manual_seed(seed)
         import numpy as np
 
-        np.random.seed(_generate_state(base_seed, worker_id))
+        np.random.seed(_generate_state(spec.base_seed, worker_id))
         _utils.worker._worker_info = WorkerInfo(
-            id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset
+            id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
         )
         parent = os.getppid()
     else:
-        dataset = thread_copy(dataset) if is_iterable else dataset  # NOTE in _host/fetch.py
+        # NOTE [ Iterable datasets in thread workers ] in _host/fetch.py: each its own copy
+        dataset = thread_copy(dataset) if spec.is_iterable else dataset
         _thread_local.info = WorkerInfo(
-            id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset
+            id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
         )
         parent = -1
-    set_shard_info(ShardInfo(rank, world_size, worker_id, num_workers))
+    set_shard_info(ShardInfo(spec.rank, spec.world_size, worker_id, spec.num_workers))
     try:
-        if init_fn is not None:
-            init_fn(worker_id)
-        fetcher: MapFetcher | IterFetcher
-        if is_iterable:
-            fetcher = IterFetcher(
-                dataset, auto_collation=auto_collation, collate_fn=collate_fn, drop_last=drop_last
-            )
-        else:
-            fetcher = MapFetcher(
-                dataset, auto_collation=auto_collation, collate_fn=collate_fn, seed=sample_seed
-            )
+        if spec.init_fn is not None:
+            spec.init_fn(worker_id)
+        fetcher = make_fetcher(
+            dataset, is_iterable=spec.is_iterable, auto_collation=spec.auto_collation,
+            collate_fn=spec.collate_fn, drop_last=spec.drop_last, sample_seed=spec.sample_seed,
+        )
         writer = (
             SlotWriter(region, shared_fallback=is_process) if region is not None else None
         )
     except Exception:
         try:
-            chan.send(("init_err", capture(f"in gpufeed worker {worker_id} during start-up")))
+            chan.send(StartFailed(capture(f"in gpufeed worker {worker_id} during start-up")))
         except (BrokenPipeError, EOFError, OSError):
             pass  # the main process already stopped (another worker's error, or close())
         return
@@ -187,9 +201,10 @@ def _serve(
     worker_id: int, chan: Any, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None,
     parent: int,
 ) -> None:
-    inbox: collections.deque[Any] = collections.deque()  # read ahead by _newer
+    inbox: collections.deque[ToWorker] = collections.deque()  # read ahead by _newer
     latest = 0  # the newest generation seen: tasks of older ones are dropped, not run
     while True:
+        msg: ToWorker
         if inbox:
             msg = inbox.popleft()
         else:
@@ -203,32 +218,30 @@ def _serve(
                 return
         if msg is None:
             return
-        kind, gen = msg[0], msg[1]
+        gen = msg.gen
         latest = max(latest, gen)
-        if kind == "reset":
+        if isinstance(msg, ResetStream):
             if isinstance(fetcher, IterFetcher):
-                fetcher.reset(msg[2] if len(msg) > 2 else None)
+                fetcher.reset(msg.state)
             continue
-        if kind == "plan":
+        if isinstance(msg, UsePlan):
             if isinstance(fetcher, MapFetcher):
-                fetcher.plan = msg[2]
+                fetcher.plan = msg.plan
             continue
-        if kind == "seed":
+        if isinstance(msg, Reseed):
             if isinstance(fetcher, MapFetcher):
-                fetcher.seed = msg[2]
+                fetcher.seed = msg.seed
             continue
-        if len(msg) > 3 and isinstance(fetcher, MapFetcher):
-            fetcher.epoch = msg[3]
         spills: list[Spill] = []
-        results = []
-        for task in msg[2]:
+        results: list[Result] = []
+        for task in msg.tasks:
             if gen < latest or _newer(chan, inbox, gen):
                 # NOTE [ Messages ] in _host/worker_iter.py: the epoch was abandoned (a restarted
                 # persistent iterator) or the pool is closing; the slot goes back unused
                 latest = max(latest, gen + 1)
-                results.append(("drop", task[0], task[3][0] if task[3] is not None else -1))
+                results.append(Dropped(task.batch, task.slot.id if task.slot is not None else -1))
                 continue
-            results.append(_run_task(worker_id, fetcher, writer, task, spills))
+            results.append(_run_task(worker_id, fetcher, writer, task, msg.epoch, spills))
         try:
             _send_results(worker_id, chan, gen, results)
         except (BrokenPipeError, EOFError, OSError):
@@ -239,7 +252,7 @@ def _serve(
         del results
 
 
-def _newer(chan: Any, inbox: collections.deque[Any], gen: int) -> bool:
+def _newer(chan: Any, inbox: collections.deque[ToWorker], gen: int) -> bool:
     """Read what is waiting into ``inbox``; True if it holds a stop or a newer generation."""
     while chan.waiting():
         try:
@@ -249,14 +262,14 @@ def _newer(chan: Any, inbox: collections.deque[Any], gen: int) -> bool:
         except (EOFError, OSError):
             inbox.append(None)
             break
-    return any(m is None or m[1] > gen for m in inbox)
+    return any(m is None or m.gen > gen for m in inbox)
 
 
-def _send_results(worker_id: int, chan: Any, gen: int, results: list[Any]) -> None:
+def _send_results(worker_id: int, chan: Any, gen: int, results: list[Result]) -> None:
     """Send a message's results; if pickling them fails (torch's own shared memory, which
     the leaves the ring cannot hold still use, is full), each becomes that error."""
     try:
-        chan.send(("done", gen, results))
+        chan.send(Done(gen, results))
     except (BrokenPipeError, EOFError, OSError):
         raise
     except Exception:
@@ -266,51 +279,51 @@ def _send_results(worker_id: int, chan: Any, gen: int, results: list[Any]) -> No
             "larger /dev/shm, e.g. docker --shm-size, or worker_type='thread' avoids it)"
         )
         err = capture(where)
-        chan.send(("done", gen, [("err", r[1], r[2], err) for r in results]))
+        chan.send(Done(gen, [Failed(r.batch, r.slot_id, err) for r in results]))
 
 
 def _run_task(
-    worker_id: int, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None, task: Any,
-    spills: list[Spill],
-) -> tuple[Any, ...]:
-    batch, planned, indices, slot = task
+    worker_id: int, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None, task: Task,
+    epoch: int, spills: list[Spill],
+) -> Result:
+    batch, indices, slot = task.batch, task.indices, task.slot
     sid = -1
     if writer is not None:
         if slot is None:
             writer.begin(0, 0)
         else:
-            sid, off, size = slot
-            writer.begin(off, size)
+            sid = slot.id
+            writer.begin(slot.offset, slot.size)
     t0 = time.perf_counter()
     try:
-        if planned:
+        if task.planned:
             indices = fetcher.plan.batch(batch)  # type: ignore[union-attr]
             if fetcher.arrays is None:
                 indices = indices.tolist()
-        data = fetcher.fetch(indices, writer)
+        data = fetcher.fetch(indices, writer, epoch=epoch)
         t1 = time.perf_counter()
-        packed, used, need, unsupported = pack(data, writer)
+        packed = pack(data, writer)
         del data
         spill = writer.take_spill() if writer is not None else None
-        region = None
+        sealed = None
         if spill is not None:
             spills.append(spill)
-            region = spill.seal()
+            sealed = spill.seal()
     except StopIteration:
-        return ("stop", batch, sid)
+        return Exhausted(batch, sid)
     except SharedMemoryError:  # gpufeed's own allocation, not the user's collate_fn
-        return ("err", batch, sid, capture(f"in gpufeed worker {worker_id} (batch {batch})"))
+        return Failed(batch, sid, capture(f"in gpufeed worker {worker_id} (batch {batch})"))
     except Exception:
         where = f"in gpufeed worker {worker_id} {fetcher.describe(indices)} (batch {batch})"
-        return ("err", batch, sid, capture(where))
+        return Failed(batch, sid, capture(where))
     t2 = time.perf_counter()
     collate_s = fetcher.collate_s + (t2 - t1)
     try:
         state = capture_state(fetcher.dataset)
     except Exception:
         where = f"in gpufeed worker {worker_id} saving the dataset's state after batch {batch}"
-        return ("err", batch, sid, capture(where))
-    return (
-        "ok", batch, sid, used, need, packed, t2 - t0 - collate_s, collate_s, state, region,
-        unsupported,
+        return Failed(batch, sid, capture(where))
+    return Fetched(
+        batch, sid, packed.used, packed.need, packed.batch, t2 - t0 - collate_s, collate_s,
+        state, sealed, packed.unsupported,
     )

@@ -71,7 +71,7 @@ import numpy as np
 
 from .._base import cuda as _cuda
 from . import pinning as _pinning
-from .region import PAGE, Region, align, reserve_for
+from .region import PAGE, Region, align
 from .release import Releaser, warn_unpinned
 
 
@@ -296,7 +296,3 @@ class SlotRing:
         self.region_tensor = self.region_array = None  # type: ignore[assignment]
         self.region.release()
         self.region = None  # type: ignore[assignment]
-
-
-
-__all__ = ["SlotRing", "reserve_for"]  # reserve_for: sizes a ring (``_memory/region.py``)

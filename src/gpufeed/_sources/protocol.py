@@ -23,7 +23,6 @@ thread workers overlap (unlike ``__getitem__`` seeding, NOTE [ Seeding and threa
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,17 +46,6 @@ def require(module: str, what: str) -> Any:
         raise ImportError(
             f"{what} needs the {module.split('.')[0]!r} package: pip install 'gpufeed[{extra}]'"
         ) from exc
-
-
-def batch_source(dataset: Any) -> Any:
-    """The object that reads ``dataset``'s batches in one call, or None (NOTE above)."""
-    if hasattr(type(dataset), "gpufeed_batch"):
-        return dataset
-    if "pyarrow" in sys.modules or "datasets" in sys.modules:  # never import them ourselves
-        from .arrow import arrow_source
-
-        return arrow_source(dataset)
-    return None
 
 
 def sample_seeds(indices: Sequence[int] | np.ndarray, seed: int | None, epoch: int) -> list[int]:

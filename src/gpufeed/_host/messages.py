@@ -1,0 +1,174 @@
+"""Every message between the main process and its workers, and what a worker starts from.
+
+Messages are ``NamedTuple``s: each pickles as one class reference plus a tuple, and is read by
+field name. ``None`` stays the stop message (the pool pre-pickles it, and EOF on a worker's
+pipe means the same). Who sends what, and when, is in ``_host/worker.py``'s docstring and NOTE
+[ Messages ] in ``_host/worker_iter.py``.
+
+    main -> worker   Tasks, UsePlan, ResetStream, Reseed, None (stop)
+    worker -> main   Done (with one Result per task), StartFailed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+    from .._base.errors import RemoteError
+    from .._memory.spill import SpillFile
+    from .._order.plan import IndexPlan
+
+
+# -- main -> worker ----------------------------------------------------------------------------
+class Slot(NamedTuple):
+    """Where in the ring a batch goes (``SlotRing.acquire``)."""
+
+    id: int
+    offset: int
+    size: int
+
+
+class Task(NamedTuple):
+    """One batch to fetch: batch number ``batch`` of the epoch.
+
+    ``planned``: take the batch's indices from the epoch's ``IndexPlan`` (``indices`` is None);
+    else ``indices`` (a count of samples for iterable datasets). ``slot``: None for ordinary
+    allocation.
+    """
+
+    batch: int
+    planned: bool
+    indices: Any
+    slot: Slot | None
+
+
+class Tasks(NamedTuple):
+    """A worker's share of a dispatch window, in order; ``epoch`` seeds per-sample random
+    state (``_order/seeding.py``)."""
+
+    gen: int
+    tasks: list[Task]
+    epoch: int
+
+
+class UsePlan(NamedTuple):
+    """This epoch's index plan (map-style datasets)."""
+
+    gen: int
+    plan: IndexPlan
+
+
+class ResetStream(NamedTuple):
+    """Iterable datasets: restart the stream, from ``state`` on resume (else None)."""
+
+    gen: int
+    state: Any
+
+
+class Reseed(NamedTuple):
+    """Per-sample seeding's base seed from now on (None: off); a persistent pool after
+    ``load_state_dict``."""
+
+    gen: int
+    seed: int | None
+
+
+ToWorker = Tasks | UsePlan | ResetStream | Reseed | None
+
+
+# -- worker -> main: one result per task -------------------------------------------------------
+class Fetched(NamedTuple):
+    """A batch, written into slot ``slot_id`` (-1: none) and described by ``packed``.
+
+    ``spill`` is the batch's spill file (NOTE [ Spill ] in ``_memory/spill.py``): a
+    ``SpillFile`` when the worker sends it, the mapped uint8 tensor once it arrives (its pickle
+    carries the descriptor), None when the batch spilled nothing.
+    """
+
+    batch: int
+    slot_id: int
+    used: int  # bytes of the slot the leaves span
+    need: int  # bytes the whole batch would take in a slot (the ring learns slot sizes)
+    packed: Any  # the batch, its ringable leaves replaced by ``collate.Leaf``
+    fetch_s: float
+    collate_s: float
+    dataset_state: Any  # iterable datasets' ``state_dict()``, else None
+    spill: SpillFile | torch.Tensor | None
+    unsupported: bool  # a leaf went torch's way (``_host/collate.py``)
+
+
+class Dropped(NamedTuple):
+    """Not run: its epoch was abandoned (or the pool is closing)."""
+
+    batch: int
+    slot_id: int
+
+
+class Exhausted(NamedTuple):
+    """The worker's iterable dataset ran dry."""
+
+    batch: int
+    slot_id: int
+
+
+class Failed(NamedTuple):
+    """Fetching or collating the batch raised ``error``."""
+
+    batch: int
+    slot_id: int
+    error: RemoteError
+
+
+Result = Fetched | Dropped | Exhausted | Failed
+
+
+class Done(NamedTuple):
+    """The results of one ``Tasks`` message, in its order."""
+
+    gen: int
+    results: list[Result]
+
+
+class StartFailed(NamedTuple):
+    """``worker_init_fn`` or the worker's set-up failed (thread workers: or the loop itself)."""
+
+    error: RemoteError
+
+
+ToMain = Done | StartFailed
+
+
+class WorkerState(NamedTuple):
+    """An iterable dataset's ``state_dict()`` after a batch, and the worker whose it is."""
+
+    worker: int
+    state: Any
+
+
+# -- what a worker starts from -----------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker is started with, the same for every worker of a pool.
+
+    ``region``: the ring's memory, a ``Region`` for process workers (pickled as its
+    descriptor) or its tensor for thread workers; None without a ring. ``base_seed``: each
+    worker seeds from ``base_seed + worker_id``. ``sample_seed``: per-sample seeding's base
+    seed (None: off) at start; ``Reseed`` changes it later.
+    """
+
+    num_workers: int
+    dataset: Any
+    is_iterable: bool
+    auto_collation: bool
+    collate_fn: Callable[[Any], Any] | None
+    drop_last: bool
+    region: Any
+    base_seed: int
+    init_fn: Callable[[int], None] | None
+    sample_seed: int | None
+    rank: int
+    world_size: int

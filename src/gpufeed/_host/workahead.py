@@ -1,0 +1,83 @@
+"""How far ahead of the consumer the workers run, and in messages of how many batches.
+
+``WorkerIter`` keeps at most :attr:`WorkAhead.in_flight_bound` batches dispatched and not yet
+delivered (NOTE [ Messages ] in ``_host/worker_iter.py``), hands them out ``chunk`` per worker
+per message, and sizes the ring for the bound plus the batches the consumer holds
+(:attr:`WorkAhead.slots_hint`).
+"""
+
+from __future__ import annotations
+
+CHUNK_TARGET_S = 0.01  # worker seconds of work per task message (see _host/worker.py)
+CHUNK_MAX = 64
+CHUNK_BYTES = 64 << 20  # never prefetch more than this in extra chunked batches
+FENCE_SLACK = 2  # slots of a pinned ring waiting for the user's copies (a GPU 2 steps behind)
+
+
+class WorkAhead:
+    """The in-flight bound and the chunk size of one worker iterator.
+
+    Args:
+        num_workers: the pool's workers.
+        prefetch_factor: batches in flight per worker, as torch's; None: torch's default, 2.
+        adaptive: chunk cheap batches (:meth:`adapt`): only when ``prefetch_factor`` was left
+            unset (an explicit one is a strict bound, as in torch), and not with ``timeout=``
+            (a worker answers once per message, and the timeout is per batch).
+        device_depth: the device stage's depth; None: batches are delivered on host.
+        pin: the ring is page-locked (its slots wait for release fences).
+    """
+
+    def __init__(
+        self, *, num_workers: int, prefetch_factor: int | None, adaptive: bool,
+        device_depth: int | None, pin: bool,
+    ) -> None:
+        self.num_workers = num_workers
+        self.adaptive = adaptive
+        # batches the consumer holds besides those in flight (see slots_hint)
+        if device_depth is not None:
+            self.held = 2 + device_depth + 1
+        else:
+            self.held = 2 + (FENCE_SLACK if pin else 0)
+        # what the stock loader keeps in flight; its sampler pulls follow it (_stock_pulls)
+        self.stock_in_flight = (prefetch_factor or 2) * num_workers
+        self.in_flight_bound = self.stock_in_flight
+        self.chunk = 1  # batches per worker per task message
+        self._batch_s = 0.0  # moving average of worker seconds per batch
+
+    def window(self, first: bool, in_flight: int) -> int:
+        """How many batches to hand out now, with ``in_flight`` dispatched and not delivered:
+        a chunk per worker, once that many fit under the bound (else 0), or whatever fits
+        when nothing is in flight. An epoch's ``first`` window is one batch per worker: its
+        first batch then waits for one batch of work, not for a whole chunk (a persistent
+        iterator restarted)."""
+        full = (1 if first else self.chunk) * self.num_workers
+        window = min(full, self.in_flight_bound - in_flight)
+        if window <= 0 or (window < full and in_flight):
+            return 0
+        return window
+
+    @property
+    def slots_hint(self) -> int:
+        """Default ring size: in-flight batches plus those the consumer holds (the loop's
+        current and previous batch, and a device stage's depth + 1; pinned without a device
+        stage, FENCE_SLACK more whose release fence waits for the user's copies: NOTE [ Slot
+        lifetime ] in ``_memory/ring.py``). More would only raise peak memory; a consumer that
+        keeps more batches, or a GPU further behind, gets ordinary allocations."""
+        return self.in_flight_bound + self.held
+
+    def adapt(self, batch_s: float, slot_bytes: int) -> bool:
+        """Size task messages so each carries about CHUNK_TARGET_S of worker time, given the
+        last message's worker seconds per batch; True when the in-flight bound changed (the
+        ring's slots hint with it)."""
+        if not self.adaptive:
+            return False
+        self._batch_s = batch_s if not self._batch_s else 0.8 * self._batch_s + 0.2 * batch_s
+        chunk = min(int(CHUNK_TARGET_S / max(self._batch_s, 1e-6)), CHUNK_MAX)
+        if slot_bytes:
+            chunk = min(chunk, CHUNK_BYTES // (slot_bytes * 2 * self.num_workers))
+        chunk = max(chunk, 1)
+        if chunk == self.chunk:
+            return False
+        self.chunk = chunk
+        self.in_flight_bound = max(self.stock_in_flight, 2 * chunk * self.num_workers)
+        return True

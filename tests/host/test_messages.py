@@ -1,0 +1,243 @@
+"""The messages between the main process and its workers: they pickle, and the worker loop
+answers typed tasks with typed results (NOTE [ Messages ] in ``_host/worker_iter.py``)."""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, Dataset, IterableDataset, SequentialSampler
+
+from gpufeed._base.errors import RemoteError, capture
+from gpufeed._host.messages import (
+    Done,
+    Dropped,
+    Exhausted,
+    Failed,
+    Fetched,
+    Reseed,
+    ResetStream,
+    Slot,
+    StartFailed,
+    Task,
+    Tasks,
+    ToMain,
+    UsePlan,
+    WorkerSpec,
+    WorkerState,
+)
+from gpufeed._host.worker import ThreadChannel, worker_loop
+from gpufeed._order.plan import make_plan
+
+
+class Squares(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 13:
+            raise ValueError("thirteen")
+        return torch.tensor([i * i])
+
+
+class Count(IterableDataset[torch.Tensor]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        return (torch.tensor([i]) for i in range(self.n))
+
+
+def _error() -> RemoteError:
+    try:
+        raise KeyError("boom")
+    except KeyError:
+        return capture("in a test")
+
+
+def _spec(dataset: Any, **kw: Any) -> WorkerSpec:
+    args: dict[str, Any] = dict(
+        num_workers=1, dataset=dataset, is_iterable=isinstance(dataset, IterableDataset),
+        auto_collation=True, collate_fn=None, drop_last=False, region=None, base_seed=7,
+        init_fn=None, sample_seed=None, rank=0, world_size=1,
+    )
+    args.update(kw)
+    return WorkerSpec(**args)
+
+
+def _messages() -> list[Any]:
+    slot = Slot(3, 4096, 512)
+    plan = make_plan(BatchSampler(SequentialSampler(range(10)), 4, False), shared=False)
+    return [
+        slot,
+        Task(0, False, [1, 2, 3], slot),
+        Tasks(2, [Task(0, False, [1, 2], None), Task(1, True, None, slot)], 5),
+        UsePlan(1, plan),
+        ResetStream(1, {"pos": 3}),
+        ResetStream(1, None),
+        Reseed(1, 1234),
+        Reseed(1, None),
+        Fetched(4, 3, 128, 256, {"x": 1}, 0.5, 0.25, {"pos": 9}, None, False),
+        Dropped(5, -1),
+        Exhausted(6, 2),
+        Failed(7, 1, _error()),
+        Done(2, [Dropped(5, -1), Exhausted(6, 2)]),
+        StartFailed(_error()),
+        WorkerState(1, {"pos": 9}),
+        _spec(Squares()),
+    ]
+
+
+@pytest.mark.parametrize("dumps", [pickle.dumps, ForkingPickler.dumps],
+                         ids=["pickle", "ForkingPickler"])
+def test_every_message_survives_a_pickle_round_trip(dumps):
+    for msg in _messages():
+        back = pickle.loads(dumps(msg))
+        assert type(back) is type(msg)
+        for name, value in vars(msg).items() if isinstance(msg, WorkerSpec) else \
+                msg._asdict().items():
+            got = getattr(back, name)
+            if isinstance(value, RemoteError):
+                assert (got.type_name, got.where, got.text) == \
+                    (value.type_name, value.where, value.text)
+            elif name == "plan":
+                assert torch.equal(got.batch(1), value.batch(1))
+            elif name == "dataset":
+                assert type(got) is type(value)
+            else:
+                assert got == value, name
+
+
+def test_messages_are_read_by_name():
+    """Named fields, in the order the worker and the iterator build them."""
+    assert Slot._fields == ("id", "offset", "size")
+    assert Task._fields == ("batch", "planned", "indices", "slot")
+    assert Tasks._fields == ("gen", "tasks", "epoch")
+    assert Fetched._fields == ("batch", "slot_id", "used", "need", "packed", "fetch_s",
+                               "collate_s", "dataset_state", "spill", "unsupported")
+    for result in (Dropped, Exhausted, Failed):
+        assert result._fields[:2] == ("batch", "slot_id")
+    with pytest.raises(AttributeError):
+        _spec(Squares()).rank = 1  # type: ignore[misc]
+
+
+class _Worker:
+    """A thread worker on its channel: ``send`` messages, read its ``answer``s."""
+
+    def __init__(self, spec: WorkerSpec, *queued: Any) -> None:
+        self.results: queue.SimpleQueue[tuple[int, ToMain]] = queue.SimpleQueue()
+        self.chan = ThreadChannel(0, self.results)
+        for msg in queued:  # waiting before the worker reads its first message
+            self.chan.tasks.put(msg)
+        self.thread = threading.Thread(target=worker_loop, args=(spec,), daemon=True,
+                                       kwargs=dict(worker_id=0, kind="thread", chan=self.chan))
+        self.thread.start()
+
+    def send(self, msg: Any) -> None:
+        self.chan.tasks.put(msg)
+
+    def answer(self) -> Any:
+        w, msg = self.results.get(timeout=30)
+        assert w == 0
+        return msg
+
+    def stop(self) -> None:
+        self.send(None)
+        self.thread.join(30)
+        assert not self.thread.is_alive() and self.results.empty()
+
+
+def test_a_thread_worker_answers_typed_tasks():
+    plan = make_plan(BatchSampler(SequentialSampler(range(16)), 4, False), shared=False)
+    worker = _Worker(_spec(Squares()))
+    worker.send(UsePlan(1, plan))
+    worker.send(Tasks(1, [Task(0, False, [1, 2], None), Task(1, True, None, None),
+                          Task(2, False, [12, 13], None)], 0))
+    done = worker.answer()
+    worker.stop()
+    assert isinstance(done, Done) and done.gen == 1
+    ok, planned, failed = done.results
+    assert isinstance(ok, Fetched) and (ok.batch, ok.slot_id, ok.dataset_state) == (0, -1, None)
+    assert torch.equal(ok.packed, torch.tensor([[1], [4]]))
+    assert ok.fetch_s >= 0 and ok.collate_s >= 0 and ok.spill is None and not ok.unsupported
+    assert isinstance(planned, Fetched)
+    assert torch.equal(planned.packed, torch.tensor([[16], [25], [36], [49]]))
+    assert isinstance(failed, Failed) and (failed.batch, failed.slot_id) == (2, -1)
+    assert failed.error.type_name == "ValueError" and "sample index 13" in failed.error.where
+
+
+def test_tasks_of_an_abandoned_generation_are_dropped_with_their_slots():
+    """A newer generation waiting on the channel: the older tasks go back unrun, slots too."""
+    old = Tasks(1, [Task(0, False, [0], Slot(4, 0, 64)), Task(1, False, [1], None)], 0)
+    worker = _Worker(_spec(Squares()), old, Reseed(2, None))
+    assert worker.answer() == Done(1, [Dropped(0, 4), Dropped(1, -1)])
+    worker.send(Tasks(2, [Task(0, False, [2], None)], 0))
+    done = worker.answer()
+    assert done.gen == 2 and isinstance(done.results[0], Fetched)
+    worker.send(Tasks(1, [Task(1, False, [3], None)], 0))  # late: generation 2 was seen
+    assert worker.answer() == Done(1, [Dropped(1, -1)])
+    worker.stop()
+
+
+def test_a_waiting_stop_drops_the_tasks_left():
+    worker = _Worker(_spec(Squares()), Tasks(1, [Task(0, False, [0], Slot(2, 0, 64))], 0), None)
+    assert worker.answer() == Done(1, [Dropped(0, 2)])
+    worker.thread.join(30)
+    assert not worker.thread.is_alive()
+
+
+def test_iterable_streams_reset_and_run_dry():
+    worker = _Worker(_spec(Count(3)))
+    worker.send(Tasks(1, [Task(0, False, 2, None), Task(1, False, 2, None),
+                          Task(2, False, 2, None)], 0))
+    a, b, c = worker.answer().results
+    assert torch.equal(a.packed, torch.tensor([[0], [1]]))
+    assert torch.equal(b.packed, torch.tensor([[2]]))
+    assert c == Exhausted(2, -1)
+    worker.send(ResetStream(2, None))
+    worker.send(Tasks(2, [Task(0, False, 4, None)], 0))
+    (again,) = worker.answer().results
+    worker.stop()
+    assert torch.equal(again.packed, torch.tensor([[0], [1], [2]]))
+
+
+class Noisy(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.rand(1)
+
+
+def test_reseed_and_epoch_reach_the_fetcher():
+    worker = _Worker(_spec(Noisy(), sample_seed=5))
+
+    def batch(epoch: int) -> torch.Tensor:
+        worker.send(Tasks(1, [Task(0, False, [0, 1], None)], epoch))
+        return worker.answer().results[0].packed
+
+    a, b = batch(0), batch(1)
+    worker.send(Reseed(1, 6))
+    c = batch(0)
+    worker.send(Reseed(1, 5))
+    d = batch(0)
+    worker.stop()
+    assert torch.equal(a, d)
+    assert not torch.equal(a, b) and not torch.equal(a, c)
+
+
+def _failing_init(worker_id: int) -> None:
+    raise RuntimeError(f"init {worker_id}")
+
+
+def test_a_failed_start_answers_start_failed():
+    worker = _Worker(_spec(Squares(), init_fn=_failing_init))
+    msg = worker.answer()
+    worker.thread.join(30)
+    assert isinstance(msg, StartFailed) and not worker.thread.is_alive()
+    assert msg.error.type_name == "RuntimeError" and "during start-up" in msg.error.where
