@@ -306,3 +306,17 @@ def test_module_size():
     sizes = {_rel(p): len(p.read_text().splitlines()) for p in PKG.rglob("*.py")}
     over = [f"{p}: {n} lines" for p, n in sorted(sizes.items()) if n > MAX_LINES]
     assert not over, f"modules over {MAX_LINES} lines (split them by role):\n" + "\n".join(over)
+
+
+def test_note_index():
+    """The map's index lists every NOTE defined in the package, with the file that holds it."""
+    readme = (PKG / "README.md").read_text()
+    rows = dict(re.findall(r"^\| ([^|]+?) \| `([^`]+)` \|", readme, flags=re.M))
+    defined = {name: _rel(where[0][0]).removeprefix("src/gpufeed/")
+               for name, where in _definitions(_note_files()).items()
+               if _rel(where[0][0]).startswith("src/gpufeed/")}
+    bad = [f"NOTE [ {n} ] ({f}) is not in the index" for n, f in defined.items() if n not in rows]
+    bad += [f"NOTE [ {n} ] is indexed in {rows[n]} but defined in {f}"
+            for n, f in defined.items() if n in rows and rows[n] != f]
+    bad += [f"NOTE [ {n} ] is indexed but defined nowhere" for n in rows if n not in defined]
+    assert not bad, "src/gpufeed/README.md's NOTE index is out of date:\n" + "\n".join(bad)

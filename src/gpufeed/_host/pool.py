@@ -18,10 +18,11 @@ Thread workers get a stop message; threads are daemons, so one stuck in user cod
 keep the interpreter alive.
 
 Dropping the last reference closes at once, without waiting for the cyclic garbage collector:
-the iterator holds its loader weakly (``BaseIter._loader_ref``), so a persistent loader and
-its iterator form no cycle, and nothing else the iterator owns (pool, ring, sender thread)
-refers back to it. Keep it so: a cycle through the iterator keeps its workers alive until a
-collection runs.
+an iterator knows its loader only through an ``IterConfig`` (``_host/config.py``), which holds
+no reference to the loader, so a persistent loader and its iterator form no cycle; torch's
+per-epoch ``_reset(loader)`` only asks the loader for a fresh config. Nothing else the iterator
+owns (pool, ring, sender thread) refers back to it. Keep it so: a cycle through the iterator
+keeps its workers alive until a collection runs.
 
 A pool that fails while starting (a worker's arguments cannot be pickled for spawn, fork
 fails) stops the workers it already started and closes every pipe before the error leaves

@@ -5,9 +5,9 @@ Before each ``__getitem__(index)`` the loader seeds torch's CPU generator, numpy
 of a sample therefore depend only on those three numbers: the same for 0, 1, 2 or 4 workers,
 thread or process workers, and after a resume.
 
-Cost, measured with ``tests/dist_seeding_cost.py`` (median of 5 runs, 10,000 samples in batches
-of 64) on the 2-core development VM (Python 3.11, torch 2.13, numpy 2.4), other jobs running:
-10-15 us per sample (the hash and three re-seeds) plus 0.1-0.2 ms per batch (saving and
+Cost, measured with ``python -m gpufeed.benchmarks.seeding`` (median of 5 runs, 10,000 samples
+in batches of 64) on the 2-core development VM (Python 3.11, torch 2.13, numpy 2.4), other jobs
+running: 10-15 us per sample (the hash and three re-seeds) plus 0.1-0.2 ms per batch (saving and
 restoring the three global states; numpy's dominates), 13-17 us per sample in all. A
 ``__getitem__`` that decodes an image costs milliseconds, so this is noise there; for tiny
 samples read one by one it can be a visible share. Opt out with the loader's

@@ -2,10 +2,10 @@
 
 NOTE [ Batch sources ]: a map-style dataset may read a batch faster than sample by sample
 (one decode loop writing into the slot, one ``take`` of Arrow rows, one sorted HDF5 read).
-:func:`batch_source` finds the object that does it for a dataset: the dataset itself when it
-has the two methods below (``ImageFolder``, ``HDF5Dataset``), a wrapper for a Hugging Face
-``datasets.Dataset`` or a ``pyarrow.Table`` (``_sources/arrow.py``), else None (the usual paths of
-``_host/fetch.py``). The fetcher then calls, once per batch:
+``batch_source`` in ``_host/fetch.py`` finds the object that does it for a dataset: the dataset
+itself when it has the two methods below (``ImageFolder``, ``HDF5Dataset``), a wrapper for a
+Hugging Face ``datasets.Dataset`` or a ``pyarrow.Table`` (``_sources/arrow.py``), else None (the
+fetcher's usual paths). The fetcher then calls, once per batch:
 
 - ``gpufeed_batch(indices, *, seed, epoch, alloc)`` with the default collate function: the
   batch as ``default_collate`` would make it from the samples, its tensors taken from
