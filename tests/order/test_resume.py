@@ -676,3 +676,15 @@ def test_stock_shuffle_without_seed_resumes_in_a_later_epoch_of_persistent_worke
     assert state["epoch"] == 1 and rest == rest_of_run
     assert sorted(head + [i for b in rest for i in b]) == list(range(10))
     del it
+
+
+def test_a_state_that_cannot_be_resumed_changes_nothing():
+    data = torch.arange(10)
+    saved = gpufeed.DataLoader(data, batch_size=2, shuffle=True, seed=2).state_dict()
+    forged = {**saved, "batches_delivered": 9}  # more batches than the epoch has
+    loader = gpufeed.DataLoader(data, batch_size=2, shuffle=True, seed=1)
+    with pytest.raises(ValueError, match="this loader's epoch has only 5"):
+        loader.load_state_dict(forged)
+    assert loader.seed == 1 and loader.sampler.seed == 1
+    fresh = gpufeed.DataLoader(data, batch_size=2, shuffle=True, seed=1)
+    assert [b.tolist() for b in loader] == [b.tolist() for b in fresh]

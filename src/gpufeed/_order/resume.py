@@ -280,12 +280,19 @@ class LoaderPosition:
         )
         sampler = inner_sampler(loader._index_sampler)
         seed = checked["seed"]
-        if seed is not None and is_ours(sampler):
-            sampler.seed = seed
-        point = prepare_resume(
-            checked, index_sampler=loader._index_sampler,
-            num_batches=None if iterable else _len(loader._index_sampler), iterable=iterable,
-        )
+        ours = seed is not None and is_ours(sampler)
+        old_seed = sampler.seed if ours else None
+        if ours:
+            sampler.seed = seed  # replaying the epoch's order needs it
+        try:
+            point = prepare_resume(
+                checked, index_sampler=loader._index_sampler,
+                num_batches=None if iterable else _len(loader._index_sampler), iterable=iterable,
+            )
+        except BaseException:
+            if ours:  # a state that cannot be resumed changes nothing
+                sampler.seed = old_seed
+            raise
         self.pending, self.epoch, self.tracker = point, point.epoch, None
         self.sampler_state = checked["sampler_state"]
         if isinstance(self.sampler_state, dict) and EPOCH_SEED in self.sampler_state and (
