@@ -11,9 +11,8 @@ to a busy worker, wakes with an error at once. Only once that thread has exited 
 connections closed (closing a descriptor under a thread still writing to it would make it
 write to whatever file reuses the number). Workers still alive after ``GRACE_S`` get
 SIGTERM, then SIGKILL. Each worker also exits when its parent process changes (the main
-process died). The ring's shared memory is an anonymous memory file (``_ring.Region``), so
-nothing is left in /dev/shm even after SIGKILL; the mapping goes with the last tensor
-viewing it.
+process died). The ring's memory is an anonymous memory file (``Region``, _memory/region.py):
+nothing is left in /dev/shm even after SIGKILL; the mapping goes with the last tensor viewing it.
 Thread workers get a stop message; threads are daemons, so one stuck in user code cannot
 keep the interpreter alive.
 
@@ -29,7 +28,7 @@ fails) stops the workers it already started and closes every pipe before the err
 ``__init__``.
 
 A process that exits while the iterator is running is reported by its sentinel (see
-``poll``), with its exit code or signal; that is never a hang.
+``poll``), with its exit code or signal, also when a send found its pipe broken; never a hang.
 """
 
 from __future__ import annotations
@@ -190,7 +189,10 @@ class ProcessPool:
     def send(self, w: int, msg: ToWorker) -> None:
         payload = ForkingPickler.dumps(msg)
         if len(payload) <= INLINE_BYTES and (self._sender is None or not self._sender.busy(w)):
-            self.conns[w].send_bytes(payload)
+            try:
+                self.conns[w].send_bytes(payload)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the worker died: poll() reports it, with its signal or exit code
         else:  # a large task could fill the pipe while the worker is busy answering
             if self._sender is None:
                 self._sender = _Sender(self.conns)
