@@ -9,8 +9,10 @@ and the index of the design NOTEs.
 from torch.utils.data import get_worker_info
 
 from ._base.errors import WorkerError
-from ._base.stats import LoaderStats, StageStats
-from ._device.stage import DeviceIterator, DeviceStats, PageableCopyWarning, to_device
+from ._base.stats import DeviceStats, LoaderStats, StageStats
+from ._device.pageable import PageableCopyWarning
+from ._device.prefetch import DeviceIterator
+from ._device.stage import to_device
 from ._device.transforms import Normalize
 from ._loader import DataLoader
 from ._memory.release import PinningFallbackWarning

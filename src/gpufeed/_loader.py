@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from ._base.stats import LoaderStats, StatsRecorder
-from ._device.stage import parse_device, to_device
+from ._device.stage import to_device
+from ._device.streams import parse_device
 from ._host.config import IterConfig
 from ._host.iterator import BaseIter, SingleIter
 from ._host.worker_iter import WorkerIter

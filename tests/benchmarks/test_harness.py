@@ -15,12 +15,8 @@ import psutil
 import pytest
 import torch
 
-from gpufeed._tools.measure import (
-    batch_samples_and_bytes,
-    measure_loader,
-    process_tree_memory,
-    process_tree_pss,
-)
+from gpufeed._tools.measure import batch_samples_and_bytes, measure_loader
+from gpufeed._tools.probe import process_tree_memory, process_tree_pss
 from gpufeed.benchmarks import Settings, Workload, build
 from gpufeed.benchmarks.__main__ import main, render_markdown
 from gpufeed.benchmarks.ceiling import measure_no_loader

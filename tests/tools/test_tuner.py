@@ -10,6 +10,7 @@ import torch
 
 from gpufeed._tools import measure as _measure
 from gpufeed._tools import tuner as _tuner
+from gpufeed._tools.probe import process_tree_pss
 from gpufeed._tools.tuner import Budget, Trial, parse_bytes, tune
 
 
@@ -94,7 +95,7 @@ def test_memory_budget_cuts_off_workers():
     # Throughput grows with workers, but each worker costs 96 MiB and the budget fits two.
     per_worker = 96 << 20
     ds = SleepyDataset(sample_s=0.002, worker_bytes=per_worker)
-    budget = _measure.process_tree_pss() + int(2.6 * per_worker)
+    budget = process_tree_pss() + int(2.6 * per_worker)
     result = tune(ds, batch_size=4, worker_types=("thread",), num_workers=[1, 2, 4],
                   prefetch_factors=(2,), trial_seconds=0.3, loader_factory=fake_factory,
                   budget=budget, runs=3)

@@ -21,20 +21,8 @@ from typing import Any
 
 import torch
 
-from .._base.stats import DeviceStats
-from .pageable import PageableCopyWarning
 from .prefetch import DeviceIterator
-from .streams import CudaBackend, SyncBackend, parse_device
-
-__all__ = [
-    "CudaBackend",
-    "DeviceIterator",
-    "DeviceStats",
-    "PageableCopyWarning",
-    "SyncBackend",
-    "parse_device",
-    "to_device",
-]
+from .streams import SyncBackend
 
 
 def to_device(

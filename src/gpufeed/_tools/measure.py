@@ -65,18 +65,15 @@ import numpy as np
 import torch
 
 from .._memory.pinning import registered_bytes
-from .probe import TreeMemory, process_tree_memory, process_tree_pss, shm_usage
+from .probe import TreeMemory, process_tree_memory, shm_usage
 
 __all__ = [
     "Measurement",
     "PeakSampler",
-    "TreeMemory",
     "batch_samples_and_bytes",
     "measure_loader",
     "one_intra_op_thread",
     "pinned_bytes",
-    "process_tree_memory",
-    "process_tree_pss",
 ]
 
 
