@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import subprocess
@@ -88,14 +89,17 @@ def test_sampler_catches_a_short_peak() -> None:
     def spike() -> Iterator[torch.Tensor]:
         for k in range(6):
             if k == 3:
-                block = np.ones(128 * MiB, dtype=np.uint8)  # touched: resident
+                block = np.ones(192 * MiB, dtype=np.uint8)  # touched: resident
                 time.sleep(0.6)  # a slow sample (big process) stretches the interval
                 del block
             yield torch.zeros(2)
 
+    # Earlier tests' garbage freed during the measurement lowers the peak against the baseline
+    # (seen once in CI: 84 of 128 MiB): collect it first, and leave room for what remains.
+    gc.collect()
     m = measure_loader(spike, warmup_batches=1)
     assert m.memory_samples >= 4
-    assert m.pss_growth_bytes >= 100 * MiB
+    assert m.pss_growth_bytes >= 128 * MiB, m
 
 
 class _Growing:
