@@ -78,6 +78,26 @@ def test_reduced_dct_scale_is_close_to_full_decode(tmp_path):
     assert (scaled - full).abs().float().mean() < 4
 
 
+def test_resized_crop_is_pillows_resize_of_the_cut_region(tmp_path):
+    """The region is cut, then resized (bilinear, antialiased); the result
+    is Pillow's bilinear resize of the same cut to within rounding, shrinking and enlarging
+    (see NOTE [ Resampling ])."""
+    from gpufeed._sources.images import _crop_resize
+
+    img = _photo(375, 500, 3)
+    for top, left, h, w in ((10, 20, 350, 400), (100, 50, 120, 150), (0, 0, 375, 500)):
+        got = _crop_resize(img, top, left, h, w, (224, 200), 0.0)
+        cut = Image.fromarray(np.ascontiguousarray(img[top:top + h, left:left + w]))
+        want = np.asarray(cut.resize((200, 224), Image.Resampling.BILINEAR))
+        diff = np.abs(got.astype(int) - want.astype(int))
+        assert got.shape == (224, 200, 3) and diff.mean() < 0.5 and diff.max() <= 3, (
+            (top, left, h, w), diff.mean(), diff.max())
+        flipped = _crop_resize(img, top, left, h, w, (224, 200), 1.0)
+        np.testing.assert_array_equal(flipped, got[:, ::-1])
+    window = _crop_resize(img, 7, 9, 224, 200, (224, 200), 0.0)  # exact size: a plain window
+    np.testing.assert_array_equal(window, img[7:231, 9:209])
+
+
 def test_random_resized_parameters_respect_scale_and_ratio():
     rng = np.random.default_rng(0)
     for _ in range(300):

@@ -211,7 +211,7 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
     def _pillow(self, data: bytes, rng: np.random.Generator) -> np.ndarray:
         Image = _codecs()[1]
         with Image.open(io.BytesIO(data)) as im:
-            img = np.asarray(im.convert("RGB"))
+            img = np.array(im.convert("RGB"))  # writable: the resize reads it through torch
         top, left, ch, cw, flip = self._region(img.shape[0], img.shape[1], rng)
         return _crop_resize(img, top, left, ch, cw, self.size, flip)
 
@@ -254,16 +254,25 @@ def _crop_resize(
     img: np.ndarray, top: float, left: float, h: float, w: float, size: tuple[int, int],
     flip: float,
 ) -> np.ndarray:
-    """The region resized to ``size`` (bilinear with antialiasing, Pillow), maybe flipped."""
+    """The region, on whole pixels, resized to ``size`` (bilinear with antialiasing), maybe
+    flipped; HWC.
+
+    NOTE [ Resampling ]: the region is cut first and then resized, as torchvision's
+    ``resized_crop`` does, by torch's ``interpolate(mode="bilinear", antialias=True)``: on uint8
+    channels-last input it runs a dedicated integer kernel, 3-4x faster here than Pillow's
+    ``resize(box=...)`` on the same region (0.26 against 1.04 ms for 400x350 -> 224x224), which
+    was the largest cost of a random-resized crop after the decode. It agrees with Pillow's
+    bilinear resize of the cut region to within a level or so (tested); Pillow's ``box=`` would
+    also read pixels just outside the region. torch's intra-op threads are not used: one
+    image is far below its parallel grain, and a worker is one core.
+    """
     oh, ow = size
     t, lft = round(top), round(left)
-    if (round(h), round(w)) == (oh, ow) and abs(t - top) < 1e-6 and abs(lft - left) < 1e-6:
-        out = img[t:t + oh, lft:lft + ow]  # an exact window: no resampling
-    else:
-        Image = _codecs()[1]
-        box = (left, top, min(left + w, img.shape[1]), min(top + h, img.shape[0]))
-        img = np.ascontiguousarray(img)
-        src = Image.frombuffer("RGB", (img.shape[1], img.shape[0]), img, "raw", "RGB", 0, 1)
-        out = np.asarray(src.resize((ow, oh), Image.Resampling.BILINEAR, box=box,
-                                    reducing_gap=None))  # frombuffer: no copy of the image
+    ih, iw = min(round(h), img.shape[0] - t), min(round(w), img.shape[1] - lft)
+    out = img[t:t + ih, lft:lft + iw]
+    if (ih, iw) != (oh, ow):
+        chw = torch.from_numpy(out).permute(2, 0, 1).unsqueeze(0)  # channels-last strides
+        resized = torch.nn.functional.interpolate(chw, size=(oh, ow), mode="bilinear",
+                                                  antialias=True, align_corners=False)
+        out = resized[0].permute(1, 2, 0).numpy()  # HWC view: the kernel wrote channels-last
     return out[:, ::-1] if flip else out
