@@ -12,19 +12,25 @@ def test_spread_median_range_and_overlap():
     c = Spread((111.0, 120.0))
     assert a.overlaps(b) and b.overlaps(a) and a.verdict(b) == "same within noise"
     assert not a.overlaps(c) and c.verdict(a) == "faster" and a.verdict(c) == "slower"
-    mid, lo, hi = c.ratio(a)  # rounds side by side: 111/100 and 120/90
-    assert mid == pytest.approx((111 / 100 + 120 / 90) / 2) and lo == pytest.approx(111 / 110)
+    mid, lo, hi = c.ratio(a)  # faster halves: (120,) over (100, 105, 110)
+    assert mid == pytest.approx(120 / 105) and lo == pytest.approx(111 / 110)
     assert hi == pytest.approx(120 / 90)
     assert a.to_dict()["runs"] == list(a.runs)
 
 
-def test_a_ratio_pairs_runs_of_the_same_round():
-    """Slow patches that slow both sides of a round leave that round's ratio alone; a ratio of
-    medians taken from different rounds would mix them."""
-    stock = Spread((100.0, 100.0, 50.0, 50.0, 100.0))
-    gpufeed = Spread((220.0, 200.0, 100.0, 90.0, 180.0))  # 2.2, 2.0, 2.0, 1.8, 1.8
+def test_a_ratio_is_taken_between_the_faster_halves():
+    """Interference only slows runs down: runs slowed on one side, even in most rounds, leave
+    the ratio of the undisturbed runs (2x here). The median of per-round ratios gave 3.3x."""
+    stock = Spread((60.0, 60.0, 60.0, 100.0, 100.0))  # slowed in three rounds of five
+    gpufeed = Spread((200.0, 200.0, 200.0, 200.0, 200.0))
     assert gpufeed.ratio(stock)[0] == pytest.approx(2.0)
-    assert gpufeed.median / stock.median == pytest.approx(1.8)
+    assert stock.ratio(gpufeed)[0] == pytest.approx(0.5)
+    assert gpufeed.median / stock.median == pytest.approx(200 / 60)
+    # and a slow patch that hits both sides of some rounds leaves it alone too
+    stock = Spread((100.0, 100.0, 50.0, 50.0, 100.0))
+    gpufeed = Spread((220.0, 200.0, 100.0, 90.0, 180.0))
+    assert gpufeed.ratio(stock)[0] == pytest.approx(2.0)
+    assert Spread((5.0, 1.0, 3.0)).fastest_half() == (3.0, 5.0)
 
 
 @pytest.mark.parametrize(("runs", "done"), [

@@ -11,9 +11,15 @@ NOTE [ Repeated measurement ]:
 2. A configuration is reported as the **median** of its runs and its **spread**, the range
    from the slowest to the fastest run.
 3. Two configurations are called different only when their spreads do not overlap; otherwise
-   they are "the same within noise". A ratio of two configurations is the median of the
-   ratios of their runs taken side by side (round ``i`` of each: a slow patch of the machine
-   cancels out), and carries its own range (slowest over fastest, fastest over slowest).
+   they are "the same within noise". A ratio of two configurations is taken between their
+   *faster halves*: the median of every ratio of one of ``a``'s faster half of runs to one of
+   ``b``'s. Interference on a shared machine only ever slows a run down, so the faster runs are
+   the least disturbed ones, and half of them (not the single fastest) keeps one lucky run from
+   deciding. On the same four back-to-back ``gpufeed bench --runs 7`` invocations on this 2-core
+   VM, the largest change of a ratio between consecutive invocations was 24%, 23% and 14% with
+   the median of per-round paired ratios, and 15%, 12% and 7% with the faster halves
+   (``benchmarks/results/bench-repeat.md``). The ratio carries its own range (slowest over
+   fastest, fastest over slowest).
 4. While measuring, :class:`LoadMonitor` reads the CPU time the whole machine used
    (``/proc/stat``) and subtracts what this process tree used: the rest is *other processes*.
    Steal time (a hypervisor running other guests on our CPUs) is read from the same line.
@@ -70,21 +76,22 @@ class Spread:
         """True when the two ranges share a value: not distinguishable from noise."""
         return self.lo <= other.hi and other.lo <= self.hi
 
+    def fastest_half(self) -> tuple[float, ...]:
+        """The faster half of the runs (the faster ``ceil(n / 2)``), the least disturbed."""
+        return tuple(sorted(self.runs)[len(self.runs) // 2:])
+
     def ratio(self, other: Spread) -> tuple[float, float, float]:
-        """``self / other`` as (paired median ratio, lowest, highest) (NOTE [ Repeated
+        """``self / other`` as (ratio of the faster halves, lowest, highest) (NOTE [ Repeated
         measurement ] rule (3)).
 
-        The middle figure is the median of the per-round ratios ``self.runs[i] /
-        other.runs[i]``: runs are interleaved, so run ``i`` of both ran side by side and a
-        slow patch of the machine slows both; their ratio cancels it, where a ratio of two
-        medians taken from different rounds does not. The range stays the conservative one
-        of the two spreads.
+        The middle figure is the median of ``x / y`` over every ``x`` of this spread's faster
+        half and every ``y`` of the other's; the range stays the conservative one of the two
+        spreads.
         """
         if other.median <= 0 or other.lo <= 0:
             return (0.0, 0.0, 0.0)
-        n = min(len(self.runs), len(other.runs))
-        paired = [self.runs[i] / other.runs[i] for i in range(n) if other.runs[i] > 0]
-        mid = float(statistics.median(paired)) if paired else self.median / other.median
+        mid = float(statistics.median(x / y for x in self.fastest_half()
+                                      for y in other.fastest_half()))
         return (mid, self.lo / other.hi, self.hi / other.lo)
 
     def verdict(self, other: Spread) -> str:
