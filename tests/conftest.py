@@ -3,7 +3,9 @@
 - ``worker_type``: a test that takes it runs once per entry of :data:`WORKER_TYPES`, ids
   ``[process]`` and ``[thread]`` (first, before the ids of the test's own parameters). A test
   that parametrizes ``worker_type`` itself, in a grid with other arguments, overrides the
-  fixture; such grids take their values from ``from conftest import WORKER_TYPES``.
+  fixture; a grid over every type takes its values from ``from conftest import
+  WORKER_TYPES``, and a grid that pairs each type with its own values (a timeout, an idiom,
+  ``num_workers=0``) lists the pairs itself.
 - ``small_dataset``: ``RichDataset(8)``, a fresh one per test.
 - ``no_leaks`` (``@pytest.mark.usefixtures("no_leaks")``): a resource snapshot (processes,
   /dev/shm, fds, gpufeed threads) before the test, :func:`support.leaks.assert_no_leaks` at

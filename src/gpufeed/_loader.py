@@ -206,7 +206,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         one, from the batch sampler and the stock arguments, and offers no hook to build
         another class. gpufeed's ring, thread workers, device stage, seed, stats and state
         would be gone silently, so this warns at ``prepare`` time with the pattern that keeps
-        gpufeed (tested in ``tests/test_frameworks.py``).
+        gpufeed (tested in ``tests/integration/test_frameworks.py``).
         """
         if not self._prepared:
             warnings.warn(

@@ -1,5 +1,5 @@
 """The pinned ring under user copies on a real GPU (skipped without CUDA): the same rules as
-tests/test_ring_release_sim.py, where each is checked on the simulated backend on CPU."""
+tests/memory/test_release_sim.py, where each is checked on the simulated backend on CPU."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under ``torchrun --nproc_per_node=2`` (gloo, CPU).
+"""Run by tests/integration/test_distributed.py under ``torchrun --nproc_per_node=2`` (gloo, CPU).
 
 Each rank records what it sees, epoch by epoch, and writes ``<out>/rank<R>.json``; the test
 checks the ranks against each other. Recorded per configuration:
@@ -9,7 +9,7 @@ checks the ranks against each other. Recorded per configuration:
   group is up (only when the loader has ``seed=``);
 - ``iterable``: an iterable dataset wrapped in ShardedIterable, two thread workers per rank.
 
-Usage: ``torchrun --nproc_per_node=2 tests/dist_sampling.py OUT_DIR``.
+Usage: ``torchrun --nproc_per_node=2 tests/support/dist_sampling.py OUT_DIR``.
 """
 
 from __future__ import annotations

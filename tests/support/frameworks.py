@@ -1,5 +1,5 @@
-"""Support for tests/test_frameworks.py and tests/support_lightning_ddp.py (not a test module):
-a tiny dataset and Lightning module that record the batches they train on."""
+"""Support for tests/integration/test_frameworks.py and tests/support/lightning_ddp.py (not a
+test module): a tiny dataset and Lightning module that record the batches they train on."""
 
 from __future__ import annotations
 

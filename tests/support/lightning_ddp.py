@@ -1,5 +1,5 @@
-"""Support script for tests/test_frameworks.py (not a test module): Lightning DDP on two CPU
-processes (gloo), launched by ``torchrun --nproc-per-node=2``.
+"""Support script for tests/integration/test_frameworks.py (not a test module): Lightning DDP
+on two CPU processes (gloo), launched by ``torchrun --nproc-per-node=2``.
 
 ``python support_lightning_ddp.py MODE OUT`` on each rank:
 
