@@ -23,5 +23,10 @@ def test_sources_benchmark_quick(tmp_path):
         for r in sides.values():
             assert r["median_samples_per_s"] > 0 and len(r["runs"]) == 1
             assert r["min_samples_per_s"] <= r["median_samples_per_s"] <= r["max_samples_per_s"]
+    jpeg = {r["side"]: r for r in doc["workloads"][0]["rows"]}
+    ceilings = [r for side, r in jpeg.items() if side.startswith("no-loader ceiling")]
+    assert len(ceilings) == 2 and all(r["ceiling"] and r["pass"] is None for r in ceilings)
+    assert not jpeg["stock"]["ceiling"]
     md = (out / "sources.md").read_text()
     assert "Quick mode" in md and "| hdf5 | gpufeed |" in md
+    assert "| jpeg-crop | no-loader ceiling: ImageFolder's work |" in md

@@ -15,8 +15,12 @@ Workloads (issue 13's targets; ``--quick`` shrinks every size for tests):
   Target: PSS growth over the epoch at most 5% of the PSS at start.
 
 Each (workload, side) runs ``--repeats`` times, gpufeed and stock alternating; the median rate
-and its spread (min-max) are reported, shuffled with one seed. Results: ``sources.json`` and
-``sources.md`` in ``--out``.
+and its spread (min-max) are reported, shuffled with one seed. The JPEG workloads also run two
+no-loader ceilings in the same rounds (NOTE [ No-loader ceiling ] in ``ceiling.py``): the
+``ImageFolder`` batches, and the Pillow ``Dataset``'s samples collated, each fetched by
+``--num-workers`` bare forked processes with no loader. No loader doing that work on these cores
+can go faster, so a ceiling's "vs stock" is the most any loader could reach there. Results:
+``sources.json`` and ``sources.md`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +44,27 @@ import numpy as np
 import psutil
 import torch
 from torch.utils.data import DataLoader as StockLoader
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 import gpufeed
-from gpufeed._tools.measure import measure_loader
+from gpufeed._tools.measure import measure_loader, one_intra_op_thread
+
+from .ceiling import measure_no_loader
 
 WORKLOADS = ("jpeg-crop", "jpeg-rrc", "hf-datasets", "hdf5", "python-list")
-Factory = Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """A side that is no loader: ``fetch`` over ``batches`` in ``processes`` bare forked
+    processes (NOTE [ No-loader ceiling ] in ``ceiling.py``)."""
+
+    fetch: Callable[[list[int]], Any]
+    batches: list[list[int]]
+    processes: int
+
+
+Factory = Callable[[], Any] | Ceiling
 
 
 # -- what users write today ------------------------------------------------------------------
@@ -167,7 +187,7 @@ def _build(name: str, quick: bool, cache: Path, nw: int) -> tuple[dict[str, Fact
                                      scale=(0.08, 1.0) if resized else None)
         files = [folder.path(i) for i in range(len(folder))]
         pil = PillowFolder(files, size, resized)
-        sides = {
+        sides: dict[str, Factory] = {
             "stock": lambda: StockLoader(pil, batch_size=bs(64), **kw),
             "gpufeed ImageFolder (process)": lambda: gpufeed.DataLoader(
                 folder, batch_size=bs(64), seed=0, **kw),
@@ -177,6 +197,12 @@ def _build(name: str, quick: bool, cache: Path, nw: int) -> tuple[dict[str, Fact
         if not resized:
             sides["gpufeed loader, Pillow Dataset"] = lambda: gpufeed.DataLoader(
                 pil, batch_size=bs(64), **kw)
+        order = np.random.default_rng(0).permutation(len(folder)).tolist()
+        batches = [order[k:k + bs(64)] for k in range(0, len(order), bs(64))]
+        sides["no-loader ceiling: ImageFolder's work"] = Ceiling(
+            partial(folder.gpufeed_batch, seed=0, epoch=0, alloc=None), batches, nw)
+        sides["no-loader ceiling: Pillow Dataset's work"] = Ceiling(
+            partial(_collated, pil), batches, nw)
         return sides, {"ratio": 2.0, "gpufeed loader, Pillow Dataset": 1.5}
     if name == "hf-datasets":
         import datasets
@@ -214,7 +240,16 @@ def _build(name: str, quick: bool, cache: Path, nw: int) -> tuple[dict[str, Fact
     raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
 
 
+def _collated(ds: Dataset[Any], indices: list[int]) -> Any:
+    return default_collate([ds[i] for i in indices])
+
+
 def _measure(factory: Factory, quick: bool, whole_epoch: bool) -> dict[str, Any]:
+    if isinstance(factory, Ceiling):
+        c = measure_no_loader(factory.fetch, factory.batches, processes=factory.processes,
+                              init=one_intra_op_thread)
+        return {"samples_per_s": c.samples_per_s, "first_batch_s": 0.0, "peak_pss_bytes": 0,
+                "start_pss_bytes": 0, "pss_growth_bytes": 0}
     m = measure_loader(factory, warmup_batches=1 if quick else 3,
                        max_seconds=None if whole_epoch or quick else 20.0)
     return {"samples_per_s": m.samples_per_s, "first_batch_s": m.first_batch_s,
@@ -247,7 +282,10 @@ def run_workload(name: str, *, repeats: int, quick: bool, cache: Path, nw: int,
     stock = next(r for r in rows if r["side"] == "stock")
     for r in rows:
         r["ratio"] = r["median_samples_per_s"] / max(stock["median_samples_per_s"], 1e-9)
-        if "pss_growth" in target:
+        r["ceiling"] = isinstance(sides[r["side"]], Ceiling)
+        if r["ceiling"]:
+            r["target"], r["pass"] = "", None
+        elif "pss_growth" in target:
             r["target"] = f"PSS growth <= {target['pss_growth']:.0%}"
             r["pass"] = None if r is stock else r["median_pss_growth"] <= target["pss_growth"]
         else:
@@ -286,11 +324,12 @@ def render_markdown(doc: dict[str, Any]) -> str:
             continue
         for r in w["rows"]:
             verdict = "" if r["pass"] is None else ("pass" if r["pass"] else "**miss**")
+            growth = "-" if r.get("ceiling") else f"{100 * r['median_pss_growth']:.1f}%"
             lines.append(
                 f"| {w['name']} | {r['side']} | {r['median_samples_per_s']:,.0f} | "
                 f"{r['min_samples_per_s']:,.0f}-{r['max_samples_per_s']:,.0f} | "
                 f"{r['ratio']:.2f}x | {r['target'] if r['pass'] is not None else ''} | "
-                f"{verdict} | {100 * r['median_pss_growth']:.1f}% |")
+                f"{verdict} | {growth} |")
     return "\n".join(lines) + "\n"
 
 
