@@ -263,9 +263,9 @@ def _crop_resize(
     ``resize(box=...)`` on the same region (0.26 against 1.04 ms for 400x350 -> 224x224), which
     was the largest cost of a random-resized crop after the decode. It agrees with Pillow's
     bilinear resize of the cut region to within a level or so (tested); Pillow's ``box=`` would
-    also read pixels just outside the region. One image gains nothing from torch's intra-op
-    threads (0.29 ms with two against 0.26 with one, measured here), so thread workers do not
-    oversubscribe the cores through it.
+    also read pixels just outside the region. For one image it runs in the calling thread
+    (with two intra-op threads its CPU time equalled its wall time, measured here), so thread
+    workers do not oversubscribe the cores through it.
     """
     oh, ow = size
     t, lft = round(top), round(left)
