@@ -30,3 +30,14 @@ def test_sources_benchmark_quick(tmp_path):
     md = (out / "sources.md").read_text()
     assert "Quick mode" in md and "| hdf5 | gpufeed |" in md
     assert "| jpeg-crop | no-loader ceiling: ImageFolder's work |" in md
+
+
+def test_no_ceilings_without_workers(tmp_path):
+    """A no-loader ceiling needs worker processes; with ``--num-workers 0`` the JPEG workloads
+    run their loaders only (the ceiling sides would refuse ``processes=0``)."""
+    pytest.importorskip("simplejpeg")
+    from gpufeed.benchmarks.sources import Ceiling, _build
+
+    for nw, ceilings in ((0, 0), (1, 2)):
+        sides, _ = _build("jpeg-crop", True, tmp_path, nw)
+        assert sum(isinstance(f, Ceiling) for f in sides.values()) == ceilings

@@ -98,6 +98,19 @@ def test_resized_crop_is_pillows_resize_of_the_cut_region(tmp_path):
     np.testing.assert_array_equal(window, img[7:231, 9:209])
 
 
+@pytest.mark.parametrize("kw", [dict(size=(32, 256), crop="center"),
+                                dict(size=(16, 256), crop="random", scale=None),
+                                dict(size=24, crop="center", center_fraction=0.25)])
+def test_a_very_thin_image_still_gives_an_image(tmp_path, kw):
+    """A region under half a pixel across (a 300x2 image cut to a wide output) is one pixel
+    wide, resized, never an empty cut."""
+    (tmp_path / "a").mkdir()
+    Image.fromarray(np.full((300, 2, 3), 128, np.uint8)).save(tmp_path / "a" / "thin.png")
+    img = gpufeed.ImageFolder(tmp_path, **kw)[0][0]
+    hw = kw["size"] if isinstance(kw["size"], tuple) else (kw["size"],) * 2
+    assert img.shape == (3, *hw) and int(img.min()) == int(img.max()) == 128
+
+
 def test_random_resized_parameters_respect_scale_and_ratio():
     rng = np.random.default_rng(0)
     for _ in range(300):

@@ -31,6 +31,7 @@ def test_a_ratio_is_taken_between_the_faster_halves():
     gpufeed = Spread((220.0, 200.0, 100.0, 90.0, 180.0))
     assert gpufeed.ratio(stock)[0] == pytest.approx(2.0)
     assert Spread((5.0, 1.0, 3.0)).fastest_half() == (3.0, 5.0)
+    assert Spread(()).ratio(stock) == (0.0, 0.0, 0.0)  # nothing measured: no ratio
 
 
 @pytest.mark.parametrize(("runs", "done"), [

@@ -259,7 +259,7 @@ def _crop_resize(
 
     NOTE [ Resampling ]: the region is cut first and then resized, as torchvision's
     ``resized_crop`` does, by torch's ``interpolate(mode="bilinear", antialias=True)``: on uint8
-    channels-last input it runs a dedicated integer kernel, 3-4x faster here than Pillow's
+    input it runs a dedicated integer kernel, 3-4x faster here than Pillow's
     ``resize(box=...)`` on the same region (0.26 against 1.04 ms for 400x350 -> 224x224), which
     was the largest cost of a random-resized crop after the decode. It agrees with Pillow's
     bilinear resize of the cut region to within a level or so (tested); Pillow's ``box=`` would
@@ -268,12 +268,17 @@ def _crop_resize(
     workers do not oversubscribe the cores through it.
     """
     oh, ow = size
-    t, lft = round(top), round(left)
-    ih, iw = min(round(h), img.shape[0] - t), min(round(w), img.shape[1] - lft)
+    t = min(round(top), img.shape[0] - 1)
+    lft = min(round(left), img.shape[1] - 1)
+    # at least one pixel: a very thin image can give a region under half a pixel across
+    ih = max(1, min(round(h), img.shape[0] - t))
+    iw = max(1, min(round(w), img.shape[1] - lft))
     out = img[t:t + ih, lft:lft + iw]
     if (ih, iw) != (oh, ow):
-        chw = torch.from_numpy(out).permute(2, 0, 1).unsqueeze(0)  # channels-last strides
+        chw = torch.from_numpy(out).permute(2, 0, 1).unsqueeze(0)  # a (1, 3, h, w) view
         resized = torch.nn.functional.interpolate(chw, size=(oh, ow), mode="bilinear",
                                                   antialias=True, align_corners=False)
-        out = resized[0].permute(1, 2, 0).numpy()  # HWC view: the kernel wrote channels-last
+        # an HWC view of the (contiguous CHW) result: the copy into the CHW slot is then
+        # plane by plane
+        out = resized[0].permute(1, 2, 0).numpy()
     return out[:, ::-1] if flip else out

@@ -4,8 +4,9 @@ One timed pass of a loader on a shared machine swings by tens of percent (other 
 cache, CPU frequency), so ``gpufeed bench`` and ``gpufeed tune`` never trust one pass:
 
 NOTE [ Repeated measurement ]:
-1. Every configuration runs ``runs`` times (5 by default); it may stop after ``MIN_RUNS`` (3)
-   when the spread of its runs is already below ``target_spread``. Runs of different
+1. Every configuration runs ``runs`` times (7 for ``bench``, 5 for ``tune`` by default); it
+   may stop after ``MIN_RUNS`` (3) when the spread of its runs is already below
+   ``target_spread``. Runs of different
    configurations are interleaved (round-robin), so a slow patch of the machine hits all of
    them, not one.
 2. A configuration is reported as the **median** of its runs and its **spread**, the range
@@ -88,7 +89,7 @@ class Spread:
         half and every ``y`` of the other's; the range stays the conservative one of the two
         spreads.
         """
-        if other.median <= 0 or other.lo <= 0:
+        if not self.runs or other.median <= 0 or other.lo <= 0:
             return (0.0, 0.0, 0.0)
         mid = float(statistics.median(x / y for x in self.fastest_half()
                                       for y in other.fastest_half()))

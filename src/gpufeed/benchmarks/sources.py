@@ -197,13 +197,16 @@ def _build(name: str, quick: bool, cache: Path, nw: int) -> tuple[dict[str, Fact
         if not resized:
             sides["gpufeed loader, Pillow Dataset"] = lambda: gpufeed.DataLoader(
                 pil, batch_size=bs(64), **kw)
+        goals = {"ratio": 2.0, "gpufeed loader, Pillow Dataset": 1.5}
+        if nw < 1:  # a ceiling is for workers: with none, the loaders run in this process
+            return sides, goals
         order = np.random.default_rng(0).permutation(len(folder)).tolist()
         batches = [order[k:k + bs(64)] for k in range(0, len(order), bs(64))]
         sides["no-loader ceiling: ImageFolder's work"] = Ceiling(
             partial(folder.gpufeed_batch, seed=0, epoch=0, alloc=None), batches, nw)
         sides["no-loader ceiling: Pillow Dataset's work"] = Ceiling(
             partial(_collated, pil), batches, nw)
-        return sides, {"ratio": 2.0, "gpufeed loader, Pillow Dataset": 1.5}
+        return sides, goals
     if name == "hf-datasets":
         import datasets
 
