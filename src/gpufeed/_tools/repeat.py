@@ -6,9 +6,8 @@ cache, CPU frequency), so ``gpufeed bench`` and ``gpufeed tune`` never trust one
 NOTE [ Repeated measurement ]:
 1. Every configuration runs ``runs`` times (7 for ``bench``, 5 for ``tune`` by default); it
    may stop after ``MIN_RUNS`` (3) when the spread of its runs is already below
-   ``target_spread``. Runs of different
-   configurations are interleaved (round-robin), so a slow patch of the machine hits all of
-   them, not one.
+   ``target_spread``. Runs of different configurations are interleaved (round-robin), so a
+   slow patch of the machine hits all of them, not one.
 2. A configuration is reported as the **median** of its runs and its **spread**, the range
    from the slowest to the fastest run.
 3. Two configurations are called different only when their spreads do not overlap; otherwise
