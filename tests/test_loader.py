@@ -723,12 +723,14 @@ class SlowCountingDataset(tud.Dataset):
 def test_restarting_a_persistent_iterator_drops_the_abandoned_work_ahead(worker_type):
     """Batches dispatched ahead for an epoch abandoned by ``iter(loader)`` are not fetched:
     workers drop them, so the new epoch does not wait for them."""
-    ds = SlowCountingDataset(40, seconds=0.01)
+    # 0.1 s a sample: a stall of the main thread around the restart (a GC pass, CPU steal)
+    # stays well inside one sample, so the count below does not depend on it
+    ds = SlowCountingDataset(40, seconds=0.1)
     loader = gpufeed.DataLoader(ds, batch_size=1, num_workers=2, prefetch_factor=8,
                                 persistent_workers=True, worker_type=worker_type)
     it = iter(loader)
     assert [int(next(it)), int(next(it))] == [0, 1]  # 16 more batches are dispatched now
-    time.sleep(0.03)  # workers are inside the abandoned epoch's tasks
+    time.sleep(0.15)  # workers are inside the abandoned epoch's tasks
     at_restart = ds.count.value
     assert [int(b) for b in iter(loader)] == list(range(40))
     after_restart = ds.count.value - 40 - at_restart
