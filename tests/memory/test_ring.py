@@ -116,6 +116,24 @@ def test_ring_grows_to_budget_then_falls_back(worker_type):
     assert info["fallbacks"] > 0, f"16 kept batches cannot all fit in {budget} bytes: {info}"
 
 
+def test_stats_count_slots_carved_while_the_epoch_runs(worker_type):
+    """``stats()`` reports ring_grow / ring_fallback as slots are carved, not at the epoch's
+    end: with a strict in-flight bound, most hand-outs stop because the window is full."""
+    loader = _loader(BlockDataset(256), worker_type, batch_size=4, prefetch_factor=2,
+                     ring_bytes=3 * 8192)
+    it = iter(loader)
+    try:
+        for _ in range(12):
+            next(it)
+        info = it.ring_info()
+        counters = loader.stats().counters
+        assert info["grows"] > 0 and info["fallbacks"] > 0, info
+        assert counters.get("ring_grow", 0) == info["grows"], (counters, info)
+        assert counters.get("ring_fallback", 0) == info["fallbacks"], (counters, info)
+    finally:
+        it.close()
+
+
 def test_default_budget_is_bounded_and_falls_back(worker_type):
     """Keeping 600 batches: the default budget stops growth, the rest falls back intact."""
     expected = list(tud.DataLoader(BlockDataset(2400, 16), batch_size=4))

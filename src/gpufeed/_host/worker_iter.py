@@ -191,7 +191,7 @@ class WorkerIter(BaseIter):
             first = self._send_idx < self._num_workers
             window = self._work_ahead.window(first, len(self._tasks) + len(self._ready))
             if not window:
-                return
+                break
             per_worker: dict[int, list[Task]] = {}
             for _ in range(window):
                 for _ in range(self._num_workers):
