@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from gpufeed._tools.measure import batch_samples_and_bytes, measure_loader
-from gpufeed._tools.probe import process_tree_memory, process_tree_pss
+from gpufeed._tools.probe import descendants, process_tree_memory, process_tree_pss
 from gpufeed.benchmarks import Settings, Workload, build
 from gpufeed.benchmarks.__main__ import main, render_markdown
 from gpufeed.benchmarks.ceiling import measure_no_loader
-from gpufeed.benchmarks.cpu import CEILING, _run_workload, summarize
+from gpufeed.benchmarks.cpu import CEILING, _run_workload, _wait_for_children, summarize
 from gpufeed.benchmarks.workloads import Variant
 
 MiB = 1 << 20
@@ -218,7 +218,7 @@ def test_ceiling_of_a_sleeping_dataset() -> None:
     assert c["median"]["samples"] == 96
     assert all(r["batches"] == 12 and len(r["process_seconds"]) == 2 for r in c["runs"])
     assert 0.5 * 500 < c["median"]["samples_per_s"] <= 500
-    assert not psutil.Process().children()
+    assert not descendants()
 
 
 def _fail_on_seven(indices: list[int]) -> torch.Tensor:
@@ -227,12 +227,24 @@ def _fail_on_seven(indices: list[int]) -> torch.Tensor:
     return torch.zeros(len(indices))
 
 
+def test_waiting_for_workers_ignores_multiprocessing_helpers() -> None:
+    """Once anything started multiprocessing's resource tracker (a spawn context, a
+    shared_memory segment), it is a child to the end; the wait before each benchmark run
+    counted it as a worker and sat out its timeout every time."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    tracker = resource_tracker._resource_tracker._pid
+    assert tracker in {p.pid for p in psutil.Process().children()}
+    assert descendants() == [] and _wait_for_children(timeout_s=2.0) == 0
+
+
 def test_no_loader_reports_a_failing_process() -> None:
     with pytest.raises(RuntimeError, match=r"(?s)no-loader process 1 failed:.*no sample 7"):
         measure_no_loader(_fail_on_seven, [[0, 1], [6, 7]], processes=2)
     with pytest.raises(ValueError, match="processes=0"):
         measure_no_loader(_fail_on_seven, [[0]], processes=0)
-    assert not psutil.Process().children()
+    assert not descendants()
 
 
 def test_workload_variants_give_the_same_batches(tmp_path: Path) -> None:
@@ -345,7 +357,7 @@ def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         for c in w["ceiling"]:
             assert f"| {w['name']} | {c['variant']} | {CEILING} | " in md
     assert "wrote" in capsys.readouterr().out
-    assert not psutil.Process().children()  # every worker is gone
+    assert not descendants()  # every worker is gone
 
 
 def test_gpu_subcommand_is_handed_its_arguments(

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 import psutil
 
+from gpufeed._tools.probe import helper_pids
+
 # -- resources -------------------------------------------------------------------------------
 
 
@@ -34,12 +36,12 @@ def _fd_targets() -> dict[int, str]:
 
 
 def _multiprocessing_helpers() -> tuple[set[int], set[int]]:
-    """(pids, fds) of multiprocessing's own resource tracker: started once, on first use."""
+    """(pids, fds) of multiprocessing's own helpers: its resource tracker (started once, on
+    first use, with a pipe kept open) and a forkserver."""
     from multiprocessing import resource_tracker
 
-    tracker = resource_tracker._resource_tracker
-    pid, fd = getattr(tracker, "_pid", None), getattr(tracker, "_fd", None)
-    return ({pid} if pid else set()), ({fd} if fd is not None else set())
+    fd = getattr(resource_tracker._resource_tracker, "_fd", None)
+    return helper_pids(), ({fd} if fd is not None else set())
 
 
 def snapshot() -> Resources:

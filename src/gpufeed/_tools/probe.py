@@ -14,10 +14,33 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["GpuInfo", "Probe", "TreeMemory", "cpulist", "process_tree_memory", "process_tree_pss",
-           "query_gpus", "shm_usage"]
+__all__ = ["GpuInfo", "Probe", "TreeMemory", "cpulist", "descendants", "helper_pids",
+           "process_tree_memory", "process_tree_pss", "query_gpus", "shm_usage"]
 
 _GONE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied, FileNotFoundError)
+
+
+def helper_pids() -> set[int]:
+    """Pids of this process's multiprocessing helpers: its resource tracker (started on first
+    use by a spawn or forkserver context or a ``shared_memory`` segment, and kept to the end)
+    and a forkserver. Neither is a worker; neither exits on its own."""
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {getattr(resource_tracker._resource_tracker, "_pid", None),
+            getattr(forkserver._forkserver, "_forkserver_pid", None)}
+    return {p for p in pids if p}
+
+
+def descendants(root: psutil.Process | None = None) -> list[psutil.Process]:
+    """Live descendants of ``root`` (default: this process), less :func:`helper_pids`: the
+    processes a loader or a benchmark started. Empty when ``root`` is gone."""
+    root = root or psutil.Process()
+    try:
+        kids = root.children(recursive=True)
+    except _GONE:
+        return []
+    helpers = helper_pids()
+    return [p for p in kids if p.pid not in helpers]
 
 
 def shm_usage() -> tuple[int, int] | None:
@@ -220,17 +243,15 @@ def _psutil_pss(proc: psutil.Process) -> int:
 
 
 def process_tree_memory(pid: int | None = None) -> TreeMemory:
-    """PSS of process ``pid`` (default: this one) plus all its descendants, whole and by kind.
+    """PSS of process ``pid`` (default: this one) plus its :func:`descendants`, whole and by
+    kind.
 
     Reads ``/proc/<pid>/smaps_rollup``, or psutil's ``memory_full_info().pss`` where that file
     is missing (no split then). Processes that exit while being read are skipped. Raises
     ``RuntimeError`` where the platform has no PSS (psutil exposes it on Linux only).
     """
     root = psutil.Process(pid)
-    try:
-        tree = [root, *root.children(recursive=True)]
-    except _GONE:
-        tree = [root]
+    tree = [root, *descendants(root)]
     total = {"pss": 0, "anon": 0, "file": 0, "shmem": 0}
     for proc in tree:
         fields = _rollup(proc.pid)

@@ -38,6 +38,8 @@ from typing import Any
 
 import psutil
 
+from .probe import descendants
+
 __all__ = ["MIN_RUNS", "LoadMonitor", "MachineLoad", "Spread", "spreads_text"]
 
 MIN_RUNS = 3
@@ -167,15 +169,12 @@ def _proc_stat() -> tuple[float, float, float] | None:
 
 
 def _tree_cpu_s() -> float:
-    """CPU seconds of this process, its reaped children and its live descendants."""
+    """CPU seconds of this process, its reaped children and its live descendants (less
+    multiprocessing's helpers, which run besides the measurement)."""
     me = psutil.Process()
     t = me.cpu_times()
     total = t.user + t.system + t.children_user + t.children_system
-    try:
-        kids = me.children(recursive=True)
-    except psutil.Error:
-        kids = []
-    for kid in kids:
+    for kid in descendants(me):
         try:
             k = kid.cpu_times()
         except psutil.Error:

@@ -45,11 +45,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, default_collate
 
 from .._tools.measure import measure_loader, one_intra_op_thread
+from .._tools.probe import descendants
 from .ceiling import measure_no_loader
 from .environment import environment
 from .summary import PSS_TOLERANCE, TARGETS, summarize
@@ -246,7 +246,7 @@ def _ceiling(variant: Variant, work: Workload, s: Settings) -> dict[str, Any]:
 def _wait_for_children(timeout_s: float = 10.0) -> int:
     """Wait until the loaders' worker processes are gone; return how many are left."""
     deadline = time.monotonic() + timeout_s
-    while (left := psutil.Process().children()) and time.monotonic() < deadline:
+    while (left := descendants()) and time.monotonic() < deadline:
         time.sleep(0.05)
     return len(left)
 

@@ -39,6 +39,7 @@ import psutil
 import torch
 from torch.utils.data import default_collate
 
+from .._tools.probe import descendants
 from .workloads import FULL_SIZES, build
 
 __all__ = ["compare", "main", "profile_loaders", "profile_worker"]
@@ -134,7 +135,7 @@ def _loader_totals(make: Callable[[list[int]], Any], batches: int, n: int,
     loader = make([i % n for i in range(batches * BATCH)])
     main0 = _counters(me)
     it = iter(loader)
-    kids = me.children(recursive=True)
+    kids = descendants(me)
     kids0 = {k.pid: _counters(k) for k in kids}
     if prof is not None:
         prof.enable()
