@@ -5,15 +5,23 @@
 
 from __future__ import annotations
 
+import collections
 import gc
+import sys
+import time
+import weakref
 
+import numpy as np
 import psutil
 import pytest
 import torch
 import torch.utils.data as tud
 
 import gpufeed
+from gpufeed._base import cuda as _cuda
+from gpufeed._base.cuda import Fences
 from gpufeed._memory.region import PAGE, Region, default_reserve, reserve_for
+from gpufeed._memory.release import Releaser
 from gpufeed._memory.ring import SlotRing
 from support.compare import assert_same, assert_same_batches, list_or_stop
 from support.fakes import (
@@ -328,3 +336,51 @@ def test_platforms_without_memfd_share_an_unlinked_file(monkeypatch, context):
     gc.collect()
     assert info["grows"] > 0, f"the ring was never used: {info}"
     assert_same_batches(expected, got)
+
+
+def test_dropping_an_unpinned_batch_runs_no_python_code():
+    """See NOTE [ Ctrl-C and slot releases ]: a Ctrl-C raised inside Python code run by a release
+    would be dropped, so an unpinned slot comes back through a C callback only."""
+    ring = SlotRing(reserve=1 << 20, budget=None, shared=False, pin=False, slots_hint=4)
+    try:
+        ring.learn(100)
+        sid, _, _ = ring.acquire()
+        base = ring.lease(sid, 100)
+        assert ring.in_use == 1
+        entered: list[str] = []
+
+        def profile(frame, event, arg):
+            if event == "call":
+                entered.append(frame.f_code.co_qualname)
+
+        gc.disable()
+        sys.setprofile(profile)
+        try:
+            del base
+        finally:
+            sys.setprofile(None)
+            gc.enable()
+        assert entered == []
+        assert ring.in_use == 0 and ring.acquire()[0] == sid  # and the slot is free again
+    finally:
+        ring.close()
+
+
+def test_a_ctrl_c_inside_a_pinned_release_still_stops_the_loop(monkeypatch):
+    """A KeyboardInterrupt raised inside a pinned slot's release (Python code, run by a
+    finalizer) reaches the loop instead of being printed and dropped; the slot is parked
+    for a later fence, never freed twice."""
+    released, parked, fences = collections.deque(), collections.deque(), Fences()
+    releaser = Releaser(released, fences, parked, {3: object()}, None)
+
+    def ctrl_c_here():  # the point where a Ctrl-C's handler raised
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_cuda, "in_copies_complete", ctrl_c_here)
+    base = np.zeros(8)
+    weakref.finalize(base, releaser, 3).atexit = False
+    with pytest.raises(KeyboardInterrupt):
+        del base
+        for _ in range(500):  # sent again within milliseconds; never waited out
+            time.sleep(0.01)
+    assert list(parked) == [3] and not released and len(fences) == 0

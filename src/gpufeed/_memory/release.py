@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import signal
+import threading
 import warnings
 from typing import Any
 
 from .._base import cuda as _cuda
 
-__all__ = ["PinningFallbackWarning", "Releaser", "warn_unpinned"]
+__all__ = ["PinningFallbackWarning", "Releaser", "interrupt_main_later", "warn_unpinned"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,15 @@ class Releaser:
         self.pins, self.device = pins, device
 
     def __call__(self, sid: int) -> None:
+        try:
+            self.release(sid)
+        except KeyboardInterrupt:  # see NOTE [ Ctrl-C and slot releases ] in _memory/ring.py
+            if sid not in self.released and sid not in self.parked and sid not in self.fences:
+                self.parked.append(sid)
+            interrupt_main_later()
+
+    def release(self, sid: int) -> None:
+        """The slot to the free list, or behind a fence on the current stream (see above)."""
         if (
             sid not in self.pins
             or _cuda.in_copies_complete()
@@ -82,3 +93,15 @@ class Releaser:
             return
         while self.parked:
             self.fences.add(event, self.parked.popleft())
+
+
+def interrupt_main_later(delay_s: float = 0.02) -> None:
+    """Send SIGINT to the main thread after ``delay_s``, from a daemon thread: a Ctrl-C caught
+    where Python would drop it (a finalizer) is raised again once that code has returned."""
+    main = threading.main_thread().ident
+    if main is None:
+        return
+    timer = threading.Timer(delay_s, signal.pthread_kill, (main, signal.SIGINT))
+    timer.daemon = True
+    timer.name = "gpufeed-reinterrupt"
+    timer.start()

@@ -45,6 +45,23 @@ caching host allocator this way, but records nothing for registered memory:
     (rare: batches grew) and collection; each waits for the current stream once, so an
     epoch ends after the GPU has finished the steps queued so far. Code: ``_memory/release.py``.
 
+NOTE [ Ctrl-C and slot releases ]
+---------------------------------
+Python runs a signal's handler in the main thread between two bytecodes of whatever Python
+code runs there, finalizers included, and an exception raised inside a finalizer is printed
+("Exception ignored in ...") and dropped. A Ctrl-C whose KeyboardInterrupt landed in a batch's
+release would be lost and the loop would go on. So:
+
+- an unpinned slot (every slot without CUDA) is released by no Python code at all: its batch's
+  base array carries a plain weak reference whose callback is the C method ``deque.append``
+  (the ref lands in the ring's ``_dropped``; ``acquire`` maps it back to its slot). A signal
+  that arrives meanwhile stays pending and is raised in the user's loop.
+- a pinned slot must record its release event on the releasing thread's current stream then
+  and there, which takes Python (``Releaser``). A KeyboardInterrupt raised inside it parks the
+  slot (fenced by the next ``acquire``, (c) above, unless it already went to a list) and sends
+  SIGINT to the main thread again from a short-lived thread 20 ms later, when the release is
+  over. Left open: the few bytecodes of ``weakref.finalize``'s own call before ``Releaser`` runs.
+
 Registration failure (locked-memory limit, unsupported, out of resources): one warning
 (``PinningFallbackWarning``) with CUDA's reason and the fix; the slot and every later one
 stay unregistered and their batches are pinned the ordinary way (``pin_batch``).
@@ -129,6 +146,10 @@ class SlotRing:
         self.closed = False
         # Finalizers may run on any thread; deque.append/popleft are atomic.
         self._released: collections.deque[int] = collections.deque()
+        # Unpinned leases: id(ref) -> (ref, slot); a dropped batch's ref lands in _dropped
+        # (NOTE [ Ctrl-C and slot releases ]).
+        self._leases: dict[int, tuple[weakref.ref[np.ndarray], int]] = {}
+        self._dropped: collections.deque[weakref.ref[np.ndarray]] = collections.deque()
         self._fences = _cuda.Fences()  # (event, slot) of fenced releases; handles hold it
         self._parked: collections.deque[int] = collections.deque()  # see (c)
         self._releaser = Releaser(self._released, self._fences, self._parked, self._pins,
@@ -161,7 +182,7 @@ class SlotRing:
 
     @property
     def in_use(self) -> int:
-        return len(self._slots) - len(self._free) - len(self._released)
+        return len(self._slots) - len(self._free) - len(self._released) - len(self._dropped)
 
     @property
     def fenced(self) -> int:
@@ -203,8 +224,11 @@ class SlotRing:
                 self._free.append(sid)
 
     def _collect_released(self) -> None:
-        """Slots released without a fence (``release``, unfenced finalizers) join the free list."""
-        rel = self._released
+        """Slots released without a fence (``release``, dropped unpinned batches, unfenced
+        finalizers) join the free list."""
+        rel, dropped, leases = self._released, self._dropped, self._leases
+        while dropped:
+            rel.append(leases.pop(id(dropped.popleft()))[1])
         while rel:
             sid = rel.popleft()
             if sid in self._slots:
@@ -268,15 +292,20 @@ class SlotRing:
         nothing in the slot (``used`` 0), which is then released at once.
 
         See NOTE [ Slot lifetime ]: the array carries the slot's release, which runs when the
-        array and the last view of it are gone.
+        array and the last view of it are gone; NOTE [ Ctrl-C and slot releases ] says why an
+        unpinned slot's release is a weak reference whose callback is ``deque.append``.
         """
         off, _ = self._slots[sid]
         if used == 0:
             self.release(sid)
             return None
         base = self.region_array[off : off + align(used)]
-        fin = weakref.finalize(base, self._releaser, sid)
-        fin.atexit = False
+        if sid in self._pins:
+            fin = weakref.finalize(base, self._releaser, sid)
+            fin.atexit = False
+        else:
+            ref = weakref.ref(base, self._dropped.append)
+            self._leases[id(ref)] = (ref, sid)
         return base
 
     def close(self) -> None:
