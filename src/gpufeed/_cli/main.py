@@ -77,8 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--workers", type=_csv(int), default=[0, 2], help="num_workers values (0,2)")
     b.add_argument("--seconds", type=_positive(float), default=0.5,
                    help="timed seconds per run (0.5)")
-    b.add_argument("--runs", type=_positive(int), default=9,
-                   help="runs per row (9); a row stops after 3 when its spread is small")
+    b.add_argument("--runs", type=_positive(int), default=21,
+                   help="runs per row (21, about 1.5 min for the built-in workload; fewer "
+                        "is quicker and noisier); a row stops after 3 when its spread is small")
     b.add_argument("--target-spread", type=_positive(float), default=0.05,
                    help="spread (fastest-slowest)/median that counts as small (0.05)")
     b.add_argument("--worker-type", choices=("process", "thread"), default="process",

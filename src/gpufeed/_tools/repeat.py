@@ -4,7 +4,7 @@ One timed pass of a loader on a shared machine swings by tens of percent (other 
 cache, CPU frequency), so ``gpufeed bench`` and ``gpufeed tune`` never trust one pass:
 
 NOTE [ Repeated measurement ]:
-1. Every configuration runs ``runs`` times (9 for ``bench``, 5 for ``tune`` by default); it
+1. Every configuration runs ``runs`` times (21 for ``bench``, 5 for ``tune`` by default); it
    may stop after ``MIN_RUNS`` (3) when the spread of its runs is already below
    ``target_spread``. Runs of different configurations are interleaved (round-robin), so a
    slow patch of the machine hits all of them, not one.
@@ -20,9 +20,11 @@ NOTE [ Repeated measurement ]:
    the median of per-round paired ratios, and 15%, 12% and 7% with the faster halves
    (``benchmarks/results/bench-repeat.md``). The ratio carries its own range (slowest over
    fastest, fastest over slowest).
-   Why 9 runs for ``bench``: shorter invocations replayed from four back-to-back 21-run ones
-   (``python -m gpufeed.benchmarks.repeatability``) had every ratio of the pair within 10% in
-   55% of invocation pairs with 5 runs per row, 81% with 7, 94% with 9 and 96% with 11.
+   Why 21 runs for ``bench``: the ratios of 2-worker rows drift with the machine's state over
+   minutes, so runs must span more of it. Shorter invocations replayed from seven 21-run ones
+   (``python -m gpufeed.benchmarks.repeatability``) had every ratio of an invocation and the
+   next within 10% in 74% of pairs with 9 runs per row, 87% with 13, 96% with 17; the seven
+   themselves in 6 of 6 pairs (``benchmarks/results/bench-repeat.md``).
 4. While measuring, :class:`LoadMonitor` reads the CPU time the whole machine used
    (``/proc/stat``) and subtracts what this process tree used: the rest is *other processes*.
    Steal time (a hypervisor running other guests on our CPUs) is read from the same line.
