@@ -1,7 +1,7 @@
 import pytest
 
 from gpufeed._tools import repeat as _repeat
-from gpufeed._tools.repeat import LoadMonitor, MachineLoad, Spread
+from gpufeed._tools.repeat import LoadMonitor, MachineLoad, Spread, min_runs_to_stop
 
 
 def test_spread_median_range_and_overlap():
@@ -42,6 +42,16 @@ def test_a_ratio_is_taken_between_the_faster_halves():
 ])
 def test_runs_stop_at_five_or_when_the_spread_is_small(runs, done):
     assert Spread(runs).done(5, 0.05) is done
+
+
+def test_many_runs_need_a_third_of_them_in_agreement_to_stop_early():
+    """Three lucky runs of a noisy row must not end it when 21 were asked for."""
+    lucky = (100.0, 101.0, 102.0)
+    assert not Spread(lucky).done(21, 0.05)
+    assert not Spread(lucky + (101.0,) * 3).done(21, 0.05)
+    assert Spread(lucky + (101.0,) * 4).done(21, 0.05)  # 7 runs within 5%
+    assert not Spread(lucky + (101.0,) * 3 + (70.0,)).done(21, 0.05)  # 7, far apart
+    assert [min_runs_to_stop(n) for n in (1, 5, 9, 21)] == [3, 3, 3, 7]
 
 
 @pytest.mark.parametrize(("other", "steal", "busy"), [

@@ -5,9 +5,13 @@ cache, CPU frequency), so ``gpufeed bench`` and ``gpufeed tune`` never trust one
 
 NOTE [ Repeated measurement ]:
 1. Every configuration runs ``runs`` times (21 for ``bench``, 5 for ``tune`` by default); it
-   may stop after ``MIN_RUNS`` (3) when the spread of its runs is already below
-   ``target_spread``. Runs of different configurations are interleaved (round-robin), so a
-   slow patch of the machine hits all of them, not one.
+   may stop early when the spread of its first ``min_runs_to_stop(runs)`` runs or more (a
+   third of ``runs``, at least ``MIN_RUNS`` = 3) is already below ``target_spread``. Three
+   runs were not enough to stop on: in four ``bench`` invocations, 4 of the 24 2-worker rows
+   (whose runs spread 20-40%) stopped after three runs within 5% of each other, and two of
+   the three ratios that then moved by more than 10% between invocations rested on them.
+   Runs of different configurations are interleaved (round-robin), so a slow patch of the
+   machine hits all of them, not one.
 2. A configuration is reported as the **median** of its runs and its **spread**, the range
    from the slowest to the fastest run.
 3. Two configurations are called different only when their spreads do not overlap; otherwise
@@ -45,7 +49,7 @@ import psutil
 
 from .probe import descendants
 
-__all__ = ["MIN_RUNS", "LoadMonitor", "MachineLoad", "Spread", "spreads_text"]
+__all__ = ["MIN_RUNS", "LoadMonitor", "MachineLoad", "Spread", "min_runs_to_stop", "spreads_text"]
 
 MIN_RUNS = 3
 #: other processes using at least this many CPUs on average (or this share of all CPUs) make
@@ -54,6 +58,12 @@ BUSY_OTHER_CPUS = 0.25
 BUSY_OTHER_SHARE = 0.1
 #: CPU steal above this share of all CPU time makes the machine busy.
 BUSY_STEAL_SHARE = 0.05
+
+
+def min_runs_to_stop(runs: int) -> int:
+    """Runs that must agree within the target spread before a configuration stops short of
+    ``runs``: ``MIN_RUNS``, or a third of ``runs`` when that is more."""
+    return max(MIN_RUNS, -(-runs // 3))
 
 
 @dataclass(frozen=True)
@@ -108,9 +118,10 @@ class Spread:
         return "faster" if self.lo > other.hi else "slower"
 
     def done(self, runs: int, target_spread: float) -> bool:
-        """Whether a configuration measured so far needs no more runs (``runs`` at most)."""
+        """Whether a configuration measured so far needs no more runs (``runs`` at most; see
+        NOTE [ Repeated measurement ] rule (1) for when it may stop early)."""
         n = len(self.runs)
-        return n >= runs or (n >= MIN_RUNS and self.rel_spread <= target_spread)
+        return n >= runs or (n >= min_runs_to_stop(runs) and self.rel_spread <= target_spread)
 
     def text(self, fmt: str = ",.0f") -> str:
         """``median (lo-hi)`` for tables."""
