@@ -3,7 +3,7 @@ invocations in a row agree, and with how many runs per row?
 
 Give it the JSON of back-to-back long invocations, every row run the same number of times::
 
-    for i in 1 2 3 4; do gpufeed bench --runs 21 --target-spread 0 --json b$i.json; done
+    for i in 1 2 3 4; do gpufeed bench --runs 21 --target-spread 0.0001 --json b$i.json; done
 
 It replays shorter invocations from them: ``n`` consecutive rounds of one invocation (every
 window of them) against ``n`` consecutive rounds of the next one, for every pair of windows.
