@@ -147,7 +147,7 @@ class SlotRing:
         # Finalizers may run on any thread; deque.append/popleft are atomic.
         self._released: collections.deque[int] = collections.deque()
         # Unpinned leases: id(ref) -> (ref, slot); a dropped batch's ref lands in _dropped
-        # (NOTE [ Ctrl-C and slot releases ]).
+        # (see NOTE [ Ctrl-C and slot releases ]).
         self._leases: dict[int, tuple[weakref.ref[np.ndarray], int]] = {}
         self._dropped: collections.deque[weakref.ref[np.ndarray]] = collections.deque()
         self._fences = _cuda.Fences()  # (event, slot) of fenced releases; handles hold it
