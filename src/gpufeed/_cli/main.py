@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="timed seconds per run (0.5)")
     b.add_argument("--runs", type=_positive(int), default=21,
                    help="runs per row (21, about 1.5 min for the built-in workload; fewer "
-                        "is quicker and noisier); a row stops after 3 when its spread is small")
+                        "is quicker and noisier); a row stops early once a third of its runs "
+                        "(at least 3) agree within --target-spread")
     b.add_argument("--target-spread", type=_positive(float), default=0.05,
                    help="spread (fastest-slowest)/median that counts as small (0.05)")
     b.add_argument("--worker-type", choices=("process", "thread"), default="process",
