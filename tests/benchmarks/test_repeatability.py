@@ -65,3 +65,12 @@ def test_main_reads_bench_json_and_prints_the_table(tmp_path: Path,
     assert "| 3 | faster halves (gpufeed bench) | 100.0% | 100.0% of 8 |" in out
     assert main([*map(str, files), "--runs", "9"]) == 2
     assert "from 1 to 4" in capsys.readouterr().err
+
+
+def test_invocations_without_comparisons_or_rows_are_named() -> None:
+    only_stock = {("torch", "array", 0): [1.0] * 3}
+    with pytest.raises(ValueError, match="no comparison in the first invocation"):
+        agreement([only_stock, only_stock], OURS, n=3)
+    both = {("torch", "array", 0): [1.0] * 3, ("gpufeed", "array", 0): [2.0] * 3}
+    with pytest.raises(ValueError, match=r"invocation 2 has no row \('gpufeed', 'array', 0\)"):
+        agreement([both, only_stock], OURS, n=3)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import signal
 import sys
 import time
 import weakref
@@ -21,7 +22,7 @@ import gpufeed
 from gpufeed._base import cuda as _cuda
 from gpufeed._base.cuda import Fences
 from gpufeed._memory.region import PAGE, Region, default_reserve, reserve_for
-from gpufeed._memory.release import Releaser
+from gpufeed._memory.release import Releaser, interrupt_main_later
 from gpufeed._memory.ring import SlotRing
 from support.compare import assert_same, assert_same_batches, list_or_stop
 from support.fakes import (
@@ -384,3 +385,45 @@ def test_a_ctrl_c_inside_a_pinned_release_still_stops_the_loop(monkeypatch):
         for _ in range(500):  # sent again within milliseconds; never waited out
             time.sleep(0.01)
     assert list(parked) == [3] and not released and len(fences) == 0
+
+
+def test_a_ctrl_c_after_the_fence_never_frees_the_slot_twice(monkeypatch):
+    """The interrupt lands just after the slot went behind its fence, and meanwhile an
+    ``acquire`` on another thread found the event complete and freed the slot: parking it
+    as well would free it a second time (two batches in one slot)."""
+    released, parked = collections.deque(), collections.deque()
+
+    class FreedMeanwhile(Fences):
+        def add(self, event, payload=None):
+            super().add(event, payload)
+            self.done_elsewhere = self._entries.pop()  # another thread's acquire took it
+            raise KeyboardInterrupt  # where a Ctrl-C's handler raised
+
+    fences = FreedMeanwhile()
+    releaser = Releaser(released, fences, parked, {3: object()}, None)
+    monkeypatch.setattr(_cuda, "in_copies_complete", lambda: False)
+    monkeypatch.setattr(_cuda, "cuda_initialized", lambda: True)
+    monkeypatch.setattr(_cuda, "capturing", lambda device: False)
+    monkeypatch.setattr(_cuda, "current_stream_event", lambda device: "event")
+    base = np.zeros(8)
+    weakref.finalize(base, releaser, 3).atexit = False
+    with pytest.raises(KeyboardInterrupt):
+        del base
+        for _ in range(500):  # sent again within milliseconds; never waited out
+            time.sleep(0.01)
+    assert fences.done_elsewhere == ("event", 3)
+    assert not parked and not released and len(fences) == 0
+
+
+def test_interrupting_again_runs_the_programs_own_sigint_handler():
+    """A program with its own SIGINT handler (e.g. one that saves and stops) gets it run."""
+    seen: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        interrupt_main_later(0.01)
+        deadline = time.monotonic() + 5.0
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert seen == [signal.SIGINT]

@@ -38,10 +38,11 @@ def _fd_targets() -> dict[int, str]:
 def _multiprocessing_helpers() -> tuple[set[int], set[int]]:
     """(pids, fds) of multiprocessing's own helpers: its resource tracker (started once, on
     first use, with a pipe kept open) and a forkserver."""
-    from multiprocessing import resource_tracker
+    from multiprocessing import forkserver, resource_tracker
 
-    fd = getattr(resource_tracker._resource_tracker, "_fd", None)
-    return helper_pids(), ({fd} if fd is not None else set())
+    fds = {getattr(resource_tracker._resource_tracker, "_fd", None),
+           getattr(forkserver._forkserver, "_forkserver_alive_fd", None)}
+    return helper_pids(), {fd for fd in fds if fd is not None}
 
 
 def snapshot() -> Resources:

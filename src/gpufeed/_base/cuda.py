@@ -113,10 +113,6 @@ class Fences:
         with self._lock:
             self._entries.append((event, payload))
 
-    def __contains__(self, payload: Any) -> bool:
-        with self._lock:
-            return any(p == payload for _, p in self._entries)
-
     def done(self) -> list[Any]:
         """Drop the entries whose event has completed (non-blocking); their payloads."""
         with self._lock:

@@ -7,6 +7,7 @@ release has completed, because a copy the user queued from it may still read it.
 
 from __future__ import annotations
 
+import _thread
 import collections
 import logging
 import signal
@@ -59,28 +60,35 @@ class Releaser:
         self.pins, self.device = pins, device
 
     def __call__(self, sid: int) -> None:
+        """The slot to the free list, or behind a fence on the current stream (see above)."""
+        # see NOTE [ Ctrl-C and slot releases ] in _memory/ring.py: ``placing`` turns True just
+        # before the slot goes to a list. A KeyboardInterrupt before that parks the slot; one
+        # after it leaves the slot where it may already be (another thread may have freed it
+        # meanwhile: looking it up could free it twice), at worst one slot lost to the ring.
+        placing = False
         try:
-            self.release(sid)
-        except KeyboardInterrupt:  # see NOTE [ Ctrl-C and slot releases ] in _memory/ring.py
-            if sid not in self.released and sid not in self.parked and sid not in self.fences:
+            if (
+                sid not in self.pins
+                or _cuda.in_copies_complete()
+                or not _cuda.cuda_initialized()
+            ):
+                placing = True
+                self.released.append(sid)
+                return
+            try:
+                if _cuda.capturing(self.device):
+                    raise RuntimeError("a CUDA graph capture is in progress")
+                event = _cuda.current_stream_event(self.device)
+            except Exception:  # (c): fenced by a later acquire
+                placing = True
+                self.parked.append(sid)
+                return
+            placing = True
+            self.fences.add(event, sid)
+        except KeyboardInterrupt:
+            if not placing:
                 self.parked.append(sid)
             interrupt_main_later()
-
-    def release(self, sid: int) -> None:
-        """The slot to the free list, or behind a fence on the current stream (see above)."""
-        if (
-            sid not in self.pins
-            or _cuda.in_copies_complete()
-            or not _cuda.cuda_initialized()
-        ):
-            self.released.append(sid)
-            return
-        try:
-            if _cuda.capturing(self.device):
-                raise RuntimeError("a CUDA graph capture is in progress")
-            self.fences.add(_cuda.current_stream_event(self.device), sid)
-        except Exception:  # (c): fenced by a later acquire
-            self.parked.append(sid)
 
     def fence_parked(self) -> None:
         """Fence the parked releases (c) with one event now, unless still impossible."""
@@ -96,12 +104,21 @@ class Releaser:
 
 
 def interrupt_main_later(delay_s: float = 0.02) -> None:
-    """Send SIGINT to the main thread after ``delay_s``, from a daemon thread: a Ctrl-C caught
-    where Python would drop it (a finalizer) is raised again once that code has returned."""
+    """Interrupt the main thread again after ``delay_s``, from a daemon thread: a Ctrl-C caught
+    where Python would drop it (a finalizer) is raised again once that code has returned.
+
+    With Python's own SIGINT handler, a real SIGINT to the main thread (it also wakes a
+    blocking wait); with another handler, or where threads cannot be signalled, the handler
+    is run as for a SIGINT (``_thread.interrupt_main``).
+    """
     main = threading.main_thread().ident
-    if main is None:
-        return
-    timer = threading.Timer(delay_s, signal.pthread_kill, (main, signal.SIGINT))
+    kill = getattr(signal, "pthread_kill", None)
+    if main is not None and kill is not None and (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
+        timer = threading.Timer(delay_s, kill, (main, signal.SIGINT))
+    else:
+        timer = threading.Timer(delay_s, _thread.interrupt_main)
     timer.daemon = True
     timer.name = "gpufeed-reinterrupt"
     timer.start()

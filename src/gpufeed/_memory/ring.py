@@ -57,10 +57,13 @@ release would be lost and the loop would go on. So:
   (the ref lands in the ring's ``_dropped``; ``acquire`` maps it back to its slot). A signal
   that arrives meanwhile stays pending and is raised in the user's loop.
 - a pinned slot must record its release event on the releasing thread's current stream then
-  and there, which takes Python (``Releaser``). A KeyboardInterrupt raised inside it parks the
-  slot (fenced by the next ``acquire``, (c) above, unless it already went to a list) and sends
-  SIGINT to the main thread again from a short-lived thread 20 ms later, when the release is
-  over. Left open: the few bytecodes of ``weakref.finalize``'s own call before ``Releaser`` runs.
+  and there, which takes Python (``Releaser``). A KeyboardInterrupt raised inside it before the
+  slot went to a list parks the slot (fenced by the next ``acquire``, (c) above); one raised
+  after that leaves it be (at worst one slot lost to the ring: looking it up again could race
+  an ``acquire`` on another thread and free it twice). Either way the main thread is
+  interrupted again from a short-lived thread 20 ms later, when the release is over. Left
+  open: the few bytecodes of ``weakref.finalize``'s own call before ``Releaser`` runs, and an
+  interrupt raised by ``acquire``'s own collection of dropped slots (one slot lost).
 
 Registration failure (locked-memory limit, unsupported, out of resources): one warning
 (``PinningFallbackWarning``) with CUDA's reason and the fix; the slot and every later one

@@ -93,6 +93,14 @@ def agreement(invocations: Sequence[Invocation], estimator: Callable[[Runs, Runs
     if len(invocations) < 2:
         raise ValueError(f"{len(invocations)} invocation(s) given: give at least two in a row")
     rows = comparisons(list(invocations[0]))
+    if not rows:
+        raise ValueError("no comparison in the first invocation: it needs gpufeed's and the "
+                         "stock loader's rows on the same fetch path (gpufeed bench's JSON)")
+    for k, inv in enumerate(invocations):
+        missing = sorted({key for _, a, b in rows for key in (a, b)} - set(inv))
+        if missing:
+            raise ValueError(f"invocation {k + 1} has no row {missing[0]}: give invocations "
+                             "of the same gpufeed bench command")
     length = min(len(r) for inv in invocations for r in inv.values())
     if not 1 <= n <= length:
         raise ValueError(f"n={n} runs per row: the invocations hold {length} runs per row; "
