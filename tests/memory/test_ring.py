@@ -367,6 +367,17 @@ def test_dropping_an_unpinned_batch_runs_no_python_code():
         ring.close()
 
 
+def _drop_and_expect_the_interrupt(releaser: Releaser, sid: int) -> None:
+    """Drop a batch base whose finalizer is ``releaser`` (as ``lease`` does for a pinned slot);
+    the KeyboardInterrupt raised inside must reach this frame within milliseconds."""
+    base = np.zeros(8)
+    weakref.finalize(base, releaser, sid).atexit = False
+    with pytest.raises(KeyboardInterrupt):
+        del base
+        for _ in range(500):  # never waited out
+            time.sleep(0.01)
+
+
 def test_a_ctrl_c_inside_a_pinned_release_still_stops_the_loop(monkeypatch):
     """A KeyboardInterrupt raised inside a pinned slot's release (Python code, run by a
     finalizer) reaches the loop instead of being printed and dropped; the slot is parked
@@ -378,12 +389,7 @@ def test_a_ctrl_c_inside_a_pinned_release_still_stops_the_loop(monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(_cuda, "in_copies_complete", ctrl_c_here)
-    base = np.zeros(8)
-    weakref.finalize(base, releaser, 3).atexit = False
-    with pytest.raises(KeyboardInterrupt):
-        del base
-        for _ in range(500):  # sent again within milliseconds; never waited out
-            time.sleep(0.01)
+    _drop_and_expect_the_interrupt(releaser, 3)
     assert list(parked) == [3] and not released and len(fences) == 0
 
 
@@ -405,12 +411,7 @@ def test_a_ctrl_c_after_the_fence_never_frees_the_slot_twice(monkeypatch):
     monkeypatch.setattr(_cuda, "cuda_initialized", lambda: True)
     monkeypatch.setattr(_cuda, "capturing", lambda device: False)
     monkeypatch.setattr(_cuda, "current_stream_event", lambda device: "event")
-    base = np.zeros(8)
-    weakref.finalize(base, releaser, 3).atexit = False
-    with pytest.raises(KeyboardInterrupt):
-        del base
-        for _ in range(500):  # sent again within milliseconds; never waited out
-            time.sleep(0.01)
+    _drop_and_expect_the_interrupt(releaser, 3)
     assert fences.done_elsewhere == ("event", 3)
     assert not parked and not released and len(fences) == 0
 
