@@ -105,13 +105,11 @@ def agreement(invocations: Sequence[Invocation], estimator: Callable[[Runs, Runs
     if not 1 <= n <= length:
         raise ValueError(f"n={n} runs per row: the invocations hold {length} runs per row; "
                          f"give n from 1 to {length}")
+    # each invocation's ratios, window by window (window o: rounds o .. o + n - 1)
+    ratios = [[[estimator(inv[a][o:o + n], inv[b][o:o + n]) for _, a, b in rows]
+               for o in range(length - n + 1)] for inv in invocations]
     out = Agreement()
-    for first, second in itertools.pairwise(invocations):
-        windows = range(length - n + 1)
-        ratios_a = [[estimator(first[a][o:o + n], first[b][o:o + n]) for _, a, b in rows]
-                    for o in windows]
-        ratios_b = [[estimator(second[a][o:o + n], second[b][o:o + n]) for _, a, b in rows]
-                    for o in windows]
+    for ratios_a, ratios_b in itertools.pairwise(ratios):
         for ra in ratios_a:
             for rb in ratios_b:
                 changes = [abs(x - y) / x for x, y in zip(ra, rb, strict=True)]
