@@ -31,11 +31,13 @@ Device bytes in use (live blocks plus freed ones not yet reusable) are tracked, 
 
 The CUDA runtime around the device stage (``install(monkeypatch)``), for the user idioms:
 
-* Devices: ``devices`` of them, each with its own current stream per the CUDA rules (the
-  consumer stream of device 0 is ``consumer``); a current device (``device_index``) that a
-  guard (``device_ctx``, installed as ``_cuda.device_guard``) changes. Every CUDA call is
-  logged in ``calls`` with the device current at the call: a call for the loader's device
-  made under another is a context created on the wrong GPU.
+* Devices: ``devices`` of them. As in CUDA, the current device and each device's current
+  stream are per *thread*: every thread starts on device 0 and on each device's default
+  stream (``consumers[d]``; device 0's is ``consumer``), and ``use_stream``/``device_ctx``
+  (installed as ``_cuda.device_guard``) change them for the calling thread only. Every CUDA
+  call is logged in ``calls`` with the device it ran on, and that device gets a context
+  (``contexts``): a call for the loader's device made under another is a context created on
+  the wrong GPU.
 * ``cudaHostRegister``/``cudaHostUnregister`` (a fake ``torch.cuda.cudart()``) keep the
   registered ranges; ``register_code`` injects a failure. ``Tensor.pin_memory`` gives a
   pinned copy (torch's caching host allocator: kept until the test ends).
@@ -45,11 +47,21 @@ The CUDA runtime around the device stage (``install(monkeypatch)``), for the use
   unregistering a range such a copy still has to read is a violation. From pageable memory
   the bytes are staged at the call (CUDA returns once the pageable buffer is copied).
 * ``torch.cuda.is_initialized`` (True after the first CUDA call), graph capture (``capture``).
+
+What the tests steer:
+
+* ``background=True`` (or ``start_background()``): the "GPU" also advances on a thread of its
+  own, every ``interval_s``, so work completes while the CPU blocks elsewhere (waiting for a
+  worker, sleeping), not only when it calls CUDA. Still bounded: ``stop_background()``.
+* ``collect_at``: names of calls ("event", "query", "synchronize", "record_event", "h2d", ...)
+  at which the simulator runs ``gc.collect()`` before anything else, so finalizers (a batch's
+  slot release) run inside whatever gpufeed code made the call.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import random
 import threading
 import time
@@ -73,11 +85,14 @@ class SimEvent:
         self.sim, self.stream, self.done = sim, stream, False
 
     def query(self) -> bool:
+        self.sim.maybe_collect("query")
         with self.sim.lock:
             self.sim.tick()
             return self.done
 
     def synchronize(self) -> None:
+        self.sim.maybe_collect("synchronize")
+        self.sim.syncs += 1
         self.sim.run_until(lambda: self.done, f"event on {self.stream.name}")
 
     def __repr__(self) -> str:
@@ -92,9 +107,10 @@ class _Op:
     wait: SimEvent | None = None  # blocks the stream until this event is done
 
 
-@dataclass
+@dataclass(eq=False)  # a stream is itself: hashable, compared by identity
 class SimStream:
     name: str
+    device: int = 0
     ops: deque[_Op] = field(default_factory=deque)
 
     def runnable(self) -> bool:
@@ -139,6 +155,10 @@ class SimCuda(SyncBackend):
         max_steps: most scheduler steps run per tick (0..max_steps, at random).
         copy_cost: (lo, hi) steps a copy takes.
         time_limit_s: ``synchronize`` raises past this many seconds (a hang, not a wait).
+        devices: how many devices there are.
+        target: the device the device stage (``to_device``) copies to.
+        background: the GPU also advances on a thread of its own (see the module docstring).
+        collect_at: calls at which to run ``gc.collect()`` first.
     """
 
     needs_pinned = False
@@ -146,16 +166,23 @@ class SimCuda(SyncBackend):
     def __init__(
         self, seed: int = 0, *, max_steps: int = 3, copy_cost: tuple[int, int] = (1, 3),
         time_limit_s: float = 20.0, devices: int = 1, target: int = 0,
+        background: bool = False, collect_at: set[str] | frozenset[str] = frozenset(),
     ) -> None:
         super().__init__(torch.device("cuda", target))
         self.rng = random.Random(seed)
         self.max_steps, self.copy_cost, self.time_limit_s = max_steps, copy_cost, time_limit_s
         self.lock = threading.RLock()  # finalizers may run in any thread
-        self.consumer = SimStream("consumer")
-        self.consumers = [self.consumer, *(SimStream(f"consumer{i}") for i in range(1, devices))]
+        self.consumer = SimStream("consumer", 0)
+        self.consumers = [self.consumer,
+                          *(SimStream(f"consumer{i}", i) for i in range(1, devices))]
         self.streams: list[SimStream] = list(self.consumers)
-        self._current = dict(enumerate(self.consumers))  # device -> its current stream
-        self.device_index = 0  # the current device
+        self._tls = threading.local()  # per thread: current device, current stream per device
+        self.contexts: set[int] = set()  # devices with a context (a call ran on them)
+        self.collect_at = set(collect_at)
+        self.collections = 0  # gc.collect() runs made at collect_at points
+        self.syncs = 0  # Event.synchronize() calls: the CPU blocked on the GPU
+        self._background: threading.Thread | None = None
+        self._stop_background = threading.Event()
         self.initialized = False  # torch.cuda.is_initialized()
         self.capture = False  # the current stream is capturing a graph
         self.calls: list[tuple[str, int]] = []  # (CUDA call, current device at the call)
@@ -169,30 +196,80 @@ class SimCuda(SyncBackend):
         self._waiting: list[_Block] = []  # freed, but record_stream markers not yet passed
         self.peak_bytes = 0
         self.allocs = self.reuses = 0
+        if background:
+            self.start_background()
+
+    # -- per-thread state, as in CUDA -----------------------------------------------------------
+    @property
+    def device_index(self) -> int:
+        """The calling thread's current device."""
+        return int(getattr(self._tls, "device", 0))
+
+    @device_index.setter
+    def device_index(self, index: int) -> None:
+        self._tls.device = index
+
+    def _streams_of_thread(self) -> dict[int, SimStream]:
+        table = getattr(self._tls, "current", None)
+        if table is None:
+            table = self._tls.current = dict(enumerate(self.consumers))
+        return table
+
+    def current_of(self, index: int) -> SimStream:
+        """The calling thread's current stream of device ``index``."""
+        return self._streams_of_thread()[index]
 
     @property
     def current(self) -> SimStream:
-        """The current stream of the current device."""
-        return self._current[self.device_index]
+        """The calling thread's current stream of its current device."""
+        return self.current_of(self.device_index)
 
     @current.setter
     def current(self, stream: SimStream) -> None:
-        self._current[self.device_index] = stream
+        self._streams_of_thread()[self.device_index] = stream
 
-    def log(self, what: str) -> None:
+    def log(self, what: str, device: int | None = None) -> None:
+        self.maybe_collect(what)
         self.initialized = True
-        self.calls.append((what, self.device_index))
+        index = self.device_index if device is None else device
+        self.contexts.add(index)
+        self.calls.append((what, index))
+
+    def maybe_collect(self, what: str) -> None:
+        if what in self.collect_at:
+            self.collections += 1
+            gc.collect()
+
+    # -- the GPU on a thread of its own ---------------------------------------------------------
+    def start_background(self, interval_s: float = 0.0005) -> None:
+        if self._background is not None:
+            return
+        self._stop_background.clear()
+
+        def run() -> None:
+            while not self._stop_background.wait(interval_s):
+                with self.lock:
+                    self.tick()
+
+        self._background = threading.Thread(target=run, name="sim-gpu", daemon=True)
+        self._background.start()
+
+    def stop_background(self) -> None:
+        thread, self._background = self._background, None
+        if thread is not None:
+            self._stop_background.set()
+            thread.join(5)
 
     # -- the backend interface ----------------------------------------------------------------
     def new_stream(self) -> SimStream:
         with self.lock:
             self.log("new_stream")
-            stream = SimStream(f"side{len(self.streams)}")
+            stream = SimStream(f"side{len(self.streams)}", self.device_index)
             self.streams.append(stream)
             return stream
 
     def current_stream(self) -> SimStream:
-        return self._current[self.device.index or 0]  # the target's, as CudaBackend's
+        return self.current_of(self.device.index or 0)  # the target's, as CudaBackend's
 
     def guard(self) -> Any:
         return self.device_ctx(self.device.index)
@@ -210,13 +287,13 @@ class SimCuda(SyncBackend):
 
     def record_event(self, stream: Any) -> SimEvent:
         with self.lock:
-            self.log("record_event")
+            self.log("record_event", stream.device)
             self.tick()
             return self._marker(stream)
 
     def wait_event(self, stream: Any, event: Any) -> None:
         with self.lock:
-            self.log("wait_event")
+            self.log("wait_event", stream.device)
             self.tick()
             stream.ops.append(_Op("wait", 0, wait=event))
 
@@ -273,10 +350,14 @@ class SimCuda(SyncBackend):
             "device_count": lambda: len(self.consumers),
             "current_device": self._current_device,
             "device_guard": self.device_ctx,
-            "_record_on_current_stream": self._release_event,
             "_current_stream_capturing": lambda: self.capture,
+            # the seams of per-device release fences (absent from older code: set anyway)
+            "_has_context": lambda index: index in self.contexts,
+            "_current_stream_of": self.current_of,
+            "_record_on": self.record_on,
         }.items():
-            monkeypatch.setattr(_cuda, name, fn)
+            monkeypatch.setattr(_cuda, name, fn, raising=False)
+        monkeypatch.setattr(_cuda, "_with_context", set(), raising=False)  # this run's devices
         for name, fn in {
             "cuda_usable": lambda: True, "_pinned_ptr": self.pinned_ptr, "pin": self.pin,
         }.items():
@@ -321,6 +402,13 @@ class SimCuda(SyncBackend):
             self.log("event")
             self.tick()
             return self._marker(self.current)
+
+    def record_on(self, stream: SimStream) -> SimEvent:
+        """``torch.cuda.Event().record(stream)``: on the stream's own device (torch guards it)."""
+        with self.lock:
+            self.log("event", stream.device)
+            self.tick()
+            return self._marker(stream)
 
     def pinned_ptr(self, ptr: int) -> bool:
         spans = [*self.registered.items(),
