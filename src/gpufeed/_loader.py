@@ -20,6 +20,7 @@ from ._host.config import IterConfig
 from ._host.iterator import BaseIter, SingleIter
 from ._host.worker_iter import WorkerIter
 from ._memory import pinning as _pinning
+from ._memory.keeper import RingKeeper
 from ._memory.pinning import pin_device_index
 from ._order.resume import Delivered, LoaderPosition
 from ._order.sampler import build_sampler, resolve_world
@@ -186,6 +187,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.device_depth = device_depth
         self._recorder = StatsRecorder()
         self._position = LoaderPosition()
+        self._keeper = RingKeeper()  # NOTE [ Slot lifetime ] (e): a pinned ring across epochs
         self._prepared = False  # see _is_accelerate_prepared
 
     @property
@@ -310,6 +312,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             prefetch_factor=self.prefetch_factor,
             prefetch_explicit=self._prefetch_explicit,
             ring_bytes=self.ring_bytes,
+            keeper=self._keeper,
             worker_init_fn=self.worker_init_fn,
             multiprocessing_context=self.multiprocessing_context,
         )

@@ -1,8 +1,10 @@
 """The pinned ring under user copies on a real GPU (skipped without CUDA): the same rules as
-tests/memory/test_release_sim.py, where each is checked on the simulated backend on CPU."""
+tests/memory/test_release_sim.py, test_release_devices.py and test_ring_lifetime.py, where each
+is checked on the simulated backend on CPU."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 from typing import Any
 
@@ -11,8 +13,10 @@ import torch
 from torch.utils.data import Dataset
 
 import gpufeed
+from gpufeed._memory import keeper as _keeper
 from gpufeed._memory import pinning as _pinning
 from gpufeed._memory import release as _release
+from support.release_checks import Dropper
 
 BUSY_CYCLES = 2_000_000  # about 1 ms of torch.cuda._sleep on current GPUs
 WIDTH = 4096
@@ -54,7 +58,11 @@ def test_cuda_pin_memory_then_non_blocking_copy_every_batch_intact(worker_type: 
         if k == 50:
             assert ring._pins, "the ring should be registered"
     assert torch.equal(out.cpu(), sums(n, bs))
-    assert _pinning.registered_bytes() == 0  # unregistered at the epoch's end
+    assert _pinning.registered_bytes() > 0  # kept, registered, for the next epoch
+    del it, ring, loader
+    gc.collect()
+    _keeper.finish_closed_rings()
+    assert _pinning.registered_bytes() == 0  # the loader gone: unregistered
 
 
 @pytest.mark.cuda
@@ -116,3 +124,61 @@ def test_cuda_device_means_the_current_device_at_iteration_start() -> None:
     finally:
         torch.cuda.set_device(previous)
     assert devices == {torch.device("cuda", 1)}
+
+
+@pytest.mark.cuda
+def test_cuda_batches_kept_past_the_epoch_stay_pinned_and_copy_intact() -> None:
+    n, bs = 200, 8
+    loader = gpufeed.DataLoader(Rows(n * bs), batch_size=bs, num_workers=2,
+                                worker_type="thread", prefetch_factor=2, pin_memory=True)
+    batches = list(loader)
+    assert all(b.is_pinned() for b in batches)
+    torch.cuda._sleep(BUSY_CYCLES)
+    copies = [b.cuda(non_blocking=True) for b in batches]
+    del batches, loader
+    gc.collect()
+    out = torch.stack([x.double().sum() for x in copies])
+    assert torch.equal(out.cpu(), sums(n, bs))
+    _keeper.finish_closed_rings()
+    del copies
+    assert _pinning.registered_bytes() == 0
+
+
+@pytest.mark.cuda
+def test_cuda_release_on_another_thread_fences_the_consumers_stream() -> None:
+    n, bs = 400, 8
+    loader = gpufeed.DataLoader(Rows(n * bs), batch_size=bs, num_workers=2,
+                                worker_type="thread", prefetch_factor=2, pin_memory=True)
+    dropper = Dropper()
+    side = torch.cuda.Stream()
+    out = torch.empty(n, device="cuda", dtype=torch.float64)
+    with torch.cuda.stream(side):
+        for k, batch in enumerate(loader):
+            torch.cuda._sleep(BUSY_CYCLES)
+            x = batch.cuda(non_blocking=True)
+            out[k] = x.double().sum()
+            dropper.give(batch)
+            del batch
+            dropper.wait()
+    dropper.stop()
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out.cpu(), sums(n, bs))
+
+
+@pytest.mark.cuda
+def test_cuda_copies_to_another_device_are_fenced() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    n, bs = 400, 8
+    loader = gpufeed.DataLoader(Rows(n * bs), batch_size=bs, num_workers=2,
+                                worker_type="thread", prefetch_factor=2, pin_memory=True)
+    out = torch.empty(n, device="cuda:1", dtype=torch.float64)
+    k = 0
+    for batch in loader:
+        with torch.cuda.device(1):
+            torch.cuda._sleep(BUSY_CYCLES)
+        x = batch.to("cuda:1", non_blocking=True)
+        del batch
+        out[k] = x.double().sum()
+        k += 1  # noqa: SIM113
+    assert torch.equal(out.cpu(), sums(n, bs))

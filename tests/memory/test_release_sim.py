@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 import gpufeed
+from gpufeed._base.cuda import Fences
 from gpufeed._device import prefetch as _prefetch
 from gpufeed._memory import pinning as _pinning
 from gpufeed._memory import release as _release
@@ -29,26 +30,8 @@ from gpufeed._memory.release import PinningFallbackWarning
 from gpufeed._memory.ring import SlotRing
 from support.fakes import IndexDataset
 from support.procs import deadline
+from support.release_checks import expected, problems, recorder
 from support.sim_cuda import SimCuda
-
-WIDTH = 16
-
-
-def recorder(seen: list[tuple[int, float]]) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """A consumer kernel: records (first index, checksum) of the batch when it runs."""
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        seen.append((int(y[0]), float(x.double().sum())))
-
-    return step
-
-
-def expected(n: int, bs: int) -> list[tuple[int, float]]:
-    """What a synchronous copy of batch k holds (its checksum)."""
-    return [
-        (k * bs, float((torch.arange(WIDTH * bs, dtype=torch.float64) + k * WIDTH * bs).sum()))
-        for k in range(n)
-    ]
 
 
 @pytest.fixture(autouse=True)
@@ -63,15 +46,6 @@ def sim(monkeypatch: pytest.MonkeyPatch) -> SimCuda:
     sim.install(monkeypatch)
     monkeypatch.setattr("gpufeed._memory.release._warned", False)
     return sim
-
-
-def problems(sim: SimCuda, seen: list[Any], want: list[Any]) -> list[str]:
-    out = list(dict.fromkeys(sim.violations))[:5]
-    bad = [k for k, (a, b) in enumerate(itertools.zip_longest(seen, want)) if a != b]
-    if bad:
-        out.append(f"{len(bad)} of {len(want)} batches differ from a synchronous copy, "
-                   f"first {bad[:5]}")
-    return out
 
 
 def user_loop(sim: SimCuda, loader: Any, *, idiom: str = "cuda", cost: int = 6,
@@ -107,7 +81,10 @@ def test_pin_memory_then_non_blocking_copy_sees_every_batch_intact(
     seen = user_loop(sim, loader, idiom=idiom)
     assert problems(sim, seen, expected(n, bs)) == []
     assert sum(1 for c in sim.calls if c[0] == "register") >= 1  # the ring was registered
-    assert len(sim.consumer.ops) == 0 and sim.registered == {}  # all unregistered at the end
+    assert len(sim.consumer.ops) == 0 and sim.registered  # kept for the next epoch
+    del loader
+    gc.collect()
+    assert sim.registered == {}  # the loader gone: all unregistered
 
 
 def test_catches_a_release_without_fence(sim: SimCuda, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,11 +99,26 @@ def test_catches_a_release_without_fence(sim: SimCuda, monkeypatch: pytest.Monke
 def test_catches_unregistering_under_a_pending_copy(
     sim: SimCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Mutation: unregister without waiting (epoch end while the last copies are queued)."""
-    monkeypatch.setattr(_pinning, "_wait_for_copies", lambda h: None)
+    """Mutation: a fenced slot counted free before its event completed (so unregistered, when
+    the loader goes, with the last copies still queued)."""
+
+    def done_at_once(self: Any) -> list[Any]:
+        out = [payload for _, payload in self._entries.values()]
+        self._entries.clear()
+        return out
+
+    monkeypatch.setattr(Fences, "done", done_at_once)
     loader = gpufeed.DataLoader(IndexDataset(80), batch_size=4, num_workers=2,
                                 worker_type="thread", prefetch_factor=2, pin_memory=True)
-    bad = problems(sim, user_loop(sim, loader), expected(20, 4))
+    seen: list[tuple[int, float]] = []
+    for batch in loader:
+        x, y = batch["x"].cuda(non_blocking=True), batch["y"].cuda(non_blocking=True)
+        del batch
+        sim.launch(None, recorder(seen), x, y, cost=40)
+    del loader
+    gc.collect()
+    sim.drain()
+    bad = problems(sim, seen, expected(20, 4))
     assert any("cudaHostUnregister" in p and "still queued" in p for p in bad), bad
 
 
@@ -181,7 +173,7 @@ def collect_a_stage_cycle_with_copies_queued(sim: SimCuda) -> None:
     stage = it.inner
     assert len(stage._copies) > 0  # copies in flight
     stage._cycle = stage
-    del it, stage
+    del it, stage, loader  # the loader too: its kept ring is closed with the cycle
     gc.collect()
 
 

@@ -36,7 +36,7 @@ from support.fakes import (
 )
 from support.leaks import no_leaks
 
-RING_KEYS = {"slot_bytes", "live_bytes", "in_use", "grows", "fallbacks", "budget"}
+RING_KEYS = {"slot_bytes", "live_bytes", "in_use", "fenced", "grows", "fallbacks", "budget"}
 
 
 def _loader(dataset, worker_type, **kwargs):
@@ -402,15 +402,15 @@ def test_a_ctrl_c_after_the_fence_never_frees_the_slot_twice(monkeypatch):
     class FreedMeanwhile(Fences):
         def add(self, event, payload=None):
             super().add(event, payload)
-            self.done_elsewhere = self._entries.pop()  # another thread's acquire took it
+            self.done_elsewhere = self._entries.popitem()[1]  # another thread's acquire took it
             raise KeyboardInterrupt  # where a Ctrl-C's handler raised
 
     fences = FreedMeanwhile()
-    releaser = Releaser(released, fences, parked, {3: object()}, None)
+    releaser = Releaser(released, fences, parked, {3: object()}, 0)
     monkeypatch.setattr(_cuda, "in_copies_complete", lambda: False)
     monkeypatch.setattr(_cuda, "cuda_initialized", lambda: True)
     monkeypatch.setattr(_cuda, "capturing", lambda device: False)
-    monkeypatch.setattr(_cuda, "current_stream_event", lambda device: "event")
+    monkeypatch.setattr(_cuda, "release_event", lambda device, also=(): "event")
     _drop_and_expect_the_interrupt(releaser, 3)
     assert fences.done_elsewhere == ("event", 3)
     assert not parked and not released and len(fences) == 0

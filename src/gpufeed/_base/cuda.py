@@ -8,25 +8,36 @@ them are tested:
 
 * ``device_guard(d)``: ``torch.cuda.device(d)`` (NOTE [ Registered memory lifetime ] rule 5:
   under torchrun, rank 3 creates no context on GPU 0);
-* ``current_stream_event(d)``: an event on the calling thread's current stream of ``d``
-  (a release fence, NOTE [ Slot lifetime ] in ``_memory/ring.py``);
-* ``capturing(d)``: whether that stream is capturing a CUDA graph;
-* ``Fences``: events to pass before memory is reused or unregistered, held strongly;
+* ``release_event(d, also)``: one event on the calling thread's current stream of every
+  device that has a CUDA context (``d`` first), and on the streams ``also`` (where the batch
+  was handed out): a release fence, NOTE [ Slot lifetime ] in ``_memory/ring.py``;
+* ``current_streams(devices)``: the calling thread's current stream of each device;
+* ``capturing(d)``: whether the current stream of ``d`` is capturing a CUDA graph;
+* ``Fences``: events to pass before memory is reused or unregistered, held strongly, with no
+  lock (a finalizer adds to them, inside any allocation);
 * ``copies_complete()``: marks batches dropped after their copy completed (no fence needed).
+
+Cost of a release fence, per device with a context: one ``current_stream`` read and one event
+record (``torch.cuda.Event.record`` guards the stream's device itself, so no Python-side guard
+runs); the devices are found with the driver's primary-context query, once per device until
+it has a context.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 
 __all__ = [
-    "Fences", "capturing", "copies_complete", "cuda_initialized", "current_device",
-    "current_stream_event", "device_count", "device_guard", "in_copies_complete",
+    "Events", "Fences", "capturing", "context_devices", "copies_complete", "cuda_initialized",
+    "current_device", "current_streams", "device_count", "device_guard", "in_copies_complete",
+    "release_event",
 ]
 
 
@@ -49,23 +60,75 @@ def device_guard(index: int | None) -> AbstractContextManager[Any]:
     return nullcontext() if index is None else torch.cuda.device(index)
 
 
-def current_stream_event(index: int | None) -> Any:
-    """An event recorded now on the calling thread's current stream of device ``index``:
-    it completes once everything queued there so far (a user's non_blocking copy) has."""
-    with device_guard(index):
-        return _record_on_current_stream()
+def _has_context(index: int) -> bool:
+    """Whether device ``index`` has a CUDA (primary) context in this process: asked of the
+    driver, which creates none. False where torch does not expose the query."""
+    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    return bool(probe(index)) if probe is not None else False
 
 
-def _record_on_current_stream() -> Any:
+_with_context: set[int] = set()  # devices seen with a context: a context is never torn down
+
+
+def _forget_contexts() -> None:  # a forked child has none
+    _with_context.clear()
+
+
+os.register_at_fork(after_in_child=_forget_contexts)
+
+
+def context_devices(first: int) -> list[int]:
+    """``first`` (the ring's device), then every other device that has a CUDA context: the
+    devices a copy from host memory can have been queued to (a copy needs a context on its
+    device, and creates it before it is queued). Devices without one are asked each time
+    (a context may appear between two calls), devices with one never again."""
+    count = device_count()
+    if count <= 1:
+        return [first]
+    out = [first]
+    for index in range(count):
+        if index == first:
+            continue
+        if index in _with_context or _has_context(index):
+            _with_context.add(index)
+            out.append(index)
+    return out
+
+
+def _current_stream_of(index: int) -> Any:
+    return torch.cuda.current_stream(index)  # the calling thread's; creates no context
+
+
+def current_streams(devices: Sequence[int]) -> list[Any]:
+    """The calling thread's current stream of each of ``devices``."""
+    return [_current_stream_of(d) for d in devices]
+
+
+def _record_on(stream: Any) -> Any:
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream())  # the current device's: the guard's
+    event.record(stream)  # under a guard of the stream's own device (torch's CUDAEvent)
     return event
+
+
+def release_event(device: int, also: Sequence[Any] = ()) -> Any:
+    """An event that completes once everything queued so far on the streams ``also`` and on
+    the calling thread's current stream of every device with a context (``device`` first)
+    has: a user's non_blocking copies from a batch, wherever they went (NOTE [ Slot
+    lifetime ] (a)). One event per distinct stream."""
+    streams = current_streams(context_devices(device))  # distinct: one per device
+    if also and list(also) != streams:  # handed out on other streams than the current ones
+        streams = list(dict.fromkeys([*also, *streams]))
+    if len(streams) == 1:
+        return _record_on(streams[0])
+    return Events(tuple(_record_on(s) for s in streams))
 
 
 def capturing(index: int | None) -> bool:
     """Whether the current stream of device ``index`` is capturing a CUDA graph."""
     if not cuda_initialized():  # no capture without CUDA; asking would initialise it
         return False
+    if index is None or index == current_device():  # no guard needed (the common case)
+        return _current_stream_capturing()
     with device_guard(index):
         return _current_stream_capturing()
 
@@ -94,52 +157,86 @@ _local = threading.local()
 
 
 
-class Fences:
-    """Events to pass before memory may be unregistered or reused (NOTE [ Registered memory
-    lifetime ] rule (3) in ``_memory/pinning.py``).
+class Events:
+    """Several events as one: completed when every one of them has (a release fenced on
+    several streams or devices)."""
 
-    Entries are ``(event, payload)``; thread-safe (finalizers add from any thread). Held
-    strongly by whoever must wait for them, so no collection order can lose them.
+    __slots__ = ("events",)
+
+    def __init__(self, events: tuple[Any, ...]) -> None:
+        self.events = events
+
+    def query(self) -> bool:
+        return all(e.query() for e in self.events)
+
+    def synchronize(self) -> None:
+        for e in self.events:
+            e.synchronize()
+
+
+class Fences:
+    """Events to pass before memory may be reused or unregistered (NOTE [ Registered memory
+    lifetime ] rule (3) in ``_memory/pinning.py``), each with a payload (a slot id).
+
+    Held strongly by whoever must wait for them, so no collection order can lose them.
+
+    No locks: ``add`` runs in finalizers, on any thread, and inside any allocation of any code
+    (a collection that finalizes a pinned batch caught in a reference cycle). A lock that
+    code which allocates holds would deadlock the thread against itself there; so every entry
+    lives in one dict under a key of its own, and each step is one atomic dict operation:
+    ``add`` inserts; ``done``, ``retain`` and ``wait`` snapshot the keys (a C-level copy, no
+    allocation per entry) and remove an entry with ``pop``, which exactly one caller wins,
+    only once its event has completed (``retain``: once it is known complete). An entry is
+    therefore visible to every ``wait`` until its event has completed, whichever thread, or
+    nested collection, looks at it meanwhile, and no payload is returned twice.
     """
 
+    __slots__ = ("__weakref__", "_entries", "_keys")
+
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: list[tuple[Any, Any]] = []
+        self._entries: dict[int, tuple[Any, Any]] = {}
+        self._keys = itertools.count()  # next() is atomic
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def add(self, event: Any, payload: Any = None) -> None:
-        with self._lock:
-            self._entries.append((event, payload))
+        """Fence ``payload`` behind ``event`` (any thread, finalizers included)."""
+        self._entries[next(self._keys)] = (event, payload)
 
     def done(self) -> list[Any]:
-        """Drop the entries whose event has completed (non-blocking); their payloads."""
-        with self._lock:
-            entries = list(self._entries)
-        finished = [e for e in entries if e[0].query()]
-        if not finished:
-            return []
-        with self._lock:
-            gone = {id(e) for e in finished}
-            self._entries = [e for e in self._entries if id(e) not in gone]
-        return [payload for _, payload in finished]
+        """Drop the entries whose event has completed (never blocks); their payloads."""
+        entries = self._entries
+        finished = []
+        for key in list(entries):
+            entry = entries.get(key)
+            if entry is not None and entry[0].query():
+                gone = entries.pop(key, None)
+                if gone is not None:
+                    finished.append(gone[1])
+        return finished
 
     def retain(self, events: list[Any]) -> None:
-        """Keep only the entries whose event is one of ``events`` (known complete others)."""
+        """Keep only the entries whose event is one of ``events`` (the others are known to
+        have completed)."""
         keep = {id(e) for e in events}
-        with self._lock:
-            self._entries = [e for e in self._entries if id(e[0]) in keep]
+        entries = self._entries
+        for key in list(entries):
+            entry = entries.get(key)
+            if entry is not None and id(entry[0]) not in keep:
+                entries.pop(key, None)
 
     def wait(self) -> list[Any]:
-        """Block until every event has completed; drop them all; their payloads."""
-        with self._lock:
-            entries, self._entries = self._entries, []
-        try:
-            for event, _ in entries:
-                event.synchronize()
-        except BaseException:
-            with self._lock:  # not waited for: keep them for the next wait
-                self._entries[:0] = entries
-            raise
-        return [payload for _, payload in entries]
+        """Block until every event added before the call has completed; drop those entries;
+        their payloads. Interrupted, the entries not yet waited for stay."""
+        entries = self._entries
+        finished = []
+        for key in list(entries):
+            entry = entries.get(key)
+            if entry is None:
+                continue  # another caller saw it complete
+            entry[0].synchronize()
+            gone = entries.pop(key, None)
+            if gone is not None:
+                finished.append(gone[1])
+        return finished

@@ -75,6 +75,9 @@ MEANINGS: dict[str, str] = {
     "transfer": "device stage: host-to-device copy and device transform per batch",
     "ring": "occupancy only: slots of the shared ring in use (in flight plus held by your "
             "loop) / slots the ring budget allows",
+    "ring_fenced": "occupancy only, pinned rings: slots your loop released whose copies the "
+                   "GPU has not finished yet (free again once it has) / slots the ring budget "
+                   "allows",
     "prefetch": "occupancy only: batches in flight (sent to workers or ready, not yet handed "
                 "to your loop) / the most allowed in flight",
     # counters

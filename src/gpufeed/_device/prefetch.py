@@ -55,9 +55,10 @@ NOTE [ Device stage: streams, events and slots ]
     (held strongly) by ``_pinning`` from the first next() to close: unregistering pinned
     memory (a ring slot retired, a ring closed first after a worker error, or collected
     before this iterator in a garbage cycle) waits for the copies in flight here before
-    ``cudaHostUnregister``. Host batches are dropped under ``_cuda.copies_complete()``:
-    their copy has completed, so the ring needs no release fence for them (NOTE [ Slot
-    lifetime ] (b)) and recycles their slots at once.
+    ``cudaHostUnregister``; a close whose wait is interrupted (Ctrl-C) leaves them tracked.
+    Host batches are dropped under ``_cuda.copies_complete()``: their copy has completed,
+    so the ring needs no release fence for them (NOTE [ Slot lifetime ] (b)) and recycles
+    their slots at once.
 (11) Device and capture. Every backend call runs under ``backend.guard()`` (the target
     device made current: no context on another GPU). next() during CUDA graph capture
     raises: its copies, events and waits would be recorded into the graph.
@@ -269,18 +270,21 @@ class DeviceIterator(Iterator[Any]):
     def _release(self, state: _State, *, close_source: bool = True) -> None:
         self._state = state
         source, self._source = self._source, iter(())
+        waited = False
         try:
             with _cuda.copies_complete():
                 while self._host:  # rule (6): no DMA may still read a slot we give back
                     self._host[0][0].synchronize()
                     self._host.popleft()
+            waited = True
         finally:
             with _cuda.copies_complete():  # a failed wait: released unfenced, as before
                 self._host.clear()
             self._ready.clear()
             self._marks.clear()
             self._bytes_held = 0
-            _pinning.untrack_copies(self._copies)
+            if waited:  # else the copies stay tracked: nothing is unregistered under them
+                _pinning.untrack_copies(self._copies)
             self._copies = _cuda.Fences()
             logger.debug("to_device %s: %s", state.value, self.stats())
             close = getattr(source, "close", None)

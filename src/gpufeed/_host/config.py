@@ -7,9 +7,10 @@ no reference to the loader (NOTE [ Shutdown ] in ``_host/pool.py``).
 
 Values are read from the loader when the config is built, as the iterators read them before;
 the live objects the loader and its iterators share are held by reference: ``generator`` (each
-iterator draws its base seed from it), ``position`` (which batches reached the user) and
-``recorder`` (the stats). A persistent iterator takes from each epoch's config only what may
-change between epochs: ``sample_seed`` (``load_state_dict`` may bring another seed).
+iterator draws its base seed from it), ``position`` (which batches reached the user),
+``recorder`` (the stats) and ``keeper`` (a pinned ring kept between epochs). A persistent
+iterator takes from each epoch's config only what may change between epochs: ``sample_seed``
+(``load_state_dict`` may bring another seed).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from .._base.stats import StatsRecorder
+from .._memory.keeper import RingKeeper
 from .._order.resume import LoaderPosition
 
 
@@ -58,6 +60,7 @@ class IterConfig:
     prefetch_factor: int | None
     prefetch_explicit: bool  # given by the user (a strict bound), not torch's default
     ring_bytes: int | None
+    keeper: RingKeeper | None = None  # live: the loader's pinned ring between epochs
     worker_init_fn: Callable[[int], None] | None
     multiprocessing_context: Any
 

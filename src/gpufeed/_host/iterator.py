@@ -84,9 +84,11 @@ class BaseIter:
         return idx
 
     def _finish(
-        self, data: Any, asked_at: float, k: int, worker_state: tuple[int, Any] | None = None
+        self, data: Any, asked_at: float, k: int, worker_state: tuple[int, Any] | None = None,
+        registered: tuple[int, int] | None = None,
     ) -> Any:
-        """Hand batch ``k`` of this epoch (the iterator's count) to the user."""
+        """Hand batch ``k`` of this epoch (the iterator's count) to the user; ``registered``:
+        the page-locked slot it was written into, whose leaves need no pinning check."""
         now = time.perf_counter()
         rec = self._recorder
         if self._returned_at:
@@ -106,8 +108,7 @@ class BaseIter:
                 stacklevel=3,
             )
         if self._pin:
-            with _cuda.device_guard(self._pin_device):
-                data = pin_batch(data)
+            data = pin_batch(data, registered, device=self._pin_device)
         self._tracker.produced_nth(k, worker_state)
         self._returned_at = time.perf_counter()
         return data

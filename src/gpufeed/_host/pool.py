@@ -2,19 +2,19 @@
 
 NOTE [ Shutdown ]
 -----------------
-``close()`` is idempotent and bounded in time. Process workers: the main process shuts down
-its end of each worker's socket (``_hang_up``); a worker waiting for a task sees EOF, one busy
-in user code finds the socket broken when it answers, and either way it exits. shutdown()
-acts on the socket, not on one descriptor: copies of our end inherited by workers forked
-later do not keep it open, and the ``_Sender`` thread, if it is blocked writing a large task
-to a busy worker, wakes with an error at once. Only once that thread has exited are the
-connections closed (closing a descriptor under a thread still writing to it would make it
-write to whatever file reuses the number). Workers still alive after ``GRACE_S`` get
-SIGTERM, then SIGKILL. Each worker also exits when its parent process changes (the main
-process died). The ring's memory is an anonymous memory file (``Region``, _memory/region.py):
-nothing is left in /dev/shm even after SIGKILL; the mapping goes with the last tensor viewing it.
-Thread workers get a stop message; threads are daemons, so one stuck in user code cannot
-keep the interpreter alive.
+``close()`` is idempotent and bounded in time. Process workers: the main process shuts
+down its end of each worker's socket (``_hang_up``); a worker waiting for a task sees EOF, one
+busy in user code finds the socket broken when it answers, and either way it exits. shutdown()
+acts on the socket, not on one descriptor: copies of our end inherited by workers forked later
+do not keep it open, and the ``_Sender`` thread, if it is blocked writing a large task to a
+busy worker, wakes with an error at once. Only once that thread has exited are the connections
+closed (closing a descriptor under a thread still writing to it would make it write to
+whatever file reuses the number). Workers still alive after ``GRACE_S`` get SIGTERM, then
+SIGKILL. Each worker also exits when its parent process changes (the main process died). The
+ring's memory is an anonymous memory file (``Region``, _memory/region.py): nothing is left in
+/dev/shm even after SIGKILL; the mapping goes with the last tensor viewing it. Thread workers
+get a stop message; threads are daemons, so one stuck in user code cannot keep the interpreter
+alive. After ``close()``, ``stopped`` says whether every worker has ended.
 
 Dropping the last reference closes at once, without waiting for the cyclic garbage collector:
 an iterator knows its loader only through an ``IterConfig`` (``_host/config.py``), which holds
@@ -23,12 +23,11 @@ per-epoch ``_reset(loader)`` only asks the loader for a fresh config. Nothing el
 owns (pool, ring, sender thread) refers back to it. Keep it so: a cycle through the iterator
 keeps its workers alive until a collection runs.
 
-A pool that fails while starting (a worker's arguments cannot be pickled for spawn, fork
-fails) stops the workers it already started and closes every pipe before the error leaves
-``__init__``.
+A pool that fails while starting (its arguments cannot be pickled for spawn, fork fails)
+stops the workers it started and closes every pipe before the error leaves ``__init__``.
 
-A process that exits while the iterator is running is reported by its sentinel (see
-``poll``), with its exit code or signal, also when a send found its pipe broken; never a hang.
+A process that exits while the iterator runs is reported by its sentinel (see ``poll``), with
+its exit code or signal, also when a send found its pipe broken; never a hang.
 """
 
 from __future__ import annotations
@@ -117,9 +116,8 @@ def out_of_fds(margin: int = 10) -> bool:
 
 def lost_worker(desc: str, held: list[int]) -> WorkerError:
     """The error for a worker that exited (``desc``) holding batches ``held``: it works through
-    them in order, but a result it already sent can be lost with it (a fallback batch's memory
-    is handed over by the dead process), so the culprit is one of them, not necessarily the
-    first."""
+    them in order, but a result it sent can be lost with it (a fallback batch's memory is
+    handed over by the dead process): the culprit is one of them, maybe not the first."""
     named = ", ".join(map(str, sorted(held)[:6])) + (", ..." if len(held) > 6 else "")
     detail = f" while it held batch{'es' if len(held) > 1 else ''} {named}" if held else ""
     return WorkerError(
@@ -262,6 +260,7 @@ class ProcessPool:
                 getattr(p, stop)()
             for p in alive:
                 p.join(1.0)
+        self.stopped = not any(p.is_alive() for p in self.procs)  # none can write a slot now
         for p in self.procs:
             if p.is_alive():
                 log.warning("gpufeed worker pid %s did not stop", p.pid)
@@ -385,6 +384,7 @@ class ThreadPool:
             t.join(max(deadline - time.monotonic(), 0))
             if t.is_alive():
                 log.warning("gpufeed worker %s is still in user code: left as daemon", t.name)
+        self.stopped = not any(t.is_alive() for t in self.threads)
 
 
 def _thread_entry(spec: WorkerSpec, worker_id: int, chan: ThreadChannel) -> None:

@@ -29,6 +29,7 @@ from typing import Any, cast
 import torch
 
 from .._base.errors import RemoteError, WorkerError
+from .._memory.keeper import close_ring
 from .._memory.region import reserve_for
 from .._memory.ring import SlotRing
 from .._order.plan import IndexPlan, finish_plan, make_plan, plannable
@@ -86,12 +87,17 @@ class WorkerIter(BaseIter):
                 adaptive=self._timeout <= 0 and not config.prefetch_explicit,
                 device_depth=config.device_depth, pin=self._pin,
             )
-            self._seen_grows = self._seen_fallbacks = 0
             budget = config.ring_bytes
-            self._ring = SlotRing(
+            # A pinned ring outlives the epoch: NOTE [ Slot lifetime ] (e) in _memory/ring.py.
+            self._keeper = config.keeper if self._pin else None
+            kept = self._keeper.take(shared=shared, device=self._pin_device, budget=budget) \
+                if self._keeper is not None else None
+            self._ring = kept or SlotRing(
                 reserve=reserve_for(budget), budget=budget, shared=shared, pin=self._pin,
                 slots_hint=self._work_ahead.slots_hint, device=self._pin_device,
             )
+            self._ring.set_slots_hint(self._work_ahead.slots_hint)
+            self._seen_grows, self._seen_fallbacks = self._ring.grows, self._ring.fallbacks
             spec = WorkerSpec(
                 num_workers=nw, dataset=self._dataset, is_iterable=self._is_iterable,
                 auto_collation=self._auto_collation, collate_fn=self._collate_fn,
@@ -105,7 +111,8 @@ class WorkerIter(BaseIter):
                 check_copy_on_write(self._dataset)  # NOTE [ Copy-on-write and Python objects ]
                 ctx = config.multiprocessing_context or torch.multiprocessing
                 self._pool = ProcessPool(spec, ctx)
-                self._ring.region.close_fd()
+                if self._keeper is None:  # a kept ring is sent to next epoch's workers too
+                    self._ring.region.close_fd()
             else:
                 self._pool = ThreadPool(spec)
             _live.add(self)
@@ -128,6 +135,7 @@ class WorkerIter(BaseIter):
         self._rcvd_idx = 0  # next batch number to deliver (in order)
         self._tasks: dict[int, int] = {}  # dispatched, not answered: batch -> worker
         self._ready: dict[int, Any] = {}  # answered, not delivered
+        self._slot_of: dict[int, int] = {}  # answered batches in pinned slots: batch -> slot
         self._dataset_states: dict[int, WorkerState] = {}  # iterable datasets, per batch
         self._active = [True] * self._num_workers
         self._sampler_done = False
@@ -255,6 +263,8 @@ class WorkerIter(BaseIter):
             base = self._ring.lease(slot_id, result.used) if slot_id >= 0 else None
             spill = cast("torch.Tensor | None", result.spill)  # arrived: a SpillFile, mapped
             self._ready[batch] = unpack(result.packed, base, spill)
+            if base is not None and self._pin:
+                self._slot_of[batch] = slot_id
             return
         if slot_id >= 0:
             self._ring.release(slot_id)
@@ -342,10 +352,14 @@ class WorkerIter(BaseIter):
                 data.reraise()
             ring = self._ring
             self._recorder.occupancy("ring", ring.in_use, ring.capacity_slots)
+            if ring.pin:
+                self._recorder.occupancy("ring_fenced", ring.fenced, ring.capacity_slots)
             self._recorder.occupancy(
                 "prefetch", len(self._ready) + len(self._tasks), self._work_ahead.in_flight_bound
             )
-            return self._finish(data, asked_at, idx, self._dataset_states.pop(idx, None))
+            sid = self._slot_of.pop(idx, None)  # a pinned slot (a device stage orders copies)
+            span = ring.hand_out(sid, streams=self._direct) if sid is not None else None
+            return self._finish(data, asked_at, idx, self._dataset_states.pop(idx, None), span)
 
     def _end_epoch(self) -> None:
         self._tracker.host_exhausted()
@@ -355,11 +369,7 @@ class WorkerIter(BaseIter):
 
     # -- lifecycle ----------------------------------------------------------------------------
     def ring_info(self) -> dict[str, int]:
-        r = self._ring
-        return {
-            "slot_bytes": r.slot_bytes, "live_bytes": r.live_bytes, "in_use": r.in_use,
-            "grows": r.grows, "fallbacks": r.fallbacks, "budget": r.budget or 0,
-        }
+        return self._ring.info()
 
     def close(self) -> None:
         """Stop workers and release memory; idempotent. Also called by a failed ``__init__``,
@@ -368,7 +378,8 @@ class WorkerIter(BaseIter):
             return
         self._closed = True
         _live.discard(self)
-        for pending in (getattr(self, "_ready", None), getattr(self, "_tasks", None)):
+        for pending in (getattr(self, "_ready", None), getattr(self, "_tasks", None),
+                        getattr(self, "_slot_of", None)):
             if pending is not None:
                 pending.clear()
         pool: Pool | None = getattr(self, "_pool", None)
@@ -378,7 +389,11 @@ class WorkerIter(BaseIter):
                 pool.close()
         finally:
             if ring is not None:
-                ring.close()
+                keeper = getattr(self, "_keeper", None)
+                if keeper is not None and ring.pin and getattr(pool, "stopped", False):
+                    keeper.keep(ring)  # no worker can write a slot any more
+                else:
+                    close_ring(ring)
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):

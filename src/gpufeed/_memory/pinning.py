@@ -17,8 +17,10 @@ NOTE [ Registered memory lifetime ]
 -----------------------------------
     register(t, device=d, fences=F) ──► under device d: cudaHostRegister(ptr, n)
                                     ──► handle keeps ``t`` (so its mapping) and F alive
-    unregister(h) ──► event on d's current stream into F ──► wait for F and every tracked
-                      Fences ──► under device d: cudaHostUnregister ──► drop ``t``
+    unregister(h)           ──► wait for every tracked Fences (device stages' copies)
+                                ──► under device d: cudaHostUnregister ──► drop ``t``
+    unregister(h, settled=False): first an event on the current streams of every device
+                                with a context into F, and a wait for F
 
 (1) Pinned means "the bytes at this address are page-locked". ``Tensor.is_pinned()`` asks
     about the first byte of the tensor's *storage* (ATen ``is_pinned``:
@@ -30,27 +32,38 @@ NOTE [ Registered memory lifetime ]
     until ``cudaHostUnregister`` returns, so whatever order its owner drops things in (a
     ring that lets go of its region before unregistering its slots), the memory is unmapped
     only after it is unregistered. A handle collected while still active unregisters itself.
-(3) Never unregistered under a pending copy. Events that must complete before memory may be
-    unregistered live in ``Fences`` objects that are held *strongly*: the ring's (the events
-    recorded when its slots were released, NOTE [ Slot lifetime ] in ``_memory/ring.py``) by every
-    handle of the ring, and a device stage's (its copies in flight) by this module while the
-    stage is tracked (``track_copies``). ``unregister`` first records an event on the current
-    stream of the handle's device (copies the caller issued from memory it still holds), then
-    waits for the handle's Fences and every tracked one. Nothing here is weak, so garbage
-    collection may tear a ring, its handles and a device stage down in any order: a handle
-    collected first still waits (a weak set of stages let the region go first before).
-    The cost is one wait at unregistering (epoch end, close), none per batch.
+(3) Never unregistered under a pending copy. The ring unregisters only free slots (their
+    release fences have passed: ``settled``), and keeps a slot the user holds registered
+    until it is released and fenced (NOTE [ Slot lifetime ] (d), (e) in ``_memory/ring.py``).
+    What may still read a free slot is a device stage's copy whose host batch a collection
+    dropped early: the stages' ``Fences`` (their copies in flight) are held *strongly* by
+    this module while tracked (``track_copies``), and every ``unregister`` waits for them.
+    A handle collected while active (its ring collected without ``close``) is not settled:
+    it records an event on the current streams of every device with a context (copies the
+    caller issued from memory it still holds) and waits for the ring's Fences, which every
+    handle of the ring holds strongly. Nothing here is weak, so garbage collection may tear
+    a ring, its handles and a device stage down in any order (a weak set of stages once let
+    the region go first). Cost: a wait only where memory is unregistered while a copy may
+    still read it; none per batch, none at an epoch end (the ring is kept).
 (4) Per process: registrations belong to the process that made them. A forked child gets a
     copy of the bookkeeping; it is forgotten there, and handles do nothing outside the
     process that registered them (the child has no CUDA context to call).
 (5) Device guard. Every call that touches CUDA for a loader's device (register,
-    unregister, release events, the capture check, and ``pin_batch`` of its fallback
+    unregister, the capture check off the current device, and ``pin_batch`` of its fallback
     batches) runs under ``torch.cuda.device(d)``: under torchrun rank 3 creates no context
-    on GPU 0. ``d`` is None for callers that name no device, and for a pinned ring without
-    ``device=`` until its first registration (asking earlier would initialise CUDA before
-    the workers fork): then the current device is used, as by any CUDA call.
+    on GPU 0. Release events need none: each is recorded on a given stream, under torch's
+    own guard of that stream's device, and only on devices that already have a context.
+    ``d`` is None for callers that name no device, and for a pinned ring without ``device=``
+    until its first registration (asking earlier would initialise CUDA before the workers
+    fork): then the current device is used, as by any CUDA call.
 (6) Failure. ``register`` raises RuntimeError naming the CUDA error and the fix; the ring
     turns that into one warning and goes on unregistered (``_memory/ring.py``).
+(7) Interrupted. ``unregister`` waits before it changes anything: a Ctrl-C or error in the
+    wait (where an epoch-end Ctrl-C lands) leaves the memory registered, counted
+    (``registered_bytes``) and mapped, and the handle active; calling it again (the ring's
+    next close or reap, or the handle's collection) finishes. Before, the handle was marked
+    released first: the memory stayed registered for good and a later ring mapped at the
+    same address failed with error 712.
 
 Here ``cuda_usable``, ``_pinned_ptr``, ``pin`` and ``torch.cuda.cudart()`` ask CUDA
 directly; guards, events and capture are in ``_base/cuda.py``. The simulated backend of the tests
@@ -233,33 +246,43 @@ def register(
         return PinnedRegion(ptr, nbytes, owned=True, keep=t, device=device, fences=fences)
 
 
-def unregister(h: PinnedRegion | None) -> None:
+def unregister(h: PinnedRegion | None, *, settled: bool = False) -> None:
     """Undo :func:`register`. Safe on None and safe to call twice on one handle.
 
     The handle keeps the memory mapped until this returns (NOTE [ Registered memory
-    lifetime ] rule (2)). Pending copies are waited for first (rule 3): an event on the
-    current stream of the handle's device, the handle's Fences and every tracked one;
-    unregistering pages under a running DMA is undefined behaviour in CUDA. In a process
-    other than the one that registered (a forked child) it only marks the handle released
-    (rule 4).
+    lifetime ] rule (2)). Pending copies are waited for first (rule 3): every tracked Fences
+    (a device stage's copies in flight) and, unless ``settled``, the handle's Fences and an
+    event on the current streams of every device with a context. ``settled``: the caller
+    knows no release of this memory is pending (a free ring slot). Unregistering pages under
+    a running DMA is undefined behaviour in CUDA. The wait comes before any bookkeeping: if it
+    is interrupted (a Ctrl-C at an epoch end), the memory stays registered, counted and
+    mapped, the handle stays active, and calling this again finishes the job (rule 7). In a
+    process other than the one that registered (a forked child) it only marks the handle
+    released (rule 4).
     """
     if h is None or not h.active:
         return
-    h.active = False
-    keep, h._keep = h._keep, None
     if not h.owned or h._pid != os.getpid():
+        h.active = False
+        h._keep = None
         return
-    key = (h.ptr, h.nbytes)
+    _wait_for_copies(h, settled)
     with _lock:
-        left = _refcounts.get(key, 0) - 1
-        if left > 0:
-            _refcounts[key] = left
+        if not h.active:  # finished meanwhile (by a collection inside the wait, say)
             return
-        _refcounts.pop(key, None)
-        _wait_for_copies(h)
+        key = (h.ptr, h.nbytes)
+        left = _refcounts.get(key, 0) - 1
+        if left > 0:  # another handle on the same registration still needs it
+            _refcounts[key] = left
+            h.active = False
+            h._keep = None
+            return
         with _cuda.device_guard(h.device):
             cudart = torch.cuda.cudart()
             code = int(cudart.cudaHostUnregister(h.ptr))
+            h.active = False
+            _refcounts.pop(key, None)
+            keep, h._keep = h._keep, None
             del keep  # only now may the memory be unmapped
             if code != 0:
                 _drain_last_error(cudart)
@@ -283,10 +306,10 @@ def untrack_copies(fences: Fences) -> None:
         _tracked.discard(fences)
 
 
-def _wait_for_copies(h: PinnedRegion) -> None:
-    if h.fences is not None:
-        if _cuda.cuda_initialized():  # copies issued from memory the caller still holds
-            h.fences.add(_cuda.current_stream_event(h.device))
+def _wait_for_copies(h: PinnedRegion, settled: bool) -> None:
+    if not settled and h.fences is not None:
+        if _cuda.cuda_initialized() and h.device is not None:  # copies from memory still held
+            h.fences.add(_cuda.release_event(h.device))
         h.fences.wait()
     for fences in list(_tracked):
         fences.wait()
@@ -313,20 +336,29 @@ def registered_bytes() -> int:
         return sum(nbytes for (_, nbytes) in _refcounts)
 
 
-def pin_batch(batch: Any) -> Any:
+def pin_batch(
+    batch: Any, registered: tuple[int, int] | None = None, *, device: int | None = None
+) -> Any:
     """Return ``batch`` with every CPU tensor leaf in pinned memory (``pin_memory()``).
 
     For batches that fell back to ordinary allocation: costs one host copy per leaf from
     torch's caching pinned allocator. Already pinned leaves are kept as they are. Without
-    CUDA the batch is returned unchanged.
+    CUDA the batch is returned unchanged. ``registered``: an address range ``[start, end)``
+    known to be page-locked (the ring slot the batch was written into); leaves inside it are
+    kept without asking CUDA (two pointer probes per leaf otherwise). Other leaves are checked
+    and pinned under ``device`` (rule 5).
     """
     if not cuda_usable():
         return batch
+    lo, hi = registered if registered is not None else (0, 0)
 
     def pin_leaf(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.device.type == "cpu" and not is_pinned(x):
-            return pin(x)
-        return x
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+            return x
+        if hi and x.numel() and lo <= x.data_ptr() and x.data_ptr() + byte_extent(x) <= hi:
+            return x  # in the registered slot
+        with _cuda.device_guard(device):
+            return x if is_pinned(x) else pin(x)
 
     return tree_map(pin_leaf, batch)
 

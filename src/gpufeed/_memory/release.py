@@ -1,8 +1,28 @@
 """Release fences of a pinned slot ring, and going on when the ring cannot be pinned.
 
 See NOTE [ Slot lifetime ] in ``_memory/ring.py`` ("Release fences"): a ring slot registered with
-CUDA returns to the free list only once an event recorded on the current stream at its
-release has completed, because a copy the user queued from it may still read it.
+CUDA returns to the free list only once an event recorded at its release has completed, on
+every stream a copy the user queued from it can run on, because such a copy may still read it.
+
+NOTE [ Ctrl-C and slot releases ]
+---------------------------------
+Python runs a signal's handler in the main thread between two bytecodes of whatever Python
+code runs there, finalizers included, and an exception raised inside a finalizer is printed
+("Exception ignored in ...") and dropped. A Ctrl-C whose KeyboardInterrupt landed in a batch's
+release would be lost and the loop would go on. So:
+
+- an unpinned slot (every slot without CUDA) is released by no Python code at all: its batch's
+  base array carries a plain weak reference whose callback is the C method ``deque.append``
+  (the ref lands in the ring's ``_dropped``; ``acquire`` maps it back to its slot). A signal
+  that arrives meanwhile stays pending and is raised in the user's loop.
+- a pinned slot must record its release event on the current streams then and there, which
+  takes Python (``Releaser``). A KeyboardInterrupt raised inside it before the slot went to a
+  list parks the slot (fenced by the next ``acquire``, NOTE [ Slot lifetime ] (c)); one raised
+  after that leaves it be (at worst one slot lost to the ring: looking it up again could race
+  an ``acquire`` on another thread and free it twice). Either way the main thread is
+  interrupted again from a short-lived thread 20 ms later, when the release is over. Left
+  open: the few bytecodes of ``weakref.finalize``'s own call before ``Releaser`` runs, and an
+  interrupt raised by ``acquire``'s own collection of dropped slots (one slot lost).
 """
 
 from __future__ import annotations
@@ -48,23 +68,29 @@ def warn_unpinned(error: BaseException) -> None:
 
 class Releaser:
     """What a batch's finalizer calls (any thread): its slot back to the ring, behind a
-    release fence when the slot is registered and CUDA is initialised (NOTE above). It holds
-    the ring's containers, not the ring: a kept batch does not keep the ring alive."""
+    release fence when the slot is registered and CUDA is initialised (NOTE [ Slot lifetime ]
+    in ``_memory/ring.py``). It holds the ring's containers, not the ring: a kept batch does
+    not keep the ring alive, and a closed ring's kept slots are still fenced when released.
 
-    __slots__ = ("device", "fences", "parked", "pins", "released")
+    ``handout`` maps a slot to the streams that were current for the consumer when its batch
+    was handed out (``SlotRing.hand_out``); they are fenced too, whichever thread releases.
+    """
+
+    __slots__ = ("device", "fences", "handout", "parked", "pins", "released")
 
     def __init__(self, released: collections.deque[int], fences: _cuda.Fences,
                  parked: collections.deque[int], pins: dict[int, Any],
-                 device: int | None) -> None:
+                 device: int | None, handout: dict[int, Any] | None = None) -> None:
         self.released, self.fences, self.parked = released, fences, parked
         self.pins, self.device = pins, device
+        self.handout: dict[int, Any] = {} if handout is None else handout
 
     def __call__(self, sid: int) -> None:
-        """The slot to the free list, or behind a fence on the current stream (see above)."""
-        # see NOTE [ Ctrl-C and slot releases ] in _memory/ring.py: ``placing`` turns True just
-        # before the slot goes to a list. A KeyboardInterrupt before that parks the slot; one
-        # after it leaves the slot where it may already be (another thread may have freed it
-        # meanwhile: looking it up could free it twice), at worst one slot lost to the ring.
+        """The slot to the free list, or behind a fence (NOTE [ Slot lifetime ] (a))."""
+        # see NOTE [ Ctrl-C and slot releases ]: ``placing`` turns True just before the slot
+        # goes to a list. A KeyboardInterrupt before that parks the slot; one after it leaves
+        # the slot where it may already be (another thread may have freed it meanwhile:
+        # looking it up could free it twice), at worst one slot lost to the ring.
         placing = False
         try:
             if (
@@ -73,34 +99,43 @@ class Releaser:
                 or not _cuda.cuda_initialized()
             ):
                 placing = True
+                self.handout.pop(sid, None)
                 self.released.append(sid)
                 return
             try:
                 if _cuda.capturing(self.device):
                     raise RuntimeError("a CUDA graph capture is in progress")
-                event = _cuda.current_stream_event(self.device)
+                event = _cuda.release_event(self._device(), self.handout.get(sid, ()))
             except Exception:  # (c): fenced by a later acquire
                 placing = True
                 self.parked.append(sid)
                 return
             placing = True
+            self.handout.pop(sid, None)
             self.fences.add(event, sid)
         except KeyboardInterrupt:
             if not placing:
                 self.parked.append(sid)
             interrupt_main_later()
 
+    def _device(self) -> int:
+        return _cuda.current_device() if self.device is None else self.device
+
     def fence_parked(self) -> None:
         """Fence the parked releases (c) with one event now, unless still impossible."""
+        parked = list(self.parked)  # those released before the event below; later ones wait
         try:
             if _cuda.capturing(self.device):
                 return
-            event = _cuda.current_stream_event(self.device)
+            streams = [s for sid in parked for s in self.handout.get(sid, ())]
+            event = _cuda.release_event(self._device(), streams)
         except Exception as e:  # still cannot fence: they stay parked
             logger.debug("release fence not recorded yet: %s", e)
             return
-        while self.parked:
-            self.fences.add(event, self.parked.popleft())
+        for _ in parked:
+            sid = self.parked.popleft()
+            self.handout.pop(sid, None)
+            self.fences.add(event, sid)
 
 
 def interrupt_main_later(delay_s: float = 0.02) -> None:

@@ -2,9 +2,10 @@
 
 NOTE [ Slot lifetime ]
 ----------------------
-One region of memory is reserved per iterator: shared memory for process workers (created
-before the workers start, so they inherit or receive it once), ordinary memory for thread
-workers. Slots are carved out of it as needed; the iterator owns the bookkeeping.
+One region of memory is reserved per iterator (per loader for a pinned ring, kept across
+epochs: (e) below): shared memory for process workers (created before the workers start,
+so they inherit or receive it), ordinary memory for thread workers. Slots are carved out of
+it as needed; the iterator owns the bookkeeping.
 
     main: acquire() ──(slot offset, size)──> worker: collate into the slot, send a small
           message (leaf offsets, dtypes, shapes) ──> main: lease() + unpack(), hand batch to user
@@ -21,49 +22,52 @@ user queued (``x.cuda(non_blocking=True)`` after ``DataLoader(pin_memory=True)``
 dropping the batch does not free the slot by itself. PyTorch protects memory from its own
 caching host allocator this way, but records nothing for registered memory:
 
-    finalizer, CUDA initialised ──► event E on the current stream of the ring's device
-                                    (the releasing thread's), (E, slot) into the ring's Fences
-    acquire() with no free slot ──► E.query() for each: completed slots join the free list;
-                                    none: carve a new slot or fall back (never blocks)
-    close(), retire, collection ──► wait for every E (and one more event on the current
-                                    stream, for slots the user still holds) before unregistering
+    hand-out (next())   ──► the consumer's current stream of each device with a context
+                            (``hand_out``; not with a device stage, whose copies it orders)
+    finalizer, CUDA     ──► one event E on each of: those hand-out streams, and the releasing
+    initialised             thread's current stream of every device with a CUDA context;
+                            (E, slot) into the ring's Fences (``release_event``)
+    acquire() with no   ──► E.query() for each: completed slots join the free list;
+    free slot               none: carve a new slot or fall back (never blocks)
 
-(a) Covered: copies queued on the releasing thread's current stream of the ring's device
-    before the last view went (the idiom above, in any order of ``del``). Not covered,
-    the user's to order: a copy queued on another stream (``with torch.cuda.stream(s)``)
-    or to another device when the batch is dropped outside that block (drop it inside, or
-    make the current stream wait for ``s``); tests/memory/test_release_sim.py shows both.
-    "Dropped" means the last reference went: ``for k, batch in enumerate(loader)`` keeps
-    the batch in enumerate's tuple until the next iteration, on whatever stream is current
-    then. Any thread may drop it; its own current stream is the one fenced.
+(a) Covered: copies queued before the last view went, on the stream that was current for
+    the loop when the batch was handed out, or on the releasing thread's current stream, of
+    any device (a model on ``cuda:1`` while the current device is 0, ``nn.DataParallel``'s
+    scatter, whose side streams the current streams wait for, pipeline stages), whichever
+    thread drops the batch (a collection on another thread, a queue consumer). Not covered,
+    the user's to order: a copy queued on a stream that is current neither at hand-out nor
+    at the drop (``with torch.cuda.stream(s)`` around the copy, the batch dropped outside
+    it): drop it inside, or make the current stream wait for ``s``
+    (tests/memory/test_release_sim.py shows both). "Dropped" means the last reference went:
+    ``for k, batch in enumerate(loader)`` keeps the batch in enumerate's tuple until the next
+    iteration. Tests: tests/memory/test_release_devices.py.
 (b) Not fenced: batches a device stage drops after their copy's event (it says so with
     ``_cuda.copies_complete``), slots of an unregistered ring (a copy from pageable
     memory returns once the bytes are staged), and any release before CUDA is initialised.
 (c) A release that cannot record its event (a graph capture in progress, CUDA failing) is
     parked and fenced by the next ``acquire`` that can record one.
-(d) Waiting happens only where memory is unregistered: close (epoch end), a retired slot
-    (rare: batches grew) and collection; each waits for the current stream once, so an
-    epoch ends after the GPU has finished the steps queued so far. Code: ``_memory/release.py``.
+(d) A free slot has no pending copy: retiring it (batches grew, the budget shrank) and
+    closing the ring unregister free slots without waiting. The CPU waits for the GPU only
+    where memory is unregistered while a copy may read it: a device stage's copies in
+    flight (``_memory/pinning.py`` rule 3) and a ring collected without ``close``.
+(e) Kept slots stay pinned. Closing the ring (its loader gone, another configuration) leaves
+    every slot the user still holds, or whose fence is pending, registered and mapped: such a
+    ring waits in ``_memory/keeper.py``'s list of closing rings, and each slot is unregistered
+    once released and passed its fence (when a ring is taken or closed, and at
+    ``finish_closed_rings``). Without
+    persistent workers the loader keeps a pinned ring from one epoch to the next
+    (``_memory/keeper.py``), registered, with its kept and fenced slots as they are: an epoch
+    end neither unregisters nor waits for the GPU.
 
-NOTE [ Ctrl-C and slot releases ]
----------------------------------
-Python runs a signal's handler in the main thread between two bytecodes of whatever Python
-code runs there, finalizers included, and an exception raised inside a finalizer is printed
-("Exception ignored in ...") and dropped. A Ctrl-C whose KeyboardInterrupt landed in a batch's
-release would be lost and the loop would go on. So:
+Cost per batch of a pinned ring: at hand-out, one current-stream read per device with a
+context; at release, one event per distinct stream among those and the releasing thread's
+(one, in a plain loop on one device; one per device with a context otherwise); and a query
+per fenced slot at ``acquire`` when no slot is free. No device guard, no pointer probe
+(``_host/iterator.py`` skips ``pin_batch``'s probes for a batch held in a registered slot).
 
-- an unpinned slot (every slot without CUDA) is released by no Python code at all: its batch's
-  base array carries a plain weak reference whose callback is the C method ``deque.append``
-  (the ref lands in the ring's ``_dropped``; ``acquire`` maps it back to its slot). A signal
-  that arrives meanwhile stays pending and is raised in the user's loop.
-- a pinned slot must record its release event on the releasing thread's current stream then
-  and there, which takes Python (``Releaser``). A KeyboardInterrupt raised inside it before the
-  slot went to a list parks the slot (fenced by the next ``acquire``, (c) above); one raised
-  after that leaves it be (at worst one slot lost to the ring: looking it up again could race
-  an ``acquire`` on another thread and free it twice). Either way the main thread is
-  interrupted again from a short-lived thread 20 ms later, when the release is over. Left
-  open: the few bytecodes of ``weakref.finalize``'s own call before ``Releaser`` runs, and an
-  interrupt raised by ``acquire``'s own collection of dropped slots (one slot lost).
+Ctrl-C: an unpinned slot is released by no Python code at all, a pinned one by a
+``Releaser`` that never swallows a KeyboardInterrupt (NOTE [ Ctrl-C and slot releases ] in
+``_memory/release.py``).
 
 Registration failure (locked-memory limit, unsupported, out of resources): one warning
 (``PinningFallbackWarning``) with CUDA's reason and the fix; the slot and every later one
@@ -93,6 +97,8 @@ from .._base import cuda as _cuda
 from . import pinning as _pinning
 from .region import PAGE, Region, align
 from .release import Releaser, warn_unpinned
+
+__all__ = ["SlotRing"]
 
 
 class SlotRing:
@@ -155,8 +161,10 @@ class SlotRing:
         self._dropped: collections.deque[weakref.ref[np.ndarray]] = collections.deque()
         self._fences = _cuda.Fences()  # (event, slot) of fenced releases; handles hold it
         self._parked: collections.deque[int] = collections.deque()  # see (c)
+        self._out: set[int] = set()  # acquired for a worker, not yet leased or released
+        self._handout: dict[int, Any] = {}  # slot -> the consumer's streams at hand-out
         self._releaser = Releaser(self._released, self._fences, self._parked, self._pins,
-                                   device)
+                                   device, self._handout)
 
     # -- sizing ---------------------------------------------------------------------------
     def learn(self, need: int) -> None:
@@ -185,7 +193,9 @@ class SlotRing:
 
     @property
     def in_use(self) -> int:
-        return len(self._slots) - len(self._free) - len(self._released) - len(self._dropped)
+        """Slots with a worker or the user: neither free, nor waiting for a fence."""
+        return (len(self._slots) - len(self._free) - len(self._released) - len(self._dropped)
+                - self.fenced)
 
     @property
     def fenced(self) -> int:
@@ -205,18 +215,48 @@ class SlotRing:
             off, size = self._slots[sid]
             over = self.budget is not None and self.live_bytes > self.budget
             if size >= self.slot_bytes and not over:
+                self._out.add(sid)
                 return sid, off, size
             self._retire(sid)  # too small for today's batches, or the budget shrank
         if self.budget is not None and self.live_bytes + self.slot_bytes <= self.budget:
             new = self._carve(self.slot_bytes)
             if new is not None:
+                self._out.add(new[0])
                 return new
         self.fallbacks += 1
         return None
 
     def release(self, sid: int) -> None:
         """Return a slot no copy can read (thread-safe): one a worker did not fill."""
+        self._out.discard(sid)
         self._released.append(sid)
+
+    def hand_out(self, sid: int, *, streams: bool) -> tuple[int, int] | None:
+        """Batch of pinned slot ``sid`` handed to the loop now; its address range (page-locked:
+        no leaf needs a pinning check). ``streams``: remember the consumer's current streams,
+        fenced at the release whichever thread releases (NOTE [ Slot lifetime ] (a)); not
+        needed with a device stage, nor before CUDA is initialised (no copy yet)."""
+        if sid not in self._pins:
+            return None
+        if streams and _cuda.cuda_initialized():
+            device = self.device if self.device is not None else _cuda.current_device()
+            self._handout[sid] = _cuda.current_streams(_cuda.context_devices(device))
+        off, size = self._slots[sid]
+        start = self.region_tensor.data_ptr() + off
+        return start, start + size
+
+    def info(self) -> dict[str, int]:
+        """Slot bytes, live bytes, slots in use and fenced, slots carved, fallbacks, budget."""
+        return {"slot_bytes": self.slot_bytes, "live_bytes": self.live_bytes,
+                "in_use": self.in_use, "fenced": self.fenced, "grows": self.grows,
+                "fallbacks": self.fallbacks, "budget": self.budget or 0}
+
+    def reclaim(self) -> None:
+        """Slots given to workers that never answered return to the free list: call only
+        once every worker that held one has stopped (the ring is kept for the next epoch)."""
+        self._free.extend(self._out)
+        self._out.clear()
+        self._collect_released()
 
     def _unfence(self) -> None:
         """Slots whose release event has completed join the free list (never blocks)."""
@@ -272,10 +312,12 @@ class SlotRing:
             return None
 
     def _retire(self, sid: int) -> None:
-        off, size = self._slots.pop(sid)
-        handle = self._pins.pop(sid, None)
+        """Give a free slot's memory back (it has no pending copy: NOTE (d))."""
+        handle = self._pins.get(sid)
         if handle is not None:
-            _pinning.unregister(handle)  # waits for the fences (rare: batches grew)
+            _pinning.unregister(handle, settled=True)  # may raise: then nothing changed
+            del self._pins[sid]
+        off, size = self._slots.pop(sid)
         self.live_bytes -= size
         self.region.discard(off, size)
         i = bisect.bisect(self._extents, (off, size))
@@ -302,6 +344,7 @@ class SlotRing:
         if used == 0:
             self.release(sid)
             return None
+        self._out.discard(sid)
         base = self.region_array[off : off + align(used)]
         if sid in self._pins:
             fin = weakref.finalize(base, self._releaser, sid)
@@ -311,20 +354,44 @@ class SlotRing:
             self._leases[id(ref)] = (ref, sid)
         return base
 
-    def close(self) -> None:
-        """Forget the slots; memory stays mapped while user tensors still view it."""
-        if self.closed:
-            return
+    def close(self) -> bool:
+        """Stop handing out slots and give the memory back: free slots are unregistered now;
+        slots still held by the user or behind a pending fence stay registered until each is
+        released and passed its fence (NOTE (e): ``_memory/keeper.py`` reaps them). Memory
+        stays mapped while views of it live. An interrupted close (Ctrl-C) can be called
+        again. True when no slot is left registered."""
         self.closed = True
-        if self._pins:
-            # Each unregister first waits for the release fences and an event on the current
-            # stream (slots the user still holds, parked ones): NOTE [ Registered memory
-            # lifetime ] (3).
-            for h in self._pins.values():
-                _pinning.unregister(h)
-        self._pins.clear()
-        # Views handed to the user keep the memory mapped; the ring itself lets go of it
-        # (unpinned first: memory is never unmapped while registered with CUDA).
+        if self.region is None:
+            return not self._pins
+        done = self.reap(wait=False) if self._pins else True
+        # Views handed to the user and registration handles keep the memory mapped; the ring
+        # itself lets go of it (memory is never unmapped while registered with CUDA).
         self.region_tensor = self.region_array = None  # type: ignore[assignment]
         self.region.release()
         self.region = None  # type: ignore[assignment]
+        return done
+
+    def reap(self, *, wait: bool) -> bool:
+        """A closed ring: unregister its free slots (``wait``: after waiting for the pending
+        fences). True once no slot is left registered."""
+        if wait:
+            if self._parked:
+                self._releaser.fence_parked()
+            for sid in self._fences.wait():
+                self._released.append(sid)
+        self._collect_released()
+        self._unfence()
+        self._free.extend(self._out)  # given to workers that are gone: never leased
+        self._out.clear()
+        while self._free:
+            sid = self._free.pop()
+            handle = self._pins.pop(sid, None)
+            self._slots.pop(sid, None)
+            if handle is not None:
+                try:
+                    _pinning.unregister(handle, settled=True)
+                except BaseException:
+                    self._pins[sid] = handle  # still registered: tried again at the next reap
+                    self._free.append(sid)
+                    raise
+        return not self._pins

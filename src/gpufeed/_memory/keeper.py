@@ -1,0 +1,124 @@
+"""Where pinned slot rings live between epochs, and after they are closed.
+
+NOTE [ Slot lifetime ] (e) in ``_memory/ring.py``: registering a ring with CUDA costs time in
+proportion to its size, and unregistering it must wait for the copies that may still read it.
+A loader without persistent workers starts new workers every epoch; it keeps its pinned ring
+in a :class:`RingKeeper` from one epoch to the next instead of closing it:
+
+    epoch end (iterator closes) ──► workers stopped for good? ──yes──► ring.reclaim(), kept
+                                                                  no──► close_ring(ring)
+    next iter(loader)           ──► keeper.take(...) fits? ──yes──► the same ring, registered
+                                                            no──► close_ring(it), a new ring
+    loader collected            ──► close_ring(kept ring)
+
+A kept ring is handed to one iterator at a time (a second iterator of the same loader, alive
+at once, builds its own). It fits when the worker kind (shared or private memory), the device
+its slots are registered for and the budget asked for are the same; batches that grew are the
+ring's own business (larger slots are carved, smaller free ones retired).
+
+``close_ring`` unregisters what it can at once; a ring with slots still held by the user, or
+behind a pending release fence, waits in ``_closing`` until each has been released and has
+passed its fence (``reap_closed``, run whenever a ring is taken or closed, without blocking;
+``finish_closed_rings`` waits). Kept batches therefore stay page-locked as long as the user
+holds them, as stock's pinned batches do, and memory is never unmapped while registered.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import Any
+
+from .ring import SlotRing
+
+__all__ = ["RingKeeper", "close_ring", "finish_closed_rings", "reap_closed"]
+
+logger = logging.getLogger(__name__)
+
+_closing: list[SlotRing] = []  # closed rings with slots still registered
+os.register_at_fork(after_in_child=_closing.clear)  # the parent's registrations, not ours
+
+
+def reap_closed() -> None:
+    """Unregister the released, fenced-and-passed slots of closed rings (never blocks)."""
+    for ring in list(_closing):
+        try:
+            done = ring.reap(wait=False)
+        except Exception as e:  # CUDA torn down (interpreter exit): nothing left to do
+            logger.debug("closed slot ring not reaped: %s", e)
+            done = True
+        if done and ring in _closing:
+            _closing.remove(ring)
+
+
+def close_ring(ring: SlotRing) -> None:
+    """Close ``ring`` for good; what it cannot unregister yet waits in ``_closing``."""
+    if not ring.close() and ring not in _closing:
+        _closing.append(ring)
+    reap_closed()
+
+
+def finish_closed_rings() -> int:
+    """Wait for the release fences of every closed ring and unregister the released slots;
+    slots the user still holds stay registered. How many closed rings still hold some."""
+    for ring in list(_closing):
+        if ring.reap(wait=True) and ring in _closing:
+            _closing.remove(ring)
+    return len(_closing)
+
+
+def _close_kept(box: list[SlotRing]) -> None:
+    """The keeper's finalizer: its loader is gone, so is the use of its ring."""
+    while box:
+        try:
+            close_ring(box.pop())
+        except Exception as e:  # at interpreter exit CUDA may be gone already
+            logger.debug("kept slot ring not closed: %s", e)
+
+
+class RingKeeper:
+    """A loader's pinned ring between two epochs (see the module docstring).
+
+    Holds at most one ring; never referred to by the ring, nor by anything the loader's
+    iterators keep apart from this keeper, so no cycle keeps a loader's memory alive. Copies
+    and pickles of a loader get a keeper of their own, empty.
+    """
+
+    def __init__(self) -> None:
+        self._box: list[SlotRing] = []
+        self._pid = os.getpid()
+        weakref.finalize(self, _close_kept, self._box).atexit = False
+
+    def take(self, *, shared: bool, device: int | None, budget: int | None) -> SlotRing | None:
+        """The kept ring if it fits an iterator with these settings, else None (a kept ring
+        that does not fit is closed). In a forked child the parent's ring is forgotten: its
+        registrations and workers are the parent's."""
+        if os.getpid() != self._pid:
+            self._box.clear()
+            self._pid = os.getpid()
+        reap_closed()
+        if not self._box:
+            return None
+        ring = self._box.pop()
+        fits = (ring.pin and not ring.closed and ring.region is not None
+                and ring.region.shared == shared and ring.user_budget == budget
+                and (device is None or ring.device in (None, device)))
+        if fits:
+            return ring
+        close_ring(ring)
+        return None
+
+    def keep(self, ring: SlotRing) -> None:
+        """Keep ``ring`` for the next epoch (its workers have stopped; see ``reclaim``)."""
+        ring.reclaim()
+        if self._box:  # two iterators of one loader ended: keep the last one
+            close_ring(self._box.pop())
+        self._box.append(ring)
+
+    @property
+    def kept(self) -> SlotRing | None:
+        return self._box[0] if self._box else None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RingKeeper, ())
