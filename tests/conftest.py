@@ -55,6 +55,17 @@ def pytest_runtest_makereport(item, call):
         item.stash[_CALL_FAILED] = report.failed
 
 
+@pytest.fixture(autouse=True)
+def _finish_simulated_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """After a test that installed the simulated CUDA runtime: let it finish what the test
+    left (closed rings, queued work) before its monkeypatch is undone."""
+    yield
+    from support.sim_cuda import INSTALLED
+
+    while INSTALLED:
+        INSTALLED.pop().finish()
+
+
 @pytest.fixture(params=WORKER_TYPES)
 def worker_type(request) -> str:
     return request.param

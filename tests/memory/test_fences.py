@@ -23,6 +23,7 @@ from gpufeed._memory import pinning as _pinning
 from gpufeed._memory.region import PAGE
 from gpufeed._memory.ring import SlotRing
 from support.procs import deadline
+from support.release_checks import InterruptOnce
 from support.sim_cuda import SimCuda
 
 
@@ -62,6 +63,14 @@ class CollectingLock:
 
     def release(self) -> None:
         self.lock.release()
+
+
+class CollectingList(list):
+    """``retain``'s argument: a full collection while ``retain`` reads it."""
+
+    def __iter__(self) -> Any:
+        gc.collect()
+        return super().__iter__()
 
 
 def collect_inside_locks(obj: Any) -> None:
@@ -112,15 +121,19 @@ def run_bounded(fn: Callable[[], Any], seconds: float = 10.0) -> None:
 @pytest.mark.parametrize("section", ["done", "retain", "wait"])
 def test_a_collection_inside_a_fences_section_cannot_deadlock(sim: SimCuda, section: str) -> None:
     """A collection forced inside each of ``Fences``' sections finalizes a pinned batch whose
-    release adds a fence to the same ``Fences``: it must neither deadlock nor lose the slot."""
+    release adds a fence to the ring's ``Fences``: it must neither deadlock nor lose the slot.
+    ``retain`` is walked on a device stage's ``Fences`` (the only kind it is for: no
+    finalizer adds to it), the others on the ring's own."""
     gc.collect()
     ring = pinned_ring(sim)
     sid = batch_in_a_cycle(ring)
-    fences = ring._fences
+    fences = ring._fences if section != "retain" else Fences()
     fences.add(sim.record_on(sim.consumer), None)  # some work for the section
     collect_inside_locks(fences)
+    collect_inside_locks(ring._fences)
     call: dict[str, Callable[[], Any]] = {
-        "done": fences.done, "retain": lambda: fences.retain([]), "wait": fences.wait,
+        "done": fences.done, "retain": lambda: fences.retain(CollectingList()),
+        "wait": fences.wait,
     }
     sim.collect_at = {"query", "synchronize"}  # and at each event the section looks at
     run_bounded(call[section])
@@ -147,8 +160,11 @@ def test_releases_run_by_a_collection_inside_a_query_or_wait_are_kept(
     sids = [batch_in_a_cycle(ring) for _ in range(6)]
     fences = ring._fences
     fences.add(sim.record_on(sim.consumer), None)
+    seen = [entry[0] for entry in fences._entries.values()]
     run_bounded(fences.done if where == "query" else fences.wait)
     assert sim.collections >= 1
+    if where == "synchronize":
+        assert all(e.done for e in seen), "wait() returned before a fence it saw completed"
     sim.drain()
     freed: set[int] = set()
     for _ in range(len(sids) + 1):  # until every release has shown up
@@ -160,21 +176,6 @@ def test_releases_run_by_a_collection_inside_a_query_or_wait_are_kept(
 
 
 # -- an interrupted unregister ------------------------------------------------------------------
-class InterruptOnce:
-    """An event whose first wait is interrupted by a Ctrl-C (then it has completed)."""
-
-    def __init__(self) -> None:
-        self.waits = 0
-
-    def query(self) -> bool:
-        return self.waits > 1
-
-    def synchronize(self) -> None:
-        self.waits += 1
-        if self.waits == 1:
-            raise KeyboardInterrupt
-
-
 def test_an_interrupted_unregister_leaves_the_memory_registered_and_can_retry(
     sim: SimCuda,
 ) -> None:
@@ -238,3 +239,52 @@ def test_an_interrupted_device_stage_close_keeps_its_copies_waited_for(
     del it, stage, loader
     gc.collect()
     assert sim.registered == {}
+
+
+class Done:
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_an_interrupted_wait_hands_over_what_it_already_removed() -> None:
+    """The payloads of entries already waited for reach the sink as each is removed: an
+    interruption at the next one loses none, and the rest stay for the next wait."""
+    from collections import deque
+
+    fences = Fences()
+    fences.add(Done(), "slot 1")
+    fences.add(InterruptOnce(), "slot 2")
+    sink: deque[str] = deque()
+    with pytest.raises(KeyboardInterrupt):
+        fences.wait(sink)
+    assert list(sink) == ["slot 1"] and fences.payloads() == ["slot 2"]
+    fences.wait(sink)
+    assert list(sink) == ["slot 1", "slot 2"] and len(fences) == 0
+
+
+def test_a_handle_collected_during_a_ctrl_c_stays_registered_and_is_retried(
+    sim: SimCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handle collected while active (its ring collected without close) whose wait is
+    interrupted: the Ctrl-C is raised again in the main thread (not swallowed by the
+    finalizer), the memory stays registered and mapped, and the next reap unregisters it."""
+    from gpufeed._memory import keeper as _keeper
+
+    again: list[int] = []
+    monkeypatch.setattr(_pinning, "interrupt_main_later", lambda: again.append(1))
+    t = torch.zeros(PAGE, dtype=torch.uint8)
+    ptr = t.data_ptr()
+    fences = Fences()
+    handle = _pinning.register(t, device=0, fences=fences)
+    fences.add(InterruptOnce(), None)
+    del handle, t  # only the handle's reference keeps the memory mapped now
+    gc.collect()
+    assert again == [1], "the Ctrl-C was swallowed by the handle's finalizer"
+    assert ptr in sim.registered and _pinning.registered_bytes() == PAGE
+    assert len(_pinning._stranded) == 1 and _pinning._stranded[0]._keep is not None
+    _keeper.reap_closed()
+    assert sim.registered == {} and _pinning.registered_bytes() == 0
+    assert _pinning._stranded == []

@@ -191,3 +191,37 @@ def test_a_release_costs_one_event_per_device_and_no_guard_or_probe(
     assert cost["events"] == devices_used * cost["in_ring"], cost
     assert cost["guards"] <= 2 * cost["ordinary"] and cost["probes"] <= 4 * cost["ordinary"], cost
     sim.drain()
+
+
+def test_a_release_while_its_hand_out_stream_captures_a_graph_is_parked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loop runs on stream ``s``; a batch is dropped on another thread (whose current
+    stream is the default one) while ``s`` captures a CUDA graph: no event may be recorded on
+    ``s`` (it would be part of the graph); the slot is parked, and fenced once the capture is
+    over, with its copy still covered."""
+    sim = SimCuda(0, max_steps=2, devices=1)
+    sim.install(monkeypatch)
+    other = sim.new_stream()
+    seen: list[tuple[int, float]] = []
+    dropper = Dropper()
+    it = iter(loader_of(60))
+    parked = 0
+    k = -1
+    with sim.use_stream(other):
+        for batch in itertools.islice(it, 40):  # not enumerate: its tuple holds the batch
+            k += 1
+            x, y = batch["x"].cuda(non_blocking=True), batch["y"].cuda(non_blocking=True)
+            sim.launch(None, recorder(seen), x, y, cost=6)
+            sim.capturing_streams = {other} if k % 3 == 0 else set()
+            dropper.give(batch)
+            del batch
+            dropper.wait()
+            sim.capturing_streams = set()
+            parked += len(it._ring._parked)  # type: ignore[attr-defined]
+    dropper.stop()
+    it.close()  # type: ignore[attr-defined]
+    sim.drain()
+    assert [v for v in sim.violations if "captures" in v] == []
+    assert parked > 0
+    assert problems(sim, seen, expected(40, 4)) == []

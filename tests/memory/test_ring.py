@@ -10,6 +10,7 @@ import gc
 import signal
 import sys
 import time
+import types
 import weakref
 
 import numpy as np
@@ -383,12 +384,13 @@ def test_a_ctrl_c_inside_a_pinned_release_still_stops_the_loop(monkeypatch):
     finalizer) reaches the loop instead of being printed and dropped; the slot is parked
     for a later fence, never freed twice."""
     released, parked, fences = collections.deque(), collections.deque(), Fences()
-    releaser = Releaser(released, fences, parked, {3: object()}, None)
+    pins = {3: types.SimpleNamespace(ptr=0, nbytes=PAGE)}
+    releaser = Releaser(released, fences, parked, pins, None)
 
     def ctrl_c_here():  # the point where a Ctrl-C's handler raised
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_cuda, "in_copies_complete", ctrl_c_here)
+    monkeypatch.setattr(_cuda, "cuda_initialized", ctrl_c_here)
     _drop_and_expect_the_interrupt(releaser, 3)
     assert list(parked) == [3] and not released and len(fences) == 0
 
@@ -406,8 +408,9 @@ def test_a_ctrl_c_after_the_fence_never_frees_the_slot_twice(monkeypatch):
             raise KeyboardInterrupt  # where a Ctrl-C's handler raised
 
     fences = FreedMeanwhile()
-    releaser = Releaser(released, fences, parked, {3: object()}, 0)
-    monkeypatch.setattr(_cuda, "in_copies_complete", lambda: False)
+    pins = {3: types.SimpleNamespace(ptr=0, nbytes=PAGE)}
+    releaser = Releaser(released, fences, parked, pins, 0)
+    monkeypatch.setattr(_cuda, "copies_completed", lambda start, end: False)
     monkeypatch.setattr(_cuda, "cuda_initialized", lambda: True)
     monkeypatch.setattr(_cuda, "capturing", lambda device: False)
     monkeypatch.setattr(_cuda, "release_event", lambda device, also=(): "event")

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import gpufeed
+from gpufeed._base.cuda import Fences
 from gpufeed._memory import keeper as _keeper
 from gpufeed._memory import pinning as _pinning
 from gpufeed._memory.region import PAGE
@@ -167,3 +168,94 @@ def itertools_islice(it: Any, n: int) -> Any:
     import itertools
 
     return itertools.islice(it, n)
+
+
+def test_batches_kept_from_one_epoch_do_not_starve_the_next(sim: SimCuda) -> None:
+    """Every batch of epoch 1 kept (a cached epoch): the kept ring's budget is not taken by
+    them, so later epochs recycle their slots as a fresh ring would (the code before the
+    carried slots: about one fallback per batch, 1188 in 3 x 400 batches)."""
+    loader = loader_of(400)
+    kept = list(loader)
+    first = loader.stats().counters.get("ring_fallback", 0)
+    for _ in range(2):
+        for batch in loader:
+            x = batch["x"].cuda(non_blocking=True)
+            del batch
+            sim.launch(None, lambda t: None, x, cost=2)
+    later = loader.stats().counters.get("ring_fallback", 0) - first
+    assert later <= 2 * first + 10, (first, later)
+    sim.drain()
+    assert float(kept[7]["x"].double().sum()) == batch_sum(28)  # still intact
+    del kept, loader
+
+
+def test_an_interrupted_retire_keeps_its_slot(sim: SimCuda) -> None:
+    """Ctrl-C while retiring a slot (unregister waits for a device stage's copies): the slot
+    stays free and registered, so a later acquire or close still gives it back."""
+    from support.release_checks import InterruptOnce
+
+    ring = SlotRing(reserve=1 << 22, budget=None, shared=False, pin=True, slots_hint=8)
+    ring.learn(PAGE)
+    a = ring.acquire()
+    assert a is not None
+    ring.release(a[0])
+    ring.learn(2 * PAGE)
+    stage = Fences()
+    stage.add(InterruptOnce(), None)
+    _pinning.track_copies(stage)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ring.acquire()  # retires a: its unregister waits for the stage's copy
+    finally:
+        _pinning.untrack_copies(stage)
+    assert a[0] in ring._pins and a[0] in ring._free
+    assert ring.close() is True and sim.registered == {}
+
+
+def test_another_loaders_batch_collected_inside_a_stage_drop_is_still_fenced(
+    sim: SimCuda,
+) -> None:
+    """A collection that runs while a device stage drops its own copied batches finalizes a
+    batch of another loader, whose copy is still queued: that slot must be fenced, not freed
+    (the marker was thread-wide before: the slot was freed and unregistered under the copy)."""
+    from gpufeed._base import cuda as _cuda
+
+    sim.max_steps = 0  # the GPU stands still
+    ring = SlotRing(reserve=1 << 22, budget=None, shared=False, pin=True, slots_hint=8)
+    ring.learn(PAGE)
+    acquired = ring.acquire()
+    assert acquired is not None
+    base = ring.lease(acquired[0], PAGE)
+    x = torch.from_numpy(base).cuda(non_blocking=True)  # queued, not run
+    cycle: list[Any] = [base]
+    cycle.append(cycle)
+    del base, cycle
+    with _cuda.copies_complete([12345]):  # a stage drops a batch of its own
+        gc.collect()
+    ring._collect_released()
+    assert acquired[0] not in ring._free and ring.fenced == 1
+    _keeper.close_ring(ring)
+    assert sim.violations == []
+    sim.max_steps = 2
+    sim.drain()
+    _keeper.finish_closed_rings()
+    assert sim.registered == {} and sim.violations == []
+    del x
+
+
+def test_forked_workers_map_a_kept_ring_of_their_own(sim: SimCuda) -> None:
+    """Epochs after the first fork their workers after the ring was registered. A driver may
+    leave registered ranges out of a child's copy of the address space (MADV_DONTFORK, as
+    ROCm's did): here the parent marks the ring so, and the workers of epoch 2 must still
+    write every batch (each maps the memory file afresh) instead of dying of SIGSEGV."""
+    import mmap
+
+    if not hasattr(mmap, "MADV_DONTFORK"):
+        pytest.skip("no MADV_DONTFORK on this platform")
+    loader = loader_of(40, "process")
+    first = [float(b["x"].double().sum()) for b in loader]
+    ring = loader._keeper.kept
+    assert ring is not None and ring.region.fd >= 0
+    ring.region.mm.madvise(mmap.MADV_DONTFORK)  # what such a driver does to pinned pages
+    second = [float(b["x"].double().sum()) for b in loader]
+    assert first == second == [batch_sum(4 * k) for k in range(40)]

@@ -46,6 +46,21 @@ def recorder(seen: list[tuple[int, float]]) -> Callable[[torch.Tensor, torch.Ten
     return step
 
 
+class InterruptOnce:
+    """An event whose first wait is interrupted by a Ctrl-C (then it has completed)."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def query(self) -> bool:
+        return self.waits > 1
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        if self.waits == 1:
+            raise KeyboardInterrupt
+
+
 class Dropper:
     """A thread that drops what it is handed: ``give(obj)``, drop your own reference, then
     ``wait()`` returns once the thread has let go of it (the last reference went there)."""

@@ -46,7 +46,9 @@ The CUDA runtime around the device stage (``install(monkeypatch)``), for the use
   the bytes when it executes, so a slot rewritten in between is seen as the wrong batch;
   unregistering a range such a copy still has to read is a violation. From pageable memory
   the bytes are staged at the call (CUDA returns once the pageable buffer is copied).
-* ``torch.cuda.is_initialized`` (True after the first CUDA call), graph capture (``capture``).
+* ``torch.cuda.is_initialized`` (True after the first CUDA call), graph capture (``capture``:
+  the current stream; ``capturing_streams``: given streams, where recording an event is a
+  violation).
 
 What the tests steer:
 
@@ -78,6 +80,7 @@ import torch
 from gpufeed._device.streams import SyncBackend
 
 POISON = 0xFF  # every byte: NaN for floats, -1 for ints
+INSTALLED: list[SimCuda] = []  # installed during the running test (tests/conftest.py)
 
 
 class SimEvent:
@@ -185,6 +188,7 @@ class SimCuda(SyncBackend):
         self._stop_background = threading.Event()
         self.initialized = False  # torch.cuda.is_initialized()
         self.capture = False  # the current stream is capturing a graph
+        self.capturing_streams: set[SimStream] = set()  # these streams are capturing
         self.calls: list[tuple[str, int]] = []  # (CUDA call, current device at the call)
         self.registered: dict[int, int] = {}  # cudaHostRegister'ed ptr -> nbytes
         self.register_code = 0  # what cudaHostRegister returns (0: success)
@@ -279,11 +283,16 @@ class SimCuda(SyncBackend):
 
     @contextmanager  # type: ignore[override]
     def use_stream(self, stream: Any) -> Iterator[None]:
+        """``torch.cuda.stream(s)``: ``s``'s device current, ``s`` its current stream, for the
+        calling thread; both restored on exit."""
+        device = self.device_index
+        self.device_index = stream.device
         previous, self.current = self.current, stream
         try:
             yield
         finally:
             self.current = previous
+            self.device_index = device
 
     def record_event(self, stream: Any) -> SimEvent:
         with self.lock:
@@ -340,7 +349,9 @@ class SimCuda(SyncBackend):
     # -- the CUDA runtime around the stage (install) -------------------------------------------
     def install(self, monkeypatch: Any) -> None:
         """Make gpufeed's CUDA calls (``_pinning``'s seams, ``cudart``) and the user's
-        ``Tensor.cuda``/``Tensor.to``/``Tensor.pin_memory`` go to this simulator."""
+        ``Tensor.cuda``/``Tensor.to``/``Tensor.pin_memory`` go to this simulator. The test's
+        end (tests/conftest.py) calls ``finish`` before the monkeypatch is undone."""
+        INSTALLED.append(self)
         from gpufeed._base import cuda as _cuda
         from gpufeed._device import prefetch as _prefetch
         from gpufeed._memory import pinning as _pinning
@@ -350,11 +361,13 @@ class SimCuda(SyncBackend):
             "device_count": lambda: len(self.consumers),
             "current_device": self._current_device,
             "device_guard": self.device_ctx,
-            "_current_stream_capturing": lambda: self.capture,
+            "_current_stream_capturing": lambda: self.capture or self.current in
+            self.capturing_streams,
             # the seams of per-device release fences (absent from older code: set anyway)
             "_has_context": lambda index: index in self.contexts,
             "_current_stream_of": self.current_of,
             "_record_on": self.record_on,
+            "_capturing_on": lambda stream: stream in self.capturing_streams,
         }.items():
             monkeypatch.setattr(_cuda, name, fn, raising=False)
         monkeypatch.setattr(_cuda, "_with_context", set(), raising=False)  # this run's devices
@@ -407,6 +420,9 @@ class SimCuda(SyncBackend):
         """``torch.cuda.Event().record(stream)``: on the stream's own device (torch guards it)."""
         with self.lock:
             self.log("event", stream.device)
+            if stream in self.capturing_streams:
+                self.violations.append(f"an event recorded on {stream.name} while it captures "
+                                       "a CUDA graph (it would be part of the graph)")
             self.tick()
             return self._marker(stream)
 
@@ -542,6 +558,21 @@ class SimCuda(SyncBackend):
                     raise RuntimeError(f"deadlock: {what} can never complete; {self.streams}")
                 if time.monotonic() - start > self.time_limit_s:
                     raise RuntimeError(f"{what} not complete after {self.time_limit_s} s")
+
+    def finish(self) -> None:
+        """The end of a test: the GPU catches up, what the test left is collected, and the
+        rings it closed unregister their slots, while this runtime is still installed (a
+        later test's runtime must not see them)."""
+        from gpufeed._memory import keeper, pinning
+
+        self.stop_background()
+        gc.collect()
+        try:  # a test may leave a stream waiting for ever on purpose
+            self.drain()
+            keeper.finish_closed_rings()
+        except RuntimeError:
+            pass
+        pinning.retry_stranded()
 
     def drain(self) -> None:
         """Run every queued op (the end of a test: the GPU catches up)."""

@@ -25,7 +25,9 @@ it has a context.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -34,10 +36,12 @@ from typing import Any
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
-    "Events", "Fences", "capturing", "context_devices", "copies_complete", "cuda_initialized",
-    "current_device", "current_streams", "device_count", "device_guard", "in_copies_complete",
-    "release_event",
+    "Events", "Fences", "capturing", "context_devices", "copies_complete", "copies_completed",
+    "cuda_initialized", "current_device", "current_streams", "device_count", "device_guard",
+    "drain_last_error", "error_name", "release_event",
 ]
 
 
@@ -77,11 +81,12 @@ def _forget_contexts() -> None:  # a forked child has none
 os.register_at_fork(after_in_child=_forget_contexts)
 
 
-def context_devices(first: int) -> list[int]:
+def context_devices(first: int, *, probe: bool = True) -> list[int]:
     """``first`` (the ring's device), then every other device that has a CUDA context: the
     devices a copy from host memory can have been queued to (a copy needs a context on its
     device, and creates it before it is queued). Devices without one are asked each time
-    (a context may appear between two calls), devices with one never again."""
+    (a context may appear between two calls), devices with one never again; ``probe=False``
+    asks none (the devices known so far)."""
     count = device_count()
     if count <= 1:
         return [first]
@@ -89,7 +94,7 @@ def context_devices(first: int) -> list[int]:
     for index in range(count):
         if index == first:
             continue
-        if index in _with_context or _has_context(index):
+        if index in _with_context or (probe and _has_context(index)):
             _with_context.add(index)
             out.append(index)
     return out
@@ -110,17 +115,59 @@ def _record_on(stream: Any) -> Any:
     return event
 
 
+def _capturing_on(stream: Any) -> bool:
+    with torch.cuda.stream(stream):
+        return bool(torch.cuda.is_current_stream_capturing())
+
+
 def release_event(device: int, also: Sequence[Any] = ()) -> Any:
     """An event that completes once everything queued so far on the streams ``also`` and on
     the calling thread's current stream of every device with a context (``device`` first)
     has: a user's non_blocking copies from a batch, wherever they went (NOTE [ Slot
-    lifetime ] (a)). One event per distinct stream."""
+    lifetime ] (a)). One event per distinct stream. RuntimeError if a stream other than the
+    first (the caller checked that one) is capturing a CUDA graph: an event recorded there
+    would be part of the graph."""
     streams = current_streams(context_devices(device))  # distinct: one per device
     if also and list(also) != streams:  # handed out on other streams than the current ones
-        streams = list(dict.fromkeys([*also, *streams]))
+        streams = list(dict.fromkeys([*streams, *also]))
     if len(streams) == 1:
         return _record_on(streams[0])
+    if any(_capturing_on(s) for s in streams[1:]):
+        raise RuntimeError("a CUDA graph capture is in progress on a stream to fence")
     return Events(tuple(_record_on(s) for s in streams))
+
+
+def error_name(cudart: Any, code: int) -> str:
+    """The CUDA runtime's name for error ``code`` (``torch.cuda.cudart()``'s binding)."""
+    try:
+        return str(cudart.cudaGetErrorString(cudart.cudaError(code)))
+    except Exception:
+        return "unknown CUDA error"
+
+
+def drain_last_error(cudart: Any) -> None:
+    """Consume the error a failed runtime call left behind (best effort).
+
+    A failed ``cudaHostRegister`` leaves a pending per-thread error; torch's next kernel
+    launch check (``cudaGetLastError``) would then raise it against an unrelated op.
+    torch's own binding exposes ``cudaGetLastError`` only in some versions, so fall back to
+    every libcudart mapped into this process (wheels bundle it as ``libcudart-<hash>``).
+    """
+    getter = getattr(cudart, "cudaGetLastError", None)
+    if getter is not None:
+        getter()
+        return
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(None, 5)[-1].strip() for line in maps if "libcudart" in line}
+    except OSError:
+        return
+    for path in paths:
+        path = path.removesuffix(" (deleted)")
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+        except (OSError, AttributeError):
+            logger.debug("could not clear the CUDA error through %s", path)
 
 
 def capturing(index: int | None) -> bool:
@@ -138,18 +185,28 @@ def _current_stream_capturing() -> bool:
 
 
 @contextmanager
-def copies_complete() -> Iterator[None]:
-    """Batches dropped in this block had every copy from them completed (a device stage
-    drops a host batch only after its copy event): their slots need no release fence."""
-    _local.complete = getattr(_local, "complete", 0) + 1
+def copies_complete(addresses: Sequence[int]) -> Iterator[None]:
+    """The batches whose leaves start at ``addresses``, dropped in this block, had every copy
+    from them completed (a device stage drops a host batch only after its copy event): their
+    slots need no release fence. Other batches released in the block (a collection that runs
+    inside it) are fenced as usual."""
+    stack = getattr(_local, "complete", None)
+    if stack is None:
+        stack = _local.complete = []
+    stack.append(addresses)
     try:
         yield
     finally:
-        _local.complete -= 1
+        stack.pop()
 
 
-def in_copies_complete() -> bool:
-    return bool(getattr(_local, "complete", 0))
+def copies_completed(start: int, end: int) -> bool:
+    """Whether a batch in ``[start, end)`` is being dropped under ``copies_complete``."""
+    for addresses in getattr(_local, "complete", ()):
+        for p in addresses:
+            if start <= p < end:
+                return True
+    return False
 
 
 _local = threading.local()
@@ -204,21 +261,33 @@ class Fences:
         """Fence ``payload`` behind ``event`` (any thread, finalizers included)."""
         self._entries[next(self._keys)] = (event, payload)
 
-    def done(self) -> list[Any]:
-        """Drop the entries whose event has completed (never blocks); their payloads."""
+    def done(self, sink: Any = None) -> list[Any]:
+        """Drop the entries whose event has completed (never blocks); their payloads, handed
+        to ``sink.append`` as each entry is removed when given (an interruption between two
+        entries then loses none), else returned. An event that cannot be asked (CUDA error)
+        counts as not completed."""
         entries = self._entries
-        finished = []
+        finished: list[Any] = []
+        put = finished.append if sink is None else sink.append
         for key in list(entries):
             entry = entries.get(key)
-            if entry is not None and entry[0].query():
+            if entry is None:
+                continue
+            try:
+                complete = entry[0].query()
+            except RuntimeError as e:
+                logger.debug("release fence not queryable: %s", e)
+                complete = False
+            if complete:
                 gone = entries.pop(key, None)
                 if gone is not None:
-                    finished.append(gone[1])
+                    put(gone[1])
         return finished
 
     def retain(self, events: list[Any]) -> None:
         """Keep only the entries whose event is one of ``events`` (the others are known to
-        have completed)."""
+        have completed). Only for a Fences that no finalizer adds to (a device stage's own
+        copies): an entry added after the caller built ``events`` would be dropped."""
         keep = {id(e) for e in events}
         entries = self._entries
         for key in list(entries):
@@ -226,11 +295,13 @@ class Fences:
             if entry is not None and id(entry[0]) not in keep:
                 entries.pop(key, None)
 
-    def wait(self) -> list[Any]:
+    def wait(self, sink: Any = None) -> list[Any]:
         """Block until every event added before the call has completed; drop those entries;
-        their payloads. Interrupted, the entries not yet waited for stay."""
+        their payloads (to ``sink.append`` as each is removed, when given). Interrupted, the
+        entries not yet waited for stay."""
         entries = self._entries
-        finished = []
+        finished: list[Any] = []
+        put = finished.append if sink is None else sink.append
         for key in list(entries):
             entry = entries.get(key)
             if entry is None:
@@ -238,5 +309,9 @@ class Fences:
             entry[0].synchronize()
             gone = entries.pop(key, None)
             if gone is not None:
-                finished.append(gone[1])
+                put(gone[1])
         return finished
+
+    def payloads(self) -> list[Any]:
+        """The payloads of the entries now (a snapshot)."""
+        return [entry[1] for entry in list(self._entries.values())]

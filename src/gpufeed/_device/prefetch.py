@@ -12,7 +12,8 @@ NOTE [ Device stage: streams, events and slots ]
                transform (optional)         ─► E_ready(i)                 C.wait_event(E_ready(i))
                                                                           leaf.record_stream(C)
                                                                           return device batch i
-    _host:  (E_copy, host batch) FIFO ── dropped once E_copy.query() is True (rule 3)
+    _host:  (E_copy, host batch, its leaves' addresses) FIFO ── dropped once E_copy.query()
+            is True (rule 3)
     _ready: (E_ready, device batch) FIFO ── at most `depth` entries when next() returns (rule 4)
     _marks: M FIFO ── at most `depth` unfinished when a batch is issued (rule 8)
 
@@ -56,9 +57,10 @@ NOTE [ Device stage: streams, events and slots ]
     memory (a ring slot retired, a ring closed first after a worker error, or collected
     before this iterator in a garbage cycle) waits for the copies in flight here before
     ``cudaHostUnregister``; a close whose wait is interrupted (Ctrl-C) leaves them tracked.
-    Host batches are dropped under ``_cuda.copies_complete()``: their copy has completed,
-    so the ring needs no release fence for them (NOTE [ Slot lifetime ] (b)) and recycles
-    their slots at once.
+    Host batches are dropped under ``_cuda.copies_complete(addresses of their leaves)``:
+    their copy has completed, so the ring needs no release fence for their slots (NOTE [ Slot
+    lifetime ] (b)) and recycles them at once; another loader's batch dropped meanwhile (by a
+    collection) is fenced as usual.
 (11) Device and capture. Every backend call runs under ``backend.guard()`` (the target
     device made current: no context on another GPU). next() during CUDA graph capture
     raises: its copies, events and waits would be recorded into the graph.
@@ -112,10 +114,20 @@ def _nbytes(batch: Any) -> int:
     return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
 
 
-def _pop_completed(fifo: deque[Any]) -> None:
+def _pop_completed(fifo: deque[Any]) -> list[Any]:
     """Pop entries (events, or tuples starting with one) from the left once complete."""
+    done = []
     while fifo and _event(fifo[0]).query():
-        fifo.popleft()
+        done.append(fifo.popleft())
+    return done
+
+
+def _drop_copied(entries: list[tuple[Any, Any, tuple[int, ...]]]) -> None:
+    """Drop host batches whose copies have completed (rule 10): their ring slots need no
+    release fence, and only theirs: the addresses of their leaves say which (a collection
+    that runs meanwhile may drop another loader's batch, which must still be fenced)."""
+    with _cuda.copies_complete([p for entry in entries for p in entry[2]]):
+        entries.clear()
 
 
 def _event(entry: Any) -> Any:
@@ -164,7 +176,7 @@ class DeviceIterator(Iterator[Any]):
         self._pid = os.getpid()
         self._state = _State.UNSTARTED
         self._side: Any = None
-        self._host: deque[tuple[Event, Any]] = deque()
+        self._host: deque[tuple[Event, Any, tuple[int, ...]]] = deque()
         self._ready: deque[tuple[Event, Any, int]] = deque()
         self._marks: deque[Event] = deque()
         self._copies = _cuda.Fences()  # rule (10)
@@ -237,9 +249,8 @@ class DeviceIterator(Iterator[Any]):
         self._bytes_held -= nbytes
         self._batches += 1
         self._fill()  # rule (4): i+1..i+depth issued before batch i is returned
-        with _cuda.copies_complete():
-            _pop_completed(self._host)  # rule (3)
-        self._copies.retain([e for e, _ in self._host])  # the others have completed
+        _drop_copied(_pop_completed(self._host))  # rule (3)
+        self._copies.retain([entry[0] for entry in self._host])  # the others have completed
         return batch
 
     def stats(self) -> DeviceStats:
@@ -272,14 +283,14 @@ class DeviceIterator(Iterator[Any]):
         source, self._source = self._source, iter(())
         waited = False
         try:
-            with _cuda.copies_complete():
-                while self._host:  # rule (6): no DMA may still read a slot we give back
-                    self._host[0][0].synchronize()
-                    self._host.popleft()
+            while self._host:  # rule (6): no DMA may still read a slot we give back
+                self._host[0][0].synchronize()
+                _drop_copied([self._host.popleft()])
             waited = True
         finally:
-            with _cuda.copies_complete():  # a failed wait: released unfenced, as before
-                self._host.clear()
+            rest = list(self._host)  # a failed wait: released unfenced, as before
+            self._host.clear()
+            _drop_copied(rest)
             self._ready.clear()
             self._marks.clear()
             self._bytes_held = 0
@@ -307,16 +318,14 @@ class DeviceIterator(Iterator[Any]):
     def _make_room(self) -> float:
         """Rules (3) and (8) before a batch is issued; returns the seconds spent waiting on
         copies (consumer waits are counted apart: they are not the input's fault)."""
-        with _cuda.copies_complete():
-            _pop_completed(self._host)
+        _drop_copied(_pop_completed(self._host))
         _pop_completed(self._marks)
         waited = 0.0
         if len(self._host) > self.depth:
             start = time.perf_counter()
             while len(self._host) > self.depth:
                 self._host[0][0].synchronize()
-                with _cuda.copies_complete():
-                    self._host.popleft()
+                _drop_copied([self._host.popleft()])
                 self._host_waits += 1
             waited = time.perf_counter() - start
             self._host_wait_s += waited
@@ -335,6 +344,7 @@ class DeviceIterator(Iterator[Any]):
         start = time.perf_counter()
         backend, side = self._backend, self._side
         sent = 0
+        addresses: list[int] = []
         staged: tuple[torch.Tensor, str] | None = None
         resident = {id(t): t for t in tree_leaves(host)
                     if isinstance(t, torch.Tensor) and backend.on_device(t)}
@@ -348,6 +358,7 @@ class DeviceIterator(Iterator[Any]):
             if id(t) in resident:
                 return t  # what .to(device) would return: the tensor itself
             sent += t.numel() * t.element_size()
+            addresses.append(t.data_ptr())
             if backend.needs_pinned and t.device.type == "cpu" and staged is None:
                 reason = staged_reason(t, backend.is_pinned(t))
                 if reason is not None:
@@ -359,7 +370,7 @@ class DeviceIterator(Iterator[Any]):
                 batch = map_tensors(copy, host)
             finally:  # even after a failed copy: the leaves before it may be in flight
                 copied = backend.record_event(side)
-                self._host.append((copied, host))
+                self._host.append((copied, host, tuple(addresses)))
                 self._copies.add(copied)
             self._bytes_copied += sent
             ready = copied

@@ -153,7 +153,7 @@ def worker_loop(
     region = spec.region
     if is_process:
         chan = ProcessChannel(chan)
-        region = region.tensor if region is not None else None  # a _memory.ring.Region
+        region = region.tensor_here() if region is not None else None  # a _memory Region
         for fd in close_fds:  # the main's ends of other workers' pipes, inherited by fork
             try:
                 os.close(fd)

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 from typing import Any
 
+from . import pinning as _pinning
 from .ring import SlotRing
 
 __all__ = ["RingKeeper", "close_ring", "finish_closed_rings", "reap_closed"]
@@ -37,19 +39,44 @@ __all__ = ["RingKeeper", "close_ring", "finish_closed_rings", "reap_closed"]
 logger = logging.getLogger(__name__)
 
 _closing: list[SlotRing] = []  # closed rings with slots still registered
-os.register_at_fork(after_in_child=_closing.clear)  # the parent's registrations, not ours
+
+
+_reaping = threading.Lock()  # taken without blocking: a reap inside a reap skips
+
+
+def _after_fork() -> None:
+    global _reaping
+    _closing.clear()  # the parent's registrations, not ours
+    _reaping = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def reap_closed() -> None:
-    """Unregister the released, fenced-and-passed slots of closed rings (never blocks)."""
-    for ring in list(_closing):
-        try:
-            done = ring.reap(wait=False)
-        except Exception as e:  # CUDA torn down (interpreter exit): nothing left to do
-            logger.debug("closed slot ring not reaped: %s", e)
-            done = True
-        if done and ring in _closing:
-            _closing.remove(ring)
+    """Unregister the released, fenced-and-passed slots of closed rings (never blocks; one
+    caller at a time, any thread: a collection may close a loader's ring anywhere)."""
+    if not _reaping.acquire(blocking=False):
+        return  # another reap runs (on another thread, or this one further up)
+    try:
+        _pinning.retry_stranded()
+        for ring in list(_closing):
+            try:
+                done = ring.reap(wait=False)
+            except Exception as e:  # tried again at the next reap
+                logger.debug("closed slot ring not reaped yet: %s", e)
+                continue
+            if done:
+                _forget(ring)
+    finally:
+        _reaping.release()
+
+
+def _forget(ring: SlotRing) -> None:
+    try:
+        _closing.remove(ring)
+    except ValueError:
+        pass
 
 
 def close_ring(ring: SlotRing) -> None:
@@ -62,9 +89,11 @@ def close_ring(ring: SlotRing) -> None:
 def finish_closed_rings() -> int:
     """Wait for the release fences of every closed ring and unregister the released slots;
     slots the user still holds stay registered. How many closed rings still hold some."""
-    for ring in list(_closing):
-        if ring.reap(wait=True) and ring in _closing:
-            _closing.remove(ring)
+    with _reaping:
+        _pinning.retry_stranded()
+        for ring in list(_closing):
+            if ring.reap(wait=True):
+                _forget(ring)
     return len(_closing)
 
 
@@ -88,7 +117,8 @@ class RingKeeper:
     def __init__(self) -> None:
         self._box: list[SlotRing] = []
         self._pid = os.getpid()
-        weakref.finalize(self, _close_kept, self._box).atexit = False
+        self._fin = weakref.finalize(self, _close_kept, self._box)
+        self._fin.atexit = False
 
     def take(self, *, shared: bool, device: int | None, budget: int | None) -> SlotRing | None:
         """The kept ring if it fits an iterator with these settings, else None (a kept ring
@@ -111,6 +141,9 @@ class RingKeeper:
 
     def keep(self, ring: SlotRing) -> None:
         """Keep ``ring`` for the next epoch (its workers have stopped; see ``reclaim``)."""
+        if not self._fin.alive:  # collected with its loader already (a garbage cycle)
+            close_ring(ring)
+            return
         ring.reclaim()
         if self._box:  # two iterators of one loader ended: keep the last one
             close_ring(self._box.pop())

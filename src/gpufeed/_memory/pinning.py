@@ -61,7 +61,10 @@ NOTE [ Registered memory lifetime ]
 (7) Interrupted. ``unregister`` waits before it changes anything: a Ctrl-C or error in the
     wait (where an epoch-end Ctrl-C lands) leaves the memory registered, counted
     (``registered_bytes``) and mapped, and the handle active; calling it again (the ring's
-    next close or reap, or the handle's collection) finishes. Before, the handle was marked
+    next close or reap, or the handle's collection) finishes. A handle whose collection
+    could not unregister passes what it holds to a new handle in ``_stranded``, which every
+    reap of closed rings retries (``retry_stranded``), and a Ctrl-C there is raised again in
+    the main thread (NOTE [ Ctrl-C and slot releases ]). Before, the handle was marked
     released first: the memory stayed registered for good and a later ring mapped at the
     same address failed with error 712.
 
@@ -83,10 +86,12 @@ import torch
 from .._base import cuda as _cuda
 from .._base.cuda import Fences
 from .._base.tree import byte_extent, tree_map
+from .release import interrupt_main_later
 
 __all__ = [
     "PinnedRegion", "cuda_usable", "is_pinned", "pin", "pin_batch", "pin_device_index",
-    "register", "registered_bytes", "track_copies", "unregister", "untrack_copies",
+    "register", "registered_bytes", "retry_stranded", "track_copies", "unregister",
+    "untrack_copies",
 ]
 
 logger = logging.getLogger(__name__)
@@ -99,13 +104,27 @@ _refcounts: dict[tuple[int, int], int] = {}  # (ptr, nbytes) -> live handles we 
 
 
 _tracked: set[Fences] = set()  # NOTE [ Registered memory lifetime ] rule (3): strong on purpose
+_stranded: list[PinnedRegion] = []  # collected while active, their unregister interrupted
 
 
 def _forget_after_fork() -> None:  # NOTE [ Registered memory lifetime ] rule (4)
-    global _lock, _refcounts, _tracked
+    global _lock, _refcounts, _tracked, _stranded
     _lock = threading.RLock()  # another thread may have held it at the fork
     _refcounts = {}
     _tracked = set()
+    _stranded = []
+
+
+def retry_stranded() -> None:
+    """Unregister the handles whose collection could not (rule 7); never raises."""
+    for h in list(_stranded):
+        try:
+            unregister(h)
+        except Exception as e:
+            logger.debug("stranded registration not undone yet: %s", e)
+            continue
+        if h in _stranded:
+            _stranded.remove(h)
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -140,8 +159,19 @@ class PinnedRegion:
         if getattr(self, "active", False) and self.owned:
             try:
                 unregister(self)
-            except Exception:  # interpreter exit, CUDA torn down: nothing left to do
-                pass
+            except BaseException as e:  # never unmapped while registered: tried again later
+                if self.active and self._pid == os.getpid() and _stranded is not None:
+                    _stranded.append(self._copy())  # (None: the interpreter is exiting)
+                if isinstance(e, KeyboardInterrupt):  # not swallowed by the finalizer
+                    interrupt_main_later()
+
+    def _copy(self) -> PinnedRegion:
+        """A handle on the same registration, holding what this one held."""
+        other = PinnedRegion.__new__(PinnedRegion)
+        for name in PinnedRegion.__slots__:
+            setattr(other, name, getattr(self, name))
+        self.active, self._keep = False, None
+        return other
 
     def __repr__(self) -> str:
         state = "active" if self.active else "released"
@@ -229,7 +259,7 @@ def register(
             cudart = torch.cuda.cudart()
             code = int(cudart.cudaHostRegister(ptr, nbytes, _PORTABLE))
             if code != 0:
-                _drain_last_error(cudart)
+                _cuda.drain_last_error(cudart)
         if code != 0:
             hint = (
                 "Part of this memory is already page-locked (an overlapping region was "
@@ -240,7 +270,7 @@ def register(
             )
             raise RuntimeError(
                 f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed: "
-                f"{_error_name(cudart, code)} (cudaError {code}). {hint}"
+                f"{_cuda.error_name(cudart, code)} (cudaError {code}). {hint}"
             )
         _refcounts[key] = 1
         return PinnedRegion(ptr, nbytes, owned=True, keep=t, device=device, fences=fences)
@@ -285,10 +315,10 @@ def unregister(h: PinnedRegion | None, *, settled: bool = False) -> None:
             keep, h._keep = h._keep, None
             del keep  # only now may the memory be unmapped
             if code != 0:
-                _drain_last_error(cudart)
+                _cuda.drain_last_error(cudart)
         if code != 0:
             raise RuntimeError(
-                f"cudaHostUnregister at {h.ptr:#x} failed: {_error_name(cudart, code)} "
+                f"cudaHostUnregister at {h.ptr:#x} failed: {_cuda.error_name(cudart, code)} "
                 f"(cudaError {code}). Was this range unregistered by other code (e.g. "
                 "cudart().cudaHostUnregister called directly)? Unregister only through its "
                 "handle."
@@ -361,35 +391,3 @@ def pin_batch(
             return x if is_pinned(x) else pin(x)
 
     return tree_map(pin_leaf, batch)
-
-
-def _error_name(cudart: Any, code: int) -> str:
-    try:
-        return str(cudart.cudaGetErrorString(cudart.cudaError(code)))
-    except Exception:
-        return "unknown CUDA error"
-
-
-def _drain_last_error(cudart: Any) -> None:
-    """Consume the error a failed runtime call left behind (best effort).
-
-    A failed ``cudaHostRegister`` leaves a pending per-thread error; torch's next kernel
-    launch check (``cudaGetLastError``) would then raise it against an unrelated op.
-    torch's own binding exposes ``cudaGetLastError`` only in some versions, so fall back to
-    every libcudart mapped into this process (wheels bundle it as ``libcudart-<hash>``).
-    """
-    getter = getattr(cudart, "cudaGetLastError", None)
-    if getter is not None:
-        getter()
-        return
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split(None, 5)[-1].strip() for line in maps if "libcudart" in line}
-    except OSError:
-        return
-    for path in paths:
-        path = path.removesuffix(" (deleted)")
-        try:
-            ctypes.CDLL(path).cudaGetLastError()
-        except (OSError, AttributeError):
-            logger.debug("could not clear the CUDA error through %s", path)

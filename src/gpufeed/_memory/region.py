@@ -113,6 +113,7 @@ class Region:
         self.size = size
         self.fd = -1
         self.shared = shared
+        self._pid = os.getpid()
         self._fd_fin: weakref.finalize[Any, Any] | None = None
         if shared:
             self.fd = _anonymous_file(size)
@@ -127,6 +128,20 @@ class Region:
             self.mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
         self.array: np.ndarray = np.frombuffer(self.mm, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.array)
+
+    def tensor_here(self) -> torch.Tensor:
+        """The region's bytes in this process. In a child forked while the descriptor was
+        open, a mapping of its own rather than the inherited one: part of the region may have
+        been page-locked (``cudaHostRegister``) before the fork, and a driver may leave such
+        ranges out of a child's copy of the address space (``MADV_DONTFORK``), as ROCm's did.
+        A new mapping of the memory file reaches the same pages whatever the driver did."""
+        if os.getpid() == self._pid or self.fd < 0:
+            return self.tensor
+        mm = mmap.mmap(self.fd, self.size)
+        self.mm, self.array = mm, np.frombuffer(mm, dtype=np.uint8)  # the inherited one unused
+        self.tensor = torch.from_numpy(self.array)
+        self._pid = os.getpid()
+        return self.tensor
 
     def discard(self, offset: int, size: int) -> None:
         """Give the pages of a retired slot back to the system (contents are lost)."""
@@ -167,6 +182,7 @@ def _attach(dupfd: Any, size: int) -> Region:
     fd = dupfd.detach()
     obj = Region.__new__(Region)
     obj.size, obj.fd, obj.shared, obj._fd_fin = size, -1, True, None
+    obj._pid = os.getpid()
     try:
         obj.mm = mmap.mmap(fd, size)
     finally:

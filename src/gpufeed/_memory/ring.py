@@ -54,20 +54,12 @@ caching host allocator this way, but records nothing for registered memory:
     every slot the user still holds, or whose fence is pending, registered and mapped: such a
     ring waits in ``_memory/keeper.py``'s list of closing rings, and each slot is unregistered
     once released and passed its fence (when a ring is taken or closed, and at
-    ``finish_closed_rings``). Without
-    persistent workers the loader keeps a pinned ring from one epoch to the next
-    (``_memory/keeper.py``), registered, with its kept and fenced slots as they are: an epoch
-    end neither unregisters nor waits for the GPU.
+    ``finish_closed_rings``). Without persistent workers the loader keeps a pinned ring from
+    one epoch to the next (``_memory/keeper.py``), registered, with its kept and fenced slots
+    as they are: an epoch end neither unregisters nor waits for the GPU. Slots the user holds
+    across an epoch end are carried outside the next epoch's budget until released.
 
-Cost per batch of a pinned ring: at hand-out, one current-stream read per device with a
-context; at release, one event per distinct stream among those and the releasing thread's
-(one, in a plain loop on one device; one per device with a context otherwise); and a query
-per fenced slot at ``acquire`` when no slot is free. No device guard, no pointer probe
-(``_host/iterator.py`` skips ``pin_batch``'s probes for a batch held in a registered slot).
-
-Ctrl-C: an unpinned slot is released by no Python code at all, a pinned one by a
-``Releaser`` that never swallows a KeyboardInterrupt (NOTE [ Ctrl-C and slot releases ] in
-``_memory/release.py``).
+Cost per batch, and Ctrl-C during a release: ``_memory/release.py``.
 
 Registration failure (locked-memory limit, unsupported, out of resources): one warning
 (``PinningFallbackWarning``) with CUDA's reason and the fix; the slot and every later one
@@ -120,14 +112,8 @@ class SlotRing:
         self, *, reserve: int, budget: int | None, shared: bool, pin: bool, slots_hint: int,
         device: int | None = None,
     ) -> None:
-        self.reserve = reserve
-        self.device = device
-        self.budget = budget
-        self.user_budget = budget
-        self.slots_hint = slots_hint
-        self.pin = pin
-        if budget is not None:
-            self.budget = self.user_budget = min(budget, reserve)  # see reserve_for
+        self.reserve, self.device, self.slots_hint, self.pin = reserve, device, slots_hint, pin
+        self.budget = self.user_budget = None if budget is None else min(budget, reserve)
         try:
             self.region = Region(max(reserve, PAGE), shared=shared)
         except OSError as e:
@@ -149,9 +135,7 @@ class SlotRing:
         self._pins: dict[int, Any] = {}
         self._free: list[int] = []
         self._next_id = 0
-        self.live_bytes = 0
-        self.grows = 0
-        self.fallbacks = 0
+        self.live_bytes = self.grows = self.fallbacks = 0
         self.closed = False
         # Finalizers may run on any thread; deque.append/popleft are atomic.
         self._released: collections.deque[int] = collections.deque()
@@ -162,6 +146,8 @@ class SlotRing:
         self._fences = _cuda.Fences()  # (event, slot) of fenced releases; handles hold it
         self._parked: collections.deque[int] = collections.deque()  # see (c)
         self._out: set[int] = set()  # acquired for a worker, not yet leased or released
+        self._carried: set[int] = set()  # held by the user since before the epoch began
+        self.carried_bytes = 0
         self._handout: dict[int, Any] = {}  # slot -> the consumer's streams at hand-out
         self._releaser = Releaser(self._released, self._fences, self._parked, self._pins,
                                    device, self._handout)
@@ -210,15 +196,21 @@ class SlotRing:
             return None
         if not self._free:
             self._unfence()
+        counted = self.live_bytes - self.carried_bytes  # against the budget
         while self._free:
             sid = self._free.pop()
             off, size = self._slots[sid]
-            over = self.budget is not None and self.live_bytes > self.budget
+            over = self.budget is not None and counted > self.budget
             if size >= self.slot_bytes and not over:
                 self._out.add(sid)
                 return sid, off, size
-            self._retire(sid)  # too small for today's batches, or the budget shrank
-        if self.budget is not None and self.live_bytes + self.slot_bytes <= self.budget:
+            try:
+                self._retire(sid)  # too small for today's batches, or the budget shrank
+            except BaseException:
+                self._free.append(sid)  # still registered (a wait was interrupted)
+                raise
+            counted = self.live_bytes - self.carried_bytes
+        if self.budget is not None and counted + self.slot_bytes <= self.budget:
             new = self._carve(self.slot_bytes)
             if new is not None:
                 self._out.add(new[0])
@@ -240,7 +232,8 @@ class SlotRing:
             return None
         if streams and _cuda.cuda_initialized():
             device = self.device if self.device is not None else _cuda.current_device()
-            self._handout[sid] = _cuda.current_streams(_cuda.context_devices(device))
+            known = _cuda.context_devices(device, probe=False)  # a release probes the rest
+            self._handout[sid] = _cuda.current_streams(known)
         off, size = self._slots[sid]
         start = self.region_tensor.data_ptr() + off
         return start, start + size
@@ -252,23 +245,27 @@ class SlotRing:
                 "fallbacks": self.fallbacks, "budget": self.budget or 0}
 
     def reclaim(self) -> None:
-        """Slots given to workers that never answered return to the free list: call only
-        once every worker that held one has stopped (the ring is kept for the next epoch)."""
+        """The ring is kept for the next epoch, every worker that held a slot has stopped:
+        slots given to workers that never answered return to the free list, and slots the
+        user still holds are carried over, outside the next epoch's budget (as if the epoch
+        had a ring of its own) until they are released."""
         self._free.extend(self._out)
         self._out.clear()
         self._collect_released()
+        idle = {*self._free, *self._fences.payloads(), *self._parked}
+        self._carried = {sid for sid in self._slots if sid not in idle}
+        self.carried_bytes = sum(self._slots[sid][1] for sid in self._carried)
 
     def _unfence(self) -> None:
         """Slots whose release event has completed join the free list (never blocks)."""
         if self._parked:
             self._releaser.fence_parked()
-        for sid in self._fences.done():
-            if sid in self._slots:
-                self._free.append(sid)
+        self._fences.done(self._released)  # each payload handed over as it is removed
+        self._collect_released()
 
     def _collect_released(self) -> None:
         """Slots released without a fence (``release``, dropped unpinned batches, unfenced
-        finalizers) join the free list."""
+        finalizers) and those past their fence join the free list."""
         rel, dropped, leases = self._released, self._dropped, self._leases
         while dropped:
             rel.append(leases.pop(id(dropped.popleft()))[1])
@@ -276,6 +273,9 @@ class SlotRing:
             sid = rel.popleft()
             if sid in self._slots:
                 self._free.append(sid)
+                if sid in self._carried:  # counts against the budget again
+                    self._carried.discard(sid)
+                    self.carried_bytes -= self._slots[sid][1]
 
     def _carve(self, size: int) -> tuple[int, int, int] | None:
         for i, (off, free) in enumerate(self._extents):
@@ -377,21 +377,17 @@ class SlotRing:
         if wait:
             if self._parked:
                 self._releaser.fence_parked()
-            for sid in self._fences.wait():
-                self._released.append(sid)
+            self._fences.wait(self._released)
         self._collect_released()
         self._unfence()
         self._free.extend(self._out)  # given to workers that are gone: never leased
         self._out.clear()
         while self._free:
-            sid = self._free.pop()
-            handle = self._pins.pop(sid, None)
+            sid = self._free[-1]
+            handle = self._pins.get(sid)
+            if handle is not None:  # may raise: the slot stays free and registered
+                _pinning.unregister(handle, settled=True)
+                del self._pins[sid]
+            self._free.pop()
             self._slots.pop(sid, None)
-            if handle is not None:
-                try:
-                    _pinning.unregister(handle, settled=True)
-                except BaseException:
-                    self._pins[sid] = handle  # still registered: tried again at the next reap
-                    self._free.append(sid)
-                    raise
         return not self._pins
