@@ -192,3 +192,13 @@ def test_missing_extra_names_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     with pytest.raises(ImportError, match=r"pip install 'gpufeed\[arrow\]'"):
         gpufeed.ArrowDataset(ds, pad={"x": 0})
+
+
+def test_arrow_dataset_repr_is_torchvisions_layout():
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]], "label": [0, 1]})
+    assert repr(gpufeed.ArrowDataset(ds.with_format("torch"), pad={"input_ids": 0})) == "\n".join(
+        ["Dataset ArrowDataset", "    Number of datapoints: 2",
+         "    Data: datasets.Dataset, format torch, columns ['input_ids', 'label']",
+         "    Padded per batch: input_ids (pad 0)"])
+    text = repr(gpufeed.ArrowDataset(ds.data.table))
+    assert "Data: pyarrow.Table, columns ['input_ids', 'label']" in text and "none" in text

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from .arrays import Alloc, allocate, torch_dtype
+from .describe import dataset_repr
 from .protocol import index_array, require
 
 _FAST_FORMATS = (None, "numpy", "torch", "np", "pt")
@@ -252,6 +253,14 @@ class ArrowDataset(Dataset[Any]):
 
     def __len__(self) -> int:
         return len(self.data)
+
+    def __repr__(self) -> str:
+        kind = "datasets.Dataset" if self.hf else "pyarrow.Table"
+        fmt = f", format {self.data.format.get('type')}" if self.hf else ""
+        pads = ", ".join(f"{c} (pad {v!r})" for c, v in self.pad.items()) or "none"
+        return dataset_repr(self, len(self), None, [
+            f"Data: {kind}{fmt}, columns {list(self.data.column_names)}",
+            f"Padded per batch: {pads}"])
 
     def __getitem__(self, index: int) -> Any:
         return self.gpufeed_samples([index], seed=None, epoch=0)[0]
