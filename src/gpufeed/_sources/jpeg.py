@@ -125,9 +125,12 @@ class _Handle:
             raise MemoryError("tj3Init failed to create a TurboJPEG decompressor")
 
     def __del__(self) -> None:
-        if getattr(self, "ptr", None):
-            self.lib.tj3Destroy(self.ptr)
-            self.ptr = None
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        if ptr:
+            try:
+                self.lib.tj3Destroy(ptr)
+            except Exception:  # interpreter shutdown: the library may be half torn down
+                pass
 
 
 class TurboJpeg:
