@@ -263,7 +263,7 @@ def codec(name: str) -> JpegCodec:
     return TurboJpeg(path)
 
 
-_announced: set[str] = set()
+_announced = False  # the fallback was said in this process
 _announce_lock = threading.Lock()
 
 
@@ -283,9 +283,10 @@ def resolve_codec(prefer: str) -> str:
         except OSError as exc:
             why = str(exc)
     require("simplejpeg", "gpufeed.ImageFolder")
+    global _announced
     with _announce_lock:
-        if "fallback" not in _announced:
-            _announced.add("fallback")
+        if not _announced:
+            _announced = True
             logger.warning(
                 "gpufeed.ImageFolder decodes JPEGs with simplejpeg: whole images, then cut. "
                 "Decoding only each crop's region needs libjpeg-turbo >= 3.0 (%s); install it "
