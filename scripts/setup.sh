@@ -17,3 +17,12 @@ TORCH=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")
 "$PY" -m pip install -q --no-deps "litdata>=0.2"
 "$PY" -m pip install -q "lightning-utilities>=0.10" "filelock>=3" "boto3>=1" "obstore>=0.3" \
     "tifffile>=2023" "requests>=2" "urllib3>=1.26" "torch==$TORCH" || true
+# JPEG region decoding (gpufeed.ImageFolder) needs libjpeg-turbo >= 3.0's libturbojpeg: best
+# effort, only as root with apt, and only when the distribution's libturbojpeg0 is 3.x (Debian 12
+# and 13 ship 2.1.5, which gpufeed does not use; without it JPEGs are decoded whole by simplejpeg).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    CANDIDATE=$(apt-cache policy libturbojpeg0 2>/dev/null | sed -n 's/ *Candidate: *//p')
+    case "$CANDIDATE" in
+        3.*|[0-9]:3.*) apt-get install -y -q libturbojpeg0 >/dev/null 2>&1 || true ;;
+    esac
+fi

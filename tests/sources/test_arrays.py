@@ -218,3 +218,10 @@ def test_getitems_results_collated_like_stock(workers):
     expected = list(tud.DataLoader(OddGetitems(), batch_size=4))
     got = collect(gpufeed.DataLoader, OddGetitems(), batch_size=4, **workers)[0]
     assert_same_batches(expected, got)
+
+
+def test_repr_is_torchvisions_layout():
+    ds = ArrayDataset(np.zeros((10, 3), np.float32), torch.arange(10))
+    assert repr(ds).splitlines() == [
+        "Dataset ArrayDataset", "    Number of datapoints: 10",
+        "    Arrays: ndarray float32 (10, 3) (120 B), Tensor int64 (10,) (80 B)"]

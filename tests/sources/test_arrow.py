@@ -130,7 +130,7 @@ def test_arrow_dataset_pads_lists_to_the_batch_maximum():
             got = list(gpufeed.DataLoader(padded, batch_size=4, num_workers=nw, worker_type=wt))
             assert [list(b) for b in got] == [["label", "input_ids", "input_ids_length"]] * 2
             ids = torch.tensor([t + [-1] * (3 - len(t)) for t in tokens[:4]])
-            assert torch.equal(got[0]["input_ids"].long(), ids)  # Arrow's int dtype
+            assert torch.equal(got[0]["input_ids"], ids)  # int64: the format's, and Arrow's
             assert got[1]["input_ids"].shape == (2, 4)  # this batch's own longest row
             assert got[0]["input_ids_length"].tolist() == [3, 2, 1, 0]
             assert torch.equal(got[1]["label"], torch.tensor([4, 5]))
@@ -141,8 +141,64 @@ def test_arrow_dataset_pads_lists_to_the_batch_maximum():
         gpufeed.ArrowDataset(ds, pad={"label": 0})
 
 
+ARROW_TYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+               "float16", "float32", "float64", "bool_"]
+
+
+def _typed(n=5):
+    """One scalar and one variable-length list column per Arrow number type."""
+    cols = {}
+    for t in ARROW_TYPES:
+        typ = getattr(pa, t)()
+        vals = [bool(i % 2) for i in range(n)] if t == "bool_" else list(range(n))
+        cols[t] = pa.array(vals, typ)
+        cols[f"l_{t}"] = pa.array([vals[:i % 3] for i in range(n)], pa.list_(typ))
+    return datasets.Dataset(pa.table(cols))
+
+
+@pytest.mark.parametrize("fmt", ["torch", "numpy", None])
+def test_arrow_dataset_dtypes_are_the_formats(fmt):
+    """Every column, padded or not, has the dtype the dataset's own format gives: with
+    ``with_format("torch")`` int32 token ids arrive as int64 (issue 19: a language-model loss
+    refused Arrow's int32), floats as float32."""
+    ds = _typed()
+    # numpy uint64 scalars: the stock default_collate raises ("an integer is required"), and so
+    # does gpufeed; the list column stays
+    scalars = [t for t in ARROW_TYPES if not (fmt == "numpy" and t == "uint64")]
+    ds = ds.remove_columns([t for t in ARROW_TYPES if t not in scalars]).with_format(fmt)
+    padded = gpufeed.ArrowDataset(ds, pad={f"l_{t}": 0 for t in ARROW_TYPES})
+    rows = ds.__getitems__(list(range(4)))  # what the stock loader collates
+    stock = next(iter(DataLoader(ds.remove_columns([f"l_{t}" for t in ARROW_TYPES]),
+                                 batch_size=4)))
+    for nw in (0, 2):
+        batch = next(iter(gpufeed.DataLoader(padded, batch_size=4, num_workers=nw)))
+        for t in scalars:
+            assert batch[t].dtype == stock[t].dtype, (t, batch[t].dtype, stock[t].dtype)
+            assert torch.equal(batch[t], stock[t])
+        for t in ARROW_TYPES:
+            want = rows[1][f"l_{t}"]  # the format's own row: a tensor, an array or a list
+            if not isinstance(want, torch.Tensor):  # a list: as torch.tensor makes it
+                want = torch.tensor(want) if isinstance(want, list) else torch.tensor(
+                    np.array(want))
+            got = batch[f"l_{t}"]
+            assert got.dtype == want.dtype, (t, got.dtype, want.dtype)
+            assert torch.equal(got[1, :len(want)], want)
+    if fmt == "torch":
+        assert batch["l_int32"].dtype == torch.int64 and batch["l_float64"].dtype == torch.float32
+
+
 def test_missing_extra_names_it(monkeypatch):
     ds = make()
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     with pytest.raises(ImportError, match=r"pip install 'gpufeed\[arrow\]'"):
         gpufeed.ArrowDataset(ds, pad={"x": 0})
+
+
+def test_arrow_dataset_repr_is_torchvisions_layout():
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]], "label": [0, 1]})
+    assert repr(gpufeed.ArrowDataset(ds.with_format("torch"), pad={"input_ids": 0})) == "\n".join(
+        ["Dataset ArrowDataset", "    Number of datapoints: 2",
+         "    Data: datasets.Dataset, format torch, columns ['input_ids', 'label']",
+         "    Padded per batch: input_ids (pad 0)"])
+    text = repr(gpufeed.ArrowDataset(ds.data.table))
+    assert "Data: pyarrow.Table, columns ['input_ids', 'label']" in text and "none" in text

@@ -117,3 +117,11 @@ def test_file_removed_after_start_is_named(tmp_path):
     path.unlink()
     with pytest.raises(Exception, match=r"gone\.h5"):
         list(gpufeed.DataLoader(ds, batch_size=4, num_workers=1))
+
+
+def test_repr_is_torchvisions_layout(h5file):
+    lines = repr(gpufeed.HDF5Dataset(h5file, ("images", "labels"))).splitlines()
+    assert lines == ["Dataset HDF5Dataset", "    Number of datapoints: 90",
+                     f"    Root location: {h5file}",
+                     "    Keys: images uint8 (3, 4, 4), labels int64 ()",
+                     "    Chunk cache: 64.0 MiB per file"]

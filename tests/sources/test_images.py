@@ -1,5 +1,6 @@
 """ImageFolder: layout, pixel fidelity, seeded crops for any workers, faults, missing extra."""
 
+import os
 import sys
 
 import numpy as np
@@ -82,7 +83,10 @@ def test_resized_crop_is_pillows_resize_of_the_cut_region(tmp_path):
     """The region is cut, then resized (bilinear, antialiased); the result
     is Pillow's bilinear resize of the same cut to within rounding, shrinking and enlarging
     (see NOTE [ Resampling ])."""
-    from gpufeed._sources.images import _crop_resize
+    from gpufeed._sources.images import _resize_flip
+
+    def _crop_resize(img, top, left, h, w, size, flip):
+        return _resize_flip(img[top:top + h, left:left + w], size, flip)
 
     img = _photo(375, 500, 3)
     for top, left, h, w in ((10, 20, 350, 400), (100, 50, 120, 150), (0, 0, 375, 500)):
@@ -187,7 +191,7 @@ def test_bad_arguments_and_paths(tmp_path, folder):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         gpufeed.ImageFolder(tmp_path / "nowhere", size=8)
     (tmp_path / "empty" / "a").mkdir(parents=True)
-    with pytest.raises(FileNotFoundError, match="no images"):
+    with pytest.raises(FileNotFoundError, match="Found no valid file for the classes a"):
         gpufeed.ImageFolder(tmp_path / "empty", size=8)
     with pytest.raises(ValueError, match="crop='middle'"):
         gpufeed.ImageFolder(folder, size=8, crop="middle")
@@ -207,3 +211,127 @@ def test_unreadable_file_named(tmp_path):
     (root / "ant" / "0.jpg").unlink()
     with pytest.raises(ValueError, match=r"ant/0\.jpg"):
         ds[0]
+
+
+# -- torchvision's ImageFolder, next to this one ----------------------------------------------
+# torchvision cannot be imported here (its PyPI wheel is a CUDA build: with a CPU torch it fails
+# with "operator torchvision::nms does not exist"), so its documented behaviour is written out
+# below: the layout walk of DatasetFolder.make_dataset and, for the pixels, the tensor path of
+# Resize(256) + CenterCrop(224) (torch's antialiased bilinear interpolate on uint8).
+
+
+def _torchvision_samples(root, exts=(".jpg", ".jpeg", ".png")):
+    root = str(root)
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    out = []
+    for k, c in enumerate(classes):
+        for dirpath, _, names in sorted(os.walk(os.path.join(root, c), followlinks=True)):
+            out += [(os.path.join(dirpath, n), k) for n in sorted(names)
+                    if n.lower().endswith(exts)]
+    return classes, out
+
+
+def test_samples_imgs_and_targets_are_torchvisions(folder):
+    ds = gpufeed.ImageFolder(folder, size=16, crop="center")
+    classes, want = _torchvision_samples(folder)
+    assert ds.classes == classes and ds.class_to_idx == {c: k for k, c in enumerate(classes)}
+    assert list(ds.samples) == want and ds.samples == want and ds.imgs == want
+    assert ds.samples[7] == want[7] and ds.samples[-1] == want[-1]
+    assert ds.samples[2:4] == want[2:4] and len(ds.samples) == len(want) == len(ds)
+    assert list(ds.targets) == [t for _, t in want]
+    # assigning samples (torchvision users subset or relabel this way) re-packs them
+    ds.samples = [s for s in want if s[0].endswith(".png")][::-1]
+    assert len(ds) == 3 and list(ds.targets) == [2, 1, 0]
+    assert ds.samples[0] == want[-1] and isinstance(ds.files, gpufeed.PackedList)
+    whole = gpufeed.ImageFolder(folder, size=16, crop="center")
+    assert torch.equal(ds[0][0], whole[len(whole) - 1][0]) and ds[0][1] == 2  # the last png
+    with pytest.raises(TypeError, match="pairs"):
+        ds.samples = ["a.jpg"]
+
+
+def test_empty_class_and_valid_file_rules_are_torchvisions(tmp_path):
+    root = make_folder(tmp_path / "r", sizes=((40, 40),))
+    (root / "dog").mkdir()
+    (root / "dog" / "x.txt").write_text("no image")
+    with pytest.raises(FileNotFoundError) as info:
+        gpufeed.ImageFolder(root, size=8)
+    assert str(info.value) == ("Found no valid file for the classes dog. Supported extensions "
+                               "are: .jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp")
+    ds = gpufeed.ImageFolder(root, size=8, allow_empty=True)
+    assert ds.classes == ["ant", "bee", "cat", "dog"] and len(ds) == 9
+    only = gpufeed.ImageFolder(root, size=8, is_valid_file=lambda p: p.endswith(("0.jpg",
+                                                                                 "x.txt")))
+    assert [os.path.basename(p) for p, _ in only.samples] == ["0.jpg"] * 3 + ["x.txt"]
+    with pytest.raises(ValueError, match="Both extensions and is_valid_file cannot be None or "
+                                         "not None at the same time"):
+        gpufeed.ImageFolder(root, size=8, extensions=(".jpg",), is_valid_file=bool)
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "a.jpg").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="Couldn't find any class folder in"):
+        gpufeed.ImageFolder(tmp_path / "flat", size=8)
+
+
+def _torchvision_center(img, resize=256, crop=224):
+    """torchvision's Resize(resize) + CenterCrop(crop) on a uint8 HWC image, tensor path."""
+    h, w = img.shape[:2]
+    short, long = (w, h) if w <= h else (h, w)
+    new_short, new_long = resize, int(resize * long / short)
+    new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
+    t = torch.from_numpy(np.array(img)).permute(2, 0, 1)[None]
+    t = torch.nn.functional.interpolate(t, size=(new_h, new_w), mode="bilinear",
+                                        align_corners=False, antialias=True)[0]
+    top, left = round((new_h - crop) / 2.0), round((new_w - crop) / 2.0)  # int(round(...))
+    return t[:, top:top + crop, left:left + crop]
+
+
+@pytest.mark.parametrize("kind", ["noisy", "photo"])
+def test_center_crop_is_torchvisions_resize_256_center_crop_224(tmp_path, kind):
+    """Issue 19: crop="center" was up to 34 levels off Resize(256) + CenterCrop(224) on noisy
+    images (8-9 on photo-like ones); now within two levels, JPEG and PNG, both orientations."""
+    rng = np.random.default_rng(5)
+    (tmp_path / "a").mkdir()
+    shapes = ((375, 500), (500, 333), (300, 451), (256, 256))
+    for k, (h, w) in enumerate(shapes):
+        img = (rng.integers(0, 256, (h, w, 3), dtype=np.uint8) if kind == "noisy"
+               else _photo(h, w, k))
+        Image.fromarray(img).save(tmp_path / "a" / f"{k}.jpg", quality=92)
+        Image.fromarray(img).save(tmp_path / "a" / f"{k}.png")
+    ds = gpufeed.ImageFolder(tmp_path, size=224, crop="center")
+    assert not ds.flip
+    for i in range(len(ds)):
+        path = ds.path(i)
+        want = _torchvision_center(np.asarray(Image.open(path).convert("RGB")))
+        got = ds[i][0]
+        assert got.shape == want.shape == (3, 224, 224)
+        diff = (got.int() - want.int()).abs()
+        assert diff.max() <= 2, (path, int(diff.max()), float(diff.float().mean()))
+
+
+def test_center_crop_of_a_large_image_and_dct_scale(tmp_path):
+    """A large image is decoded at a DCT scale by default (documented: a few levels off);
+    dct_scale=False gives torchvision's pixels."""
+    (tmp_path / "a").mkdir()
+    img = _photo(768, 1100, 9)
+    Image.fromarray(img).save(tmp_path / "a" / "big.jpg", quality=95)
+    want = _torchvision_center(np.asarray(Image.open(tmp_path / "a" / "big.jpg")))
+    exact = gpufeed.ImageFolder(tmp_path, size=224, crop="center", dct_scale=False)[0][0]
+    assert (exact.int() - want.int()).abs().max() <= 2
+    scaled = gpufeed.ImageFolder(tmp_path, size=224, crop="center")[0][0]
+    diff = (scaled.int() - want.int()).abs().float()
+    assert 0 < diff.mean() < 3
+
+
+def test_transform_is_refused_naming_what_to_use(folder):
+    for name in ("transform", "target_transform", "loader"):
+        with pytest.raises(TypeError, match=rf"takes no {name}=.*device_transform=gpufeed"
+                                            r"\.Normalize.*torchvision\.datasets\.ImageFolder"):
+            gpufeed.ImageFolder(folder, size=8, **{name: lambda x: x})
+
+
+def test_repr_is_torchvisions_layout(folder):
+    text = repr(gpufeed.ImageFolder(folder, size=24, crop="center"))
+    lines = text.splitlines()
+    assert lines[:3] == ["Dataset ImageFolder", "    Number of datapoints: 18",
+                         f"    Root location: {folder}"]
+    assert "Classes: 3" in text and "crop='center' (Resize(27) + CenterCrop)" in text
+    assert "Decoder: " in text

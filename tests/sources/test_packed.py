@@ -145,3 +145,8 @@ def test_forked_reader_copies_a_list_but_not_a_packed_list():
     listed = _child_growth_kb(strings)
     assert listed > 8_000  # ~20 MB of str objects: their refcounts were written
     assert _child_growth_kb(packed) < listed / 10
+
+
+def test_repr_shows_items_kind_length_and_packed_bytes():
+    assert repr(gpufeed.PackedList(["a", "bb", "c", "d"])) == (
+        "PackedList(['a', 'bb', 'c', ...], kind='str', len=4, 45 B packed)")

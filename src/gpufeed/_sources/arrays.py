@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from .._base.stats import human_bytes
+from .describe import dataset_repr
 from .protocol import index_array
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
@@ -55,6 +57,15 @@ class ArrayDataset(Dataset[tuple[torch.Tensor, ...]]):
 
     def __len__(self) -> int:
         return len(self.arrays[0])
+
+    def __repr__(self) -> str:
+        arrays = []
+        for a in self.arrays:
+            kind = "memmap" if isinstance(a, np.memmap) else type(a).__name__
+            dtype = str(a.dtype).replace("torch.", "")
+            nbytes = a.nbytes if isinstance(a, np.ndarray) else a.element_size() * a.nelement()
+            arrays.append(f"{kind} {dtype} {tuple(a.shape)} ({human_bytes(nbytes)})")
+        return dataset_repr(self, len(self), None, [f"Arrays: {', '.join(arrays)}"])
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         return tuple(_row(a, index) for a in self.arrays)

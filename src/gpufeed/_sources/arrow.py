@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from .arrays import Alloc, allocate, torch_dtype
+from .describe import dataset_repr
 from .protocol import index_array, require
 
 _FAST_FORMATS = (None, "numpy", "torch", "np", "pt")
@@ -211,6 +212,13 @@ class ArrowDataset(Dataset[Any]):
     other columns, which are batched as ``gpufeed.DataLoader(data)`` batches them (NOTE [ Arrow
     batches ]). Needs ``pip install 'gpufeed[arrow]'``.
 
+    Dtypes are those of the data's own format: for a ``datasets.Dataset`` a padded column
+    has the dtype its format gives one row's list (``with_format("torch")``, ``"numpy"`` and
+    none alike in ``datasets`` 2-5: integers int64, floats float32, booleans bool; read from
+    the format on the first batch), so ``input_ids`` stored as int32 arrive as int64, as
+    language-model losses expect; the other columns are batched as the stock loader batches
+    them. A ``pyarrow.Table`` keeps Arrow's dtypes (it has no format).
+
     Args:
         data: a ``datasets.Dataset`` (format none, numpy or torch) or a ``pyarrow.Table``.
         pad: ``{column: pad value}`` for list-of-number columns, e.g. ``{"input_ids": 0}``.
@@ -241,9 +249,18 @@ class ArrowDataset(Dataset[Any]):
             self._rest = data.drop_columns(list(self.pad))
             self._padded = data.select(list(self.pad))
         self._source: ArrowSource | None = None
+        self._pad_dtypes: dict[str, torch.dtype] = {}
 
     def __len__(self) -> int:
         return len(self.data)
+
+    def __repr__(self) -> str:
+        kind = "datasets.Dataset" if self.hf else "pyarrow.Table"
+        fmt = f", format {self.data.format.get('type')}" if self.hf else ""
+        pads = ", ".join(f"{c} (pad {v!r})" for c, v in self.pad.items()) or "none"
+        return dataset_repr(self, len(self), None, [
+            f"Data: {kind}{fmt}, columns {list(self.data.column_names)}",
+            f"Padded per batch: {pads}"])
 
     def __getitem__(self, index: int) -> Any:
         return self.gpufeed_samples([index], seed=None, epoch=0)[0]
@@ -266,7 +283,10 @@ class ArrowDataset(Dataset[Any]):
             lengths = pa_lengths(col)
             flat = col.flatten().to_numpy(zero_copy_only=False)
             width = int(lengths.max()) if len(lengths) else 0
-            dst = allocate(alloc, (len(idx), width), torch_dtype(flat.dtype))
+            if name not in self._pad_dtypes:
+                self._pad_dtypes[name] = (self._pad_dtype(name, col.type.value_type) if self.hf
+                                          else torch_dtype(flat.dtype))
+            dst = allocate(alloc, (len(idx), width), self._pad_dtypes[name])
             arr = dst.numpy()
             arr.fill(value)
             starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
@@ -275,6 +295,22 @@ class ArrowDataset(Dataset[Any]):
             n.numpy()[:] = lengths
             out[name], out[f"{name}_length"] = dst, n
         return out
+
+    def _pad_dtype(self, name: str, value_type: Any) -> torch.dtype:
+        """The dtype a ``datasets.Dataset``'s own format gives a row of column ``name`` (a
+        list of ``value_type``): its tensor's or array's, or for a Python list what
+        ``torch.tensor`` makes of it (int64, float32, bool)."""
+        import pyarrow as pa
+
+        row = self.data.__getitems__([0])[0] if len(self.data) else {}  # as the stock loader
+        value = row.get(name) if isinstance(row, dict) else None
+        if isinstance(value, torch.Tensor):
+            return value.dtype
+        if isinstance(value, np.ndarray):
+            return torch_dtype(value.dtype)
+        if pa.types.is_boolean(value_type):
+            return torch.bool
+        return torch.float32 if pa.types.is_floating(value_type) else torch.int64
 
 
 def pa_lengths(col: Any) -> np.ndarray:

@@ -22,7 +22,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .._base.stats import human_bytes
 from .arrays import allocate, torch_dtype
+from .describe import dataset_repr
 from .protocol import index_array, require
 
 _open_lock = threading.Lock()  # the forked child gets a fresh one (at_fork below)
@@ -116,6 +118,12 @@ class HDF5Dataset(Dataset[tuple[torch.Tensor, ...]]):
 
     def __len__(self) -> int:
         return self._len
+
+    def __repr__(self) -> str:
+        keys = ", ".join(f"{k} {str(d).replace('torch.', '')} {tuple(s)}"
+                         for k, (s, d) in zip(self.keys, self._meta, strict=True))
+        return dataset_repr(self, len(self), self.path, [
+            f"Keys: {keys}", f"Chunk cache: {human_bytes(self.chunk_cache_bytes)} per file"])
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         f = self._open()

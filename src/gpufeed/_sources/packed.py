@@ -20,6 +20,8 @@ from typing import Any, overload
 
 import numpy as np
 
+from .._base.stats import human_bytes
+
 __all__ = ["COW_THRESHOLD", "CopyOnWriteWarning", "PackedList", "check_copy_on_write"]
 
 COW_THRESHOLD = 100_000  # Python objects in one container before the warning fires
@@ -180,7 +182,8 @@ class PackedList(Sequence[Any]):
     def __repr__(self) -> str:
         head = ", ".join(repr(self[i]) for i in range(min(3, len(self))))
         more = ", ..." if len(self) > 3 else ""
-        return f"PackedList([{head}{more}], kind={self._kind!r}, len={len(self)})"
+        return (f"PackedList([{head}{more}], kind={self._kind!r}, len={len(self)}, "
+                f"{human_bytes(self.nbytes)} packed)")
 
     def __reduce__(self) -> Any:
         return _rebuild, (self._kind, self._data, self._offsets)

@@ -1,0 +1,133 @@
+"""JPEG codecs: a region decode equals the full decode of the same box; the fallback is used
+and said once when libjpeg-turbo >= 3.0 is missing (NOTE [ Decoding ])."""
+
+import io
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import gpufeed
+from gpufeed._sources import jpeg
+
+pytest.importorskip("simplejpeg")
+Image = pytest.importorskip("PIL.Image")
+
+TURBO, WHY = jpeg.find_turbojpeg()
+needs_turbo = pytest.mark.skipif(
+    TURBO is None, reason=f"needs libjpeg-turbo >= 3.0 (TurboJPEG 3 API): {WHY}; set "
+    "GPUFEED_TURBOJPEG=/path/to/libturbojpeg.so.0 to run it")
+
+
+def _photo(h, w, seed):
+    """Smooth fields at three scales plus noise: photo-like entropy at quality 90."""
+    rng = np.random.default_rng(seed)
+    img = np.full((h, w, 3), 120.0, np.float32)
+    for cells, amp in ((3, 60.0), (12, 25.0), (max(2, h // 4), 20.0)):
+        field = torch.from_numpy(rng.standard_normal((1, 3, cells, cells)).astype(np.float32))
+        img += amp * torch.nn.functional.interpolate(
+            field, size=(h, w), mode="bicubic", align_corners=False)[0].permute(1, 2, 0).numpy()
+    img += rng.normal(0, 6, img.shape).astype(np.float32)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def _jpeg(h, w, seed, subsampling):
+    buf = io.BytesIO()
+    img = _photo(h, w, seed)
+    if subsampling == "gray":
+        Image.fromarray(img[..., 0]).save(buf, "JPEG", quality=90)
+    else:
+        Image.fromarray(img).save(buf, "JPEG", quality=90, subsampling=subsampling)
+    return buf.getvalue()
+
+
+@needs_turbo
+@pytest.mark.parametrize("subsampling", ["4:4:4", "4:2:2", "4:2:0", "gray"])
+def test_region_decode_equals_the_full_decode_of_the_box(subsampling):
+    """Boxes anywhere (left edges off the iMCU grid, odd sizes, at every DCT scale): the region
+    decode gives the full decode's pixels of the box, within a level (here: equal)."""
+    turbo, simple = jpeg.codec("turbojpeg"), jpeg.codec("simplejpeg")
+    rng = np.random.default_rng(0)
+    for h, w in ((375, 500), (257, 191)):
+        data = _jpeg(h, w, 1, subsampling)
+        for factor in (1, 2, 4, 8):
+            full = simple.decode(data, factor=factor, box=None, fast=False)
+            sh, sw = full.shape[:2]
+            assert (sh, sw) == (-(-h // factor), -(-w // factor))
+            np.testing.assert_array_equal(turbo.decode(data, factor=factor, box=None,
+                                                       fast=False), full)
+            for _ in range(25):
+                bh, bw = int(rng.integers(1, sh + 1)), int(rng.integers(1, sw + 1))
+                top, left = int(rng.integers(0, sh - bh + 1)), int(rng.integers(0, sw - bw + 1))
+                got = turbo.decode(data, factor=factor, box=(top, left, bh, bw), fast=False)
+                want = full[top:top + bh, left:left + bw]
+                assert got.shape == want.shape
+                diff = np.abs(got.astype(int) - want.astype(int)).max()
+                assert diff <= 1, (subsampling, (h, w), factor, (top, left, bh, bw), diff)
+
+
+@needs_turbo
+def test_turbojpeg_refuses_what_simplejpeg_refuses(tmp_path):
+    """Damage is a ValueError from both codecs (ImageFolder then tries Pillow, then names the
+    file), never a crash."""
+    data = _jpeg(64, 64, 2, "4:2:0")
+    for broken in (data[:200], b"\xff\xd8\xff\xe0" + b"garbage" * 10):
+        for name in ("turbojpeg", "simplejpeg"):
+            with pytest.raises(ValueError):
+                c = jpeg.codec(name)
+                c.decode(broken, factor=1, box=(0, 0, 8, 8), fast=False)
+
+
+def _folder(root):
+    (root / "a").mkdir(parents=True)
+    for k in range(4):
+        (root / "a" / f"{k}.jpg").write_bytes(_jpeg(120 + 10 * k, 160, k, "4:2:0"))
+    return root
+
+
+def test_fallback_is_used_and_said_once_when_turbojpeg_is_missing(tmp_path, monkeypatch,
+                                                                   caplog):
+    """With no libjpeg-turbo >= 3.0 (simulated), decoder="auto" decodes with simplejpeg, says
+    so once per process on the gpufeed logger, and gives the images the preferred codec gives
+    (when it is installed here; else the images simplejpeg gives with decoder="simplejpeg")."""
+    root = _folder(tmp_path)
+    kw = dict(size=48, crop="random", scale=(0.2, 1.0))
+    reference = gpufeed.ImageFolder(root, **kw)  # the preferred codec where it is installed
+    want = torch.cat([b[0] for b in gpufeed.DataLoader(reference, batch_size=2, seed=3)])
+    monkeypatch.setattr(jpeg, "find_turbojpeg", lambda: (None, "simulated: none installed"))
+    monkeypatch.setattr(jpeg, "_announced", False)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpufeed"):
+        first = gpufeed.ImageFolder(root, **kw)
+        second = gpufeed.ImageFolder(root, **kw)
+    said = [r for r in caplog.records if "simplejpeg" in r.getMessage()]
+    assert len(said) == 1 and "simulated: none installed" in said[0].getMessage()
+    assert "GPUFEED_TURBOJPEG" in said[0].getMessage()
+    assert first.decoder == second.decoder == "simplejpeg"
+    for nw in (0, 2):
+        got = torch.cat([b[0] for b in gpufeed.DataLoader(first, batch_size=2, seed=3,
+                                                           num_workers=nw)])
+        assert (got.int() - want.int()).abs().max() <= 1
+    with pytest.raises(ImportError, match=r"libjpeg-turbo >= 3\.0.*GPUFEED_TURBOJPEG"):
+        jpeg.codec.cache_clear()
+        try:
+            gpufeed.ImageFolder(root, decoder="turbojpeg", **kw)
+        finally:
+            jpeg.codec.cache_clear()
+    with pytest.raises(ValueError, match="decoder='pil'"):
+        gpufeed.ImageFolder(root, decoder="pil", **kw)
+
+
+def test_a_library_without_the_turbojpeg3_api_is_not_used(tmp_path, monkeypatch):
+    """GPUFEED_TURBOJPEG naming something that is not libjpeg-turbo >= 3.0 is reported, not
+    loaded as one (Debian 12/13's libturbojpeg0 is 2.1.5)."""
+    monkeypatch.setenv("GPUFEED_TURBOJPEG", str(tmp_path / "nowhere.so"))
+    monkeypatch.setattr(jpeg, "_LIB_PATHS", ())
+    monkeypatch.setattr(jpeg.ctypes.util, "find_library", lambda name: None)
+    jpeg.find_turbojpeg.cache_clear()
+    try:
+        path, why = jpeg.find_turbojpeg()
+    finally:
+        jpeg.find_turbojpeg.cache_clear()
+    assert path is None and "nowhere.so does not exist" in why
