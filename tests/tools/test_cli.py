@@ -67,6 +67,7 @@ def padded():
 
 def pad(samples):
     return torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)
+
 """
 
 
@@ -274,3 +275,22 @@ def test_progress_bar_only_on_a_terminal_and_without_json(user_module, tmp_path,
     text = err.getvalue()
     assert ("gpufeed profile" in text and "gpufeed tune" in text) is drawn, text
     assert "input-bound" in capsys.readouterr().out  # the results still go to stdout
+
+
+@pytest.mark.parametrize(("argv", "table"), [(["doctor"], "gpufeed doctor"),
+                                             (["profile", "{mod}:pair"], "gpufeed profile:")])
+def test_json_dash_writes_the_json_alone_to_stdout(user_module, tmp_path, monkeypatch, capsys,
+                                                   argv, table):
+    monkeypatch.chdir(tmp_path)
+    rc = main([*(a.format(mod=user_module) for a in argv), "--json", "-"])
+    out, err = capsys.readouterr()
+    assert rc in (0, 1)
+    doc = json.loads(out)  # nothing but the JSON on stdout
+    assert doc.get("findings") or doc.get("steps")
+    assert table in err and "wrote" not in out + err  # the table went to stderr
+    assert not (tmp_path / "-").exists()
+
+
+def test_plot_dash_is_refused_naming_the_fix(capsys):
+    assert main(["bench", "--plot", "-"]) == 2
+    assert "give a file name, e.g. bench.png" in capsys.readouterr().err

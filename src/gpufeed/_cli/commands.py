@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,12 +46,6 @@ def _progress_on(args: argparse.Namespace) -> bool:
     """A bar unless --no-progress or --json (the bar itself stays off when stderr is no
     terminal: tqdm's ``disable=None``)."""
     return not (args.no_progress or args.json)
-
-
-def _write_json(path: str | None, doc: dict[str, Any]) -> None:
-    if path:
-        Path(path).write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        print(f"wrote {path}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -96,7 +88,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         doc["gpu"] = gpu.run_gpu_benchmark(batches=16, repeats=1)
         if "skipped" not in doc["gpu"]:
             print(gpu.render_markdown(doc["gpu"]))
-    _write_json(args.json, doc)
+    args.emit_json(doc)
     if args.plot:
         _bench.plot(rows, args.plot)
         print(f"wrote {args.plot}")
@@ -142,7 +134,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     print(result)
-    _write_json(args.json, result.to_dict())
+    args.emit_json(result.to_dict())
     if args.plot:
         result.plot(args.plot)
         print(f"wrote {args.plot}")
@@ -178,7 +170,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         finally:
             bar.close()
     print(report)
-    _write_json(args.json, report.to_dict())
+    args.emit_json(report.to_dict())
     return 0
 
 
@@ -189,5 +181,5 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         num_workers=args.workers, prefetch_factor=args.prefetch_factor,
         pin_memory=args.pin_memory, batch_bytes=args.batch_bytes, worker_type=args.worker_type))
     print(report)
-    _write_json(args.json, report.to_dict())
+    args.emit_json(report.to_dict())
     return report.exit_code

@@ -29,19 +29,18 @@ are all within the noise of the best and the smallest of them wins.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .._base.stats import format_table, human_bytes
 from .._loader import DataLoader
+from .output import write_json
 from .repeat import LoadMonitor, MachineLoad, spreads_text
 from .trial import Budget, Trial, kwargs_text, parse_bytes, run_trial
 
@@ -106,7 +105,8 @@ class TuneResult:
                 "machine_busy": bool(self.machine and self.machine.busy)}
 
     def write_json(self, path: str | os.PathLike[str]) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write :meth:`to_dict` as JSON to ``path`` (``"-"``: to stdout)."""
+        write_json(path, self.to_dict())
 
     def __str__(self) -> str:
         stepped = any(t.input_bound is not None for t in self.trials)
