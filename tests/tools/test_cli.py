@@ -277,6 +277,21 @@ def test_progress_bar_only_on_a_terminal_and_without_json(user_module, tmp_path,
     assert "input-bound" in capsys.readouterr().out  # the results still go to stdout
 
 
+def test_bench_collate_takes_samples_of_different_sizes(user_module, capsys):
+    argv = ["bench", f"{user_module}:padded", "--workers", "0,2", "--worker-type", "thread",
+            "--seconds", "0.05", "--runs", "3", "--no-progress"]
+    assert main([*argv, "--collate", f"{user_module}:pad"]) == 0, capsys.readouterr().err
+    assert "gpufeed vs stock, both yours" in capsys.readouterr().out
+    # without it the default collate cannot stack them: the error names the fix, as tune's does
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "stack expects each tensor" in err and "--collate MODULE:FUNCTION" in err
+    assert "Traceback" not in err
+    # the built-in workload brings its own collate functions
+    assert main(["bench", "--collate", f"{user_module}:pad", "--no-progress"]) == 2
+    assert "give MODULE:FACTORY too" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("argv", "table"), [(["doctor"], "gpufeed doctor"),
                                              (["profile", "{mod}:pair"], "gpufeed profile:")])
 def test_json_dash_writes_the_json_alone_to_stdout(user_module, tmp_path, monkeypatch, capsys,

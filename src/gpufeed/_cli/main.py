@@ -70,8 +70,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="also write the results as JSON to FILE (-: to stdout, and the "
                         "tables to stderr)")
     common.add_argument("--no-progress", action="store_true", help="no progress bar")
+    collate = argparse.ArgumentParser(add_help=False)  # bench and tune: one meaning
+    collate.add_argument("--collate", metavar="MODULE:FUNCTION",
+                         help="your collate_fn, given to every loader measured (e.g. one that "
+                         "pads samples of different sizes)")
 
-    b = sub.add_parser("bench", parents=[common], help="stock DataLoader vs gpufeed, side by side",
+    b = sub.add_parser("bench", parents=[common, collate],
+                       help="stock DataLoader vs gpufeed, side by side",
                        description="Compare the stock torch DataLoader with gpufeed.DataLoader "
                        "on a built-in synthetic workload (no files, no GPU) or on MODULE:FACTORY.")
     b.add_argument("target", nargs="?", metavar="MODULE:FACTORY",
@@ -94,13 +99,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="bar chart of samples/s (needs matplotlib)")
     b.set_defaults(func=cmd_bench)
 
-    t = sub.add_parser("tune", parents=[common], help="find the smallest fast loader settings",
+    t = sub.add_parser("tune", parents=[common, collate],
+                       help="find the smallest fast loader settings",
                        description="Short trials over num_workers, worker_type, prefetch_factor "
                        "and pin_memory on your dataset; recommends DataLoader keyword arguments.")
     t.add_argument("target", metavar="MODULE:FACTORY", help="a function returning your dataset")
     t.add_argument("--batch-size", type=_positive(int), default=32, help="samples per batch (32)")
-    t.add_argument("--collate", metavar="MODULE:FUNCTION",
-                   help="your collate_fn (e.g. padding variable-length samples)")
     step = t.add_mutually_exclusive_group()
     step.add_argument("--step", metavar="MODULE:FUNCTION",
                       help="your training step, called with each batch: tune for the share of "

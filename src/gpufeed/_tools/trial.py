@@ -28,7 +28,7 @@ from . import measure as _measure
 from .probe import process_tree_pss, shm_usage
 from .repeat import Spread
 
-__all__ = ["Budget", "Trial", "kwargs_text", "parse_bytes", "run_trial"]
+__all__ = ["COLLATE_FIX", "Budget", "Trial", "kwargs_text", "parse_bytes", "ragged", "run_trial"]
 
 log = logging.getLogger(__name__)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -46,6 +46,20 @@ def parse_bytes(value: int | float | str) -> int:
         raise ValueError(f"cannot read {value!r} as a size in bytes; write e.g. 8GiB, 512MB or "
                          "an int of bytes")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+#: what torch's default collate says when samples differ in size
+RAGGED_ERRORS = ("stack expects each tensor to be equal size", "resize", "equal size",
+                 "must match the size")
+#: the fix ``gpufeed tune`` and ``gpufeed bench`` give for such samples
+COLLATE_FIX = ("samples of different sizes need a collate_fn that pads them "
+               "(--collate MODULE:FUNCTION, or collate_fn=)")
+
+
+def ragged(text: str) -> bool:
+    """Whether an error message says that the default collate could not stack samples of
+    different sizes."""
+    return any(s in text for s in RAGGED_ERRORS)
 
 
 def kwargs_text(kwargs: dict[str, Any]) -> str:

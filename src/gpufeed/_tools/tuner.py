@@ -42,7 +42,7 @@ from .._base.stats import format_table, human_bytes
 from .._loader import DataLoader
 from .output import write_json
 from .repeat import LoadMonitor, MachineLoad, spreads_text
-from .trial import Budget, Trial, kwargs_text, parse_bytes, run_trial
+from .trial import COLLATE_FIX, Budget, Trial, kwargs_text, parse_bytes, ragged, run_trial
 
 __all__ = ["Budget", "Trial", "TuneResult", "choose", "parse_bytes", "require_matplotlib", "tune",
            "within_noise"]
@@ -307,11 +307,7 @@ def _nothing_worked(trials: Sequence[Trial]) -> str:
         fixes.append("raise the budget (--budget-memory / --budget-shm / --budget-pinned, or "
                      "budget=) or lower batch_size")
     if len(over) < len(trials):
-        text = " ".join(t.note for t in trials)
-        ragged = any(s in text for s in ("stack expects each tensor to be equal size",
-                                          "resize", "equal size", "must match the size"))
-        fixes.append("samples of different sizes need a collate_fn that pads them "
-                     "(--collate MODULE:FUNCTION, or collate_fn=)" if ragged else
+        fixes.append(COLLATE_FIX if ragged(" ".join(t.note for t in trials)) else
                      "fix the error the trials raised (run one batch of the loader by hand "
                      "to see its traceback)")
     return f"no configuration worked ({notes}); " + "; ".join(fixes)
