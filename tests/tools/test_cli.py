@@ -1,13 +1,17 @@
 import io
 import json
 import os
+import platform
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
+import gpufeed
 import gpufeed._cli.main
 from gpufeed._cli.main import main
 
@@ -309,3 +313,17 @@ def test_json_dash_writes_the_json_alone_to_stdout(user_module, tmp_path, monkey
 def test_plot_dash_is_refused_naming_the_fix(capsys):
     assert main(["bench", "--plot", "-"]) == 2
     assert "give a file name, e.g. bench.png" in capsys.readouterr().err
+
+
+def test_version_names_gpufeed_torch_and_python(capsys):
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"gpufeed {gpufeed.__version__} (torch {torch.__version__}, ")
+    assert ("CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}") in out
+    assert f"Python {platform.python_version()}" in out
+
+
+def test_the_version_is_the_one_the_package_is_built_with():
+    pyproject = (Path(gpufeed._cli.main.__file__).parents[3] / "pyproject.toml").read_text()
+    found = re.search(r'^version = "([^"]+)"', pyproject, flags=re.M)
+    assert found and found.group(1) == gpufeed.__version__

@@ -1,4 +1,5 @@
-"""The ``gpufeed`` command: ``gpufeed bench | tune | profile | doctor`` (``--help`` on each).
+"""The ``gpufeed`` command: ``gpufeed bench | tune | profile | doctor`` (``--help`` on each),
+``gpufeed --version``.
 
 Exit codes: 0 done; 1 the work failed (the user's code raised, no trial worked) or ``doctor``
 found a problem that will break a loader; 2 bad usage (options, a bad ``MODULE:FACTORY``);
@@ -9,6 +10,7 @@ JSON alone on stdout and the tables on stderr (``_tools/output.py``).
 from __future__ import annotations
 
 import argparse
+import platform
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -62,8 +64,23 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def version_text() -> str:
+    """``gpufeed --version``: gpufeed's version and the torch build it runs on."""
+    import torch
+
+    from .. import __version__
+
+    build = (f"CUDA {torch.version.cuda}" if torch.version.cuda
+             else f"ROCm {torch.version.hip}" if getattr(torch.version, "hip", None)
+             else "CPU-only build")
+    return (f"gpufeed {__version__} (torch {torch.__version__}, {build}; "
+            f"Python {platform.python_version()})")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpufeed", description="Measure and tune data loading.")
+    p.add_argument("--version", action="version", version=version_text(),
+                   help="gpufeed's version, torch's version and build, and Python's")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", metavar="FILE",
