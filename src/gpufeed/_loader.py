@@ -265,10 +265,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._position.set_epoch(self, epoch)
 
     def stats(self) -> LoaderStats:
-        """Per-stage timings, ring and prefetch occupancy, and counters since construction.
+        """Per-stage timings, ring and prefetch occupancy, and counters since construction
+        (never reset; the README's "Reading loader.stats()" explains every figure).
 
-        Stages: ``fetch`` and ``collate`` (worker side), ``wait`` (your loop blocked on the
-        loader), ``step`` (your loop's own time between batches). Counters: ``batches``,
+        Stages: ``fetch`` and ``collate`` (worker side), ``startup`` (your loop blocked on the
+        first batch of an ``iter()``), ``wait`` (blocked on each later one), ``step`` (your
+        loop's own time between batches). Counters: ``batches``, ``samples``, ``ring_slots``
+        and ``ring_bytes`` (the ring's capacity and memory at the last batch handed over),
         ``ring_grow`` (slots carved), ``ring_fallback`` (batches that got no slot: with
         process workers they travel in a memory file of their own, never /dev/shm),
         ``ring_unsupported`` (batches with a tensor the ring cannot hold: nested, sparse or

@@ -1,5 +1,6 @@
 import io
 import json
+import math
 import os
 import platform
 import re
@@ -72,6 +73,13 @@ def padded():
 def pad(samples):
     return torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)
 
+
+def gpufeed_loop(profiler):
+    import gpufeed  # process workers start slowly; later batches are ready at once
+
+    loader = gpufeed.DataLoader(Squares(), batch_size=16, num_workers=2, prefetch_factor=8)
+    for _ in profiler.wrap(loader):
+        time.sleep(0.005)
 """
 
 
@@ -327,3 +335,17 @@ def test_the_version_is_the_one_the_package_is_built_with():
     pyproject = (Path(gpufeed._cli.main.__file__).parents[3] / "pyproject.toml").read_text()
     found = re.search(r'^version = "([^"]+)"', pyproject, flags=re.M)
     assert found and found.group(1) == gpufeed.__version__
+
+
+def test_profile_prints_one_input_bound_share(user_module, tmp_path, capsys):
+    """The profile's share and the loader's table agree: the share is printed once, over the
+    steps measured, and the JSON holds the same figure."""
+    out = tmp_path / "p.json"
+    assert main(["profile", f"{user_module}:gpufeed_loop", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["loader_stats"]["counters"]["batches"] == 32  # the loader's table is there too
+    assert "gpufeed loader stats" in text
+    shares = re.findall(r"input-bound: (\d+)%", text)
+    assert shares == [f"{doc['input_bound']:.0%}".rstrip("%")], (shares, text)
+    assert math.isclose(doc["input_bound"], doc["wait_s"] / doc["wall_s"])

@@ -342,6 +342,8 @@ class WorkerIter(BaseIter):
                 data.reraise()
             ring = self._ring
             self._recorder.occupancy("ring", ring.in_use, ring.capacity_slots)
+            self._recorder.gauge("ring_slots", ring.capacity_slots)
+            self._recorder.gauge("ring_bytes", ring.live_bytes)
             self._recorder.occupancy(
                 "prefetch", len(self._ready) + len(self._tasks), self._work_ahead.in_flight_bound
             )

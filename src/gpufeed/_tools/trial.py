@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from .._base.stats import human_bytes
+from .._base.stats import human_bytes, input_bound_share
 from . import measure as _measure
 from .probe import process_tree_pss, shm_usage
 from .repeat import Spread
@@ -210,7 +210,7 @@ def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: i
         over = _over(budget, pss, shm, pinned)
         if over:  # more runs cannot bring a peak down
             break
-    bound = wait_s / (wait_s + step_s) if step is not None and wait_s + step_s > 0 else None
+    bound = input_bound_share(wait_s, step_s) if step is not None else None
     spread = Spread(tuple(rates))
     return Trial(n, kind, pf, pin, spread.median, sorted(firsts)[len(firsts) // 2], pss, shm,
                  pinned, not over, ("over budget: " + ", ".join(over)) if over else "",
