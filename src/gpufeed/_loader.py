@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import os
 import select
 import sys
 import warnings
@@ -187,6 +188,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._recorder = StatsRecorder()
         self._position = LoaderPosition()
         self._prepared = False  # see _is_accelerate_prepared
+        self._workers_warned: tuple[int, str] | None = None
+        self.check_worker_number_rationality()  # torch's __init__ asked before worker_type
 
     @property
     def rank(self) -> int:
@@ -316,6 +319,29 @@ class DataLoader(_TorchDataLoader[_T_co]):
             worker_init_fn=self.worker_init_fn,
             multiprocessing_context=self.multiprocessing_context,
         )
+
+    def check_worker_number_rationality(self) -> None:
+        """torch's warning when ``num_workers`` exceeds the CPUs this process may use, in
+        torch's words ("worker processes"; "worker threads" for thread workers), once per
+        loader and worker count: torch repeats it at every ``iter()``."""
+        kind = self.__dict__.get("worker_type")
+        if kind is None or self.__dict__.get("_workers_warned") == (self.num_workers, kind):
+            return  # in torch's __init__ (gpufeed's calls again), or said already
+        self._workers_warned = (self.num_workers, kind)
+        if kind == "process":
+            super().check_worker_number_rationality()
+            return
+        affinity = getattr(os, "sched_getaffinity", None)  # as torch counts them
+        cpus = len(affinity(0)) if affinity else os.cpu_count()
+        if cpus is not None and self.num_workers > cpus:
+            cpuset = "" if affinity else " (`cpuset` is not taken into account)"
+            warnings.warn(
+                f"This DataLoader will create {self.num_workers} worker threads in total. Our "
+                f"suggested max number of worker in current system is {cpus}{cpuset}, which is "
+                "smaller than what this DataLoader is going to create. Please be aware that "
+                "excessive worker creation might get DataLoader running slow or even freeze, "
+                "lower the worker number to avoid potential slowness/freeze if necessary.",
+                stacklevel=3)
 
     def _get_iterator(self) -> BaseIter:  # type: ignore[override]
         if self.num_workers == 0:
