@@ -17,7 +17,7 @@ from torch.utils.data import Dataset, IterableDataset, Sampler
 from ._base.stats import LoaderStats, StatsRecorder
 from ._device.stage import to_device
 from ._device.streams import parse_device
-from ._host.config import IterConfig
+from ._host.config import WORKER_TYPES, IterConfig, WorkerType
 from ._host.iterator import BaseIter, SingleIter
 from ._host.worker_iter import WorkerIter
 from ._memory import pinning as _pinning
@@ -26,7 +26,6 @@ from ._order.resume import Delivered, LoaderPosition
 from ._order.sampler import build_sampler, resolve_world
 from ._order.seeding import resolve_seed
 
-WORKER_TYPES = ("process", "thread")
 _T_co = TypeVar("_T_co", covariant=True)
 
 
@@ -107,7 +106,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
-        worker_type: str = "process",
+        worker_type: WorkerType = "process",
         ring_bytes: int | None = None,
         device: str | torch.device | None = None,
         device_transform: Callable[[Any], Any] | None = None,

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from .._base.stats import format_table, human_bytes
+from .._host.config import WorkerType
 from .probe import GpuInfo, Probe, cpulist, query_gpus
 
 __all__ = ["DoctorReport", "Finding", "GpuInfo", "Probe", "Workload", "diagnose", "fds_needed",
@@ -76,7 +77,7 @@ class Workload:
     prefetch_factor: int = 2
     pin_memory: bool | None = None
     batch_bytes: int | None = None
-    worker_type: str = "process"
+    worker_type: WorkerType = "process"
 
 
 def fds_needed(num_workers: int, prefetch_factor: int) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 
 from .._base.stats import human_bytes, input_bound_share
+from .._host.config import WorkerType
 from . import measure as _measure
 from .probe import process_tree_pss, shm_usage
 from .repeat import Spread
@@ -102,7 +103,7 @@ class Trial:
     not)."""
 
     num_workers: int
-    worker_type: str | None
+    worker_type: WorkerType | None
     prefetch_factor: int | None
     pin_memory: bool
     samples_per_s: float
@@ -174,7 +175,7 @@ def _consume(timer: _StepTimer, peaks: _measure.PeakSampler) -> Callable[[Any], 
 
 def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: int,
               collate_fn: Callable[[Any], Any] | None, step: Callable[[Any], object] | None,
-              budget: Budget, seconds: float, n: int, kind: str | None, pf: int | None,
+              budget: Budget, seconds: float, n: int, kind: WorkerType | None, pf: int | None,
               pin: bool, *, runs: int = 5, target_spread: float = 0.05) -> Trial:
     """Measure one configuration ``runs`` times (see the module docstring)."""
     kwargs: dict[str, Any] = {"batch_size": batch_size, "num_workers": n, "pin_memory": pin}

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .._base.stats import format_table, human_bytes
+from .._host.config import WORKER_TYPES, WorkerType
 from .._loader import DataLoader
 from .output import write_json
 from .repeat import LoadMonitor, MachineLoad, spreads_text
@@ -171,7 +172,7 @@ def _usable_cpus() -> int:
 
 def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | None = None,
          step: Callable[[Any], object] | None = None, budget: Budget | int | str | None = None,
-         worker_types: Sequence[str] = ("process", "thread"),
+         worker_types: Sequence[WorkerType] = WORKER_TYPES,
          num_workers: Sequence[int] | None = None,
          prefetch_factors: Sequence[int | None] = (None, 4),
          pin_memory: Sequence[bool] | None = None, tolerance: float = 0.05,
@@ -215,7 +216,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
         raise ValueError(f"tolerance is a fraction in [0, 1), e.g. 0.05; got {tolerance!r}")
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
         raise ValueError(f"runs must be a positive int (5 is the default), got {runs!r}")
-    bad = [w for w in worker_types if w not in ("process", "thread")]
+    bad = [w for w in worker_types if w not in WORKER_TYPES]
     if bad or not worker_types:
         raise ValueError(f"worker_types must name 'process' and/or 'thread', got {worker_types!r}")
     if not prefetch_factors or any(
@@ -239,7 +240,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
     done: dict[tuple[Any, ...], Trial] = {}
     skipped: list[tuple[Any, ...]] = []
 
-    def run(n: int, kind: str | None, pf: int | None, pin: bool) -> Trial | None:
+    def run(n: int, kind: WorkerType | None, pf: int | None, pin: bool) -> Trial | None:
         key = (n, kind if n else None, pf if n else None, pin)
         if key in done:
             return done[key]
