@@ -1,8 +1,10 @@
 """The public API is exactly what the README documents, behind a sorted __all__."""
 
 import re
+import typing
 from pathlib import Path
 
+import pytest
 import torch
 
 import gpufeed
@@ -31,3 +33,28 @@ def test_dataloader_is_a_torch_dataloader():
     loader = gpufeed.DataLoader(torch.utils.data.TensorDataset(torch.arange(4)))
     assert isinstance(loader, torch.utils.data.DataLoader)
     assert gpufeed.get_worker_info is torch.utils.data.get_worker_info
+
+
+def test_worker_type_is_a_literal_type_checkers_hold_calls_to(tmp_path):
+    """A misspelt worker kind is a type error for mypy (and editors), still a ValueError at run
+    time; ``gpufeed.WorkerType`` names the two kinds."""
+    assert typing.get_args(gpufeed.WorkerType) == ("process", "thread")
+    hints = typing.get_type_hints(gpufeed.DataLoader.__init__)
+    assert hints["worker_type"] == gpufeed.WorkerType
+    with pytest.raises(ValueError, match="worker_type='proces' is not supported"):
+        gpufeed.DataLoader(torch.utils.data.TensorDataset(torch.arange(4)), worker_type="proces")
+    api = pytest.importorskip("mypy.api")
+    (tmp_path / "mypy.ini").write_text(  # torch and numpy unread: seconds, not a minute
+        "[mypy]\nignore_missing_imports = True\nfollow_imports = silent\n"
+        "[mypy-torch.*]\nfollow_imports = skip\n[mypy-numpy.*]\nfollow_imports = skip\n")
+    (tmp_path / "user.py").write_text(
+        "import gpufeed\n\n"
+        "def kind() -> gpufeed.WorkerType:\n    return 'thread'\n\n"
+        "gpufeed.DataLoader([1, 2], worker_type='proces')\n"
+        "gpufeed.DataLoader([1, 2], worker_type='thread')\n"
+        "gpufeed.DataLoader([1, 2], worker_type=kind())\n")
+    out, err, status = api.run(["--config-file", str(tmp_path / "mypy.ini"), "--no-incremental",
+                                str(tmp_path / "user.py")])
+    errors = [line for line in out.splitlines() if ": error:" in line]
+    assert status == 1 and len(errors) == 1, out + err
+    assert "user.py:6:" in errors[0] and "\"Literal['process', 'thread']\"" in errors[0]

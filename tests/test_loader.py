@@ -10,9 +10,11 @@ import copy
 import functools
 import gc
 import multiprocessing
+import os
 import sys
 import time
 import typing
+import warnings
 
 import numpy as np
 import pytest
@@ -567,6 +569,35 @@ def test_pin_memory_without_accelerator_warns_like_stock(workers):
         got = list(gpufeed.DataLoader(RichDataset(6), batch_size=3, pin_memory=True,
                                       **workers))
     assert_same_batches(expected, got)
+
+
+def too_many_workers_warnings(make, epochs=2):
+    """The "suggested max number of worker" warnings of building ``make()`` and iterating it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every call shows, not once per place
+        loader = make()
+        for _ in range(epochs):
+            list(loader)
+    return loader, [str(w.message) for w in caught
+                    if "suggested max number of worker" in str(w.message)]
+
+
+def test_too_many_workers_warns_once_per_loader_in_stocks_words(worker_type):
+    """Stock warns when built and again at every iter(); gpufeed once per loader, with
+    stock's words for process workers (tools match on them) and "worker threads" for
+    threads. Changing num_workers warns again."""
+    n = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) + 1
+    ds = tud.TensorDataset(torch.arange(8.0))
+    _, stock = too_many_workers_warnings(lambda: tud.DataLoader(ds, batch_size=4, num_workers=n))
+    assert len(stock) == 3 and len(set(stock)) == 1, stock
+    loader, ours = too_many_workers_warnings(lambda: gpufeed.DataLoader(
+        ds, batch_size=4, num_workers=n, worker_type=worker_type))
+    words = stock[0] if worker_type == "process" else stock[0].replace(
+        f"{n} worker processes", f"{n} worker threads")
+    assert ours == [words]
+    loader.num_workers = n + 1
+    _, again = too_many_workers_warnings(lambda: loader)
+    assert len(again) == 1 and f"create {n + 1} worker" in again[0]
 
 
 def test_getitems_used_like_stock():

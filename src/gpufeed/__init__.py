@@ -14,6 +14,7 @@ from ._device.pageable import PageableCopyWarning
 from ._device.prefetch import DeviceIterator
 from ._device.stage import to_device
 from ._device.transforms import Normalize
+from ._host.config import WorkerType
 from ._loader import DataLoader
 from ._memory.release import PinningFallbackWarning
 from ._order.sampler import (
@@ -62,6 +63,7 @@ __all__ = [
     "Trial",
     "TuneResult",
     "WorkerError",
+    "WorkerType",
     "__version__",
     "diagnose",
     "get_shard_info",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import os
 import select
 import sys
 import warnings
@@ -16,7 +17,7 @@ from torch.utils.data import Dataset, IterableDataset, Sampler
 from ._base.stats import LoaderStats, StatsRecorder
 from ._device.stage import to_device
 from ._device.streams import parse_device
-from ._host.config import IterConfig
+from ._host.config import WORKER_TYPES, IterConfig, WorkerType
 from ._host.iterator import BaseIter, SingleIter
 from ._host.worker_iter import WorkerIter
 from ._memory import pinning as _pinning
@@ -26,7 +27,6 @@ from ._order.resume import Delivered, LoaderPosition
 from ._order.sampler import build_sampler, resolve_world
 from ._order.seeding import resolve_seed
 
-WORKER_TYPES = ("process", "thread")
 _T_co = TypeVar("_T_co", covariant=True)
 
 
@@ -107,7 +107,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
-        worker_type: str = "process",
+        worker_type: WorkerType = "process",
         ring_bytes: int | None = None,
         device: str | torch.device | None = None,
         device_transform: Callable[[Any], Any] | None = None,
@@ -189,6 +189,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._position = LoaderPosition()
         self._keeper = RingKeeper()  # NOTE [ Slot lifetime ] (e): a pinned ring across epochs
         self._prepared = False  # see _is_accelerate_prepared
+        self._workers_warned: tuple[int, str] | None = None
+        self.check_worker_number_rationality()  # torch's __init__ asked before worker_type
 
     @property
     def rank(self) -> int:
@@ -267,10 +269,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._position.set_epoch(self, epoch)
 
     def stats(self) -> LoaderStats:
-        """Per-stage timings, ring and prefetch occupancy, and counters since construction.
+        """Per-stage timings, ring and prefetch occupancy, and counters since construction
+        (never reset; the README's "Reading loader.stats()" explains every figure).
 
-        Stages: ``fetch`` and ``collate`` (worker side), ``wait`` (your loop blocked on the
-        loader), ``step`` (your loop's own time between batches). Counters: ``batches``,
+        Stages: ``fetch`` and ``collate`` (worker side), ``startup`` (your loop blocked on the
+        first batch of an ``iter()``), ``wait`` (blocked on each later one), ``step`` (your
+        loop's own time between batches). Counters: ``batches``, ``samples``, ``ring_slots``
+        and ``ring_bytes`` (the ring's capacity and memory at the last batch handed over),
         ``ring_grow`` (slots carved), ``ring_fallback`` (batches that got no slot: with
         process workers they travel in a memory file of their own, never /dev/shm),
         ``ring_unsupported`` (batches with a tensor the ring cannot hold: nested, sparse or
@@ -316,6 +321,29 @@ class DataLoader(_TorchDataLoader[_T_co]):
             worker_init_fn=self.worker_init_fn,
             multiprocessing_context=self.multiprocessing_context,
         )
+
+    def check_worker_number_rationality(self) -> None:
+        """torch's warning when ``num_workers`` exceeds the CPUs this process may use, in
+        torch's words ("worker processes"; "worker threads" for thread workers), once per
+        loader and worker count: torch repeats it at every ``iter()``."""
+        kind = self.__dict__.get("worker_type")
+        if kind is None or self.__dict__.get("_workers_warned") == (self.num_workers, kind):
+            return  # in torch's __init__ (gpufeed's calls again), or said already
+        self._workers_warned = (self.num_workers, kind)
+        if kind == "process":
+            super().check_worker_number_rationality()
+            return
+        affinity = getattr(os, "sched_getaffinity", None)  # as torch counts them
+        cpus = len(affinity(0)) if affinity else os.cpu_count()
+        if cpus is not None and self.num_workers > cpus:
+            cpuset = "" if affinity else " (`cpuset` is not taken into account)"
+            warnings.warn(
+                f"This DataLoader will create {self.num_workers} worker threads in total. Our "
+                f"suggested max number of worker in current system is {cpus}{cpuset}, which is "
+                "smaller than what this DataLoader is going to create. Please be aware that "
+                "excessive worker creation might get DataLoader running slow or even freeze, "
+                "lower the worker number to avoid potential slowness/freeze if necessary.",
+                stacklevel=3)
 
     def _get_iterator(self) -> BaseIter:  # type: ignore[override]
         if self.num_workers == 0:

@@ -17,8 +17,9 @@ def test_every_stat_the_core_reports_has_a_meaning():
     reported = set()
     for path in SRC.rglob("*.py"):
         text = path.read_text()
-        reported |= set(re.findall(r"\.(?:add|count|occupancy)\(\s*\"([a-z_]+)\"", text))
-    assert {"fetch", "collate", "wait", "step", "ring", "prefetch", "ring_fallback"} <= reported
+        reported |= set(re.findall(r"\.(?:add|count|gauge|occupancy)\(\s*\"([a-z_]+)\"", text))
+    assert {"fetch", "collate", "startup", "wait", "step", "ring", "prefetch", "ring_fallback",
+            "samples", "ring_slots", "ring_bytes"} <= reported
     assert reported <= set(MEANINGS), reported - set(MEANINGS)
 
 

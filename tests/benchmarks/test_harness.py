@@ -395,3 +395,26 @@ def test_per_sample_profile_and_compare_smoke(tmp_path: Path, monkeypatch: pytes
         assert w["cpu_us_per_batch"] > 0 and w["top"][0]["own_share"] > 0
         assert r["worker_processes"] == 2 and r["worker_cpu_ms_per_batch"] >= 0
     assert doc["loaders"]["gpufeed_main_top"]
+
+
+@pytest.mark.parametrize("argv", [["cpu", "--out", "-"], ["sources", "--out", "-"]])
+def test_out_dash_is_refused_naming_the_fix(argv: list[str],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``--out`` is a folder of result files: ``-`` (stdout) cannot take them, and no folder
+    named ``-`` is made."""
+    from gpufeed.benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert "give a folder, e.g. benchmarks/results" in capsys.readouterr().err
+
+
+def test_per_sample_json_dash_is_stdout(monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from gpufeed.benchmarks import persample
+
+    monkeypatch.setattr(persample, "_run", lambda args: {"workload": "stand-in"})
+    assert persample.main(["compare", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"workload": "stand-in"} and "wrote" not in out + err

@@ -1,5 +1,5 @@
-"""Comparing batches exactly (container types included), and running a loader over a
-dataset with identical seeding."""
+"""Comparing batches exactly (container types included), running a loader over a dataset with
+identical seeding, and importing torchvision to compare with."""
 
 from __future__ import annotations
 
@@ -11,7 +11,27 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
+
+#: how to get a torchvision that loads (README, "torchvision next to a CPU-only torch")
+TORCHVISION_HINT = ("install torchvision together with torch, from the same index and release "
+                    "line, e.g. pip install torch==X torchvision==Y --index-url "
+                    "https://download.pytorch.org/whl/cpu")
+
+
+def torchvision_or_skip() -> Any:
+    """torchvision, or skip the test with :data:`TORCHVISION_HINT`: also where it is installed
+    but cannot load (its CUDA wheel next to a CPU-only torch raises ``RuntimeError: operator
+    torchvision::nms does not exist``, which ``pytest.importorskip`` lets through)."""
+    try:
+        import torchvision
+    except ImportError:
+        pytest.skip(f"torchvision is not installed; {TORCHVISION_HINT}")
+    except RuntimeError as exc:
+        pytest.skip(f"torchvision cannot load next to torch {torch.__version__} ({exc}); "
+                    f"{TORCHVISION_HINT}")
+    return torchvision
 
 # -- comparing batches -------------------------------------------------------------------------
 

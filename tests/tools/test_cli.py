@@ -1,13 +1,18 @@
 import io
 import json
+import math
 import os
+import platform
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
+import gpufeed
 import gpufeed._cli.main
 from gpufeed._cli.main import main
 
@@ -67,6 +72,14 @@ def padded():
 
 def pad(samples):
     return torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)
+
+
+def gpufeed_loop(profiler):
+    import gpufeed  # process workers start slowly; later batches are ready at once
+
+    loader = gpufeed.DataLoader(Squares(), batch_size=16, num_workers=2, prefetch_factor=8)
+    for _ in profiler.wrap(loader):
+        time.sleep(0.005)
 """
 
 
@@ -274,3 +287,65 @@ def test_progress_bar_only_on_a_terminal_and_without_json(user_module, tmp_path,
     text = err.getvalue()
     assert ("gpufeed profile" in text and "gpufeed tune" in text) is drawn, text
     assert "input-bound" in capsys.readouterr().out  # the results still go to stdout
+
+
+def test_bench_collate_takes_samples_of_different_sizes(user_module, capsys):
+    argv = ["bench", f"{user_module}:padded", "--workers", "0,2", "--worker-type", "thread",
+            "--seconds", "0.05", "--runs", "3", "--no-progress"]
+    assert main([*argv, "--collate", f"{user_module}:pad"]) == 0, capsys.readouterr().err
+    assert "gpufeed vs stock, both yours" in capsys.readouterr().out
+    # without it the default collate cannot stack them: the error names the fix, as tune's does
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "stack expects each tensor" in err and "--collate MODULE:FUNCTION" in err
+    assert "Traceback" not in err
+    # the built-in workload brings its own collate functions
+    assert main(["bench", "--collate", f"{user_module}:pad", "--no-progress"]) == 2
+    assert "give MODULE:FACTORY too" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "table"), [(["doctor"], "gpufeed doctor"),
+                                             (["profile", "{mod}:pair"], "gpufeed profile:")])
+def test_json_dash_writes_the_json_alone_to_stdout(user_module, tmp_path, monkeypatch, capsys,
+                                                   argv, table):
+    monkeypatch.chdir(tmp_path)
+    rc = main([*(a.format(mod=user_module) for a in argv), "--json", "-"])
+    out, err = capsys.readouterr()
+    assert rc in (0, 1)
+    doc = json.loads(out)  # nothing but the JSON on stdout
+    assert doc.get("findings") or doc.get("steps")
+    assert table in err and "wrote" not in out + err  # the table went to stderr
+    assert not (tmp_path / "-").exists()
+
+
+def test_plot_dash_is_refused_naming_the_fix(capsys):
+    assert main(["bench", "--plot", "-"]) == 2
+    assert "give a file name, e.g. bench.png" in capsys.readouterr().err
+
+
+def test_version_names_gpufeed_torch_and_python(capsys):
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"gpufeed {gpufeed.__version__} (torch {torch.__version__}, ")
+    assert ("CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}") in out
+    assert f"Python {platform.python_version()}" in out
+
+
+def test_the_version_is_the_one_the_package_is_built_with():
+    pyproject = (Path(gpufeed._cli.main.__file__).parents[3] / "pyproject.toml").read_text()
+    found = re.search(r'^version = "([^"]+)"', pyproject, flags=re.M)
+    assert found and found.group(1) == gpufeed.__version__
+
+
+def test_profile_prints_one_input_bound_share(user_module, tmp_path, capsys):
+    """The profile's share and the loader's table agree: the share is printed once, over the
+    steps measured, and the JSON holds the same figure."""
+    out = tmp_path / "p.json"
+    assert main(["profile", f"{user_module}:gpufeed_loop", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["loader_stats"]["counters"]["batches"] == 32  # the loader's table is there too
+    assert "gpufeed loader stats" in text
+    shares = re.findall(r"input-bound: (\d+)%", text)
+    assert shares == [f"{doc['input_bound']:.0%}".rstrip("%")], (shares, text)
+    assert math.isclose(doc["input_bound"], doc["wait_s"] / doc["wall_s"])

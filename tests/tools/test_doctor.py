@@ -1,4 +1,6 @@
 import dataclasses
+import math
+import re
 
 import pytest
 
@@ -56,6 +58,22 @@ def test_shm_thresholds_and_advice(free, status):
     if status != "ok":
         assert "--shm-size=8g" in f.advice
         assert "not /dev/shm" in f.advice  # gpufeed's own batches do not need it
+
+
+def test_shm_advice_names_a_size_that_covers_the_need():
+    probe = healthy(shm=lambda: (16 * GiB, 15 * GiB))  # 1 GiB in use
+    work = Workload(num_workers=16, batch_bytes=954 << 20)
+    in_flight = 16 * 2 * (954 << 20)
+    f = by_name(diagnose(probe=probe, workload=work))["/dev/shm"]
+    assert f.status == "warn" and "batches in flight: 29.8 GiB" in f.value
+    docker = re.search(r"--shm-size=(\d+)g", f.advice)
+    mount = re.search(r"remount,size=(\d+)G /dev/shm", f.advice)
+    assert docker and mount, f.advice
+    # what is in use, plus the free space the check asks for (twice the batches in flight)
+    assert int(docker.group(1)) == int(mount.group(1)) == math.ceil((GiB + 2 * in_flight) / GiB)
+    missing = by_name(diagnose(probe=healthy(shm=lambda: None), workload=work))["/dev/shm"]
+    assert f"--shm-size={math.ceil(2 * in_flight / GiB)}g" in missing.advice
+    assert "size=8G" in by_name(diagnose(probe=healthy(shm=lambda: None)))["/dev/shm"].advice
 
 
 def test_missing_shm_fails():

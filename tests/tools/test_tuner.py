@@ -126,7 +126,7 @@ def table_measure(rates, calls):
     return measure
 
 
-def test_ladder_stops_early_and_failures_are_rows(monkeypatch, tmp_path):
+def test_ladder_stops_early_and_failures_are_rows(monkeypatch, tmp_path, capsys):
     rates = {(0, None): 100.0, (1, "process"): 180.0, (2, "process"): 300.0,
              (4, "process"): 295.0, (8, "process"): 900.0,  # 8 is never tried: 4 did not help
              (1, "thread"): ValueError("cannot pickle"), (2, "thread"): 500.0,
@@ -147,6 +147,9 @@ def test_ladder_stops_early_and_failures_are_rows(monkeypatch, tmp_path):
     result.write_json(out)
     data = json.loads(out.read_text())
     assert data["recommended"] == result.recommended
+    capsys.readouterr()
+    result.write_json("-")  # stdout, as on the command line
+    assert json.loads(capsys.readouterr().out) == data
     assert len(data["trials"]) == len(result.trials)
     assert {"num_workers", "worker_type", "prefetch_factor", "pin_memory", "samples_per_s",
             "peak_pss_bytes"} <= set(data["trials"][0])

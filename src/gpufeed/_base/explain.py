@@ -70,6 +70,8 @@ MEANINGS: dict[str, str] = {
     "fetch": "worker time reading the samples of a batch (your `dataset[i]` or `__getitems__`)",
     "collate": "worker time building the batch from its samples (into a ring slot if one "
                "was free)",
+    "startup": "time your loop waited for the first batch of each iter() (worker start-up), "
+               "left out of wait and input-bound",
     "wait": "time your loop was blocked waiting for the next batch (input-bound when large)",
     "step": "time your loop spent between two batches (your training step)",
     "transfer": "device stage: host-to-device copy and device transform per batch",
@@ -82,15 +84,17 @@ MEANINGS: dict[str, str] = {
                 "to your loop) / the most allowed in flight",
     # counters
     "batches": "batches handed to your loop",
-    "samples": "samples handed to your loop",
+    "samples": "samples handed to your loop (each batch's first tensor's first dimension; one "
+               "per item with batch_size=None)",
     "ring_grow": "ring slots carved (grows with the prefetch; keeps growing if batch sizes vary)",
     "ring_fallback": "batches that found no free ring slot and got memory of their own (a "
                      "per-batch memory file with process workers): one allocation and page "
                      "faults per batch instead of a recycled slot",
     "ring_unsupported": "batches with a tensor the ring cannot hold (nested, sparse, quantized, "
                         "a tensor subclass), sent torch's own way (through /dev/shm)",
-    "ring_slots": "slots the ring holds now",
-    "ring_bytes": "bytes the ring's slots take now",
+    "ring_slots": "slots the ring has carved and holds (in use, fenced or free), at the last "
+                  "batch handed over",
+    "ring_bytes": "memory the ring's slots take (in use or free), at the last batch handed over",
     "consumer_waits": "device stage: times your loop waited for a batch on the device",
     "pageable_batches": "device stage: batches copied from unpinned memory (slower copies)",
     # columns
@@ -98,7 +102,8 @@ MEANINGS: dict[str, str] = {
     "blocked s": "total seconds the stage was blocked (on a queue, a slot, the next batch)",
     "p50/p90/p99 ms": "per-batch time (busy + blocked) percentiles over recent batches",
     "occupancy": "mean/capacity (max) of slots or queue entries in use, sampled per batch",
-    "input-bound": "wait / (wait + step): share of your loop spent waiting for data",
+    "input-bound": "wait / (wait + step): share of your loop spent waiting for data, "
+                   "start-up left out",
 }
 
 

@@ -7,9 +7,13 @@ Stages the core reports (seconds per batch):
 
 ``fetch``     worker side: reading the samples of one batch.
 ``collate``   worker side: building the batch (into a ring slot when possible).
-``wait``      main thread blocked waiting for the next batch (``blocked_s``).
+``startup``   main thread blocked on the first batch of an iterator (worker start-up).
+``wait``      main thread blocked waiting for each later batch (``blocked_s``).
 ``step``      time the user spent between two ``next()`` calls (``busy_s``).
 ``transfer``  device stage: host-to-device copy (and device transform).
+
+The input-bound share has one definition, :func:`input_bound_share`, used by
+``LoaderStats.input_bound``, ``gpufeed.Profiler`` and the tuner's trials.
 
 A ``to_device`` iterator keeps its own counters; ``DeviceIterator.stats()`` returns them as a
 :class:`DeviceStats`.
@@ -30,7 +34,7 @@ from typing import Any
 from .explain import explain, ring_findings
 
 __all__ = ["DeviceStats", "LoaderStats", "StageStats", "StatsRecorder", "format_table",
-           "human_bytes", "percentile"]
+           "human_bytes", "input_bound_share", "percentile"]
 
 DEFAULT_WINDOW = 4096
 
@@ -48,6 +52,15 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     hi = min(lo + 1, n - 1)
     frac = pos - lo
     return float(sorted_values[lo] * (1.0 - frac) + sorted_values[hi] * frac)
+
+
+def input_bound_share(wait_s: float, step_s: float) -> float | None:
+    """The share (0-1) of a training loop spent waiting for data: ``wait / (wait + step)``,
+    both in seconds, the waits without start-up (the first batch, which includes starting the
+    workers); None when nothing was measured. Every input-bound figure gpufeed prints is this
+    one (``loader.stats()``, ``gpufeed profile``, ``gpufeed tune``)."""
+    total = wait_s + step_s
+    return wait_s / total if total > 0 else None
 
 
 def human_bytes(n: float) -> str:
@@ -114,11 +127,13 @@ class LoaderStats:
     """A snapshot of a loader's statistics.
 
     Fields:
-        wall_s: seconds since the recorder was created or last reset.
+        wall_s: seconds since the loader was built (its stats are never reset: for one
+            epoch's figures, subtract the snapshot taken before it from the one after).
         stages: per-stage figures, by stage name, in the order first reported.
-        counters: event counts, e.g. "batches", "samples", "ring_grow", "ring_fallback",
-            "ring_unsupported" (batches with a tensor the ring cannot hold, sent torch's own
-            way: see ``gpufeed.DataLoader.stats``), "ring_slots", "ring_bytes".
+        counters: event counts ("batches", "samples", "ring_grow", "ring_fallback",
+            "ring_unsupported": batches with a tensor the ring cannot hold, sent torch's own
+            way, see ``gpufeed.DataLoader.stats``) and gauges, values at the last batch handed
+            over ("ring_slots", "ring_bytes").
     """
 
     wall_s: float
@@ -127,16 +142,13 @@ class LoaderStats:
 
     @property
     def input_bound(self) -> float | None:
-        """Share (0-1) of the user's loop spent waiting for data: wait / (wait + step).
-
-        None until both the "wait" and "step" stages have been reported. The first batch's
-        wait (worker start-up) counts here; ``gpufeed.Profiler`` leaves it out.
-        """
+        """Share (0-1) of the user's loop spent waiting for data: :func:`input_bound_share` of
+        the "wait" and "step" stages (the first batch's wait is the "startup" stage, left out
+        as ``gpufeed.Profiler`` leaves it out). None until both stages have been reported."""
         wait, step = self.stages.get("wait"), self.stages.get("step")
         if wait is None or step is None:
             return None
-        total = wait.busy_s + wait.blocked_s + step.busy_s + step.blocked_s
-        return (wait.busy_s + wait.blocked_s) / total if total > 0 else None
+        return input_bound_share(wait.busy_s + wait.blocked_s, step.busy_s + step.blocked_s)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-ready) of the snapshot."""
@@ -147,6 +159,11 @@ class LoaderStats:
         }
 
     def __str__(self) -> str:
+        return self.render()
+
+    def render(self, *, input_bound: bool = True) -> str:
+        """The table ``print(stats)`` shows; ``input_bound=False`` leaves out the input-bound
+        line (``gpufeed profile`` prints its own, over the steps it measured)."""
         rows = []
         for s in self.stages.values():
             occ = (f"{s.occupancy_mean:.1f}/{s.capacity} (max {s.occupancy_max})"
@@ -161,7 +178,7 @@ class LoaderStats:
         if self.counters:
             text.append("counters: " + ", ".join(f"{k}={v}" for k, v in self.counters.items()))
         bound = self.input_bound
-        if bound is not None:
+        if bound is not None and input_bound:
             text.append(f"input-bound: {bound:.0%}")
         text += ring_findings(self)
         return "\n".join(text)
@@ -270,6 +287,11 @@ class StatsRecorder:
         """Add ``k`` to the counter ``name`` (e.g. "ring_fallback")."""
         with self._lock:
             self._counters[name] = self._counters.get(name, 0) + k
+
+    def gauge(self, name: str, value: int) -> None:
+        """Set the counter ``name`` to ``value``: a level now (e.g. "ring_bytes"), not a sum."""
+        with self._lock:
+            self._counters[name] = value
 
     def reset(self) -> None:
         """Forget everything recorded so far and restart the wall clock (e.g. at a new epoch)."""

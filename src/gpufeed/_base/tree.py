@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 _ATOMS = (str, bytes, bytearray, memoryview)
@@ -85,6 +86,34 @@ def tree_leaves(obj: Any) -> list[Any]:
 
     tree_map(visit, obj)
     return out
+
+
+def batch_len(batch: Any) -> int | None:
+    """How many samples a collated batch holds: the first dimension of its first tensor or
+    array with one, or the length of its first list of strings or bytes (how the default
+    collate batches strings), whichever comes first (depth first, in container order); None
+    when there is neither (e.g. a ``collate_fn`` that returns one number)."""
+    if isinstance(batch, torch.Tensor):  # size(0), not shape: nested tensors have no shape
+        return int(batch.size(0)) if batch.dim() else None
+    if isinstance(batch, np.ndarray):
+        return int(batch.shape[0]) if batch.ndim else None
+    if isinstance(batch, _ATOMS):
+        return None
+    if isinstance(batch, Mapping):
+        items: Any = batch.values()
+    elif isinstance(batch, list | tuple):
+        if batch and all(isinstance(x, _ATOMS) for x in batch):
+            return len(batch)
+        items = batch
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = (getattr(batch, f.name) for f in dataclasses.fields(batch))
+    else:
+        return None
+    for item in items:
+        n = batch_len(item)
+        if n is not None:
+            return n
+    return None
 
 
 def byte_extent(t: torch.Tensor) -> int:

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .targets import TargetError, UsageError, load_dataset, load_target
+from .targets import TargetError, UsageError, load_collate, load_dataset, load_target
 
 __all__ = ["cmd_bench", "cmd_doctor", "cmd_profile", "cmd_tune"]
 
@@ -50,14 +48,9 @@ def _progress_on(args: argparse.Namespace) -> bool:
     return not (args.no_progress or args.json)
 
 
-def _write_json(path: str | None, doc: dict[str, Any]) -> None:
-    if path:
-        Path(path).write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        print(f"wrote {path}")
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     from .._tools import bench as _bench
+    from .._tools.trial import COLLATE_FIX, ragged
 
     if args.plot:
         from .._tools.tuner import require_matplotlib
@@ -65,8 +58,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         require_matplotlib()  # fail before the runs, not after
     if args.target:
         dataset, batch_size, title = load_dataset(args.target), args.batch_size or 32, args.target
-        variants: dict[str, tuple[Any, Any]] = {"yours": (dataset, None)}
+        variants: dict[str, tuple[Any, Any]] = {"yours": (dataset, load_collate(args.collate))}
     else:
+        if args.collate:
+            raise UsageError("--collate applies to your dataset: give MODULE:FACTORY too (the "
+                             "built-in workload has its own collate functions)")
         from ..benchmarks.workloads import build
 
         work = build("synthetic", quick=args.quick)
@@ -78,6 +74,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         load = _bench.run_bench(rows, seconds=args.seconds, runs=args.runs,
                                 target_spread=args.target_spread, step=bar.step)
+    except Exception as exc:
+        if not (args.target and not args.collate and ragged(str(exc))):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]  # not the worker's traceback
+        print(f"gpufeed bench: {type(exc).__name__}: {first}; {COLLATE_FIX}", file=sys.stderr)
+        return 1
     finally:
         bar.close()
     comparisons = _bench.compare(rows)
@@ -96,7 +98,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         doc["gpu"] = gpu.run_gpu_benchmark(batches=16, repeats=1)
         if "skipped" not in doc["gpu"]:
             print(gpu.render_markdown(doc["gpu"]))
-    _write_json(args.json, doc)
+    args.emit_json(doc)
     if args.plot:
         _bench.plot(rows, args.plot)
         print(f"wrote {args.plot}")
@@ -120,7 +122,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.plot:
         require_matplotlib()  # fail before minutes of trials, not after
     dataset = load_dataset(args.target)
-    collate = load_target(args.collate, what="FUNCTION") if args.collate else None
+    collate = load_collate(args.collate)
     step = (load_target(args.step, what="FUNCTION") if args.step
             else _SleepStep(args.step_ms) if args.step_ms else None)
     default = Budget.default()
@@ -142,7 +144,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     print(result)
-    _write_json(args.json, result.to_dict())
+    args.emit_json(result.to_dict())
     if args.plot:
         result.plot(args.plot)
         print(f"wrote {args.plot}")
@@ -178,7 +180,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         finally:
             bar.close()
     print(report)
-    _write_json(args.json, report.to_dict())
+    args.emit_json(report.to_dict())
     return 0
 
 
@@ -189,5 +191,5 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         num_workers=args.workers, prefetch_factor=args.prefetch_factor,
         pin_memory=args.pin_memory, batch_bytes=args.batch_bytes, worker_type=args.worker_type))
     print(report)
-    _write_json(args.json, report.to_dict())
+    args.emit_json(report.to_dict())
     return report.exit_code

@@ -1,18 +1,22 @@
-"""The ``gpufeed`` command: ``gpufeed bench | tune | profile | doctor`` (``--help`` on each).
+"""The ``gpufeed`` command: ``gpufeed bench | tune | profile | doctor`` (``--help`` on each),
+``gpufeed --version``.
 
 Exit codes: 0 done; 1 the work failed (the user's code raised, no trial worked) or ``doctor``
 found a problem that will break a loader; 2 bad usage (options, a bad ``MODULE:FACTORY``);
-130 interrupted. Tables go to stdout, progress bars and errors to stderr.
+130 interrupted. Tables go to stdout, progress bars and errors to stderr; ``--json -`` puts the
+JSON alone on stdout and the tables on stderr (``_tools/output.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._tools.output import file_path, json_output
 from .commands import cmd_bench, cmd_doctor, cmd_profile, cmd_tune
 from .targets import UsageError
 
@@ -60,14 +64,36 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def version_text() -> str:
+    """``gpufeed --version``: gpufeed's version and the torch build it runs on."""
+    import torch
+
+    from .. import __version__
+
+    build = (f"CUDA {torch.version.cuda}" if torch.version.cuda
+             else f"ROCm {torch.version.hip}" if getattr(torch.version, "hip", None)
+             else "CPU-only build")
+    return (f"gpufeed {__version__} (torch {torch.__version__}, {build}; "
+            f"Python {platform.python_version()})")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpufeed", description="Measure and tune data loading.")
+    p.add_argument("--version", action="version", version=version_text(),
+                   help="gpufeed's version, torch's version and build, and Python's")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    common.add_argument("--json", metavar="FILE",
+                        help="also write the results as JSON to FILE (-: to stdout, and the "
+                        "tables to stderr)")
     common.add_argument("--no-progress", action="store_true", help="no progress bar")
+    collate = argparse.ArgumentParser(add_help=False)  # bench and tune: one meaning
+    collate.add_argument("--collate", metavar="MODULE:FUNCTION",
+                         help="your collate_fn, given to every loader measured (e.g. one that "
+                         "pads samples of different sizes)")
 
-    b = sub.add_parser("bench", parents=[common], help="stock DataLoader vs gpufeed, side by side",
+    b = sub.add_parser("bench", parents=[common, collate],
+                       help="stock DataLoader vs gpufeed, side by side",
                        description="Compare the stock torch DataLoader with gpufeed.DataLoader "
                        "on a built-in synthetic workload (no files, no GPU) or on MODULE:FACTORY.")
     b.add_argument("target", nargs="?", metavar="MODULE:FACTORY",
@@ -86,16 +112,16 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--worker-type", choices=("process", "thread"), default="process",
                    help="gpufeed's worker kind (process)")
     b.add_argument("--quick", action="store_true", help="a smaller synthetic data set")
-    b.add_argument("--plot", metavar="FILE", help="bar chart of samples/s (needs matplotlib)")
+    b.add_argument("--plot", metavar="FILE", type=file_path,
+                   help="bar chart of samples/s (needs matplotlib)")
     b.set_defaults(func=cmd_bench)
 
-    t = sub.add_parser("tune", parents=[common], help="find the smallest fast loader settings",
+    t = sub.add_parser("tune", parents=[common, collate],
+                       help="find the smallest fast loader settings",
                        description="Short trials over num_workers, worker_type, prefetch_factor "
                        "and pin_memory on your dataset; recommends DataLoader keyword arguments.")
     t.add_argument("target", metavar="MODULE:FACTORY", help="a function returning your dataset")
     t.add_argument("--batch-size", type=_positive(int), default=32, help="samples per batch (32)")
-    t.add_argument("--collate", metavar="MODULE:FUNCTION",
-                   help="your collate_fn (e.g. padding variable-length samples)")
     step = t.add_mutually_exclusive_group()
     step.add_argument("--step", metavar="MODULE:FUNCTION",
                       help="your training step, called with each batch: tune for the share of "
@@ -117,7 +143,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="timed seconds per run of a trial (0.5)")
     t.add_argument("--time-budget", type=_positive(float), default=120.0,
                    help="no trial starts after this many seconds (120)")
-    t.add_argument("--plot", metavar="FILE", help="samples/s by num_workers (needs matplotlib)")
+    t.add_argument("--plot", metavar="FILE", type=file_path,
+                   help="samples/s by num_workers (needs matplotlib)")
     t.set_defaults(func=cmd_tune)
 
     pr = sub.add_parser("profile", parents=[common], help="is your training loop input-bound?",
@@ -154,7 +181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or a usage error (2)
         return int(exc.code or 0)
     try:
-        return int(args.func(args))
+        with json_output(args.json) as emit:
+            args.emit_json = emit  # the commands write their JSON through it
+            return int(args.func(args))
     except (UsageError, ImportError) as exc:
         print(f"gpufeed {args.command}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1

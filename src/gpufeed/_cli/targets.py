@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TargetError", "UsageError", "load_dataset", "load_target"]
+__all__ = ["TargetError", "UsageError", "load_collate", "load_dataset", "load_target"]
 
 
 class UsageError(ValueError):
@@ -71,3 +71,9 @@ def load_dataset(spec: str) -> Any:
                           "must return a map-style dataset (__getitem__ and __len__) or a "
                           "torch.utils.data.IterableDataset")
     return dataset
+
+
+def load_collate(spec: str | None) -> Callable[[list[Any]], Any] | None:
+    """``--collate MODULE:FUNCTION`` (``gpufeed bench`` and ``tune``): the ``collate_fn`` every
+    loader measured gets; None (no option) leaves the loaders' default."""
+    return load_target(spec, what="FUNCTION") if spec else None

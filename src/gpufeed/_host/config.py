@@ -17,13 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import torch
 
 from .._base.stats import StatsRecorder
 from .._memory.keeper import RingKeeper
 from .._order.resume import LoaderPosition
+
+#: the kinds of workers: ``"process"`` (like torch's) or ``"thread"`` (``gpufeed.WorkerType``:
+#: a typo is caught by the type checker; the loader raises ``ValueError`` at run time)
+WorkerType = Literal["process", "thread"]
+WORKER_TYPES: tuple[WorkerType, ...] = get_args(WorkerType)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +57,7 @@ class IterConfig:
     device_depth: int | None  # the device stage's depth; None: batches are delivered on host
     # -- workers (``num_workers > 0``)
     num_workers: int
-    worker_type: str  # "process" or "thread"
+    worker_type: WorkerType
     in_order: bool
     timeout: float  # seconds per batch; <= 0: none
     timeout_text: str  # the timeout as given: torch's message prints it so

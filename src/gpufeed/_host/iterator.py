@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .._base import cuda as _cuda
+from .._base.tree import batch_len
 from .._memory import pinning as _pinning
 from .._memory.pinning import pin_batch
 from .._order.resume import capture_state
@@ -93,8 +94,11 @@ class BaseIter:
         rec = self._recorder
         if self._returned_at:
             rec.add("step", busy_s=asked_at - self._returned_at)
-        rec.add("wait", blocked_s=now - asked_at)
+            rec.add("wait", blocked_s=now - asked_at)
+        else:  # the first batch: worker start-up, left out of the input-bound share
+            rec.add("startup", blocked_s=now - asked_at)
         rec.count("batches")
+        rec.count("samples", (batch_len(data) or 0) if self._auto_collation else 1)
         self._num_yielded += 1
         if (
             self._is_iterable

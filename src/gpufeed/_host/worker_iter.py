@@ -351,9 +351,7 @@ class WorkerIter(BaseIter):
             if isinstance(data, RemoteError):
                 data.reraise()
             ring = self._ring
-            self._recorder.occupancy("ring", ring.in_use, ring.capacity_slots)
-            if ring.pin:
-                self._recorder.occupancy("ring_fenced", ring.fenced, ring.capacity_slots)
+            ring.record(self._recorder)
             self._recorder.occupancy(
                 "prefetch", len(self._ready) + len(self._tasks), self._work_ahead.in_flight_bound
             )

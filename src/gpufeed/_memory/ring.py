@@ -173,9 +173,7 @@ class SlotRing:
 
     @property
     def capacity_slots(self) -> int:
-        if not self.slot_bytes or self.budget is None:
-            return 0
-        return self.budget // self.slot_bytes
+        return self.budget // self.slot_bytes if self.slot_bytes and self.budget else 0
 
     @property
     def in_use(self) -> int:
@@ -237,6 +235,14 @@ class SlotRing:
         off, size = self._slots[sid]
         start = self.region_tensor.data_ptr() + off
         return start, start + size
+
+    def record(self, recorder: Any) -> None:
+        """Sample the ring into a loader's stats, once per batch handed out."""
+        recorder.occupancy("ring", self.in_use, self.capacity_slots)
+        if self.pin:
+            recorder.occupancy("ring_fenced", self.fenced, self.capacity_slots)
+        recorder.gauge("ring_slots", len(self._slots))
+        recorder.gauge("ring_bytes", self.live_bytes)
 
     def info(self) -> dict[str, int]:
         """Slot bytes, live bytes, slots in use and fenced, slots carved, fallbacks, budget."""

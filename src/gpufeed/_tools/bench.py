@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .._base.stats import format_table, human_bytes
+from .._host.config import WorkerType
 from .._loader import DataLoader
 from .measure import measure_loader, one_intra_op_thread
 from .repeat import LoadMonitor, MachineLoad, Spread, spreads_text
@@ -87,7 +88,7 @@ class Comparison:
 
 
 def configs(variants: dict[str, tuple[Any, Any]], workers: Sequence[int], batch_size: int,
-            worker_type: str = "process") -> list[BenchConfig]:
+            worker_type: WorkerType = "process") -> list[BenchConfig]:
     """Both loaders on every fetch path at every ``num_workers`` (see the module docstring)."""
     out = []
     for n in workers:

@@ -36,14 +36,18 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from .._base.stats import format_table, human_bytes
+from .._host.config import WorkerType
 from .probe import GpuInfo, Probe, cpulist, query_gpus
 
-__all__ = ["DoctorReport", "Finding", "GpuInfo", "Probe", "Workload", "diagnose", "fds_needed"]
+__all__ = ["DoctorReport", "Finding", "GpuInfo", "Probe", "Workload", "diagnose", "fds_needed",
+           "shm_size_gib"]
 
 Status = Literal["ok", "warn", "fail"]
 GiB = 1 << 30
 MiB = 1 << 20
 SHM_WARN_FREE = 4 * GiB
+#: the smallest /dev/shm size the advice names (Docker's default is 64 MiB)
+SHM_ASK_MIN_GIB = 8
 NOFILE_FLOOR = 4096
 NOFILE_ASK = 65536
 #: fds of a Python process with torch loaded, its libraries and a few data files open
@@ -73,7 +77,7 @@ class Workload:
     prefetch_factor: int = 2
     pin_memory: bool | None = None
     batch_bytes: int | None = None
-    worker_type: str = "process"
+    worker_type: WorkerType = "process"
 
 
 def fds_needed(num_workers: int, prefetch_factor: int) -> int:
@@ -125,23 +129,33 @@ def _limit(n: int, size: bool = False) -> str:
     return human_bytes(n) if size else f"{n:,}"
 
 
+def shm_size_gib(need: int) -> int:
+    """The /dev/shm size to ask for, in whole GiB: ``need`` bytes rounded up, at least
+    ``SHM_ASK_MIN_GIB`` (Docker's ``--shm-size=Ng`` and tmpfs's ``size=NG`` count GiB)."""
+    return max(SHM_ASK_MIN_GIB, -(-need // GiB))
+
+
 def check_shm(probe: Probe, in_flight: int | None = None) -> Finding:
-    """``in_flight``: bytes of the batches the workers keep in flight, when known."""
+    """``in_flight``: bytes of the batches the workers keep in flight, when known. The size
+    advised covers what is in use now plus the free space the check asks for."""
     usage = probe.shm()
+    warn_at = SHM_WARN_FREE if in_flight is None else 2 * in_flight
     if usage is None:
+        size = shm_size_gib(warn_at)
         return Finding("/dev/shm", "fail", "missing",
-                       "mount a tmpfs at /dev/shm; in Docker: docker run --shm-size=8g "
-                       "(or --ipc=host)")
+                       f"mount a tmpfs at /dev/shm (mount -t tmpfs -o size={size}G tmpfs "
+                       f"/dev/shm); in Docker: docker run --shm-size={size}g (or --ipc=host)")
     total, free = usage
     value = f"{human_bytes(free)} free of {human_bytes(total)}"
-    warn_at = SHM_WARN_FREE if in_flight is None else 2 * in_flight
     if in_flight is not None:
         value += f" (batches in flight: {human_bytes(in_flight)})"
+    size = shm_size_gib(total - free + warn_at)
     advice = ("gpufeed's process workers pass batches through memory files of their own "
               "(memfd), not /dev/shm; tensors its ring cannot hold (nested, sparse, quantized, "
               "subclasses) and the stock torch DataLoader go through /dev/shm: for those, give "
-              "it more room: docker run --shm-size=8g (or --ipc=host); on a host: "
-              "sudo mount -o remount,size=8G /dev/shm; or use worker_type='thread'")
+              f"it {human_bytes(warn_at)} free: docker run --shm-size={size}g (or --ipc=host); "
+              f"on a host: sudo mount -o remount,size={size}G /dev/shm; or use "
+              "worker_type='thread'")
     # A warning at most: only those batches need the room (see NOTE [ Spill ] in _memory/spill.py).
     if free < warn_at:
         return Finding("/dev/shm", "warn", value, advice)

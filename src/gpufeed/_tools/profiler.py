@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
 
-from .._base.stats import LoaderStats, format_table, percentile
+from .._base.stats import LoaderStats, format_table, input_bound_share, percentile
 
 __all__ = ["ProfileReport", "Profiler", "profile"]
 
@@ -42,7 +42,9 @@ class ProfileReport:
         wall_s: wall time of the measured steps (wait plus compute).
         wait_s: total time blocked in ``next()`` waiting for data.
         compute_s: total time in the user's code between batches.
-        input_bound: ``wait_s / wall_s``, the share of the loop spent waiting for data.
+        input_bound: ``wait_s / wall_s``, the share of the loop spent waiting for data (the
+            one input-bound figure a profile prints: its ``loader_stats`` table leaves out
+            the loader's own, which covers the loader's whole life, not these steps).
         wait_p50_s, wait_p90_s, wait_p99_s: per-step wait percentiles.
         compute_p50_s, compute_p90_s, compute_p99_s: per-step compute percentiles.
         startup_s: wait for the first batch (worker start-up included), always reported.
@@ -106,7 +108,8 @@ class ProfileReport:
                          f"({self.gpu_idle_fraction:.0%} of wall time)")
         lines.append(f"verdict: {self.verdict}")
         if self.loader_stats is not None:
-            lines += ["", str(self.loader_stats), "", "what the figures mean:",
+            lines += ["", self.loader_stats.render(input_bound=False), "",
+                      "what the figures mean:",
                       *(f"  {line}" for line in self.loader_stats.explain().splitlines())]
         return "\n".join(lines)
 
@@ -257,7 +260,7 @@ class Profiler:
                         self._warmup)
         return ProfileReport(
             steps=n, wall_s=wall, wait_s=wait_s, compute_s=compute_s,
-            input_bound=wait_s / wall if wall > 0 else 0.0,
+            input_bound=input_bound_share(wait_s, compute_s) or 0.0,
             wait_p50_s=percentile(waits, 50), wait_p90_s=percentile(waits, 90),
             wait_p99_s=percentile(waits, 99),
             compute_p50_s=percentile(computes, 50), compute_p90_s=percentile(computes, 90),

@@ -23,12 +23,13 @@ from typing import Any
 
 import psutil
 
-from .._base.stats import human_bytes
+from .._base.stats import human_bytes, input_bound_share
+from .._host.config import WorkerType
 from . import measure as _measure
 from .probe import process_tree_pss, shm_usage
 from .repeat import Spread
 
-__all__ = ["Budget", "Trial", "kwargs_text", "parse_bytes", "run_trial"]
+__all__ = ["COLLATE_FIX", "Budget", "Trial", "kwargs_text", "parse_bytes", "ragged", "run_trial"]
 
 log = logging.getLogger(__name__)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -46,6 +47,20 @@ def parse_bytes(value: int | float | str) -> int:
         raise ValueError(f"cannot read {value!r} as a size in bytes; write e.g. 8GiB, 512MB or "
                          "an int of bytes")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+#: what torch's default collate says when samples differ in size
+RAGGED_ERRORS = ("stack expects each tensor to be equal size", "resize", "equal size",
+                 "must match the size")
+#: the fix ``gpufeed tune`` and ``gpufeed bench`` give for such samples
+COLLATE_FIX = ("samples of different sizes need a collate_fn that pads them "
+               "(--collate MODULE:FUNCTION, or collate_fn=)")
+
+
+def ragged(text: str) -> bool:
+    """Whether an error message says that the default collate could not stack samples of
+    different sizes."""
+    return any(s in text for s in RAGGED_ERRORS)
 
 
 def kwargs_text(kwargs: dict[str, Any]) -> str:
@@ -88,7 +103,7 @@ class Trial:
     not)."""
 
     num_workers: int
-    worker_type: str | None
+    worker_type: WorkerType | None
     prefetch_factor: int | None
     pin_memory: bool
     samples_per_s: float
@@ -160,7 +175,7 @@ def _consume(timer: _StepTimer, peaks: _measure.PeakSampler) -> Callable[[Any], 
 
 def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: int,
               collate_fn: Callable[[Any], Any] | None, step: Callable[[Any], object] | None,
-              budget: Budget, seconds: float, n: int, kind: str | None, pf: int | None,
+              budget: Budget, seconds: float, n: int, kind: WorkerType | None, pf: int | None,
               pin: bool, *, runs: int = 5, target_spread: float = 0.05) -> Trial:
     """Measure one configuration ``runs`` times (see the module docstring)."""
     kwargs: dict[str, Any] = {"batch_size": batch_size, "num_workers": n, "pin_memory": pin}
@@ -196,7 +211,7 @@ def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: i
         over = _over(budget, pss, shm, pinned)
         if over:  # more runs cannot bring a peak down
             break
-    bound = wait_s / (wait_s + step_s) if step is not None and wait_s + step_s > 0 else None
+    bound = input_bound_share(wait_s, step_s) if step is not None else None
     spread = Spread(tuple(rates))
     return Trial(n, kind, pf, pin, spread.median, sorted(firsts)[len(firsts) // 2], pss, shm,
                  pinned, not over, ("over budget: " + ", ".join(over)) if over else "",

@@ -29,21 +29,21 @@ are all within the noise of the best and the smallest of them wins.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .._base.stats import format_table, human_bytes
+from .._host.config import WORKER_TYPES, WorkerType
 from .._loader import DataLoader
+from .output import write_json
 from .repeat import LoadMonitor, MachineLoad, spreads_text
-from .trial import Budget, Trial, kwargs_text, parse_bytes, run_trial
+from .trial import COLLATE_FIX, Budget, Trial, kwargs_text, parse_bytes, ragged, run_trial
 
 __all__ = ["Budget", "Trial", "TuneResult", "choose", "parse_bytes", "require_matplotlib", "tune",
            "within_noise"]
@@ -106,7 +106,8 @@ class TuneResult:
                 "machine_busy": bool(self.machine and self.machine.busy)}
 
     def write_json(self, path: str | os.PathLike[str]) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write :meth:`to_dict` as JSON to ``path`` (``"-"``: to stdout)."""
+        write_json(path, self.to_dict())
 
     def __str__(self) -> str:
         stepped = any(t.input_bound is not None for t in self.trials)
@@ -171,7 +172,7 @@ def _usable_cpus() -> int:
 
 def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | None = None,
          step: Callable[[Any], object] | None = None, budget: Budget | int | str | None = None,
-         worker_types: Sequence[str] = ("process", "thread"),
+         worker_types: Sequence[WorkerType] = WORKER_TYPES,
          num_workers: Sequence[int] | None = None,
          prefetch_factors: Sequence[int | None] = (None, 4),
          pin_memory: Sequence[bool] | None = None, tolerance: float = 0.05,
@@ -215,7 +216,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
         raise ValueError(f"tolerance is a fraction in [0, 1), e.g. 0.05; got {tolerance!r}")
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
         raise ValueError(f"runs must be a positive int (5 is the default), got {runs!r}")
-    bad = [w for w in worker_types if w not in ("process", "thread")]
+    bad = [w for w in worker_types if w not in WORKER_TYPES]
     if bad or not worker_types:
         raise ValueError(f"worker_types must name 'process' and/or 'thread', got {worker_types!r}")
     if not prefetch_factors or any(
@@ -239,7 +240,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
     done: dict[tuple[Any, ...], Trial] = {}
     skipped: list[tuple[Any, ...]] = []
 
-    def run(n: int, kind: str | None, pf: int | None, pin: bool) -> Trial | None:
+    def run(n: int, kind: WorkerType | None, pf: int | None, pin: bool) -> Trial | None:
         key = (n, kind if n else None, pf if n else None, pin)
         if key in done:
             return done[key]
@@ -307,11 +308,7 @@ def _nothing_worked(trials: Sequence[Trial]) -> str:
         fixes.append("raise the budget (--budget-memory / --budget-shm / --budget-pinned, or "
                      "budget=) or lower batch_size")
     if len(over) < len(trials):
-        text = " ".join(t.note for t in trials)
-        ragged = any(s in text for s in ("stack expects each tensor to be equal size",
-                                          "resize", "equal size", "must match the size"))
-        fixes.append("samples of different sizes need a collate_fn that pads them "
-                     "(--collate MODULE:FUNCTION, or collate_fn=)" if ragged else
+        fixes.append(COLLATE_FIX if ragged(" ".join(t.note for t in trials)) else
                      "fix the error the trials raised (run one batch of the loader by hand "
                      "to see its traceback)")
     return f"no configuration worked ({notes}); " + "; ".join(fixes)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._tools.output import directory
 from .cpu import CEILING, LOADERS, STAND_IN, Settings, run_cpu
 from .workloads import WORKLOADS
 
@@ -43,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
                         "cap, every run delivers one whole epoch, the same work for every "
                         "loader; with a cap faster loaders read more data, so peak PSS gets "
                         "no verdict)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
+    p.add_argument("--out", type=directory, default=Path("benchmarks/results"),
                    help="folder for cpu.json and cpu.md (default benchmarks/results)")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="where workload files are built once and reused "

@@ -41,6 +41,7 @@ import torch
 
 from .._device.stage import to_device
 from .._memory import pinning as _pinning
+from .._tools.output import directory
 from .environment import environment
 
 __all__ = ["main", "run_gpu_benchmark", "warm_up"]
@@ -349,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m gpufeed.benchmarks gpu``: run, write gpu.json and gpu.md, print a summary."""
     p = argparse.ArgumentParser(prog="python -m gpufeed.benchmarks gpu",
                                 description="Host-to-device bandwidth and overlap (needs CUDA).")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
+    p.add_argument("--out", type=directory, default=Path("benchmarks/results"),
                    help="folder for gpu.json and gpu.md (default benchmarks/results)")
     p.add_argument("--batch-size", type=int, default=256, help="uint8 3x224x224 images per batch")
     p.add_argument("--batches", type=int, default=48, help="timed batches per run")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ import psutil
 import torch
 from torch.utils.data import default_collate
 
+from .._tools.output import json_output
 from .._tools.probe import descendants
 from .workloads import FULL_SIZES, build
 
@@ -224,8 +224,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=2.0, help="timed seconds per run (2)")
     p.add_argument("--runs", type=int, default=5, help="runs per loader (5)")
     p.add_argument("--batches", type=int, default=60, help="batches profiled (60)")
-    p.add_argument("--json", type=Path, help="write the figures as JSON")
+    p.add_argument("--json", metavar="FILE",
+                   help="write the figures as JSON to FILE (- for stdout, the rest to stderr)")
     args = p.parse_args(argv)
+    with json_output(args.json) as emit:
+        emit(_run(args))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
     dataset, description = _dataset(args.quick, args.count)
     doc: dict[str, Any] = {"workload": description, "batch_size": BATCH, "workers": WORKERS}
     if args.what in ("compare", "both"):
@@ -246,10 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r['worker_wakeups_per_batch']:.1f} wake-ups per batch")
         _print_top("gpufeed main process, top functions by own time:",
                    loaders["gpufeed_main_top"])
-    if args.json:
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    return doc
 
 
 if __name__ == "__main__":

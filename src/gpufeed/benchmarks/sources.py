@@ -53,6 +53,7 @@ from torch.utils.data import Dataset, default_collate
 
 import gpufeed
 from gpufeed._tools.measure import measure_loader, one_intra_op_thread
+from gpufeed._tools.output import directory
 
 from .ceiling import measure_no_loader
 from .photos import mean_file_bytes, photo_set
@@ -362,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--repeats", type=int, default=None, help="default 5 (quick: 1)")
     p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--out", type=directory, default=Path("benchmarks/results"))
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="where the JPEGs and HDF5 file are built once "
                         "(default $GPUFEED_BENCH_CACHE or <tmp>/gpufeed-bench)")

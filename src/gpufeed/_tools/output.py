@@ -1,0 +1,85 @@
+"""Where the tools' results go: JSON to a file or to stdout (``-``), plots and result folders
+to real paths.
+
+``-`` means stdout, as for most command-line tools: ``gpufeed doctor --json - | jq .`` gets
+nothing but the JSON on stdout, so while it is written there the tables and messages the
+command prints go to stderr instead (:func:`json_output`). A plot is an image and a result
+folder holds several files, so ``-`` is refused there with the fix (:func:`file_path`,
+:func:`directory`), instead of writing a file or folder literally named ``-``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["STDOUT", "directory", "file_path", "is_stdout", "json_output", "write_json"]
+
+#: the file name that means stdout
+STDOUT = "-"
+
+
+def is_stdout(path: str | os.PathLike[str] | None) -> bool:
+    """Whether ``path`` is ``-`` (stdout)."""
+    return path is not None and os.fspath(path) == STDOUT
+
+
+def write_json(path: str | os.PathLike[str], doc: Any, *, stdout: Any = None) -> None:
+    """Write ``doc`` as indented JSON to ``path``, or to ``stdout`` (default ``sys.stdout``)
+    when ``path`` is ``-``. Values JSON cannot hold are written as their ``str``."""
+    text = json.dumps(doc, indent=2, default=str) + "\n"
+    if is_stdout(path):
+        out = stdout if stdout is not None else sys.stdout
+        out.write(text)
+        out.flush()
+    else:
+        Path(path).write_text(text)
+
+
+@contextlib.contextmanager
+def json_output(path: str | os.PathLike[str] | None) -> Iterator[Callable[[Any], None]]:
+    """Yield ``emit(doc)``, which writes ``doc`` where ``--json path`` says.
+
+    ``path`` None: ``emit`` does nothing. A file: ``emit`` writes it and prints
+    ``wrote PATH``. ``-``: ``emit`` writes to stdout, and everything else printed to stdout
+    inside the block goes to stderr, so stdout carries the JSON alone.
+    """
+    stdout = sys.stdout
+
+    def emit(doc: Any) -> None:
+        if path is None:
+            return
+        write_json(path, doc, stdout=stdout)
+        if not is_stdout(path):
+            print(f"wrote {os.fspath(path)}")
+
+    if is_stdout(path):
+        with contextlib.redirect_stdout(sys.stderr):
+            yield emit
+    else:
+        yield emit
+
+
+def file_path(text: str) -> str:
+    """An ``argparse`` type for options that write one file that is not text (``--plot``):
+    ``-`` is refused, naming the fix."""
+    if text == STDOUT:
+        raise argparse.ArgumentTypeError(
+            "'-' (stdout) cannot take an image; give a file name, e.g. bench.png")
+    return text
+
+
+def directory(text: str) -> Path:
+    """An ``argparse`` type for a folder of result files (``--out``): ``-`` is refused, naming
+    the fix."""
+    if text == STDOUT:
+        raise argparse.ArgumentTypeError(
+            "'-' (stdout) cannot take a folder of result files; give a folder, e.g. "
+            "benchmarks/results")
+    return Path(text)
