@@ -70,7 +70,8 @@ MEANINGS: dict[str, str] = {
     "fetch": "worker time reading the samples of a batch (your `dataset[i]` or `__getitems__`)",
     "collate": "worker time building the batch from its samples (into a ring slot if one "
                "was free)",
-    "wait": "time your loop was blocked waiting for the next batch (input-bound when large)",
+    "wait": "time your loop was blocked waiting for the next batch (input-bound when large; "
+            "without workers it includes the main thread's own fetch and collate)",
     "step": "time your loop spent between two batches (your training step)",
     "transfer": "device stage: host-to-device copy and device transform per batch",
     "ring": "occupancy only: slots of the shared ring in use (in flight plus held by your "

@@ -173,7 +173,8 @@ class SingleIter(BaseIter):
         self._recorder.add("fetch", busy_s=fetched - asked_at - self._fetcher.collate_s)
         self._recorder.add("collate", busy_s=self._fetcher.collate_s)
         state = (0, capture_state(self._dataset)) if self._is_iterable else None
-        return self._finish(data, fetched, self._num_yielded, state)
+        # the loop waited from asked_at: the fetch is its wait, not its step
+        return self._finish(data, asked_at, self._num_yielded, state)
 
     def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
         self._begin_epoch()
