@@ -31,6 +31,7 @@ from ._sources.images import ImageFolder
 from ._sources.packed import CopyOnWriteWarning, PackedList
 from ._tools.doctor import DoctorReport, Finding, diagnose
 from ._tools.profiler import Profiler, ProfileReport, profile
+from ._tools.trace import Trace, trace
 from ._tools.tuner import Budget, Trial, TuneResult, tune
 
 __version__ = "0.1.0"
@@ -59,6 +60,7 @@ __all__ = [
     "ShardedIterable",
     "ShardedSampler",
     "StageStats",
+    "Trace",
     "Trial",
     "TuneResult",
     "WorkerError",
@@ -69,5 +71,6 @@ __all__ = [
     "profile",
     "sample_seed",
     "to_device",
+    "trace",
     "tune",
 ]
