@@ -142,7 +142,7 @@ def test_a_bounded_trace_keeps_the_last_batches():
     read = check_trace(tr.to_dict())
     pid = read.pid("gpufeed.DataLoader")
     assert read.batches(pid, "main", "wait") == list(range(495, 500))
-    assert len(tr.timeline.records) < 200  # dropped as it went, not only when written
+    assert len(tr.timeline) < 200  # dropped as it went, not only when written
     assert tr.to_dict()["otherData"]["bounds"]["last_batches"] == 5
 
 

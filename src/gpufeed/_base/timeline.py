@@ -27,10 +27,14 @@ NOTE [ Timeline ]
     stage, host side) and "gpu" (the copy stream, CUDA event times). Workers do not record:
     their spans travel in the ``Fetched`` messages they already send (``started``,
     ``fetch_s``, ``collate_s``), and the main process records them when they arrive.
-(5) Records are tuples ``(kind, owner, start, end, payload)`` appended to a deque (atomic
-    in CPython: any thread may record). The per-batch kinds pack several spans into one
-    record (a handover is the step, the wait and the hand-out; a worker batch is its fetch
-    and its collate), expanded by the writer: one append per batch and stage. A loader's
+(5) Records are ``(kind, owner, start, end, *payload)``, the owner by its number. The
+    per-batch kinds pack several spans into one record (a handover is the step, the wait and
+    the hand-out; a worker batch is its fetch and its collate), expanded by the writer, and
+    are stored flat, their numbers appended to one list per kind (``list.extend``, one C call
+    per record, atomic in CPython: any thread may record). Numbers are objects the garbage
+    collector does not track, so a trace adds none for it to count or scan (a tuple per
+    record made it run ~3x as often on the tabular benchmark). Other records are tuples in a
+    deque. A loader's
     counters (ring slots, batches in flight, workers) are sampled at handovers, at most
     every ``SAMPLE_EVERY_S``: a viewer needs no more, and the cheapest batches come faster.
 (6) Bounds. ``last_batches=N`` keeps what happened since the loop asked for the N-th latest
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import threading
 import time
 from collections.abc import Hashable, Mapping
 from contextlib import AbstractContextManager
@@ -62,7 +67,7 @@ __all__ = [
     "active", "instant", "profiling", "span_until_now", "start", "stop", "torch_range",
 ]
 
-# Record kinds (``Record[0]``); the payload (``Record[4]``) of each:
+# Record kinds (``Record[0]``); the payload (``Record[4:]``) of each:
 SPAN = 0  # (track, name, args): one span [start, end]
 COUNTER = 1  # (name, values): counter values at ``start`` (== end)
 INSTANT = 2  # (track, name, args): a point event at ``start`` (== end)
@@ -72,10 +77,22 @@ HANDOUT = 3  # (batch, epoch, asked, ready): step [start, asked] (none when star
 WORKER = 4  # (worker, batch, epoch, fetch_s, nbytes, spilled): fetch [start, start + fetch_s],
 #             collate [start + fetch_s, end], on track ("worker", worker)
 SAMPLE = 5  # (ring_in_use, ring_fenced, ring_free, in_flight, workers): a loader's counters
-SAMPLE_EVERY_S = 0.0005  # a loader's counters are sampled at handovers, at most this often
+SAMPLE_EVERY_S = 0.002  # a loader's counters are sampled at handovers, at most this often
 
-Record = tuple[int, Hashable, float, float, tuple[Any, ...]]
+Record = tuple[Any, ...]  # (kind, owner number, start, end, *payload)
+#: Numbers per record in the per-batch kinds' columns: owner, start, end, *payload.
+WIDTH = {HANDOUT: 7, WORKER: 9, SAMPLE: 8}
 _serials = itertools.count(1)
+
+
+class _Numbers(dict[Hashable, int]):
+    """Owner -> its number (0, 1, ... in order of first appearance), assigned on first use."""
+
+    _lock = threading.Lock()
+
+    def __missing__(self, owner: Hashable) -> int:
+        with self._lock:  # two threads' first records: two numbers
+            return self.setdefault(owner, len(self))
 
 #: The name of the ``record_function`` range around a host iterator's ``next()``.
 WAIT_RANGE = "gpufeed: waiting for data"
@@ -109,9 +126,15 @@ class Timeline:
                              "seconds or None to keep all")
         self.last_batches = last_batches
         self.last_seconds = None if last_seconds is None else float(last_seconds)
-        self.records: collections.deque[Record] = collections.deque()
+        self.records: collections.deque[Record] = collections.deque()  # generic kinds
         self._append = self.records.append
-        self.labels: dict[tuple[Hashable, Hashable], str] = {}  # (owner, track or None)
+        self.columns: dict[int, list[Any]] = {kind: [] for kind in WIDTH}  # per-batch kinds
+        self._skip = dict.fromkeys(WIDTH, 0)  # records dropped from each column's front
+        self._handout = self.columns[HANDOUT].extend
+        self._worker = self.columns[WORKER].extend
+        self._sample = self.columns[SAMPLE].extend
+        self.owners = _Numbers()  # records hold numbers, not objects: see (5) of the NOTE
+        self.labels: dict[tuple[int, Hashable], str] = {}  # (owner number, track or None)
         self._bounds = last_batches is not None or last_seconds is not None
         self.serial = next(_serials)  # stages remember this, not the timeline, once labelled
         self.started = time.perf_counter()
@@ -124,32 +147,31 @@ class Timeline:
     def span(self, owner: Hashable, track: Hashable, name: str, start: float, end: float,
              args: Mapping[str, Any] | None = None) -> None:
         """A span ``name`` of ``owner``'s ``track`` from ``start`` to ``end`` (perf_counter s)."""
-        self._append((SPAN, owner, start, end, (track, name, args)))
+        self._append((SPAN, self.owners[owner], start, end, track, name, args))
 
     def counter(self, owner: Hashable, name: str, values: Mapping[str, float],
                 t: float | None = None) -> None:
         """Counter ``name`` of ``owner`` takes ``values`` (series -> number) at ``t`` (now)."""
         t = time.perf_counter() if t is None else t
-        self._append((COUNTER, owner, t, t, (name, dict(values))))
+        self._append((COUNTER, self.owners[owner], t, t, name, dict(values)))
 
     def instant(self, owner: Hashable, name: str, *, track: Hashable = "main",
                 args: Mapping[str, Any] | None = None, t: float | None = None) -> None:
         """Something that changes behaviour happened to ``owner`` at ``t`` (now): a ring
         fallback, a spill, a worker restarted, an autotuning decision."""
         t = time.perf_counter() if t is None else t
-        self._append((INSTANT, owner, t, t, (track, name, args)))
+        self._append((INSTANT, self.owners[owner], t, t, track, name, args))
 
     def label(self, owner: Hashable, track: Hashable | None, text: str) -> None:
         """Name ``owner``'s process group (``track`` None) or one of its tracks."""
-        self.labels[(owner, track)] = text
+        self.labels[(self.owners[owner], track)] = text
 
     # -- per-batch records (NOTE [ Timeline ] (5)) --------------------------------------------
     def handout(self, owner: Hashable, batch: int, epoch: int, step_from: float, asked: float,
                 ready: float, end: float) -> None:
         """The main thread handed ``batch`` out: its loop stepped from ``step_from`` (0: this
         is the first batch) to ``asked``, waited until ``ready``, got the batch at ``end``."""
-        self._append((HANDOUT, owner, step_from or asked, end, (batch, epoch, asked,
-                                                                         ready)))
+        self._handout((self.owners[owner], step_from or asked, end, batch, epoch, asked, ready))
         if self._bounds:
             self._bound(asked, end)
 
@@ -157,15 +179,15 @@ class Timeline:
                      fetch_s: float, collate_s: float, nbytes: int, spilled: bool) -> None:
         """Worker ``worker`` fetched ``batch`` from ``started`` for ``fetch_s`` seconds, then
         collated it for ``collate_s`` (``nbytes`` bytes; ``spilled`` into a memory file)."""
-        self._append((WORKER, owner, started, started + fetch_s + collate_s,
-                             (worker, batch, epoch, fetch_s, nbytes, spilled)))
+        self._worker((self.owners[owner], started, started + fetch_s + collate_s, worker, batch,
+                      epoch, fetch_s, nbytes, spilled))
 
     def sample(self, owner: Hashable, t: float, ring_in_use: int, ring_fenced: int,
                ring_free: int, in_flight: int, workers: int) -> None:
         """A loader's counters at ``t``: ring slots in use (fenced ones apart) and free,
         batches in flight, workers in force."""
-        self._append((SAMPLE, owner, t, t,
-                             (ring_in_use, ring_fenced, ring_free, in_flight, workers)))
+        self._sample((self.owners[owner], t, t, ring_in_use, ring_fenced, ring_free, in_flight,
+                      workers))
 
     # -- bounds ------------------------------------------------------------------------------
     def _bound(self, asked: float, now: float) -> None:
@@ -183,6 +205,30 @@ class Timeline:
                 records.popleft()
         except IndexError:
             pass
+        for kind, column in self.columns.items():
+            width, skip = WIDTH[kind], self._skip[kind]
+            n = len(column) // width
+            while skip < n and column[skip * width + 2] < cut:
+                skip += 1
+            if skip > 256 and 2 * skip > n:  # compact now and then: amortised O(1)
+                del column[:skip * width]
+                skip = 0
+            self._skip[kind] = skip
+
+    def all_records(self) -> list[Record]:
+        """Every record kept, the per-batch kinds' unpacked into tuples, in no set order."""
+        out = list(self.records)
+        for kind, column in self.columns.items():
+            width = WIDTH[kind]
+            values = column[:]  # one C call: safe while another thread records
+            out += [(kind, *values[i:i + width]) for i in
+                    range(self._skip[kind] * width, len(values) - width + 1, width)]
+        return out
+
+    def __len__(self) -> int:
+        """Records kept now (a bounded trace drops the oldest as it goes)."""
+        return len(self.records) + sum(len(c) // WIDTH[k] - self._skip[k]
+                                       for k, c in self.columns.items())
 
     @property
     def bounded(self) -> bool:

@@ -125,22 +125,20 @@ class BaseIter:
         self._returned_at = time.perf_counter()
         tl = _timeline.active
         if tl is not None:  # the same times as the stats (NOTE [ Timeline ] (3))
-            self._trace(tl, k, last, asked_at, now)
+            end = self._returned_at
+            tl.handout(self._recorder, k, self._tracker.epoch, last, asked_at, now, end)
+            if end >= self._sample_due or self._traced_by != tl.serial:
+                self._trace_now_and_then(tl, end)
         return data
 
-    def _trace(self, tl: _timeline.Timeline, k: int, last: float, asked_at: float,
-               ready: float) -> None:
-        """Record the handover of batch ``k``; once per trace, name the tracks; now and then,
-        sample the counters."""
+    def _trace_now_and_then(self, tl: _timeline.Timeline, now: float) -> None:
+        """Once per trace, name the tracks; at most every ``SAMPLE_EVERY_S``, sample the
+        counters."""
         if self._traced_by != tl.serial:
             self._traced_by = tl.serial
-            self._sample_due = 0.0
             self._label(tl)
-        end = self._returned_at
-        tl.handout(self._recorder, k, self._tracker.epoch, last, asked_at, ready, end)
-        if end >= self._sample_due:
-            self._sample_due = end + _timeline.SAMPLE_EVERY_S
-            self._sample_counters(tl)
+        self._sample_due = now + _timeline.SAMPLE_EVERY_S
+        self._sample_counters(tl)
 
     def _label(self, tl: _timeline.Timeline) -> None:
         tl.label(self._recorder, None, "gpufeed.DataLoader (num_workers=0)")

@@ -62,7 +62,7 @@ def _expand(rec: tuple[Any, ...], delivered: int
             ) -> Iterator[tuple[str, Hashable, str, float, float, Any]]:
     """One record as (ph, track or counter name, name, start, end, args) events;
     ``delivered``: the owner's handovers so far in the trace, this one included."""
-    kind, _owner, start, end, p = rec
+    kind, start, end, p = rec[0], rec[2], rec[3], rec[4:]
     if kind == HANDOUT:
         batch, epoch, asked, ready = p
         args = {"batch": batch, "epoch": epoch}
@@ -107,7 +107,7 @@ def chrome_trace(timeline: Timeline) -> dict[str, Any]:
     origin = timeline.started
     lo = timeline.cut
     hi = timeline.stopped if timeline.stopped is not None else float("inf")
-    pids: dict[Hashable, int] = {}
+    pids: dict[int, int] = {}  # owner number -> pid, in order of the first record kept
     tids: dict[tuple[int, int], str] = {}
     others: dict[Hashable, int] = {}
     events: list[dict[str, Any]] = []
@@ -115,9 +115,9 @@ def chrome_trace(timeline: Timeline) -> dict[str, Any]:
     def us(t: float) -> float:
         return round((t - origin) * 1e6, 3)
 
-    delivered: dict[Hashable, int] = {}
-    for rec in sorted(timeline.records, key=lambda r: r[3]):
-        owner = rec[1]
+    delivered: dict[int, int] = {}
+    for rec in sorted(timeline.all_records(), key=lambda r: r[3]):
+        owner: int = rec[1]
         pid = pids.setdefault(owner, len(pids) + 1)
         if rec[0] == HANDOUT:
             delivered[owner] = delivered.get(owner, 0) + 1

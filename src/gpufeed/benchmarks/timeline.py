@@ -13,7 +13,14 @@ and measures samples/s (wall clock, after 3 warm-up batches) and the CPU seconds
 process tree spent per batch (this process plus its reaped workers, ``getrusage``), which a
 loaded machine disturbs less than wall time. The figures are ratios to "off": the median of
 the per-repeat ratios (each "on" run against the "off" run of its own repeat) and their
-range, and the ratio of the medians. It also times the recorder's per-batch calls alone.
+range, and the ratio of the medians.
+
+All the recording happens in the main thread, so the finest measure of its cost is that
+thread's CPU time: ``repeats // 2`` more epochs switch tracing on and off every 200 batches
+(``toggled``), the same loader and workers on both sides, and compare the main thread's CPU
+per batch of adjacent phases; as many epochs again switch nothing (an A/A control), whose
+differences show how small a difference this machine can resolve at the moment. It also
+times the recorder's per-batch calls alone.
 Results: ``timeline.json`` and ``timeline.md`` in ``--out`` (``benchmarks/results``).
 """
 
@@ -68,6 +75,50 @@ def _one(dataset: Any, mode: str, seed: int) -> dict[str, float]:
     n = m.batches + 3
     return {"samples_per_s": m.samples_per_s, "cpu_us_per_batch": (tree1 - tree0) / n * 1e6,
             "main_cpu_us_per_batch": (main1 - main0) / n * 1e6}
+
+
+def toggled(dataset: Any, seed: int, *, phase: int = 200, start_on: bool = False,
+            control: bool = False) -> dict[str, list[float]]:
+    """One epoch with tracing switched on and off every ``phase`` batches (first on when
+    ``start_on``; alternate it between epochs so neither mode always has the epoch's first
+    phase, with the ring still growing): the main thread's
+    CPU microseconds per batch (``time.thread_time``: not the workers', not other
+    processes') and wall microseconds per batch, per phase. Both modes share the loader,
+    its workers and the machine's state of the moment, so their difference is what the
+    recording costs the main process, where all of it happens. ``control``: the "on" phases
+    record nothing either (an A/A run: its differences are the method's noise floor)."""
+    import gpufeed
+
+    loader = gpufeed.DataLoader(dataset, batch_size=256, shuffle=True, num_workers=2,
+                                generator=torch.Generator().manual_seed(seed),
+                                worker_init_fn=one_intra_op_thread)
+    out: dict[str, list[float]] = {"off_cpu": [], "on_cpu": [], "off_wall": [], "on_wall": [],
+                                   "added_cpu": []}
+    it = iter(loader)
+    for _ in range(5):  # warm-up: workers started, ring carved
+        next(it)
+    on, done = start_on, False
+    while not done:
+        recording = gpufeed.trace().start() if on and not control else None
+        cpu0, wall0, n = time.thread_time(), time.perf_counter(), 0
+        for _ in range(phase):
+            try:
+                next(it)
+            except StopIteration:
+                done = True
+                break
+            n += 1
+        cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+        if recording is not None:
+            recording.stop()
+        if n == phase:
+            mode = "on" if on else "off"
+            out[f"{mode}_cpu"].append(cpu / n * 1e6)
+            out[f"{mode}_wall"].append(wall / n * 1e6)
+            if len(out["on_cpu"]) == len(out["off_cpu"]):  # a pair of adjacent phases
+                out["added_cpu"].append(out["on_cpu"][-1] - out["off_cpu"][-1])
+        on = not on
+    return out
 
 
 def recorder_cost_ns(number: int = 100_000) -> dict[str, float]:
@@ -126,10 +177,33 @@ def run(*, repeats: int = 10, quick: bool = False, seed: int = 0) -> dict[str, A
             row["main_cpu_added_share"] = added / statistics.median(
                 x["cpu_us_per_batch"] for x in runs["off"])
         rows[mode] = row
+    phases: dict[str, list[float]] = {"off_cpu": [], "on_cpu": [], "off_wall": [], "on_wall": [],
+                                      "added_cpu": []}
+    phase = 10 if quick else 200
+    control: list[float] = []
+    for r in range(max(1, repeats // 2)):
+        for key, values in toggled(dataset, seed + r, phase=phase, start_on=r % 2 == 1).items():
+            phases[key] += values
+        control += toggled(dataset, seed + r, phase=phase, start_on=r % 2 == 1,
+                           control=True)["added_cpu"]
+    n = len(phases["added_cpu"])
+    added = statistics.median(phases["added_cpu"])
+    off_tree = statistics.median(x["cpu_us_per_batch"] for x in runs["off"])
+    main_thread: dict[str, Any] = {
+        "phase_batches": phase, "phase_pairs": n, "added_cpu_us_spread": _spread(
+            phases["added_cpu"]),
+        "control_added_cpu_us_per_batch": statistics.median(control),
+        "control_added_cpu_us_spread": _spread(control), "control_pairs": len(control),
+        "off_cpu_us_per_batch": _spread(phases["off_cpu"]),
+        "on_cpu_us_per_batch": _spread(phases["on_cpu"]),
+        "added_cpu_us_per_batch": added, "added_share_of_batch_cpu": added / off_tree,
+        "wall_ratio": statistics.median(phases["on_wall"]) / statistics.median(phases["off_wall"]),
+        "phases": phases,
+    }
     return {"schema": "gpufeed-bench-timeline/1", "workload": work.description,
             "loader": "gpufeed.DataLoader, 2 process workers, batch 256, shuffled, whole epochs",
             "repeats": repeats, "quick": quick, "modes": rows, "target": TARGET,
-            "recorder": recorder_cost_ns(), "environment": env,
+            "recorder": recorder_cost_ns(), "main_thread": main_thread, "environment": env,
             "loadavg_end": list(os.getloadavg())}
 
 
@@ -167,12 +241,31 @@ def render_markdown(doc: dict[str, Any]) -> str:
         main = f"{row['main_cpu_us_per_batch']['median']:.1f}"
         lines.append(f"| {mode} | {rate} | {ratio} | {ratio_m} | {cpu} | {cpu_r} | {main} "
                      f"| {added} |")
+    mt = doc["main_thread"]
+    spread = mt["added_cpu_us_spread"]
+    lines += ["", f"Tracing switched on and off every {mt['phase_batches']} batches within an "
+              f"epoch ({mt['phase_pairs']} pairs of adjacent phases, same loader and workers): "
+              f"the main thread's CPU per batch off {mt['off_cpu_us_per_batch']['median']:.1f} "
+              f"us, on {mt['on_cpu_us_per_batch']['median']:.1f} us; added per batch (median "
+              f"over the pairs, range {spread['min']:+.1f} to {spread['max']:+.1f}) "
+              f"{mt['added_cpu_us_per_batch']:+.2f} us = "
+              f"{mt['added_share_of_batch_cpu']:+.2%} of the CPU time a batch costs in all "
+              f"(process tree, off). Wall time per batch, on / off: {mt['wall_ratio']:.3f}. "
+              f"The same epochs with nothing switched (an A/A control, {mt['control_pairs']} "
+              f"pairs) differ by {mt['control_added_cpu_us_per_batch']:+.2f} us (range "
+              f"{mt['control_added_cpu_us_spread']['min']:+.1f} to "
+              f"{mt['control_added_cpu_us_spread']['max']:+.1f}): the noise floor of this "
+              "measure on this machine now."]
     rec = doc["recorder"]["per_batch_ns"]
     off_cpu = doc["modes"]["off"]["cpu_us_per_batch"]["median"]
     lines += ["", f"The recorder's calls for one batch (a worker's spans and a handover), timed "
               f"alone: {rec:,.0f} ns, {rec / 1e3 / off_cpu:.2%} of the CPU time a batch costs "
               f"without tracing ({off_cpu:.1f} us). Target: tracing on within "
-              f"{doc['target']:.0%} of off."]
+              f"{doc['target']:.0%} of off.", "",
+              "Reading: on a quiet machine the whole-epoch ratios are the figure to quote; on "
+              "a loaded one their range is wider than the effect, and the main thread's CPU "
+              "per batch in alternating phases, set against its A/A control, and the "
+              "recorder's cost per batch against a batch's CPU time bound what tracing costs."]
     return "\n".join(lines) + "\n"
 
 
