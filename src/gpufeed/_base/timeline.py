@@ -9,14 +9,14 @@ NOTE [ Timeline ]
 (1) Cost when off: a stage does ``tl = timeline.active`` and ``if tl is not None:``, once per
     batch (a worker message, a handover, a device copy); nothing else runs. While a
     ``torch.profiler`` records, the host iterators' and the device stage's ``next()`` also run
-    inside ``record_function`` ranges (:func:`profiling`, :data:`WAIT_RANGE`): a module
+    inside ``record_function`` ranges (:data:`torch_profiler`, :data:`WAIT_RANGE`): a module
     attribute read per batch when no profiler runs.
 (2) One clock. Every time is ``time.perf_counter()`` seconds: ``CLOCK_MONOTONIC`` on Linux
     (``mach_absolute_time`` on macOS, QPC on Windows), one clock for the whole machine, so a
     worker process (forked or spawned) reads the same timeline as the main process and its
     times need no offset. ``tests/tools/test_trace.py`` checks it: each batch's worker spans
     end before the main thread hands that batch out. The CUDA copy stream's times come from
-    CUDA events placed on this clock by an anchor event (``_device/timing.py``).
+    CUDA events placed on this clock through an anchor event (``_device/timing.py``).
 (3) The stats are spans. The times a stage gives ``StatsRecorder`` are the very numbers it
     records here: ``fetch``/``collate`` (worker spans from ``Fetched``), ``wait``/``step``
     (main-thread spans from ``BaseIter._finish``), ``transfer`` (device-stage spans), so
@@ -34,14 +34,14 @@ NOTE [ Timeline ]
     per record, atomic in CPython: any thread may record). Numbers are objects the garbage
     collector does not track, so a trace adds none for it to count or scan (a tuple per
     record made it run ~3x as often on the tabular benchmark). Other records are tuples in a
-    deque. A loader's
-    counters (ring slots, batches in flight, workers) are sampled at handovers, at most
-    every ``SAMPLE_EVERY_S``: a viewer needs no more, and the cheapest batches come faster.
+    deque. A loader's counters (ring slots, batches in flight, workers) are sampled at
+    handovers, at most every ``SAMPLE_EVERY_S``: a viewer needs no more, and the cheapest
+    batches come faster.
 (6) Bounds. ``last_batches=N`` keeps what happened since the loop asked for the N-th latest
     batch handed out (of any traced loader); ``last_seconds=S`` keeps the last S seconds.
     Records that end before the cut are dropped from the left at each handover, and the
-    writer drops any left over, so a bounded trace can stay on for a whole run at ~100
-    bytes per record.
+    writer drops any left over, so a bounded trace can stay on for a whole run (about 300
+    bytes a batch are kept).
 (7) Other stages write generic records with :meth:`Timeline.span`, :meth:`Timeline.counter`
     and :meth:`Timeline.instant`, or, for a one-off event without a timeline at hand,
     :func:`instant` (a no-op when off). An autotuner's decision, for instance::
@@ -62,9 +62,9 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 __all__ = [
-    "COUNTER", "HANDOUT", "INSTANT", "SAMPLE", "SAMPLE_EVERY_S", "SPAN", "WAIT_RANGE", "WORKER",
-    "Timeline",
-    "active", "instant", "profiling", "span_until_now", "start", "stop", "torch_range",
+    "COUNTER", "HANDOUT", "INSTANT", "SAMPLE", "SAMPLE_EVERY_S", "SPAN", "WAIT_RANGE", "WIDTH",
+    "WORKER", "Timeline", "active", "instant", "profiling", "span_until_now", "start", "stop",
+    "torch_profiler", "torch_range",
 ]
 
 # Record kinds (``Record[0]``); the payload (``Record[4:]``) of each:
@@ -94,6 +94,7 @@ class _Numbers(dict[Hashable, int]):
         with self._lock:  # two threads' first records: two numbers
             return self.setdefault(owner, len(self))
 
+
 #: The name of the ``record_function`` range around a host iterator's ``next()``.
 WAIT_RANGE = "gpufeed: waiting for data"
 
@@ -108,8 +109,8 @@ class Timeline:
         last_batches: keep only what happened since the ``last_batches``-th latest batch
             handed to a loop (of any traced loader). None: no bound by batches.
         last_seconds: keep only the last ``last_seconds`` seconds. None: no bound by time.
-            Each bound keeps memory flat on a long run (about 100 bytes per record, a few
-            records per batch); without either, everything from start to stop is kept.
+            Each bound keeps memory flat on a long run (about 300 bytes a batch are kept);
+            without either, everything from start to stop is kept.
     """
 
     def __init__(self, *, last_batches: int | None = None,
@@ -270,17 +271,26 @@ def span_until_now(owner: Hashable, name: str, start: float, *, track: Hashable 
         tl.span(owner, track, name, start, time.perf_counter(), args)
 
 
-try:  # torch sets this module global while a profiler records (torch 2.x)
-    from torch.autograd import profiler as _torch_profiler
+class _NoProfiler:
+    _is_profiler_enabled = False
 
-    _torch_profiler._is_profiler_enabled  # noqa: B018  (checked once, here)
-except (ImportError, AttributeError):  # pragma: no cover - another torch
-    _torch_profiler = None  # type: ignore[assignment]
+
+#: ``torch.autograd.profiler``, whose module global ``_is_profiler_enabled`` torch sets while a
+#: profiler records (torch 2.x; checked once, here): hot paths read
+#: ``timeline.torch_profiler._is_profiler_enabled``, two attribute loads, no call.
+torch_profiler: Any = _NoProfiler
+try:
+    from torch.autograd import profiler as _profiler_module
+
+    if isinstance(getattr(_profiler_module, "_is_profiler_enabled", None), bool):
+        torch_profiler = _profiler_module
+except ImportError:  # pragma: no cover - another torch
+    pass
 
 
 def profiling() -> bool:
     """Whether a ``torch.profiler`` (or ``torch.autograd.profiler.profile``) records now."""
-    return _torch_profiler is not None and bool(_torch_profiler._is_profiler_enabled)
+    return bool(torch_profiler._is_profiler_enabled)
 
 
 def torch_range(name: str) -> AbstractContextManager[Any]:

@@ -70,7 +70,7 @@ class BaseIter:
         return self
 
     def __next__(self) -> Any:
-        if _timeline.profiling():  # NOTE [ Timeline ] (1): a range in torch.profiler's trace
+        if _timeline.torch_profiler._is_profiler_enabled:  # NOTE [ Timeline ] (1): a range
             with _timeline.torch_range(_timeline.WAIT_RANGE):
                 return self._next()
         return self._next()
