@@ -37,7 +37,7 @@ def main(out: str) -> None:
         device_transform=gpufeed.Normalize((0.5,) * 3, (0.25,) * 3, key=0))
     trace_path = Path(out).with_suffix(".json.gz")
     with gpufeed.trace(trace_path) as recording:
-        for step, (images, labels) in enumerate(loader):
+        for step, _batch in enumerate(loader):
             time.sleep(0.006)  # the training step
             if step == 200:
                 break
