@@ -32,6 +32,7 @@ from ._sources.images import ImageFolder
 from ._sources.packed import CopyOnWriteWarning, PackedList
 from ._tools.doctor import DoctorReport, Finding, diagnose
 from ._tools.profiler import Profiler, ProfileReport, profile
+from ._tools.trace import Trace, trace
 from ._tools.tuner import Budget, Trial, TuneResult, tune
 
 __version__ = "0.1.0"
@@ -60,6 +61,7 @@ __all__ = [
     "ShardedIterable",
     "ShardedSampler",
     "StageStats",
+    "Trace",
     "Trial",
     "TuneResult",
     "WorkerError",
@@ -71,5 +73,6 @@ __all__ = [
     "profile",
     "sample_seed",
     "to_device",
+    "trace",
     "tune",
 ]

@@ -6,6 +6,7 @@ import operator
 import os
 import select
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
@@ -14,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset, Sampler
 
+from ._base import timeline as _timeline
 from ._base.stats import LoaderStats, StatsRecorder
 from ._device.stage import to_device
 from ._device.streams import parse_device
@@ -349,7 +351,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if self.num_workers == 0:
             return SingleIter(self._iter_config())
         self.check_worker_number_rationality()
-        return WorkerIter(self._iter_config())
+        started = time.perf_counter()
+        iterator = WorkerIter(self._iter_config())
+        _timeline.span_until_now(self._recorder, "start workers", started)  # NOTE [ Timeline ]
+        return iterator
 
     def __iter__(self) -> Any:
         iterator = self._iterator

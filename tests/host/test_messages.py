@@ -82,7 +82,7 @@ def _messages() -> list[Any]:
         ResetStream(1, None),
         Reseed(1, 1234),
         Reseed(1, None),
-        Fetched(4, 3, 128, 256, {"x": 1}, 0.5, 0.25, {"pos": 9}, None, False),
+        Fetched(4, 3, 128, 256, {"x": 1}, 0.5, 0.25, {"pos": 9}, None, False, 12.5),
         Dropped(5, -1),
         Exhausted(6, 2),
         Failed(7, 1, _error()),
@@ -119,7 +119,7 @@ def test_messages_are_read_by_name():
     assert Task._fields == ("batch", "planned", "indices", "slot")
     assert Tasks._fields == ("gen", "tasks", "epoch")
     assert Fetched._fields == ("batch", "slot_id", "used", "need", "packed", "fetch_s",
-                               "collate_s", "dataset_state", "spill", "unsupported")
+                               "collate_s", "dataset_state", "spill", "unsupported", "started")
     for result in (Dropped, Exhausted, Failed):
         assert result._fields[:2] == ("batch", "slot_id")
     with pytest.raises(AttributeError):

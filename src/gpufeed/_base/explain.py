@@ -72,7 +72,8 @@ MEANINGS: dict[str, str] = {
                "was free)",
     "startup": "time your loop waited for the first batch of each iter() (worker start-up), "
                "left out of wait and input-bound",
-    "wait": "time your loop was blocked waiting for the next batch (input-bound when large)",
+    "wait": "time your loop was blocked waiting for the next batch (input-bound when large; "
+            "without workers it includes the main thread's own fetch and collate)",
     "step": "time your loop spent between two batches (your training step)",
     "transfer": "device stage: host-to-device copy and device transform per batch",
     "ring": "occupancy only: slots of the shared ring in use (in flight plus held by your "

@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._tools.output import file_path, json_output
-from .commands import cmd_bench, cmd_doctor, cmd_profile, cmd_tune
+from .commands import cmd_bench, cmd_doctor, cmd_tune
 from .targets import UsageError
+from .tracing import add_trace_options, cmd_profile_traced
 
 __all__ = ["main"]
 
@@ -153,7 +154,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("target", metavar="MODULE:FUNCTION")
     pr.add_argument("--steps", type=_positive(int), help="stop after N steps (default: all)")
     pr.add_argument("--warmup", type=_positive(int), default=1, help="first steps left out (1)")
-    pr.set_defaults(func=cmd_profile)
+    add_trace_options(pr, _positive)
+    pr.set_defaults(func=cmd_profile_traced)
 
     d = sub.add_parser("doctor", parents=[common], help="check this machine's limits",
                        description="Check /dev/shm, ulimit -n, RLIMIT_MEMLOCK, CPUs, memory and "

@@ -86,11 +86,13 @@ from typing import Any
 import torch
 
 from .._base import cuda as _cuda
+from .._base import timeline as _timeline
 from .._base.stats import DeviceStats
 from .._base.tree import tree_leaves, tree_map
 from .._memory import pinning as _pinning
 from .pageable import staged_reason, warn_staged
 from .streams import Event, SyncBackend, backend_for, parse_device
+from .timing import DeviceTrace
 
 __all__ = ["DeviceIterator", "map_tensors"]
 
@@ -173,6 +175,7 @@ class DeviceIterator(Iterator[Any]):
         self._transform = transform
         self._recorder = recorder
         self._backend = backend if backend is not None else backend_for(self.device)
+        self._trace = DeviceTrace(self._backend, recorder)  # NOTE [ Timeline ]
         self._pid = os.getpid()
         self._state = _State.UNSTARTED
         self._side: Any = None
@@ -225,6 +228,9 @@ class DeviceIterator(Iterator[Any]):
                     "torch.cuda.graph(...) and copy it into the graph's static inputs "
                     "(static_x.copy_(batch)), never iterate the loader during capture"
                 )
+            if _timeline.profiling():  # NOTE [ Timeline ] (1)
+                with _timeline.torch_range("gpufeed: next batch on device"):
+                    return self._next()
             return self._next()
 
     def _next(self) -> Any:
@@ -251,6 +257,7 @@ class DeviceIterator(Iterator[Any]):
         self._fill()  # rule (4): i+1..i+depth issued before batch i is returned
         _drop_copied(_pop_completed(self._host))  # rule (3)
         self._copies.retain([entry[0] for entry in self._host])  # the others have completed
+        self._trace.flush(_timeline.active)  # GPU spans of copies that completed
         return batch
 
     def stats(self) -> DeviceStats:
@@ -286,6 +293,7 @@ class DeviceIterator(Iterator[Any]):
             while self._host:  # rule (6): no DMA may still read a slot we give back
                 self._host[0][0].synchronize()
                 _drop_copied([self._host.popleft()])
+            self._trace.flush(_timeline.active, wait=True)
             waited = True
         finally:
             rest = list(self._host)  # a failed wait: released unfenced, as before
@@ -329,6 +337,7 @@ class DeviceIterator(Iterator[Any]):
                 self._host_waits += 1
             waited = time.perf_counter() - start
             self._host_wait_s += waited
+            self._trace.waited(start, waited)
         if len(self._marks) > self.depth:
             start, n = time.perf_counter(), 0
             while len(self._marks) > self.depth:
@@ -343,6 +352,7 @@ class DeviceIterator(Iterator[Any]):
     def _issue(self, host: Any, waited: float) -> None:
         start = time.perf_counter()
         backend, side = self._backend, self._side
+        tl, marks = self._trace.begin(side)  # (None, None) unless a trace records
         sent = 0
         addresses: list[int] = []
         staged: tuple[torch.Tensor, str] | None = None
@@ -372,20 +382,26 @@ class DeviceIterator(Iterator[Any]):
                 copied = backend.record_event(side)
                 self._host.append((copied, host, tuple(addresses)))
                 self._copies.add(copied)
+            copied_at = self._trace.mark(marks, side)
             self._bytes_copied += sent
             ready = copied
             if self._transform is not None:
                 batch = self._transform(batch)
                 ready = backend.record_event(side)
+                self._trace.mark(marks, side)
         nbytes = _nbytes(batch)
         self._ready.append((ready, batch, nbytes))
         self._bytes_held += nbytes
         self._peak = max(self._peak, self._bytes_held)
         if staged is not None:
             self._on_staged(*staged)
+        end = time.perf_counter()
         if self._recorder is not None:
-            self._recorder.add("transfer", busy_s=time.perf_counter() - start, blocked_s=waited)
+            self._recorder.add("transfer", busy_s=end - start, blocked_s=waited)
             self._recorder.occupancy("transfer", len(self._ready), self.depth)
+        if tl is not None:  # the times of "transfer" (NOTE [ Timeline ] (3))
+            self._trace.issued(tl, self._batches + len(self._ready) - 1, start, copied_at, end,
+                               sent, self._transform is not None, marks)
 
     def _on_staged(self, t: torch.Tensor, reason: str) -> None:  # rule (7)
         self._pageable += 1

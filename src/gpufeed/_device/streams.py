@@ -50,6 +50,7 @@ class SyncBackend:
     """
 
     needs_pinned = False  # True when copies overlap only from pinned host memory
+    gpu_clock = False  # True when timed_event / elapsed_ms give the stream's own times
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -102,6 +103,16 @@ class CudaBackend(SyncBackend):
     """
 
     needs_pinned = True
+    gpu_clock = True
+
+    def timed_event(self, stream: Any) -> torch.cuda.Event:
+        """An event with timing on ``stream`` (the device stage's trace, ``_device/timing.py``)."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end))
 
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(device=self.device)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .._base import cuda as _cuda
+from .._base import timeline as _timeline
 from .._base.tree import batch_len
 from .._memory import pinning as _pinning
 from .._memory.pinning import pin_batch
@@ -57,6 +58,8 @@ class BaseIter:
         self._len_called = config.len_called
         self._recorder = config.recorder
         self._returned_at = 0.0  # when the last batch was handed over (for "step")
+        self._traced_by = 0  # the serial of the trace last labelled for (no reference kept)
+        self._sample_due = float("inf")  # when _sample_counters runs next (never: no counters)
 
     @property
     def closed(self) -> bool:
@@ -66,6 +69,15 @@ class BaseIter:
 
     def __iter__(self) -> BaseIter:
         return self
+
+    def __next__(self) -> Any:
+        if _timeline.torch_profiler._is_profiler_enabled:  # NOTE [ Timeline ] (1): a range
+            with _timeline.torch_range(_timeline.WAIT_RANGE):
+                return self._next()
+        return self._next()
+
+    def _next(self) -> Any:
+        raise NotImplementedError
 
     def __len__(self) -> int:
         return len(self._index_sampler)
@@ -92,8 +104,9 @@ class BaseIter:
         the page-locked slot it was written into, whose leaves need no pinning check."""
         now = time.perf_counter()
         rec = self._recorder
-        if self._returned_at:
-            rec.add("step", busy_s=asked_at - self._returned_at)
+        last = self._returned_at
+        if last:
+            rec.add("step", busy_s=asked_at - last)
             rec.add("wait", blocked_s=now - asked_at)
         else:  # the first batch: worker start-up, left out of the input-bound share
             rec.add("startup", blocked_s=now - asked_at)
@@ -115,7 +128,28 @@ class BaseIter:
             data = pin_batch(data, registered, device=self._pin_device)
         self._tracker.produced_nth(k, worker_state)
         self._returned_at = time.perf_counter()
+        tl = _timeline.active
+        if tl is not None:  # the same times as the stats (NOTE [ Timeline ] (3))
+            end = self._returned_at
+            tl.handout(self._recorder, k, self._tracker.epoch, last, asked_at, now, end)
+            if end >= self._sample_due or self._traced_by != tl.serial:
+                self._trace_now_and_then(tl, end)
         return data
+
+    def _trace_now_and_then(self, tl: _timeline.Timeline, now: float) -> None:
+        """Once per trace, name the tracks; at most every ``SAMPLE_EVERY_S``, sample the
+        counters."""
+        if self._traced_by != tl.serial:
+            self._traced_by = tl.serial
+            self._label(tl)
+        self._sample_due = now + _timeline.SAMPLE_EVERY_S
+        self._sample_counters(tl)
+
+    def _label(self, tl: _timeline.Timeline) -> None:
+        tl.label(self._recorder, None, "gpufeed.DataLoader (num_workers=0)")
+
+    def _sample_counters(self, tl: _timeline.Timeline) -> None:
+        """Record the iterator's counters (none without workers)."""
 
     def _check_capture(self) -> None:
         """A batch cannot be fetched inside CUDA graph capture: pinning and the ring's
@@ -165,7 +199,7 @@ class SingleIter(BaseIter):
         if resumed is not None and isinstance(self._fetcher, IterFetcher):
             self._fetcher.reset(resumed.states[0])
 
-    def __next__(self) -> Any:
+    def _next(self) -> Any:
         self._check_capture()
         asked_at = time.perf_counter()
         try:
@@ -175,10 +209,17 @@ class SingleIter(BaseIter):
             self._tracker.host_exhausted()
             raise
         fetched = time.perf_counter()
-        self._recorder.add("fetch", busy_s=fetched - asked_at - self._fetcher.collate_s)
-        self._recorder.add("collate", busy_s=self._fetcher.collate_s)
+        collate_s = self._fetcher.collate_s
+        self._recorder.add("fetch", busy_s=fetched - asked_at - collate_s)
+        self._recorder.add("collate", busy_s=collate_s)
+        tl = _timeline.active
+        if tl is not None:  # in this thread, while the loop waits: a track of their own
+            args = {"batch": self._num_yielded, "epoch": self._tracker.epoch}
+            tl.span(self._recorder, "fetching", "fetch", asked_at, fetched - collate_s, args)
+            tl.span(self._recorder, "fetching", "collate", fetched - collate_s, fetched, args)
         state = (0, capture_state(self._dataset)) if self._is_iterable else None
-        return self._finish(data, fetched, self._num_yielded, state)
+        # the loop waited from asked_at: the fetch is its wait, not its step
+        return self._finish(data, asked_at, self._num_yielded, state)
 
     def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
         self._begin_epoch()

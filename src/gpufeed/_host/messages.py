@@ -99,6 +99,7 @@ class Fetched(NamedTuple):
     dataset_state: Any  # iterable datasets' ``state_dict()``, else None
     spill: SpillFile | torch.Tensor | None
     unsupported: bool  # a leaf went torch's way (``_host/collate.py``)
+    started: float = 0.0  # the worker's perf_counter() at the task's start (NOTE [ Timeline ])
 
 
 class Dropped(NamedTuple):

@@ -19,7 +19,8 @@ the classes are in ``_host/messages.py``):
                         Fetched(batch, slot_id, used, need, packed, fetch_s, collate_s,
                                 dataset_state,               iterable datasets' state_dict()
                                 spill,                       a SpillFile or None (NOTE [ Spill ])
-                                unsupported)                 a leaf went torch's way (_collate)
+                                unsupported,                 a leaf went torch's way (_collate)
+                                started)                     perf_counter() at the task's start
                         Dropped(batch, slot_id)              not run: its epoch was abandoned
                         Exhausted(batch, slot_id)            iterable dataset exhausted
                         Failed(batch, slot_id, error)        error: a RemoteError
@@ -325,5 +326,5 @@ def _run_task(
         return Failed(batch, sid, capture(where))
     return Fetched(
         batch, sid, packed.used, packed.need, packed.batch, t2 - t0 - collate_s, collate_s,
-        state, sealed, packed.unsupported,
+        state, sealed, packed.unsupported, t0,
     )

@@ -28,6 +28,7 @@ from typing import Any, cast
 
 import torch
 
+from .._base import timeline as _timeline
 from .._base.errors import RemoteError, WorkerError
 from .._memory.keeper import close_ring
 from .._memory.region import reserve_for
@@ -55,6 +56,7 @@ from .messages import (
     WorkerState,
 )
 from .pool import Pool, ProcessPool, ThreadPool, forked_message, lost_worker
+from .tracing import label_workers, sample_counters, trace_ring
 from .workahead import WorkAhead
 
 _live: weakref.WeakSet[WorkerIter] = weakref.WeakSet()
@@ -226,6 +228,7 @@ class WorkerIter(BaseIter):
         if ring.grows != self._seen_grows or ring.fallbacks != self._seen_fallbacks:
             self._recorder.count("ring_grow", ring.grows - self._seen_grows)
             self._recorder.count("ring_fallback", ring.fallbacks - self._seen_fallbacks)
+            trace_ring(self._recorder, ring, self._seen_grows, self._seen_fallbacks)
             self._seen_grows, self._seen_fallbacks = ring.grows, ring.fallbacks
 
     # -- receiving ----------------------------------------------------------------------------
@@ -237,12 +240,17 @@ class WorkerIter(BaseIter):
         cost = 0.0
         n = 0
         recorder = self._recorder
+        tl = _timeline.active
         for result in msg.results:
             if isinstance(result, Fetched):
                 cost += result.fetch_s + result.collate_s
                 n += 1
                 recorder.add("fetch", busy_s=result.fetch_s)
                 recorder.add("collate", busy_s=result.collate_s)
+                if tl is not None:  # NOTE [ Timeline ] (4); epoch -1: an abandoned one's
+                    tl.worker_batch(recorder, w, result.batch, self._tracker.epoch if msg.gen
+                                    == self._gen else -1, result.started, result.fetch_s,
+                                    result.collate_s, result.need, result.spill is not None)
             self._result(w, msg.gen, result)
         if n and self._work_ahead.adapt(cost / n, self._ring.slot_bytes):
             self._ring.set_slots_hint(self._work_ahead.slots_hint)
@@ -323,7 +331,7 @@ class WorkerIter(BaseIter):
             if msgs:
                 return
 
-    def __next__(self) -> Any:
+    def _next(self) -> Any:
         self._check_capture()
         asked_at = time.perf_counter()
         while True:
@@ -358,6 +366,9 @@ class WorkerIter(BaseIter):
             sid = self._slot_of.pop(idx, None)  # a pinned slot (a device stage orders copies)
             span = ring.hand_out(sid, streams=self._direct) if sid is not None else None
             return self._finish(data, asked_at, idx, self._dataset_states.pop(idx, None), span)
+
+    _label = label_workers  # NOTE [ Timeline ]: names of the loader and workers in a trace,
+    _sample_counters = sample_counters  # and its counters (ring slots, in flight, workers)
 
     def _end_epoch(self) -> None:
         self._tracker.host_exhausted()

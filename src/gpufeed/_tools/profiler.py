@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
 
+from .._base import timeline as _timeline
 from .._base.stats import LoaderStats, format_table, input_bound_share, percentile
 
 __all__ = ["ProfileReport", "Profiler", "profile"]
@@ -162,6 +163,7 @@ class _Timed(Generic[T]):
     def __next__(self) -> T:
         prof = self._prof
         t0 = time.perf_counter()
+        last = prof._last
         prof._end_step(t0)
         if prof._max_steps is not None and prof._taken >= prof._max_steps:
             raise StopIteration
@@ -172,6 +174,10 @@ class _Timed(Generic[T]):
             raise
         t1 = time.perf_counter()
         prof._got_batch(t1 - t0, t1)
+        tl = _timeline.active
+        if tl is not None and prof._stats is None:  # not gpufeed's: its loop's waits and steps
+            tl.label(prof, None, "your loop (gpufeed.Profiler)")
+            tl.handout(prof, prof._taken - 1, 0, last or 0.0, t0, t1, t1)
         return item
 
 

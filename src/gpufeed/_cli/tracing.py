@@ -1,0 +1,69 @@
+"""``gpufeed profile ... --trace FILE --timeline FILE.png``: the profiled run, recorded.
+
+The options are added to ``profile``'s parser here, and :func:`cmd_profile_traced` runs
+``cmd_profile`` inside ``gpufeed.trace`` (``_tools/trace.py``) when either is given, then
+writes the trace and draws the picture (``_tools/gantt.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from .commands import cmd_profile
+
+__all__ = ["add_trace_options", "cmd_profile_traced"]
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def add_trace_options(p: argparse.ArgumentParser,
+                      positive: Callable[[Callable[[str], Any]], Callable[[str], Any]]) -> None:
+    """``--trace``, ``--timeline`` and their bounds, on ``profile``'s parser (``positive``:
+    the parser's type for positive numbers)."""
+    g = p.add_argument_group("timeline")
+    g.add_argument("--trace", metavar="FILE",
+                   help="write a timeline of every batch through every stage as Chrome Trace "
+                   "Event JSON (FILE.json.gz: compressed); open it in ui.perfetto.dev or "
+                   "chrome://tracing")
+    g.add_argument("--timeline", metavar="PNG",
+                   help="draw the first seconds of the timeline as a Gantt chart per track, "
+                   "stalls marked (needs matplotlib)")
+    g.add_argument("--timeline-seconds", type=positive(float), default=1.0, metavar="S",
+                   help="seconds of the run the picture shows (1.0)")
+    g.add_argument("--timeline-start", type=_nonnegative_float, default=0.0, metavar="S",
+                   help="where the picture starts, in seconds from the start (0: worker "
+                   "start-up included)")
+    g.add_argument("--stall-ms", type=_nonnegative_float, default=1.0, metavar="MS",
+                   help="a wait of the loop this long or longer is a stall in the picture (1)")
+    g.add_argument("--trace-last", type=positive(int), metavar="N",
+                   help="keep only the last N batches in the trace (a long run)")
+
+
+def cmd_profile_traced(args: argparse.Namespace) -> int:
+    """``cmd_profile``, recorded when ``--trace`` or ``--timeline`` is given."""
+    if not (args.trace or args.timeline):
+        return cmd_profile(args)
+    from .._tools.gantt import require_matplotlib
+    from .._tools.trace import trace
+
+    if args.timeline:
+        require_matplotlib()  # fail before the run, not after
+    with trace(args.trace, last_batches=args.trace_last) as recording:
+        code = cmd_profile(args)
+    if args.trace:
+        print(f"wrote {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    if args.timeline:
+        recording.plot(args.timeline, seconds=args.timeline_seconds,
+                       start_s=args.timeline_start, stall_ms=args.stall_ms)
+        print(f"wrote {args.timeline}")
+    return code
