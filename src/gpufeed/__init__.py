@@ -16,6 +16,7 @@ from ._device.stage import to_device
 from ._device.transforms import Normalize
 from ._loader import DataLoader
 from ._memory.release import PinningFallbackWarning
+from ._order.sample_rng import RandomStateWarning, sample_generator, sample_random, sample_rng
 from ._order.sampler import (
     SeededRandomSampler,
     ShardedIterable,
@@ -54,6 +55,7 @@ __all__ = [
     "PinningFallbackWarning",
     "ProfileReport",
     "Profiler",
+    "RandomStateWarning",
     "SeededRandomSampler",
     "ShardInfo",
     "ShardedIterable",
@@ -67,6 +69,9 @@ __all__ = [
     "get_shard_info",
     "get_worker_info",
     "profile",
+    "sample_generator",
+    "sample_random",
+    "sample_rng",
     "sample_seed",
     "to_device",
     "tune",

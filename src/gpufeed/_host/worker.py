@@ -68,6 +68,7 @@ from .messages import (
     UsePlan,
     WorkerSpec,
 )
+from .random_watch import GlobalDrawWatch
 
 POLL_S = 0.5  # how often an idle worker checks that the main process is alive
 
@@ -184,6 +185,7 @@ def worker_loop(
         fetcher = make_fetcher(
             dataset, is_iterable=spec.is_iterable, auto_collation=spec.auto_collation,
             collate_fn=spec.collate_fn, drop_last=spec.drop_last, sample_seed=spec.sample_seed,
+            base_seed=spec.base_seed, worker_id=worker_id, seed_globals=is_process,
         )
         writer = (
             SlotWriter(region, shared_fallback=is_process) if region is not None else None
@@ -194,12 +196,12 @@ def worker_loop(
         except (BrokenPipeError, EOFError, OSError):
             pass  # the main process already stopped (another worker's error, or close())
         return
-    _serve(worker_id, chan, fetcher, writer, parent)
+    _serve(worker_id, chan, fetcher, writer, parent, None if is_process else spec.random_watch)
 
 
 def _serve(
     worker_id: int, chan: Any, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None,
-    parent: int,
+    parent: int, watch: GlobalDrawWatch | None,
 ) -> None:
     inbox: collections.deque[ToWorker] = collections.deque()  # read ahead by _newer
     latest = 0  # the newest generation seen: tasks of older ones are dropped, not run
@@ -229,8 +231,7 @@ def _serve(
                 fetcher.plan = msg.plan
             continue
         if isinstance(msg, Reseed):
-            if isinstance(fetcher, MapFetcher):
-                fetcher.seed = msg.seed
+            fetcher.seed = msg.seed
             continue
         spills: list[Spill] = []
         results: list[Result] = []
@@ -241,7 +242,10 @@ def _serve(
                 latest = max(latest, gen + 1)
                 results.append(Dropped(task.batch, task.slot.id if task.slot is not None else -1))
                 continue
+            if watch is not None:  # NOTE [ Seeding and threads ]: global draws are looked for
+                fetcher.probe = watch.task_probe()
             results.append(_run_task(worker_id, fetcher, writer, task, msg.epoch, spills))
+            fetcher.probe = None
         try:
             _send_results(worker_id, chan, gen, results)
         except (BrokenPipeError, EOFError, OSError):

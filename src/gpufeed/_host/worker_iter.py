@@ -99,7 +99,9 @@ class WorkerIter(BaseIter):
                 region=self._ring.region if shared else self._ring.region_tensor,
                 base_seed=self._base_seed, init_fn=config.worker_init_fn,
                 sample_seed=self._sample_seed, rank=config.rank, world_size=config.world_size,
+                random_watch=None if shared else config.random_watch,
             )
+            self._watch = config.random_watch
             self._pool: Pool
             if shared:
                 check_copy_on_write(self._dataset)  # NOTE [ Copy-on-write and Python objects ]
@@ -279,6 +281,7 @@ class WorkerIter(BaseIter):
 
     def _wait(self) -> None:
         """Receive at least one message, or raise for a dead worker or a timeout."""
+        self._watch.wait_begins()  # the loop draws nothing until the batch is popped
         self._check_pid()
         start = time.monotonic()
         while True:
@@ -314,6 +317,13 @@ class WorkerIter(BaseIter):
                 return
 
     def __next__(self) -> Any:
+        self._watch.report(stacklevel=2)  # here: a warning turned error loses no batch
+        try:
+            return self._next_batch()
+        finally:
+            self._watch.wait_ends()
+
+    def _next_batch(self) -> Any:
         self._check_capture()
         asked_at = time.perf_counter()
         while True:
@@ -334,6 +344,7 @@ class WorkerIter(BaseIter):
                     continue
                 idx = next(iter(self._ready))
             data = self._ready.pop(idx)
+            self._watch.wait_ends()  # the sampler, asked for more below, may draw
             self._stock_pulls(self._num_yielded + 1)
             self._dispatch()
             if data is _STOP:
