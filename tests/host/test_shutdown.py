@@ -13,6 +13,7 @@ import gc
 import os
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -134,6 +135,48 @@ def test_iterators_inherited_by_forked_workers_are_not_closed_there(small_datase
         gc.enable()
         gc.collect()
     assert probes == [0, 0], "finalizers raised in the worker process"
+
+
+class _FailsThenCollects(FailingDataset):
+    """Sample 0 fails; every other sample runs a garbage collection, as an allocation in a
+    worker thread (a decode, an import inside Pillow's Image.open) may."""
+
+    def __getitem__(self, i):
+        if i == 0:
+            raise DatasetBoom("cannot load sample 0")
+        time.sleep(0.002)
+        gc.collect()
+        return i
+
+
+def test_an_iterator_finalized_on_its_own_thread_worker_stops_its_threads(monkeypatch):
+    """Five failed epochs whose iterators only a garbage collection frees, and the collection
+    runs on a worker thread (this pool's or the next one's): the finalizer must not join its
+    own thread ("cannot join current thread"), nor wait on the others, and every thread ends."""
+    unraisable: list[str] = []
+    monkeypatch.setattr("sys.unraisablehook", lambda u: unraisable.append(repr(u.exc_value)))
+    with deadline(60):
+        for _ in range(5):
+            loader = gpufeed.DataLoader(_FailsThenCollects(40), batch_size=2, num_workers=2,
+                                        worker_type="thread")
+            it = iter(loader)
+            cycle = [it]
+            cycle.append(cycle)  # only a collection frees the iterator
+            with pytest.raises(DatasetBoom):
+                for _batch in it:
+                    pass
+            del it, cycle, loader
+            time.sleep(0.1)  # the workers, still fetching ahead, collect it
+        gc.collect()
+        gone_in = time.monotonic() + 5
+        while time.monotonic() < gone_in and _gpufeed_threads():
+            time.sleep(0.05)
+    assert unraisable == []
+    assert _gpufeed_threads() == []
+
+
+def _gpufeed_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("gpufeed")]
 
 
 STRESS_SCRIPT = """

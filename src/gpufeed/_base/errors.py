@@ -53,7 +53,10 @@ class RemoteError:
             exc = self.exc_type(msg)
         except Exception:
             raise RuntimeError(msg) from None
-        raise exc
+        try:
+            raise exc
+        finally:  # no reference cycle through this frame: the iterator that raised is freed
+            del exc  # at once, in the thread that drops the error, not by a later collection
 
 
 class KeyErrorMessage(str):

@@ -14,7 +14,8 @@ SIGTERM, then SIGKILL. Each worker also exits when its parent process changes (t
 process died). The ring's memory is an anonymous memory file (``Region``, _memory/region.py):
 nothing is left in /dev/shm even after SIGKILL; the mapping goes with the last tensor viewing it.
 Thread workers get a stop message; threads are daemons, so one stuck in user code cannot
-keep the interpreter alive.
+keep the interpreter alive. A close that runs on a thread worker (the iterator's finalizer, when
+a garbage collection happens to run there) only sends the stop messages: it never joins.
 
 Dropping the last reference closes at once, without waiting for the cyclic garbage collector:
 an iterator knows its loader only through an ``IterConfig`` (``_host/config.py``), which holds
@@ -48,7 +49,7 @@ from typing import Any
 
 from .._base.errors import WorkerError, capture
 from .messages import StartFailed, ToMain, ToWorker, WorkerSpec
-from .worker import ThreadChannel, install_thread_worker_info, worker_loop
+from .worker import ThreadChannel, in_thread_worker, install_thread_worker_info, worker_loop
 
 log = logging.getLogger("gpufeed")
 GRACE_S = 2.0
@@ -238,8 +239,9 @@ class ProcessPool:
         proc.join(0.5)
         return describe_exit(proc.pid, w, proc.exitcode)
 
-    def close(self) -> None:
-        """Stop the workers, bounded in time (NOTE [ Shutdown ]); idempotent."""
+    def close(self, grace_s: float = GRACE_S) -> None:
+        """Stop the workers, bounded in time (NOTE [ Shutdown ]); idempotent. ``grace_s``: how
+        long they get to exit by themselves before SIGTERM (0 after a timeout: they are stuck)."""
         if self.closed:
             return
         self.closed = True
@@ -251,7 +253,7 @@ class ProcessPool:
         else:
             for conn in self.conns:
                 conn.close()
-        deadline = time.monotonic() + GRACE_S
+        deadline = time.monotonic() + grace_s
         for proc in self.procs:
             proc.join(max(deadline - time.monotonic(), 0))
         for stop in ("terminate", "kill"):
@@ -374,13 +376,20 @@ class ThreadPool:
     def exit_description(self, w: int) -> str:
         return f"DataLoader worker (thread {w}) exited unexpectedly: gpufeed thread worker {w}"
 
-    def close(self) -> None:
+    def close(self, grace_s: float = GRACE_S) -> None:
+        """Tell every thread to stop; wait ``grace_s`` for them, except on a worker thread
+        (NOTE [ Shutdown ]): that is a finalizer run by a garbage collection that happened
+        there, and joining could mean joining itself, or a worker blocked on a lock this
+        thread holds (an import lock, say); they end on their own after the stop message.
+        ``grace_s=0`` (after a timeout) waits for none: threads cannot be killed."""
         if self.closed:
             return
         self.closed = True
         for chan in self.chans:
             chan.tasks.put(None)
-        deadline = time.monotonic() + GRACE_S
+        if in_thread_worker() or grace_s <= 0:
+            return
+        deadline = time.monotonic() + grace_s
         for t in self.threads:
             t.join(max(deadline - time.monotonic(), 0))
             if t.is_alive():

@@ -140,6 +140,11 @@ def install_thread_worker_info() -> None:
         mod.get_worker_info.__code__ = scope["get_worker_info"].__code__
 
 
+def in_thread_worker() -> bool:
+    """Whether the calling thread is one of gpufeed's thread workers (any loader's)."""
+    return getattr(_thread_local, "info", None) is not None
+
+
 def worker_loop(
     spec: WorkerSpec, *, worker_id: int, kind: str, chan: Any, close_fds: tuple[int, ...] = (),
 ) -> None:

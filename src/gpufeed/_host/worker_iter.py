@@ -53,7 +53,7 @@ from .messages import (
     WorkerSpec,
     WorkerState,
 )
-from .pool import Pool, ProcessPool, ThreadPool, forked_message, lost_worker
+from .pool import GRACE_S, Pool, ProcessPool, ThreadPool, forked_message, lost_worker
 from .workahead import WorkAhead
 
 _live: weakref.WeakSet[WorkerIter] = weakref.WeakSet()
@@ -290,7 +290,7 @@ class WorkerIter(BaseIter):
                 left = self._timeout - (time.monotonic() - start)
                 if left <= 0:
                     waiting = [f"batch {i} on worker {w}" for i, w in sorted(self._tasks.items())]
-                    self.close()
+                    self.close(grace_s=0.0)  # as stock: raised at the timeout, not after a grace
                     raise WorkerError(  # torch's phrase first: programs match on it
                         f"DataLoader timed out after {self._timeout_text} seconds (gpufeed: "
                         f"waiting for {', '.join(waiting[:4]) or 'a batch'}); raise timeout= "
@@ -372,9 +372,10 @@ class WorkerIter(BaseIter):
             "grows": r.grows, "fallbacks": r.fallbacks, "budget": r.budget or 0,
         }
 
-    def close(self) -> None:
+    def close(self, grace_s: float = GRACE_S) -> None:
         """Stop workers and release memory; idempotent. Also called by a failed ``__init__``,
-        so every attribute past ``_closed`` and ``_pid`` may be missing."""
+        so every attribute past ``_closed`` and ``_pid`` may be missing. ``grace_s``: how long
+        workers get to stop by themselves (NOTE [ Shutdown ])."""
         if getattr(self, "_closed", True) or os.getpid() != self._pid:
             return
         self._closed = True
@@ -386,7 +387,7 @@ class WorkerIter(BaseIter):
         ring: SlotRing | None = getattr(self, "_ring", None)
         try:
             if pool is not None:
-                pool.close()
+                pool.close(grace_s)
         finally:
             if ring is not None:
                 ring.close()
