@@ -289,6 +289,39 @@ def test_running_out_of_file_descriptors_says_so_like_stock():
     assert "`ulimit -n`" in msg and "set_sharing_strategy('file_system')" in msg, msg
     assert "ancdata" not in msg, msg
 
+KEPT_SCRIPT = """
+import resource, torch, torch.utils.data as tud, gpufeed
+resource.setrlimit(resource.RLIMIT_NOFILE, (100, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+class Tiny(tud.IterableDataset):
+    def __iter__(self):
+        for i in range(5000):
+            yield torch.tensor([i])
+
+kept = []  # every batch kept: past the ring's budget each one travels as a descriptor
+try:
+    for batch in gpufeed.DataLoader(Tiny(), batch_size=1, num_workers=2):
+        kept.append(batch)
+    print("finished", len(kept))
+except RuntimeError as e:
+    print(type(e).__name__, e)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_keeping_batches_under_a_low_descriptor_limit_says_so_like_stock():
+    """``ulimit -n 100``, tiny batches of an iterable dataset, every batch kept: a worker (or
+    the main process) runs out of descriptors passing a batch's memory file. The error is
+    torch's "Too many open files" text, not a worker that "exited unexpectedly (code 0)"."""
+    proc = run_script(KEPT_SCRIPT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    msg = proc.stdout
+    assert msg.startswith("WorkerError Too many open files. Communication with the workers is "
+                          "no longer possible."), msg + proc.stderr[-2000:]
+    assert "`ulimit -n`" in msg and "set_sharing_strategy('file_system')" in msg, msg
+    assert "exited unexpectedly" not in msg and "num_workers=0" not in msg, msg
+
+
 # -- interpreter exit and Ctrl-C -------------------------------------------------------------------
 
 EXIT_SCRIPT = """

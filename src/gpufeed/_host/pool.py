@@ -35,7 +35,6 @@ A process that exits while the iterator is running is reported by its sentinel (
 from __future__ import annotations
 
 import enum
-import errno
 import logging
 import os
 import queue
@@ -48,6 +47,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from .._base.errors import WorkerError, capture
+from .descriptors import receive
 from .messages import StartFailed, ToMain, ToWorker, WorkerSpec
 from .worker import ThreadChannel, in_thread_worker, install_thread_worker_info, worker_loop
 
@@ -86,34 +86,6 @@ def describe_exit(pid: int | None, w: int, code: int | None) -> str:
         f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}. "
         f"gpufeed worker {w} exited with code {code}"
     )
-
-
-# torch's words first (dataloader.py, NOTE [ DataLoader on Linux and open files limit ]),
-# which programs match on; then what gpufeed passes descriptors for.
-TOO_MANY_FILES = (
-    "Too many open files. Communication with the workers is no longer possible. Please "
-    "increase the limit using `ulimit -n` in the shell or change the sharing strategy by "
-    "calling `torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning of "
-    "your code. (gpufeed: receiving a batch from worker {w}; each batch the slot ring does not "
-    "hold arrives as a file descriptor, closed at once, and each tensor the ring cannot hold "
-    "(nested, sparse, subclasses) as torch shares it, which the sharing strategy governs; a "
-    "larger ring_bytes= or worker_type='thread' needs none)"
-)
-
-
-def out_of_fds(margin: int = 10) -> bool:
-    """Whether this process is (nearly) out of file descriptors, tested as torch tests it:
-    by opening ``margin`` of them."""
-    fds: list[int] = []
-    try:
-        for _ in range(margin):
-            fds.append(os.open(os.devnull, os.O_RDONLY))
-    except OSError as e:
-        return e.errno == errno.EMFILE
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return False
 
 
 def lost_worker(desc: str, held: list[int]) -> WorkerError:
@@ -208,10 +180,8 @@ class ProcessPool:
             what, w = self._fd_owner[fd]
             if what is _Watch.CONN:
                 try:
-                    msgs.append((w, self.conns[w].recv()))
+                    msgs.append((w, receive(self.conns[w], self.procs[w], w)))
                 except Exception as e:
-                    if out_of_fds():
-                        raise WorkerError(TOO_MANY_FILES.format(w=w)) from e
                     if not isinstance(e, (EOFError, OSError)):
                         raise
                     self._poller.unregister(fd)

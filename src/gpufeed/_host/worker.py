@@ -46,11 +46,12 @@ import torch
 from torch.utils.data import _utils
 from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 
-from .._base.errors import capture
+from .._base.errors import capture, out_of_descriptors
 from .._memory.spill import SharedMemoryError, Spill
 from .._order.shards import ShardInfo, set_shard_info
 from .._order.state import capture_state
 from .collate import SlotWriter, pack
+from .descriptors import worker_out_of_descriptors
 from .fetch import IterFetcher, MapFetcher, make_fetcher, thread_copy
 from .messages import (
     Done,
@@ -221,8 +222,14 @@ def _serve(
                 if parent != -1 and os.getppid() != parent:
                     return  # the main process died without closing us
                 continue
-            except (EOFError, OSError):
-                return
+            except Exception as exc:
+                if out_of_descriptors(exc):  # a message with a descriptor (the epoch's plan)
+                    _say(chan, StartFailed(worker_out_of_descriptors(
+                        worker_id, "receiving a message from the main process")))
+                    return
+                if isinstance(exc, (EOFError, OSError)):
+                    return
+                raise
         if msg is None:
             return
         gen = msg.gen
@@ -261,6 +268,13 @@ def _serve(
         del results
 
 
+def _say(chan: Any, msg: ToMain) -> None:
+    try:
+        chan.send(msg)
+    except (BrokenPipeError, EOFError, OSError):
+        pass  # the main process is gone or closing
+
+
 def _newer(chan: Any, inbox: collections.deque[ToWorker], gen: int) -> bool:
     """Read what is waiting into ``inbox``; True if it holds a stop or a newer generation."""
     while chan.waiting():
@@ -279,9 +293,13 @@ def _send_results(worker_id: int, chan: Any, gen: int, results: list[Result]) ->
     the leaves the ring cannot hold still use, is full), each becomes that error."""
     try:
         chan.send(Done(gen, results))
-    except (BrokenPipeError, EOFError, OSError):
-        raise
-    except Exception:
+    except Exception as exc:
+        if out_of_descriptors(exc):  # passing a batch's descriptor: the pipe is still whole
+            err = worker_out_of_descriptors(worker_id, f"sending batch {results[0].batch}")
+            chan.send(Done(gen, [Failed(r.batch, r.slot_id, err) for r in results]))
+            return
+        if isinstance(exc, (BrokenPipeError, EOFError, OSError)):
+            raise
         where = (
             f"in gpufeed worker {worker_id} sending a batch with tensors the ring cannot hold "
             "(nested, sparse, quantized, subclasses: torch shares them through /dev/shm; a "
@@ -320,9 +338,12 @@ def _run_task(
             sealed = spill.seal()
     except StopIteration:
         return Exhausted(batch, sid)
-    except SharedMemoryError:  # gpufeed's own allocation, not the user's collate_fn
-        return Failed(batch, sid, capture(f"in gpufeed worker {worker_id} (batch {batch})"))
-    except Exception:
+    except Exception as exc:
+        if out_of_descriptors(exc):  # anywhere: the spill's memory file, or the user's open()
+            return Failed(batch, sid, worker_out_of_descriptors(
+                worker_id, f"{fetcher.describe(indices)} (batch {batch})"))
+        if isinstance(exc, SharedMemoryError):  # gpufeed's own allocation, not the user's
+            return Failed(batch, sid, capture(f"in gpufeed worker {worker_id} (batch {batch})"))
         where = f"in gpufeed worker {worker_id} {fetcher.describe(indices)} (batch {batch})"
         return Failed(batch, sid, capture(where))
     t2 = time.perf_counter()
