@@ -97,6 +97,10 @@ class MapFetcher:
 
     def fetch(self, indices: Any, writer: SlotWriter | None, *, epoch: int = 0) -> Any:
         """The batch of ``indices``; ``epoch`` seeds per-sample random state."""
+        if self.arrays is not None and self.source is None and self.auto_collation:
+            self.where = "while gathering a batch"  # no user code, nothing random: no scope
+            self.collate_s = 0.0
+            return gather(self.arrays, indices, _alloc_for(writer))
         scope = self.scope
         scope.open(self.seed if self.seed is not None else self.base_seed, epoch)
         try:
@@ -137,10 +141,6 @@ class MapFetcher:
             out = collate_fn(samples)
             self.collate_s = time.perf_counter() - t0
             return out
-        if self.arrays is not None:
-            self.where = "while gathering a batch"
-            self.collate_s = 0.0
-            return gather(self.arrays, indices, _alloc_for(writer))
         if globally:
             samples = self._fetch_seeded(indices, self.seed, epoch)  # type: ignore[arg-type]
         elif self.getitems is not None:
