@@ -230,3 +230,24 @@ def test_sources_read_by_hand_inside_a_fetch_take_the_fetchs_seed():
     assert epochs[0] != epochs[1]
     direct = gpufeed.DataLoader(_Source(), batch_size=3, seed=2)
     assert [leaves(b) for b in direct] == epochs[0]
+
+
+def test_image_folder_crops_follow_manual_seed_not_the_loops_draws(tmp_path):
+    """ImageFolder's random crops and flips, without seed=: the same for thread workers as
+    without workers, whatever the training loop draws between batches (they were drawn from
+    torch's global generator, which thread workers share with the loop)."""
+    image = pytest.importorskip("PIL.Image")
+    pytest.importorskip("simplejpeg")
+    rng = np.random.default_rng(0)
+    for c in ("a", "b"):
+        (tmp_path / c).mkdir()
+        for k in range(6):
+            pixels = rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)
+            image.fromarray(pixels).save(tmp_path / c / f"{k}.jpg")
+    folder = gpufeed.ImageFolder(tmp_path, size=16, crop="random")
+
+    def run(**kwargs):
+        torch.manual_seed(0)
+        return _run_with_loop_draws(gpufeed.DataLoader(folder, batch_size=3, **kwargs), 4)
+
+    assert run(num_workers=2, worker_type="thread") == run()
