@@ -11,8 +11,8 @@ on, then where it happened and why gpufeed needs descriptors, wherever it ran ou
 - a worker, fetching (a spill's memory file, the user's ``open``) or sending (duplicating a
   descriptor): the batch's result is that error (:func:`worker_out_of_descriptors`);
 - the worker's descriptor-passing thread: it hangs up without passing the descriptor (and
-  prints why); the main process sees EOF while unpickling a message from a live worker
-  (:func:`receive`);
+  prints why); the main process sees EOF while unpickling a message from a worker that is
+  still alive half a second later (a worker that exits hangs up too: :func:`receive`);
 - the main process, receiving: tested as torch tests it (:func:`out_of_fds`).
 """
 
@@ -65,6 +65,13 @@ def worker_out_of_descriptors(worker_id: int, doing: str) -> RemoteError:
     ) + f"\nOriginal traceback (worker):\n{text}")
 
 
+def _lives_on(proc: Any, wait_s: float = 0.5) -> bool:
+    """Whether ``proc`` is still running ``wait_s`` later: a worker that exits (its thread
+    dies with it) also hangs up on a descriptor it had offered, and it is reported as dead."""
+    proc.join(wait_s)
+    return bool(proc.is_alive())
+
+
 def receive(conn: Any, proc: Any, w: int) -> ToMain:
     """The next message from process worker ``w`` (``conn``, ``proc``). The pipe's own errors
     propagate (EOF: the worker is gone); running out of descriptors, on either side, raises
@@ -82,7 +89,7 @@ def receive(conn: Any, proc: Any, w: int) -> ToMain:
         if out_of_descriptors(e) or out_of_fds():
             raise WorkerError(too_many_files(
                 f"the main process, receiving a batch from worker {w}")) from e
-        if isinstance(e, EOFError) and proc.is_alive():
+        if isinstance(e, EOFError) and _lives_on(proc):
             raise WorkerError(too_many_files(
                 f"worker {w} (pid {proc.pid}) could not pass a batch's descriptor to the main "
                 "process: its descriptor-passing thread failed, as it does when the worker "
