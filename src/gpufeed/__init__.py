@@ -17,6 +17,7 @@ from ._device.transforms import Normalize
 from ._host.config import WorkerType
 from ._loader import DataLoader
 from ._memory.release import PinningFallbackWarning
+from ._order.sample_rng import RandomStateWarning, sample_generator, sample_random, sample_rng
 from ._order.sampler import (
     SeededRandomSampler,
     ShardedIterable,
@@ -56,6 +57,7 @@ __all__ = [
     "PinningFallbackWarning",
     "ProfileReport",
     "Profiler",
+    "RandomStateWarning",
     "SeededRandomSampler",
     "ShardInfo",
     "ShardedIterable",
@@ -71,6 +73,9 @@ __all__ = [
     "get_shard_info",
     "get_worker_info",
     "profile",
+    "sample_generator",
+    "sample_random",
+    "sample_rng",
     "sample_seed",
     "to_device",
     "trace",

@@ -21,6 +21,7 @@ from ._device.stage import to_device
 from ._device.streams import parse_device
 from ._host.config import WORKER_TYPES, IterConfig, WorkerType
 from ._host.iterator import BaseIter, SingleIter
+from ._host.random_watch import GlobalDrawWatch
 from ._host.worker_iter import WorkerIter
 from ._memory import pinning as _pinning
 from ._memory.keeper import RingKeeper
@@ -73,8 +74,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
             most ``2 * device_depth + 2`` batches in a ``for`` loop (see ``gpufeed.to_device``).
         seed: base seed (an int >= 0) of the shuffle and of the random state each
             ``__getitem__`` sees (from ``(seed, epoch, index)``: the same bytes for any
-            ``num_workers`` or ``worker_type``, and after a resume). Costs ~10-20 us per sample
-            (see ``_order/seeding.py``). None (default): torch's own sampler and worker seeding.
+            ``num_workers`` or ``worker_type``, and after a resume): ``gpufeed.sample_generator()``
+            and its siblings everywhere; the global generators too in process workers and with
+            ``num_workers=0`` (~10-20 us per sample), never in thread workers (NOTE [ Seeding and
+            threads ] in ``_order/seeding.py``). None (default): torch's own sampler and worker
+            seeding.
         deterministic: per-sample random state on (``True``) or off (``False``: the stock
             per-worker seeding, for speed or stock behaviour). Default: on iff ``seed`` is given.
         rank, world_size: shard the dataset for this process (``DistributedSampler``
@@ -188,6 +192,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.device_transform = device_transform
         self.device_depth = device_depth
         self._recorder = StatsRecorder()
+        self._random_watch = GlobalDrawWatch()  # warns once per loader
         self._position = LoaderPosition()
         self._keeper = RingKeeper()  # NOTE [ Slot lifetime ] (e): a pinned ring across epochs
         self._prepared = False  # see _is_accelerate_prepared
@@ -306,6 +311,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             generator=self.generator,
             position=self._position,
             recorder=self._recorder,
+            random_watch=self._random_watch,
             pin_memory=self.pin_memory,
             pin=pin,
             pin_device=pin_device_index(self.device, self.pin_memory_device) if pin else None,

@@ -46,7 +46,7 @@ class Reader(Dataset[torch.Tensor]):
 def _make(dataset: Any, **kw: Any) -> MapFetcher | IterFetcher:
     args: dict[str, Any] = dict(
         is_iterable=isinstance(dataset, IterableDataset), auto_collation=True, collate_fn=None,
-        drop_last=False, sample_seed=None,
+        drop_last=False, sample_seed=None, base_seed=0,
     )
     args.update(kw)
     return make_fetcher(dataset, **args)

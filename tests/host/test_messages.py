@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, Dataset, IterableDataset, SequentialSampler
 
+import gpufeed
 from gpufeed._base.errors import RemoteError, capture
 from gpufeed._host.messages import (
     Done,
@@ -211,7 +212,7 @@ class Noisy(Dataset[torch.Tensor]):
         return 4
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.rand(1)
+        return torch.rand(1, generator=gpufeed.sample_generator())
 
 
 def test_reseed_and_epoch_reach_the_fetcher():

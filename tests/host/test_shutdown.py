@@ -13,6 +13,7 @@ import gc
 import os
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -136,6 +137,48 @@ def test_iterators_inherited_by_forked_workers_are_not_closed_there(small_datase
     assert probes == [0, 0], "finalizers raised in the worker process"
 
 
+class _FailsThenCollects(FailingDataset):
+    """Sample 0 fails; every other sample runs a garbage collection, as an allocation in a
+    worker thread (a decode, an import inside Pillow's Image.open) may."""
+
+    def __getitem__(self, i):
+        if i == 0:
+            raise DatasetBoom("cannot load sample 0")
+        time.sleep(0.002)
+        gc.collect()
+        return i
+
+
+def test_an_iterator_finalized_on_its_own_thread_worker_stops_its_threads(monkeypatch):
+    """Five failed epochs whose iterators only a garbage collection frees, and the collection
+    runs on a worker thread (this pool's or the next one's): the finalizer must not join its
+    own thread ("cannot join current thread"), nor wait on the others, and every thread ends."""
+    unraisable: list[str] = []
+    monkeypatch.setattr("sys.unraisablehook", lambda u: unraisable.append(repr(u.exc_value)))
+    with deadline(60):
+        for _ in range(5):
+            loader = gpufeed.DataLoader(_FailsThenCollects(40), batch_size=2, num_workers=2,
+                                        worker_type="thread")
+            it = iter(loader)
+            cycle = [it]
+            cycle.append(cycle)  # only a collection frees the iterator
+            with pytest.raises(DatasetBoom):
+                for _batch in it:
+                    pass
+            del it, cycle, loader
+            time.sleep(0.1)  # the workers, still fetching ahead, collect it
+        gc.collect()
+        gone_in = time.monotonic() + 5
+        while time.monotonic() < gone_in and _gpufeed_threads():
+            time.sleep(0.05)
+    assert unraisable == []
+    assert _gpufeed_threads() == []
+
+
+def _gpufeed_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("gpufeed")]
+
+
 STRESS_SCRIPT = """
 import faulthandler, gc, sys, threading, time
 import psutil, torch, torch.utils.data as tud, gpufeed
@@ -245,6 +288,39 @@ def test_running_out_of_file_descriptors_says_so_like_stock():
     assert msg.startswith("WorkerError Too many open files."), msg + proc.stderr
     assert "`ulimit -n`" in msg and "set_sharing_strategy('file_system')" in msg, msg
     assert "ancdata" not in msg, msg
+
+KEPT_SCRIPT = """
+import resource, torch, torch.utils.data as tud, gpufeed
+resource.setrlimit(resource.RLIMIT_NOFILE, (100, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+class Tiny(tud.IterableDataset):
+    def __iter__(self):
+        for i in range(5000):
+            yield torch.tensor([i])
+
+kept = []  # every batch kept: past the ring's budget each one travels as a descriptor
+try:
+    for batch in gpufeed.DataLoader(Tiny(), batch_size=1, num_workers=2):
+        kept.append(batch)
+    print("finished", len(kept))
+except RuntimeError as e:
+    print(type(e).__name__, e)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_keeping_batches_under_a_low_descriptor_limit_says_so_like_stock():
+    """``ulimit -n 100``, tiny batches of an iterable dataset, every batch kept: a worker (or
+    the main process) runs out of descriptors passing a batch's memory file. The error is
+    torch's "Too many open files" text, not a worker that "exited unexpectedly (code 0)"."""
+    proc = run_script(KEPT_SCRIPT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    msg = proc.stdout
+    assert msg.startswith("WorkerError Too many open files. Communication with the workers is "
+                          "no longer possible."), msg + proc.stderr[-2000:]
+    assert "`ulimit -n`" in msg and "set_sharing_strategy('file_system')" in msg, msg
+    assert "exited unexpectedly" not in msg and "num_workers=0" not in msg, msg
+
 
 # -- interpreter exit and Ctrl-C -------------------------------------------------------------------
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import gpufeed
+from gpufeed._order.sample_rng import SampleScope
 from gpufeed._order.sampler import ShardedIterable, ShardedSampler
-from gpufeed._order.seeding import fetch_seeded
 
 TESTS = Path(__file__).resolve().parents[1]
 N, BATCH, EPOCHS, WORLD = 21, 4, 3, 2  # as in dist_sampling.py
@@ -82,6 +82,17 @@ def test_ranks_split_the_dataset(reports, source, shuffle, drop_last):
     assert (orders[0] != orders[1]) == shuffle  # a fresh shuffle each epoch, without set_epoch
 
 
+def _draw(*, seed: int, epoch: int, index: int) -> float:
+    """What ``Indexed`` draws for sample ``index`` of ``epoch`` in a loader with ``seed``."""
+    scope = SampleScope()
+    scope.open(seed, epoch)
+    try:
+        scope.at(index)
+        return float(torch.rand((), generator=gpufeed.sample_generator()))
+    finally:
+        scope.close()
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_loader_draws_are_seeded_per_sample(reports, drop_last):
     key = f"loader/shuffle=True,drop_last={drop_last}"
@@ -90,8 +101,7 @@ def test_loader_draws_are_seeded_per_sample(reports, drop_last):
     for epoch in range(EPOCHS):
         for rep in reports:
             for index, draw in rep[key][epoch]:
-                want = fetch_seeded(lambda i: float(torch.rand(())), [index], seed=3, epoch=epoch)
-                assert draw == want[0], (rep["rank"], epoch, index)
+                assert draw == _draw(seed=3, epoch=epoch, index=index), (rep["rank"], epoch, index)
 
 
 def test_iterable_dataset_sharded_by_rank_and_worker(reports):

@@ -47,20 +47,26 @@ def _stock_users_loader() -> gpufeed.DataLoader:
 
 
 def test_lightning_resumes_mid_epoch_exactly_without_seed(tmp_path):
+    """Exact, and gpufeed says once per loader (while Lightning checkpoints, and when it
+    resumes) that the random transforms are not replayed without seed=."""
     pytest.importorskip("lightning")
     reference = lightning_module()
-    assert quiet_fit(trainer(tmp_path, epochs=EPOCHS, every=2), reference,
+    advice: list[str] = []
+    assert quiet_fit(trainer(tmp_path, epochs=EPOCHS, every=2), reference, advice=advice,
                      train_dataloaders=_stock_users_loader()) == []
+    assert len(advice) == 1 and advice[0].startswith("loader.state_dict() was taken"), advice
     assert len(reference.seen) == 12
     for epoch in (0, 1):  # each epoch is a permutation of the dataset
         assert sorted(_flat(reference.seen[6 * epoch:6 * epoch + 6])) == list(range(N))
 
     # step 8 = batch 2 of epoch 1: the rest of that epoch must be exactly the reference's
     resumed = lightning_module()
-    assert quiet_fit(trainer(tmp_path / "again", epochs=EPOCHS), resumed,
+    advice.clear()
+    assert quiet_fit(trainer(tmp_path / "again", epochs=EPOCHS), resumed, advice=advice,
                      train_dataloaders=_stock_users_loader(),
                      ckpt_path=tmp_path / "ckpt" / "epoch=1-step=8.ckpt") == []
     assert resumed.seen == reference.seen[8:]
+    assert len(advice) == 1 and advice[0].startswith("loader.load_state_dict() got a state")
 
     # step 4 = batch 4 of epoch 0: exact to the epoch's end; epoch 1 draws a new shuffle from
     # this run's global generator, as torch's RandomSampler does
@@ -72,6 +78,7 @@ def test_lightning_resumes_mid_epoch_exactly_without_seed(tmp_path):
     assert sorted(_flat(early.seen[2:])) == list(range(N))
 
 
+@pytest.mark.filterwarnings("ignore::gpufeed.RandomStateWarning")  # no seed=: said too
 def test_lightning_with_an_unrewindable_sampler_warns_and_restarts_the_epoch(tmp_path):
     pytest.importorskip("lightning")
 

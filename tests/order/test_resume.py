@@ -309,7 +309,7 @@ def _fake_loader(dataset, sampler, batch_size=4, num_workers=0):
     return SimpleNamespace(
         dataset=dataset, sampler=sampler, batch_sampler=batches, _index_sampler=batches,
         batch_size=batch_size, num_workers=num_workers, seed=getattr(sampler, "seed", 0),
-        rank=0, world_size=1,
+        deterministic=True, rank=0, world_size=1,
     )
 
 
@@ -367,7 +367,7 @@ def test_progress_iterable_dataset_states():
     dataset = _Stateful()
     loader = SimpleNamespace(
         dataset=dataset, sampler=None, batch_sampler=None, _index_sampler=iter([[None]] * 5),
-        batch_size=None, num_workers=2, seed=1, rank=0, world_size=1,
+        batch_size=None, num_workers=2, seed=1, deterministic=True, rank=0, world_size=1,
     )
     progress = LoaderPosition()
     tracker = progress.begin_epoch(loader._index_sampler, iterable=True, direct=True)
@@ -637,6 +637,7 @@ def test_stock_shuffle_without_seed_resumes_exactly(kind, tmp_path):
 
 
 @integrated
+@pytest.mark.filterwarnings("ignore::gpufeed.RandomStateWarning")  # no seed=: said too
 def test_unrewindable_sampler_state_warns_once_and_restarts_the_epoch():
     order = [5, 3, 0, 4, 1, 2]
     sampler = iter(order)  # a one-shot iterable: nothing can replay it
@@ -688,3 +689,46 @@ def test_a_state_that_cannot_be_resumed_changes_nothing():
     assert loader.seed == 1 and loader.sampler.seed == 1
     fresh = gpufeed.DataLoader(data, batch_size=2, shuffle=True, seed=1)
     assert [b.tolist() for b in loader] == [b.tolist() for b in fresh]
+
+
+def _random_state_warnings(call) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [str(w.message) for w in caught if w.category is gpufeed.RandomStateWarning]
+
+
+@integrated
+def test_a_state_without_seed_says_once_that_random_transforms_are_not_replayed(caplog):
+    """The order resumes exactly without seed=, the random transforms do not: one
+    RandomStateWarning per loader, saying whether the state was taken or loaded; none with
+    seed= or for iterable datasets (seed= does not cover them); where warnings are errors, a
+    log record instead, so that checkpointing inside a framework keeps working."""
+
+    def make(**kwargs):
+        return gpufeed.DataLoader(RandomTransformDataset(12), batch_size=3, shuffle=True,
+                                  num_workers=1, **kwargs)
+
+    loader = make()
+    it = iter(loader)
+    next(it)
+    taken = _random_state_warnings(loader.state_dict)
+    assert len(taken) == 1 and taken[0].startswith("loader.state_dict() was taken without seed=")
+    assert "replays the order of the batches exactly, but not the random transforms" in taken[0]
+    assert "Pass seed= to gpufeed.DataLoader" in taken[0]
+    assert _random_state_warnings(loader.state_dict) == []  # once per loader
+    state = loader.state_dict()
+    del it
+    loaded = _random_state_warnings(lambda: make().load_state_dict(state))
+    assert len(loaded) == 1, loaded
+    assert loaded[0].startswith("loader.load_state_dict() got a state saved without seed=")
+
+    seeded = make(seed=3)
+    assert _random_state_warnings(lambda: make(seed=3).load_state_dict(seeded.state_dict())) == []
+    stream = gpufeed.DataLoader(ShardedStream(8), batch_size=2)
+    assert _random_state_warnings(stream.state_dict) == []
+
+    with warnings.catch_warnings(), caplog.at_level("WARNING", logger="gpufeed"):
+        warnings.simplefilter("error")
+        make().state_dict()  # does not raise
+    assert "loader.state_dict() was taken without seed=" in caplog.text

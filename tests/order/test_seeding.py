@@ -157,9 +157,9 @@ def test_resolve_seed():
 # -- end to end, through gpufeed.DataLoader --------------------------------------------------
 
 
-def _batches(**kwargs):
-    loader = gpufeed.DataLoader(RandomTransformDataset(18), batch_size=4, shuffle=True, seed=7,
-                                **kwargs)
+def _batches(global_draws=False, **kwargs):
+    loader = gpufeed.DataLoader(RandomTransformDataset(18, global_draws=global_draws),
+                                batch_size=4, shuffle=True, seed=7, **kwargs)
     return [leaves(b) for _ in range(2) for b in loader]
 
 
@@ -168,6 +168,11 @@ def test_batches_are_the_same_for_any_workers():
     reference = _batches()
     for workers, kind in [(1, "process"), (2, "thread"), (2, "process"), (4, "thread")]:
         assert _batches(num_workers=workers, worker_type=kind) == reference, (workers, kind)
+
+
+def test_global_draws_are_seeded_per_sample_in_processes_and_without_workers():
+    reference = _batches(global_draws=True)
+    assert _batches(global_draws=True, num_workers=2) == reference
 
 
 class _Batched(RandomTransformDataset):
@@ -188,7 +193,8 @@ def test_opt_out_keeps_the_stock_random_stream():
         torch.manual_seed(0)
         np.random.seed(0)
         random.seed(0)
-        loader = gpufeed.DataLoader(RandomTransformDataset(6), batch_size=3, **kwargs)
+        loader = gpufeed.DataLoader(RandomTransformDataset(6, global_draws=True), batch_size=3,
+                                    **kwargs)
         return [leaves(b) for b in loader]
 
     stock = run()
@@ -200,7 +206,8 @@ def test_opt_out_keeps_the_stock_random_stream():
 def test_seeded_loading_leaves_the_training_loop_stream_alone():
     def run(**kwargs):
         torch.manual_seed(0)
-        for _ in gpufeed.DataLoader(RandomTransformDataset(6), batch_size=3, **kwargs):
+        for _ in gpufeed.DataLoader(RandomTransformDataset(6, global_draws=True), batch_size=3,
+                                    **kwargs):
             pass
         return torch.rand(3)
 

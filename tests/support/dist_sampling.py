@@ -30,11 +30,14 @@ N, BATCH, EPOCHS = 21, 4, 3
 
 
 class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Sample ``index``: the index and one draw from the sample's generator (thread workers
+    do not seed the global ones: NOTE [ Seeding and threads ])."""
+
     def __len__(self) -> int:
         return N
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.tensor(index), torch.rand(())
+        return torch.tensor(index), torch.rand((), generator=gpufeed.sample_generator())
 
 
 def epochs(loader: object) -> list[list[list[float]]]:

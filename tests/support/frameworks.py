@@ -107,13 +107,19 @@ def trainer(root: Path, *, epochs: int, every: int | None = None, **kwargs: Any)
 
 # How gpufeed's resume warnings begin (they are raised from inside Lightning's loops).
 OURS = ("loader.state_dict() at batch", "cannot resume epoch")
+# gpufeed's advice when a state is taken or loaded without seed= (a RandomStateWarning).
+NO_SEED = ("loader.state_dict() was taken without seed=",
+           "loader.load_state_dict() got a state saved without seed=")
 
 
-def quiet_fit(trainer: Any, *args: Any, **kwargs: Any) -> list[str]:
-    """``trainer.fit`` with Lightning's advice silenced; returns gpufeed's warnings, and
-    Lightning's "dataloader is not resumable" one."""
+def quiet_fit(trainer: Any, *args: Any, advice: list[str] | None = None, **kwargs: Any
+              ) -> list[str]:
+    """``trainer.fit`` with Lightning's advice silenced; returns gpufeed's resume warnings, and
+    Lightning's "dataloader is not resumable" one; gpufeed's no-seed advice goes to ``advice``."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(*args, **kwargs)
     messages = [str(w.message) for w in caught]
+    if advice is not None:
+        advice.extend(m for m in messages if m.startswith(NO_SEED))
     return [m for m in messages if m.startswith(OURS) or "dataloader is not resumable" in m]

@@ -13,8 +13,10 @@ For each :class:`Case`:
    batch, bytes-exact (dtype, shape and bytes of every leaf); with ``in_order=False`` the order
    inside an epoch is free, so the multisets of batches must be equal.
 
-Samples carry draws from torch, numpy and ``random`` made in ``__getitem__``, so the comparison
-also checks per-sample seeding across worker counts and kinds. ``iterable=True`` cases read a
+Samples carry draws from gpufeed's per-sample generators (torch, numpy and ``random``) made in
+``__getitem__``, and, in cases without thread workers (which do not seed the global generators),
+from the global generators too, so the comparison also checks per-sample seeding across worker
+counts and kinds. ``iterable=True`` cases read a
 :class:`ShardedStream` instead, whose workers' shards differ in length, so that workers run dry
 at different points and the round robin must resume mid-turn. ``warm=True`` cases resume onto
 persistent workers already running (and interrupted mid-epoch) with another seed.
@@ -46,17 +48,29 @@ Leaf = tuple[str, tuple[int, ...], bytes]
 
 
 class RandomTransformDataset(Dataset[tuple[torch.Tensor, ...]]):
-    """Sample ``i``: its index, and one "random transform" draw from each global generator."""
+    """Sample ``i``: its index and "random transform" draws from gpufeed's per-sample
+    generators (torch, numpy, ``random``); with ``global_draws``, one draw from each global
+    generator too (seeded per sample by process workers and ``num_workers=0``, not by thread
+    workers, which share them: NOTE [ Seeding and threads ])."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, *, global_draws: bool = False) -> None:
         self.n = n
+        self.global_draws = global_draws
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
-        return (
+        sample = (
             torch.tensor([index]),
+            torch.rand(2, generator=gpufeed.sample_generator()),
+            torch.from_numpy(gpufeed.sample_rng().random(2)),
+            torch.tensor([gpufeed.sample_random().random()], dtype=torch.float64),
+        )
+        if not self.global_draws:
+            return sample
+        return (
+            *sample,
             torch.rand(2),
             torch.from_numpy(np.random.rand(2)),
             torch.tensor([random.random()], dtype=torch.float64),
@@ -124,13 +138,22 @@ class Case:
         if resumed:
             workers = self.resume_workers if self.resume_workers is not None else workers
             kind = self.resume_worker_type or kind
-        dataset: Any = ShardedStream(self.n) if self.iterable else RandomTransformDataset(self.n)
+        dataset: Any = ShardedStream(self.n) if self.iterable else RandomTransformDataset(
+            self.n, global_draws=self.without_threads)
         return gpufeed.DataLoader(
             dataset, batch_size=self.batch_size, shuffle=self.shuffle and not self.iterable,
             drop_last=self.drop_last, num_workers=workers, in_order=self.in_order,
             worker_type=kind, seed=self.seed if seed is None else seed, device=self.device,
             persistent_workers=self.persistent and workers > 0,
         )
+
+    @property
+    def without_threads(self) -> bool:
+        """No thread workers before or after the restart: global draws are seeded too."""
+        kinds = {self.worker_type, self.resume_worker_type or self.worker_type}
+        workers = {self.num_workers, self.num_workers if self.resume_workers is None
+                   else self.resume_workers}
+        return "thread" not in kinds or workers == {0}
 
     @property
     def label(self) -> str:

@@ -3,8 +3,8 @@
     Exception
      └── RuntimeError
           └── WorkerError        a worker process died (signal or exit code), timed out,
-               │                 or its start-up failed; the main process ran out of file
-               │                 descriptors (torch's "Too many open files" message)
+               │                 or its start-up failed; the main process or a worker ran
+               │                 out of file descriptors (torch's "Too many open files")
                └── SharedMemoryError (_memory/spill.py)  a process worker got no shared memory for
                                  a batch the ring did not hold
 Exceptions raised by the user's dataset or collate function are re-raised in the main
@@ -15,14 +15,39 @@ RuntimeError naming it, and only where it must cross processes: thread workers k
 
 from __future__ import annotations
 
+import errno
 import pickle
 import sys
 import traceback
 from typing import Any
 
+# torch's words (dataloader.py, NOTE [ DataLoader on Linux and open files limit ]), which
+# programs match on; gpufeed's detail follows them.
+TOO_MANY_FILES = (
+    "Too many open files. Communication with the workers is no longer possible. Please "
+    "increase the limit using `ulimit -n` in the shell or change the sharing strategy by "
+    "calling `torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning of "
+    "your code"
+)
+
 
 class WorkerError(RuntimeError):
     """A gpufeed worker could not deliver: it died, hung past ``timeout``, or failed to start."""
+
+
+def out_of_descriptors(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an exception it was raised from or during, says that a process ran
+    out of file descriptors (EMFILE, or ENFILE for the whole system; torch's shared memory
+    says it in its message)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+            return True
+        if "Too many open files" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
 
 
 class RemoteError:
@@ -42,7 +67,17 @@ class RemoteError:
             exc_type = RuntimeError
         return (_rebuild, (exc_type, self.type_name, self.where, self.text))
 
+    @classmethod
+    def plain(cls, exc_type: type[BaseException], message: str) -> RemoteError:
+        """An error re-raised as ``exc_type(message)``, its message unchanged (gpufeed's own
+        errors that start with torch's words, which programs match on)."""
+        obj = cls.__new__(cls)
+        obj.exc_type, obj.type_name, obj.where, obj.text = exc_type, "", "", message
+        return obj
+
     def reraise(self) -> None:
+        if not self.where:  # RemoteError.plain
+            raise self.exc_type(self.text)
         msg = (
             f"Caught {self.type_name} {self.where}.\n"
             f"Original traceback (worker):\n{self.text}"
@@ -53,7 +88,10 @@ class RemoteError:
             exc = self.exc_type(msg)
         except Exception:
             raise RuntimeError(msg) from None
-        raise exc
+        try:
+            raise exc
+        finally:  # no reference cycle through this frame: the iterator that raised is freed
+            del exc  # at once, in the thread that drops the error, not by a later collection
 
 
 class KeyErrorMessage(str):

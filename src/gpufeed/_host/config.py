@@ -24,6 +24,7 @@ import torch
 from .._base.stats import StatsRecorder
 from .._memory.keeper import RingKeeper
 from .._order.resume import LoaderPosition
+from .random_watch import GlobalDrawWatch
 
 #: the kinds of workers: ``"process"`` (like torch's) or ``"thread"`` (``gpufeed.WorkerType``:
 #: a typo is caught by the type checker; the loader raises ``ValueError`` at run time)
@@ -50,6 +51,7 @@ class IterConfig:
     generator: torch.Generator | None  # live: each iterator draws its base seed from it
     position: LoaderPosition  # live: epochs, resume, delivered batches
     recorder: StatsRecorder  # live: the loader's stats
+    random_watch: GlobalDrawWatch  # live: thread workers' draws from global generators
     # -- pinning and the device stage
     pin_memory: bool  # as asked (warned about without an accelerator)
     pin: bool  # batches (or the ring) page-locked: asked for, or a CUDA device stage

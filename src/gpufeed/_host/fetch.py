@@ -1,12 +1,16 @@
 """Fetching one batch: a batch source, vectorised gather, ``__getitems__``, or sample by sample.
 
 A fetcher runs inside a worker (or the main process when ``num_workers=0``). It records which
-sample it is on, so that an exception is reported with the index that caused it.
+sample it is on, so that an exception is reported with the index that caused it, and keeps the
+thread's ``SampleScope`` on it, so that ``gpufeed.sample_generator()`` and its siblings are
+seeded from that sample (``_order/sample_rng.py``). With a per-sample seed it also seeds the
+global generators before each sample, except in thread workers (NOTE [ Seeding and threads ]).
 """
 
 from __future__ import annotations
 
 import copy
+import operator
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -14,10 +18,12 @@ from typing import Any
 
 from torch.utils.data import default_collate
 
+from .._order.sample_rng import SampleScope, stream_base
 from .._order.seeding import seeded
 from .._sources.arrays import gather, gather_arrays
 from .._sources.arrow import arrow_source
 from .collate import SlotWriter, collate_into
+from .random_watch import TaskProbe
 
 _AT_SAMPLE = "while fetching a sample"  # MapFetcher.describe() adds which one
 
@@ -25,14 +31,22 @@ _AT_SAMPLE = "while fetching a sample"  # MapFetcher.describe() adds which one
 def make_fetcher(
     dataset: Any, *, is_iterable: bool, auto_collation: bool,
     collate_fn: Callable[[Any], Any] | None, drop_last: bool, sample_seed: int | None,
+    base_seed: int, worker_id: int = 0, seed_globals: bool = True,
 ) -> MapFetcher | IterFetcher:
-    """The fetcher for ``dataset``, in a worker or in the main process (``num_workers=0``)."""
+    """The fetcher for ``dataset``, in a worker or in the main process (``num_workers=0``).
+
+    ``base_seed``: the iterator's base seed (drawn as torch draws its workers'), which seeds
+    the per-sample generators without ``sample_seed``; ``seed_globals``: whether a
+    ``sample_seed`` also seeds the global generators per sample (False in thread workers).
+    """
     if is_iterable:
         return IterFetcher(
-            dataset, auto_collation=auto_collation, collate_fn=collate_fn, drop_last=drop_last
+            dataset, auto_collation=auto_collation, collate_fn=collate_fn, drop_last=drop_last,
+            seed=sample_seed, base_seed=base_seed, worker_id=worker_id,
         )
     return MapFetcher(
-        dataset, auto_collation=auto_collation, collate_fn=collate_fn, seed=sample_seed
+        dataset, auto_collation=auto_collation, collate_fn=collate_fn, seed=sample_seed,
+        base_seed=base_seed, seed_globals=seed_globals,
     )
 
 
@@ -55,15 +69,21 @@ class MapFetcher:
         collate_fn: the user's function, or None for default collation into the slot.
         seed: base seed of per-sample random state (``_order/seeding.py``): each ``__getitem__``
             sees state from ``(seed, epoch, index)``, ``epoch`` given to :meth:`fetch`. None:
-            the stock behaviour.
+            the stock behaviour; the per-sample generators are then seeded from ``base_seed``.
+        seed_globals: with ``seed``, also seed torch's, numpy's and Python's global generators
+            before each sample (process workers, ``num_workers=0``); never in thread workers,
+            which share them (NOTE [ Seeding and threads ]).
     """
 
     def __init__(
         self, dataset: Any, *, auto_collation: bool, collate_fn: Callable[[Any], Any] | None,
-        seed: int | None = None,
+        seed: int | None = None, base_seed: int = 0, seed_globals: bool = True,
     ) -> None:
         self.dataset = dataset
         self.seed = seed
+        self.base_seed = base_seed
+        self.seed_globals = seed_globals
+        self.scope = SampleScope()
         self.auto_collation = auto_collation
         self.collate_fn = None if collate_fn is default_collate else collate_fn
         self.arrays = gather_arrays(dataset) if self.collate_fn is None else None
@@ -73,65 +93,90 @@ class MapFetcher:
         self.index: Any = None  # the sample being fetched, when where is _AT_SAMPLE
         self.plan: Any = None  # an _plan.IndexPlan, when the main process sent one
         self.collate_s = 0.0
+        self.probe: TaskProbe | None = None  # set by a thread worker for a checked task
 
     def fetch(self, indices: Any, writer: SlotWriter | None, *, epoch: int = 0) -> Any:
-        """The batch of ``indices``; ``epoch`` seeds per-sample random state (with a seed)."""
+        """The batch of ``indices``; ``epoch`` seeds per-sample random state."""
+        if self.arrays is not None and self.source is None and self.auto_collation:
+            self.where = "while gathering a batch"  # no user code, nothing random: no scope
+            self.collate_s = 0.0
+            return gather(self.arrays, indices, _alloc_for(writer))
+        scope = self.scope
+        scope.open(self.seed if self.seed is not None else self.base_seed, epoch)
+        try:
+            return self._fetch(indices, writer, epoch, scope)
+        finally:
+            scope.close()
+
+    def _fetch(self, indices: Any, writer: SlotWriter | None, epoch: int, scope: SampleScope
+               ) -> Any:
+        globally = self.seed is not None and self.seed_globals
+        probe = self.probe  # NOTE [ Seeding and threads ]: user code checked for global draws
+        get = operator.getitem if probe is None else probe.wrap(operator.getitem)
+        collate_fn = self.collate_fn
+        if collate_fn is not None and probe is not None:
+            collate_fn = probe.wrap(collate_fn)
         if not self.auto_collation:
             self.where = f"while fetching sample index {indices!r}"
-            if self.seed is not None:
-                with seeded(self.seed, epoch) as reseed:
+            scope.at(indices)
+            if globally:
+                with seeded(self.seed, epoch) as reseed:  # type: ignore[arg-type]
                     reseed(indices)
                     sample = self.dataset[indices]
             else:
-                sample = self.dataset[indices]
+                sample = get(self.dataset, indices)
             self.where = "in collate_fn"
-            return self.collate_fn(sample) if self.collate_fn is not None else sample
+            scope.at_batch((indices,))
+            return collate_fn(sample) if collate_fn is not None else sample
         if self.source is not None:
             self.collate_s = 0.0
             self.where = "while reading a batch"
-            if self.collate_fn is None:
+            scope.at_batch(indices)
+            if collate_fn is None:
                 return self.source.gpufeed_batch(
                     indices, seed=self.seed, epoch=epoch, alloc=_alloc_for(writer))
             samples = self.source.gpufeed_samples(indices, seed=self.seed, epoch=epoch)
             self.where = "in collate_fn"
             t0 = time.perf_counter()
-            out = self.collate_fn(samples)
+            out = collate_fn(samples)
             self.collate_s = time.perf_counter() - t0
             return out
-        if self.arrays is not None:
-            self.where = "while gathering a batch"
-            self.collate_s = 0.0
-            return gather(self.arrays, indices, _alloc_for(writer))
-        if self.seed is not None:
-            samples = self._fetch_seeded(indices, self.seed, epoch)
+        if globally:
+            samples = self._fetch_seeded(indices, self.seed, epoch)  # type: ignore[arg-type]
         elif self.getitems is not None:
             self.where = "in __getitems__"
-            samples = self.getitems(indices)
+            scope.at_batch(indices)
+            samples = (self.getitems if probe is None else probe.wrap(self.getitems))(indices)
         else:
             samples = []
-            append, dataset = samples.append, self.dataset
+            append, dataset, at = samples.append, self.dataset, scope.at
             self.where = _AT_SAMPLE  # formatted only on error: this loop is per sample
             for i in indices:
                 self.index = i
-                append(dataset[i])
+                at(i)
+                append(get(dataset, i))
         self.where = "in collate_fn"
+        scope.at_batch(indices)
         t0 = time.perf_counter()
-        out = collate_into(samples, writer) if self.collate_fn is None else self.collate_fn(samples)
+        out = collate_into(samples, writer) if collate_fn is None else collate_fn(samples)
         self.collate_s = time.perf_counter() - t0
         return out
 
     def _fetch_seeded(self, indices: Any, seed: int, epoch: int) -> list[Any]:
         """Samples with per-sample random state (NOTE [ Seeding and threads ] in
         _order/seeding.py)."""
+        scope = self.scope
         with seeded(seed, epoch) as reseed:
             if self.getitems is not None:
                 self.where = "in __getitems__"
+                scope.at_batch(indices)
                 reseed.batch(indices)
                 return list(self.getitems(indices))
             samples = []
             self.where = _AT_SAMPLE
             for i in indices:
                 self.index = i
+                scope.at(i)
                 reseed(i)
                 samples.append(self.dataset[i])
             return samples
@@ -149,21 +194,27 @@ class IterFetcher:
 
     ``fetch(n)`` takes up to ``n`` samples (``n=None``: one sample, no collation) and raises
     StopIteration when the dataset is exhausted (or, with ``drop_last``, when short). It takes
-    ``epoch`` as :meth:`MapFetcher.fetch` does, so both are called alike, and ignores it:
-    iterable datasets get no per-sample seeding.
+    ``epoch`` as :meth:`MapFetcher.fetch` does, so both are called alike. Iterable datasets get
+    no per-sample seeding of the global generators; the per-sample generators number this
+    worker's samples in the order it fetches them (``_order/sample_rng.py``).
     """
 
     def __init__(
         self, dataset: Any, *, auto_collation: bool, collate_fn: Callable[[Any], Any] | None,
-        drop_last: bool,
+        drop_last: bool, seed: int | None = None, base_seed: int = 0, worker_id: int = 0,
     ) -> None:
         self.dataset = dataset
+        self.seed = seed
+        self.base_seed = base_seed
+        self.worker_id = worker_id
+        self.scope = SampleScope()
         self.auto_collation = auto_collation
         self.collate_fn = None if collate_fn is default_collate else collate_fn
         self.drop_last = drop_last
         self.where = ""
         self._it: Iterator[Any] | None = None
         self._state: Any = None  # a dataset state to load before the next iter (resume)
+        self.probe: TaskProbe | None = None  # set by a thread worker for a checked task
         self.ended = False
         self.count = 0
         self.collate_s = 0.0
@@ -182,6 +233,21 @@ class IterFetcher:
     def fetch(self, n: int | None, writer: SlotWriter | None, *, epoch: int = 0) -> Any:
         if self.ended:
             raise StopIteration
+        scope = self.scope
+        base = self.seed if self.seed is not None else self.base_seed
+        scope.open(stream_base(base, self.worker_id), epoch)
+        try:
+            return self._fetch(n, writer, scope)
+        finally:
+            scope.close()
+
+    def _fetch(self, n: int | None, writer: SlotWriter | None, scope: SampleScope) -> Any:
+        first = self.count
+        scope.at(first)
+        probe, collate_fn = self.probe, self.collate_fn
+        step = next if probe is None else probe.wrap(next)
+        if collate_fn is not None and probe is not None:
+            collate_fn = probe.wrap(collate_fn)
         if self._it is None:
             if self._state is not None:
                 self.where = "in the dataset's load_state_dict"
@@ -191,15 +257,17 @@ class IterFetcher:
             self._it = iter(self.dataset)
         self.where = f"while fetching sample {self.count} of this worker's stream"
         if n is None:
-            sample = next(self._it)
+            sample = step(self._it)
             self.count += 1
             self.where = "in collate_fn"
-            return self.collate_fn(sample) if self.collate_fn is not None else sample
+            scope.at_batch((first,))
+            return collate_fn(sample) if collate_fn is not None else sample
         samples = []
         for _ in range(n):
             self.where = f"while fetching sample {self.count} of this worker's stream"
+            scope.at(self.count)
             try:
-                samples.append(next(self._it))
+                samples.append(step(self._it))
             except StopIteration:
                 self.ended = True
                 break
@@ -207,8 +275,9 @@ class IterFetcher:
         if not samples or (self.drop_last and len(samples) < n):
             raise StopIteration
         self.where = "in collate_fn"
+        scope.at_batch(range(first, self.count))
         t0 = time.perf_counter()
-        out = collate_into(samples, writer) if self.collate_fn is None else self.collate_fn(samples)
+        out = collate_into(samples, writer) if collate_fn is None else collate_fn(samples)
         self.collate_s = time.perf_counter() - t0
         return out
 

@@ -190,6 +190,7 @@ class SingleIter(BaseIter):
         self._fetcher = make_fetcher(
             self._dataset, is_iterable=self._is_iterable, auto_collation=self._auto_collation,
             collate_fn=self._collate_fn, drop_last=self._drop_last, sample_seed=self._sample_seed,
+            base_seed=self._base_seed,
         )
         set_shard_info(ShardInfo(config.rank, config.world_size, 0, 1))
         self._load_dataset_state()

@@ -158,7 +158,8 @@ class WorkerSpec:
     ``region``: the ring's memory, a ``Region`` for process workers (pickled as its
     descriptor) or its tensor for thread workers; None without a ring. ``base_seed``: each
     worker seeds from ``base_seed + worker_id``. ``sample_seed``: per-sample seeding's base
-    seed (None: off) at start; ``Reseed`` changes it later.
+    seed (None: off) at start; ``Reseed`` changes it later. ``random_watch``: thread workers
+    only, the loader's ``GlobalDrawWatch`` (``_host/random_watch.py``), else None.
     """
 
     num_workers: int
@@ -173,3 +174,4 @@ class WorkerSpec:
     sample_seed: int | None
     rank: int
     world_size: int
+    random_watch: Any = None

@@ -14,7 +14,9 @@ SIGKILL. Each worker also exits when its parent process changes (the main proces
 ring's memory is an anonymous memory file (``Region``, _memory/region.py): nothing is left in
 /dev/shm even after SIGKILL; the mapping goes with the last tensor viewing it. Thread workers
 get a stop message; threads are daemons, so one stuck in user code cannot keep the interpreter
-alive. After ``close()``, ``stopped`` says whether every worker has ended.
+alive. A close that runs on a thread worker (the iterator's finalizer, when a garbage
+collection happens to run there) only sends the stop messages: it never joins. After
+``close()``, ``stopped`` says whether every worker has ended.
 
 Dropping the last reference closes at once, without waiting for the cyclic garbage collector:
 an iterator knows its loader only through an ``IterConfig`` (``_host/config.py``), which holds
@@ -33,7 +35,6 @@ its exit code or signal, also when a send found its pipe broken; never a hang.
 from __future__ import annotations
 
 import enum
-import errno
 import logging
 import os
 import queue
@@ -46,8 +47,9 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from .._base.errors import WorkerError, capture
+from .descriptors import receive
 from .messages import StartFailed, ToMain, ToWorker, WorkerSpec
-from .worker import ThreadChannel, install_thread_worker_info, worker_loop
+from .worker import ThreadChannel, in_thread_worker, install_thread_worker_info, worker_loop
 
 log = logging.getLogger("gpufeed")
 GRACE_S = 2.0
@@ -84,34 +86,6 @@ def describe_exit(pid: int | None, w: int, code: int | None) -> str:
         f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}. "
         f"gpufeed worker {w} exited with code {code}"
     )
-
-
-# torch's words first (dataloader.py, NOTE [ DataLoader on Linux and open files limit ]),
-# which programs match on; then what gpufeed passes descriptors for.
-TOO_MANY_FILES = (
-    "Too many open files. Communication with the workers is no longer possible. Please "
-    "increase the limit using `ulimit -n` in the shell or change the sharing strategy by "
-    "calling `torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning of "
-    "your code. (gpufeed: receiving a batch from worker {w}; each batch the slot ring does not "
-    "hold arrives as a file descriptor, closed at once, and each tensor the ring cannot hold "
-    "(nested, sparse, subclasses) as torch shares it, which the sharing strategy governs; a "
-    "larger ring_bytes= or worker_type='thread' needs none)"
-)
-
-
-def out_of_fds(margin: int = 10) -> bool:
-    """Whether this process is (nearly) out of file descriptors, tested as torch tests it:
-    by opening ``margin`` of them."""
-    fds: list[int] = []
-    try:
-        for _ in range(margin):
-            fds.append(os.open(os.devnull, os.O_RDONLY))
-    except OSError as e:
-        return e.errno == errno.EMFILE
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return False
 
 
 def lost_worker(desc: str, held: list[int]) -> WorkerError:
@@ -205,10 +179,8 @@ class ProcessPool:
             what, w = self._fd_owner[fd]
             if what is _Watch.CONN:
                 try:
-                    msgs.append((w, self.conns[w].recv()))
+                    msgs.append((w, receive(self.conns[w], self.procs[w], w)))
                 except Exception as e:
-                    if out_of_fds():
-                        raise WorkerError(TOO_MANY_FILES.format(w=w)) from e
                     if not isinstance(e, (EOFError, OSError)):
                         raise
                     self._poller.unregister(fd)
@@ -236,8 +208,9 @@ class ProcessPool:
         proc.join(0.5)
         return describe_exit(proc.pid, w, proc.exitcode)
 
-    def close(self) -> None:
-        """Stop the workers, bounded in time (NOTE [ Shutdown ]); idempotent."""
+    def close(self, grace_s: float = GRACE_S) -> None:
+        """Stop the workers, bounded in time (NOTE [ Shutdown ]); idempotent. ``grace_s``: how
+        long they get to exit by themselves before SIGTERM (0 after a timeout: they are stuck)."""
         if self.closed:
             return
         self.closed = True
@@ -249,7 +222,7 @@ class ProcessPool:
         else:
             for conn in self.conns:
                 conn.close()
-        deadline = time.monotonic() + GRACE_S
+        deadline = time.monotonic() + grace_s
         for proc in self.procs:
             proc.join(max(deadline - time.monotonic(), 0))
         for stop in ("terminate", "kill"):
@@ -373,13 +346,20 @@ class ThreadPool:
     def exit_description(self, w: int) -> str:
         return f"DataLoader worker (thread {w}) exited unexpectedly: gpufeed thread worker {w}"
 
-    def close(self) -> None:
+    def close(self, grace_s: float = GRACE_S) -> None:
+        """Tell every thread to stop; wait ``grace_s`` for them, except on a worker thread
+        (NOTE [ Shutdown ]): that is a finalizer run by a garbage collection that happened
+        there, and joining could mean joining itself, or a worker blocked on a lock this
+        thread holds (an import lock, say); they end on their own after the stop message.
+        ``grace_s=0`` (after a timeout) waits for none: threads cannot be killed."""
         if self.closed:
             return
         self.closed = True
         for chan in self.chans:
             chan.tasks.put(None)
-        deadline = time.monotonic() + GRACE_S
+        if in_thread_worker() or grace_s <= 0:
+            return
+        deadline = time.monotonic() + grace_s
         for t in self.threads:
             t.join(max(deadline - time.monotonic(), 0))
             if t.is_alive():

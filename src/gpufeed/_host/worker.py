@@ -47,11 +47,12 @@ import torch
 from torch.utils.data import _utils
 from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 
-from .._base.errors import capture
+from .._base.errors import capture, out_of_descriptors
 from .._memory.spill import SharedMemoryError, Spill
 from .._order.shards import ShardInfo, set_shard_info
 from .._order.state import capture_state
 from .collate import SlotWriter, pack
+from .descriptors import worker_out_of_descriptors
 from .fetch import IterFetcher, MapFetcher, make_fetcher, thread_copy
 from .messages import (
     Done,
@@ -69,6 +70,7 @@ from .messages import (
     UsePlan,
     WorkerSpec,
 )
+from .random_watch import GlobalDrawWatch
 
 POLL_S = 0.5  # how often an idle worker checks that the main process is alive
 
@@ -140,6 +142,11 @@ def install_thread_worker_info() -> None:
         mod.get_worker_info.__code__ = scope["get_worker_info"].__code__
 
 
+def in_thread_worker() -> bool:
+    """Whether the calling thread is one of gpufeed's thread workers (any loader's)."""
+    return getattr(_thread_local, "info", None) is not None
+
+
 def worker_loop(
     spec: WorkerSpec, *, worker_id: int, kind: str, chan: Any, close_fds: tuple[int, ...] = (),
 ) -> None:
@@ -185,6 +192,7 @@ def worker_loop(
         fetcher = make_fetcher(
             dataset, is_iterable=spec.is_iterable, auto_collation=spec.auto_collation,
             collate_fn=spec.collate_fn, drop_last=spec.drop_last, sample_seed=spec.sample_seed,
+            base_seed=spec.base_seed, worker_id=worker_id, seed_globals=is_process,
         )
         writer = (
             SlotWriter(region, shared_fallback=is_process) if region is not None else None
@@ -195,12 +203,12 @@ def worker_loop(
         except (BrokenPipeError, EOFError, OSError):
             pass  # the main process already stopped (another worker's error, or close())
         return
-    _serve(worker_id, chan, fetcher, writer, parent)
+    _serve(worker_id, chan, fetcher, writer, parent, None if is_process else spec.random_watch)
 
 
 def _serve(
     worker_id: int, chan: Any, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None,
-    parent: int,
+    parent: int, watch: GlobalDrawWatch | None,
 ) -> None:
     inbox: collections.deque[ToWorker] = collections.deque()  # read ahead by _newer
     latest = 0  # the newest generation seen: tasks of older ones are dropped, not run
@@ -215,8 +223,14 @@ def _serve(
                 if parent != -1 and os.getppid() != parent:
                     return  # the main process died without closing us
                 continue
-            except (EOFError, OSError):
-                return
+            except Exception as exc:
+                if out_of_descriptors(exc):  # a message with a descriptor (the epoch's plan)
+                    _say(chan, StartFailed(worker_out_of_descriptors(
+                        worker_id, "receiving a message from the main process")))
+                    return
+                if isinstance(exc, (EOFError, OSError)):
+                    return
+                raise
         if msg is None:
             return
         gen = msg.gen
@@ -230,8 +244,7 @@ def _serve(
                 fetcher.plan = msg.plan
             continue
         if isinstance(msg, Reseed):
-            if isinstance(fetcher, MapFetcher):
-                fetcher.seed = msg.seed
+            fetcher.seed = msg.seed
             continue
         spills: list[Spill] = []
         results: list[Result] = []
@@ -242,7 +255,10 @@ def _serve(
                 latest = max(latest, gen + 1)
                 results.append(Dropped(task.batch, task.slot.id if task.slot is not None else -1))
                 continue
+            if watch is not None:  # NOTE [ Seeding and threads ]: global draws are looked for
+                fetcher.probe = watch.task_probe()
             results.append(_run_task(worker_id, fetcher, writer, task, msg.epoch, spills))
+            fetcher.probe = None
         try:
             _send_results(worker_id, chan, gen, results)
         except (BrokenPipeError, EOFError, OSError):
@@ -251,6 +267,13 @@ def _serve(
             for spill in spills:  # the main process has the descriptors now (or never will)
                 spill.release()
         del results
+
+
+def _say(chan: Any, msg: ToMain) -> None:
+    try:
+        chan.send(msg)
+    except (BrokenPipeError, EOFError, OSError):
+        pass  # the main process is gone or closing
 
 
 def _newer(chan: Any, inbox: collections.deque[ToWorker], gen: int) -> bool:
@@ -271,9 +294,13 @@ def _send_results(worker_id: int, chan: Any, gen: int, results: list[Result]) ->
     the leaves the ring cannot hold still use, is full), each becomes that error."""
     try:
         chan.send(Done(gen, results))
-    except (BrokenPipeError, EOFError, OSError):
-        raise
-    except Exception:
+    except Exception as exc:
+        if out_of_descriptors(exc):  # passing a batch's descriptor: the pipe is still whole
+            err = worker_out_of_descriptors(worker_id, f"sending batch {results[0].batch}")
+            chan.send(Done(gen, [Failed(r.batch, r.slot_id, err) for r in results]))
+            return
+        if isinstance(exc, (BrokenPipeError, EOFError, OSError)):
+            raise
         where = (
             f"in gpufeed worker {worker_id} sending a batch with tensors the ring cannot hold "
             "(nested, sparse, quantized, subclasses: torch shares them through /dev/shm; a "
@@ -312,9 +339,12 @@ def _run_task(
             sealed = spill.seal()
     except StopIteration:
         return Exhausted(batch, sid)
-    except SharedMemoryError:  # gpufeed's own allocation, not the user's collate_fn
-        return Failed(batch, sid, capture(f"in gpufeed worker {worker_id} (batch {batch})"))
-    except Exception:
+    except Exception as exc:
+        if out_of_descriptors(exc):  # anywhere: the spill's memory file, or the user's open()
+            return Failed(batch, sid, worker_out_of_descriptors(
+                worker_id, f"{fetcher.describe(indices)} (batch {batch})"))
+        if isinstance(exc, SharedMemoryError):  # gpufeed's own allocation, not the user's
+            return Failed(batch, sid, capture(f"in gpufeed worker {worker_id} (batch {batch})"))
         where = f"in gpufeed worker {worker_id} {fetcher.describe(indices)} (batch {batch})"
         return Failed(batch, sid, capture(where))
     t2 = time.perf_counter()

@@ -55,7 +55,7 @@ from .messages import (
     WorkerSpec,
     WorkerState,
 )
-from .pool import Pool, ProcessPool, ThreadPool, forked_message, lost_worker
+from .pool import GRACE_S, Pool, ProcessPool, ThreadPool, forked_message, lost_worker
 from .tracing import label_workers, sample_counters, trace_ring
 from .workahead import WorkAhead
 
@@ -107,7 +107,9 @@ class WorkerIter(BaseIter):
                 region=self._ring.region if shared else self._ring.region_tensor,
                 base_seed=self._base_seed, init_fn=config.worker_init_fn,
                 sample_seed=self._sample_seed, rank=config.rank, world_size=config.world_size,
+                random_watch=None if shared else config.random_watch,
             )
+            self._watch = config.random_watch
             self._pool: Pool
             if shared:
                 check_copy_on_write(self._dataset)  # NOTE [ Copy-on-write and Python objects ]
@@ -297,6 +299,7 @@ class WorkerIter(BaseIter):
 
     def _wait(self) -> None:
         """Receive at least one message, or raise for a dead worker or a timeout."""
+        self._watch.wait_begins()  # the loop draws nothing until the batch is popped
         self._check_pid()
         start = time.monotonic()
         while True:
@@ -305,7 +308,7 @@ class WorkerIter(BaseIter):
                 left = self._timeout - (time.monotonic() - start)
                 if left <= 0:
                     waiting = [f"batch {i} on worker {w}" for i, w in sorted(self._tasks.items())]
-                    self.close()
+                    self.close(grace_s=0.0)  # as stock: raised at the timeout, not after a grace
                     raise WorkerError(  # torch's phrase first: programs match on it
                         f"DataLoader timed out after {self._timeout_text} seconds (gpufeed: "
                         f"waiting for {', '.join(waiting[:4]) or 'a batch'}); raise timeout= "
@@ -332,6 +335,13 @@ class WorkerIter(BaseIter):
                 return
 
     def _next(self) -> Any:
+        self._watch.report(stacklevel=3)  # here: a warning turned error loses no batch
+        try:
+            return self._next_batch()
+        finally:
+            self._watch.wait_ends()
+
+    def _next_batch(self) -> Any:
         self._check_capture()
         asked_at = time.perf_counter()
         while True:
@@ -352,6 +362,7 @@ class WorkerIter(BaseIter):
                     continue
                 idx = next(iter(self._ready))
             data = self._ready.pop(idx)
+            self._watch.wait_ends()  # the sampler, asked for more below, may draw
             self._stock_pulls(self._num_yielded + 1)
             self._dispatch()
             if data is _STOP:
@@ -380,9 +391,10 @@ class WorkerIter(BaseIter):
     def ring_info(self) -> dict[str, int]:
         return self._ring.info()
 
-    def close(self) -> None:
+    def close(self, grace_s: float = GRACE_S) -> None:
         """Stop workers and release memory; idempotent. Also called by a failed ``__init__``,
-        so every attribute past ``_closed`` and ``_pid`` may be missing."""
+        so every attribute past ``_closed`` and ``_pid`` may be missing. ``grace_s``: how long
+        workers get to stop by themselves (NOTE [ Shutdown ])."""
         if getattr(self, "_closed", True) or os.getpid() != self._pid:
             return
         self._closed = True
@@ -395,7 +407,7 @@ class WorkerIter(BaseIter):
         ring: SlotRing | None = getattr(self, "_ring", None)
         try:
             if pool is not None:
-                pool.close()
+                pool.close(grace_s)
         finally:
             if ring is not None:
                 keeper = getattr(self, "_keeper", None)

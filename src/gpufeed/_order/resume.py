@@ -16,6 +16,7 @@ The names of ``_order/state.py`` and ``_order/delivery.py`` are re-exported here
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -33,6 +34,7 @@ from .rewind import (
     restore_sampler,
     sampler_state_of,
 )
+from .sample_rng import RandomStateWarning
 from .state import (
     STATE_VERSION,
     LoaderState,
@@ -60,6 +62,8 @@ __all__ = [
     "require_resumable",
     "sampler_state_of",
 ]
+
+log = logging.getLogger("gpufeed")
 
 
 def prepare_resume(
@@ -147,6 +151,8 @@ class LoaderView(Protocol):
     @property
     def seed(self) -> int | None: ...
     @property
+    def deterministic(self) -> bool: ...  # per-sample random state (with seed)
+    @property
     def rank(self) -> int: ...
     @property
     def world_size(self) -> int: ...
@@ -164,6 +170,7 @@ class LoaderPosition:
         self.tracker: DeliveryTracker | None = None
         self.sampler_state: Any = None  # sampler_state of the epoch in progress
         self.warned = False  # the "cannot be rewound" warning was given
+        self.warned_random = False  # the "random transforms are not replayed" one
 
     def __getstate__(self) -> dict[str, Any]:
         """A copied loader starts its next epoch afresh: the epoch in progress stays here."""
@@ -237,6 +244,8 @@ class LoaderPosition:
             sampler_state = None if isinstance(loader.dataset, IterableDataset) else (
                 sampler_state_of(inner_sampler(loader._index_sampler))
             )
+        if loader.seed is None or not loader.deterministic:
+            self._random_not_replayed(loader, "loader.state_dict() was taken", "resuming from it")
         lost = isinstance(sampler_state, dict) and UNREWINDABLE in sampler_state
         if lost and (done or ahead) and not self.warned:  # once per loader
             self.warned = True
@@ -268,6 +277,27 @@ class LoaderPosition:
             sampler_state=sampler_state, dataset_state=dataset_state,
         )
 
+    def _random_not_replayed(self, loader: LoaderView, what: str, resume: str) -> None:
+        """Say once per loader that a resume without per-sample seeds replays the batches'
+        order, not their random transforms (map-style data: seed= does not cover iterable
+        datasets). A ``RandomStateWarning``; where warnings are errors (pytest's
+        ``filterwarnings = error``), a log record instead: frameworks take and load states
+        inside their checkpointing, which must not fail for advice."""
+        if self.warned_random or isinstance(loader.dataset, IterableDataset):
+            return
+        self.warned_random = True
+        message = (
+            f"{what} without seed= (or with deterministic=False): {resume} replays the order "
+            "of the batches exactly, but not the random transforms drawn while fetching them "
+            "(from torch's, numpy's or Python's generators, or gpufeed.sample_generator()), "
+            "which come from the random state of the run that fetches them. Pass seed= to "
+            "gpufeed.DataLoader for per-sample random state that a resume replays too"
+        )
+        try:
+            warnings.warn(message, RandomStateWarning, stacklevel=4)
+        except RandomStateWarning:
+            log.warning("%s", message)
+
     def load_state_dict(self, loader: LoaderView, state: Mapping[str, Any]) -> int | None:
         """Check ``state`` against ``loader`` and set the sampler up for it; the next
         :meth:`begin_epoch` resumes there. Returns the state's seed, which the loader takes (its
@@ -280,6 +310,9 @@ class LoaderPosition:
         )
         sampler = inner_sampler(loader._index_sampler)
         seed = checked["seed"]
+        if seed is None or not loader.deterministic:
+            self._random_not_replayed(loader, "loader.load_state_dict() got a state saved",
+                                      "this resume")
         ours = seed is not None and is_ours(sampler)
         old_seed = sampler.seed if ours else None
         if ours:

@@ -1,49 +1,74 @@
 """Per-sample random state: random transforms that do not depend on who fetched the sample.
 
-Before each ``__getitem__(index)`` the loader seeds torch's CPU generator, numpy's global (legacy)
-``RandomState`` and Python's ``random`` from :func:`sample_seed` ``(seed, epoch, index)``. The bytes
-of a sample therefore depend only on those three numbers: the same for 0, 1, 2 or 4 workers,
-thread or process workers, and after a resume.
+Two mechanisms, both from :func:`sample_seed` ``(seed, epoch, index)``:
 
-Cost, measured with ``python -m gpufeed.benchmarks.seeding`` (median of 5 runs, 10,000 samples
-in batches of 64) on the 2-core development VM (Python 3.11, torch 2.13, numpy 2.4), other jobs
-running: 10-15 us per sample (the hash and three re-seeds) plus 0.1-0.2 ms per batch (saving and
-restoring the three global states; numpy's dominates), 13-17 us per sample in all. A
-``__getitem__`` that decodes an image costs milliseconds, so this is noise there; for tiny
-samples read one by one it can be a visible share. Opt out with the loader's
+- the per-sample generators (``gpufeed.sample_generator()``, ``sample_rng()``,
+  ``sample_random()``; ``_order/sample_rng.py``), for every kind of worker and without workers,
+  with or without ``seed=``; gpufeed's own sources draw from the same seeds;
+- with ``seed=``, in process workers and with ``num_workers=0``: before each
+  ``__getitem__(index)`` the loader seeds torch's CPU generator, numpy's global (legacy)
+  ``RandomState`` and Python's ``random``, so that datasets written against the global
+  generators (torchvision's transforms) give the same bytes for 0, 1, 2 or 4 process workers
+  and after a resume. Thread workers never touch them (NOTE [ Seeding and threads ]).
+
+Cost of the global seeding, measured with ``python -m gpufeed.benchmarks.seeding`` (median of 5
+runs, 10,000 samples in batches of 64) on the 2-core development VM (Python 3.11, torch 2.13,
+numpy 2.4), other jobs running: 10-15 us per sample (the hash and three re-seeds) plus 0.1-0.2 ms
+per batch (saving and restoring the three global states; numpy's dominates), 13-17 us per
+sample in all. A ``__getitem__`` that decodes an image costs milliseconds, so this is noise
+there; for tiny samples read one by one it can be a visible share. Opt out with the loader's
 ``deterministic=False`` (the stock behaviour: each worker seeded once).
 
 What is *not* covered: CUDA generators (``__getitem__`` should not use the GPU), explicit
-``torch.Generator`` / ``numpy.random.Generator`` objects owned by the dataset (seed those from
-:func:`sample_seed` yourself), and batched fetches (``__getitems__``): those see one state per
-batch, from :func:`batch_seed`, which is still independent of workers because the batch plan is.
-Iterable datasets have no sample index: they keep the stock per-worker seeding.
+generators the dataset owns (seed them from :func:`sample_seed`, or use the per-sample ones),
+and batched fetches (``__getitems__``): those see one global state per batch, from
+:func:`batch_seed`, which is still independent of workers because the batch plan is (and
+``sample_generator(index=i)`` gives each sample its own). Iterable datasets have no sample
+index: the global generators keep the stock per-worker seeding.
 
-NOTE [ Seeding and threads ]: the three generators are process-global, so threads cannot have
-their own. Per-thread generators would leave the user's ``torch.rand``/``np.random``/``random``
-calls unseeded, so instead every seeded fetch holds one process-wide lock for the whole batch:
-seed, call ``__getitem__``, re-seed, ... and finally restore the states saved on entry. Thread
-workers that use seeding therefore run their ``__getitem__`` calls one at a time (collation and
-everything else still overlaps); use process workers when random transforms must run in parallel.
-Restoring on exit keeps the caller's own random stream untouched when loading happens in the main
-process (``num_workers=0``). The training thread's own draws made *while* a thread worker holds
-the lock are not protected (they may be replayed after the restore); give the training step its
-own ``torch.Generator`` if that matters. The lock is re-created in a forked child.
+NOTE [ Seeding and threads ]
+----------------------------
+torch's, numpy's and Python's global generators are one per process. A process worker owns
+its process, and with ``num_workers=0`` the loader fetches in the caller's thread, so there a
+seeded fetch seeds them before each sample (``seeded``: under a lock against the program's other
+threads, restoring the caller's states on exit, so its own random stream is untouched). Thread
+workers share them with each other and with the training loop, and no lock can make a draw there
+reproducible: the loop draws (CPU dropout, a ``torch.rand``) without taking it, between a
+worker's re-seed and the sample's draw. The earlier design did take one, around every seeded
+batch: 502 of 1,000 samples still differed from process workers' when the loop drew, and 4
+thread workers on a 5 ms sample ran at 192 samples/s instead of 766 (``__getitem__`` one at a
+time). So thread workers never seed, save, restore or lock the global generators, with or
+without ``seed=``. What is reproducible under threads, and parallel:
+
+- the per-sample generators, seeded from the sample alone, no lock, no global state; without
+  ``seed=`` their base is drawn when iteration starts, as torch draws its workers' base seed,
+  so ``torch.manual_seed`` governs them and the loop's draws do not;
+- gpufeed's sources (``sample_seeds`` in ``_sources/protocol.py``), which draw from the same
+  per-sample seeds (``ImageFolder``'s crops and flips).
+
+Draws from the global generators in thread workers are whatever the interleaving of threads
+makes them, as in any multi-threaded PyTorch program. A dataset seen making them gets one
+``RandomStateWarning`` per loader, naming the fix (the per-sample generators, or process
+workers): ``_host/random_watch.py`` checks sampled calls into user code while the loop waits.
+Measured (``gpufeed.benchmarks.seeding``, see the README): thread workers run as fast with
+``seed=`` as without. The lock of ``seeded`` is re-created in a forked child.
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import random
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 __all__ = [
+    "as_index",
     "batch_seed",
     "fetch_seeded",
     "resolve_seed",
@@ -74,12 +99,25 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def as_index(index: Any) -> int:
+    """``index`` as an int, or a TypeError that says per-sample seeds need one."""
+    try:
+        return operator.index(index)
+    except TypeError:
+        raise TypeError(
+            f"per-sample seeds need an int sample index, but this sample's index is {index!r}; "
+            "pass an int one (e.g. gpufeed.sample_generator(index=...)), or turn per-sample "
+            "seeding off with deterministic=False") from None
+
+
 def sample_seed(seed: int, epoch: int, index: int) -> int:
     """A 64-bit seed that depends only on ``(seed, epoch, index)`` (about 1 us).
 
     Neighbouring inputs give unrelated outputs (``(0, 1, 0)`` and ``(1, 0, 0)`` differ), unlike
     the ``seed + epoch`` sum the samplers use for their permutations.
     """
+    if type(index) is not int:
+        index = as_index(index)
     return _mix(_mix(_mix(seed & _M64) ^ (epoch & _M64)) ^ (index & _M64))
 
 

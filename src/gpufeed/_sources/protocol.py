@@ -13,11 +13,14 @@ fetcher's usual paths). The fetcher then calls, once per batch:
 - ``gpufeed_samples(indices, *, seed, epoch)`` with a user's ``collate_fn``: the samples, as
   ``[dataset[i] for i in indices]`` would give them.
 
-``seed`` is the loader's per-sample seed, or None without one (``deterministic=False``):
-a source with random transforms then draws from torch's global generator, as a stock worker
-would. Random choices come from ``sample_seed(seed, epoch, index)`` per sample, so they do not
-depend on the batch, the worker, or its kind; sources hold no global lock while they read, so
-thread workers overlap (unlike ``__getitem__`` seeding, NOTE [ Seeding and threads ]).
+``seed`` is the loader's per-sample seed, or None without one (``deterministic=False``).
+Random choices come from ``sample_seed(seed, epoch, index)`` per sample (:func:`sample_seeds`),
+so they do not depend on the batch, the worker, or its kind. Without a seed they come from the
+base seed of the fetch in progress (the loader's, drawn as torch draws its workers' base seed,
+so ``torch.manual_seed`` governs it), never from a global generator, which thread workers share
+with the training loop (NOTE [ Seeding and threads ]); only outside a gpufeed loader (the stock
+DataLoader, ``dataset[i]`` by hand) do they come from torch's global generator, as a stock worker
+would draw. Sources take no lock, so thread workers overlap.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._order.sample_rng import current_scope
 from .._order.seeding import sample_seed
 
 EXTRAS = {
@@ -49,9 +53,14 @@ def require(module: str, what: str) -> Any:
 
 
 def sample_seeds(indices: Sequence[int] | np.ndarray, seed: int | None, epoch: int) -> list[int]:
-    """One 64-bit seed per sample: from ``(seed, epoch, index)``, else from torch's generator."""
+    """One 64-bit seed per sample: from ``(seed, epoch, index)``; without a seed, from the base
+    seed and epoch of the gpufeed fetch in progress (the ``epoch`` given is then ignored: a
+    dataset that reads a source by hand passes 0); outside any, from torch's global generator."""
     if seed is None:
-        return torch.randint(0, 2**62, (len(indices),), dtype=torch.int64).tolist()
+        scope = current_scope()
+        if scope is None:
+            return torch.randint(0, 2**62, (len(indices),), dtype=torch.int64).tolist()
+        seed, epoch = scope.base, scope.epoch
     return [sample_seed(seed, epoch, int(i)) for i in indices]
 
 

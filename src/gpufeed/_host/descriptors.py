@@ -1,0 +1,98 @@
+"""Running out of file descriptors, on either side of a process worker's pipe.
+
+Process workers pass descriptors to the main process: each batch the slot ring does not hold
+travels as a memory file (NOTE [ Spill ] in ``_memory/spill.py``), handed over by a
+descriptor-passing thread in the worker (``multiprocessing``'s resource sharer) that the main
+process connects to while unpickling the result; tensors the ring cannot hold go as torch shares
+them. When a process runs out of descriptors the user gets torch's own words (``TOO_MANY_FILES``
+in ``_base/errors.py``: raise ``ulimit -n``, or ``set_sharing_strategy``), which programs match
+on, then where it happened and why gpufeed needs descriptors, wherever it ran out:
+
+- a worker, fetching (a spill's memory file, the user's ``open``) or sending (duplicating a
+  descriptor): the batch's result is that error (:func:`worker_out_of_descriptors`);
+- the worker's descriptor-passing thread: it hangs up without passing the descriptor (and
+  prints why); the main process sees EOF while unpickling a message from a worker that is
+  still alive half a second later (a worker that exits hangs up too: :func:`receive`);
+- the main process, receiving: tested as torch tests it (:func:`out_of_fds`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import traceback
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from .._base.errors import TOO_MANY_FILES, RemoteError, WorkerError, out_of_descriptors
+from .messages import ToMain
+
+WHY_DESCRIPTORS = (
+    "each batch the slot ring does not hold (those your loop keeps hold their slots) travels "
+    "as a memory file whose descriptor the worker passes to the main process, which closes it "
+    "once mapped, and each tensor the ring cannot hold (nested, sparse, subclasses) as torch "
+    "shares it, which the sharing strategy governs; a larger ring_bytes= or "
+    "worker_type='thread' needs none"
+)
+
+
+def too_many_files(where: str) -> str:
+    """torch's out-of-descriptors message, then where it happened (``where``) and why."""
+    return f"{TOO_MANY_FILES}. (gpufeed: {where}; {WHY_DESCRIPTORS})"
+
+
+def out_of_fds(margin: int = 10) -> bool:
+    """Whether this process is (nearly) out of file descriptors, tested as torch tests it:
+    by opening ``margin`` of them."""
+    fds: list[int] = []
+    try:
+        for _ in range(margin):
+            fds.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError as e:
+        return e.errno == errno.EMFILE
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return False
+
+
+def worker_out_of_descriptors(worker_id: int, doing: str) -> RemoteError:
+    """In a worker, for the exception being handled, which says it ran out of descriptors:
+    torch's words first, the worker's traceback last."""
+    text = traceback.format_exc()
+    return RemoteError.plain(WorkerError, too_many_files(
+        f"worker {worker_id} (pid {os.getpid()}) ran out of file descriptors {doing}"
+    ) + f"\nOriginal traceback (worker):\n{text}")
+
+
+def _lives_on(proc: Any, wait_s: float = 0.5) -> bool:
+    """Whether ``proc`` is still running ``wait_s`` later: a worker that exits (its thread
+    dies with it) also hangs up on a descriptor it had offered, and it is reported as dead."""
+    proc.join(wait_s)
+    return bool(proc.is_alive())
+
+
+def receive(conn: Any, proc: Any, w: int) -> ToMain:
+    """The next message from process worker ``w`` (``conn``, ``proc``). The pipe's own errors
+    propagate (EOF: the worker is gone); running out of descriptors, on either side, raises
+    torch's "Too many open files"."""
+    try:
+        buf = conn.recv_bytes()
+    except Exception as e:
+        if out_of_descriptors(e) or out_of_fds():
+            raise WorkerError(too_many_files(
+                f"the main process, receiving a message from worker {w}")) from e
+        raise
+    try:  # a batch's descriptors are fetched from the worker while unpickling
+        msg: ToMain = ForkingPickler.loads(buf)
+    except Exception as e:
+        if out_of_descriptors(e) or out_of_fds():
+            raise WorkerError(too_many_files(
+                f"the main process, receiving a batch from worker {w}")) from e
+        if isinstance(e, EOFError) and _lives_on(proc):
+            raise WorkerError(too_many_files(
+                f"worker {w} (pid {proc.pid}) could not pass a batch's descriptor to the main "
+                "process: its descriptor-passing thread failed, as it does when the worker "
+                "runs out of file descriptors")) from e
+        raise
+    return msg
