@@ -82,7 +82,8 @@ def test_every_documented_stat_is_recorded(monkeypatch):
     collect(stats)
     assert stats.counters["samples"] == 61 and stats.counters["batches"] == 8
     assert stats.stages["startup"].batches == 1 and stats.stages["wait"].batches == 7
-    assert stats.counters["ring_slots"] == stats.stages["ring"].capacity > 0
+    slots = stats.counters["ring_slots"]
+    assert 0 < slots <= stats.stages["ring"].capacity and slots == stats.counters["ring_grow"]
     assert stats.counters["ring_bytes"] > 0 and stats.counters["ring_bytes"] % 4096 == 0
     # batches kept past a one-batch ring: fallbacks; varying shapes: more slots carved
     small = gpufeed.DataLoader(Ragged(), batch_size=8, num_workers=2, worker_type="thread",
@@ -109,6 +110,16 @@ def test_every_documented_stat_is_recorded(monkeypatch):
             sim.launch(sim.consumer, lambda x: None, batch["x"], cost=8)
     sim.drain()
     collect(gpu.stats())
+    # a pinned ring under the user's own copies, the GPU behind: slots wait for their fences
+    monkeypatch.setattr(sim, "is_pinned", lambda t: True)
+    pinned = gpufeed.DataLoader(IndexDataset(64), batch_size=4, num_workers=2,
+                                worker_type="thread", pin_memory=True)
+    sim.launch(sim.consumer, lambda: None, cost=10_000)  # the GPU stalls meanwhile
+    for batch in pinned:
+        x = batch["x"].cuda(non_blocking=True)
+        del batch, x
+    sim.drain()
+    collect(pinned.stats())
 
     missing = [n for n in documented() if not seen.get(n)]
     assert not missing, f"documented but never recorded (or always 0): {missing}; saw {seen}"

@@ -36,14 +36,16 @@ class Read:
         assert len(found) == 1, (prefix, self.processes)
         return found[0]
 
-    def track(self, pid: int, prefix: str, name: str | None = None) -> list[dict[str, Any]]:
-        """Spans (named ``name``, or all) of ``pid``'s tracks whose name starts with
-        ``prefix``, in time order."""
+    def track(self, pid: int, prefix: str,
+              name: str | tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+        """Spans (named ``name``, or one of the names, or all) of ``pid``'s tracks whose name
+        starts with ``prefix``, in time order."""
+        names = (name,) if isinstance(name, str) else name
         out = [e for (p, track), evs in self.spans.items() if p == pid
-               and track.startswith(prefix) for e in evs if name is None or e["name"] == name]
+               and track.startswith(prefix) for e in evs if names is None or e["name"] in names]
         return sorted(out, key=lambda e: e["ts"])
 
-    def batches(self, pid: int, prefix: str, name: str) -> list[int]:
+    def batches(self, pid: int, prefix: str, name: str | tuple[str, ...]) -> list[int]:
         return [e["args"]["batch"] for e in self.track(pid, prefix, name)]
 
 

@@ -17,6 +17,7 @@ from gpufeed._base import timeline as _timeline
 from support.trace_format import check_trace
 
 N_BATCHES = 24
+WAITS = ("startup", "wait")  # the loop waiting for a batch: the first of an iterator, the rest
 
 
 class Sleepy(Dataset):
@@ -56,7 +57,7 @@ def test_every_batch_through_every_stage_is_a_well_formed_span(num_workers, kind
     pid = read.pid("gpufeed.DataLoader")
     everything = list(range(N_BATCHES))
     # the main thread: every batch waited for and handed out once, in order; steps between
-    assert read.batches(pid, "main", "wait") == everything
+    assert read.batches(pid, "main", WAITS) == everything
     assert read.batches(pid, "main", "hand out") == everything
     assert read.batches(pid, "main", "step") == everything[1:]
     # the device stage copied each batch once
@@ -73,7 +74,7 @@ def test_every_batch_through_every_stage_is_a_well_formed_span(num_workers, kind
         assert all(e["args"]["bytes"] == 8 * 16 * 4 for e in read.track(pid, "worker", "fetch"))
         # one clock (NOTE [ Timeline ] (2)): each batch's worker spans end before the main
         # thread stops waiting for it, also in spawned processes
-        ready = {e["args"]["batch"]: e["ts"] + e["dur"] for e in read.track(pid, "main", "wait")}
+        ready = {e["args"]["batch"]: e["ts"] + e["dur"] for e in read.track(pid, "main", WAITS)}
         for e in read.track(pid, "worker", "collate"):
             assert e["ts"] + e["dur"] <= ready[e["args"]["batch"]] + 1e-3, e
         for counter in ("ring slots", "batches in flight", "workers"):  # sampled, <= 1/batch
@@ -100,6 +101,7 @@ def test_the_stats_are_the_sums_of_the_spans():
         "fetch": read.track(pid, "worker", "fetch"),
         "collate": read.track(pid, "worker", "collate"),
         "wait": read.track(pid, "main", "wait"), "step": read.track(pid, "main", "step"),
+        "startup": read.track(pid, "main", "startup"),
         "transfer": read.track(pid, "device"),
     }
     for stage, spans in sums.items():
@@ -118,7 +120,7 @@ def test_persistent_epochs_and_instants_of_the_ring():
                 pass
     read = check_trace(tr.to_dict())
     pid = read.pid("gpufeed.DataLoader")
-    waits = read.track(pid, "main", "wait")
+    waits = read.track(pid, "main", WAITS)
     for epoch in (0, 1):
         assert [e["args"]["batch"] for e in waits if e["args"]["epoch"] == epoch] == \
             list(range(N_BATCHES))
@@ -141,7 +143,7 @@ def test_a_bounded_trace_keeps_the_last_batches():
     assert n == 500
     read = check_trace(tr.to_dict())
     pid = read.pid("gpufeed.DataLoader")
-    assert read.batches(pid, "main", "wait") == list(range(495, 500))
+    assert read.batches(pid, "main", WAITS) == list(range(495, 500))
     assert len(tr.timeline) < 200  # dropped as it went, not only when written
     assert tr.to_dict()["otherData"]["bounds"]["last_batches"] == 5
 
@@ -153,7 +155,7 @@ def test_a_trace_bounded_in_time_keeps_the_last_seconds():
     doc = tr.to_dict()
     read = check_trace(doc)
     pid = read.pid("gpufeed.DataLoader")
-    waits = read.track(pid, "main", "wait")
+    waits = read.track(pid, "main", WAITS)
     assert 0 < len(waits) < n
     start = doc["otherData"]["window_start_us"]
     last = read.track(pid, "main", "hand out")[-1]
@@ -207,10 +209,10 @@ def test_a_stock_loader_shows_its_loop_through_the_profiler():
     assert sorted(read.processes.values()) == [
         "gpufeed.DataLoader (2 process workers)", "your loop (gpufeed.Profiler)"]
     loop = read.pid("your loop")
-    assert read.batches(loop, "main", "wait") == list(range(N_BATCHES))
+    assert read.batches(loop, "main", WAITS) == list(range(N_BATCHES))
     assert len(read.track(loop, "main", "step")) == N_BATCHES - 1
     assert not read.track(loop, "worker")
-    waited = sum(e["dur"] for e in read.track(loop, "main", "wait")[1:]) / 1e6
+    waited = sum(e["dur"] for e in read.track(loop, "main", WAITS)[1:]) / 1e6
     assert waited == pytest.approx(prof.report().wait_s, abs=1e-5)
 
 
@@ -354,7 +356,7 @@ def test_the_cli_writes_the_trace_and_the_picture(tmp_path, monkeypatch, capsys)
     assert f"wrote {out}" in printed and f"wrote {png}" in printed
     read = check_trace(json.loads(out.read_text()))
     pid = read.pid("gpufeed.DataLoader")
-    assert read.batches(pid, "main", "wait") == list(range(50))
+    assert read.batches(pid, "main", WAITS) == list(range(50))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert main(["profile", "traced_loop:pair", "--trace-last", "0"]) == 2  # a usage error
 

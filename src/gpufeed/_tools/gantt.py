@@ -20,7 +20,8 @@ from typing import Any
 __all__ = ["COLORS", "render", "require_matplotlib", "stalls"]
 
 COLORS = {
-    "fetch": "#4C72B0", "collate": "#8FB7E0", "wait": "#F2A93B", "hand out": "#55A868",
+    "fetch": "#4C72B0", "collate": "#8FB7E0", "wait": "#F2A93B", "startup": "#FCE3B8",
+    "hand out": "#55A868",
     "step": "#E3E3E3", "copy": "#8172B2", "transform": "#C4B3E8", "wait for a copy": "#C44E52",
     "stall": "#D62728",
 }

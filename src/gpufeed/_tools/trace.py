@@ -68,7 +68,9 @@ def _expand(rec: tuple[Any, ...], delivered: int
         args = {"batch": batch, "epoch": epoch}
         if start < asked:
             yield "X", "main", "step", start, asked, args
-        yield "X", "main", "wait", asked, ready, args
+            yield "X", "main", "wait", asked, ready, args
+        else:  # the first batch of an iterator: worker start-up, as in the stats
+            yield "X", "main", "startup", asked, ready, args
         if end > ready:  # (a wrapped loop's handover takes no time of its own)
             yield "X", "main", "hand out", ready, end, args
         yield "C", None, "batches delivered", end, end, {"delivered": delivered}
