@@ -10,6 +10,7 @@ from torch.utils.data import get_worker_info
 
 from ._base.errors import WorkerError
 from ._base.stats import DeviceStats, LoaderStats, StageStats
+from ._base.tuning import AutotuneStats, TuningDecision
 from ._device.pageable import PageableCopyWarning
 from ._device.prefetch import DeviceIterator
 from ._device.stage import to_device
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ArrayDataset",
     "ArrowDataset",
+    "AutotuneStats",
     "Budget",
     "CopyOnWriteWarning",
     "DataLoader",
@@ -61,6 +63,7 @@ __all__ = [
     "StageStats",
     "Trial",
     "TuneResult",
+    "TuningDecision",
     "WorkerError",
     "__version__",
     "diagnose",

@@ -119,11 +119,14 @@ class LoaderStats:
         counters: event counts, e.g. "batches", "samples", "ring_grow", "ring_fallback",
             "ring_unsupported" (batches with a tensor the ring cannot hold, sent torch's own
             way: see ``gpufeed.DataLoader.stats``), "ring_slots", "ring_bytes".
+        autotune: with ``num_workers="auto"``, an ``AutotuneStats`` (``_base/tuning.py``):
+            the worker count in force, the budgets and the latest decisions; else None.
     """
 
     wall_s: float
     stages: Mapping[str, StageStats] = field(default_factory=dict)
     counters: Mapping[str, int] = field(default_factory=dict)
+    autotune: Any = None
 
     @property
     def input_bound(self) -> float | None:
@@ -140,11 +143,14 @@ class LoaderStats:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-ready) of the snapshot."""
-        return {
+        out = {
             "wall_s": self.wall_s,
             "stages": {name: asdict(s) for name, s in self.stages.items()},
             "counters": dict(self.counters),
         }
+        if self.autotune is not None:
+            out["autotune"] = self.autotune.to_dict()
+        return out
 
     def __str__(self) -> str:
         rows = []
@@ -163,6 +169,8 @@ class LoaderStats:
         bound = self.input_bound
         if bound is not None:
             text.append(f"input-bound: {bound:.0%}")
+        if self.autotune is not None:
+            text.append(str(self.autotune))
         text += ring_findings(self)
         return "\n".join(text)
 

@@ -6,10 +6,11 @@ read this and never the loader: they import nothing from ``_loader.py``, and the
 no reference to the loader (NOTE [ Shutdown ] in ``_host/pool.py``).
 
 Values are read from the loader when the config is built, as the iterators read them before;
-the live objects the loader and its iterators share are held by reference: ``generator`` (each
-iterator draws its base seed from it), ``position`` (which batches reached the user) and
-``recorder`` (the stats). A persistent iterator takes from each epoch's config only what may
-change between epochs: ``sample_seed`` (``load_state_dict`` may bring another seed).
+the live objects the loader and its iterators share are held by reference: ``generator``
+(each iterator draws its base seed from it), ``position`` (which batches reached the user),
+``recorder`` (the stats) and ``autotune`` (the worker count in force and the autotuner's
+memory, with ``num_workers="auto"``). A persistent iterator takes from each epoch's config
+only what may change between epochs: ``sample_seed`` (``load_state_dict`` may bring another seed).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from .._base.stats import StatsRecorder
 from .._order.resume import LoaderPosition
+from .autotune import AutoTuner
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +62,7 @@ class IterConfig:
     ring_bytes: int | None
     worker_init_fn: Callable[[int], None] | None
     multiprocessing_context: Any
+    autotune: AutoTuner | None = None  # live, with ``num_workers="auto"``: the loader's tuner
 
     @property
     def direct(self) -> bool:
