@@ -300,3 +300,14 @@ def test_defaults_and_move_values():
     assert t.budgets.memory_bytes == 64 << 20 and t.max_workers >= 2
     assert 1 <= loader.num_workers <= t.max_workers
     assert Move(3, 2) == (3, 2)
+
+
+def test_a_framework_rebuilding_the_loader_keeps_the_switch():
+    # Lightning's distributed-sampler injection rebuilds a loader from vars() and __init__'s
+    # signature: "auto" and max_workers must survive, not the count in force at the time
+    data = pytest.importorskip("lightning.pytorch.utilities.data")
+    ds = dataset(20)
+    loader = gpufeed.DataLoader(ds, batch_size=4, num_workers="auto", max_workers=3)
+    rebuilt = data._update_dataloader(loader, torch.utils.data.SequentialSampler(ds))
+    assert rebuilt._autotune is not None and rebuilt._autotune.max_workers == 3
+    assert len(list(rebuilt)) == 5

@@ -70,6 +70,8 @@ def test_crowded_means_cpu_bound_and_queued():
     assert WorkerCost(0.01, worker_cpu_s=0.006, queued_s=0.004).crowded
     assert not WorkerCost(0.01, worker_cpu_s=0.009, queued_s=0.0005).crowded  # has its core
     assert not WorkerCost(0.03, worker_cpu_s=0.001, queued_s=0.002).crowded  # waits on I/O
+    # ... and on a busy machine each wake-up queues, yet it computes little
+    assert not WorkerCost(0.02, worker_cpu_s=0.001, queued_s=0.01).crowded
 
 
 def test_pays_off_needs_the_tolerance_and_clears_the_noise():
@@ -142,8 +144,9 @@ def test_budgets_stop_growth_and_the_hold_says_why_once(kwargs, limit, caplog):
 
 def test_crowded_workers_are_not_multiplied():
     t = make(workers=2)
-    win = window(t, rate=20, bound=0.9, step_ms=1, batch_ms=100, cpu_cores=0.5,
-                 worker_cpu=0.4, queued=0.6)
+    # 2 CPU-bound workers at 20 batches/s: 40 ms of CPU and 60 ms queued in each 100 ms batch
+    win = window(t, rate=20, bound=0.9, step_ms=1, batch_ms=100, cpu_cores=0.9,
+                 worker_cpu=0.8, queued=1.2)
     _, move = start(t, win)
     assert move is None and "the cores are busy" in t.snapshot().last.reason
 
@@ -158,7 +161,7 @@ def test_shrinks_when_the_loop_does_not_wait_and_reverts_if_it_then_waits():
     t.decide(token, window(t, rate=20, bound=0.3, step_ms=50, batch_ms=2))  # settles
     move = t.decide(token, window(t, rate=14, bound=0.3, step_ms=50, batch_ms=2))
     assert move == Move(8, 2) and t.snapshot().last.kind == "revert"
-    assert t._floor is not None and t._floor.workers == 8
+    assert t._floor is not None and t._floor.value == 8
 
 
 def test_over_the_memory_budget_shrinks_to_fit():
@@ -207,3 +210,24 @@ def test_windows_of_an_older_iterator_are_ignored():
     t.begin()
     assert t.decide(old, window(t, rate=60, bound=0.8, step_ms=2, batch_ms=32)) is None
     assert t._last is None
+
+
+def test_work_ahead_that_paid_is_not_given_back_and_one_that_did_not_is_not_retried():
+    t = make(workers=4)
+    jitter = window(t, rate=200, bound=0.1, step_ms=4, batch_ms=12.5)
+    token, move = start(t, jitter)
+    assert move == Move(4, 4)
+    t.decide(token, window(t, rate=240, bound=0.0, step_ms=4, batch_ms=12.5))  # settles
+    assert t.decide(token, window(t, rate=240, bound=0.0, step_ms=4, batch_ms=12.5)) is None
+    assert t.snapshot().last.kind == "kept"
+    calm = window(t, rate=240, bound=0.0, step_ms=4, batch_ms=12.5)
+    assert t.decide(token, calm) is None  # calm, but 4 ahead is what stopped the waits
+    assert t.depth == 4
+    move = t.decide(token, window(t, rate=240, bound=0.1, step_ms=4, batch_ms=12.5))
+    assert move == Move(4, 8)
+    t.decide(token, window(t, rate=236, bound=0.1, step_ms=4, batch_ms=12.5))  # settles
+    move = t.decide(token, window(t, rate=236, bound=0.1, step_ms=4, batch_ms=12.5))
+    assert move == Move(4, 4) and t.snapshot().last.kind == "revert"
+    t.decide(token, window(t, rate=240, bound=0.1, step_ms=4, batch_ms=12.5))  # settles
+    t.decide(token, window(t, rate=240, bound=0.1, step_ms=4, batch_ms=12.5))
+    assert t.depth == 4, t.snapshot().decisions  # 8 ahead gave nothing: not tried again

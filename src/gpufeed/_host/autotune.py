@@ -45,12 +45,11 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 from .._base.stats import human_bytes
 from .._base.tuning import AutotuneStats, TuningDecision
 from .cost import Budgets, pays_off
-from .window import Gauges, Move, Window
+from .window import Change, Gauges, Memo, Move, Window, ratio
 
 __all__ = ["AutoTuner"]
 
@@ -58,7 +57,7 @@ log = logging.getLogger("gpufeed")
 
 WINDOW_BATCHES = 8
 WINDOW_S = 0.4
-GROW_AT = 0.04
+GROW_AT = 0.03
 CALM_AT = 0.01
 CALM_WINDOWS = 2
 HEADROOM = 0.25
@@ -69,23 +68,6 @@ MAX_DEPTH = 8
 MEMO_S = 60.0
 PHASE = 2.0  # a step per batch this many times longer or shorter than a memo's: a new phase
 STEADY = 1.5  # windows whose steps differ less than this judge the noise
-
-
-class _Trial(NamedTuple):
-    kind: str
-    before: Window
-    workers: tuple[int, int]
-    depth: tuple[int, int]
-
-
-class _Memo(NamedTuple):
-    workers: int
-    step_s: float
-    until: float
-
-
-def _ratio(a: float, b: float) -> float:
-    return max(a, b) / min(a, b) if min(a, b) > 0 else 1.0
 
 
 def _pct(x: float) -> str:
@@ -129,13 +111,15 @@ class AutoTuner:
         self._decisions: list[TuningDecision] = []
         self._decided = 0
         self._phase = "settle"
-        self._trial: _Trial | None = None
+        self._trial: Change | None = None
         self._prev: Window | None = None
         self._last: Window | None = None
         self._noise = NOISE0
         self._calm = 0
-        self._ceiling: _Memo | None = None
-        self._floor: _Memo | None = None
+        self._ceiling: Memo | None = None  # workers that gave no gain
+        self._floor: Memo | None = None  # workers the loop needed
+        self._deep_ceiling: Memo | None = None  # work-ahead that gave no gain
+        self._deep_floor: Memo | None = None  # work-ahead the loop needed
         self._holding: str | None = None
 
     # -- the iterator's side ----------------------------------------------------------------
@@ -206,11 +190,16 @@ class AutoTuner:
                             before_hi=before.rate * (1 + noise), after_lo=win.rate * (1 - noise))
             stopped = win.input_bound < GROW_AT <= before.input_bound and win.rate >= (
                 before.rate * (1 - noise))
+            until = time.monotonic() + MEMO_S
             if paid or stopped:
+                if trial.kind == "deepen":
+                    self._deep_floor = Memo(d1, step, until)
                 self._record("kept", before, win, (n0, n1), (d0, d1), "paid off")
                 return None
             if trial.kind == "grow":
-                self._ceiling = _Memo(n1, step, time.monotonic() + MEMO_S)
+                self._ceiling = Memo(n1, step, until)
+            else:
+                self._deep_ceiling = Memo(d1, step, until)
             what = f"{n1} workers" if n0 != n1 else f"{d1} batches ahead"
             return self._move("revert", win, n0, d0, f"{what} gave no gain: "
                               f"{before.rate:,.0f} -> {win.rate:,.0f} batches/s (noise "
@@ -222,7 +211,7 @@ class AutoTuner:
             self._record("kept", before, win, (n0, n1), (d0, d1), "the loop still does not wait")
             return None
         if trial.kind in ("shrink", "trim"):
-            self._floor = _Memo(n0, step, time.monotonic() + MEMO_S)
+            self._floor = Memo(n0, step, time.monotonic() + MEMO_S)
         return self._move("revert", win, n0, d0, f"{n1} workers, {d1} ahead, made the loop wait "
                           f"more (input-bound {_pct(win.input_bound)}, {before.rate:,.0f} -> "
                           f"{win.rate:,.0f} batches/s)", before=before)
@@ -231,12 +220,13 @@ class AutoTuner:
         prev, self._prev = self._prev, win
         now, step = time.monotonic(), win.step_per_batch
         if prev is not None and (prev.workers, prev.depth) == (win.workers, win.depth) and (
-                _ratio(prev.step_per_batch, step) < STEADY) and prev.rate + win.rate > 0:
+                ratio(prev.step_per_batch, step) < STEADY) and prev.rate + win.rate > 0:
             sample = abs(prev.rate - win.rate) / (prev.rate + win.rate)
             self._noise = 0.7 * self._noise + 0.3 * sample
-        for memo in ("_ceiling", "_floor"):  # a new phase, or time: what held may not now
+        # a new phase, or time: what held may not now
+        for memo in ("_ceiling", "_floor", "_deep_ceiling", "_deep_floor"):
             m = getattr(self, memo)
-            if m is not None and (now > m.until or _ratio(m.step_s, step) > PHASE):
+            if m is not None and (now > m.until or ratio(m.step_s, step) > PHASE):
                 setattr(self, memo, None)
         over = self._over_budget(win)
         if over is not None:
@@ -269,8 +259,8 @@ class AutoTuner:
             caps.append((self.workers, "crowded", "the cores are busy (the workers waited "
                          f"for one {waited:.0%} of the time they could run)"))
         if self._ceiling is not None:
-            caps.append((self._ceiling.workers - 1, "ceiling",
-                         f"{self._ceiling.workers} workers gave no gain"))
+            caps.append((self._ceiling.value - 1, "ceiling",
+                         f"{self._ceiling.value} workers gave no gain"))
         return caps
 
     def _grow(self, win: Window) -> Move | None:
@@ -278,9 +268,10 @@ class AutoTuner:
         cost, step = win.cost(), win.step_per_batch
         want = cost.workers_for((1 + HEADROOM) / step) if step > 0 else 2 * n
         bound = f"input-bound {_pct(win.input_bound)}"
-        if want <= n and not self.depth_fixed and d < MAX_DEPTH and (
+        deep = self._deep_ceiling.value if self._deep_ceiling is not None else 2 * MAX_DEPTH
+        if want <= n and not self.depth_fixed and d < MAX_DEPTH and 2 * d < deep and (
                 g := win.gauges).memory(n, 2 * d) <= self.budgets.memory_bytes:
-            self._trial = _Trial("deepen", win, (n, n), (d, min(2 * d, MAX_DEPTH)))
+            self._trial = Change("deepen", win, (n, n), (d, min(2 * d, MAX_DEPTH)))
             return self._move("deepen", win, n, min(2 * d, MAX_DEPTH),
                               f"{bound}, yet {n} workers keep up on average ({_ms(cost.batch_s)}"
                               f" a batch each, a {_ms(step)} step): more work ahead", g)
@@ -292,12 +283,12 @@ class AutoTuner:
             if key == "crowded" and trim < n and (win.cpu_cores or 0) >= (
                     (1 - TOLERANCE) * self.budgets.cpu_cores):
                 # our own workers crowd each other: fewer get the same cores
-                self._trial = _Trial("trim", win, (n, trim), (d, d))
+                self._trial = Change("trim", win, (n, trim), (d, d))
                 return self._move("trim", win, trim, d, f"{bound}, but {why}: {trim} workers "
                                   "run as fast on the cores the budget gives", win.gauges)
             self._hold(win, key, f"{bound}, but {why}")
             return None
-        self._trial = _Trial("grow", win, (n, target), (d, d))
+        self._trial = Change("grow", win, (n, target), (d, d))
         return self._move("grow", win, target, d, f"{bound}: at {_ms(cost.batch_s)} a batch per "
                           f"worker and a {_ms(step)} step, {want} workers keep up", win.gauges)
 
@@ -305,16 +296,17 @@ class AutoTuner:
         n, d = self.workers, self.depth
         cost = win.cost()
         need = cost.workers_for(win.rate * (1 + HEADROOM))
-        floor = self._floor.workers if self._floor is not None else 1
+        floor = self._floor.value if self._floor is not None else 1
         target = max(need, (n + 1) // 2, floor, 1)
         calm = f"the loop does not wait (input-bound {_pct(win.input_bound)})"
         if target < n:
-            self._trial = _Trial("shrink", win, (n, target), (d, d))
+            self._trial = Change("shrink", win, (n, target), (d, d))
             return self._move("shrink", win, target, d, f"{calm}: {need} workers at "
                               f"{_ms(cost.batch_s)} a batch deliver its {win.rate:,.0f} "
                               "batches/s", win.gauges)
-        if d > self.default_depth and not self.depth_fixed:
-            self._trial = _Trial("shallow", win, (n, n), (d, d // 2))
+        needed = self._deep_floor.value if self._deep_floor is not None else self.default_depth
+        if d > self.default_depth and d // 2 >= needed and not self.depth_fixed:
+            self._trial = Change("shallow", win, (n, n), (d, d // 2))
             return self._move("shallow", win, n, d // 2, f"{calm}: less work ahead", win.gauges)
         self._holding = None
         return None

@@ -16,11 +16,13 @@ training loop takes (its step of ``step_s`` seconds per batch). The fewest worke
 rule does not assume workers are CPU-bound: a worker that waits on I/O with the GIL released
 has ``cpu_s`` far below ``batch_s``, and the CPU budget then allows many more workers than
 cores (the right answer for latency-bound storage). Where the kernel says how long a worker
-was runnable but waited for a core (its run-queue delay), a CPU-bound worker that waits a
-large share of it is *crowded*: the cores are busy (ours or another program's), and more
-workers would only queue; a worker waiting on I/O is not. Memory: each worker adds ``worker_bytes``
-(a process worker's private memory; 0 for a thread) and each batch in flight a ring slot of
-``slot_bytes``; the ring is shared and pinned memory at once, counted once.
+was runnable but waited for a core (its run-queue delay), a CPU-bound worker (computing most
+of the time it does not wait for a core) that waits a large share of its runnable time is
+*crowded*: the cores are busy (ours or another program's), and more workers would only
+queue; a worker waiting on I/O is not, even when each wake-up queues. Memory: each worker
+adds ``worker_bytes`` (a process worker's private memory; 0 for a thread) and each batch in
+flight a ring slot of ``slot_bytes``; the ring is shared and pinned memory at once, counted
+once.
 
 Whether a change paid off is one rule too (:func:`pays_off`): the rate after must beat the
 rate before by more than ``tolerance`` *and* by more than the noise (the slowest run after
@@ -46,8 +48,8 @@ DEFAULT_MEMORY_SHARE = 0.25
 #: little CPU, so the bound is well above the core count; the CPU budget does the rest
 WORKERS_PER_CPU = 8
 HARD_MAX_WORKERS = 64
-#: a worker runnable this share of its batch time is CPU-bound ...
-RUNNABLE = 0.5
+#: a worker on a core this share of its batch time (less its wait for one) is CPU-bound ...
+CPU_BOUND = 0.5
 #: ... and one of those waiting for a core this share of its runnable time is crowded out
 QUEUED = 0.25
 
@@ -154,11 +156,14 @@ class WorkerCost:
 
     @property
     def crowded(self) -> bool:
-        """The workers are CPU-bound (runnable, on a core or waiting for one, at least
-        ``RUNNABLE`` of their batch time) and wait for a core at least ``QUEUED`` of that:
-        more of them would only queue for the cores, whoever keeps the cores busy."""
+        """The workers are CPU-bound (of their batch time not spent waiting for a core, at
+        least ``CPU_BOUND`` on one: not waiting on I/O or a lock) and wait for a core at
+        least ``QUEUED`` of the time they could run: more of them would only queue for the
+        cores, whoever keeps the cores busy. A worker waiting on I/O on a busy machine also
+        queues at each wake-up, but computes little: it is not crowded."""
         runnable = self.worker_cpu_s + self.queued_s
-        return runnable >= RUNNABLE * self.batch_s and self.queued_s >= QUEUED * runnable > 0
+        awake = max(self.batch_s - self.queued_s, 1e-9)
+        return self.worker_cpu_s >= CPU_BOUND * awake and self.queued_s >= QUEUED * runnable > 0
 
     def memory(self, workers: int, slots: int) -> int:
         """Bytes ``workers`` workers and a ring of ``slots`` slots hold."""

@@ -1,5 +1,6 @@
-"""What the autotuner reads: one measuring window, the memory gauges, and the move it returns
-(NOTE [ Autotuning decisions ] in ``_host/autotune.py``; ``_host/auto_iter.py`` measures)."""
+"""What the autotuner reads, returns and remembers: one measuring window, the memory gauges,
+the move it returns, the change it verifies and the memos of what did not pay (NOTE
+[ Autotuning decisions ] in ``_host/autotune.py``; ``_host/auto_iter.py`` measures)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import NamedTuple
 
 from .cost import WorkerCost
 
-__all__ = ["Gauges", "Move", "Window"]
+__all__ = ["Change", "Gauges", "Memo", "Move", "Window", "ratio"]
 
 
 class Gauges(NamedTuple):
@@ -85,3 +86,26 @@ class Move(NamedTuple):
 
     workers: int
     depth: int
+
+
+class Change(NamedTuple):
+    """A change being verified: its kind, the window that led to it, (before, after)."""
+
+    kind: str
+    before: Window
+    workers: tuple[int, int]
+    depth: tuple[int, int]
+
+
+class Memo(NamedTuple):
+    """A count (or depth) that did not pay, or that the loop needed, under a step of
+    ``step_s`` per batch, remembered until ``until`` (``time.monotonic``)."""
+
+    value: int
+    step_s: float
+    until: float
+
+
+def ratio(a: float, b: float) -> float:
+    """How many times larger the larger of two positive figures is (1.0 if either is 0)."""
+    return max(a, b) / min(a, b) if min(a, b) > 0 else 1.0
