@@ -12,7 +12,9 @@ Files:
 - ``__main__.py``: the command line; writes ``cpu.json`` and a Markdown table ``cpu.md``;
 - ``gpu.py``: the GPU comparison (host-to-device path), where CUDA is available;
 - ``sources.py``, ``persample.py``: the source readers, and one worker's cost per sample;
-- ``seeding.py``: the cost of per-sample seeding (``python -m gpufeed.benchmarks.seeding``).
+- ``seeding.py``: the cost of per-sample seeding (``python -m gpufeed.benchmarks.seeding``);
+- ``autotune.py``, ``autotune_report.py``: ``num_workers="auto"`` against every static setting
+  (``python -m gpufeed.benchmarks autotune``), and its verdicts.
 
 Measurement itself (rates, first-batch latency, process-tree PSS) is ``gpufeed._tools.measure``.
 """
