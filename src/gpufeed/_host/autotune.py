@@ -120,7 +120,8 @@ class AutoTuner:
         self._floor: Memo | None = None  # workers the loop needed
         self._deep_ceiling: Memo | None = None  # work-ahead that gave no gain
         self._deep_floor: Memo | None = None  # work-ahead the loop needed
-        self._holding: str | None = None
+        self._holding: str | None = None  # the reason last recorded for holding
+        self._held = False  # the last window held
 
     # -- the iterator's side ----------------------------------------------------------------
     def begin(self) -> int:
@@ -217,6 +218,7 @@ class AutoTuner:
                           f"{win.rate:,.0f} batches/s)", before=before)
 
     def _measure(self, win: Window) -> Move | None:
+        self._held = False
         prev, self._prev = self._prev, win
         now, step = time.monotonic(), win.step_per_batch
         if prev is not None and (prev.workers, prev.depth) == (win.workers, win.depth) and (
@@ -241,7 +243,6 @@ class AutoTuner:
         self._calm = self._calm + 1 if win.input_bound < CALM_AT else 0
         if self._calm >= CALM_WINDOWS:
             return self._shrink(win)
-        self._holding = None
         return None
 
     def _caps(self, win: Window, depth: int) -> list[tuple[int, str, str]]:
@@ -308,7 +309,6 @@ class AutoTuner:
         if d > self.default_depth and d // 2 >= needed and not self.depth_fixed:
             self._trial = Change("shallow", win, (n, n), (d, d // 2))
             return self._move("shallow", win, n, d // 2, f"{calm}: less work ahead", win.gauges)
-        self._holding = None
         return None
 
     def _over_budget(self, win: Window) -> Move | None:
@@ -332,7 +332,8 @@ class AutoTuner:
         return n
 
     def _hold(self, win: Window | None, key: str, reason: str) -> None:
-        """Say once why nothing changes (again when the reason changes)."""
+        """Say once why nothing changes (again after a change, or for another reason)."""
+        self._held = True
         if self._holding != key:
             self._holding = key
             self._record("hold", win, None, (self.workers,) * 2, (self.depth,) * 2, reason)
@@ -374,9 +375,9 @@ class AutoTuner:
             state = "starting: no window measured yet"
         elif self.schedule is not None:
             state = "following a test schedule"
-        elif self._holding is not None and self._decisions:
-            state = f"holding: {self._decisions[-1].reason}" if (
-                self._decisions[-1].kind == "hold") else "holding"
+        elif self._held:
+            holds = [d for d in self._decisions if d.kind == "hold"]
+            state = f"holding: {holds[-1].reason}" if holds else "holding"
         elif self._trial is not None:
             state = f"verifying {self._trial.kind} to {self.workers} workers"
         else:
