@@ -231,3 +231,14 @@ def test_work_ahead_that_paid_is_not_given_back_and_one_that_did_not_is_not_retr
     t.decide(token, window(t, rate=240, bound=0.1, step_ms=4, batch_ms=12.5))  # settles
     t.decide(token, window(t, rate=240, bound=0.1, step_ms=4, batch_ms=12.5))
     assert t.depth == 4, t.snapshot().decisions  # 8 ahead gave nothing: not tried again
+
+
+def test_a_growth_that_slows_the_loop_is_reverted_even_if_it_then_waits_less():
+    # thread workers holding the GIL slow the loop's own step: less waiting, fewer batches
+    t = make(workers=4)
+    token, move = start(t, window(t, rate=30, bound=0.5, step_ms=10, batch_ms=80))
+    assert move == Move(8, 2)
+    t._noise = 0.2  # a loaded machine (seen: ±23%), which a 20% fall would hide in
+    t.decide(token, window(t, rate=24, bound=0.0, step_ms=40, batch_ms=300))  # settles
+    move = t.decide(token, window(t, rate=24, bound=0.0, step_ms=40, batch_ms=300))
+    assert move == Move(4, 2) and t.snapshot().last.kind == "revert"

@@ -13,11 +13,12 @@ which the iterator applies without restarting the epoch (NOTE [ Resizing the poo
 1. **Settle.** The window after any change (and an iterator's first) is not judged: new
    workers start, the pipeline refills.
 2. **Verify.** A growth (more workers, or more work-ahead) is *kept* only if it paid off
-   (``pays_off``: the rate rose beyond ``TOLERANCE`` and the noise, or the loop stopped
-   waiting); else it is *reverted*, and counts at or above it are not tried again until the
-   step changes ``PHASE`` times over (a new phase) or ``MEMO_S`` pass. A shrink is kept
-   only while the loop still does not wait; else reverted, and counts below are not tried
-   again under the same terms.
+   (``pays_off``: the rate rose beyond ``TOLERANCE`` and the noise, or the loop, which
+   waited at least twice ``GROW_AT``, stopped waiting with no fall in the rate); else it is
+   *reverted*, and counts at or above it are not tried again until the step changes
+   ``PHASE`` times over (a new phase) or ``MEMO_S`` pass. A shrink is kept only while the
+   loop still does not wait; else reverted, and counts below are not tried again under the
+   same terms.
 3. **Grow** while the loop waits (``input_bound >= GROW_AT``): to the count the model says
    keeps up with the step with ``HEADROOM``, at most doubling, within ``max_workers``, the
    CPU budget (the tree's CPU *used*, so workers waiting on I/O may far outnumber cores)
@@ -189,8 +190,10 @@ class AutoTuner:
             noise = self._noise
             paid = pays_off(before.rate, win.rate, tolerance=TOLERANCE,
                             before_hi=before.rate * (1 + noise), after_lo=win.rate * (1 - noise))
-            stopped = win.input_bound < GROW_AT <= before.input_bound and win.rate >= (
-                before.rate * (1 - noise))
+            # the loop clearly waited, and no longer does at no cost in rate: a slower step
+            # (thread workers holding the GIL slow the loop too) is no stop
+            stopped = win.input_bound < GROW_AT <= before.input_bound / 2 and (
+                win.rate >= before.rate)
             until = time.monotonic() + MEMO_S
             if paid or stopped:
                 if trial.kind == "deepen":

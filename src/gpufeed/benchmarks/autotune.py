@@ -217,7 +217,7 @@ def _tune(workload: AutoWorkload, step_s: float, budget_s: float) -> dict[str, A
 
 def run_autotune(names: Sequence[str], *, seconds_static: float, seconds_auto: float,
                  grid: Sequence[tuple[int | str, str]] = GRID, with_tune: bool = True,
-                 tune_budget_s: float = 20.0,
+                 tune_budget_s: float = 30.0,
                  progress: Callable[[str], None] = lambda line: None) -> list[dict[str, Any]]:
     """Every configuration of ``grid`` on each workload named; one dict per workload."""
     out = []
