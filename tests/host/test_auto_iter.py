@@ -72,6 +72,19 @@ def test_growth_and_shrinkage_lose_repeat_or_reorder_nothing(worker_type, in_ord
         del got
 
 
+@pytest.mark.slow
+def test_workers_started_later_by_spawn_get_the_ring():
+    # spawn pickles the ring's region for each new worker: its descriptor must stay open
+    ds = dataset(64)
+    ref = list(gpufeed.DataLoader(ds, batch_size=4, shuffle=True, seed=2))
+    loader = auto(ds, lambda k: 2 if k < 3 else 3, shuffle=True, seed=2,
+                  multiprocessing_context="spawn")
+    with deadline(120):
+        got, seen = counts_seen(loader)
+    assert seen == {2, 3}
+    assert_same_batches(ref, got)
+
+
 @pytest.mark.usefixtures("no_leaks")
 def test_persistent_workers_resize_across_epochs(worker_type):
     ds = dataset(80)
