@@ -118,8 +118,13 @@ def test_a_new_phase_lifts_the_memo():
     t.decide(token, window(t, rate=100, bound=0.5, step_ms=2, batch_ms=80))
     t.decide(token, window(t, rate=100, bound=0.5, step_ms=2, batch_ms=80))  # revert: no 8
     assert t._ceiling is not None
-    t.decide(token, window(t, rate=100, bound=0.0, step_ms=20, batch_ms=40))  # settles
-    t.decide(token, window(t, rate=45, bound=0.0, step_ms=20, batch_ms=40))  # 10x longer step
+    t.decide(token, window(t, rate=100, bound=0.0, step_ms=2, batch_ms=40))  # settles
+    t.decide(token, window(t, rate=45, bound=0.02, step_ms=20, batch_ms=40))  # one slow window
+    assert t._ceiling is not None  # one window is noise, not a phase
+    t.decide(token, window(t, rate=100, bound=0.02, step_ms=2, batch_ms=40))
+    t.decide(token, window(t, rate=45, bound=0.02, step_ms=20, batch_ms=40))  # 10x longer step
+    assert t._ceiling is not None
+    t.decide(token, window(t, rate=45, bound=0.02, step_ms=20, batch_ms=40))  # ... and again
     assert t._ceiling is None
 
 

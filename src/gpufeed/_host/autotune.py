@@ -16,9 +16,9 @@ which the iterator applies without restarting the epoch (NOTE [ Resizing the poo
    (``pays_off``: the rate rose beyond ``TOLERANCE`` and the noise, or the loop, which
    waited at least twice ``GROW_AT``, stopped waiting with no fall in the rate); else it is
    *reverted*, and counts at or above it are not tried again until the step changes
-   ``PHASE`` times over (a new phase) or ``MEMO_S`` pass. A shrink is kept only while the
-   loop still does not wait; else reverted, and counts below are not tried again under the
-   same terms.
+   ``PHASE`` times over for two windows in a row (a new phase) or ``MEMO_S`` pass. A shrink
+   is kept only while the loop still does not wait; else reverted, and counts below are not
+   tried again under the same terms.
 3. **Grow** while the loop waits (``input_bound >= GROW_AT``): to the count the model says
    keeps up with the step with ``HEADROOM``, at most doubling, within ``max_workers``, the
    CPU budget (the tree's CPU *used*, so workers waiting on I/O may far outnumber cores)
@@ -228,10 +228,13 @@ class AutoTuner:
                 ratio(prev.step_per_batch, step) < STEADY) and prev.rate + win.rate > 0:
             sample = abs(prev.rate - win.rate) / (prev.rate + win.rate)
             self._noise = 0.7 * self._noise + 0.3 * sample
-        # a new phase, or time: what held may not now
+        # a new phase (for two windows in a row: one noisy step is none), or time: what
+        # held may not now
+        before = prev.step_per_batch if prev is not None else 0.0
         for memo in ("_ceiling", "_floor", "_deep_ceiling", "_deep_floor"):
             m = getattr(self, memo)
-            if m is not None and (now > m.until or ratio(m.step_s, step) > PHASE):
+            if m is not None and (now > m.until or min(ratio(m.step_s, step),
+                                                       ratio(m.step_s, before)) > PHASE):
                 setattr(self, memo, None)
         over = self._over_budget(win)
         if over is not None:
