@@ -224,6 +224,8 @@ def test_work_ahead_that_paid_is_not_given_back_and_one_that_did_not_is_not_retr
     assert move == Move(4, 4)
     t.decide(token, window(t, rate=240, bound=0.0, step_ms=4, batch_ms=12.5))  # settles
     assert t.decide(token, window(t, rate=240, bound=0.0, step_ms=4, batch_ms=12.5)) is None
+    assert t.snapshot().last.kind == "deepen"  # a gain of 1.2x: one more window to be sure
+    assert t.decide(token, window(t, rate=240, bound=0.0, step_ms=4, batch_ms=12.5)) is None
     assert t.snapshot().last.kind == "kept"
     calm = window(t, rate=240, bound=0.0, step_ms=4, batch_ms=12.5)
     assert t.decide(token, calm) is None  # calm, but 4 ahead is what stopped the waits
@@ -247,3 +249,15 @@ def test_a_growth_that_slows_the_loop_is_reverted_even_if_it_then_waits_less():
     t.decide(token, window(t, rate=24, bound=0.0, step_ms=40, batch_ms=300))  # settles
     move = t.decide(token, window(t, rate=24, bound=0.0, step_ms=40, batch_ms=300))
     assert move == Move(4, 2) and t.snapshot().last.kind == "revert"
+
+
+def test_a_small_gain_is_judged_on_two_windows_against_the_better_of_two_before():
+    t = make(workers=4)
+    token, _ = start(t, window(t, rate=100, bound=0.02, step_ms=2, batch_ms=40))
+    t.decide(token, window(t, rate=70, bound=0.2, step_ms=2, batch_ms=40))  # a dip: grows
+    assert t.workers == 8  # judged against 100 (the better window before), not the dip
+    t.decide(token, window(t, rate=120, bound=0.1, step_ms=2, batch_ms=40))  # settles
+    assert t.decide(token, window(t, rate=120, bound=0.1, step_ms=2, batch_ms=40)) is None
+    assert t.snapshot().last.kind == "grow"  # 1.2x: not yet
+    move = t.decide(token, window(t, rate=98, bound=0.2, step_ms=2, batch_ms=40))
+    assert move == Move(4, 2) and t.snapshot().last.kind == "revert"  # the gain was noise

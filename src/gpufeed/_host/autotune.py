@@ -13,8 +13,10 @@ which the iterator applies without restarting the epoch (NOTE [ Resizing the poo
 1. **Settle.** The window after any change (and an iterator's first) is not judged: new
    workers start, the pipeline refills.
 2. **Verify.** A growth (more workers, or more work-ahead) is *kept* only if it paid off
-   (``pays_off``: the rate rose beyond ``TOLERANCE`` and the noise, or the loop, which
-   waited at least twice ``GROW_AT``, stopped waiting with no fall in the rate); else it is
+   against the better of the two windows before it (``pays_off``: the rate rose beyond
+   ``TOLERANCE`` and the noise, or the loop, which waited at least twice ``GROW_AT``,
+   stopped waiting with no fall in the rate), in two windows when it gained less than
+   ``CONFIRM`` times; else it is
    *reverted*, and counts at or above it are not tried again until the step changes
    ``PHASE`` times over for two windows in a row (a new phase) or ``MEMO_S`` pass. A shrink
    is kept only while the loop still does not wait; else reverted, and counts below are not
@@ -50,7 +52,7 @@ from collections.abc import Callable
 from .._base.stats import human_bytes
 from .._base.tuning import AutotuneStats, TuningDecision
 from .cost import Budgets, pays_off
-from .window import Change, Gauges, Memo, Move, Window, ratio
+from .window import Change, Gauges, Memo, Move, Window, ms, pct, ratio
 
 __all__ = ["AutoTuner"]
 
@@ -63,20 +65,13 @@ CALM_AT = 0.01
 CALM_WINDOWS = 2
 HEADROOM = 0.25
 TOLERANCE = 0.05
+CONFIRM = 1.5  # a growth that gains less than this is judged on two windows
 NOISE0 = 0.05
 NOISY = 0.25
 MAX_DEPTH = 8
 MEMO_S = 60.0
 PHASE = 2.0  # a step per batch this many times longer or shorter than a memo's: a new phase
 STEADY = 1.5  # windows whose steps differ less than this judge the noise
-
-
-def _pct(x: float) -> str:
-    return f"{x:.0%}"
-
-
-def _ms(s: float) -> str:
-    return f"{s * 1e3:.1f} ms"
 
 
 class AutoTuner:
@@ -123,6 +118,7 @@ class AutoTuner:
         self._deep_floor: Memo | None = None  # work-ahead the loop needed
         self._holding: str | None = None  # the reason last recorded for holding
         self._held = False  # the last window held
+        self._baseline = 0.0  # the rate a growth decided now must beat
 
     # -- the iterator's side ----------------------------------------------------------------
     def begin(self) -> int:
@@ -176,7 +172,7 @@ class AutoTuner:
         if self._phase == "verify":
             self._phase = "measure"
             move = self._verify(win)
-            if move is not None:
+            if move is not None or self._phase == "verify":  # decided, or one more window
                 return move
         return self._measure(win)
 
@@ -187,14 +183,16 @@ class AutoTuner:
         before, (n0, n1), (d0, d1) = trial.before, trial.workers, trial.depth
         step, self._prev = win.step_per_batch, None
         if trial.kind in ("grow", "deepen"):
-            noise = self._noise
-            paid = pays_off(before.rate, win.rate, tolerance=TOLERANCE,
-                            before_hi=before.rate * (1 + noise), after_lo=win.rate * (1 - noise))
+            noise, base = self._noise, max(trial.baseline, before.rate)
+            paid = pays_off(base, win.rate, tolerance=TOLERANCE,
+                            before_hi=base * (1 + noise), after_lo=win.rate * (1 - noise))
             # the loop clearly waited, and no longer does at no cost in rate: a slower step
             # (thread workers holding the GIL slow the loop too) is no stop
-            stopped = win.input_bound < GROW_AT <= before.input_bound / 2 and (
-                win.rate >= before.rate)
+            stopped = win.input_bound < GROW_AT <= before.input_bound / 2 and win.rate >= base
             until = time.monotonic() + MEMO_S
+            if (paid or stopped) and win.rate < CONFIRM * base and not trial.confirmed:
+                self._trial, self._phase = trial._replace(confirmed=1), "verify"
+                return None  # a small gain: seen in one more window before it counts
             if paid or stopped:
                 if trial.kind == "deepen":
                     self._deep_floor = Memo(d1, step, until)
@@ -206,7 +204,7 @@ class AutoTuner:
                 self._deep_ceiling = Memo(d1, step, until)
             what = f"{n1} workers" if n0 != n1 else f"{d1} batches ahead"
             return self._move("revert", win, n0, d0, f"{what} gave no gain: "
-                              f"{before.rate:,.0f} -> {win.rate:,.0f} batches/s (noise "
+                              f"{base:,.0f} -> {win.rate:,.0f} batches/s (noise "
                               f"±{noise:.0%})", before=before)
         if trial.kind == "trim" and win.rate >= before.rate * (1 - TOLERANCE - self._noise):
             self._record("kept", before, win, (n0, n1), (d0, d1), "no slower with fewer")
@@ -217,17 +215,19 @@ class AutoTuner:
         if trial.kind in ("shrink", "trim"):
             self._floor = Memo(n0, step, time.monotonic() + MEMO_S)
         return self._move("revert", win, n0, d0, f"{n1} workers, {d1} ahead, made the loop wait "
-                          f"more (input-bound {_pct(win.input_bound)}, {before.rate:,.0f} -> "
+                          f"more (input-bound {pct(win.input_bound)}, {before.rate:,.0f} -> "
                           f"{win.rate:,.0f} batches/s)", before=before)
 
     def _measure(self, win: Window) -> Move | None:
         self._held = False
         prev, self._prev = self._prev, win
         now, step = time.monotonic(), win.step_per_batch
+        self._baseline = win.rate
         if prev is not None and (prev.workers, prev.depth) == (win.workers, win.depth) and (
                 ratio(prev.step_per_batch, step) < STEADY) and prev.rate + win.rate > 0:
             sample = abs(prev.rate - win.rate) / (prev.rate + win.rate)
             self._noise = 0.7 * self._noise + 0.3 * sample
+            self._baseline = max(prev.rate, win.rate)
         # a new phase (for two windows in a row: one noisy step is none), or time: what
         # held may not now
         before = prev.step_per_batch if prev is not None else 0.0
@@ -274,14 +274,15 @@ class AutoTuner:
         n, d = self.workers, self.depth
         cost, step = win.cost(), win.step_per_batch
         want = cost.workers_for((1 + HEADROOM) / step) if step > 0 else 2 * n
-        bound = f"input-bound {_pct(win.input_bound)}"
+        bound = f"input-bound {pct(win.input_bound)}"
         deep = self._deep_ceiling.value if self._deep_ceiling is not None else 2 * MAX_DEPTH
         if want <= n and not self.depth_fixed and d < MAX_DEPTH and 2 * d < deep and (
                 g := win.gauges).memory(n, 2 * d) <= self.budgets.memory_bytes:
-            self._trial = Change("deepen", win, (n, n), (d, min(2 * d, MAX_DEPTH)))
+            self._trial = Change("deepen", win, (n, n), (d, min(2 * d, MAX_DEPTH)),
+                                 self._baseline)
             return self._move("deepen", win, n, min(2 * d, MAX_DEPTH),
-                              f"{bound}, yet {n} workers keep up on average ({_ms(cost.batch_s)}"
-                              f" a batch each, a {_ms(step)} step): more work ahead", g)
+                              f"{bound}, yet {n} workers keep up on average ({ms(cost.batch_s)}"
+                              f" a batch each, a {ms(step)} step): more work ahead", g)
         cap, key, why = min(self._caps(win, d))
         target = min(max(want, n + 1), 2 * n, cap)
         if target <= n:
@@ -295,9 +296,9 @@ class AutoTuner:
                                   "run as fast on the cores the budget gives", win.gauges)
             self._hold(win, key, f"{bound}, but {why}")
             return None
-        self._trial = Change("grow", win, (n, target), (d, d))
-        return self._move("grow", win, target, d, f"{bound}: at {_ms(cost.batch_s)} a batch per "
-                          f"worker and a {_ms(step)} step, {want} workers keep up", win.gauges)
+        self._trial = Change("grow", win, (n, target), (d, d), self._baseline)
+        return self._move("grow", win, target, d, f"{bound}: at {ms(cost.batch_s)} a batch per "
+                          f"worker and a {ms(step)} step, {want} workers keep up", win.gauges)
 
     def _shrink(self, win: Window) -> Move | None:
         n, d = self.workers, self.depth
@@ -305,11 +306,11 @@ class AutoTuner:
         need = cost.workers_for(win.rate * (1 + HEADROOM))
         floor = self._floor.value if self._floor is not None else 1
         target = max(need, (n + 1) // 2, floor, 1)
-        calm = f"the loop does not wait (input-bound {_pct(win.input_bound)})"
+        calm = f"the loop does not wait (input-bound {pct(win.input_bound)})"
         if target < n:
             self._trial = Change("shrink", win, (n, target), (d, d))
             return self._move("shrink", win, target, d, f"{calm}: {need} workers at "
-                              f"{_ms(cost.batch_s)} a batch deliver its {win.rate:,.0f} "
+                              f"{ms(cost.batch_s)} a batch deliver its {win.rate:,.0f} "
                               "batches/s", win.gauges)
         needed = self._deep_floor.value if self._deep_floor is not None else self.default_depth
         if d > self.default_depth and d // 2 >= needed and not self.depth_fixed:

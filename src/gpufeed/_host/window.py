@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from .cost import WorkerCost
 
-__all__ = ["Change", "Gauges", "Memo", "Move", "Window", "ratio"]
+__all__ = ["Change", "Gauges", "Memo", "Move", "Window", "ms", "pct", "ratio"]
 
 
 class Gauges(NamedTuple):
@@ -89,12 +89,16 @@ class Move(NamedTuple):
 
 
 class Change(NamedTuple):
-    """A change being verified: its kind, the window that led to it, (before, after)."""
+    """A change being verified: its kind, the window that led to it, (before, after), the
+    rate it must beat (the better of the last two windows before it: a dip is no baseline),
+    and how many windows after it paid already."""
 
     kind: str
     before: Window
     workers: tuple[int, int]
     depth: tuple[int, int]
+    baseline: float = 0.0
+    confirmed: int = 0
 
 
 class Memo(NamedTuple):
@@ -109,3 +113,11 @@ class Memo(NamedTuple):
 def ratio(a: float, b: float) -> float:
     """How many times larger the larger of two positive figures is (1.0 if either is 0)."""
     return max(a, b) / min(a, b) if min(a, b) > 0 else 1.0
+
+
+def pct(x: float) -> str:
+    return f"{x:.0%}"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
