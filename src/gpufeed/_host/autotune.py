@@ -28,7 +28,8 @@ which the iterator applies without restarting the epoch (NOTE [ Resizing the poo
    for a core: more would only queue); crowded and more than the cores they get can run,
    they are *trimmed* to that many (kept if the rate holds). When the model says the
    workers already keep up on average, the waits come from their work-ahead running dry:
-   each gets twice as many batches ahead (up to ``MAX_DEPTH``) instead.
+   each gets twice as many batches ahead (up to ``MAX_DEPTH``) instead, or one worker more:
+   both only after two such windows in a row (the waits may be noise).
 4. **Shrink** after ``CALM_WINDOWS`` windows in a row without waiting (``< CALM_AT``): to the
    count the model says delivers the rate the loop takes with ``HEADROOM``, at most halving.
    Over a budget (memory, or CPU by more than ``TOLERANCE``), shrink to fit.
@@ -111,11 +112,12 @@ class AutoTuner:
         self._prev: Window | None = None
         self._last: Window | None = None
         self._noise = NOISE0
-        self._calm = 0
-        self._ceiling: Memo | None = None  # workers that gave no gain
-        self._floor: Memo | None = None  # workers the loop needed
-        self._deep_ceiling: Memo | None = None  # work-ahead that gave no gain
-        self._deep_floor: Memo | None = None  # work-ahead the loop needed
+        self._calm = self._waits = 0  # windows in a row the loop did not wait, or waited
+        # workers, and work-ahead, that gave no gain (ceiling) or the loop needed (floor)
+        self._ceiling: Memo | None = None
+        self._floor: Memo | None = None
+        self._deep_ceiling: Memo | None = None
+        self._deep_floor: Memo | None = None
         self._holding: str | None = None  # the reason last recorded for holding
         self._held = False  # the last window held
         self._baseline = 0.0  # the rate a growth decided now must beat
@@ -143,7 +145,7 @@ class AutoTuner:
         if want is None:
             want = Move(self.workers, self.depth)
         move = want if isinstance(want, Move) else Move(int(want), self.depth)
-        reason, cap = "forced (test schedule)", self._memory_cap(gauges, move.depth)
+        reason, cap = "forced (test schedule)", self._fits(gauges, move.depth)
         if move.workers > cap:  # the memory budget binds even where the schedule holds
             move, reason = Move(cap, move.depth), f"{reason}; held to {cap} by the memory budget"
         if move == (self.workers, self.depth):
@@ -243,7 +245,8 @@ class AutoTuner:
             self._hold(win, "noise", f"the machine is too noisy to decide: the rate varies "
                        f"±{self._noise:.0%} between windows at the same settings")
             return None
-        if win.input_bound >= GROW_AT:
+        self._waits = self._waits + 1 if win.input_bound >= GROW_AT else 0
+        if self._waits:
             self._calm = 0
             return self._grow(win)
         self._calm = self._calm + 1 if win.input_bound < CALM_AT else 0
@@ -253,10 +256,9 @@ class AutoTuner:
 
     def _caps(self, win: Window, depth: int) -> list[tuple[int, str, str]]:
         """(most workers, what holds them there, why in words) of each limit on growth."""
-        g, b = win.gauges, self.budgets
+        b, budget = self.budgets, human_bytes(self.budgets.memory_bytes)
         caps = [(self.max_workers, "max", f"max_workers={self.max_workers}"),
-                (self._memory_cap(g, depth), "memory",
-                 f"the memory budget ({human_bytes(b.memory_bytes)})")]
+                (self._fits(win.gauges, depth), "memory", f"the memory budget ({budget})")]
         cores, cost = win.cpu_cores, win.cost()
         if cores is not None:
             caps.append((cost.cpu_limit(b.cpu_cores), "cpu",
@@ -275,6 +277,8 @@ class AutoTuner:
         cost, step = win.cost(), win.step_per_batch
         want = cost.workers_for((1 + HEADROOM) / step) if step > 0 else 2 * n
         bound = f"input-bound {pct(win.input_bound)}"
+        if want <= n and self._waits < 2:
+            return None  # the model says they keep up: wait for a second window to be sure
         deep = self._deep_ceiling.value if self._deep_ceiling is not None else 2 * MAX_DEPTH
         if want <= n and not self.depth_fixed and d < MAX_DEPTH and 2 * d < deep and (
                 g := win.gauges).memory(n, 2 * d) <= self.budgets.memory_bytes:
@@ -322,7 +326,7 @@ class AutoTuner:
         n, d = self.workers, self.depth
         used, budget = win.memory_used(), self.budgets.memory_bytes
         if n > 1 and used > budget:
-            fit = min(self._memory_cap(win.gauges, d), n - 1)
+            fit = min(self._fits(win.gauges, d), n - 1)
             return self._move("shrink", win, fit, d, f"over the memory budget: "
                               f"{human_bytes(used)} > {human_bytes(budget)}", win.gauges)
         cores, limit = win.cpu_cores, self.budgets.cpu_cores
@@ -332,11 +336,8 @@ class AutoTuner:
                               f"{limit:g} cores", win.gauges)
         return None
 
-    def _memory_cap(self, g: Gauges, depth: int) -> int:
-        n = self.max_workers
-        while n > 1 and g.memory(n, depth) > self.budgets.memory_bytes:
-            n -= 1
-        return n
+    def _fits(self, g: Gauges, depth: int) -> int:
+        return self.budgets.most_workers(lambda k: g.memory(k, depth), self.max_workers)
 
     def _hold(self, win: Window | None, key: str, reason: str) -> None:
         """Say once why nothing changes (again after a change, or for another reason)."""
@@ -352,13 +353,13 @@ class AutoTuner:
         workers = max(1, min(workers, self.max_workers))
         g = gauges or (win.gauges if win is not None else Gauges())
         if workers > 1 and g.memory(workers, depth) > self.budgets.memory_bytes:
-            workers = min(workers, self._memory_cap(g, depth))
+            workers = min(workers, self._fits(g, depth))
             reason += f"; held to {workers} by the memory budget"
         n0, d0 = self.workers, self.depth
         self._record(kind, before or win, win if before is not None else None,
                      (n0, workers), (d0, depth), reason)
         self.workers, self.depth = workers, depth
-        self._phase, self._holding, self._calm = "settle", None, 0
+        self._phase, self._holding, self._calm, self._waits = "settle", None, 0, 0
         return Move(workers, depth)
 
     def _record(self, kind: str, before: Window | None, after: Window | None,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._base.system import local_ranks, memory_available, usable_cpus
@@ -88,6 +89,14 @@ class Budgets:
 
     cpu_cores: float
     memory_bytes: int
+
+    def most_workers(self, memory: Callable[[int], int], max_workers: int) -> int:
+        """The most workers (at least 1, at most ``max_workers``) whose ``memory(workers)``
+        fits the memory budget."""
+        n = max_workers
+        while n > 1 and memory(n) > self.memory_bytes:
+            n -= 1
+        return n
 
     @classmethod
     def default(cls, memory_bytes: int | None = None) -> Budgets:
