@@ -10,6 +10,7 @@ from torch.utils.data import get_worker_info
 
 from ._base.errors import WorkerError
 from ._base.stats import DeviceStats, LoaderStats, StageStats
+from ._base.tuning import AutotuneStats, TuningDecision
 from ._device.pageable import PageableCopyWarning
 from ._device.prefetch import DeviceIterator
 from ._device.stage import to_device
@@ -41,6 +42,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ArrayDataset",
     "ArrowDataset",
+    "AutotuneStats",
     "Budget",
     "CopyOnWriteWarning",
     "DataLoader",
@@ -66,6 +68,7 @@ __all__ = [
     "Trace",
     "Trial",
     "TuneResult",
+    "TuningDecision",
     "WorkerError",
     "WorkerType",
     "__version__",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 import select
@@ -9,7 +10,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
@@ -19,6 +20,8 @@ from ._base import timeline as _timeline
 from ._base.stats import LoaderStats, StatsRecorder
 from ._device.stage import to_device
 from ._device.streams import parse_device
+from ._host.auto_iter import AutoIter, make_tuner
+from ._host.autotune import AutoTuner
 from ._host.config import WORKER_TYPES, IterConfig, WorkerType
 from ._host.iterator import BaseIter, SingleIter
 from ._host.random_watch import GlobalDrawWatch
@@ -84,6 +87,25 @@ class DataLoader(_TorchDataLoader[_T_co]):
         rank, world_size: shard the dataset for this process (``DistributedSampler``
             semantics, see ``gpufeed.ShardedSampler``). Default: from an initialised
             ``torch.distributed``; without one, no sharding.
+        max_workers: with ``num_workers="auto"``, the most workers it may run. Default: 8 per
+            usable CPU (affinity and cgroup quota, divided among torchrun's local ranks), at
+            most 64: workers waiting on I/O cost little CPU, and the CPU budget bounds the rest.
+        memory_budget: with ``num_workers="auto"``, the most bytes (an int, or "8GiB") the
+            workers' private memory and the ring (shared, and pinned when pinned) may hold
+            together. Default: a quarter of the memory available when the loader is built,
+            divided among the local ranks. More workers or work-ahead past it are not tried.
+
+    ``num_workers="auto"`` sizes the workers and how far they work ahead while you iterate:
+    it grows them while your loop waits and the last growth paid off, shrinks them while it
+    does not wait, within ``max_workers``, the CPU budget (the CPU the process tree *uses*,
+    so workers waiting on I/O may outnumber the cores) and ``memory_budget``, and holds when
+    the machine is too noisy to tell. Changes never restart the epoch, nor drop, repeat or
+    reorder a batch; ``loader.num_workers`` stays an int (the count in force), and
+    ``loader.stats().autotune`` lists the decisions, which are also logged at INFO. It needs
+    a map-style dataset: an ``IterableDataset``'s data depends on the worker count. With
+    ``seed=`` the batches are the same bytes whatever it decides; without, random transforms
+    draw from each worker's own generator as in torch (each worker started gets a seed of its
+    own), so which worker ran a batch, and so its random draws, depends on timing.
 
     ``state_dict()`` / ``load_state_dict()`` save and restore the position of the batches
     delivered to you (not those prefetched), the epoch and the seed: a resumed loader yields
@@ -100,7 +122,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         shuffle: bool | None = None,
         sampler: Sampler[Any] | Iterable[Any] | None = None,
         batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
-        num_workers: int = 0,
+        num_workers: int | Literal["auto"] = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
@@ -122,7 +144,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
         deterministic: bool | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        max_workers: int | None = None,
+        memory_budget: int | str | None = None,
     ) -> None:
+        tuner = make_tuner(num_workers, max_workers=max_workers, memory_budget=memory_budget,
+                           worker_type=worker_type, prefetch_factor=prefetch_factor,
+                           iterable=isinstance(dataset, IterableDataset))
+        if tuner is not None:
+            num_workers = tuner.workers  # torch's checks see an int: the count it starts with
         if worker_type not in WORKER_TYPES:
             raise ValueError(
                 f"worker_type={worker_type!r} is not supported; use 'process' or 'thread'"
@@ -178,7 +207,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if built is not sampler:
             sampler, shuffle = built, None
         super().__init__(
-            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+            dataset, batch_size, shuffle, sampler, batch_sampler, cast(int, num_workers),
+            collate_fn,
             pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, in_order=in_order,
@@ -191,6 +221,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.device = parse_device(device, resolve=False) if device is not None else None
         self.device_transform = device_transform
         self.device_depth = device_depth
+        self.max_workers, self.memory_budget = max_workers, memory_budget
+        if tuner is not None:  # vars() keeps "auto": frameworks rebuild the loader from it
+            self.__dict__["num_workers"], self._autotune = "auto", tuner
         self._recorder = StatsRecorder()
         self._random_watch = GlobalDrawWatch()  # warns once per loader
         self._position = LoaderPosition()
@@ -198,6 +231,24 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._prepared = False  # see _is_accelerate_prepared
         self._workers_warned: tuple[int, str] | None = None
         self.check_worker_number_rationality()  # torch's __init__ asked before worker_type
+
+    _autotune: AutoTuner | None = None
+
+    @property
+    def num_workers(self) -> int:
+        """The worker count in force: an int, also with ``num_workers="auto"`` (the autotuner's
+        count now). Setting an int later fixes the count from the next ``iter()`` on."""
+        tuner = self._autotune
+        return tuner.workers if tuner is not None else self.__dict__["num_workers"]
+
+    @num_workers.setter
+    def num_workers(self, value: int) -> None:
+        if value == "auto":
+            if self._autotune is None:
+                raise ValueError("num_workers='auto' is chosen when the DataLoader is built: "
+                                 "gpufeed.DataLoader(dataset, ..., num_workers='auto')")
+            return
+        self.__dict__["num_workers"], self._autotune = value, None
 
     @property
     def rank(self) -> int:
@@ -289,7 +340,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
         quantized, a tensor subclass, or on another device; such tensors travel torch's own
         way, as with the stock loader, and the batch equals stock's).
         """
-        return self._recorder.snapshot()
+        snap = self._recorder.snapshot()
+        if self._autotune is not None:
+            snap = dataclasses.replace(snap, autotune=self._autotune.snapshot())
+        return snap
 
     def _iter_config(self) -> IterConfig:
         """All an iterator knows of this loader, read now (NOTE [ Shutdown ] in
@@ -328,6 +382,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             keeper=self._keeper,
             worker_init_fn=self.worker_init_fn,
             multiprocessing_context=self.multiprocessing_context,
+            autotune=self._autotune,
         )
 
     def check_worker_number_rationality(self) -> None:
@@ -337,6 +392,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         kind = self.__dict__.get("worker_type")
         if kind is None or self.__dict__.get("_workers_warned") == (self.num_workers, kind):
             return  # in torch's __init__ (gpufeed's calls again), or said already
+        if self._autotune is not None:  # "auto": the count is the autotuner's, in its budget
+            return
         self._workers_warned = (self.num_workers, kind)
         if kind == "process":
             super().check_worker_number_rationality()
@@ -356,6 +413,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def _get_iterator(self) -> BaseIter:  # type: ignore[override]
         if self.num_workers == 0:
             return SingleIter(self._iter_config())
+        if self._autotune is not None:  # it keeps the CPU use within budget itself
+            return AutoIter(self._iter_config())
         self.check_worker_number_rationality()
         started = time.perf_counter()
         iterator = WorkerIter(self._iter_config())

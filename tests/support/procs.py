@@ -69,3 +69,18 @@ def spawn_script(code: str) -> subprocess.Popen[str]:
     )
 
 
+
+
+def ctrl_c(proc: subprocess.Popen[str], timeout: float = 15.0) -> tuple[str, float]:
+    """Send SIGINT to a script started by :func:`spawn_script` and wait for it to end:
+    ``(stderr, seconds it took)``. A script still running after ``timeout`` is killed (and
+    ``subprocess.TimeoutExpired`` raised)."""
+    try:
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=timeout)
+        return err, time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

@@ -258,3 +258,26 @@ def test_a_step_reports_the_input_bound_share_of_each_trial():
     assert "input-bound" in str(result) and "machine " in str(result)
     assert result.to_dict()["trials"][0]["input_bound"] is not None
     assert "machine_busy" in result.to_dict()
+
+
+@pytest.mark.parametrize(("cores_per_worker", "ladder"), [
+    (0.05, [1, 2, 4, 8, 16, 32]),  # waits on I/O: 40 of them would fill 2 cores
+    (1.0, [1, 2, 4]),  # CPU-bound: twice the cores, as before
+])
+def test_the_default_ladder_follows_the_cpu_the_trials_use(monkeypatch, cores_per_worker,
+                                                          ladder):
+    # The model of NOTE [ What a worker costs ] in _host/cost.py, the autotuner's too. Every
+    # rung pays off (the rate doubles), so only the model ends the ladder.
+    tried = []
+
+    def fake_trial(dataset, factory, batch_size, collate_fn, step, budget, seconds, n, kind,
+                   pf, pin, **kw):
+        tried.append(n)
+        return Trial(n, kind, pf, pin, 100.0 * max(n, 1), 0.0, 0, 0, 0, True,
+                     runs=(100.0 * max(n, 1),), cpu_cores=cores_per_worker * n or None)
+
+    monkeypatch.setattr(_tuner, "run_trial", fake_trial)
+    monkeypatch.setattr(_tuner, "usable_cpus", lambda per_rank=True: 2.0)
+    tune(object(), batch_size=8, worker_types=("process",), pin_memory=(False,),
+         prefetch_factors=(None,), budget=Budget(memory_bytes=10**9))
+    assert sorted(set(tried) - {0}) == ladder

@@ -105,6 +105,8 @@ MEANINGS: dict[str, str] = {
     "occupancy": "mean/capacity (max) of slots or queue entries in use, sampled per batch",
     "input-bound": "wait / (wait + step): share of your loop spent waiting for data, "
                    "start-up left out",
+    "autotune": "with num_workers=\"auto\": the worker count in force, the CPU and memory "
+                "budgets and what it uses of them, and its latest decisions",
 }
 
 
@@ -115,6 +117,8 @@ def explain(stats: StatsView) -> list[str]:
         names.append("occupancy")
     if stats.input_bound is not None:
         names.append("input-bound")
+    if getattr(stats, "autotune", None) is not None:
+        names.append("autotune")
     return [f"{n}: {MEANINGS[n]}" for n in dict.fromkeys(names) if n in MEANINGS]
 
 

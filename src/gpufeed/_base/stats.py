@@ -134,11 +134,14 @@ class LoaderStats:
             "ring_unsupported": batches with a tensor the ring cannot hold, sent torch's own
             way, see ``gpufeed.DataLoader.stats``) and gauges, values at the last batch handed
             over ("ring_slots", "ring_bytes").
+        autotune: with ``num_workers="auto"``, an ``AutotuneStats`` (``_base/tuning.py``):
+            the worker count in force, the budgets and the latest decisions; else None.
     """
 
     wall_s: float
     stages: Mapping[str, StageStats] = field(default_factory=dict)
     counters: Mapping[str, int] = field(default_factory=dict)
+    autotune: Any = None
 
     @property
     def input_bound(self) -> float | None:
@@ -152,11 +155,14 @@ class LoaderStats:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-ready) of the snapshot."""
-        return {
+        out = {
             "wall_s": self.wall_s,
             "stages": {name: asdict(s) for name, s in self.stages.items()},
             "counters": dict(self.counters),
         }
+        if self.autotune is not None:
+            out["autotune"] = self.autotune.to_dict()
+        return out
 
     def __str__(self) -> str:
         return self.render()
@@ -180,6 +186,8 @@ class LoaderStats:
         bound = self.input_bound
         if bound is not None and input_bound:
             text.append(f"input-bound: {bound:.0%}")
+        if self.autotune is not None:
+            text.append(str(self.autotune))
         text += ring_findings(self)
         return "\n".join(text)
 

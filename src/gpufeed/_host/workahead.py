@@ -40,6 +40,7 @@ class WorkAhead:
             self.held = 2 + (FENCE_SLACK if pin else 0)
         # what the stock loader keeps in flight; its sampler pulls follow it (_stock_pulls)
         self.stock_in_flight = (prefetch_factor or 2) * num_workers
+        self.depth = prefetch_factor or 2  # batches in flight per worker, unchunked
         self.in_flight_bound = self.stock_in_flight
         self.chunk = 1  # batches per worker per task message
         self._batch_s = 0.0  # moving average of worker seconds per batch
@@ -79,5 +80,16 @@ class WorkAhead:
         if chunk == self.chunk:
             return False
         self.chunk = chunk
-        self.in_flight_bound = max(self.stock_in_flight, 2 * chunk * self.num_workers)
+        self._bound()
         return True
+
+    def resize(self, num_workers: int, depth: int) -> None:
+        """The autotuner moved the worker count or the batches each works ahead (``depth``,
+        the prefetch factor): a new in-flight bound (the stock sampler pulls keep following
+        the first count, ``stock_in_flight``)."""
+        self.num_workers, self.depth = num_workers, depth
+        self._bound()
+
+    def _bound(self) -> None:
+        chunked = 2 * self.chunk if self.chunk > 1 else 0
+        self.in_flight_bound = max(self.depth, chunked) * self.num_workers

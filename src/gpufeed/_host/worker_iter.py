@@ -73,6 +73,12 @@ def _close_all() -> None:
 class WorkerIter(BaseIter):
     """Batches from ``num_workers`` process or thread workers through the slot ring."""
 
+    # the pools it starts; ``AutoIter`` (``_host/auto_iter.py``) starts pools that can resize,
+    # whose later process workers need the ring's descriptor (NOTE [ Resizing the pool ])
+    process_pool: type[ProcessPool] = ProcessPool
+    thread_pool: type[ThreadPool] = ThreadPool
+    keeps_region_fd = False
+
     def __init__(self, config: IterConfig) -> None:
         self._closed = False  # first: close() below must work on a half-built iterator
         self._pid = os.getpid()  # a forked child inherits this object: it must not close it
@@ -114,11 +120,11 @@ class WorkerIter(BaseIter):
             if shared:
                 check_copy_on_write(self._dataset)  # NOTE [ Copy-on-write and Python objects ]
                 ctx = config.multiprocessing_context or torch.multiprocessing
-                self._pool = ProcessPool(spec, ctx)
-                if self._keeper is None:  # a kept ring is sent to next epoch's workers too
+                self._pool = self.process_pool(spec, ctx)
+                if self._keeper is None and not self.keeps_region_fd:  # else: later workers
                     self._ring.region.close_fd()
             else:
-                self._pool = ThreadPool(spec)
+                self._pool = self.thread_pool(spec)
             _live.add(self)
             self._gen = 0
             self._restart(config, first_iter=True)

@@ -161,13 +161,14 @@ class SlotRing:
             if self.budget is None:
                 self.budget = min(self.reserve, self.slots_hint * size)
 
-    def set_slots_hint(self, slots: int) -> None:
+    def set_slots_hint(self, slots: int, *, lower: bool = False) -> None:
         """Grow a default budget to ``slots`` slots (a budget the user set stays).
 
-        It never shrinks: slots carved under it may be held by the user, and retiring free
-        ones is done by ``acquire`` whenever live bytes exceed the budget.
+        It never shrinks, unless ``lower`` (the autotuner gave workers back): slots carved
+        under it may be held by the user, and retiring free ones is done by ``acquire``
+        whenever live bytes exceed the budget.
         """
-        self.slots_hint = max(self.slots_hint, slots)
+        self.slots_hint = slots if lower else max(self.slots_hint, slots)
         if self.user_budget is None and self.slot_bytes:
             self.budget = min(self.reserve, self.slots_hint * self.slot_bytes)
 

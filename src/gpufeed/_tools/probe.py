@@ -14,6 +14,8 @@ from pathlib import Path
 
 import psutil
 
+from .._base.system import cpu_affinity, cpu_quota, rollup
+
 __all__ = ["GpuInfo", "Probe", "TreeMemory", "cpulist", "descendants", "helper_pids",
            "process_tree_memory", "process_tree_pss", "query_gpus", "shm_usage"]
 
@@ -51,20 +53,6 @@ def shm_usage() -> tuple[int, int] | None:
     except OSError:
         return None
     return usage.total, usage.free
-
-
-def _cpu_quota() -> float | None:
-    """CPUs allowed by the cgroup v2 quota (``cpu.max``), None when unlimited or unknown."""
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-    except (OSError, ValueError):
-        return None
-    return None if quota == "max" else int(quota) / int(period)
-
-
-def _affinity() -> set[int] | None:
-    getter = getattr(os, "sched_getaffinity", None)
-    return set(getter(0)) if getter is not None else None
 
 
 def _memory() -> tuple[int, int]:
@@ -115,8 +103,8 @@ class Probe:
     memlock: Callable[[], tuple[int, int]] = field(
         default=lambda: resource.getrlimit(resource.RLIMIT_MEMLOCK))  # (soft, hard), -1 = inf
     cpu_count: Callable[[], int | None] = os.cpu_count
-    affinity: Callable[[], set[int] | None] = _affinity
-    cpu_quota: Callable[[], float | None] = _cpu_quota
+    affinity: Callable[[], set[int] | None] = cpu_affinity
+    cpu_quota: Callable[[], float | None] = cpu_quota
     memory: Callable[[], tuple[int, int]] = _memory  # (total, available) bytes
     read_text: Callable[[str], str | None] = _read_text  # for /sys files
     list_dir: Callable[[str], list[str]] = _list_dir
@@ -214,24 +202,6 @@ class TreeMemory:
     shmem: int = 0
 
 
-_ROLLUP_KEYS = {"Pss:": "pss", "Pss_Anon:": "anon", "Pss_File:": "file", "Pss_Shmem:": "shmem"}
-
-
-def _rollup(pid: int) -> dict[str, int] | None:
-    """PSS fields of ``/proc/<pid>/smaps_rollup`` in bytes; None where it cannot be read."""
-    out: dict[str, int] = {}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                key, _, rest = line.partition(" ")
-                name = _ROLLUP_KEYS.get(key)
-                if name is not None:
-                    out[name] = int(rest.split()[0]) * 1024  # the file says kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return out if "pss" in out else None
-
-
 def _psutil_pss(proc: psutil.Process) -> int:
     pss = getattr(proc.memory_full_info(), "pss", None)
     if pss is None:
@@ -254,7 +224,7 @@ def process_tree_memory(pid: int | None = None) -> TreeMemory:
     tree = [root, *descendants(root)]
     total = {"pss": 0, "anon": 0, "file": 0, "shmem": 0}
     for proc in tree:
-        fields = _rollup(proc.pid)
+        fields = rollup(proc.pid)
         if fields is None:
             try:
                 fields = {"pss": _psutil_pss(proc)}

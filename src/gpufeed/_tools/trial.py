@@ -14,7 +14,6 @@ keeps up with the step has an input-bound share near 0, whatever its raw through
 from __future__ import annotations
 
 import logging
-import re
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -24,29 +23,20 @@ from typing import Any
 import psutil
 
 from .._base.stats import human_bytes, input_bound_share
+from .._base.system import TreeCpu
 from .._host.config import WorkerType
+from .._host.cost import parse_bytes
 from . import measure as _measure
-from .probe import process_tree_pss, shm_usage
+from .probe import descendants, process_tree_pss, shm_usage
 from .repeat import Spread
 
 __all__ = ["COLLATE_FIX", "Budget", "Trial", "kwargs_text", "parse_bytes", "ragged", "run_trial"]
 
 log = logging.getLogger(__name__)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-          "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 #: seconds between the PSS samples a run's ``consume`` hook takes after the warm-up.
 PSS_EVERY_S = 0.25
-
-
-def parse_bytes(value: int | float | str) -> int:
-    """Bytes from an int or a string such as "512MiB", "8GB" or "1.5g" (k/m/g are powers of 10)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"cannot read {value!r} as a size in bytes; write e.g. 8GiB, 512MB or "
-                         "an int of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+#: seconds between its reads of the process tree's CPU time
+CPU_EVERY_S = 0.2
 
 
 #: what torch's default collate says when samples differ in size
@@ -99,8 +89,10 @@ class Trial:
     each run). Bytes are peaks over the runs: ``peak_pss_bytes`` of the process tree,
     ``shm_bytes`` the growth of /dev/shm use (machine-wide: other programs count too),
     ``pinned_bytes`` with CUDA only. ``input_bound``: share (0-1) of the loop spent waiting for
-    data when a step was given, else None. ``note`` says why a trial was rejected ("" if
-    not)."""
+    data when a step was given, else None. ``cpu_cores``: cores the process tree used over
+    the timed batches (mean over runs; None when not measured), which the tuner's model reads
+    (NOTE [ What a worker costs ] in ``_host/cost.py``). ``note`` says why a trial was
+    rejected ("" if not)."""
 
     num_workers: int
     worker_type: WorkerType | None
@@ -115,6 +107,7 @@ class Trial:
     note: str = ""
     runs: tuple[float, ...] = field(default=())
     input_bound: float | None = None
+    cpu_cores: float | None = None
 
     @property
     def spread(self) -> Spread:
@@ -157,17 +150,43 @@ class _StepTimer:
         self._step_end = time.perf_counter()
 
 
-def _consume(timer: _StepTimer, peaks: _measure.PeakSampler) -> Callable[[Any], None]:
+class _CpuClock:
+    """The process tree's CPU use over a run's timed batches: read when the warm-up is over,
+    then at most every ``CPU_EVERY_S``."""
+
+    def __init__(self) -> None:
+        self.tree = TreeCpu()
+        self.first: tuple[float, float] | None = None
+        self.last: tuple[float, float] | None = None
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if self.last is not None and now - self.last[0] < CPU_EVERY_S:
+            return
+        self.last = (now, self.tree.read(p.pid for p in descendants()).total)
+        if self.first is None:
+            self.first = self.last
+
+    @property
+    def cores(self) -> float | None:
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return None
+        return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
+
+
+def _consume(timer: _StepTimer, peaks: _measure.PeakSampler,
+             cpu: _CpuClock) -> Callable[[Any], None]:
     """``consume`` hook of a run: the step and its timing, then the memory gauges every batch
     and the process tree's PSS once the warm-up is over and then every ``PSS_EVERY_S`` (a
-    sample costs a few ms: about 2% of a run's time). This complements ``measure_loader``'s
-    sampler thread, which can miss the peak of a short run."""
+    sample costs a few ms: about 2% of a run's time), and its CPU time likewise. This
+    complements ``measure_loader``'s sampler thread, which can miss the peak of a short run."""
 
     def consume(batch: Any) -> None:
         timer(batch)
         peaks.sample_gauges()
         if timer.batches >= timer.warmup:
             peaks.maybe_sample(PSS_EVERY_S)
+            cpu.tick()
         timer.ready()
 
     return consume
@@ -188,15 +207,17 @@ def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: i
     firsts: list[float] = []
     pss = shm = pinned = 0
     wait_s = step_s = 0.0
+    cores: list[float] = []
     while not Spread(tuple(rates)).done(runs, target_spread):
         timer, peaks = _StepTimer(step, warmup), _measure.PeakSampler(gauges=True)
+        cpu = _CpuClock()
         try:
             with warnings.catch_warnings():  # trying more workers than CPUs is the point here
                 warnings.filterwarnings("ignore", message="This DataLoader will create",
                                         category=UserWarning)
                 m = _measure.measure_loader(lambda: factory(dataset, **kwargs),
                                             max_seconds=seconds, warmup_batches=warmup,
-                                            consume=_consume(timer, peaks))
+                                            consume=_consume(timer, peaks, cpu))
         except Exception as exc:  # a failing configuration is a result, not the end of the search
             log.warning("trial %s failed: %s: %s", kwargs_text(kwargs), type(exc).__name__, exc)
             first = (str(exc).strip().splitlines() or [""])[0]  # not the worker's traceback
@@ -208,6 +229,8 @@ def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: i
         pss = max(pss, m.peak_pss_bytes, peaks.peak.pss)
         pinned = max(pinned, peaks.pinned)
         wait_s, step_s = wait_s + timer.wait_s, step_s + timer.step_s
+        if cpu.cores is not None:
+            cores.append(cpu.cores)
         over = _over(budget, pss, shm, pinned)
         if over:  # more runs cannot bring a peak down
             break
@@ -215,7 +238,8 @@ def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: i
     spread = Spread(tuple(rates))
     return Trial(n, kind, pf, pin, spread.median, sorted(firsts)[len(firsts) // 2], pss, shm,
                  pinned, not over, ("over budget: " + ", ".join(over)) if over else "",
-                 runs=spread.runs, input_bound=bound)
+                 runs=spread.runs, input_bound=bound,
+                 cpu_cores=sum(cores) / len(cores) if cores else None)
 
 
 def _over(budget: Budget, pss: int, shm: int, pinned: int) -> list[str]:

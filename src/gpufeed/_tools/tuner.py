@@ -3,11 +3,13 @@
 Search (each trial is ``runs`` passes of about ``trial_seconds``, see ``_tools/trial.py`` and NOTE
 [ Repeated measurement ] in ``_tools/repeat.py``):
 
-1. ``num_workers=0`` once, then for each worker type the worker ladder 1, 2, 4, ... (up to
-   twice the usable CPUs, since threads blocked on I/O or in GIL-free code can outnumber cores).
-   A type's ladder stops as soon as more workers stop helping (the new trial is within the
-   noise of that type's best: their ranges overlap, or it gains less than ``tolerance``) or a
-   trial goes over the memory budget (more workers only cost more).
+1. ``num_workers=0`` once, then for each worker type the worker ladder 1, 2, 4, ... up to
+   twice the usable CPUs, or further while the model of NOTE [ What a worker costs ]
+   (``_host/cost.py``, the autotuner's too) says the CPU the trials *used* leaves room: workers
+   that wait on I/O with the GIL released cost little CPU and may far outnumber the cores.
+   A type's ladder stops as soon as more workers stop helping (the new trial does not pay
+   off: within the noise of that type's best, their ranges overlap, or it gains less than
+   ``tolerance``) or a trial goes over the memory budget (more workers only cost more).
 2. Around the fastest trial: the other prefetch factors (None: the loader's default, which
    in gpufeed adapts to cheap batches), and ``pin_memory=True`` when CUDA is
    available (without a GPU pinning only costs).
@@ -39,7 +41,9 @@ from typing import Any
 import torch
 
 from .._base.stats import format_table, human_bytes
+from .._base.system import usable_cpus
 from .._host.config import WORKER_TYPES, WorkerType
+from .._host.cost import HARD_MAX_WORKERS, WorkerCost, pays_off
 from .._loader import DataLoader
 from .output import write_json
 from .repeat import LoadMonitor, MachineLoad, spreads_text
@@ -165,11 +169,6 @@ class TuneResult:
         plt.close(fig)
 
 
-def _usable_cpus() -> int:
-    getter = getattr(os, "sched_getaffinity", None)
-    return len(getter(0)) if getter is not None else (os.cpu_count() or 1)
-
-
 def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | None = None,
          step: Callable[[Any], object] | None = None, budget: Budget | int | str | None = None,
          worker_types: Sequence[WorkerType] = WORKER_TYPES,
@@ -194,7 +193,8 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
         worker_types: worker kinds to try: "process" (parallel Python, pickles the dataset)
             and/or "thread" (cheap start and memory; scales only where the GIL is released).
         num_workers: worker counts to try, ascending; None: 0, 1, 2, 4, ... up to twice the
-            usable CPUs. The ladder stops early once more workers stop helping.
+            usable CPUs, or as far as the CPU the trials use leaves room for (see above). The
+            ladder stops early once more workers stop helping.
         prefetch_factors: batches in flight per worker to try; the first is the one used
             while sweeping workers. None is the loader's default (gpufeed: at least 2, more
             for cheap batches; stock: 2). Deeper prefetch hides jitter and costs memory.
@@ -230,12 +230,13 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
         budget = Budget.default()
     elif not isinstance(budget, Budget):
         budget = Budget(memory_bytes=parse_bytes(budget))
+    cpus = usable_cpus()
     ladder = list(num_workers) if num_workers is not None else [0] + [
-        2**i for i in range(8) if 2**i <= 2 * _usable_cpus()]
+        2**i for i in range(8) if 2**i <= HARD_MAX_WORKERS]
     pins = tuple(pin_memory) if pin_memory is not None else (
         (False, True) if torch.cuda.is_available() else (False,))
     t_start = time.perf_counter()
-    monitor = LoadMonitor(_usable_cpus()).start()
+    monitor = LoadMonitor(max(1, round(usable_cpus(per_rank=False)))).start()
     trials: list[Trial] = []
     done: dict[tuple[Any, ...], Trial] = {}
     skipped: list[tuple[Any, ...]] = []
@@ -260,15 +261,22 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
         run(0, None, None, pins[0])
     for kind in worker_types:
         best: Trial | None = None
+        bound = 2 * cpus  # the default ladder's end, moved by what the trials cost
         for n in (n for n in ladder if n > 0):
+            if num_workers is None and n > bound:
+                break
             t = run(n, kind, pf0, pins[0])
             if t is None or not t.accepted:
                 break
-            if best is not None and (t.spread.overlaps(best.spread)
-                                     or t.samples_per_s < best.samples_per_s * (1 + tolerance)):
+            if best is not None and not pays_off(
+                    best.samples_per_s, t.samples_per_s, tolerance=tolerance,
+                    before_hi=best.spread.hi, after_lo=t.spread.lo):
                 break  # more workers stopped helping
             if best is None or t.samples_per_s > best.samples_per_s:
                 best = t
+            if t.cpu_cores:
+                cost = WorkerCost.observed(workers=n, rate=t.samples_per_s, cpu_cores=t.cpu_cores)
+                bound = max(bound, cost.cpu_limit(cpus))
     accepted = [t for t in trials if t.accepted]
     if accepted:
         top = max(accepted, key=lambda t: t.samples_per_s)

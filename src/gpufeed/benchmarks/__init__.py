@@ -14,6 +14,7 @@ Files:
 - ``sources.py``, ``persample.py``: the source readers, and one worker's cost per sample;
 - ``seeding.py``: the cost of per-sample random state: global seeding, the per-sample
   generators, thread workers with and without ``seed=`` (``python -m gpufeed.benchmarks.seeding``).
+  (``python -m gpufeed.benchmarks autotune``), and its verdicts.
 
 Measurement itself (rates, first-batch latency, process-tree PSS) is ``gpufeed._tools.measure``.
 """

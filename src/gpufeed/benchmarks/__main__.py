@@ -3,14 +3,13 @@
 ``cpu`` (the default) runs ``gpufeed.benchmarks.cpu`` and writes ``cpu.json`` and ``cpu.md`` to
 ``--out`` (default ``benchmarks/results`` under the current directory: run it from the
 repository root to update the committed figures). ``gpu`` hands the remaining arguments to
-``gpufeed.benchmarks.gpu.main``.
+``gpufeed.benchmarks.gpu.main``, ``autotune`` to ``gpufeed.benchmarks.autotune.main``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 from .._tools.output import directory
 from .cpu import CEILING, LOADERS, STAND_IN, Settings, run_cpu
+from .environment import write_documents
 from .workloads import WORKLOADS
 
 DEFAULT_WORKLOADS = ("tabular", "image-array", "jpeg", "python-list")
@@ -196,16 +196,16 @@ def render_markdown(doc: dict[str, Any]) -> str:
 
 def write_results(doc: dict[str, Any], out: Path, stem: str = "cpu") -> tuple[Path, Path]:
     """Write ``<stem>.json`` and ``<stem>.md`` into ``out`` (created if needed)."""
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
-    json_path.write_text(json.dumps(doc, indent=1) + "\n")
-    md_path.write_text(render_markdown(doc))
-    return json_path, md_path
+    return write_documents(doc, out, stem, render_markdown(doc))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["autotune"]:  # num_workers="auto" against the static grid
+        from .autotune import main as autotune_main
+
+        return autotune_main(argv[1:])
     if argv[:1] == ["sources"]:  # data sources (gpufeed.benchmarks.sources)
         from .sources import main as sources_main
 

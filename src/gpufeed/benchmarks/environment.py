@@ -1,9 +1,10 @@
-"""Date, machine and versions, recorded with every benchmark result file."""
+"""Date, machine and versions, recorded with every benchmark result file; writing the files."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import json
 import os
 import platform
 import socket
@@ -16,7 +17,7 @@ import numpy as np
 import psutil
 import torch
 
-__all__ = ["environment"]
+__all__ = ["environment", "write_documents"]
 
 
 def _version(dist: str) -> str | None:
@@ -61,3 +62,14 @@ def environment() -> dict[str, Any]:
         "git_dirty": bool(_git("status", "--porcelain")) if commit else None,
         "torch_threads_main": torch.get_num_threads(),
     }
+
+
+def write_documents(doc: dict[str, Any], out: Path, stem: str,
+                    markdown: str) -> tuple[Path, Path]:
+    """Write ``doc`` as ``<stem>.json`` and ``markdown`` as ``<stem>.md`` into ``out``
+    (created if needed)."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
+    json_path.write_text(json.dumps(doc, indent=1) + "\n")
+    md_path.write_text(markdown)
+    return json_path, md_path

@@ -1,0 +1,243 @@
+"""AutoIter: the worker iterator of ``num_workers="auto"``, measuring windows and resizing.
+
+It is a ``WorkerIter`` (``_host/worker_iter.py``) that, between two batches, closes a
+measuring window, asks the loader's ``AutoTuner`` (``_host/autotune.py``, NOTE [ Autotuning
+decisions ]) for a move and applies it to its elastic pool (``_host/elastic.py``, NOTE
+[ Resizing the pool ]): workers started or retired, the in-flight bound and the ring's default
+size moved with them, the epoch going on. What a window measures:
+
+- per batch handed over: the loop's wait in ``next()``, and of it the time blocked with no
+  batch ready (``_wait``: waiting for workers, what more workers can cut), and the loop's
+  own time since the previous batch (its step);
+- per batch answered: the workers' fetch and collate seconds;
+- per window: the process tree's CPU seconds (``_base/system.py``), the ring's bytes, and
+  every ``MEMORY_EVERY_S`` the private memory of one process worker in turn (reading it
+  walks its page tables, so the interval stretches to 50 times what a read costs).
+
+Time spent applying a move (starting a process) counts as the loop's wait in ``stats()``:
+the loop was blocked in ``next()`` meanwhile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, cast
+
+from .._base.system import CpuTimes, TreeCpu, private_bytes
+from .autotune import AutoTuner
+from .config import IterConfig
+from .cost import Budgets, default_max_workers, parse_bytes
+from .elastic import ElasticProcessPool, ElasticThreadPool
+from .messages import Done, Fetched, Reseed, ToMain, UsePlan
+from .window import Gauges, Window
+from .worker_iter import WorkerIter
+
+__all__ = ["AutoIter", "make_tuner"]
+
+log = logging.getLogger("gpufeed")
+MEMORY_EVERY_S = 2.0
+
+
+class _Meter:
+    """One window's sums (see the module docstring)."""
+
+    def __init__(self, t0: float, cpu0: CpuTimes | None) -> None:
+        self.t0, self.cpu0 = t0, cpu0
+        self.batches = self.answered = 0
+        self.wait = self.starved = self.step = self.busy = 0.0
+
+
+class AutoIter(WorkerIter):
+    """Batches from a pool the autotuner resizes between batches."""
+
+    process_pool = ElasticProcessPool
+    thread_pool = ElasticThreadPool
+    keeps_region_fd = True
+
+    def __init__(self, config: IterConfig) -> None:
+        tuner = config.autotune
+        if tuner is None:
+            raise ValueError("AutoIter needs the loader's AutoTuner (num_workers='auto')")
+        self._tuner = tuner
+        self._retiring: set[int] = set()  # ids >= the count that still hold tasks
+        self._plans: dict[int, int] = {}  # worker -> generation whose index plan it has
+        self._seeds: dict[int, int | None] = {}  # worker -> per-sample seed it has
+        self._cpu = TreeCpu()
+        self._meter = _Meter(time.perf_counter(), None)
+        self._worker_bytes = 0
+        self._memory_at = 0.0
+        self._memory_turn = 0
+        self._token = 0
+        super().__init__(config)
+        if tuner.depth != self._work_ahead.depth:
+            self._work_ahead.resize(self._num_workers, tuner.depth)
+            self._ring.set_slots_hint(self._work_ahead.slots_hint)
+
+    @property
+    def _elastic(self) -> ElasticProcessPool | ElasticThreadPool:
+        return cast("ElasticProcessPool | ElasticThreadPool", self._pool)
+
+    # -- epochs -------------------------------------------------------------------------------
+    def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
+        super()._restart(config, first_iter)
+        n = self._num_workers
+        self._plans = {w: self._gen for w in range(n)} if self._plan is not None else {}
+        self._seeds.update({w: self._sample_seed for w in range(n)})
+        self._token = self._tuner.begin()  # a new epoch's first window settles
+        self._meter = _Meter(time.perf_counter(), self._read_cpu())
+
+    # -- measuring ------------------------------------------------------------------------------
+    def _wait(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            super()._wait()
+        finally:
+            self._meter.starved += time.perf_counter() - t0
+
+    def _handle(self, w: int, msg: ToMain) -> None:
+        if isinstance(msg, Done):
+            m = self._meter
+            for r in msg.results:
+                if isinstance(r, Fetched):
+                    m.busy += r.fetch_s + r.collate_s
+                    m.answered += 1
+        super()._handle(w, msg)
+        if self._retiring and not self._closed:
+            self._reap()
+
+    def _finish(self, data: Any, asked_at: float, k: int,
+                worker_state: tuple[int, Any] | None = None,
+                registered: tuple[int, int] | None = None) -> Any:
+        now = time.perf_counter()
+        m, tuner = self._meter, self._tuner
+        m.batches += 1
+        m.wait += now - asked_at
+        if self._returned_at:
+            m.step += asked_at - self._returned_at
+        tuner.delivered_one()
+        move = tuner.scheduled(self._gauges()) if tuner.schedule is not None else None
+        if move is None and m.batches >= tuner.window_batches and now - m.t0 >= tuner.window_s:
+            move = tuner.decide(self._token, self._close_window(now))
+        if move is not None:
+            self._apply(move.workers, move.depth)
+        return super()._finish(data, asked_at, k, worker_state, registered)
+
+    def _gauges(self) -> Gauges:
+        wa, ring = self._work_ahead, self._ring
+        return Gauges(self._worker_bytes, ring.slot_bytes, ring.live_bytes,
+                      2 * wa.chunk if wa.chunk > 1 else 0, wa.held)
+
+    def _close_window(self, now: float) -> Window:
+        m = self._meter
+        pids = self._elastic.pids()
+        cpu = self._read_cpu()
+        if pids and now >= self._memory_at:
+            t0 = time.perf_counter()
+            got = private_bytes(pids[self._memory_turn % len(pids)])
+            self._memory_turn += 1
+            if got is not None:
+                self._worker_bytes = max(self._worker_bytes, got)
+            self._memory_at = now + max(MEMORY_EVERY_S, 50 * (time.perf_counter() - t0))
+        win = Window(workers=self._num_workers, depth=self._tuner.depth,
+                     batches=m.batches, seconds=now - m.t0, wait_s=m.wait, starved_s=m.starved,
+                     step_s=m.step, busy_s=m.busy, answered=m.answered,
+                     cpu_s=None if m.cpu0 is None else cpu.total - m.cpu0.total,
+                     gauges=self._gauges(),
+                     worker_cpu_s=0.0 if m.cpu0 is None else cpu.workers - m.cpu0.workers,
+                     queued_s=0.0 if m.cpu0 is None else cpu.queued - m.cpu0.queued)
+        self._meter = _Meter(now, cpu)
+        return win
+
+    def _read_cpu(self) -> CpuTimes:
+        return self._cpu.read(self._elastic.pids(), self._elastic.tids())
+
+    # -- resizing (NOTE [ Resizing the pool ] in _host/elastic.py) ----------------------------
+    def _apply(self, workers: int, depth: int) -> None:
+        """Move to ``workers`` workers and ``depth`` batches ahead each, between two batches."""
+        pool = self._elastic
+        try:
+            while self._num_workers < workers:
+                w = self._num_workers
+                if w in self._retiring:
+                    self._retiring.discard(w)
+                else:
+                    try:
+                        pool.add(w, workers)
+                    except (OSError, RuntimeError) as e:  # fork or thread start failed
+                        self._tuner.cannot_start(w, e)
+                        break
+                    self._seeds[w] = pool._spec.sample_seed
+                    self._plans.pop(w, None)
+                self._catch_up(w)
+                self._num_workers = w + 1
+            while self._num_workers > workers:
+                self._num_workers -= 1
+                self._retiring.add(self._num_workers)
+        finally:
+            n = self._num_workers
+            self._tuner.workers = n  # the count in force, whatever happened
+            self._active = [True] * n
+            self._cycle = itertools.cycle(range(n))
+        self._work_ahead.resize(n, depth)
+        self._ring.set_slots_hint(self._work_ahead.slots_hint, lower=True)
+        self._reap()
+        self._dispatch()
+
+    def _catch_up(self, w: int) -> None:
+        """Send worker ``w`` the epoch's index plan and per-sample seed it lacks."""
+        if self._seeds.get(w) != self._sample_seed:
+            self._pool.send(w, Reseed(self._gen, self._sample_seed))
+            self._seeds[w] = self._sample_seed
+        if self._plan is not None and self._plans.get(w) != self._gen:
+            self._pool.send(w, UsePlan(self._gen, self._plan))
+            self._plans[w] = self._gen
+
+    def _reap(self) -> None:
+        """Retire the retiring workers that hold nothing any more."""
+        pool = self._elastic
+        for w in sorted(self._retiring):
+            if pool.idle(w):
+                pool.retire(w)
+                self._retiring.discard(w)
+
+
+def make_tuner(num_workers: Any, *, max_workers: Any, memory_budget: Any, worker_type: str,
+               prefetch_factor: int | None, iterable: bool) -> AutoTuner | None:
+    """The loader's autotuner for ``num_workers="auto"`` (None for an int), after checking the
+    arguments that go with it; ``ValueError`` naming the value and the fix otherwise."""
+    if isinstance(num_workers, str) and num_workers != "auto":
+        raise ValueError(f"num_workers={num_workers!r} is not supported; use an int >= 0, or "
+                         "'auto' to let gpufeed size the workers while it runs")
+    auto = num_workers == "auto"
+    for name, value in (("max_workers", max_workers), ("memory_budget", memory_budget)):
+        if value is not None and not auto:
+            raise ValueError(f"{name}={value!r} only applies to num_workers='auto' (with "
+                             f"num_workers={num_workers!r} the count is fixed); drop {name} "
+                             "or pass num_workers='auto'")
+    if not auto:
+        return None
+    if iterable:
+        raise ValueError(
+            "num_workers='auto' needs a map-style dataset: an IterableDataset is split among "
+            "workers (get_worker_info()), so the worker count decides which samples each "
+            "batch holds, and changing it while training would change your data; pass an int "
+            "num_workers (`gpufeed tune` measures the best one)")
+    if max_workers is not None and (isinstance(max_workers, bool)
+                                    or not isinstance(max_workers, int) or max_workers < 1):
+        raise ValueError(f"max_workers={max_workers!r} is not supported: it is the most workers "
+                         "num_workers='auto' may run, an int >= 1 (None: 8 per usable CPU, at "
+                         "most 64)")
+    budget = None
+    if memory_budget is not None:
+        try:
+            budget = parse_bytes(memory_budget)
+        except ValueError as e:
+            raise ValueError(f"memory_budget={memory_budget!r}: {e} (the most bytes the "
+                             "workers and the ring may hold together)") from None
+    budgets = Budgets.default(budget)
+    return AutoTuner(
+        max_workers=max_workers or default_max_workers(budgets.cpu_cores),
+        worker_type=worker_type, budgets=budgets, depth=prefetch_factor or 2,
+        depth_fixed=prefetch_factor is not None)
