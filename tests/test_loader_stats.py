@@ -73,6 +73,8 @@ def test_every_documented_stat_is_recorded(monkeypatch):
             seen[name] = max(seen.get(name, 0), s.batches, s.capacity)
         for name, v in stats.counters.items():
             seen[name] = max(seen.get(name, 0), v)
+        if stats.autotune is not None:
+            seen["autotune"] = max(seen.get("autotune", 0), stats.autotune.workers)
 
     # an epoch on two workers, with a training step
     plain = gpufeed.DataLoader(SleepDataset(61, slow_from=0, seconds=0.0005, once=False),
@@ -85,6 +87,11 @@ def test_every_documented_stat_is_recorded(monkeypatch):
     slots = stats.counters["ring_slots"]
     assert 0 < slots <= stats.stages["ring"].capacity and slots == stats.counters["ring_grow"]
     assert stats.counters["ring_bytes"] > 0 and stats.counters["ring_bytes"] % 4096 == 0
+    # the autotuner: num_workers="auto"
+    tuned = gpufeed.DataLoader(SleepDataset(61, slow_from=0, seconds=0.0005, once=False),
+                               batch_size=8, num_workers="auto", worker_type="thread")
+    run_epochs(tuned)
+    collect(tuned.stats())
     # batches kept past a one-batch ring: fallbacks; varying shapes: more slots carved
     small = gpufeed.DataLoader(Ragged(), batch_size=8, num_workers=2, worker_type="thread",
                                collate_fn=pad, ring_bytes=4096)

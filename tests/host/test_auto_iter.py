@@ -19,8 +19,8 @@ from gpufeed._host import elastic as _elastic
 from gpufeed._host.window import Move
 from support.compare import assert_same_batches
 from support.fakes import (
-    RandomDataset,
     RangeIterable,
+    SampleRandomDataset,
     WorkerInfoDataset,
     failing_init,
 )
@@ -97,7 +97,7 @@ def test_persistent_workers_resize_across_epochs(worker_type):
 
 
 def test_seeded_batches_are_the_same_bytes_whatever_the_decisions(worker_type):
-    ds = RandomDataset(96)
+    ds = SampleRandomDataset(96)
     ref = list(gpufeed.DataLoader(ds, batch_size=4, num_workers=2, shuffle=True, seed=7))
     with deadline(60):
         for schedule in (cycling(2), cycling(5, [4, 1, 3]), lambda k: 1 + k % 4):
@@ -105,8 +105,8 @@ def test_seeded_batches_are_the_same_bytes_whatever_the_decisions(worker_type):
             assert_same_batches(ref, got)
 
 
-class SlowRandom(RandomDataset):
-    """RandomDataset whose samples take 5 ms: workers hold tasks when a shrink comes."""
+class SlowRandom(SampleRandomDataset):
+    """SampleRandomDataset whose samples take 5 ms: workers hold tasks when a shrink comes."""
 
     def __getitem__(self, i):
         time.sleep(0.005)
@@ -324,3 +324,19 @@ def test_a_framework_rebuilding_the_loader_keeps_the_switch():
     rebuilt = data._update_dataloader(loader, torch.utils.data.SequentialSampler(ds))
     assert rebuilt._autotune is not None and rebuilt._autotune.max_workers == 3
     assert len(list(rebuilt)) == 5
+
+
+def test_decisions_are_instants_of_the_trace(worker_type):
+    """Each decision the autotuner records shows in gpufeed.trace's timeline, on the loader's
+    main track, with the counts before and after."""
+    from support.trace_format import check_trace
+
+    loader = auto(dataset(), cycling(4, [2, 3, 1]), worker_type=worker_type)
+    with deadline(60), gpufeed.trace() as tr:
+        assert len(list(loader)) == 60
+    read = check_trace(tr.to_dict())
+    moves = [e for e in read.instants if e["name"].startswith("autotune: ")]
+    decisions = loader.stats().autotune.decisions
+    assert moves and len(moves) == len(decisions)
+    assert [e["args"]["workers"] for e in moves] == [
+        f"{d.workers[0]} -> {d.workers[1]}" for d in decisions]

@@ -209,6 +209,21 @@ class RandomDataset(Dataset):
         )
 
 
+class SampleRandomDataset(RandomDataset):
+    """RandomDataset drawing from gpufeed's per-sample generators (the rule under thread
+    workers): the same bytes for any number and kind of workers with ``seed=``."""
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        import gpufeed
+
+        return (
+            torch.rand(2, generator=gpufeed.sample_generator()),
+            torch.from_numpy(gpufeed.sample_rng().random(2)),
+            gpufeed.sample_random().random(),
+            i,
+        )
+
+
 class WorkerInfoDataset(Dataset):
     """Sample ``i`` reports ``get_worker_info()`` as seen where it was fetched."""
 

@@ -61,6 +61,7 @@ class AutoIter(WorkerIter):
         if tuner is None:
             raise ValueError("AutoIter needs the loader's AutoTuner (num_workers='auto')")
         self._tuner = tuner
+        tuner.trace_owner = config.recorder  # decisions as instants of this loader's trace
         self._retiring: set[int] = set()  # ids >= the count that still hold tasks
         self._plans: dict[int, int] = {}  # worker -> generation whose index plan it has
         self._seeds: dict[int, int | None] = {}  # worker -> per-sample seed it has

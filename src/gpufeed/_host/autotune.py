@@ -50,6 +50,7 @@ import math
 import time
 from collections.abc import Callable
 
+from .._base import timeline as _timeline
 from .._base.stats import human_bytes
 from .._base.tuning import AutotuneStats, TuningDecision
 from .cost import Budgets, pays_off
@@ -105,6 +106,7 @@ class AutoTuner:
         self.delivered = 0
         self._t0: float | None = None
         self._owner = 0
+        self.trace_owner: object | None = None  # the loader's stats: its timeline track
         self._decisions: list[TuningDecision] = []
         self._decided = 0
         self._phase = "settle"
@@ -374,6 +376,10 @@ class AutoTuner:
         del self._decisions[:-AutotuneStats.KEEP]
         self._decided += 1
         log.info("gpufeed autotune: %s", decision)
+        if self.trace_owner is not None:  # an instant in gpufeed.trace's timeline, if on
+            _timeline.instant(self.trace_owner, f"autotune: {kind}", args={
+                "workers": f"{workers[0]} -> {workers[1]}", "depth": f"{depth[0]} -> {depth[1]}",
+                "batch": self.delivered, "reason": reason})
         return decision
 
     # -- what stats() shows -----------------------------------------------------------------

@@ -23,10 +23,10 @@ def sample_counters(it: Any, tl: _timeline.Timeline) -> None:
     and free (the ring may still hold), batches in flight (dispatched, not handed out),
     workers in force."""
     ring: SlotRing = it._ring
-    in_use = ring.in_use
-    tl.sample(it._recorder, it._returned_at, in_use, ring.fenced,
-              max(ring.capacity_slots - in_use, 0), len(it._tasks) + len(it._ready),
-              sum(it._active))
+    in_use, fenced = ring.in_use, ring.fenced
+    tl.sample(it._recorder, it._returned_at, in_use, fenced,
+              max(ring.capacity_slots - in_use - fenced, 0), len(it._tasks) + len(it._ready),
+              it._num_workers)
 
 
 def trace_ring(owner: Hashable, ring: SlotRing, seen_grows: int, seen_fallbacks: int) -> None:
