@@ -17,6 +17,9 @@ TORCH=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")
 "$PY" -m pip install -q --no-deps "litdata>=0.2"
 "$PY" -m pip install -q "lightning-utilities>=0.10" "filelock>=3" "boto3>=1" "obstore>=0.3" \
     "tifffile>=2023" "requests>=2" "urllib3>=1.26" "torch==$TORCH" || true
+# The region-decode tests need a libjpeg-turbo >= 3.0 library; the `turbojpeg` wheel bundles one
+# (CPython 3.11 on x86_64 only; tests/conftest.py finds it, gpufeed never imports the package).
+"$PY" -m pip install -q --no-deps "turbojpeg==0.0.2" || true
 # JPEG region decoding (gpufeed.ImageFolder) needs libjpeg-turbo >= 3.0's libturbojpeg: best
 # effort, only as root with apt, and only when the distribution's libturbojpeg0 is 3.x (Debian 12
 # and 13 ship 2.1.5, which gpufeed does not use; without it JPEGs are decoded whole by simplejpeg).
