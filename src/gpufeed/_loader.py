@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
 import os
-import select
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -20,9 +17,10 @@ from ._base import timeline as _timeline
 from ._base.stats import LoaderStats, StatsRecorder
 from ._device.stage import to_device
 from ._device.streams import parse_device
+from ._host.arguments import check_arguments
 from ._host.auto_iter import AutoIter, make_tuner
 from ._host.autotune import AutoTuner
-from ._host.config import WORKER_TYPES, IterConfig, WorkerType
+from ._host.config import IterConfig, WorkerType
 from ._host.iterator import BaseIter, SingleIter
 from ._host.random_watch import GlobalDrawWatch
 from ._host.worker_iter import WorkerIter
@@ -34,14 +32,6 @@ from ._order.sampler import build_sampler, resolve_world
 from ._order.seeding import resolve_seed
 
 _T_co = TypeVar("_T_co", covariant=True)
-
-
-def _whole_positive(value: Any) -> bool:
-    """An int >= 1, or anything torch's ``range(prefetch_factor * num_workers)`` takes."""
-    try:
-        return operator.index(value) >= 1
-    except TypeError:
-        return False
 
 
 class DataLoader(_TorchDataLoader[_T_co]):
@@ -152,44 +142,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
                            iterable=isinstance(dataset, IterableDataset))
         if tuner is not None:
             num_workers = tuner.workers  # torch's checks see an int: the count it starts with
-        if worker_type not in WORKER_TYPES:
-            raise ValueError(
-                f"worker_type={worker_type!r} is not supported; use 'process' or 'thread'"
-            )
-        workers = isinstance(num_workers, int) and num_workers > 0
-        if worker_type == "process" and workers and not hasattr(select, "poll"):  # Windows
-            raise ValueError(
-                f"worker_type='process' needs select.poll, which {sys.platform} lacks (gpufeed's "
-                "process workers run on Linux and macOS); use worker_type='thread', or "
-                "torch.utils.data.DataLoader on this platform"
-            )
-        if worker_type == "thread" and multiprocessing_context is not None:
-            raise ValueError(
-                "multiprocessing_context only applies to process workers; drop it or use "
-                "worker_type='process'"
-            )
-        if workers and prefetch_factor is not None and not _whole_positive(prefetch_factor):
-            # stock takes these at construction and fails at iter(); gpufeed says so at once
-            raise ValueError(
-                f"prefetch_factor={prefetch_factor!r} is not supported with workers: it is the "
-                "whole number of batches each worker loads ahead, an int >= 1 (None: the "
-                "default, 2 in torch)"
-            )
-        if ring_bytes is not None:
-            if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, int):
-                raise TypeError(
-                    f"ring_bytes must be an int number of bytes or None, got {ring_bytes!r}"
-                )
-            if ring_bytes < 0:
-                raise ValueError(f"ring_bytes={ring_bytes} is negative; use 0 to disable the ring")
-        if isinstance(device_depth, bool) or not isinstance(device_depth, int) or device_depth < 1:
-            raise ValueError(f"device_depth={device_depth!r} must be an int >= 1 (2 is typical)")
-        if device_transform is not None and not callable(device_transform):
-            raise TypeError(f"device_transform must be callable, got {device_transform!r}")
-        if device_transform is not None and device is None:
-            raise ValueError("device_transform needs device=, e.g. device='cuda'")
-        if deterministic is not None and not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
+        check_arguments(
+            num_workers=num_workers, worker_type=worker_type, prefetch_factor=prefetch_factor,
+            multiprocessing_context=multiprocessing_context, ring_bytes=ring_bytes,
+            device=device, device_transform=device_transform, device_depth=device_depth,
+            deterministic=deterministic)
         # Private, read through properties: frameworks that rebuild a loader from its public
         # attributes (Lightning's distributed sampler injection) must not pin the rank and
         # world size resolved before torch.distributed was initialised.

@@ -220,7 +220,7 @@ def test_catches_a_missing_record_stream(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_catches_a_host_batch_released_before_its_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_prefetch, "_pop_completed",
+    monkeypatch.setattr(_prefetch, "pop_completed",
                         lambda fifo: [fifo.popleft() for _ in range(len(fifo))])
     assert caught("slow_copies") == [0, 1, 2]
     _, _, bad = loader_run("thread", 0, 2, "slow_copies", n=200)

@@ -55,6 +55,12 @@ class TuningDecision:
     rate: tuple[float | None, float | None]
     reason: str
 
+    def as_args(self) -> dict[str, object]:
+        """The decision as a trace event's arguments."""
+        (w0, w1), (d0, d1) = self.workers, self.depth
+        return {"workers": f"{w0} -> {w1}", "depth": f"{d0} -> {d1}", "batch": self.batch,
+                "reason": self.reason}
+
     @property
     def changes(self) -> bool:
         """Whether the decision changed the workers or their work-ahead."""

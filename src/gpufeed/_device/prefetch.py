@@ -88,8 +88,9 @@ import torch
 from .._base import cuda as _cuda
 from .._base import timeline as _timeline
 from .._base.stats import DeviceStats
-from .._base.tree import tree_leaves, tree_map
+from .._base.tree import tree_leaves
 from .._memory import pinning as _pinning
+from .held import drop_copied, map_tensors, pop_completed, tensor_bytes
 from .pageable import staged_reason, warn_staged
 from .streams import Event, SyncBackend, backend_for, parse_device
 from .timing import DeviceTrace
@@ -104,36 +105,6 @@ class _State(enum.Enum):
     RUNNING = "running"
     EXHAUSTED = "exhausted"
     CLOSED = "closed"
-
-
-def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
-    """``batch`` with ``fn`` applied to each tensor leaf; other leaves pass through."""
-    return tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, batch)
-
-
-def _nbytes(batch: Any) -> int:
-    leaves = tree_leaves(batch)
-    return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
-
-
-def _pop_completed(fifo: deque[Any]) -> list[Any]:
-    """Pop entries (events, or tuples starting with one) from the left once complete."""
-    done = []
-    while fifo and _event(fifo[0]).query():
-        done.append(fifo.popleft())
-    return done
-
-
-def _drop_copied(entries: list[tuple[Any, Any, tuple[int, ...]]]) -> None:
-    """Drop host batches whose copies have completed (rule 10): their ring slots need no
-    release fence, and only theirs: the addresses of their leaves say which (a collection
-    that runs meanwhile may drop another loader's batch, which must still be fenced)."""
-    with _cuda.copies_complete([p for entry in entries for p in entry[2]]):
-        entries.clear()
-
-
-def _event(entry: Any) -> Any:
-    return entry[0] if isinstance(entry, tuple) else entry
 
 
 class DeviceIterator(Iterator[Any]):
@@ -255,7 +226,7 @@ class DeviceIterator(Iterator[Any]):
         self._bytes_held -= nbytes
         self._batches += 1
         self._fill()  # rule (4): i+1..i+depth issued before batch i is returned
-        _drop_copied(_pop_completed(self._host))  # rule (3)
+        drop_copied(pop_completed(self._host))  # rule (3)
         self._copies.retain([entry[0] for entry in self._host])  # the others have completed
         self._trace.flush(_timeline.active)  # GPU spans of copies that completed
         return batch
@@ -292,13 +263,13 @@ class DeviceIterator(Iterator[Any]):
         try:
             while self._host:  # rule (6): no DMA may still read a slot we give back
                 self._host[0][0].synchronize()
-                _drop_copied([self._host.popleft()])
+                drop_copied([self._host.popleft()])
             self._trace.flush(_timeline.active, wait=True)
             waited = True
         finally:
             rest = list(self._host)  # a failed wait: released unfenced, as before
             self._host.clear()
-            _drop_copied(rest)
+            drop_copied(rest)
             self._ready.clear()
             self._marks.clear()
             self._bytes_held = 0
@@ -326,14 +297,14 @@ class DeviceIterator(Iterator[Any]):
     def _make_room(self) -> float:
         """Rules (3) and (8) before a batch is issued; returns the seconds spent waiting on
         copies (consumer waits are counted apart: they are not the input's fault)."""
-        _drop_copied(_pop_completed(self._host))
-        _pop_completed(self._marks)
+        drop_copied(pop_completed(self._host))
+        pop_completed(self._marks)
         waited = 0.0
         if len(self._host) > self.depth:
             start = time.perf_counter()
             while len(self._host) > self.depth:
                 self._host[0][0].synchronize()
-                _drop_copied([self._host.popleft()])
+                drop_copied([self._host.popleft()])
                 self._host_waits += 1
             waited = time.perf_counter() - start
             self._host_wait_s += waited
@@ -389,7 +360,7 @@ class DeviceIterator(Iterator[Any]):
                 batch = self._transform(batch)
                 ready = backend.record_event(side)
                 self._trace.mark(marks, side)
-        nbytes = _nbytes(batch)
+        nbytes = tensor_bytes(batch)
         self._ready.append((ready, batch, nbytes))
         self._bytes_held += nbytes
         self._peak = max(self._peak, self._bytes_held)

@@ -12,15 +12,14 @@ which the iterator applies without restarting the epoch (NOTE [ Resizing the poo
 
 1. **Settle.** The window after any change (and an iterator's first) is not judged: new
    workers start, the pipeline refills.
-2. **Verify.** A growth (more workers, or more work-ahead) is *kept* only if it paid off
-   against the better of the two windows before it (``pays_off``: the rate rose beyond
-   ``TOLERANCE`` and the noise, or the loop, which waited at least twice ``GROW_AT``,
-   stopped waiting with no fall in the rate), in two windows when it gained less than
-   ``CONFIRM`` times; else it is
-   *reverted*, and counts at or above it are not tried again until the step changes
-   ``PHASE`` times over for two windows in a row (a new phase) or ``MEMO_S`` pass. A shrink
-   is kept only while the loop still does not wait; else reverted, and counts below are not
-   tried again under the same terms.
+2. **Verify.** A growth (more workers, or more work-ahead) is *kept* only if it paid off against
+   the better of the two windows before it (``pays_off``: the rate rose beyond ``TOLERANCE`` and
+   the noise, or the loop, which waited at least twice ``GROW_AT``, stopped waiting with no fall
+   in the rate), in two windows when it gained less than ``CONFIRM`` times; else it is
+   *reverted*, and counts at or above it are not tried again until the step changes ``PHASE``
+   times over for two windows in a row (a new phase) or ``MEMO_S`` pass. A shrink is kept only
+   while the loop still does not wait; else reverted, and counts below are not tried again under
+   the same terms.
 3. **Grow** while the loop waits (``input_bound >= GROW_AT``): to the count the model says
    keeps up with the step with ``HEADROOM``, at most doubling, within ``max_workers``, the
    CPU budget (the tree's CPU *used*, so workers waiting on I/O may far outnumber cores)
@@ -40,7 +39,8 @@ which the iterator applies without restarting the epoch (NOTE [ Resizing the poo
 Every decision, forced ones included (the test seam :attr:`AutoTuner.schedule`), goes through
 :meth:`AutoTuner._record`: one ``TuningDecision`` (``_base/tuning.py``), logged at INFO on the
 ``gpufeed`` logger and kept for ``loader.stats().autotune``. ``max_workers`` and the memory
-budget are enforced in :meth:`AutoTuner._move`, the one place a count changes.
+budget are enforced in :meth:`AutoTuner._move`, the one place a count changes. Inside
+``gpufeed.trace`` each decision is also an instant of the loader's timeline.
 """
 
 from __future__ import annotations
@@ -93,9 +93,7 @@ class AutoTuner:
 
     def __init__(self, *, max_workers: int, worker_type: str, budgets: Budgets, depth: int,
                  depth_fixed: bool, initial: int | None = None) -> None:
-        self.max_workers = max_workers
-        self.worker_type = worker_type
-        self.budgets = budgets
+        self.max_workers, self.worker_type, self.budgets = max_workers, worker_type, budgets
         self.depth = self.default_depth = depth
         self.depth_fixed = depth_fixed
         self.workers = max(1, min(max_workers, initial or int(budgets.cpu_cores) or 1))
@@ -103,9 +101,8 @@ class AutoTuner:
         #: over; a (workers, depth) or workers to move to now, or None. Replaces the policy.
         self.schedule: Callable[[int], Move | int | None] | None = None
         self.window_batches, self.window_s = WINDOW_BATCHES, WINDOW_S  # a window's least size
-        self.delivered = 0
+        self.delivered = self._owner = 0
         self._t0: float | None = None
-        self._owner = 0
         self.trace_owner: object | None = None  # the loader's stats: its timeline track
         self._decisions: list[TuningDecision] = []
         self._decided = 0
@@ -377,9 +374,7 @@ class AutoTuner:
         self._decided += 1
         log.info("gpufeed autotune: %s", decision)
         if self.trace_owner is not None:  # an instant in gpufeed.trace's timeline, if on
-            _timeline.instant(self.trace_owner, f"autotune: {kind}", args={
-                "workers": f"{workers[0]} -> {workers[1]}", "depth": f"{depth[0]} -> {depth[1]}",
-                "batch": self.delivered, "reason": reason})
+            _timeline.instant(self.trace_owner, f"autotune: {kind}", args=decision.as_args())
         return decision
 
     # -- what stats() shows -----------------------------------------------------------------

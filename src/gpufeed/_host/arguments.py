@@ -1,0 +1,70 @@
+"""Checking ``gpufeed.DataLoader``'s own arguments when it is built.
+
+Errors name the value and the fix (``ValueError``/``TypeError``, never ``assert``); where torch
+takes an argument at construction and fails only at ``iter()``, gpufeed says so at once.
+"""
+
+from __future__ import annotations
+
+import operator
+import select
+import sys
+from typing import Any
+
+from .config import WORKER_TYPES
+
+__all__ = ["check_arguments"]
+
+
+def _whole_positive(value: Any) -> bool:
+    """An int >= 1, or anything torch's ``range(prefetch_factor * num_workers)`` takes."""
+    try:
+        return operator.index(value) >= 1
+    except TypeError:
+        return False
+
+
+def check_arguments(
+    *, num_workers: Any, worker_type: Any, prefetch_factor: Any, multiprocessing_context: Any,
+    ring_bytes: Any, device: Any, device_transform: Any, device_depth: Any, deterministic: Any,
+) -> None:
+    """Raise for an argument gpufeed cannot take (``num_workers`` is an int here: "auto" was
+    resolved to the count the autotuner starts with)."""
+    if worker_type not in WORKER_TYPES:
+        raise ValueError(
+            f"worker_type={worker_type!r} is not supported; use 'process' or 'thread'"
+        )
+    workers = isinstance(num_workers, int) and num_workers > 0
+    if worker_type == "process" and workers and not hasattr(select, "poll"):  # Windows
+        raise ValueError(
+            f"worker_type='process' needs select.poll, which {sys.platform} lacks (gpufeed's "
+            "process workers run on Linux and macOS); use worker_type='thread', or "
+            "torch.utils.data.DataLoader on this platform"
+        )
+    if worker_type == "thread" and multiprocessing_context is not None:
+        raise ValueError(
+            "multiprocessing_context only applies to process workers; drop it or use "
+            "worker_type='process'"
+        )
+    if workers and prefetch_factor is not None and not _whole_positive(prefetch_factor):
+        # stock takes these at construction and fails at iter(); gpufeed says so at once
+        raise ValueError(
+            f"prefetch_factor={prefetch_factor!r} is not supported with workers: it is the "
+            "whole number of batches each worker loads ahead, an int >= 1 (None: the "
+            "default, 2 in torch)"
+        )
+    if ring_bytes is not None:
+        if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, int):
+            raise TypeError(
+                f"ring_bytes must be an int number of bytes or None, got {ring_bytes!r}"
+            )
+        if ring_bytes < 0:
+            raise ValueError(f"ring_bytes={ring_bytes} is negative; use 0 to disable the ring")
+    if isinstance(device_depth, bool) or not isinstance(device_depth, int) or device_depth < 1:
+        raise ValueError(f"device_depth={device_depth!r} must be an int >= 1 (2 is typical)")
+    if device_transform is not None and not callable(device_transform):
+        raise TypeError(f"device_transform must be callable, got {device_transform!r}")
+    if device_transform is not None and device is None:
+        raise ValueError("device_transform needs device=, e.g. device='cuda'")
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
