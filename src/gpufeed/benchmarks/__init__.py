@@ -12,7 +12,9 @@ Files:
 - ``__main__.py``: the command line; writes ``cpu.json`` and a Markdown table ``cpu.md``;
 - ``gpu.py``: the GPU comparison (host-to-device path), where CUDA is available;
 - ``sources.py``, ``persample.py``: the source readers, and one worker's cost per sample;
-- ``seeding.py``: the cost of per-sample seeding (``python -m gpufeed.benchmarks.seeding``).
+- ``seeding.py``: the cost of per-sample seeding (``python -m gpufeed.benchmarks.seeding``);
+- ``mainproc.py``: the main process's CPU per batch, by stage
+  (``python -m gpufeed.benchmarks.mainproc --py-spy``).
 
 Measurement itself (rates, first-batch latency, process-tree PSS) is ``gpufeed._tools.measure``.
 """
