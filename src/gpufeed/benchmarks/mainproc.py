@@ -154,11 +154,35 @@ def _timed_epoch(it: Any, n_batches: int) -> tuple[int, int, float, float, float
     return batches, samples, end[0] - t0, end[1] - c0, end[2] - p0, end[3] - w0
 
 
+def _counted_epoch(it: Any) -> tuple[int, Counter[str]]:
+    """Iterate the rest of the epoch counting the main thread's function calls, Python
+    (``name (file)``) and C (``[C] name``): (batches, counts)."""
+    counts: Counter[str] = Counter()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            counts[f"{code.co_qualname} ({os.path.basename(code.co_filename)})"] += 1
+        elif event == "c_call":
+            counts[f"[C] {getattr(arg, '__qualname__', arg)}"] += 1
+
+    batches = 0
+    sys.setprofile(profile)
+    try:
+        for _ in it:
+            batches += 1
+    finally:
+        sys.setprofile(None)
+    return batches, counts
+
+
 def measure_epochs(workload: str, variant: str, loader: str, *, epochs: int = 3,
-                   warmup: int = 5, num_workers: int = 2,
-                   quick: bool = False) -> list[dict[str, Any]]:
+                   warmup: int = 5, num_workers: int = 2, quick: bool = False,
+                   calls: bool = False) -> list[dict[str, Any]]:
     """One row per epoch: rate and CPU microseconds per batch of the main thread, the main
-    process and the workers, over the batches after ``warmup``."""
+    process and the workers, over the batches after ``warmup``; with ``calls``, the main
+    thread's function calls per batch instead (exact, whatever the machine's load: a
+    profiling hook sees each), the most frequent first."""
     work = build(workload, quick=quick)
     v = next((x for x in work.variants if x.name == variant), None)
     if v is None:
@@ -172,6 +196,14 @@ def measure_epochs(workload: str, variant: str, loader: str, *, epochs: int = 3,
         n = len(it)  # type: ignore[arg-type]
         for _ in range(warmup):
             next(it)
+        if calls:
+            b, counts = _counted_epoch(it)
+            del it
+            rows.append({"batches": b, "calls_per_batch": {
+                "python": sum(v for k, v in counts.items() if not k.startswith("[C]")) / b,
+                "c": sum(v for k, v in counts.items() if k.startswith("[C]")) / b,
+                "top": {k: v / b for k, v in counts.most_common(25)}}})
+            continue
         b, s, sec, thread, proc, workers = _timed_epoch(it, n - warmup)
         del it
         rows.append({"batches": b, "samples_per_s": s / sec, "us_per_batch": {
@@ -195,6 +227,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=int, default=100,
                    help="py-spy samples per second (py-spy pauses the process for each: more "
                         "samples, steadier shares, a slower and costlier main thread)")
+    p.add_argument("--calls", action="store_true",
+                   help="count the main thread's Python and C calls per batch instead")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p
 
@@ -204,8 +238,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.pyspy:
         return _under_py_spy(args, list(sys.argv[1:] if argv is None else argv))
     rows = measure_epochs(args.workload, args.variant, args.loader, epochs=args.epochs,
-                          num_workers=args.num_workers, quick=args.quick)
+                          num_workers=args.num_workers, quick=args.quick, calls=args.calls)
     for k, r in enumerate(rows):
+        if args.calls:
+            c = r["calls_per_batch"]
+            print(f"epoch {k}: {r['batches']} batches; calls per batch in the main thread: "
+                  f"{c['python']:.1f} Python, {c['c']:.1f} C; the most frequent:")
+            for name, per in c["top"].items():
+                print(f"  {per:7.2f}  {name}")
+            continue
         us = r["us_per_batch"]
         print(f"epoch {k}: {r['batches']} batches, {r['samples_per_s']:,.0f} samples/s; CPU "
               f"us/batch: main thread {us['main_thread']:.1f}, main process "
