@@ -32,12 +32,23 @@ def align(n: int, to: int = ALIGN) -> int:
 def contiguous_at(typed: torch.Tensor, shape: tuple[int, ...], offset: int) -> torch.Tensor:
     """A C-contiguous tensor of ``shape`` viewing the 1-D ``typed`` from element ``offset``
     (how slot writers and spill files carve a leaf out of their memory)."""
-    stride = []
-    acc = 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= d
-    return typed.as_strided(shape, stride[::-1], offset)
+    return typed.as_strided(shape, _strides.get(shape) or contiguous_strides(shape), offset)
+
+
+_strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a C-contiguous tensor of ``shape`` (batches repeat their shapes: each
+    is computed once)."""
+    stride = _strides.get(shape)
+    if stride is None:
+        acc, rev = 1, []
+        for d in reversed(shape):
+            rev.append(acc)
+            acc *= d
+        stride = _strides[shape] = tuple(reversed(rev))
+    return stride
 
 
 def default_reserve() -> int:
