@@ -17,7 +17,12 @@ def test_every_stat_the_core_reports_has_a_meaning():
     reported = set()
     for path in SRC.rglob("*.py"):
         text = path.read_text()
-        reported |= set(re.findall(r"\.(?:add|count|occupancy)\(\s*\"([a-z_]+)\"", text))
+        reported |= set(re.findall(r"\.(?:add|add_many|count|occupancy)\(\s*\"([a-z_]+)\"", text))
+        reported |= set(re.findall(r"_stage\(\"([a-z_]+)\"\)", text))  # handout: step, wait
+        # handout's occupancy samples: occupancy = [("ring", ...), ...], occupancy.append((...
+        for listed in re.findall(r"occupancy = \[(.*?)\]\n|occupancy\.append\((.*?)\)\n", text,
+                                 re.S):
+            reported |= set(re.findall(r"\(\"([a-z_]+)\", ", "".join(listed)))
     assert {"fetch", "collate", "wait", "step", "ring", "prefetch", "ring_fallback"} <= reported
     assert reported <= set(MEANINGS), reported - set(MEANINGS)
 

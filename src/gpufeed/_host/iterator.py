@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -86,15 +87,15 @@ class BaseIter:
     def _finish(
         self, data: Any, asked_at: float, k: int, worker_state: tuple[int, Any] | None = None,
         registered: tuple[int, int] | None = None,
+        occupancy: Sequence[tuple[str, int, int]] = (),
     ) -> Any:
         """Hand batch ``k`` of this epoch (the iterator's count) to the user; ``registered``:
-        the page-locked slot it was written into, whose leaves need no pinning check."""
+        the page-locked slot it was written into, whose leaves need no pinning check;
+        ``occupancy``: (stage, used, capacity) samples to record with it."""
         now = time.perf_counter()
-        rec = self._recorder
-        if self._returned_at:
-            rec.add("step", busy_s=asked_at - self._returned_at)
-        rec.add("wait", blocked_s=now - asked_at)
-        rec.count("batches")
+        returned = self._returned_at
+        self._recorder.handout(asked_at - returned if returned else None, now - asked_at,
+                               occupancy)
         self._num_yielded += 1
         if (
             self._is_iterable

@@ -42,6 +42,7 @@ class WorkAhead:
         self.stock_in_flight = (prefetch_factor or 2) * num_workers
         self.in_flight_bound = self.stock_in_flight
         self.chunk = 1  # batches per worker per task message
+        self.refill_at = self.in_flight_bound - num_workers  # see window()
         self._batch_s = 0.0  # moving average of worker seconds per batch
 
     def window(self, first: bool, in_flight: int) -> int:
@@ -49,7 +50,8 @@ class WorkAhead:
         a chunk per worker, once that many fit under the bound (else 0), or whatever fits
         when nothing is in flight. An epoch's ``first`` window is one batch per worker: its
         first batch then waits for one batch of work, not for a whole chunk (a persistent
-        iterator restarted)."""
+        iterator restarted). Past the first window a window opens only while ``in_flight`` is
+        at most ``refill_at`` or 0: callers skip the call otherwise."""
         full = (1 if first else self.chunk) * self.num_workers
         window = min(full, self.in_flight_bound - in_flight)
         if window <= 0 or (window < full and in_flight):
@@ -80,4 +82,5 @@ class WorkAhead:
             return False
         self.chunk = chunk
         self.in_flight_bound = max(self.stock_in_flight, 2 * chunk * self.num_workers)
+        self.refill_at = self.in_flight_bound - chunk * self.num_workers
         return True

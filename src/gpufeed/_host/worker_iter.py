@@ -24,7 +24,7 @@ import itertools
 import os
 import time
 import weakref
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -32,7 +32,7 @@ from .._base.errors import RemoteError, WorkerError
 from .._memory.keeper import close_ring
 from .._memory.region import reserve_for
 from .._memory.ring import SlotRing
-from .._order.plan import IndexPlan, finish_plan, make_plan, plannable
+from .._order.plan import IndexPlan, make_plan, plannable, pull_as_stock
 from .._sources.packed import check_copy_on_write
 from .collate import unpack
 from .config import IterConfig
@@ -161,31 +161,8 @@ class WorkerIter(BaseIter):
                                    epoch_seed=self._tracker.epoch_seed)
             for w in range(self._num_workers):
                 self._pool.send(w, UsePlan(self._gen, self._plan))
-            self._stock_pulls(0)
+            pull_as_stock(self._plan, self._index_sampler, self._work_ahead.stock_in_flight)
         self._dispatch()
-
-    def _next_task(self) -> tuple[bool, Any]:
-        """(planned, indices) for the next batch; StopIteration at the end of the epoch."""
-        if self._plan is None:
-            return False, self._next_indices()
-        if self._send_idx >= self._plan.n_batches:
-            raise StopIteration
-        return True, None
-
-    def _stock_pulls(self, delivered: int) -> None:
-        """Advance the user's generator as the stock loader would by now.
-
-        Stock pulls ``prefetch_factor * num_workers`` batches of indices from the sampler at
-        ``iter()`` and one more per delivered batch; the pull that exhausts the sampler makes
-        ``RandomSampler`` draw a closing permutation (``IndexPlan.closing_pull``). gpufeed
-        dispatches further ahead, so it makes that draw when stock would: breaking out early
-        leaves the generator as stock does.
-        """
-        plan = self._plan
-        stock = self._work_ahead.stock_in_flight
-        if plan is not None and not plan.finished and stock + delivered >= plan.closing_pull:
-            plan.finished = True
-            finish_plan(self._index_sampler)
 
     def _dispatch(self) -> None:
         """Hand out tasks while fewer than the bound are in flight.
@@ -195,6 +172,7 @@ class WorkerIter(BaseIter):
         a window of ``chunk * num_workers`` batches is handed out at once, each worker's share
         in one message.
         """
+        acquire, new, plan = self._ring.acquire, tuple.__new__, self._plan  # new: in C
         while not self._sampler_done:
             first = self._send_idx < self._num_workers
             window = self._work_ahead.window(first, len(self._tasks) + len(self._ready))
@@ -209,17 +187,22 @@ class WorkerIter(BaseIter):
                 else:
                     self._sampler_done = True  # every iterable worker ran dry
                     break
-                try:
-                    planned, indices = self._next_task()
+                try:  # planned: the worker slices the plan (indices None)
+                    indices = self._next_indices() if plan is None else None
                 except StopIteration:
+                    self._sampler_done = True
+                    break
+                if plan is not None and self._send_idx >= plan.n_batches:
                     self._sampler_done = True
                     break
                 idx = self._send_idx
                 self._send_idx += 1
                 self._tasks[idx] = w
-                acquired = self._ring.acquire()
-                slot = Slot._make(acquired) if acquired is not None else None
-                per_worker.setdefault(w, []).append(Task(idx, planned, indices, slot))
+                slot = acquire()
+                if slot is not None:
+                    slot = new(Slot, slot)
+                per_worker.setdefault(w, []).append(new(Task, (idx, plan is not None, indices,
+                                                               slot)))
             for w, tasks in per_worker.items():
                 self._pool.send(w, Tasks(self._gen, tasks, self._tracker.epoch))
         ring = self._ring
@@ -234,17 +217,15 @@ class WorkerIter(BaseIter):
             self.close()
             msg.error.reraise()
             return
-        cost = 0.0
-        n = 0
-        recorder = self._recorder
+        fetched = [r for r in msg.results if type(r) is Fetched]
+        if fetched:  # one recorder call per stage and message, not per batch
+            fetch_s, collate_s = [r.fetch_s for r in fetched], [r.collate_s for r in fetched]
+            self._recorder.add_many("fetch", fetch_s)
+            self._recorder.add_many("collate", collate_s)
         for result in msg.results:
-            if isinstance(result, Fetched):
-                cost += result.fetch_s + result.collate_s
-                n += 1
-                recorder.add("fetch", busy_s=result.fetch_s)
-                recorder.add("collate", busy_s=result.collate_s)
             self._result(w, msg.gen, result)
-        if n and self._work_ahead.adapt(cost / n, self._ring.slot_bytes):
+        cost = (sum(fetch_s) + sum(collate_s)) / len(fetched) if fetched else 0.0
+        if fetched and self._work_ahead.adapt(cost, self._ring.slot_bytes):
             self._ring.set_slots_hint(self._work_ahead.slots_hint)
 
     def _result(self, w: int, gen: int, result: Result) -> None:
@@ -254,14 +235,15 @@ class WorkerIter(BaseIter):
                 self._ring.release(slot_id)
             return
         self._tasks.pop(batch, None)
-        if isinstance(result, Fetched):
+        if type(result) is Fetched:
             if result.dataset_state is not None:
                 self._dataset_states[batch] = WorkerState(w, result.dataset_state)
             if result.unsupported:
                 self._recorder.count("ring_unsupported")
-            self._ring.learn(result.need)
+            if result.need > self._ring.slot_bytes:
+                self._ring.learn(result.need)
             base = self._ring.lease(slot_id, result.used) if slot_id >= 0 else None
-            spill = cast("torch.Tensor | None", result.spill)  # arrived: a SpillFile, mapped
+            spill: torch.Tensor | None = result.spill  # type: ignore[assignment]  # mapped
             self._ready[batch] = unpack(result.packed, base, spill)
             if base is not None and self._pin:
                 self._slot_of[batch] = slot_id
@@ -324,7 +306,8 @@ class WorkerIter(BaseIter):
                 return
 
     def __next__(self) -> Any:
-        self._check_capture()
+        if self._pin:
+            self._check_capture()
         asked_at = time.perf_counter()
         while True:
             if self._closed:
@@ -344,22 +327,31 @@ class WorkerIter(BaseIter):
                     continue
                 idx = next(iter(self._ready))
             data = self._ready.pop(idx)
-            self._stock_pulls(self._num_yielded + 1)
-            self._dispatch()
+            plan, ahead = self._plan, self._work_ahead
+            pulled = ahead.stock_in_flight + self._num_yielded + 1
+            if plan is not None and not plan.finished and pulled >= plan.closing_pull:
+                pull_as_stock(plan, self._index_sampler, pulled)  # as stock's generator
+            in_flight = len(self._ready) + len(self._tasks)
+            if not self._sampler_done and (in_flight <= ahead.refill_at or in_flight == 0
+                                           or self._send_idx < self._num_workers):
+                self._dispatch()  # (else no window would open: WorkAhead.refill_at)
             if data is _STOP:
                 continue
             if isinstance(data, RemoteError):
                 data.reraise()
             ring = self._ring
-            self._recorder.occupancy("ring", ring.in_use, ring.capacity_slots)
+            cap = ring.capacity_slots
+            occupancy = [("ring", ring.in_use, cap),
+                         ("prefetch", len(self._ready) + len(self._tasks), ahead.in_flight_bound)]
             if ring.pin:
-                self._recorder.occupancy("ring_fenced", ring.fenced, ring.capacity_slots)
-            self._recorder.occupancy(
-                "prefetch", len(self._ready) + len(self._tasks), self._work_ahead.in_flight_bound
-            )
-            sid = self._slot_of.pop(idx, None)  # a pinned slot (a device stage orders copies)
-            span = ring.hand_out(sid, streams=self._direct) if sid is not None else None
-            return self._finish(data, asked_at, idx, self._dataset_states.pop(idx, None), span)
+                occupancy.append(("ring_fenced", ring.fenced, cap))
+            span = None
+            if self._slot_of:  # batches in pinned slots (a device stage orders their copies)
+                sid = self._slot_of.pop(idx, None)
+                span = ring.hand_out(sid, streams=self._direct) if sid is not None else None
+            states = self._dataset_states
+            return self._finish(data, asked_at, idx, states.pop(idx, None) if states else None,
+                                span, occupancy)
 
     def _end_epoch(self) -> None:
         self._tracker.host_exhausted()

@@ -87,7 +87,7 @@ import numpy as np
 
 from .._base import cuda as _cuda
 from . import pinning as _pinning
-from .region import PAGE, Region, align
+from .region import ALIGN, PAGE, Region, align
 from .release import Releaser, warn_unpinned
 
 __all__ = ["SlotRing"]
@@ -180,8 +180,9 @@ class SlotRing:
     @property
     def in_use(self) -> int:
         """Slots with a worker or the user: neither free, nor waiting for a fence."""
+        fenced = len(self._parked) + (len(self._fences) if self._pins else 0)  # fences: pins'
         return (len(self._slots) - len(self._free) - len(self._released) - len(self._dropped)
-                - self.fenced)
+                - fenced)
 
     @property
     def fenced(self) -> int:
@@ -191,11 +192,12 @@ class SlotRing:
     # -- acquire / release ---------------------------------------------------------------
     def acquire(self) -> tuple[int, int, int] | None:
         """A free slot as (id, offset, size), a new one within budget, or None (fallback)."""
-        self._collect_released()
+        if not self._free:  # released slots are collected when none is left: once a window
+            self._collect_released()
+            if not self._free:
+                self._unfence()
         if not self.slot_bytes or self.closed:
             return None
-        if not self._free:
-            self._unfence()
         counted = self.live_bytes - self.carried_bytes  # against the budget
         while self._free:
             sid = self._free.pop()
@@ -345,7 +347,7 @@ class SlotRing:
             self.release(sid)
             return None
         self._out.discard(sid)
-        base = self.region_array[off : off + align(used)]
+        base = self.region_array[off : off + (used + ALIGN - 1) // ALIGN * ALIGN]  # align()
         if sid in self._pins:
             fin = weakref.finalize(base, self._releaser, sid)
             fin.atexit = False

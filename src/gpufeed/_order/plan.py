@@ -26,13 +26,10 @@ class IndexPlan:
         self.perm, self.n, self.batch_size, self.drop_last = perm, n, batch_size, drop_last
         self.n_batches = n // batch_size if drop_last else -(-n // batch_size)
         self.finished = False  # the sampler's closing draw was made (main process only)
-
-    @property
-    def closing_pull(self) -> int:
-        """Which ``next()`` on torch's ``BatchSampler`` exhausts its sampler: the last batch's
-        when it is partial and kept (``islice`` runs into the end), else the one after it."""
-        partial = not self.drop_last and self.n % self.batch_size
-        return self.n_batches if partial else self.n_batches + 1
+        # Which ``next()`` on torch's ``BatchSampler`` exhausts its sampler: the last batch's
+        # when it is partial and kept (``islice`` runs into the end), else the one after it.
+        partial = not drop_last and n % batch_size
+        self.closing_pull = self.n_batches if partial else self.n_batches + 1
 
     def batch(self, k: int) -> torch.Tensor:
         lo = k * self.batch_size
@@ -85,6 +82,21 @@ def make_plan(
         if shared:
             perm.share_memory_()
     return IndexPlan(perm, n, batch_size=bs, drop_last=batch_sampler.drop_last)
+
+
+def pull_as_stock(plan: IndexPlan, batch_sampler: BatchSampler, pulled: int) -> None:
+    """Advance the user's generator as the stock loader would have once it ``pulled``
+    batches of indices from its sampler.
+
+    Stock pulls ``prefetch_factor * num_workers`` batches of indices from the sampler at
+    ``iter()`` and one more per delivered batch; the pull that exhausts the sampler makes
+    ``RandomSampler`` draw a closing permutation (``IndexPlan.closing_pull``). gpufeed
+    dispatches further ahead, so it makes that draw when stock would: breaking out early
+    leaves the generator as stock does.
+    """
+    if not plan.finished and pulled >= plan.closing_pull:
+        plan.finished = True
+        finish_plan(batch_sampler)
 
 
 def finish_plan(batch_sampler: BatchSampler) -> None:
