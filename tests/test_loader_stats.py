@@ -91,7 +91,11 @@ def test_every_documented_stat_is_recorded(monkeypatch):
     tuned = gpufeed.DataLoader(SleepDataset(61, slow_from=0, seconds=0.0005, once=False),
                                batch_size=8, num_workers="auto", worker_type="thread")
     run_epochs(tuned)
-    collect(tuned.stats())
+    auto = tuned.stats()
+    collect(auto)
+    # the same handout figures as a static count (they were once left out under "auto")
+    assert auto.counters["samples"] == 61 and auto.stages["ring"].capacity > 0
+    assert auto.stages["prefetch"].occupancy_max > 0 and auto.counters["ring_slots"] > 0
     # batches kept past a one-batch ring: fallbacks; varying shapes: more slots carved
     small = gpufeed.DataLoader(Ragged(), batch_size=8, num_workers=2, worker_type="thread",
                                collate_fn=pad, ring_bytes=4096)

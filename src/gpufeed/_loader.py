@@ -170,7 +170,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, in_order=in_order,
         )
-        # Unset: gpufeed sizes work-ahead itself (NOTE [ Messages ] in _host/worker_iter.py).
+        # Unset: gpufeed sizes work-ahead itself (NOTE [ Messages ] in _host/messages.py).
         self._prefetch_explicit = prefetch_factor is not None
         self.worker_type = worker_type
         self.ring_bytes = ring_bytes

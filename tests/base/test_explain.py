@@ -17,9 +17,18 @@ def test_every_stat_the_core_reports_has_a_meaning():
     reported = set()
     for path in SRC.rglob("*.py"):
         text = path.read_text()
-        reported |= set(re.findall(r"\.(?:add|count|gauge|occupancy)\(\s*\"([a-z_]+)\"", text))
+        reported |= set(re.findall(r"\.(?:add|add_many|count|gauge|occupancy)\(\s*\"([a-z_]+)\"",
+                                   text))
+        # handout's stages and counters (step, wait, startup, batches, samples) and the
+        # (stage, ...) tuples passed to it, on lines that build them: occupancy = [("ring", ...)],
+        # occupancy.append(("prefetch", ...)), return occupancy, (("ring_slots", ...), ...)
+        reported |= set(re.findall(r"_stage\(\"([a-z_]+)\"\)", text))
+        reported |= set(re.findall(r"counters\[\"([a-z_]+)\"\]", text))
+        for line in text.splitlines():
+            if "occupancy" in line:
+                reported |= set(re.findall(r"\(\"([a-z_]+)\", ", line))
     assert {"fetch", "collate", "startup", "wait", "step", "ring", "prefetch", "ring_fallback",
-            "samples", "ring_slots", "ring_bytes"} <= reported
+            "samples", "ring_slots", "ring_bytes", "ring_fenced"} <= reported
     assert reported <= set(MEANINGS), reported - set(MEANINGS)
 
 

@@ -7,6 +7,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,45 @@ def test_measure_loader_stops_and_consumes() -> None:
     m = measure_loader(lambda: _paced(10_000, first_s=0, step_s=0.01), max_seconds=0.1,
                        warmup_batches=1, sample_memory=False)
     assert 2 <= m.batches <= 12 and 0.1 <= m.seconds < 0.3
+
+
+def _busy(s: float) -> None:
+    end = time.thread_time() + s
+    while time.thread_time() < end:
+        pass
+
+
+def _burning(n: int, *, cpu_s: float, sleep_s: float) -> Iterator[torch.Tensor]:
+    """Batches that cost the iterating thread ``cpu_s`` of CPU and ``sleep_s`` of waiting."""
+    for _ in range(n):
+        _busy(cpu_s)
+        time.sleep(sleep_s)
+        yield torch.zeros(10, 4)
+
+
+def test_measure_loader_reads_the_main_process_cpu() -> None:
+    # 2 warm-up batches burn 0.1 s each: excluded; 8 counted batches burn 10 ms and sleep 10 ms
+    def make() -> Iterator[torch.Tensor]:
+        yield from _burning(2, cpu_s=0.1, sleep_s=0)
+        yield from _burning(8, cpu_s=0.01, sleep_s=0.01)
+
+    m = measure_loader(make, warmup_batches=2, sample_memory=True, sample_interval_s=0.005)
+    assert m.batches == 8
+    # CPU, not wall time (0.16 s): the sleeps are not in it, nor the warm-up's 0.2 s
+    assert 0.08 <= m.main_thread_cpu_s < 0.08 + 0.05
+    assert m.main_cpu_s_per_batch[0] == pytest.approx(m.main_thread_cpu_s / 8)
+    # the process figure leaves the PSS sampler's thread out; a helper thread counts
+    assert m.main_thread_cpu_s <= m.main_process_cpu_s + 0.005 < 0.08 + 0.06
+
+    def with_helper() -> Iterator[torch.Tensor]:
+        yield from _burning(1, cpu_s=0, sleep_s=0)
+        helper = threading.Thread(target=_busy, args=(0.1,))
+        helper.start()
+        yield from _burning(5, cpu_s=0, sleep_s=0.05)
+        helper.join()
+
+    m = measure_loader(with_helper, warmup_batches=1, sample_memory=False)
+    assert m.main_thread_cpu_s < 0.03 and m.main_process_cpu_s >= 0.1
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -327,6 +367,9 @@ def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
             for key in ("samples_per_s", "peak_pss_bytes", "first_batch_s"):
                 assert r["median"][key] == statistics.median(x[key] for x in runs)
             assert r["median"]["peak_pss_bytes"] > 0
+            cpu = r["median"]["main_thread_cpu_s_per_batch"]
+            assert 0 < cpu <= r["median"]["main_process_cpu_s_per_batch"] + 1e-4
+            assert cpu == statistics.median(x["main_thread_cpu_s_per_batch"] for x in runs)
             kinds = sum(r["median"][f"peak_pss_{k}_bytes"] for k in ("anon", "file", "shmem"))
             assert kinds == 0 or kinds == pytest.approx(r["median"]["peak_pss_bytes"], rel=0.05)
         # equal work: every loader delivered the same samples (one epoch)
@@ -353,6 +396,7 @@ def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     md = (out / "cpu.md").read_text()
     assert md == render_markdown(doc) and "| workload | stock best |" in md
     assert "| gpufeed % of ceiling |" in md and "No-loader ceiling: 2 plain forked" in md
+    assert "| main CPU us/batch: thread / process |" in md
     for w in doc["workloads"]:
         for c in w["ceiling"]:
             assert f"| {w['name']} | {c['variant']} | {CEILING} | " in md

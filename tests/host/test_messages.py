@@ -1,5 +1,5 @@
 """The messages between the main process and its workers: they pickle, and the worker loop
-answers typed tasks with typed results (NOTE [ Messages ] in ``_host/worker_iter.py``)."""
+answers typed tasks with typed results (NOTE [ Messages ] in ``_host/messages.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pickle
 import queue
 import threading
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ from torch.utils.data import BatchSampler, Dataset, IterableDataset, SequentialS
 
 import gpufeed
 from gpufeed._base.errors import RemoteError, capture
+from gpufeed._host.collate import unpack
 from gpufeed._host.messages import (
     Done,
     Dropped,
@@ -88,6 +89,8 @@ def _messages() -> list[Any]:
         Exhausted(6, 2),
         Failed(7, 1, _error()),
         Done(2, [Dropped(5, -1), Exhausted(6, 2)]),
+        Done(3, [Fetched(4, 3, 128, 256, ({"x": 1}, []), 0.5, 0.25, None, None, False),
+                 Failed(7, 1, _error())]),
         StartFailed(_error()),
         WorkerState(1, {"pos": 9}),
         _spec(Squares()),
@@ -106,6 +109,9 @@ def test_every_message_survives_a_pickle_round_trip(dumps):
             if isinstance(value, RemoteError):
                 assert (got.type_name, got.where, got.text) == \
                     (value.type_name, value.where, value.text)
+            elif name == "results" and any(isinstance(r, Failed) for r in value):
+                assert [type(r) for r in got] == [type(r) for r in value]
+                assert got[0] == value[0] and got[1][:2] == value[1][:2]
             elif name == "plan":
                 assert torch.equal(got.batch(1), value.batch(1))
             elif name == "dataset":
@@ -153,6 +159,11 @@ class _Worker:
         assert not self.thread.is_alive() and self.results.empty()
 
 
+def _batch(result: Fetched) -> Any:
+    """The batch a worker without a ring answered (no slot, nothing to view)."""
+    return unpack(result.packed, None)
+
+
 def test_a_thread_worker_answers_typed_tasks():
     plan = make_plan(BatchSampler(SequentialSampler(range(16)), 4, False), shared=False)
     worker = _Worker(_spec(Squares()))
@@ -164,10 +175,10 @@ def test_a_thread_worker_answers_typed_tasks():
     assert isinstance(done, Done) and done.gen == 1
     ok, planned, failed = done.results
     assert isinstance(ok, Fetched) and (ok.batch, ok.slot_id, ok.dataset_state) == (0, -1, None)
-    assert torch.equal(ok.packed, torch.tensor([[1], [4]]))
+    assert torch.equal(_batch(ok), torch.tensor([[1], [4]]))
     assert ok.fetch_s >= 0 and ok.collate_s >= 0 and ok.spill is None and not ok.unsupported
     assert isinstance(planned, Fetched)
-    assert torch.equal(planned.packed, torch.tensor([[16], [25], [36], [49]]))
+    assert torch.equal(_batch(planned), torch.tensor([[16], [25], [36], [49]]))
     assert isinstance(failed, Failed) and (failed.batch, failed.slot_id) == (2, -1)
     assert failed.error.type_name == "ValueError" and "sample index 13" in failed.error.where
 
@@ -197,14 +208,14 @@ def test_iterable_streams_reset_and_run_dry():
     worker.send(Tasks(1, [Task(0, False, 2, None), Task(1, False, 2, None),
                           Task(2, False, 2, None)], 0))
     a, b, c = worker.answer().results
-    assert torch.equal(a.packed, torch.tensor([[0], [1]]))
-    assert torch.equal(b.packed, torch.tensor([[2]]))
+    assert torch.equal(_batch(a), torch.tensor([[0], [1]]))
+    assert torch.equal(_batch(b), torch.tensor([[2]]))
     assert c == Exhausted(2, -1)
     worker.send(ResetStream(2, None))
     worker.send(Tasks(2, [Task(0, False, 4, None)], 0))
     (again,) = worker.answer().results
     worker.stop()
-    assert torch.equal(again.packed, torch.tensor([[0], [1], [2]]))
+    assert torch.equal(_batch(again), torch.tensor([[0], [1], [2]]))
 
 
 class Noisy(Dataset[torch.Tensor]):
@@ -220,7 +231,7 @@ def test_reseed_and_epoch_reach_the_fetcher():
 
     def batch(epoch: int) -> torch.Tensor:
         worker.send(Tasks(1, [Task(0, False, [0, 1], None)], epoch))
-        return worker.answer().results[0].packed
+        return _batch(worker.answer().results[0])
 
     a, b = batch(0), batch(1)
     worker.send(Reseed(1, 6))
@@ -242,3 +253,16 @@ def test_a_failed_start_answers_start_failed():
     worker.thread.join(30)
     assert isinstance(msg, StartFailed) and not worker.thread.is_alive()
     assert msg.error.type_name == "RuntimeError" and "during start-up" in msg.error.where
+
+
+class Later(NamedTuple):
+    """A result type the fast pickling of ``Done`` does not list."""
+
+    batch: int
+    slot_id: int
+
+
+def test_done_carries_a_result_type_it_does_not_list():
+    done = Done(4, [Later(1, 2), Dropped(3, -1)])
+    back = pickle.loads(ForkingPickler.dumps(done))
+    assert back == done and [type(r) for r in back.results] == [Later, Dropped]

@@ -274,22 +274,63 @@ class StatsRecorder:
     def add(self, stage: str, busy_s: float = 0.0, blocked_s: float = 0.0) -> None:
         """Record one batch through ``stage``: ``busy_s`` seconds working, ``blocked_s`` blocked."""
         with self._lock:
+            self._add(self._stages.get(stage) or self._stage(stage), busy_s, blocked_s)
+
+    def _add(self, st: _Stage, busy_s: float, blocked_s: float) -> None:  # lock held
+        st.busy += busy_s
+        st.blocked += blocked_s
+        st.samples[st.pos % self._window] = busy_s + blocked_s
+        st.pos += 1
+        st.batches += 1
+
+    def add_many(self, stage: str, busy: Sequence[float]) -> None:
+        """``add(stage, busy_s=b)`` for each ``b`` of ``busy``, in one lock round trip (the
+        batches of one worker message)."""
+        with self._lock:
             st = self._stages.get(stage) or self._stage(stage)
-            st.busy += busy_s
-            st.blocked += blocked_s
-            st.samples[st.pos % self._window] = busy_s + blocked_s
-            st.pos += 1
-            st.batches += 1
+            samples, window = st.samples, self._window
+            for b in busy:
+                samples[st.pos % window] = b
+                st.pos += 1
+                st.busy += b
+            st.batches += len(busy)
+
+    def handout(self, step_s: float | None, wait_s: float, samples: int | None = None,
+                occupancy: Sequence[tuple[str, int, int]] = (),
+                gauges: Sequence[tuple[str, int]] = ()) -> None:
+        """One batch of ``samples`` samples handed to the user, in one lock round trip:
+        ``add("step", busy_s=step_s)`` and ``add("wait", blocked_s=wait_s)`` (``step_s`` None:
+        the first batch, whose wait is worker start-up, ``add("startup", blocked_s=wait_s)``,
+        left out of the input-bound share), ``count("batches")``, ``count("samples", samples)``,
+        ``occupancy(*o)`` for each ``o`` of ``occupancy`` and ``gauge(*g)`` for each ``g`` of
+        ``gauges``."""
+        with self._lock:
+            stages, counters = self._stages, self._counters
+            if step_s is not None:
+                self._add(stages.get("step") or self._stage("step"), step_s, 0.0)
+                self._add(stages.get("wait") or self._stage("wait"), 0.0, wait_s)
+            else:
+                self._add(stages.get("startup") or self._stage("startup"), 0.0, wait_s)
+            counters["batches"] = counters.get("batches", 0) + 1
+            if samples is not None:
+                counters["samples"] = counters.get("samples", 0) + samples
+            for name, used, capacity in occupancy:
+                self._occupy(stages.get(name) or self._stage(name), used, capacity)
+            for name, value in gauges:
+                counters[name] = value
 
     def occupancy(self, stage: str, used: int, capacity: int) -> None:
         """Sample how many of ``capacity`` queue or ring slots of ``stage`` are in use now."""
         with self._lock:
-            st = self._stages.get(stage) or self._stage(stage)
-            st.occ_sum += used
-            st.occ_n += 1
-            if used > st.occ_max:
-                st.occ_max = used
-            st.cap = capacity
+            self._occupy(self._stages.get(stage) or self._stage(stage), used, capacity)
+
+    @staticmethod
+    def _occupy(st: _Stage, used: int, capacity: int) -> None:  # lock held
+        st.occ_sum += used
+        st.occ_n += 1
+        if used > st.occ_max:
+            st.occ_max = used
+        st.cap = capacity
 
     def count(self, name: str, k: int = 1) -> None:
         """Add ``k`` to the counter ``name`` (e.g. "ring_fallback")."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any, cast
 
 from .._base.system import CpuTimes, TreeCpu, private_bytes
@@ -110,7 +111,9 @@ class AutoIter(WorkerIter):
 
     def _finish(self, data: Any, asked_at: float, k: int,
                 worker_state: tuple[int, Any] | None = None,
-                registered: tuple[int, int] | None = None) -> Any:
+                registered: tuple[int, int] | None = None,
+                occupancy: Sequence[tuple[str, int, int]] = (),
+                gauges: Sequence[tuple[str, int]] = ()) -> Any:
         now = time.perf_counter()
         m, tuner = self._meter, self._tuner
         m.batches += 1
@@ -123,7 +126,7 @@ class AutoIter(WorkerIter):
             move = tuner.decide(self._token, self._close_window(now))
         if move is not None:
             self._apply(move.workers, move.depth)
-        return super()._finish(data, asked_at, k, worker_state, registered)
+        return super()._finish(data, asked_at, k, worker_state, registered, occupancy, gauges)
 
     def _gauges(self) -> Gauges:
         wa, ring = self._work_ahead, self._ring

@@ -5,12 +5,14 @@ torch's own ``collate`` with a tensor rule of ours), except that stacked tensors
 into memory handed out by a :class:`SlotWriter`, so the batch exists once, in the slot.
 
 ``pack`` replaces each tensor or array of a collated batch (from any ``collate_fn``) by a
-:class:`Leaf` naming where its bytes lie in the slot, copying it there first if it is not
-already; ``unpack`` turns those leaves back into tensors or arrays viewing the slot.
+:class:`LeafRef` to a :data:`Leaf` naming where its bytes lie in the slot, copying it there
+first if it is not already; ``unpack`` turns those leaves back into tensors or arrays viewing
+the slot.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -19,7 +21,7 @@ import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from .._base.tree import byte_extent, tree_map
-from .._memory.region import ALIGN, align, contiguous_at
+from .._memory.region import ALIGN, align, contiguous_at, contiguous_strides
 from .._memory.spill import Spill
 
 
@@ -60,8 +62,13 @@ class SlotWriter:
         if typed is None:  # the region's size is a multiple of every itemsize
             typed = self._typed[dtype] = self.region.view(dtype)
         t = contiguous_at(typed, shape, self.cur // isz)
-        self.cur += align(nbytes)
+        self.cur += (nbytes + ALIGN - 1) // ALIGN * ALIGN  # align()
         return t
+
+    def alloc_any(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Memory for a leaf: in the slot (``alloc``), else ``fallback``."""
+        out = self.alloc(shape, dtype)
+        return out if out is not None else self.fallback(shape, dtype)
 
     def fallback(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Memory for a tensor that does not fit the slot: the batch's spill file when it must
@@ -112,33 +119,79 @@ def ringable(t: torch.Tensor) -> bool:
     """Whether the ring (or a spill file) can hold ``t`` as raw bytes viewed back as a tensor:
     a plain strided CPU tensor. Nested, sparse and quantized tensors, tensor subclasses (their
     type and attributes) and tensors on other devices go torch's own way."""
-    return (
-        type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided
+    return (  # is_cpu: 0.1 us, where device.type builds a device (0.8 us)
+        type(t) is torch.Tensor and t.is_cpu and t.layout == torch.strided
         and not t.is_nested and not t.is_quantized
     )
 
 
-class Leaf:
-    """Where one tensor (or numpy array) of a batch lies: in its slot, or in its spill file."""
+class LeafRef:
+    """Where leaf ``index`` of a packed batch stood in its tree (see :func:`pack`).
 
-    __slots__ = ("dtype", "is_numpy", "offset", "shape", "spill", "stride")
+    One instance per index and process, pickled by name (``LEAF_<index>``, resolved by this
+    module's ``__getattr__``): a message of many batches pickles each once, and the main
+    process places leaves by index, whatever order a container iterates in there.
+    """
 
-    def __init__(
-        self, offset: int, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...],
-        is_numpy: bool, spill: bool = False,
-    ) -> None:
-        self.offset, self.dtype, self.shape, self.stride = offset, dtype, shape, stride
-        self.is_numpy, self.spill = is_numpy, spill
+    __slots__ = ("index",)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Leaf, (self.offset, self.dtype, self.shape, self.stride, self.is_numpy,
-                       self.spill))
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> str:
+        return f"LEAF_{self.index}"
+
+    def __repr__(self) -> str:
+        return f"LEAF_{self.index}"
+
+
+_refs: list[LeafRef] = []
+_flat: dict[int, tuple[LeafRef, ...]] = {}  # (LEAF_0, ..., LEAF_{n-1}): a flat batch
+
+
+def leaf_ref(index: int) -> LeafRef:
+    while len(_refs) <= index:
+        ref = LeafRef(len(_refs))
+        _refs.append(ref)
+        globals()[repr(ref)] = ref  # found by the unpickler without calling __getattr__
+    return _refs[index]
+
+
+def __getattr__(name: str) -> LeafRef:  # unpickling LEAF_<index>
+    if name.startswith("LEAF_") and name[5:].isdigit():
+        return leaf_ref(int(name[5:]))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# One leaf on the wire, a plain tuple (cheap to pickle): (offset in elements, dtype name,
+# shape, stride in elements or None when contiguous, a numpy array?, in the spill file?).
+Leaf = tuple[int, str, tuple[int, ...], tuple[int, ...] | None, bool, bool]
+_dtype_names: dict[torch.dtype, str] = {}
+_dtypes: dict[str, torch.dtype] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = _dtypes.get(name)
+    if dtype is None:
+        dtype = getattr(torch, name)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"gpufeed internal error: {name!r} names no torch dtype")
+        _dtypes[name] = dtype
+    return dtype
 
 
 class Packed(NamedTuple):
     """A batch described for the trip to the main process (see :func:`pack`)."""
 
-    batch: Any  # the batch, its ringable leaves replaced by Leaf
+    batch: Any  # the batch, its ringable leaves replaced by LeafRef
+    leaves: list[Leaf]  # where each leaf's bytes lie, by LeafRef index
     used: int  # bytes of the slot the leaves span
     need: int  # bytes the whole batch would take in a slot (the ring learns slot sizes)
     unsupported: bool  # some tensor leaf is not ringable: it travels torch's own way
@@ -149,15 +202,34 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
 
     Leaves that do not fit the slot are copied into the spill file (process workers) or stay
     ordinary tensors (threads); never truncated. Leaves that are not ``ringable`` stay as they
-    are (torch's pickling carries them, as the stock loader's).
+    are (torch's pickling carries them, as the stock loader's). The others are replaced in the
+    tree by a :class:`LeafRef` to a plain :data:`Leaf` tuple: both cost the pickler no Python
+    call (a ``Leaf`` object per leaf cost two, one on each side of the pipe).
     """
     used = 0
     need = 0
     unsupported = False
+    leaves: list[Leaf] = []
+    names, refs = _dtype_names, _refs
 
     def leaf(x: Any) -> Any:
         nonlocal used, need, unsupported
         is_numpy = False
+        if (type(x) is torch.Tensor and writer is not None and x.is_cpu
+                and x.layout == torch.strided and not x.is_nested and not x.is_quantized
+                and writer.start + writer.base <= x.data_ptr() < writer.end + writer.base
+                and x.is_contiguous()):
+            # the common case, in line: a ringable leaf collated into the slot
+            esize = x.element_size()
+            nbytes = x.numel() * esize
+            need += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+            rel = x.data_ptr() - writer.base - writer.start
+            if rel + nbytes > used:
+                used = rel + nbytes
+            leaves.append((rel // esize, names.get(x.dtype) or _dtype_name(x.dtype),
+                           tuple(x.shape), None, False, False))
+            k = len(leaves) - 1
+            return refs[k] if k < len(refs) else leaf_ref(k)
         if isinstance(x, torch.Tensor):
             if not ringable(x):
                 unsupported = True
@@ -180,6 +252,7 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
         if writer is None:
             return x
         ptr = t.data_ptr()
+        spilled = None
         if not writer.owns_ptr(ptr):
             spilled = writer.spill_offset(ptr)  # collated into the spill file already?
             if spilled is None:  # copy it into the slot, else into the batch's spill file
@@ -191,49 +264,74 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
                 t = dst.copy_(t)
                 ptr = t.data_ptr()
                 spilled = writer.spill_offset(ptr)
-            if spilled is not None:
-                return Leaf(spilled // esize, t.dtype, tuple(t.shape), t.stride(), is_numpy,
-                            spill=True)
-        rel = ptr - writer.base - writer.start
-        span = nbytes if t.is_contiguous() else byte_extent(t)
-        if rel + span > used:
-            used = rel + span
-        return Leaf(rel // esize, t.dtype, tuple(t.shape), t.stride(), is_numpy)
+        contiguous = t.is_contiguous()
+        stride = None if contiguous else t.stride()
+        if spilled is None:
+            rel = ptr - writer.base - writer.start
+            span = nbytes if contiguous else byte_extent(t)
+            if rel + span > used:
+                used = rel + span
+            leaves.append((rel // esize, _dtype_name(t.dtype), tuple(t.shape), stride, is_numpy,
+                           False))
+        else:
+            leaves.append((spilled // esize, _dtype_name(t.dtype), tuple(t.shape), stride,
+                           is_numpy, True))
+        return leaf_ref(len(leaves) - 1)
 
-    packed = tree_map(leaf, batch)
-    return Packed(packed, used, need, unsupported)
+    cls = type(batch)
+    if (cls is tuple or cls is list) and set(map(type, batch)) <= _PLAIN:  # no walk needed
+        packed = cls(map(leaf, batch))
+    else:
+        packed = tree_map(leaf, batch)
+    return tuple.__new__(Packed, (packed, leaves, used, need, unsupported))
 
 
-def _empty_leaf(x: Any) -> Any:
-    if type(x) is not Leaf:
-        return x
-    t = torch.empty(x.shape, dtype=x.dtype)
-    return t.numpy() if x.is_numpy else t
+_PLAIN = {torch.Tensor}  # leaves tree_map hands to its function as they are
 
 
-def unpack(packed: Any, base: np.ndarray | None, spill: torch.Tensor | None = None) -> Any:
-    """Rebuild a packed batch as views of ``base`` (the slot's bytes; None: no leaf lies
-    there but empty ones) and ``spill`` (its spill file's bytes, if any)."""
-    if base is None and spill is None:
-        return tree_map(_empty_leaf, packed)
+def unpack(packed: tuple[Any, list[Leaf]], base: np.ndarray | None,
+           spill: torch.Tensor | None = None) -> Any:
+    """Rebuild a packed batch, ``(tree, leaves)`` of :func:`pack`, as views of ``base`` (the
+    slot's bytes; None: no leaf lies there but empty ones) and ``spill`` (its spill file's
+    bytes, if any)."""
+    tree, leaves = packed
+    if not leaves:
+        return tree
     typed: dict[tuple[bool, torch.dtype], torch.Tensor] = {}
+    views = []
+    dtypes = _dtypes
+    for offset, name, shape, stride, is_numpy, in_spill in leaves:
+        dtype = dtypes.get(name) or _dtype(name)
+        if 0 in shape:
+            t = torch.empty(shape, dtype=dtype)
+        elif stride is None and len(shape) == 1 and not in_spill:
+            # a storage of its own: one call, where a typed view and a slice take two
+            t = torch.frombuffer(base, dtype=dtype, count=shape[0],
+                                 offset=offset * dtype.itemsize)
+        else:
+            key = (in_spill, dtype)
+            flat = typed.get(key)
+            if flat is None:  # frombuffer per dtype: much cheaper than a uint8 .view(dtype)
+                flat = typed[key] = (
+                    spill.view(dtype) if in_spill and spill is not None
+                    else torch.frombuffer(base, dtype=dtype)
+                )
+            t = flat.as_strided(shape, stride or contiguous_strides(shape), offset)
+        views.append(t.numpy() if is_numpy else t)
+    cls = type(tree)
+    n = len(views)
+    if (cls is tuple or cls is list) and len(tree) == n and all(
+            map(operator.is_, tree, _flat.get(n) or _flat_refs(n))):
+        return tuple(views) if cls is tuple else views  # a flat batch: (x, y), [x, y]
+    return tree_map(lambda x: views[x.index] if type(x) is LeafRef else x, tree)
 
-    def leaf(x: Any) -> Any:
-        if type(x) is not Leaf:
-            return x
-        if 0 in x.shape:
-            return _empty_leaf(x)
-        key = (x.spill, x.dtype)
-        flat = typed.get(key)
-        if flat is None:  # frombuffer per dtype: much cheaper than a uint8 .view(dtype)
-            flat = typed[key] = (
-                spill.view(x.dtype) if spill is not None and x.spill
-                else torch.frombuffer(base, dtype=x.dtype)
-            )
-        t = flat.as_strided(x.shape, x.stride, x.offset)
-        return t.numpy() if x.is_numpy else t
 
-    return tree_map(leaf, packed)
+def _flat_refs(n: int) -> tuple[LeafRef, ...]:
+    refs = _flat.get(n)
+    if refs is None:
+        refs = _flat[n] = tuple(leaf_ref(i) for i in range(n))
+    return refs
 
 
-__all__ = ["ALIGN", "Leaf", "Packed", "SlotWriter", "collate_into", "pack", "ringable", "unpack"]
+__all__ = ["ALIGN", "Leaf", "LeafRef", "Packed", "SlotWriter", "collate_into", "leaf_ref", "pack",
+           "ringable", "unpack"]

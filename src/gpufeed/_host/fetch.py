@@ -302,14 +302,13 @@ def thread_copy(dataset: Any) -> Any:
 
 def _alloc_for(writer: SlotWriter | None) -> Callable[[tuple[int, ...], Any], Any]:
     """Memory for a batch leaf: a slot of the ring when there is one, else a fresh tensor."""
+    if writer is not None:
+        return writer.alloc_any
 
     def alloc(shape: tuple[int, ...], dtype: Any) -> Any:
-        if writer is None:
-            import torch
+        import torch
 
-            return torch.empty(shape, dtype=dtype)
-        out = writer.alloc(shape, dtype)
-        return out if out is not None else writer.fallback(shape, dtype)
+        return torch.empty(shape, dtype=dtype)
 
     return alloc
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -99,19 +100,18 @@ class BaseIter:
     def _finish(
         self, data: Any, asked_at: float, k: int, worker_state: tuple[int, Any] | None = None,
         registered: tuple[int, int] | None = None,
+        occupancy: Sequence[tuple[str, int, int]] = (),
+        gauges: Sequence[tuple[str, int]] = (),
     ) -> Any:
         """Hand batch ``k`` of this epoch (the iterator's count) to the user; ``registered``:
-        the page-locked slot it was written into, whose leaves need no pinning check."""
+        the page-locked slot it was written into, whose leaves need no pinning check;
+        ``occupancy``, ``gauges``: (stage, used, capacity) samples and (counter, level) values
+        to record with it."""
         now = time.perf_counter()
-        rec = self._recorder
         last = self._returned_at
-        if last:
-            rec.add("step", busy_s=asked_at - last)
-            rec.add("wait", blocked_s=now - asked_at)
-        else:  # the first batch: worker start-up, left out of the input-bound share
-            rec.add("startup", blocked_s=now - asked_at)
-        rec.count("batches")
-        rec.count("samples", (batch_len(data) or 0) if self._auto_collation else 1)
+        self._recorder.handout(asked_at - last if last else None, now - asked_at,
+                               (batch_len(data) or 0) if self._auto_collation else 1,
+                               occupancy, gauges)
         self._num_yielded += 1
         if (
             self._is_iterable

@@ -1,12 +1,31 @@
 """Every message between the main process and its workers, and what a worker starts from.
 
-Messages are ``NamedTuple``s: each pickles as one class reference plus a tuple, and is read by
-field name. ``None`` stays the stop message (the pool pre-pickles it, and EOF on a worker's
-pipe means the same). Who sends what, and when, is in ``_host/worker.py``'s docstring and NOTE
-[ Messages ] in ``_host/worker_iter.py``.
+Messages are ``NamedTuple``s, read by field name. ``None`` stays the stop message (the pool
+pre-pickles it, and EOF on a worker's pipe means the same). The two that carry a message's
+batches, ``Tasks`` and ``Done``, pickle their items as plain tuples (``__reduce__``) and are
+rebuilt by C calls on the other side: a ``NamedTuple`` item costs the pickler a Python call
+on each side, some 4-7 us per batch on both the worker and the main process on cheap batches.
+Who sends what, and when, is in ``_host/worker.py``'s docstring and the NOTE below; the main
+process's side is ``WorkerIter`` (``_host/worker_iter.py``).
 
     main -> worker   Tasks, UsePlan, ResetStream, Reseed, None (stop)
     worker -> main   Done (with one Result per task), StartFailed
+
+NOTE [ Messages ]
+-----------------
+Batches are numbered 0, 1, 2 ... in sampler order. The main process keeps at most
+``prefetch_factor * num_workers`` batches dispatched and not yet delivered (with
+``prefetch_factor`` unset and cheap batches, up to ``2 * chunk * num_workers``: see
+``WorkAhead.adapt`` in ``_host/workahead.py``; never more than ``CHUNK_BYTES`` of extra slots),
+hands each task to the next active worker in turn with a free slot of the ring (or none: see
+NOTE [ Slot lifetime ] in ``_memory/ring.py``), and delivers in order (``in_order=True``) or as
+they come.
+Each epoch of a persistent iterator is a new *generation*; answers from an older one are
+dropped and their slots released. A worker that sees a newer generation (or a stop) waiting
+on its channel answers ``Dropped`` to the older tasks it still holds, between tasks, without
+running them: restarting an epoch does not wait for the abandoned work-ahead. Only small
+messages cross: indices out; slot offsets, dtypes and shapes back. The messages are the
+classes below; the table of who sends which is in ``_host/worker.py``.
 """
 
 from __future__ import annotations
@@ -54,6 +73,16 @@ class Tasks(NamedTuple):
     tasks: list[Task]
     epoch: int
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        rows = [(b, p, i, s if s is None else (*s,)) for b, p, i, s in self.tasks]
+        return (_tasks, (self.gen, rows, *self[2:]))
+
+
+def _tasks(gen: int, rows: list[tuple[Any, ...]], *rest: Any) -> Tasks:
+    new = tuple.__new__
+    return Tasks(gen, [new(Task, (b, p, i, s if s is None else new(Slot, s)))
+                       for b, p, i, s in rows], *rest)
+
 
 class UsePlan(NamedTuple):
     """This epoch's index plan (map-style datasets)."""
@@ -93,7 +122,7 @@ class Fetched(NamedTuple):
     slot_id: int
     used: int  # bytes of the slot the leaves span
     need: int  # bytes the whole batch would take in a slot (the ring learns slot sizes)
-    packed: Any  # the batch, its ringable leaves replaced by ``collate.Leaf``
+    packed: Any  # (tree, leaves): the batch, its ringable leaves in ``collate.Leaf`` tuples
     fetch_s: float
     collate_s: float
     dataset_state: Any  # iterable datasets' ``state_dict()``, else None
@@ -132,6 +161,20 @@ class Done(NamedTuple):
 
     gen: int
     results: list[Result]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        kind = _KIND.get  # a result type not listed in _RESULTS pickles as itself (-1)
+        rows = [(k, (*r,)) if (k := kind(type(r), -1)) >= 0 else (k, r) for r in self.results]
+        return (_done, (self.gen, rows, *self[2:]))
+
+
+_RESULTS: tuple[type[Any], ...] = (Fetched, Dropped, Exhausted, Failed)
+_KIND = {cls: k for k, cls in enumerate(_RESULTS)}
+
+
+def _done(gen: int, rows: list[tuple[int, Any]], *rest: Any) -> Done:
+    new, results = tuple.__new__, _RESULTS
+    return Done(gen, [new(results[k], r) if k >= 0 else r for k, r in rows], *rest)
 
 
 class StartFailed(NamedTuple):

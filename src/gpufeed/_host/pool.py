@@ -100,6 +100,16 @@ def lost_worker(desc: str, held: list[int]) -> WorkerError:
     )
 
 
+def timed_out(timeout_text: str, tasks: dict[int, int]) -> WorkerError:
+    """The error for ``timeout=`` (as given, ``timeout_text``) passed with ``tasks`` (batch ->
+    worker) unanswered: torch's phrase first, programs match on it."""
+    waiting = [f"batch {i} on worker {w}" for i, w in sorted(tasks.items())]
+    return WorkerError(
+        f"DataLoader timed out after {timeout_text} seconds (gpufeed: waiting for "
+        f"{', '.join(waiting[:4]) or 'a batch'}); raise timeout= or find what blocks the dataset"
+    )
+
+
 def forked_message(pid: int) -> str:
     return (
         f"this gpufeed DataLoader's workers were started in process {pid}, and this process "

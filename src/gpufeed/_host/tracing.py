@@ -1,6 +1,6 @@
 """What the worker-pool iterator writes into a trace, besides the handovers ``BaseIter``
-records and the worker spans it records as results arrive: its counters, its ring's
-instants, its tracks' names.
+records: its workers' spans as results arrive, its counters, its ring's instants (and
+counts), its tracks' names.
 
 Called by ``WorkerIter`` only while a trace records (NOTE [ Timeline ] in
 ``_base/timeline.py``); the rules of what is recorded, and on which clock, are there.
@@ -8,13 +8,13 @@ Called by ``WorkerIter`` only while a trace records (NOTE [ Timeline ] in
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from .._base import timeline as _timeline
 from .._memory.ring import SlotRing
 
-__all__ = ["label_workers", "sample_counters", "trace_ring"]
+__all__ = ["label_workers", "record_ring", "sample_counters", "trace_fetched", "trace_ring"]
 
 
 def sample_counters(it: Any, tl: _timeline.Timeline) -> None:
@@ -27,6 +27,25 @@ def sample_counters(it: Any, tl: _timeline.Timeline) -> None:
     tl.sample(it._recorder, it._returned_at, in_use, fenced,
               max(ring.capacity_slots - in_use - fenced, 0), len(it._tasks) + len(it._ready),
               it._num_workers)
+
+
+def trace_fetched(owner: Hashable, w: int, epoch: int, fetched: Sequence[Any]) -> None:
+    """Worker ``w``'s spans for the ``Fetched`` results of one message, of ``epoch`` (-1: an
+    abandoned one's): NOTE [ Timeline ] (4)."""
+    tl = _timeline.active
+    if tl is None:
+        return
+    for r in fetched:
+        tl.worker_batch(owner, w, r.batch, epoch, r.started, r.fetch_s, r.collate_s, r.need,
+                        r.spill is not None)
+
+
+def record_ring(recorder: Any, ring: SlotRing, seen_grows: int, seen_fallbacks: int) -> None:
+    """Count the slots the ring carved and the batches that fell back to a fresh allocation
+    since the counts seen last, in the stats and (while one records) the trace."""
+    recorder.count("ring_grow", ring.grows - seen_grows)
+    recorder.count("ring_fallback", ring.fallbacks - seen_fallbacks)
+    trace_ring(recorder, ring, seen_grows, seen_fallbacks)
 
 
 def trace_ring(owner: Hashable, ring: SlotRing, seen_grows: int, seen_fallbacks: int) -> None:

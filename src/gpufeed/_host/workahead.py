@@ -1,7 +1,7 @@
 """How far ahead of the consumer the workers run, and in messages of how many batches.
 
 ``WorkerIter`` keeps at most :attr:`WorkAhead.in_flight_bound` batches dispatched and not yet
-delivered (NOTE [ Messages ] in ``_host/worker_iter.py``), hands them out ``chunk`` per worker
+delivered (NOTE [ Messages ] in ``_host/messages.py``), hands them out ``chunk`` per worker
 per message, and sizes the ring for the bound plus the batches the consumer holds
 (:attr:`WorkAhead.slots_hint`).
 """
@@ -38,11 +38,12 @@ class WorkAhead:
             self.held = 2 + device_depth + 1
         else:
             self.held = 2 + (FENCE_SLACK if pin else 0)
-        # what the stock loader keeps in flight; its sampler pulls follow it (_stock_pulls)
+        # what the stock loader keeps in flight; its sampler pulls follow it (plan.pull_as_stock)
         self.stock_in_flight = (prefetch_factor or 2) * num_workers
         self.depth = prefetch_factor or 2  # batches in flight per worker, unchunked
         self.in_flight_bound = self.stock_in_flight
         self.chunk = 1  # batches per worker per task message
+        self.refill_at = self.in_flight_bound - num_workers  # see window()
         self._batch_s = 0.0  # moving average of worker seconds per batch
 
     def window(self, first: bool, in_flight: int) -> int:
@@ -50,7 +51,8 @@ class WorkAhead:
         a chunk per worker, once that many fit under the bound (else 0), or whatever fits
         when nothing is in flight. An epoch's ``first`` window is one batch per worker: its
         first batch then waits for one batch of work, not for a whole chunk (a persistent
-        iterator restarted)."""
+        iterator restarted). Past the first window a window opens only while ``in_flight`` is
+        at most ``refill_at`` or 0: callers skip the call otherwise."""
         full = (1 if first else self.chunk) * self.num_workers
         window = min(full, self.in_flight_bound - in_flight)
         if window <= 0 or (window < full and in_flight):
@@ -93,3 +95,4 @@ class WorkAhead:
     def _bound(self) -> None:
         chunked = 2 * self.chunk if self.chunk > 1 else 0
         self.in_flight_bound = max(self.depth, chunked) * self.num_workers
+        self.refill_at = self.in_flight_bound - self.chunk * self.num_workers

@@ -1,7 +1,7 @@
 """The worker loop, shared by process and thread workers.
 
 A worker receives small task messages, fetches and collates each batch into the slot the
-task names, and answers with small messages (see NOTE [ Messages ] in ``_host/worker_iter.py``;
+task names, and answers with small messages (see NOTE [ Messages ] in ``_host/messages.py``;
 the classes are in ``_host/messages.py``):
 
     main -> worker   Tasks(gen, [Task(batch, planned, indices, slot), ...], epoch)
@@ -73,6 +73,7 @@ from .messages import (
 from .random_watch import GlobalDrawWatch
 
 POLL_S = 0.5  # how often an idle worker checks that the main process is alive
+NEWER_CHECK_S = 0.001  # how often a busy worker looks for a newer generation or a stop
 
 
 class ThreadChannel:
@@ -248,15 +249,20 @@ def _serve(
             continue
         spills: list[Spill] = []
         results: list[Result] = []
-        for task in msg.tasks:
-            if gen < latest or _newer(chan, inbox, gen):
-                # NOTE [ Messages ] in _host/worker_iter.py: the epoch was abandoned (a restarted
+        look_at = 0.0  # look for a newer generation (a poll) before the first task, then
+        for task in msg.tasks:  # every NEWER_CHECK_S: a poll per task cost more than cheap tasks
+            now = time.perf_counter()
+            if gen < latest or (now >= look_at and _newer(chan, inbox, gen)):
+                # NOTE [ Messages ] in _host/messages.py: the epoch was abandoned (a restarted
                 # persistent iterator) or the pool is closing; the slot goes back unused
                 latest = max(latest, gen + 1)
                 results.append(Dropped(task.batch, task.slot.id if task.slot is not None else -1))
                 continue
-            if watch is not None:  # NOTE [ Seeding and threads ]: global draws are looked for
-                fetcher.probe = watch.task_probe()
+            look_at = now + NEWER_CHECK_S
+            if watch is None:
+                results.append(_run_task(worker_id, fetcher, writer, task, msg.epoch, spills))
+                continue
+            fetcher.probe = watch.task_probe()  # NOTE [ Seeding and threads ]: global draws
             results.append(_run_task(worker_id, fetcher, writer, task, msg.epoch, spills))
             fetcher.probe = None
         try:
@@ -349,12 +355,14 @@ def _run_task(
         return Failed(batch, sid, capture(where))
     t2 = time.perf_counter()
     collate_s = fetcher.collate_s + (t2 - t1)
+    state = None
     try:
-        state = capture_state(fetcher.dataset)
+        if type(fetcher) is IterFetcher:  # map-style datasets have no stream state
+            state = capture_state(fetcher.dataset)
     except Exception:
         where = f"in gpufeed worker {worker_id} saving the dataset's state after batch {batch}"
         return Failed(batch, sid, capture(where))
-    return Fetched(
-        batch, sid, packed.used, packed.need, packed.batch, t2 - t0 - collate_s, collate_s,
-        state, sealed, packed.unsupported, t0,
-    )
+    return tuple.__new__(Fetched, (  # in C: a NamedTuple's __new__ is Python code
+        batch, sid, packed.used, packed.need, (packed.batch, packed.leaves), t2 - t0 - collate_s,
+        collate_s, state, sealed, packed.unsupported, t0,
+    ))

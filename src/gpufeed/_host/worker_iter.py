@@ -1,20 +1,7 @@
 """WorkerIter: ``gpufeed.DataLoader``'s batches from a worker pool through the slot ring.
 
-NOTE [ Messages ]
------------------
-Batches are numbered 0, 1, 2 ... in sampler order. The main process keeps at most
-``prefetch_factor * num_workers`` batches dispatched and not yet delivered (with
-``prefetch_factor`` unset and cheap batches, up to ``2 * chunk * num_workers``: see
-``WorkAhead.adapt`` in ``_host/workahead.py``; never more than ``CHUNK_BYTES`` of extra slots),
-hands each task to the next active worker in turn with a free slot of the ring (or none: see
-NOTE [ Slot lifetime ] in ``_memory/ring.py``), and delivers in order (``in_order=True``) or as
-they come.
-Each epoch of a persistent iterator is a new *generation*; answers from an older one are
-dropped and their slots released. A worker that sees a newer generation (or a stop) waiting
-on its channel answers ``Dropped`` to the older tasks it still holds, between tasks, without
-running them: restarting an epoch does not wait for the abandoned work-ahead. Only small
-messages cross: indices out; slot offsets, dtypes and shapes back. The messages are the
-classes of ``_host/messages.py``; the table of who sends which is in ``_host/worker.py``.
+How batches are numbered, dispatched, answered and delivered, and what an epoch's
+generation is: NOTE [ Messages ] in ``_host/messages.py``.
 """
 
 from __future__ import annotations
@@ -24,16 +11,15 @@ import itertools
 import os
 import time
 import weakref
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from .._base import timeline as _timeline
 from .._base.errors import RemoteError, WorkerError
-from .._memory.keeper import close_ring
-from .._memory.region import reserve_for
+from .._memory.keeper import close_ring, ring_for
 from .._memory.ring import SlotRing
-from .._order.plan import IndexPlan, finish_plan, make_plan, plannable
+from .._order.plan import IndexPlan, make_plan, plannable, pull_as_stock
 from .._sources.packed import check_copy_on_write
 from .collate import unpack
 from .config import IterConfig
@@ -55,8 +41,16 @@ from .messages import (
     WorkerSpec,
     WorkerState,
 )
-from .pool import GRACE_S, Pool, ProcessPool, ThreadPool, forked_message, lost_worker
-from .tracing import label_workers, sample_counters, trace_ring
+from .pool import (
+    GRACE_S,
+    Pool,
+    ProcessPool,
+    ThreadPool,
+    forked_message,
+    lost_worker,
+    timed_out,
+)
+from .tracing import label_workers, record_ring, sample_counters, trace_fetched
 from .workahead import WorkAhead
 
 _live: weakref.WeakSet[WorkerIter] = weakref.WeakSet()
@@ -95,16 +89,11 @@ class WorkerIter(BaseIter):
                 adaptive=self._timeout <= 0 and not config.prefetch_explicit,
                 device_depth=config.device_depth, pin=self._pin,
             )
-            budget = config.ring_bytes
             # A pinned ring outlives the epoch: NOTE [ Slot lifetime ] (e) in _memory/ring.py.
             self._keeper = config.keeper if self._pin else None
-            kept = self._keeper.take(shared=shared, device=self._pin_device, budget=budget) \
-                if self._keeper is not None else None
-            self._ring = kept or SlotRing(
-                reserve=reserve_for(budget), budget=budget, shared=shared, pin=self._pin,
-                slots_hint=self._work_ahead.slots_hint, device=self._pin_device,
-            )
-            self._ring.set_slots_hint(self._work_ahead.slots_hint)
+            self._ring = ring_for(self._keeper, budget=config.ring_bytes, shared=shared,
+                                  pin=self._pin, device=self._pin_device,
+                                  slots_hint=self._work_ahead.slots_hint)
             self._seen_grows, self._seen_fallbacks = self._ring.grows, self._ring.fallbacks
             spec = WorkerSpec(
                 num_workers=nw, dataset=self._dataset, is_iterable=self._is_iterable,
@@ -171,31 +160,8 @@ class WorkerIter(BaseIter):
                                    epoch_seed=self._tracker.epoch_seed)
             for w in range(self._num_workers):
                 self._pool.send(w, UsePlan(self._gen, self._plan))
-            self._stock_pulls(0)
+            pull_as_stock(self._plan, self._index_sampler, self._work_ahead.stock_in_flight)
         self._dispatch()
-
-    def _next_task(self) -> tuple[bool, Any]:
-        """(planned, indices) for the next batch; StopIteration at the end of the epoch."""
-        if self._plan is None:
-            return False, self._next_indices()
-        if self._send_idx >= self._plan.n_batches:
-            raise StopIteration
-        return True, None
-
-    def _stock_pulls(self, delivered: int) -> None:
-        """Advance the user's generator as the stock loader would by now.
-
-        Stock pulls ``prefetch_factor * num_workers`` batches of indices from the sampler at
-        ``iter()`` and one more per delivered batch; the pull that exhausts the sampler makes
-        ``RandomSampler`` draw a closing permutation (``IndexPlan.closing_pull``). gpufeed
-        dispatches further ahead, so it makes that draw when stock would: breaking out early
-        leaves the generator as stock does.
-        """
-        plan = self._plan
-        stock = self._work_ahead.stock_in_flight
-        if plan is not None and not plan.finished and stock + delivered >= plan.closing_pull:
-            plan.finished = True
-            finish_plan(self._index_sampler)
 
     def _dispatch(self) -> None:
         """Hand out tasks while fewer than the bound are in flight.
@@ -205,6 +171,7 @@ class WorkerIter(BaseIter):
         a window of ``chunk * num_workers`` batches is handed out at once, each worker's share
         in one message.
         """
+        acquire, new, plan = self._ring.acquire, tuple.__new__, self._plan  # new: in C
         while not self._sampler_done:
             first = self._send_idx < self._num_workers
             window = self._work_ahead.window(first, len(self._tasks) + len(self._ready))
@@ -219,24 +186,27 @@ class WorkerIter(BaseIter):
                 else:
                     self._sampler_done = True  # every iterable worker ran dry
                     break
-                try:
-                    planned, indices = self._next_task()
+                try:  # planned: the worker slices the plan (indices None)
+                    indices = self._next_indices() if plan is None else None
                 except StopIteration:
+                    self._sampler_done = True
+                    break
+                if plan is not None and self._send_idx >= plan.n_batches:
                     self._sampler_done = True
                     break
                 idx = self._send_idx
                 self._send_idx += 1
                 self._tasks[idx] = w
-                acquired = self._ring.acquire()
-                slot = Slot._make(acquired) if acquired is not None else None
-                per_worker.setdefault(w, []).append(Task(idx, planned, indices, slot))
+                slot = acquire()
+                if slot is not None:
+                    slot = new(Slot, slot)
+                per_worker.setdefault(w, []).append(new(Task, (idx, plan is not None, indices,
+                                                               slot)))
             for w, tasks in per_worker.items():
                 self._pool.send(w, Tasks(self._gen, tasks, self._tracker.epoch))
         ring = self._ring
         if ring.grows != self._seen_grows or ring.fallbacks != self._seen_fallbacks:
-            self._recorder.count("ring_grow", ring.grows - self._seen_grows)
-            self._recorder.count("ring_fallback", ring.fallbacks - self._seen_fallbacks)
-            trace_ring(self._recorder, ring, self._seen_grows, self._seen_fallbacks)
+            record_ring(self._recorder, ring, self._seen_grows, self._seen_fallbacks)
             self._seen_grows, self._seen_fallbacks = ring.grows, ring.fallbacks
 
     # -- receiving ----------------------------------------------------------------------------
@@ -245,22 +215,19 @@ class WorkerIter(BaseIter):
             self.close()
             msg.error.reraise()
             return
-        cost = 0.0
-        n = 0
-        recorder = self._recorder
-        tl = _timeline.active
+        fetched = [r for r in msg.results if type(r) is Fetched]
+        if fetched:  # one recorder call per stage and message, not per batch
+            fetch_s, collate_s = [r.fetch_s for r in fetched], [r.collate_s for r in fetched]
+            recorder = self._recorder
+            recorder.add_many("fetch", fetch_s)
+            recorder.add_many("collate", collate_s)
+            if _timeline.active is not None:  # epoch -1: an abandoned one's
+                trace_fetched(recorder, w, self._tracker.epoch if msg.gen == self._gen else -1,
+                              fetched)
         for result in msg.results:
-            if isinstance(result, Fetched):
-                cost += result.fetch_s + result.collate_s
-                n += 1
-                recorder.add("fetch", busy_s=result.fetch_s)
-                recorder.add("collate", busy_s=result.collate_s)
-                if tl is not None:  # NOTE [ Timeline ] (4); epoch -1: an abandoned one's
-                    tl.worker_batch(recorder, w, result.batch, self._tracker.epoch if msg.gen
-                                    == self._gen else -1, result.started, result.fetch_s,
-                                    result.collate_s, result.need, result.spill is not None)
             self._result(w, msg.gen, result)
-        if n and self._work_ahead.adapt(cost / n, self._ring.slot_bytes):
+        cost = (sum(fetch_s) + sum(collate_s)) / len(fetched) if fetched else 0.0
+        if fetched and self._work_ahead.adapt(cost, self._ring.slot_bytes):
             self._ring.set_slots_hint(self._work_ahead.slots_hint)
 
     def _result(self, w: int, gen: int, result: Result) -> None:
@@ -270,14 +237,15 @@ class WorkerIter(BaseIter):
                 self._ring.release(slot_id)
             return
         self._tasks.pop(batch, None)
-        if isinstance(result, Fetched):
+        if type(result) is Fetched:
             if result.dataset_state is not None:
                 self._dataset_states[batch] = WorkerState(w, result.dataset_state)
             if result.unsupported:
                 self._recorder.count("ring_unsupported")
-            self._ring.learn(result.need)
+            if result.need > self._ring.slot_bytes:
+                self._ring.learn(result.need)
             base = self._ring.lease(slot_id, result.used) if slot_id >= 0 else None
-            spill = cast("torch.Tensor | None", result.spill)  # arrived: a SpillFile, mapped
+            spill: torch.Tensor | None = result.spill  # type: ignore[assignment]  # mapped
             self._ready[batch] = unpack(result.packed, base, spill)
             if base is not None and self._pin:
                 self._slot_of[batch] = slot_id
@@ -313,13 +281,9 @@ class WorkerIter(BaseIter):
             if self._timeout > 0:
                 left = self._timeout - (time.monotonic() - start)
                 if left <= 0:
-                    waiting = [f"batch {i} on worker {w}" for i, w in sorted(self._tasks.items())]
+                    error = timed_out(self._timeout_text, self._tasks)
                     self.close(grace_s=0.0)  # as stock: raised at the timeout, not after a grace
-                    raise WorkerError(  # torch's phrase first: programs match on it
-                        f"DataLoader timed out after {self._timeout_text} seconds (gpufeed: "
-                        f"waiting for {', '.join(waiting[:4]) or 'a batch'}); raise timeout= "
-                        "or find what blocks the dataset"
-                    )
+                    raise error
                 slice_s = min(slice_s, left)
             try:
                 msgs, dead = self._pool.poll(slice_s)
@@ -348,7 +312,8 @@ class WorkerIter(BaseIter):
             self._watch.wait_ends()
 
     def _next_batch(self) -> Any:
-        self._check_capture()
+        if self._pin:
+            self._check_capture()
         asked_at = time.perf_counter()
         while True:
             if self._closed:
@@ -369,20 +334,29 @@ class WorkerIter(BaseIter):
                 idx = next(iter(self._ready))
             data = self._ready.pop(idx)
             self._watch.wait_ends()  # the sampler, asked for more below, may draw
-            self._stock_pulls(self._num_yielded + 1)
-            self._dispatch()
+            plan, ahead = self._plan, self._work_ahead
+            pulled = ahead.stock_in_flight + self._num_yielded + 1
+            if plan is not None and not plan.finished and pulled >= plan.closing_pull:
+                pull_as_stock(plan, self._index_sampler, pulled)  # as stock's generator
+            in_flight = len(self._ready) + len(self._tasks)
+            if not self._sampler_done and (in_flight <= ahead.refill_at or in_flight == 0
+                                           or self._send_idx < self._num_workers):
+                self._dispatch()  # (else no window would open: WorkAhead.refill_at)
             if data is _STOP:
                 continue
             if isinstance(data, RemoteError):
                 data.reraise()
             ring = self._ring
-            ring.record(self._recorder)
-            self._recorder.occupancy(
-                "prefetch", len(self._ready) + len(self._tasks), self._work_ahead.in_flight_bound
-            )
-            sid = self._slot_of.pop(idx, None)  # a pinned slot (a device stage orders copies)
-            span = ring.hand_out(sid, streams=self._direct) if sid is not None else None
-            return self._finish(data, asked_at, idx, self._dataset_states.pop(idx, None), span)
+            occupancy, gauges = ring.levels()
+            occupancy.append(("prefetch", len(self._ready) + len(self._tasks),
+                              ahead.in_flight_bound))
+            span = None
+            if self._slot_of:  # batches in pinned slots (a device stage orders their copies)
+                sid = self._slot_of.pop(idx, None)
+                span = ring.hand_out(sid, streams=self._direct) if sid is not None else None
+            states = self._dataset_states
+            return self._finish(data, asked_at, idx, states.pop(idx, None) if states else None,
+                                span, occupancy, gauges)
 
     _label = label_workers  # NOTE [ Timeline ]: names of the loader and workers in a trace,
     _sample_counters = sample_counters  # and its counters (ring slots, in flight, workers)
@@ -405,10 +379,8 @@ class WorkerIter(BaseIter):
             return
         self._closed = True
         _live.discard(self)
-        for pending in (getattr(self, "_ready", None), getattr(self, "_tasks", None),
-                        getattr(self, "_slot_of", None)):
-            if pending is not None:
-                pending.clear()
+        for pending in ("_ready", "_tasks", "_slot_of"):
+            getattr(self, pending, {}).clear()
         pool: Pool | None = getattr(self, "_pool", None)
         ring: SlotRing | None = getattr(self, "_ring", None)
         try:

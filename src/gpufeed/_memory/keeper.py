@@ -32,9 +32,10 @@ import weakref
 from typing import Any
 
 from . import pinning as _pinning
+from .region import reserve_for
 from .ring import SlotRing
 
-__all__ = ["RingKeeper", "close_ring", "finish_closed_rings", "reap_closed"]
+__all__ = ["RingKeeper", "close_ring", "finish_closed_rings", "reap_closed", "ring_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,3 +156,14 @@ class RingKeeper:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (RingKeeper, ())
+
+
+def ring_for(keeper: RingKeeper | None, *, budget: int | None, shared: bool, pin: bool,
+             device: int | None, slots_hint: int) -> SlotRing:
+    """The ring of an iterator with these settings: the one ``keeper`` kept from the last
+    epoch where it fits, else a new one; either way sized for ``slots_hint`` slots."""
+    kept = keeper.take(shared=shared, device=device, budget=budget) if keeper is not None else None
+    ring = kept or SlotRing(reserve=reserve_for(budget), budget=budget, shared=shared, pin=pin,
+                            slots_hint=slots_hint, device=device)
+    ring.set_slots_hint(slots_hint)
+    return ring

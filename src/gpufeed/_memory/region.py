@@ -9,6 +9,7 @@ leaves out of either with ``contiguous_at``, on ``ALIGN``-byte boundaries.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import sys
@@ -32,12 +33,23 @@ def align(n: int, to: int = ALIGN) -> int:
 def contiguous_at(typed: torch.Tensor, shape: tuple[int, ...], offset: int) -> torch.Tensor:
     """A C-contiguous tensor of ``shape`` viewing the 1-D ``typed`` from element ``offset``
     (how slot writers and spill files carve a leaf out of their memory)."""
-    stride = []
-    acc = 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= d
-    return typed.as_strided(shape, stride[::-1], offset)
+    return typed.as_strided(shape, _strides.get(shape) or contiguous_strides(shape), offset)
+
+
+_strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a C-contiguous tensor of ``shape`` (batches repeat their shapes: each
+    is computed once)."""
+    stride = _strides.get(shape)
+    if stride is None:
+        acc, rev = 1, []
+        for d in reversed(shape):
+            rev.append(acc)
+            acc *= d
+        stride = _strides[shape] = tuple(reversed(rev))
+    return stride
 
 
 def default_reserve() -> int:
@@ -64,6 +76,24 @@ def reserve_for(budget: int | None) -> int:
     import psutil
 
     return min(budget, max(psutil.virtual_memory().total // PAGE * PAGE, PAGE))
+
+
+def reserve_region(reserve: int, *, shared: bool, budget: int | None) -> Region:
+    """A region of ``reserve`` bytes (at least a page) for a slot ring of ``ring_bytes=budget``;
+    a reservation the system refuses is a ValueError that names the fix."""
+    try:
+        return Region(max(reserve, PAGE), shared=shared)
+    except OSError as e:
+        if e.errno not in (errno.ENOMEM, errno.EFBIG, errno.EINVAL):
+            raise
+        fix = (
+            f"lower ring_bytes= (it is {budget})" if budget is not None
+            else "set ring_bytes= to the bytes the ring may hold"
+        )
+        raise ValueError(
+            f"gpufeed cannot reserve {reserve} bytes of address space for its slot ring "
+            f"({e.strerror}): {fix}, or pass ring_bytes=0 to do without the ring"
+        ) from e
 
 
 def _anonymous_file(size: int) -> int:

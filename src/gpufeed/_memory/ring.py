@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import errno
 import weakref
 from typing import Any
 
@@ -87,7 +86,7 @@ import numpy as np
 
 from .._base import cuda as _cuda
 from . import pinning as _pinning
-from .region import PAGE, Region, align
+from .region import ALIGN, PAGE, align, reserve_region
 from .release import Releaser, warn_unpinned
 
 __all__ = ["SlotRing"]
@@ -114,19 +113,7 @@ class SlotRing:
     ) -> None:
         self.reserve, self.device, self.slots_hint, self.pin = reserve, device, slots_hint, pin
         self.budget = self.user_budget = None if budget is None else min(budget, reserve)
-        try:
-            self.region = Region(max(reserve, PAGE), shared=shared)
-        except OSError as e:
-            if e.errno not in (errno.ENOMEM, errno.EFBIG, errno.EINVAL):
-                raise
-            fix = (
-                f"lower ring_bytes= (it is {budget})" if budget is not None
-                else "set ring_bytes= to the bytes the ring may hold"
-            )
-            raise ValueError(
-                f"gpufeed cannot reserve {reserve} bytes of address space for its slot ring "
-                f"({e.strerror}): {fix}, or pass ring_bytes=0 to do without the ring"
-            ) from e
+        self.region = reserve_region(reserve, shared=shared, budget=budget)
         self.region_tensor = self.region.tensor
         self.region_array = self.region.array
         self.slot_bytes = 0  # size of new slots; 0 until the first batch says
@@ -179,8 +166,9 @@ class SlotRing:
     @property
     def in_use(self) -> int:
         """Slots with a worker or the user: neither free, nor waiting for a fence."""
+        fenced = len(self._parked) + (len(self._fences) if self._pins else 0)  # fences: pins'
         return (len(self._slots) - len(self._free) - len(self._released) - len(self._dropped)
-                - self.fenced)
+                - fenced)
 
     @property
     def fenced(self) -> int:
@@ -190,11 +178,12 @@ class SlotRing:
     # -- acquire / release ---------------------------------------------------------------
     def acquire(self) -> tuple[int, int, int] | None:
         """A free slot as (id, offset, size), a new one within budget, or None (fallback)."""
-        self._collect_released()
+        if not self._free:  # released slots are collected when none is left: once a window
+            self._collect_released()
+            if not self._free:
+                self._unfence()
         if not self.slot_bytes or self.closed:
             return None
-        if not self._free:
-            self._unfence()
         counted = self.live_bytes - self.carried_bytes  # against the budget
         while self._free:
             sid = self._free.pop()
@@ -237,13 +226,14 @@ class SlotRing:
         start = self.region_tensor.data_ptr() + off
         return start, start + size
 
-    def record(self, recorder: Any) -> None:
-        """Sample the ring into a loader's stats, once per batch handed out."""
-        recorder.occupancy("ring", self.in_use, self.capacity_slots)
+    def levels(self) -> tuple[list[tuple[str, int, int]], tuple[tuple[str, int], ...]]:
+        """The ring's samples for a loader's stats, once per batch handed out: occupancy
+        (stage, used, capacity) and gauges (counter, level now)."""
+        cap = self.capacity_slots
+        occupancy = [("ring", self.in_use, cap)]
         if self.pin:
-            recorder.occupancy("ring_fenced", self.fenced, self.capacity_slots)
-        recorder.gauge("ring_slots", len(self._slots))
-        recorder.gauge("ring_bytes", self.live_bytes)
+            occupancy.append(("ring_fenced", self.fenced, cap))
+        return occupancy, (("ring_slots", len(self._slots)), ("ring_bytes", self.live_bytes))
 
     def info(self) -> dict[str, int]:
         """Slot bytes, live bytes, slots in use and fenced, slots carved, fallbacks, budget."""
@@ -352,7 +342,7 @@ class SlotRing:
             self.release(sid)
             return None
         self._out.discard(sid)
-        base = self.region_array[off : off + align(used)]
+        base = self.region_array[off : off + (used + ALIGN - 1) // ALIGN * ALIGN]  # align()
         if sid in self._pins:
             fin = weakref.finalize(base, self._releaser, sid)
             fin.atexit = False

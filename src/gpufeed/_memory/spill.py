@@ -11,8 +11,8 @@ play no part, as for the ring:
     worker: Spill() ──reserve a sparse file, bump-allocate the leaves, seal(): truncate the
             file to the bytes used──> the result message carries the file's descriptor
             (pickled as the ring's region is) ──> worker: release() its mapping
-    main:   maps the file, views its leaves (``Leaf.spill``); the mapping, hence the memory,
-            goes with the last tensor viewing it
+    main:   maps the file, views its leaves (a ``collate.Leaf`` marked spilled); the mapping,
+            hence the memory, goes with the last tensor viewing it
 
 Leaves torch's own pickling must carry (nested, sparse, quantized tensors, tensor subclasses)
 are not spilled: they go the stock way, through torch's shared memory, and the batch is counted

@@ -148,6 +148,9 @@ class DeliveryTracker:
         ``k``-th drawn from :attr:`indices`, or, for a loader that slices an order itself
         without drawing, batch ``point.done + k``."""
         number = self._numbers[k] if k < len(self._numbers) else self.point.done + k
+        if number == self.prefix and self.direct and not self.ahead and worker_state is None:
+            self.prefix += 1  # the common case of produced() and delivered(), in one call
+            return
         self.produced(number, worker_state)
 
     def produced(self, batch_number: int, worker_state: tuple[int, Any] | None = None) -> None:

@@ -18,6 +18,10 @@
   workers still run: memory that only grows during a pass (mapped file pages) peaks there, and
   sparse samples would otherwise miss it by a varying amount.
 
+The **main process's CPU** over the counted batches is read too (``main_thread_cpu_s``: the
+iterating thread; ``main_process_cpu_s``: all its threads, the sampler's left out): what the
+loader costs the process that trains, which competes with its own workers for the cores.
+
 The peak is also split by kind of memory (``Pss_Anon``, ``Pss_File`` and ``Pss_Shmem`` of
 ``/proc/<pid>/smaps_rollup``, summed over the tree at the peak sample), because the kinds behave
 differently when two loaders are compared:
@@ -97,6 +101,10 @@ class Measurement:
         peak_pss_anon_bytes, peak_pss_file_bytes, peak_pss_shmem_bytes: the peak sample split
             by kind (see the module docstring); they add up to ``peak_pss_bytes`` within
             rounding. 0 when not sampled, or where the kernel gives no split.
+        main_thread_cpu_s: CPU seconds of the iterating thread over the counted batches: the
+            loader's work in the main thread (receiving, unpacking, releasing) and this loop's.
+        main_process_cpu_s: the same for every thread of this process but the PSS sampler's
+            (a loader's helper threads, thread workers); worker processes are not in it.
     """
 
     samples: int
@@ -112,11 +120,19 @@ class Measurement:
     peak_pss_anon_bytes: int = 0
     peak_pss_file_bytes: int = 0
     peak_pss_shmem_bytes: int = 0
+    main_thread_cpu_s: float = 0.0
+    main_process_cpu_s: float = 0.0
 
     @property
     def pss_growth_bytes(self) -> int:
         """Peak PSS minus the PSS before ``iter()``: the memory the iteration itself cost."""
         return max(0, self.peak_pss_bytes - self.start_pss_bytes)
+
+    @property
+    def main_cpu_s_per_batch(self) -> tuple[float, float]:
+        """``(main_thread_cpu_s, main_process_cpu_s)`` per counted batch."""
+        n = max(self.batches, 1)
+        return self.main_thread_cpu_s / n, self.main_process_cpu_s / n
 
 
 def batch_samples_and_bytes(batch: Any) -> tuple[int, int]:
@@ -225,6 +241,14 @@ class PeakSampler:
         if self._cuda:
             self.pinned = max(self.pinned, pinned_bytes())
 
+    def thread_cpu_s(self) -> float:
+        """CPU seconds the sampling thread has used so far (0 without one)."""
+        thread = self._thread
+        try:  # (AttributeError, OSError): no per-thread CPU clocks here, or it has ended
+            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))  # type: ignore[union-attr,arg-type]
+        except (AttributeError, OSError, TypeError):
+            return 0.0
+
     def _run(self) -> None:
         wait = self.interval_s
         while not self._stop.wait(wait):
@@ -301,6 +325,9 @@ def measure_loader(
     t_start = time.perf_counter()
     t_rate = t_start
     t_end = t_start
+    # CPU clocks: read where the rate clock starts, and at the last batch (or the loop's end)
+    cpu_rate = _cpu_now(sampler)
+    cpu_end: tuple[float, float] | None = None
     iterator = iter(iterable)
     try:
         for batch in iterator:
@@ -313,6 +340,7 @@ def measure_loader(
             seen += 1
             if seen <= warmup_batches:
                 t_rate = now
+                cpu_rate = _cpu_now(sampler)
             else:
                 n, b = count(batch)
                 samples += n
@@ -320,13 +348,18 @@ def measure_loader(
                 t_end = now
             timed_out = (max_seconds is not None and seen > warmup_batches
                          and now - t_rate >= max_seconds)
-            if sampler is not None and (timed_out or (last is not None and seen >= last)):
+            ending = timed_out or (last is not None and seen >= last)
+            if ending and seen > warmup_batches:
+                cpu_end = _cpu_now(sampler)
+            if sampler is not None and ending:
                 sampler.sample()  # the end of the pass, workers still running (see the top)
             del batch
             if max_batches is not None and seen >= max_batches:
                 break
             if timed_out:
                 break
+        if cpu_end is None:
+            cpu_end = _cpu_now(sampler)
     finally:
         close = getattr(iterator, "close", None)
         if callable(close):  # generators and gpufeed iterators; others stop when collected
@@ -355,4 +388,12 @@ def measure_loader(
         peak_pss_anon_bytes=sampler.peak.anon if sampler else 0,
         peak_pss_file_bytes=sampler.peak.file if sampler else 0,
         peak_pss_shmem_bytes=sampler.peak.shmem if sampler else 0,
+        main_thread_cpu_s=cpu_end[0] - cpu_rate[0] if cpu_end else 0.0,
+        main_process_cpu_s=cpu_end[1] - cpu_rate[1] if cpu_end else 0.0,
     )
+
+
+def _cpu_now(sampler: PeakSampler | None) -> tuple[float, float]:
+    """(CPU seconds of this thread, of this process without the PSS sampler's thread)."""
+    own = sampler.thread_cpu_s() if sampler is not None else 0.0
+    return time.thread_time(), time.process_time() - own

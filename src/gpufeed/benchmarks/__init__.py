@@ -13,8 +13,11 @@ Files:
 - ``gpu.py``: the GPU comparison (host-to-device path), where CUDA is available;
 - ``sources.py``, ``persample.py``: the source readers, and one worker's cost per sample;
 - ``seeding.py``: the cost of per-sample random state: global seeding, the per-sample
-  generators, thread workers with and without ``seed=`` (``python -m gpufeed.benchmarks.seeding``).
-  (``python -m gpufeed.benchmarks autotune``), and its verdicts.
+  generators, thread workers with and without ``seed=`` (``python -m gpufeed.benchmarks.seeding``);
+- ``autotune.py``, ``autotune_report.py``: ``num_workers="auto"`` against the static grid
+  (``python -m gpufeed.benchmarks autotune``), and its verdicts;
+- ``mainproc.py``: the main process's CPU per batch, by stage
+  (``python -m gpufeed.benchmarks.mainproc --py-spy``).
 
 Measurement itself (rates, first-batch latency, process-tree PSS) is ``gpufeed._tools.measure``.
 """

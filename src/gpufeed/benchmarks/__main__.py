@@ -82,6 +82,15 @@ def _ceiling_cells(sm: dict[str, Any]) -> list[str]:
     return [ours, *pct]
 
 
+def _main_cpu(m: dict[str, Any]) -> str:
+    """Main-process CPU microseconds per batch, thread / process (results from before the
+    figure was recorded have none)."""
+    if "main_thread_cpu_s_per_batch" not in m:
+        return "-"
+    return (f"{m['main_thread_cpu_s_per_batch'] * 1e6:,.0f} / "
+            f"{m['main_process_cpu_s_per_batch'] * 1e6:,.0f}")
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
     """The results document as a Markdown report: a summary table and every median."""
     env, s = doc["environment"], doc["settings"]
@@ -166,8 +175,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += ["Not judged by the targets, above the stock loader's memory:", "", *also, ""]
     lines += ["## Every (workload, variant, loader), medians", "",
               "| workload | variant | loader | samples/s | MB/s | peak PSS MiB | anon / file / "
-              "shmem MiB | PSS growth MiB | first batch ms |",
-              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "shmem MiB | PSS growth MiB | first batch ms | main CPU us/batch: thread / "
+              "process |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for w in doc["workloads"]:
         ceiling = {c["variant"]: c for c in w.get("ceiling", [])}
         results = w.get("results", [])
@@ -182,15 +192,18 @@ def render_markdown(doc: dict[str, Any]) -> str:
                     f"| {w['name']} | {variant} | {r['loader']} | {_fmt(m['samples_per_s'])} | "
                     f"{_fmt(m['bytes_per_s'] / 1e6)} | {_fmt(m['peak_pss_bytes'] / 2**20)} | "
                     f"{kinds} | {_fmt(m['pss_growth_bytes'] / 2**20)} | "
-                    f"{_fmt(m['first_batch_s'] * 1e3)} |")
+                    f"{_fmt(m['first_batch_s'] * 1e3)} | {_main_cpu(m)} |")
             if variant in ceiling:
                 m = ceiling[variant]["median"]
                 lines.append(f"| {w['name']} | {variant} | {CEILING} | "
                              f"{_fmt(m['samples_per_s'])} | {_fmt(m['bytes_per_s'] / 1e6)} | "
-                             "- | - | - | - |")
+                             "- | - | - | - | - |")
     lines += ["", "anon / file / shmem: the peak sample split by kind (medians of each, so they "
-              "need not add up to the peak exactly). The no-loader ceiling rows measure no "
-              "memory or first batch."]
+              "need not add up to the peak exactly). main CPU: CPU microseconds of the main "
+              "process per batch over the counted batches, of the iterating thread and of all "
+              "its threads but the PSS sampler (thread workers included; worker processes not): "
+              "what the loader takes from the cores its workers and the training loop share. "
+              "The no-loader ceiling rows measure no memory, first batch or main CPU."]
     return "\n".join(lines) + "\n"
 
 

@@ -253,7 +253,8 @@ def _wait_for_children(timeout_s: float = 10.0) -> int:
 
 _MEDIAN_KEYS = ("samples_per_s", "bytes_per_s", "peak_pss_bytes", "pss_growth_bytes",
                 "first_batch_s", "samples", "peak_pss_anon_bytes", "peak_pss_file_bytes",
-                "peak_pss_shmem_bytes")
+                "peak_pss_shmem_bytes", "main_thread_cpu_s_per_batch",
+                "main_process_cpu_s_per_batch")
 _CEILING_MEDIAN_KEYS = ("samples_per_s", "bytes_per_s", "samples", "seconds")
 
 
@@ -296,6 +297,8 @@ def _run_workload(work: Workload, loaders: Sequence[str], s: Settings,
                     max_seconds=None if work.full_epoch else s.max_seconds,
                     max_batches=None if work.full_epoch else s.max_batches)
                 row = {**asdict(m), "pss_growth_bytes": m.pss_growth_bytes, "repeat": rep,
+                       "main_thread_cpu_s_per_batch": m.main_cpu_s_per_batch[0],
+                       "main_process_cpu_s_per_batch": m.main_cpu_s_per_batch[1],
                        "children_left_before": left}
                 runs.setdefault((loader, variant.name), []).append(row)
                 say(f"{work.name:12} {variant.name:10} {loader:17} rep {rep}: "
@@ -303,7 +306,8 @@ def _run_workload(work: Workload, loaders: Sequence[str], s: Settings,
                     f"{m.peak_pss_bytes / 2**20:8,.0f} MiB (anon/file/shmem "
                     f"{m.peak_pss_anon_bytes / 2**20:,.0f}/{m.peak_pss_file_bytes / 2**20:,.0f}/"
                     f"{m.peak_pss_shmem_bytes / 2**20:,.0f})  first batch "
-                    f"{m.first_batch_s * 1e3:6.0f} ms")
+                    f"{m.first_batch_s * 1e3:6.0f} ms  main CPU "
+                    f"{m.main_cpu_s_per_batch[0] * 1e6:,.0f} us/batch")
     rows = [{"loader": lo, "variant": va, "median": _median_row(rs), "runs": rs}
             for (lo, va), rs in runs.items()]
     return rows, [{"loader": CEILING, "variant": va, "fetch": cs[0]["fetch"],
@@ -337,6 +341,10 @@ def run_cpu(workloads: Sequence[str], *, settings: Settings | None = None,
                            "page_cache": "every file is read once before timing",
                            "memory": ("peak PSS of the process tree; compared only on equal "
                                       "work (whole epochs); split anon/file/shmem at the peak"),
+                           "main_cpu": ("CPU seconds of the main process per batch over "
+                                        "the counted batches: main_thread_ (the iterating "
+                                        "thread) and main_process_ (all its threads but the "
+                                        "PSS sampler; with thread workers, them too)"),
                            "ceiling": (f"{CEILING}: num_workers forked processes, one torch "
                                        "thread each, fetch and collate their share of the "
                                        "epoch's batches (vectorised gather for array datasets, "

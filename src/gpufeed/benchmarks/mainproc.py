@@ -1,0 +1,291 @@
+"""The main process's cost per batch, by stage: ``python -m gpufeed.benchmarks.mainproc``.
+
+On cheap batches a loader's main process competes with its own workers for the cores: what it
+spends per batch (receiving, bookkeeping, unpacking, releasing) is taken from the workers'
+gather. This tool runs one loader of the CPU benchmark (``benchmarks/cpu.py``: same workloads,
+variants and settings) for a few epochs and reports, per epoch after the warm-up batches:
+
+- the **CPU time per batch** of the main thread (``time.thread_time``), of the whole main
+  process and of the worker processes (``psutil``), with the rate. CPU time is steadier than
+  wall time on a loaded machine, though it still grows with cache and CPU contention;
+- with ``--py-spy`` (``pip install py-spy``), **where the main thread's time goes**: the tool
+  runs itself under ``py-spy record`` (raw stacks), keeps the samples taken inside the timed
+  loop (``_timed_epoch``), leaves out those waiting for a worker (a poll or a queue get), sorts
+  the rest into stages by the functions on the stack (:data:`STAGES`), and gives each stage its
+  share of the main thread's CPU per batch. Samples are a sampling profiler's: shares are
+  accurate to a few percent over thousands of samples, not to the microsecond.
+
+``benchmarks/results/main-process.md`` holds a before/after budget made with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from .cpu import LOADERS, Settings, _factory
+from .workloads import WORKLOADS, build
+
+__all__ = ["STAGES", "classify", "main", "measure_epochs", "stage_budget"]
+
+#: Stages of the main thread's work, in the order they are matched: a sample belongs to the
+#: first stage one of whose (function, file) patterns is on its stack. ``file`` is the
+#: module's file name; a pattern's function may be a prefix (ending in ``*``).
+STAGES: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("waiting for a worker", ()),  # the innermost frame is a wait (see WAITS)
+    ("stats recording", (("*", "stats.py"),)),
+    ("release / collect", (("SlotRing._collect_released", "ring.py"), ("Releaser*", "release.py"),
+                           ("SlotRing._unfence", "ring.py"))),
+    ("dispatch: acquire slots", (("SlotRing.acquire*", "ring.py"),)),
+    ("dispatch: pickle + send", (("ProcessPool.send", "pool.py"), ("ThreadPool.send", "pool.py"),
+                                 ("*", "reduction.py"))),
+    ("dispatch: tasks", (("WorkerIter._dispatch", "worker_iter.py"),
+                         ("*", "workahead.py"))),
+    ("lease + unpack", (("SlotRing.lease", "ring.py"), ("*", "collate.py"), ("*", "tree.py"))),
+    ("receive: recv + decode", (("*", "connection.py"), ("*", "messages.py"))),
+    ("receive: poll", (("ProcessPool.poll", "pool.py"), ("ThreadPool.poll", "pool.py"))),
+    ("results bookkeeping", (("WorkerIter._handle", "worker_iter.py"),
+                             ("WorkerIter._result", "worker_iter.py"),
+                             ("WorkerIter._wait", "worker_iter.py"))),
+    ("closing sampler draw", (("finish_plan", "plan.py"),)),
+    ("__next__ + hand-out", (("*", "worker_iter.py"), ("*", "iterator.py"), ("*", "delivery.py"),
+                             ("*", "ring.py"), ("*", "cuda.py"), ("*", "pinning.py"))),
+    ("the loop itself", (("*", "mainproc.py"), ("*", "_tensor.py"))),  # its len() and clocks
+    ("other loader code", (("*", "*"),)),
+)
+#: Innermost frames that wait rather than compute: a pool's poll, a queue get, a selector.
+WAITS = (("ProcessPool.poll", "pool.py"), ("SimpleQueue.get", "*"), ("*", "selectors.py"),
+         ("wait", "connection.py"), ("Condition.wait", "threading.py"), ("Queue.get", "queue.py"))
+_FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]*?)(?::(?P<line>\d+))?\)$")
+_LOOP = "_timed_epoch"
+
+
+def _frames(stack: str) -> list[tuple[str, str]]:
+    out = []
+    for frame in stack.split(";"):
+        m = _FRAME.match(frame.strip())
+        if m is not None:
+            out.append((m["func"], os.path.basename(m["file"])))
+    return out
+
+
+def _matches(frame: tuple[str, str], pattern: tuple[str, str]) -> bool:
+    func, file = pattern
+    ok_file = file == "*" or frame[1] == file
+    ok_func = func == "*" or frame[0] == func or (
+        func.endswith("*") and frame[0].startswith(func[:-1]))
+    return ok_file and ok_func
+
+
+def classify(stack: str) -> str | None:
+    """The stage of one raw py-spy stack (outermost frame first), or None when the sample was
+    not taken inside the timed loop."""
+    frames = _frames(stack)
+    at = next((i for i, f in enumerate(frames) if f[0] == _LOOP), None)
+    if at is None:
+        return None
+    inner = frames[at + 1:]
+    if not inner:
+        return "the loop itself"
+    if any(_matches(inner[-1], w) for w in WAITS):
+        return STAGES[0][0]
+    for stage, patterns in STAGES[1:]:
+        if any(_matches(f, p) for f in inner for p in patterns):
+            return stage
+    return "the loop itself"
+
+
+def stage_budget(raw: Iterable[str], cpu_per_batch_s: float) -> list[dict[str, Any]]:
+    """Rows (stage, samples, share of the non-waiting samples, CPU us per batch) of py-spy's
+    raw output lines, the main thread's measured CPU per batch split by the shares."""
+    counts: Counter[str] = Counter()
+    for line in raw:
+        stack, _, n = line.rstrip("\n").rpartition(" ")
+        stage = classify(stack) if n.isdigit() else None
+        if stage is not None:
+            counts[stage] += int(n)
+    waiting = counts.pop(STAGES[0][0], 0)
+    busy = sum(counts.values())
+    order = list(dict.fromkeys(s for s, _ in STAGES[1:]))
+    rows = [{"stage": s, "samples": counts[s], "share": counts[s] / busy if busy else 0.0,
+             "us_per_batch": 1e6 * cpu_per_batch_s * counts[s] / busy if busy else 0.0}
+            for s in order if counts[s]]
+    rows.append({"stage": STAGES[0][0], "samples": waiting, "share": None,
+                 "us_per_batch": None})
+    return rows
+
+
+def _workers_cpu() -> float:
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def _timed_epoch(it: Any, n_batches: int) -> tuple[int, int, float, float, float, float]:
+    """Iterate the rest of the epoch; read the clocks at its last batch, while the workers
+    live. (batches, samples, seconds, thread CPU, process CPU, workers' CPU)."""
+    t0, c0, p0, w0 = time.perf_counter(), time.thread_time(), time.process_time(), _workers_cpu()
+    batches = samples = 0
+    end = (t0, c0, p0, w0)
+    for batch in it:
+        batches += 1
+        samples += len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch)
+        if batches == n_batches:
+            end = (time.perf_counter(), time.thread_time(), time.process_time(), _workers_cpu())
+    return batches, samples, end[0] - t0, end[1] - c0, end[2] - p0, end[3] - w0
+
+
+def _counted_epoch(it: Any) -> tuple[int, Counter[str]]:
+    """Iterate the rest of the epoch counting the main thread's function calls, Python
+    (``name (file)``) and C (``[C] name``): (batches, counts)."""
+    counts: Counter[str] = Counter()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            counts[f"{code.co_qualname} ({os.path.basename(code.co_filename)})"] += 1
+        elif event == "c_call":
+            counts[f"[C] {getattr(arg, '__qualname__', arg)}"] += 1
+
+    batches = 0
+    sys.setprofile(profile)
+    try:
+        for _ in it:
+            batches += 1
+    finally:
+        sys.setprofile(None)
+    return batches, counts
+
+
+def measure_epochs(workload: str, variant: str, loader: str, *, epochs: int = 3,
+                   warmup: int = 5, num_workers: int = 2, quick: bool = False,
+                   calls: bool = False) -> list[dict[str, Any]]:
+    """One row per epoch: rate and CPU microseconds per batch of the main thread, the main
+    process and the workers, over the batches after ``warmup``; with ``calls``, the main
+    thread's function calls per batch instead (exact, whatever the machine's load: a
+    profiling hook sees each), the most frequent first."""
+    work = build(workload, quick=quick)
+    v = next((x for x in work.variants if x.name == variant), None)
+    if v is None:
+        names = ", ".join(x.name for x in work.variants)
+        raise ValueError(f"workload {workload!r} has no variant {variant!r}; choose from {names}")
+    torch.set_num_threads(1)
+    make = _factory(loader, v, work, Settings(num_workers=num_workers, quick=quick))
+    rows = []
+    for _ in range(epochs):
+        it = iter(make())
+        n = len(it)  # type: ignore[arg-type]
+        for _ in range(warmup):
+            next(it)
+        if calls:
+            b, counts = _counted_epoch(it)
+            del it
+            rows.append({"batches": b, "calls_per_batch": {
+                "python": sum(v for k, v in counts.items() if not k.startswith("[C]")) / b,
+                "c": sum(v for k, v in counts.items() if k.startswith("[C]")) / b,
+                "top": {k: v / b for k, v in counts.most_common(25)}}})
+            continue
+        b, s, sec, thread, proc, workers = _timed_epoch(it, n - warmup)
+        del it
+        rows.append({"batches": b, "samples_per_s": s / sec, "us_per_batch": {
+            "wall": 1e6 * sec / b, "main_thread": 1e6 * thread / b,
+            "main_process": 1e6 * proc / b, "workers": 1e6 * workers / b},
+            "loadavg": os.getloadavg()[0]})
+    return rows
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gpufeed.benchmarks.mainproc",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="tabular", choices=sorted(WORKLOADS))
+    p.add_argument("--variant", default="array", help="the workload's variant (default array)")
+    p.add_argument("--loader", default="gpufeed", choices=LOADERS[:3])
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="tiny data (for tests)")
+    p.add_argument("--py-spy", dest="pyspy", action="store_true",
+                   help="also sample the main thread with py-spy and give the budget by stage")
+    p.add_argument("--rate", type=int, default=100,
+                   help="py-spy samples per second (py-spy pauses the process for each: more "
+                        "samples, steadier shares, a slower and costlier main thread)")
+    p.add_argument("--calls", action="store_true",
+                   help="count the main thread's Python and C calls per batch instead")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.pyspy:
+        return _under_py_spy(args, list(sys.argv[1:] if argv is None else argv))
+    rows = measure_epochs(args.workload, args.variant, args.loader, epochs=args.epochs,
+                          num_workers=args.num_workers, quick=args.quick, calls=args.calls)
+    for k, r in enumerate(rows):
+        if args.calls:
+            c = r["calls_per_batch"]
+            print(f"epoch {k}: {r['batches']} batches; calls per batch in the main thread: "
+                  f"{c['python']:.1f} Python, {c['c']:.1f} C; the most frequent:")
+            for name, per in c["top"].items():
+                print(f"  {per:7.2f}  {name}")
+            continue
+        us = r["us_per_batch"]
+        print(f"epoch {k}: {r['batches']} batches, {r['samples_per_s']:,.0f} samples/s; CPU "
+              f"us/batch: main thread {us['main_thread']:.1f}, main process "
+              f"{us['main_process']:.1f}, workers {us['workers']:.1f} (wall {us['wall']:.1f}); "
+              f"load {r['loadavg']:.1f}", flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                         "epochs": rows}, indent=1) + "\n")
+    return 0
+
+
+def _under_py_spy(args: argparse.Namespace, argv: list[str]) -> int:
+    exe = shutil.which("py-spy")
+    if exe is None:
+        print("py-spy is not installed: pip install py-spy", file=sys.stderr)
+        return 2
+    child = [a for a in argv if a != "--py-spy"]
+    with tempfile.TemporaryDirectory() as tmp:
+        raw, figures = Path(tmp) / "raw.txt", Path(tmp) / "figures.json"
+        cmd = [exe, "record", "-r", str(args.rate), "-f", "raw", "-o", str(raw), "--",
+               sys.executable, "-m", "gpufeed.benchmarks.mainproc", *child, "--json",
+               str(figures)]
+        subprocess.run(cmd, check=True)
+        if os.environ.get("GPUFEED_KEEP_RAW"):
+            shutil.copy(raw, os.environ["GPUFEED_KEEP_RAW"])
+        epochs = json.loads(figures.read_text())["epochs"]
+        thread = sorted(e["us_per_batch"]["main_thread"] for e in epochs)[len(epochs) // 2]
+        rows = stage_budget(raw.read_text().splitlines(), thread / 1e6)
+    print(f"\nmain thread, median epoch: {thread:.1f} us CPU per batch, by stage:")
+    for r in rows:
+        if r["share"] is None:
+            print(f"  {'':>8}  {'':>6}  {r['samples']:7d} samples  {r['stage']} (not CPU)")
+        else:
+            print(f"  {r['us_per_batch']:8.1f}  {100 * r['share']:5.1f}%  {r['samples']:7d} "
+                  f"samples  {r['stage']}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"epochs": epochs, "stages": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The main process's budget per batch (gpufeed.benchmarks.mainproc)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufeed.benchmarks.mainproc import classify, measure_epochs, stage_budget
+
+LOOP = "<module> (gpufeed/benchmarks/mainproc.py:1);_timed_epoch (gpufeed/benchmarks/mainproc.py:9)"
+
+
+def _stack(*inner: str) -> str:
+    return ";".join([LOOP, *inner])
+
+
+def test_samples_are_sorted_into_stages() -> None:
+    nxt = "WorkerIter.__next__ (gpufeed/_host/worker_iter.py:300)"
+    wait = "WorkerIter._wait (gpufeed/_host/worker_iter.py:280)"
+    assert classify("main (x.py:1);build (gpufeed/benchmarks/workloads.py:3)") is None
+    assert classify(_stack()) == "the loop itself"
+    assert classify(_stack(nxt)) == "__next__ + hand-out"
+    assert classify(_stack(nxt, wait, "ProcessPool.poll (gpufeed/_host/pool.py:204)")) \
+        == "waiting for a worker"
+    assert classify(_stack(nxt, wait, "ProcessPool.poll (gpufeed/_host/pool.py:204)",
+                           "_ConnectionBase.recv (multiprocessing/connection.py:250)")) \
+        == "receive: recv + decode"
+    assert classify(_stack(nxt, "WorkerIter._dispatch (gpufeed/_host/worker_iter.py:222)",
+                           "SlotRing.acquire (gpufeed/_memory/ring.py:215)")) \
+        == "dispatch: acquire slots"
+    # the first matching stage wins: stats recorded inside bookkeeping count as stats
+    assert classify(_stack(nxt, wait, "WorkerIter._handle (gpufeed/_host/worker_iter.py:240)",
+                           "StatsRecorder.add (gpufeed/_base/stats.py:251)")) \
+        == "stats recording"
+    assert classify(_stack("Tensor.__len__ (torch/_tensor.py:1)")) == "the loop itself"
+
+
+def test_the_budget_splits_the_measured_cpu_by_busy_samples() -> None:
+    raw = [
+        _stack("WorkerIter.__next__ (gpufeed/_host/worker_iter.py:300)") + " 30",
+        _stack("WorkerIter.__next__ (gpufeed/_host/worker_iter.py:300)",
+               "unpack (gpufeed/_host/collate.py:230)") + " 10",
+        _stack("WorkerIter.__next__ (gpufeed/_host/worker_iter.py:300)",
+               "ProcessPool.poll (gpufeed/_host/pool.py:204)") + " 500",
+        "main (x.py:1) 99",  # outside the timed loop
+    ]
+    rows = {r["stage"]: r for r in stage_budget(raw, 40e-6)}
+    assert rows["__next__ + hand-out"]["us_per_batch"] == pytest.approx(30.0)
+    assert rows["lease + unpack"]["share"] == pytest.approx(0.25)
+    assert rows["waiting for a worker"]["samples"] == 500
+    assert rows["waiting for a worker"]["us_per_batch"] is None
+
+
+def test_epochs_are_measured_per_batch() -> None:
+    rows = measure_epochs("tabular", "array", "gpufeed", epochs=1, warmup=2, quick=True)
+    (row,) = rows
+    assert row["batches"] == -(-20_000 // 256) - 2
+    us = row["us_per_batch"]
+    assert 0 < us["main_thread"] <= us["main_process"] + 1 and us["workers"] > 0
+    assert row["samples_per_s"] > 0
