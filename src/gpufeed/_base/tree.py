@@ -102,6 +102,9 @@ def batch_len(batch: Any) -> int | None:
     if isinstance(batch, Mapping):
         items: Any = batch.values()
     elif isinstance(batch, list | tuple):
+        first = batch[0] if batch else None
+        if type(first) is torch.Tensor and first.dim():  # (features, labels): one call, not 4
+            return int(first.size(0))
         if batch and all(isinstance(x, _ATOMS) for x in batch):
             return len(batch)
         items = batch

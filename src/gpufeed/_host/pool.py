@@ -110,6 +110,12 @@ def timed_out(timeout_text: str, tasks: dict[int, int]) -> WorkerError:
     )
 
 
+def check_not_forked(pid: int) -> None:
+    """Raise the forked-loader error where this process is not ``pid``, the workers' parent."""
+    if os.getpid() != pid:
+        raise RuntimeError(forked_message(pid))
+
+
 def forked_message(pid: int) -> str:
     return (
         f"this gpufeed DataLoader's workers were started in process {pid}, and this process "
@@ -313,7 +319,7 @@ class _Sender:
 
 
 class ThreadPool:
-    """Threads do not survive fork(): WorkerIter checks its process (``forked_message``)."""
+    """Threads do not survive fork(): WorkerIter checks its process (``check_not_forked``)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         install_thread_worker_info()

@@ -46,7 +46,7 @@ from .pool import (
     Pool,
     ProcessPool,
     ThreadPool,
-    forked_message,
+    check_not_forked,
     lost_worker,
     timed_out,
 )
@@ -104,7 +104,8 @@ class WorkerIter(BaseIter):
                 sample_seed=self._sample_seed, rank=config.rank, world_size=config.world_size,
                 random_watch=None if shared else config.random_watch,
             )
-            self._watch = config.random_watch
+            # thread workers' draws from the global generators (process workers seed theirs)
+            self._watch = None if shared else config.random_watch
             self._pool: Pool
             if shared:
                 check_copy_on_write(self._dataset)  # NOTE [ Copy-on-write and Python objects ]
@@ -125,7 +126,7 @@ class WorkerIter(BaseIter):
     def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
         if self._closed:
             raise RuntimeError("this gpufeed iterator was closed; iterate the DataLoader again")
-        self._check_pid()
+        check_not_forked(self._pid)  # a persistent loader (or an iterator) inherited by fork
         self._gen += 1
         if not first_iter:
             self._begin_epoch()
@@ -226,8 +227,8 @@ class WorkerIter(BaseIter):
                               fetched)
         for result in msg.results:
             self._result(w, msg.gen, result)
-        cost = (sum(fetch_s) + sum(collate_s)) / len(fetched) if fetched else 0.0
-        if fetched and self._work_ahead.adapt(cost, self._ring.slot_bytes):
+        if fetched and self._work_ahead.adapt((sum(fetch_s) + sum(collate_s)) / len(fetched),
+                                              self._ring.slot_bytes):
             self._ring.set_slots_hint(self._work_ahead.slots_hint)
 
     def _result(self, w: int, gen: int, result: Result) -> None:
@@ -262,19 +263,14 @@ class WorkerIter(BaseIter):
                 # Workers drop the current epoch's tasks only when the pool is closing (a stop
                 # waiting on their channel): anything else would lose a batch silently.
                 if not self._closed:
-                    raise RuntimeError(
-                        f"gpufeed internal error: a worker dropped batch {batch} of the current "
-                        "epoch; please report it"
-                    )
-
-    def _check_pid(self) -> None:
-        if os.getpid() != self._pid:  # a persistent loader (or an iterator) inherited by fork
-            raise RuntimeError(forked_message(self._pid))
+                    raise RuntimeError(f"gpufeed internal error: a worker dropped batch {batch} "
+                                       "of the current epoch; please report it")
 
     def _wait(self) -> None:
         """Receive at least one message, or raise for a dead worker or a timeout."""
-        self._watch.wait_begins()  # the loop draws nothing until the batch is popped
-        self._check_pid()
+        if self._watch is not None:  # the loop draws nothing until the batch is popped
+            self._watch.wait_begins()
+        check_not_forked(self._pid)  # a persistent loader (or an iterator) inherited by fork
         start = time.monotonic()
         while True:
             slice_s = WAIT_SLICE_S
@@ -305,11 +301,14 @@ class WorkerIter(BaseIter):
                 return
 
     def _next(self) -> Any:
-        self._watch.report(stacklevel=3)  # here: a warning turned error loses no batch
+        watch = self._watch
+        if watch is None:
+            return self._next_batch()
+        watch.report(stacklevel=3)  # here: a warning turned error loses no batch
         try:
             return self._next_batch()
         finally:
-            self._watch.wait_ends()
+            watch.wait_ends()
 
     def _next_batch(self) -> Any:
         if self._pin:
@@ -333,7 +332,8 @@ class WorkerIter(BaseIter):
                     continue
                 idx = next(iter(self._ready))
             data = self._ready.pop(idx)
-            self._watch.wait_ends()  # the sampler, asked for more below, may draw
+            if self._watch is not None:  # the sampler, asked for more below, may draw
+                self._watch.wait_ends()
             plan, ahead = self._plan, self._work_ahead
             pulled = ahead.stock_in_flight + self._num_yielded + 1
             if plan is not None and not plan.finished and pulled >= plan.closing_pull:
