@@ -146,7 +146,7 @@ def test_bench_builtin_workload(tmp_path, capsys):
 
 def test_bench_user_dataset(user_module, capsys):
     assert main(["bench", f"{user_module}:make", "--workers", "0", "--seconds", "0.2",
-                 "--batch-size", "16", "--no-progress"]) == 0
+                 "--batch-size", "16", "--runs", "3", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert f"gpufeed bench: {user_module}:make, batch_size=16" in out
 
