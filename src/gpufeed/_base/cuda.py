@@ -30,7 +30,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -231,6 +231,21 @@ class Events:
             e.synchronize()
 
 
+def _completed(event: Any) -> bool:
+    """Whether ``event`` has completed, without blocking (not queryable: not completed)."""
+    try:
+        return bool(event.query())
+    except RuntimeError as e:
+        logger.debug("release fence not queryable: %s", e)
+        return False
+
+
+def _synchronized(event: Any) -> bool:
+    """Block until ``event`` has completed."""
+    event.synchronize()
+    return True
+
+
 class Fences:
     """Events to pass before memory may be reused or unregistered (NOTE [ Registered memory
     lifetime ] rule (3) in ``_memory/pinning.py``), each with a payload (a slot id).
@@ -266,23 +281,7 @@ class Fences:
         to ``sink.append`` as each entry is removed when given (an interruption between two
         entries then loses none), else returned. An event that cannot be asked (CUDA error)
         counts as not completed."""
-        entries = self._entries
-        finished: list[Any] = []
-        put = finished.append if sink is None else sink.append
-        for key in list(entries):
-            entry = entries.get(key)
-            if entry is None:
-                continue
-            try:
-                complete = entry[0].query()
-            except RuntimeError as e:
-                logger.debug("release fence not queryable: %s", e)
-                complete = False
-            if complete:
-                gone = entries.pop(key, None)
-                if gone is not None:
-                    put(gone[1])
-        return finished
+        return self._drain(_completed, sink)
 
     def retain(self, events: list[Any]) -> None:
         """Keep only the entries whose event is one of ``events`` (the others are known to
@@ -299,14 +298,19 @@ class Fences:
         """Block until every event added before the call has completed; drop those entries;
         their payloads (to ``sink.append`` as each is removed, when given). Interrupted, the
         entries not yet waited for stay."""
+        return self._drain(_synchronized, sink)
+
+    def _drain(self, settled: Callable[[Any], bool], sink: Any) -> list[Any]:
+        """Remove the entries present now whose event ``settled`` says is complete (another
+        caller may remove one meanwhile: skipped); each payload to ``sink.append`` as its
+        entry goes, else returned."""
         entries = self._entries
         finished: list[Any] = []
         put = finished.append if sink is None else sink.append
         for key in list(entries):
             entry = entries.get(key)
-            if entry is None:
-                continue  # another caller saw it complete
-            entry[0].synchronize()
+            if entry is None or not settled(entry[0]):
+                continue
             gone = entries.pop(key, None)
             if gone is not None:
                 put(gone[1])

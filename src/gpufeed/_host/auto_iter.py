@@ -31,7 +31,7 @@ from .autotune import AutoTuner
 from .config import IterConfig
 from .cost import Budgets, default_max_workers, parse_bytes
 from .elastic import ElasticProcessPool, ElasticThreadPool
-from .messages import Done, Fetched, Reseed, ToMain, UsePlan
+from .messages import Reseed, ToMain, UsePlan
 from .window import Gauges, Window
 from .worker_iter import WorkerIter
 
@@ -98,13 +98,12 @@ class AutoIter(WorkerIter):
         finally:
             self._meter.starved += time.perf_counter() - t0
 
+    def _worked(self, batches: int, busy_s: float) -> None:
+        m = self._meter
+        m.busy += busy_s
+        m.answered += batches
+
     def _handle(self, w: int, msg: ToMain) -> None:
-        if isinstance(msg, Done):
-            m = self._meter
-            for r in msg.results:
-                if isinstance(r, Fetched):
-                    m.busy += r.fetch_s + r.collate_s
-                    m.answered += 1
         super()._handle(w, msg)
         if self._retiring and not self._closed:
             self._reap()

@@ -40,12 +40,14 @@ def trace_fetched(owner: Hashable, w: int, epoch: int, fetched: Sequence[Any]) -
                         r.spill is not None)
 
 
-def record_ring(recorder: Any, ring: SlotRing, seen_grows: int, seen_fallbacks: int) -> None:
+def record_ring(recorder: Any, ring: SlotRing, seen: tuple[int, int]) -> tuple[int, int]:
     """Count the slots the ring carved and the batches that fell back to a fresh allocation
-    since the counts seen last, in the stats and (while one records) the trace."""
-    recorder.count("ring_grow", ring.grows - seen_grows)
-    recorder.count("ring_fallback", ring.fallbacks - seen_fallbacks)
-    trace_ring(recorder, ring, seen_grows, seen_fallbacks)
+    since ``seen`` (its grows and fallbacks counted so far), in the stats and (while one
+    records) the trace; the counts now."""
+    recorder.count("ring_grow", ring.grows - seen[0])
+    recorder.count("ring_fallback", ring.fallbacks - seen[1])
+    trace_ring(recorder, ring, *seen)
+    return ring.grows, ring.fallbacks
 
 
 def trace_ring(owner: Hashable, ring: SlotRing, seen_grows: int, seen_fallbacks: int) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from .._base import timeline as _timeline
 from .._base.errors import RemoteError, WorkerError
-from .._memory.keeper import close_ring, ring_for
+from .._memory.keeper import end_ring, ring_for
 from .._memory.ring import SlotRing
 from .._order.plan import IndexPlan, make_plan, plannable, pull_as_stock
 from .._sources.packed import check_copy_on_write
@@ -94,7 +94,7 @@ class WorkerIter(BaseIter):
             self._ring = ring_for(self._keeper, budget=config.ring_bytes, shared=shared,
                                   pin=self._pin, device=self._pin_device,
                                   slots_hint=self._work_ahead.slots_hint)
-            self._seen_grows, self._seen_fallbacks = self._ring.grows, self._ring.fallbacks
+            self._seen = (self._ring.grows, self._ring.fallbacks)  # counted in stats so far
             spec = WorkerSpec(
                 num_workers=nw, dataset=self._dataset, is_iterable=self._is_iterable,
                 auto_collation=self._auto_collation, collate_fn=self._collate_fn,
@@ -205,10 +205,8 @@ class WorkerIter(BaseIter):
                                                                slot)))
             for w, tasks in per_worker.items():
                 self._pool.send(w, Tasks(self._gen, tasks, self._tracker.epoch))
-        ring = self._ring
-        if ring.grows != self._seen_grows or ring.fallbacks != self._seen_fallbacks:
-            record_ring(self._recorder, ring, self._seen_grows, self._seen_fallbacks)
-            self._seen_grows, self._seen_fallbacks = ring.grows, ring.fallbacks
+        if (self._ring.grows, self._ring.fallbacks) != self._seen:
+            self._seen = record_ring(self._recorder, self._ring, self._seen)
 
     # -- receiving ----------------------------------------------------------------------------
     def _handle(self, w: int, msg: ToMain) -> None:
@@ -219,17 +217,21 @@ class WorkerIter(BaseIter):
         fetched = [r for r in msg.results if type(r) is Fetched]
         if fetched:  # one recorder call per stage and message, not per batch
             fetch_s, collate_s = [r.fetch_s for r in fetched], [r.collate_s for r in fetched]
+            busy_s = sum(fetch_s) + sum(collate_s)
             recorder = self._recorder
             recorder.add_many("fetch", fetch_s)
             recorder.add_many("collate", collate_s)
             if _timeline.active is not None:  # epoch -1: an abandoned one's
                 trace_fetched(recorder, w, self._tracker.epoch if msg.gen == self._gen else -1,
                               fetched)
+            self._worked(len(fetched), busy_s)
         for result in msg.results:
             self._result(w, msg.gen, result)
-        if fetched and self._work_ahead.adapt((sum(fetch_s) + sum(collate_s)) / len(fetched),
-                                              self._ring.slot_bytes):
+        if fetched and self._work_ahead.adapt(busy_s / len(fetched), self._ring.slot_bytes):
             self._ring.set_slots_hint(self._work_ahead.slots_hint)
+
+    def _worked(self, batches: int, busy_s: float) -> None:
+        """``batches`` answered in ``busy_s`` s of fetch + collate (``AutoIter``'s windows)."""
 
     def _result(self, w: int, gen: int, result: Result) -> None:
         batch, slot_id = result.batch, result.slot_id
@@ -388,11 +390,8 @@ class WorkerIter(BaseIter):
                 pool.close(grace_s)
         finally:
             if ring is not None:
-                keeper = getattr(self, "_keeper", None)
-                if keeper is not None and ring.pin and getattr(pool, "stopped", False):
-                    keeper.keep(ring)  # no worker can write a slot any more
-                else:
-                    close_ring(ring)
+                end_ring(getattr(self, "_keeper", None), ring,
+                         workers_stopped=getattr(pool, "stopped", False))
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):

@@ -35,7 +35,7 @@ from . import pinning as _pinning
 from .region import reserve_for
 from .ring import SlotRing
 
-__all__ = ["RingKeeper", "close_ring", "finish_closed_rings", "reap_closed", "ring_for"]
+__all__ = ["RingKeeper", "close_ring", "end_ring", "finish_closed_rings", "reap_closed", "ring_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -167,3 +167,13 @@ def ring_for(keeper: RingKeeper | None, *, budget: int | None, shared: bool, pin
                             slots_hint=slots_hint, device=device)
     ring.set_slots_hint(slots_hint)
     return ring
+
+
+def end_ring(keeper: RingKeeper | None, ring: SlotRing, *, workers_stopped: bool) -> None:
+    """An iterator is done with ``ring``: its loader's ``keeper`` keeps a pinned one for the
+    next epoch once no worker can write a slot any more (``workers_stopped``), else it is
+    closed."""
+    if keeper is not None and ring.pin and workers_stopped:
+        keeper.keep(ring)
+    else:
+        close_ring(ring)
