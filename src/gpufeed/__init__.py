@@ -16,6 +16,7 @@ from ._device.prefetch import DeviceIterator
 from ._device.stage import to_device
 from ._device.transforms import Normalize
 from ._host.config import WorkerType
+from ._host.output import batch_empty
 from ._loader import DataLoader
 from ._memory.release import PinningFallbackWarning
 from ._order.sample_rng import RandomStateWarning, sample_generator, sample_random, sample_rng
@@ -72,6 +73,7 @@ __all__ = [
     "WorkerError",
     "WorkerType",
     "__version__",
+    "batch_empty",
     "diagnose",
     "get_shard_info",
     "get_worker_info",

@@ -379,6 +379,7 @@ def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         for c in w["ceiling"]:
             assert c["loader"] == CEILING and len(c["runs"]) == 1
             assert c["fetch"] == {"per-sample": "__getitem__", "getitems": "__getitems__",
+                                  "getitems-slot": "__getitems__",
                                   "array": "gather"}[c["variant"]]  # the fastest fetch of each
             assert c["median"]["samples"] == w["samples"] and c["median"]["samples_per_s"] > 0
         ceil = w["summary"]["ceiling"]

@@ -55,5 +55,6 @@ def test_epochs_are_measured_per_batch() -> None:
     (row,) = rows
     assert row["batches"] == -(-20_000 // 256) - 2
     us = row["us_per_batch"]
-    assert 0 < us["main_thread"] <= us["main_process"] + 1 and us["workers"] > 0
+    # workers >= 0: on a quick epoch they may have fetched every batch before the clocks start
+    assert 0 < us["main_thread"] <= us["main_process"] + 1 and us["workers"] >= 0
     assert row["samples_per_s"] > 0

@@ -31,6 +31,7 @@ class SlotWriter:
     def __init__(self, region: torch.Tensor, *, shared_fallback: bool) -> None:
         self.region = region
         self.base = region.data_ptr()
+        self.limit = self.base + region.numel() * region.element_size()
         self.shared_fallback = shared_fallback
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self.spill: Spill | None = None
@@ -255,6 +256,8 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
         spilled = None
         if not writer.owns_ptr(ptr):
             spilled = writer.spill_offset(ptr)  # collated into the spill file already?
+            if spilled is None and writer.base <= ptr < writer.limit:
+                raise _stale_leaf()
             if spilled is None:  # copy it into the slot, else into the batch's spill file
                 dst = writer.alloc(tuple(t.shape), t.dtype)
                 if dst is None:
@@ -284,6 +287,17 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
     else:
         packed = tree_map(leaf, batch)
     return tuple.__new__(Packed, (packed, leaves, used, need, unsupported))
+
+
+def _stale_leaf() -> ValueError:
+    """A leaf in the ring outside its batch's slot (NOTE [ Batches built in the slot ] in
+    ``_host/output.py``)."""
+    return ValueError(
+        "a tensor of this batch lies in the loader's ring but outside the batch's own slot: "
+        "memory from gpufeed.batch_empty() kept past the batch it was made for (a buffer "
+        "cached and refilled for the next batch). Call batch_empty() for each batch instead: "
+        "its memory belongs to that batch and is recycled once the batch is dropped"
+    )
 
 
 _PLAIN = {torch.Tensor}  # leaves tree_map hands to its function as they are

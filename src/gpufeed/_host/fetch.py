@@ -23,6 +23,7 @@ from .._order.seeding import seeded
 from .._sources.arrays import gather, gather_arrays
 from .._sources.arrow import arrow_source
 from .collate import SlotWriter, collate_into
+from .output import building
 from .random_watch import TaskProbe
 
 _AT_SAMPLE = "while fetching a sample"  # MapFetcher.describe() adds which one
@@ -103,9 +104,11 @@ class MapFetcher:
             return gather(self.arrays, indices, _alloc_for(writer))
         scope = self.scope
         scope.open(self.seed if self.seed is not None else self.base_seed, epoch)
+        previous = building(writer)  # NOTE [ Batches built in the slot ], _host/output.py
         try:
             return self._fetch(indices, writer, epoch, scope)
         finally:
+            building(previous)
             scope.close()
 
     def _fetch(self, indices: Any, writer: SlotWriter | None, epoch: int, scope: SampleScope
@@ -151,10 +154,12 @@ class MapFetcher:
             samples = []
             append, dataset, at = samples.append, self.dataset, scope.at
             self.where = _AT_SAMPLE  # formatted only on error: this loop is per sample
+            building(None)  # one sample of a batch the loader collates: not the batch
             for i in indices:
                 self.index = i
                 at(i)
                 append(get(dataset, i))
+            building(writer)
         self.where = "in collate_fn"
         scope.at_batch(indices)
         t0 = time.perf_counter()
@@ -174,11 +179,13 @@ class MapFetcher:
                 return list(self.getitems(indices))
             samples = []
             self.where = _AT_SAMPLE
+            writer = building(None)  # one sample of a batch the loader collates
             for i in indices:
                 self.index = i
                 scope.at(i)
                 reseed(i)
                 samples.append(self.dataset[i])
+            building(writer)
             return samples
 
     def describe(self, indices: Any) -> str:
@@ -236,9 +243,11 @@ class IterFetcher:
         scope = self.scope
         base = self.seed if self.seed is not None else self.base_seed
         scope.open(stream_base(base, self.worker_id), epoch)
+        previous = building(writer)  # NOTE [ Batches built in the slot ], _host/output.py
         try:
             return self._fetch(n, writer, scope)
         finally:
+            building(previous)
             scope.close()
 
     def _fetch(self, n: int | None, writer: SlotWriter | None, scope: SampleScope) -> Any:
@@ -263,6 +272,7 @@ class IterFetcher:
             scope.at_batch((first,))
             return collate_fn(sample) if collate_fn is not None else sample
         samples = []
+        building(None)  # one sample of a batch the loader collates: not the batch
         for _ in range(n):
             self.where = f"while fetching sample {self.count} of this worker's stream"
             scope.at(self.count)
@@ -272,6 +282,7 @@ class IterFetcher:
                 self.ended = True
                 break
             self.count += 1
+        building(writer)
         if not samples or (self.drop_last and len(samples) < n):
             raise StopIteration
         self.where = "in collate_fn"

@@ -6,7 +6,8 @@ same data, so every loader can be measured with each way of fetching a batch:
 - ``per-sample``: ``__getitem__`` per sample, then the default collate function;
 - ``getitems``: ``__getitems__`` returns the whole batch already stacked, paired with a
   pass-through ``collate_fn`` (the fastest legitimate set-up of the stock loader);
-- ``array``: ``gpufeed.ArrayDataset`` over the same arrays (only when gpufeed's core imports).
+- ``array``: ``gpufeed.ArrayDataset`` over the same arrays; ``getitems-slot`` (image-array):
+  ``getitems`` building its batch in ``gpufeed.batch_empty`` (where gpufeed's core has them).
 
 Files live under ``cache_dir`` (default ``$TMPDIR/gpufeed-bench``, or ``$GPUFEED_BENCH_CACHE``),
 are written atomically under names that encode their size and seed, and are read once by
@@ -31,16 +32,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = [
-    "FULL_SIZES",
-    "QUICK_SIZES",
-    "WORKLOADS",
-    "Variant",
-    "Workload",
-    "WorkloadUnavailable",
-    "build",
-    "default_cache_dir",
-]
+__all__ = ["FULL_SIZES", "QUICK_SIZES", "WORKLOADS", "Variant", "Workload", "WorkloadUnavailable",
+           "build", "default_cache_dir"]
 
 #: Sizes of the full benchmark (the issue's figures; python-list uses 200,000 rows, not 1M: as
 #: lists of Python floats 1M rows take about 2.2 GB in the parent and up to 3x that once two
@@ -243,8 +236,7 @@ def synthetic(cache: Path, *, rows: int, seed: int = 0) -> Workload:
 
 # ---------------------------------------------------------------- image-array and jpeg
 def _crop(seed: int, i: int, side: int, crop: int) -> tuple[int, int, bool]:
-    h = _mix(seed, i)
-    span = side - crop + 1
+    h, span = _mix(seed, i), side - crop + 1
     return h % span, (h >> 20) % span, bool((h >> 40) & 1)
 
 
@@ -280,10 +272,15 @@ class CroppedImages(Dataset[tuple[torch.Tensor, int]]):
 
 
 class CroppedImageBatches(CroppedImages):
-    """``CroppedImages`` whose ``__getitems__`` writes each crop into one batch array."""
+    """``CroppedImages`` whose ``__getitems__`` writes each crop into one batch array from
+    ``np.empty``, or ``empty``: ``gpufeed.batch_empty`` (torch.empty outside its workers)."""
+
+    empty: Callable[..., torch.Tensor] | None = None
 
     def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        out = np.empty((len(indices), 3, self.crop, self.crop), dtype=np.uint8)
+        shape = (len(indices), 3, self.crop, self.crop)
+        out = (np.empty(shape, dtype=np.uint8) if self.empty is None
+               else self.empty(shape, dtype=torch.uint8).numpy())
         for k, i in enumerate(indices):
             out[k] = self._view(i)
         return torch.from_numpy(out), torch.from_numpy(self.labels[np.asarray(indices)])
@@ -304,12 +301,16 @@ def image_array(cache: Path, *, count: int, side: int, seed: int = 0) -> Workloa
 
     path = _atomic(cache / f"images-{count}-{side}-s{seed}.u8", write)
     crop = side - side // 7
-    variants = (Variant("per-sample", CroppedImages(path, count, side, crop, seed)),
+    variants = [Variant("per-sample", CroppedImages(path, count, side, crop, seed)),
                 Variant("getitems", CroppedImageBatches(path, count, side, crop, seed),
-                        passthrough))
+                        passthrough)]
+    slot = CroppedImageBatches(path, count, side, crop, seed)
+    slot.empty = getattr(importlib.import_module("gpufeed"), "batch_empty", None)
+    if slot.empty is not None:  # not in code before it (a "before" run with these benchmarks)
+        variants.append(Variant("getitems-slot", slot, passthrough))
     meta = {"file": str(path), "file_bytes": path.stat().st_size, "crop": crop, **warm([path])}
     return Workload("image-array", f"{count:,} uint8 3x{side}x{side} memmap, crop {crop} + flip",
-                    64, count, variants, meta=meta)
+                    64, count, tuple(variants), meta=meta)
 
 
 def _decode(path: Path, out: int) -> np.ndarray:
