@@ -166,9 +166,7 @@ class SlotRing:
     @property
     def in_use(self) -> int:
         """Slots with a worker or the user: neither free, nor waiting for a fence."""
-        fenced = len(self._parked) + (len(self._fences) if self._pins else 0)  # fences: pins'
-        return (len(self._slots) - len(self._free) - len(self._released) - len(self._dropped)
-                - fenced)
+        return self.levels()[0][0][1]
 
     @property
     def fenced(self) -> int:
@@ -229,8 +227,11 @@ class SlotRing:
     def levels(self) -> tuple[list[tuple[str, int, int]], tuple[tuple[str, int], ...]]:
         """The ring's samples for a loader's stats, once per batch handed out: occupancy
         (stage, used, capacity) and gauges (counter, level now)."""
-        cap = self.capacity_slots
-        occupancy = [("ring", self.in_use, cap)]
+        slot_bytes, budget = self.slot_bytes, self.budget  # capacity_slots, in_use in line
+        cap = budget // slot_bytes if slot_bytes and budget else 0
+        in_use = (len(self._slots) - len(self._free) - len(self._released) - len(self._dropped)
+                  - len(self._parked) - (len(self._fences) if self._pins else 0))  # fences: pins'
+        occupancy = [("ring", in_use, cap)]
         if self.pin:
             occupancy.append(("ring_fenced", self.fenced, cap))
         return occupancy, (("ring_slots", len(self._slots)), ("ring_bytes", self.live_bytes))
