@@ -146,6 +146,9 @@ def test_every_documented_stat_is_recorded(monkeypatch):
     ("nested", 2),  # built in the test: making one warns
     ((np.zeros((4, 2)), "x"), 4),
     ((1.5, "x"), None),
+    ([torch.zeros(4, 2), torch.zeros(4)], 4),  # the flat (x, y) batch, measured first
+    ((torch.tensor(2.0), torch.zeros(6)), 6),  # a 0-d first leaf: the next one counts
+    ((), None),
 ])
 def test_batch_len_counts_samples(batch, n):
     from gpufeed._base.tree import batch_len

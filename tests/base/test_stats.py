@@ -58,6 +58,33 @@ def test_occupancy_mean_max_capacity():
     assert (s.occupancy_mean, s.occupancy_max, s.capacity, s.batches) == (2.0, 3, 4, 0)
 
 
+def test_handout_records_what_add_count_occupancy_and_gauge_record():
+    """``handout`` is one lock round trip for what a batch handed out records, and records
+    exactly what the separate calls would."""
+    one, many = StatsRecorder(window=3), StatsRecorder(window=3)
+    for k, (step, wait) in enumerate([(None, 0.5), (0.25, 0.125), (0.75, 0.0625),
+                                      (0.5, 0.25), (1.0, 0.375)]):
+        occupancy = [("ring", k % 3, 4), ("prefetch", 5 - k, 6)]
+        gauges = [("ring_slots", k), ("ring_bytes", 4096 * k)]
+        one.handout(step, wait, 8 if k else None, occupancy, gauges)
+        if step is None:
+            many.add("startup", blocked_s=wait)
+        else:
+            many.add("step", busy_s=step)
+            many.add("wait", blocked_s=wait)
+        many.count("batches")
+        if k:
+            many.count("samples", 8)
+        for o in occupancy:
+            many.occupancy(*o)
+        for g in gauges:
+            many.gauge(*g)
+    a, b = one.snapshot().to_dict(), many.snapshot().to_dict()
+    del a["wall_s"], b["wall_s"]
+    assert a == b
+    assert a["stages"]["wait"]["batches"] == 4 and a["counters"]["ring_slots"] == 4
+
+
 def test_snapshot_is_frozen_picklable_and_renders():
     rec = StatsRecorder()
     rec.add("wait", blocked_s=0.1)

@@ -307,6 +307,29 @@ def test_a_budget_past_the_reservation_falls_back():
     ring.close()
 
 
+def test_an_unpinned_slot_returns_once_the_last_view_of_its_batch_is_gone():
+    """See NOTE [ Slot lifetime ]: each lease's weak reference names its own slot, whatever order
+    batches are dropped in, and a view outliving its batch's base keeps the slot."""
+    ring = SlotRing(reserve=8 * PAGE, budget=None, shared=False, pin=False, slots_hint=3)
+    ring.learn(PAGE)
+    sids = [ring.acquire()[0] for _ in range(3)]  # type: ignore[index]
+    bases = [ring.lease(sid, 100) for sid in sids]
+    views = [torch.frombuffer(b, dtype=torch.uint8)[:10] for b in bases]  # type: ignore[arg-type]
+    del bases
+    assert ring.in_use == 3
+    del views[2]  # the last slot's batch first, then the first's
+    assert ring.in_use == 2
+    del views[0]
+    assert ring.in_use == 1
+    ring._collect_released()
+    assert sorted(ring._free) == [sids[0], sids[2]] and list(ring._leases) == [sids[1]]
+    keep = views.pop()[2:]  # a view of a view keeps the base alive
+    assert ring.in_use == 1
+    del keep
+    assert ring.in_use == 0 and ring.acquire() is not None
+    ring.close()
+
+
 def test_huge_ring_bytes_reserve_at_most_the_physical_memory():
     assert reserve_for(1 << 47) <= psutil.virtual_memory().total
     assert reserve_for(1 << 20) == 1 << 20

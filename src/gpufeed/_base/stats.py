@@ -304,18 +304,32 @@ class StatsRecorder:
         left out of the input-bound share), ``count("batches")``, ``count("samples", samples)``,
         ``occupancy(*o)`` for each ``o`` of ``occupancy`` and ``gauge(*g)`` for each ``g`` of
         ``gauges``."""
-        with self._lock:
+        window = self._window
+        with self._lock:  # _add and _occupy written out: this runs once per batch
             stages, counters = self._stages, self._counters
             if step_s is not None:
-                self._add(stages.get("step") or self._stage("step"), step_s, 0.0)
-                self._add(stages.get("wait") or self._stage("wait"), 0.0, wait_s)
+                st = stages.get("step") or self._stage("step")
+                st.busy += step_s
+                st.samples[st.pos % window] = step_s
+                st.pos += 1
+                st.batches += 1
+                st = stages.get("wait") or self._stage("wait")
             else:
-                self._add(stages.get("startup") or self._stage("startup"), 0.0, wait_s)
+                st = stages.get("startup") or self._stage("startup")
+            st.blocked += wait_s
+            st.samples[st.pos % window] = wait_s
+            st.pos += 1
+            st.batches += 1
             counters["batches"] = counters.get("batches", 0) + 1
             if samples is not None:
                 counters["samples"] = counters.get("samples", 0) + samples
             for name, used, capacity in occupancy:
-                self._occupy(stages.get(name) or self._stage(name), used, capacity)
+                st = stages.get(name) or self._stage(name)
+                st.occ_sum += used
+                st.occ_n += 1
+                if used > st.occ_max:
+                    st.occ_max = used
+                st.cap = capacity
             for name, value in gauges:
                 counters[name] = value
 

@@ -93,6 +93,11 @@ def batch_len(batch: Any) -> int | None:
     array with one, or the length of its first list of strings or bytes (how the default
     collate batches strings), whichever comes first (depth first, in container order); None
     when there is neither (e.g. a ``collate_fn`` that returns one number)."""
+    cls = type(batch)
+    if cls is tuple or cls is list:  # (features, labels), first: one call, not 4 isinstance
+        first = batch[0] if batch else None
+        if type(first) is torch.Tensor and first.dim():
+            return int(first.size(0))
     if isinstance(batch, torch.Tensor):  # size(0), not shape: nested tensors have no shape
         return int(batch.size(0)) if batch.dim() else None
     if isinstance(batch, np.ndarray):
@@ -102,9 +107,6 @@ def batch_len(batch: Any) -> int | None:
     if isinstance(batch, Mapping):
         items: Any = batch.values()
     elif isinstance(batch, list | tuple):
-        first = batch[0] if batch else None
-        if type(first) is torch.Tensor and first.dim():  # (features, labels): one call, not 4
-            return int(first.size(0))
         if batch and all(isinstance(x, _ATOMS) for x in batch):
             return len(batch)
         items = batch

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from .._base.tree import byte_extent, tree_map
-from .._memory.region import ALIGN, align, contiguous_at, contiguous_strides
+from .._memory.region import ALIGN, _strides, align, contiguous_at, contiguous_strides
 from .._memory.spill import Spill
 
 
@@ -311,26 +311,30 @@ def unpack(packed: tuple[Any, list[Leaf]], base: np.ndarray | None,
     tree, leaves = packed
     if not leaves:
         return tree
-    typed: dict[tuple[bool, torch.dtype], torch.Tensor] = {}
+    typed: dict[torch.dtype, torch.Tensor] = {}  # the slot's bytes, by dtype
+    spilled: dict[torch.dtype, torch.Tensor] = {}  # the spill file's
     views = []
-    dtypes = _dtypes
+    dtypes, strides, frombuffer = _dtypes, _strides, torch.frombuffer
     for offset, name, shape, stride, is_numpy, in_spill in leaves:
         dtype = dtypes.get(name) or _dtype(name)
         if 0 in shape:
             t = torch.empty(shape, dtype=dtype)
         elif stride is None and len(shape) == 1 and not in_spill:
             # a storage of its own: one call, where a typed view and a slice take two
-            t = torch.frombuffer(base, dtype=dtype, count=shape[0],
-                                 offset=offset * dtype.itemsize)
-        else:
-            key = (in_spill, dtype)
-            flat = typed.get(key)
-            if flat is None:  # frombuffer per dtype: much cheaper than a uint8 .view(dtype)
-                flat = typed[key] = (
-                    spill.view(dtype) if in_spill and spill is not None
-                    else torch.frombuffer(base, dtype=dtype)
-                )
-            t = flat.as_strided(shape, stride or contiguous_strides(shape), offset)
+            t = frombuffer(base, dtype=dtype, count=shape[0], offset=offset * dtype.itemsize)
+        else:  # frombuffer per dtype (without count and offset, its cheapest form) and
+            # as_strided: cheaper than frombuffer(count=, offset=) and view(shape), and much
+            # cheaper than a uint8 .view(dtype)
+            if in_spill and spill is not None:
+                flat = spilled.get(dtype)
+                if flat is None:
+                    flat = spilled[dtype] = spill.view(dtype)
+            else:
+                flat = typed.get(dtype)
+                if flat is None:
+                    flat = typed[dtype] = frombuffer(base, dtype=dtype)
+            t = flat.as_strided(shape, stride or strides.get(shape) or contiguous_strides(shape),
+                                offset)
         views.append(t.numpy() if is_numpy else t)
     cls = type(tree)
     n = len(views)

@@ -344,14 +344,14 @@ class WorkerIter(BaseIter):
             if not self._sampler_done and (in_flight <= ahead.refill_at or in_flight == 0
                                            or self._send_idx < self._num_workers):
                 self._dispatch()  # (else no window would open: WorkAhead.refill_at)
+                in_flight = len(self._ready) + len(self._tasks)
             if data is _STOP:
                 continue
             if isinstance(data, RemoteError):
                 data.reraise()
             ring = self._ring
             occupancy, gauges = ring.levels()
-            occupancy.append(("prefetch", len(self._ready) + len(self._tasks),
-                              ahead.in_flight_bound))
+            occupancy.append(("prefetch", in_flight, ahead.in_flight_bound))
             span = None
             if self._slot_of:  # batches in pinned slots (a device stage orders their copies)
                 sid = self._slot_of.pop(idx, None)

@@ -20,9 +20,10 @@ code runs there, finalizers included, and an exception raised inside a finalizer
 release would be lost and the loop would go on. So:
 
 - an unpinned slot (every slot without CUDA) is released by no Python code at all: its batch's
-  base array carries a plain weak reference whose callback is the C method ``deque.append``
-  (the ref lands in the ring's ``_dropped``; ``acquire`` maps it back to its slot). A signal
-  that arrives meanwhile stays pending and is raised in the user's loop.
+  base array carries a weak reference (``_Lease``, a slotted subclass naming the slot: none
+  of its own Python code) whose callback is the C method ``deque.append`` (the ref lands in
+  the ring's ``_dropped``; ``acquire`` reads its slot off it). A signal that arrives
+  meanwhile stays pending and is raised in the user's loop.
 - a pinned slot must record its release event on the current streams then and there, which
   takes Python (``Releaser``). A KeyboardInterrupt raised inside it before the slot went to a
   list parks the slot (fenced by the next ``acquire``, NOTE [ Slot lifetime ] (c)); one raised

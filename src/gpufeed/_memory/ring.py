@@ -92,6 +92,12 @@ from .release import Releaser, warn_unpinned
 __all__ = ["SlotRing"]
 
 
+class _Lease(weakref.ref):
+    """An unpinned slot's weak reference to its batch, naming the slot (runs no Python)."""
+    __slots__ = ("sid",)
+    sid: int
+
+
 class SlotRing:
     """Main-process side of the ring: region, slots, free list, byte budget.
 
@@ -126,10 +132,10 @@ class SlotRing:
         self.closed = False
         # Finalizers may run on any thread; deque.append/popleft are atomic.
         self._released: collections.deque[int] = collections.deque()
-        # Unpinned leases: id(ref) -> (ref, slot); a dropped batch's ref lands in _dropped
-        # (see NOTE [ Ctrl-C and slot releases ]).
-        self._leases: dict[int, tuple[weakref.ref[np.ndarray], int]] = {}
-        self._dropped: collections.deque[weakref.ref[np.ndarray]] = collections.deque()
+        # Unpinned leases: slot -> its batch's weak reference, which a dropped batch's
+        # callback puts in _dropped (see NOTE [ Ctrl-C and slot releases ]).
+        self._leases: dict[int, _Lease] = {}
+        self._dropped: collections.deque[_Lease] = collections.deque()
         self._fences = _cuda.Fences()  # (event, slot) of fenced releases; handles hold it
         self._parked: collections.deque[int] = collections.deque()  # see (c)
         self._out: set[int] = set()  # acquired for a worker, not yet leased or released
@@ -166,9 +172,7 @@ class SlotRing:
     @property
     def in_use(self) -> int:
         """Slots with a worker or the user: neither free, nor waiting for a fence."""
-        fenced = len(self._parked) + (len(self._fences) if self._pins else 0)  # fences: pins'
-        return (len(self._slots) - len(self._free) - len(self._released) - len(self._dropped)
-                - fenced)
+        return self.levels()[0][0][1]
 
     @property
     def fenced(self) -> int:
@@ -229,8 +233,11 @@ class SlotRing:
     def levels(self) -> tuple[list[tuple[str, int, int]], tuple[tuple[str, int], ...]]:
         """The ring's samples for a loader's stats, once per batch handed out: occupancy
         (stage, used, capacity) and gauges (counter, level now)."""
-        cap = self.capacity_slots
-        occupancy = [("ring", self.in_use, cap)]
+        slot_bytes, budget = self.slot_bytes, self.budget  # capacity_slots, in_use in line
+        cap = budget // slot_bytes if slot_bytes and budget else 0
+        in_use = (len(self._slots) - len(self._free) - len(self._released) - len(self._dropped)
+                  - len(self._parked) - (len(self._fences) if self._pins else 0))  # fences: pins'
+        occupancy = [("ring", in_use, cap)]
         if self.pin:
             occupancy.append(("ring_fenced", self.fenced, cap))
         return occupancy, (("ring_slots", len(self._slots)), ("ring_bytes", self.live_bytes))
@@ -265,7 +272,9 @@ class SlotRing:
         finalizers) and those past their fence join the free list."""
         rel, dropped, leases = self._released, self._dropped, self._leases
         while dropped:
-            rel.append(leases.pop(id(dropped.popleft()))[1])
+            sid = dropped.popleft().sid
+            del leases[sid]
+            rel.append(sid)
         while rel:
             sid = rel.popleft()
             if sid in self._slots:
@@ -347,8 +356,8 @@ class SlotRing:
             fin = weakref.finalize(base, self._releaser, sid)
             fin.atexit = False
         else:
-            ref = weakref.ref(base, self._dropped.append)
-            self._leases[id(ref)] = (ref, sid)
+            ref = self._leases[sid] = _Lease(base, self._dropped.append)
+            ref.sid = sid
         return base
 
     def close(self) -> bool:
