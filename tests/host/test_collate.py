@@ -111,3 +111,64 @@ def test_the_slot_is_held_until_the_last_view_is_gone() -> None:
     del sliced
     gc.collect()
     assert fired
+
+
+def test_carved_views_are_kept_per_offset_shape_and_dtype_and_always_right(monkeypatch) -> None:
+    """NOTE [ Carved views ]: a view is handed out again only for the same offset, shape and
+    dtype, never past the slot's end, and the bounded cache starts over when full."""
+    import gpufeed._host.collate as collate
+
+    monkeypatch.setattr(collate, "VIEW_CACHE", 5)
+    region = torch.zeros(1 << 16, dtype=torch.uint8)
+    writer = SlotWriter(region, shared_fallback=False)
+    base = region.data_ptr()
+    layouts = [[((4, 3), torch.float32), ((4,), torch.int64)],
+               [((2, 3), torch.float32), ((2,), torch.int64)],  # the same slot, smaller
+               [((4,), torch.int64), ((4, 3), torch.float32)],  # the same shapes, swapped
+               [((4, 3), torch.float64), ((5,), torch.uint8)],
+               [((4, 3), torch.float32), ((4,), torch.int64)]]
+    kept: dict[tuple[Any, ...], torch.Tensor] = {}
+    reused = 0
+    for round_ in range(3):
+        for slot in (0, 4096, 8192):
+            for k, layout in enumerate(layouts):
+                for _again in range(2):  # the second time from the cache
+                    writer.begin(slot, 4096)
+                    off = slot
+                    for n, (shape, dtype) in enumerate(layout):
+                        t = writer.alloc(shape, dtype)
+                        assert t is not None
+                        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+                        assert t.data_ptr() == base + off
+                        t.fill_(round_ * 100 + k * 10 + n)  # written where the leaf lies
+                        nbytes = t.numel() * t.element_size()
+                        expect = torch.full(shape, round_ * 100 + k * 10 + n, dtype=dtype)
+                        assert torch.equal(region[off:off + nbytes].view(dtype).view(shape), expect)
+                        reused += kept.get((off, shape, dtype)) is t
+                        kept[(off, shape, dtype)] = t
+                        off = collate.align(off + nbytes)
+                    assert len(writer._views) <= 5
+    assert reused  # some views were handed out again (and were right)
+    writer.begin(0, 48)  # a view of the same offset and shape no longer fits
+    assert writer.alloc((4, 3), torch.float32) is not None
+    writer.begin(0, 40)
+    assert writer.alloc((4, 3), torch.float32) is None
+    writer.begin(0, 0)  # no slot at all
+    assert writer.alloc((4, 3), torch.float32) is None
+
+
+def test_batch_sources_get_a_view_of_their_own() -> None:
+    """Cached views go only to gpufeed's own code; a dataset's ``gpufeed_batch`` gets new ones,
+    which it may keep or reshape in place without touching later batches."""
+    writer = _writer()
+    a = writer.alloc((8,), torch.int32)
+    writer.begin(4096, 1 << 16)
+    assert writer.alloc((8,), torch.int32) is a  # gpufeed's own: the same view again
+    writer.begin(4096, 1 << 16)
+    f = writer.alloc_any_fresh((8,), torch.int32)
+    f.resize_(2, 4)  # what a user's code might do to its own view
+    writer.begin(4096, 1 << 16)
+    g = writer.alloc_any_fresh((8,), torch.int32)
+    assert g is not f and g.shape == (8,) and g.data_ptr() == a.data_ptr()
+    writer.begin(4096, 1 << 16)
+    assert writer.alloc((8,), torch.int32).shape == (8,)

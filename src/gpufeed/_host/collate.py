@@ -24,6 +24,8 @@ from .._base.tree import byte_extent, tree_map
 from .._memory.region import ALIGN, align, contiguous_at, contiguous_strides
 from .._memory.spill import Spill
 
+VIEW_CACHE = 1024  # carved views a SlotWriter keeps (NOTE [ Carved views ]), a few hundred KB
+
 
 class SlotWriter:
     """Bump allocator over one slot of the region (worker side)."""
@@ -33,6 +35,8 @@ class SlotWriter:
         self.base = region.data_ptr()
         self.shared_fallback = shared_fallback
         self._typed: dict[torch.dtype, torch.Tensor] = {}
+        # NOTE [ Carved views ]: (offset, shape, dtype) -> (view, bytes, aligned bytes)
+        self._views: dict[tuple[Any, ...], tuple[torch.Tensor, int, int]] = {}
         self.spill: Spill | None = None
         self.begin(0, 0)
 
@@ -51,6 +55,37 @@ class SlotWriter:
         return spill
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A C-contiguous tensor of ``shape`` at the slot's next free bytes, or None when it
+        does not fit (or there is no slot).
+
+        NOTE [ Carved views ]: slots are recycled at the same offsets and batches repeat their
+        shapes, so the view carved at (offset, shape, dtype) is kept (``as_strided`` costs
+        1.5-3 us a leaf) and handed out again. Only gpufeed's own code gets these views
+        (collation, the vectorised gather, ``pack``), and it only writes into them and reads
+        where they lie: their metadata is never changed in place, and they never leave the
+        worker (``pack`` describes them by offset). Datasets' batch sources get a view of
+        their own (:meth:`alloc_fresh`). The region never moves in a worker, and each worker,
+        thread or process, has its own writer.
+        """
+        key = (self.cur, shape, dtype)
+        hit = self._views.get(key)
+        if hit is not None:
+            t, nbytes, step = hit
+            if self.cur + nbytes > self.end or self.end == self.start:
+                return None
+            self.cur += step
+            return t
+        fresh = self.alloc_fresh(shape, dtype)
+        if fresh is not None:
+            views = self._views
+            if len(views) >= VIEW_CACHE:  # rings of many slots or leaves: start over
+                views.clear()
+            nbytes = fresh.numel() * dtype.itemsize
+            views[key] = (fresh, nbytes, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        return fresh
+
+    def alloc_fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """As :meth:`alloc`, but a new view each call (for code that may keep or alter it)."""
         numel = 1
         for d in shape:
             numel *= d
@@ -68,6 +103,11 @@ class SlotWriter:
     def alloc_any(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Memory for a leaf: in the slot (``alloc``), else ``fallback``."""
         out = self.alloc(shape, dtype)
+        return out if out is not None else self.fallback(shape, dtype)
+
+    def alloc_any_fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """As :meth:`alloc_any`, a new view each call: what datasets' batch sources get."""
+        out = self.alloc_fresh(shape, dtype)
         return out if out is not None else self.fallback(shape, dtype)
 
     def fallback(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

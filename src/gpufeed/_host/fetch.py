@@ -133,8 +133,8 @@ class MapFetcher:
             self.where = "while reading a batch"
             scope.at_batch(indices)
             if collate_fn is None:
-                return self.source.gpufeed_batch(
-                    indices, seed=self.seed, epoch=epoch, alloc=_alloc_for(writer))
+                return self.source.gpufeed_batch(  # its own views: user code may keep them
+                    indices, seed=self.seed, epoch=epoch, alloc=_alloc_for(writer, fresh=True))
             samples = self.source.gpufeed_samples(indices, seed=self.seed, epoch=epoch)
             self.where = "in collate_fn"
             t0 = time.perf_counter()
@@ -300,10 +300,12 @@ def thread_copy(dataset: Any) -> Any:
         return dataset
 
 
-def _alloc_for(writer: SlotWriter | None) -> Callable[[tuple[int, ...], Any], Any]:
-    """Memory for a batch leaf: a slot of the ring when there is one, else a fresh tensor."""
+def _alloc_for(writer: SlotWriter | None, *, fresh: bool = False
+               ) -> Callable[[tuple[int, ...], Any], Any]:
+    """Memory for a batch leaf: a slot of the ring when there is one, else a fresh tensor.
+    ``fresh``: a new view of the slot each call (NOTE [ Carved views ] in collate.py)."""
     if writer is not None:
-        return writer.alloc_any
+        return writer.alloc_any_fresh if fresh else writer.alloc_any
 
     def alloc(shape: tuple[int, ...], dtype: Any) -> Any:
         import torch
