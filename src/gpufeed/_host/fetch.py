@@ -88,6 +88,8 @@ class MapFetcher:
         self.collate_fn = None if collate_fn is default_collate else collate_fn
         self.arrays = gather_arrays(dataset) if self.collate_fn is None else None
         self.source = batch_source(dataset) if auto_collation else None
+        # batches are gathered with one op per array (``gather``), no user code involved
+        self.gathers = self.arrays is not None and self.source is None and auto_collation
         self.getitems = getattr(dataset, "__getitems__", None)
         self.where = ""  # what it is doing, for error messages (see describe)
         self.index: Any = None  # the sample being fetched, when where is _AT_SAMPLE
@@ -97,10 +99,10 @@ class MapFetcher:
 
     def fetch(self, indices: Any, writer: SlotWriter | None, *, epoch: int = 0) -> Any:
         """The batch of ``indices``; ``epoch`` seeds per-sample random state."""
-        if self.arrays is not None and self.source is None and self.auto_collation:
+        if self.gathers:
             self.where = "while gathering a batch"  # no user code, nothing random: no scope
             self.collate_s = 0.0
-            return gather(self.arrays, indices, _alloc_for(writer))
+            return gather(self.arrays, indices, _alloc_for(writer))  # type: ignore[arg-type]
         scope = self.scope
         scope.open(self.seed if self.seed is not None else self.base_seed, epoch)
         try:
@@ -219,6 +221,7 @@ class IterFetcher:
         self.count = 0
         self.collate_s = 0.0
         self.arrays = None
+        self.gathers = False
 
     def describe(self, indices: Any) -> str:
         return self.where
