@@ -114,8 +114,8 @@ def test_the_slot_is_held_until_the_last_view_is_gone() -> None:
 
 
 def test_carved_views_are_kept_per_offset_shape_and_dtype_and_always_right(monkeypatch) -> None:
-    """NOTE [ Carved views ]: a view is handed out again only for the same offset, shape and
-    dtype, never past the slot's end, and the bounded cache starts over when full."""
+    """A view is handed out again only for the same offset, shape and dtype, never past the
+    slot's end, and the bounded cache starts over when full (NOTE [ Carved views ])."""
     import gpufeed._host.collate as collate
 
     monkeypatch.setattr(collate, "VIEW_CACHE", 5)

@@ -35,7 +35,7 @@ class SlotWriter:
         self.base = region.data_ptr()
         self.shared_fallback = shared_fallback
         self._typed: dict[torch.dtype, torch.Tensor] = {}
-        # NOTE [ Carved views ]: (offset, shape, dtype) -> (view, bytes, aligned bytes)
+        # (offset, shape, dtype) -> (view, bytes, aligned bytes): NOTE [ Carved views ]
         self._views: dict[tuple[Any, ...], tuple[torch.Tensor, int, int]] = {}
         self.spill: Spill | None = None
         self.begin(0, 0)
