@@ -172,3 +172,28 @@ def test_batch_sources_get_a_view_of_their_own() -> None:
     assert g is not f and g.shape == (8,) and g.data_ptr() == a.data_ptr()
     writer.begin(4096, 1 << 16)
     assert writer.alloc((8,), torch.int32).shape == (8,)
+
+
+def test_pack_describes_kept_views_as_it_describes_any_slot_tensor() -> None:
+    """``pack``'s shortcut for views the writer carved gives the very description its general
+    path gives; a kept view of another slot is copied into this one, as any tensor."""
+    def batch(alloc: Any) -> list[torch.Tensor]:
+        x, y = alloc((5, 3), torch.float32), alloc((5,), torch.int64)
+        x.copy_(torch.arange(15.0).reshape(5, 3))
+        y.copy_(torch.arange(5))
+        return [x, y]
+
+    kept, fresh = _writer(), _writer()
+    for slot in (4096, 8192, 4096, 8192):
+        kept.begin(slot, 4096)
+        got = pack(batch(kept.alloc), kept)
+        fresh.begin(slot, 4096)
+        want = pack(batch(fresh.alloc_fresh), fresh)
+        assert (got.leaves, got.used, got.need) == (want.leaves, want.used, want.need)
+    kept.begin(4096, 4096)
+    old = batch(kept.alloc)
+    kept.begin(8192, 4096)  # the view of slot 4096 in a batch of slot 8192: copied here
+    packed = pack(old, kept)
+    assert packed.leaves[0][0] == 0 and packed.leaves[1][0] * 8 >= 5 * 3 * 4
+    base = kept.region.numpy()[8192:8192 + packed.used]
+    _same(unpack((packed.batch, packed.leaves), base), [t.clone() for t in old])
