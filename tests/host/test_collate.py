@@ -111,3 +111,89 @@ def test_the_slot_is_held_until_the_last_view_is_gone() -> None:
     del sliced
     gc.collect()
     assert fired
+
+
+def test_carved_views_are_kept_per_offset_shape_and_dtype_and_always_right(monkeypatch) -> None:
+    """A view is handed out again only for the same offset, shape and dtype, never past the
+    slot's end, and the bounded cache starts over when full (NOTE [ Carved views ])."""
+    import gpufeed._host.collate as collate
+
+    monkeypatch.setattr(collate, "VIEW_CACHE", 5)
+    region = torch.zeros(1 << 16, dtype=torch.uint8)
+    writer = SlotWriter(region, shared_fallback=False)
+    base = region.data_ptr()
+    layouts = [[((4, 3), torch.float32), ((4,), torch.int64)],
+               [((2, 3), torch.float32), ((2,), torch.int64)],  # the same slot, smaller
+               [((4,), torch.int64), ((4, 3), torch.float32)],  # the same shapes, swapped
+               [((4, 3), torch.float64), ((5,), torch.uint8)],
+               [((4, 3), torch.float32), ((4,), torch.int64)]]
+    kept: dict[tuple[Any, ...], torch.Tensor] = {}
+    reused = 0
+    for round_ in range(3):
+        for slot in (0, 4096, 8192):
+            for k, layout in enumerate(layouts):
+                for _again in range(2):  # the second time from the cache
+                    writer.begin(slot, 4096)
+                    off = slot
+                    for n, (shape, dtype) in enumerate(layout):
+                        t = writer.alloc(shape, dtype)
+                        assert t is not None
+                        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+                        assert t.data_ptr() == base + off
+                        t.fill_(round_ * 100 + k * 10 + n)  # written where the leaf lies
+                        nbytes = t.numel() * t.element_size()
+                        expect = torch.full(shape, round_ * 100 + k * 10 + n, dtype=dtype)
+                        assert torch.equal(region[off:off + nbytes].view(dtype).view(shape), expect)
+                        reused += kept.get((off, shape, dtype)) is t
+                        kept[(off, shape, dtype)] = t
+                        off = collate.align(off + nbytes)
+                    assert len(writer._views) <= 5
+    assert reused  # some views were handed out again (and were right)
+    writer.begin(0, 48)  # a view of the same offset and shape no longer fits
+    assert writer.alloc((4, 3), torch.float32) is not None
+    writer.begin(0, 40)
+    assert writer.alloc((4, 3), torch.float32) is None
+    writer.begin(0, 0)  # no slot at all
+    assert writer.alloc((4, 3), torch.float32) is None
+
+
+def test_batch_sources_get_a_view_of_their_own() -> None:
+    """Cached views go only to gpufeed's own code; a dataset's ``gpufeed_batch`` gets new ones,
+    which it may keep or reshape in place without touching later batches."""
+    writer = _writer()
+    a = writer.alloc((8,), torch.int32)
+    writer.begin(4096, 1 << 16)
+    assert writer.alloc((8,), torch.int32) is a  # gpufeed's own: the same view again
+    writer.begin(4096, 1 << 16)
+    f = writer.alloc_any_fresh((8,), torch.int32)
+    f.resize_(2, 4)  # what a user's code might do to its own view
+    writer.begin(4096, 1 << 16)
+    g = writer.alloc_any_fresh((8,), torch.int32)
+    assert g is not f and g.shape == (8,) and g.data_ptr() == a.data_ptr()
+    writer.begin(4096, 1 << 16)
+    assert writer.alloc((8,), torch.int32).shape == (8,)
+
+
+def test_pack_describes_kept_views_as_it_describes_any_slot_tensor() -> None:
+    """``pack``'s shortcut for views the writer carved gives the very description its general
+    path gives; a kept view of another slot is copied into this one, as any tensor."""
+    def batch(alloc: Any) -> list[torch.Tensor]:
+        x, y = alloc((5, 3), torch.float32), alloc((5,), torch.int64)
+        x.copy_(torch.arange(15.0).reshape(5, 3))
+        y.copy_(torch.arange(5))
+        return [x, y]
+
+    kept, fresh = _writer(), _writer()
+    for slot in (4096, 8192, 4096, 8192):
+        kept.begin(slot, 4096)
+        got = pack(batch(kept.alloc), kept)
+        fresh.begin(slot, 4096)
+        want = pack(batch(fresh.alloc_fresh), fresh)
+        assert (got.leaves, got.used, got.need) == (want.leaves, want.used, want.need)
+    kept.begin(4096, 4096)
+    old = batch(kept.alloc)
+    kept.begin(8192, 4096)  # the view of slot 4096 in a batch of slot 8192: copied here
+    packed = pack(old, kept)
+    assert packed.leaves[0][0] == 0 and packed.leaves[1][0] * 8 >= 5 * 3 * 4
+    base = kept.region.numpy()[8192:8192 + packed.used]
+    _same(unpack((packed.batch, packed.leaves), base), [t.clone() for t in old])

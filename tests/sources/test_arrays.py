@@ -225,3 +225,37 @@ def test_repr_is_torchvisions_layout():
     assert repr(ds).splitlines() == [
         "Dataset ArrayDataset", "    Number of datapoints: 10",
         "    Arrays: ndarray float32 (10, 3) (120 B), Tensor int64 (10,) (80 B)"]
+
+
+class _ShapeByGroup(tud.Dataset):
+    """Sample ``i`` is a tensor whose shape depends on ``i % 3`` (and a label)."""
+
+    def __len__(self):
+        return 60
+
+    def __getitem__(self, i):
+        return torch.arange(i, i + (i % 3 + 1) * 2, dtype=torch.float32).reshape(-1, 2), i
+
+
+# batches of changing sizes and shapes, so the same slots see different leaves every time
+_BATCHES = [[0, 3, 6, 9], [1, 4], [2, 5, 8, 11, 14, 17], [12, 15, 18], [7, 10, 13],
+            [20, 23, 26, 29, 32], [21], [19, 22, 25, 28], [24, 27], [30, 33, 36, 39, 42, 45]]
+
+
+@pytest.mark.parametrize("workers", WORKERS[1:])
+@pytest.mark.parametrize("kind", ["array", "samples"])
+def test_changing_batch_shapes_through_recycled_slots_match_stock(kind, workers):
+    """Carved slot views are kept per offset, shape and dtype (NOTE [ Carved views ] in
+    _host/collate.py): batches of changing shapes through the same few recycled slots (each
+    batch copied and dropped at once, little work ahead), over epochs of persistent workers,
+    must still come back byte for byte as stock's."""
+    ds = ArrayDataset(*_arrays(60)) if kind == "array" else _ShapeByGroup()
+    batches = _BATCHES * 3
+    expected = collect(tud.DataLoader, ds, epochs=3, batch_sampler=batches)
+    loader = gpufeed.DataLoader(ds, batch_sampler=batches, persistent_workers=True,
+                                prefetch_factor=1, **workers)
+    got = [[[t.clone() for t in b] for b in loader] for _ in range(3)]  # slots go back at once
+    assert 0 < loader.stats().counters["ring_slots"] < len(batches)  # so they were recycled
+    for e, g in zip(expected, got, strict=True):
+        assert_same_batches(e, g)
+    del loader

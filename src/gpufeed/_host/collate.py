@@ -24,6 +24,11 @@ from .._base.tree import byte_extent, tree_map
 from .._memory.region import ALIGN, _strides, align, contiguous_at, contiguous_strides
 from .._memory.spill import Spill
 
+VIEW_CACHE = 1024  # carved views a SlotWriter keeps (NOTE [ Carved views ]), a few hundred KB
+# A kept view: (view, byte offset in the region, bytes, aligned bytes, itemsize, dtype name,
+# shape): all ``pack`` needs to describe it without touching the tensor
+Carved = tuple[torch.Tensor, int, int, int, int, str, tuple[int, ...]]
+
 
 class SlotWriter:
     """Bump allocator over one slot of the region (worker side)."""
@@ -34,6 +39,9 @@ class SlotWriter:
         self.limit = self.base + region.numel() * region.element_size()
         self.shared_fallback = shared_fallback
         self._typed: dict[torch.dtype, torch.Tensor] = {}
+        # (offset, shape, dtype) -> Carved, and id(view) -> Carved: NOTE [ Carved views ]
+        self._views: dict[tuple[Any, ...], Carved] = {}
+        self.carved: dict[int, Carved] = {}
         self.spill: Spill | None = None
         self.begin(0, 0)
 
@@ -52,6 +60,42 @@ class SlotWriter:
         return spill
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A C-contiguous tensor of ``shape`` at the slot's next free bytes, or None when it
+        does not fit (or there is no slot).
+
+        NOTE [ Carved views ]: slots are recycled at the same offsets and batches repeat their
+        shapes, so the view carved at (offset, shape, dtype) is kept (``as_strided`` costs
+        1.5-3 us a leaf) and handed out again. Only gpufeed's own code gets these views
+        (collation, the vectorised gather, ``pack``), and it only writes into them and reads
+        where they lie: their metadata is never changed in place, and they never leave the
+        worker (``pack`` describes them from what was recorded here, without touching the
+        tensor, whose metadata may have left the CPU's caches). Batch sources get a view of
+        their own (:meth:`alloc_fresh`). The region never moves in a worker, and each worker,
+        thread or process, has its own writer.
+        """
+        key = (self.cur, shape, dtype)
+        hit = self._views.get(key)
+        if hit is not None:
+            t, _, nbytes, step = hit[:4]
+            if self.cur + nbytes > self.end or self.end == self.start:
+                return None
+            self.cur += step
+            return t
+        off = self.cur
+        fresh = self.alloc_fresh(shape, dtype)
+        if fresh is not None:
+            views = self._views
+            if len(views) >= VIEW_CACHE:  # rings of many slots or leaves: start over
+                views.clear()
+                self.carved.clear()
+            nbytes = fresh.numel() * dtype.itemsize
+            views[key] = self.carved[id(fresh)] = (
+                fresh, off, nbytes, (nbytes + ALIGN - 1) // ALIGN * ALIGN, dtype.itemsize,
+                _dtype_names.get(dtype) or _dtype_name(dtype), tuple(fresh.shape))
+        return fresh
+
+    def alloc_fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """As :meth:`alloc`, but a new view each call (for code that may keep or alter it)."""
         numel = 1
         for d in shape:
             numel *= d
@@ -69,6 +113,11 @@ class SlotWriter:
     def alloc_any(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Memory for a leaf: in the slot (``alloc``), else ``fallback``."""
         out = self.alloc(shape, dtype)
+        return out if out is not None else self.fallback(shape, dtype)
+
+    def alloc_any_fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """As :meth:`alloc_any`, a new view each call: what datasets' batch sources get."""
+        out = self.alloc_fresh(shape, dtype)
         return out if out is not None else self.fallback(shape, dtype)
 
     def fallback(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -212,10 +261,22 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
     unsupported = False
     leaves: list[Leaf] = []
     names, refs = _dtype_names, _refs
+    carved, start, end = (writer.carved, writer.start, writer.end) if writer else ({}, 0, 0)
 
     def leaf(x: Any) -> Any:
         nonlocal used, need, unsupported
         is_numpy = False
+        kept = carved.get(id(x))
+        if kept is not None and kept[0] is x and start <= kept[1] < end:
+            # a view the writer carved in this slot (NOTE [ Carved views ]): all is known
+            _, off, nbytes, step, esize, name, shape = kept
+            rel = off - start
+            need += step
+            if rel + nbytes > used:
+                used = rel + nbytes
+            leaves.append((rel // esize, name, shape, None, False, False))
+            k = len(leaves) - 1
+            return refs[k] if k < len(refs) else leaf_ref(k)
         if (type(x) is torch.Tensor and writer is not None and x.is_cpu
                 and x.layout == torch.strided and not x.is_nested and not x.is_quantized
                 and writer.start + writer.base <= x.data_ptr() < writer.end + writer.base

@@ -89,6 +89,8 @@ class MapFetcher:
         self.collate_fn = None if collate_fn is default_collate else collate_fn
         self.arrays = gather_arrays(dataset) if self.collate_fn is None else None
         self.source = batch_source(dataset) if auto_collation else None
+        # batches are gathered with one op per array (``gather``), no user code involved
+        self.gathers = self.arrays is not None and self.source is None and auto_collation
         self.getitems = getattr(dataset, "__getitems__", None)
         self.where = ""  # what it is doing, for error messages (see describe)
         self.index: Any = None  # the sample being fetched, when where is _AT_SAMPLE
@@ -98,10 +100,10 @@ class MapFetcher:
 
     def fetch(self, indices: Any, writer: SlotWriter | None, *, epoch: int = 0) -> Any:
         """The batch of ``indices``; ``epoch`` seeds per-sample random state."""
-        if self.arrays is not None and self.source is None and self.auto_collation:
+        if self.gathers:
             self.where = "while gathering a batch"  # no user code, nothing random: no scope
             self.collate_s = 0.0
-            return gather(self.arrays, indices, _alloc_for(writer))
+            return gather(self.arrays, indices, _alloc_for(writer))  # type: ignore[arg-type]
         scope = self.scope
         scope.open(self.seed if self.seed is not None else self.base_seed, epoch)
         previous = building(writer)  # NOTE [ Batches built in the slot ], _host/output.py
@@ -136,8 +138,8 @@ class MapFetcher:
             self.where = "while reading a batch"
             scope.at_batch(indices)
             if collate_fn is None:
-                return self.source.gpufeed_batch(
-                    indices, seed=self.seed, epoch=epoch, alloc=_alloc_for(writer))
+                return self.source.gpufeed_batch(  # its own views: user code may keep them
+                    indices, seed=self.seed, epoch=epoch, alloc=_alloc_for(writer, fresh=True))
             samples = self.source.gpufeed_samples(indices, seed=self.seed, epoch=epoch)
             self.where = "in collate_fn"
             t0 = time.perf_counter()
@@ -226,6 +228,7 @@ class IterFetcher:
         self.count = 0
         self.collate_s = 0.0
         self.arrays = None
+        self.gathers = False
 
     def describe(self, indices: Any) -> str:
         return self.where
@@ -311,10 +314,12 @@ def thread_copy(dataset: Any) -> Any:
         return dataset
 
 
-def _alloc_for(writer: SlotWriter | None) -> Callable[[tuple[int, ...], Any], Any]:
-    """Memory for a batch leaf: a slot of the ring when there is one, else a fresh tensor."""
+def _alloc_for(writer: SlotWriter | None, *, fresh: bool = False
+               ) -> Callable[[tuple[int, ...], Any], Any]:
+    """Memory for a batch leaf: a slot of the ring when there is one, else a fresh tensor.
+    ``fresh``: a new view of the slot each call (NOTE [ Carved views ] in collate.py)."""
     if writer is not None:
-        return writer.alloc_any
+        return writer.alloc_any_fresh if fresh else writer.alloc_any
 
     def alloc(shape: tuple[int, ...], dtype: Any) -> Any:
         import torch

@@ -331,9 +331,13 @@ def _run_task(
     t0 = time.perf_counter()
     try:
         if task.planned:
-            indices = fetcher.plan.batch(batch)  # type: ignore[union-attr]
-            if fetcher.arrays is None:
-                indices = indices.tolist()
+            plan = fetcher.plan  # type: ignore[union-attr]
+            if fetcher.gathers:  # gpufeed's own gather: a numpy view of the plan
+                indices = plan.batch_array(batch)
+            else:
+                indices = plan.batch(batch)
+                if fetcher.arrays is None:  # what stock passes a dataset: a list of ints
+                    indices = indices.tolist()
         data = fetcher.fetch(indices, writer, epoch=epoch)
         t1 = time.perf_counter()
         packed = pack(data, writer)

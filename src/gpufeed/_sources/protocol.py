@@ -66,6 +66,8 @@ def sample_seeds(indices: Sequence[int] | np.ndarray, seed: int | None, epoch: i
 
 def index_array(indices: Any) -> np.ndarray:
     """A batch's indices as a flat int64 array."""
+    if type(indices) is np.ndarray and indices.dtype == np.int64 and indices.ndim == 1:
+        return indices  # an IndexPlan's batch_array
     if isinstance(indices, torch.Tensor):
         indices = indices.numpy()
     idx = np.asarray(indices, dtype=np.int64)
