@@ -15,9 +15,10 @@ from torch.utils.data import DataLoader as TorchLoader
 from torch.utils.data import Dataset
 
 import gpufeed
-from gpufeed._host.collate import SlotWriter, pack, unpack
+from gpufeed._host.collate import pack, unpack
 from gpufeed._host.fetch import MapFetcher
 from gpufeed._host.output import building
+from gpufeed._host.writer import SlotWriter
 
 
 def _writer(size: int = 1 << 20) -> SlotWriter:

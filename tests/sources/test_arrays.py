@@ -246,7 +246,7 @@ _BATCHES = [[0, 3, 6, 9], [1, 4], [2, 5, 8, 11, 14, 17], [12, 15, 18], [7, 10, 1
 @pytest.mark.parametrize("kind", ["array", "samples"])
 def test_changing_batch_shapes_through_recycled_slots_match_stock(kind, workers):
     """Carved slot views are kept per offset, shape and dtype (NOTE [ Carved views ] in
-    _host/collate.py): batches of changing shapes through the same few recycled slots (each
+    _host/writer.py): batches of changing shapes through the same few recycled slots (each
     batch copied and dropped at once, little work ahead), over epochs of persistent workers,
     must still come back byte for byte as stock's."""
     ds = ArrayDataset(*_arrays(60)) if kind == "array" else _ShapeByGroup()

@@ -2,7 +2,8 @@
 
 ``collate_into`` has the semantics of ``torch.utils.data.default_collate`` (it is built on
 torch's own ``collate`` with a tensor rule of ours), except that stacked tensors are written
-into memory handed out by a :class:`SlotWriter`, so the batch exists once, in the slot.
+into memory handed out by a ``SlotWriter`` (``_host/writer.py``), so the batch exists once, in
+the slot.
 
 ``pack`` replaces each tensor or array of a collated batch (from any ``collate_fn``) by a
 :class:`LeafRef` to a :data:`Leaf` naming where its bytes lie in the slot, copying it there
@@ -21,123 +22,8 @@ import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from .._base.tree import byte_extent, tree_map
-from .._memory.region import ALIGN, _strides, align, contiguous_at, contiguous_strides
-from .._memory.spill import Spill
-
-VIEW_CACHE = 1024  # carved views a SlotWriter keeps (NOTE [ Carved views ]), a few hundred KB
-# A kept view: (view, byte offset in the region, bytes, aligned bytes, itemsize, dtype name,
-# shape): all ``pack`` needs to describe it without touching the tensor
-Carved = tuple[torch.Tensor, int, int, int, int, str, tuple[int, ...]]
-
-
-class SlotWriter:
-    """Bump allocator over one slot of the region (worker side)."""
-
-    def __init__(self, region: torch.Tensor, *, shared_fallback: bool) -> None:
-        self.region = region
-        self.base = region.data_ptr()
-        self.limit = self.base + region.numel() * region.element_size()
-        self.shared_fallback = shared_fallback
-        self._typed: dict[torch.dtype, torch.Tensor] = {}
-        # (offset, shape, dtype) -> Carved, and id(view) -> Carved: NOTE [ Carved views ]
-        self._views: dict[tuple[Any, ...], Carved] = {}
-        self.carved: dict[int, Carved] = {}
-        self.spill: Spill | None = None
-        self.begin(0, 0)
-
-    def begin(self, offset: int, size: int) -> None:
-        """Start a batch in the slot at ``offset`` (``size`` 0: no slot). The previous batch's
-        spill was taken by ``take_spill``, unless that batch failed: it is dropped here."""
-        self.start = self.cur = offset
-        self.end = offset + size
-        if self.spill is not None:
-            self.spill.release()
-            self.spill = None
-
-    def take_spill(self) -> Spill | None:
-        """The batch's spill file, if it needed one (the caller seals, sends, releases it)."""
-        spill, self.spill = self.spill, None
-        return spill
-
-    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """A C-contiguous tensor of ``shape`` at the slot's next free bytes, or None when it
-        does not fit (or there is no slot).
-
-        NOTE [ Carved views ]: slots are recycled at the same offsets and batches repeat their
-        shapes, so the view carved at (offset, shape, dtype) is kept (``as_strided`` costs
-        1.5-3 us a leaf) and handed out again. Only gpufeed's own code gets these views
-        (collation, the vectorised gather, ``pack``), and it only writes into them and reads
-        where they lie: their metadata is never changed in place, and they never leave the
-        worker (``pack`` describes them from what was recorded here, without touching the
-        tensor, whose metadata may have left the CPU's caches). Batch sources get a view of
-        their own (:meth:`alloc_fresh`). The region never moves in a worker, and each worker,
-        thread or process, has its own writer.
-        """
-        key = (self.cur, shape, dtype)
-        hit = self._views.get(key)
-        if hit is not None:
-            t, _, nbytes, step = hit[:4]
-            if self.cur + nbytes > self.end or self.end == self.start:
-                return None
-            self.cur += step
-            return t
-        off = self.cur
-        fresh = self.alloc_fresh(shape, dtype)
-        if fresh is not None:
-            views = self._views
-            if len(views) >= VIEW_CACHE:  # rings of many slots or leaves: start over
-                views.clear()
-                self.carved.clear()
-            nbytes = fresh.numel() * dtype.itemsize
-            views[key] = self.carved[id(fresh)] = (
-                fresh, off, nbytes, (nbytes + ALIGN - 1) // ALIGN * ALIGN, dtype.itemsize,
-                _dtype_names.get(dtype) or _dtype_name(dtype), tuple(fresh.shape))
-        return fresh
-
-    def alloc_fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """As :meth:`alloc`, but a new view each call (for code that may keep or alter it)."""
-        numel = 1
-        for d in shape:
-            numel *= d
-        isz = dtype.itemsize
-        nbytes = numel * isz
-        if self.cur + nbytes > self.end or self.end == self.start:  # full, or no slot at all
-            return None
-        typed = self._typed.get(dtype)
-        if typed is None:  # the region's size is a multiple of every itemsize
-            typed = self._typed[dtype] = self.region.view(dtype)
-        t = contiguous_at(typed, shape, self.cur // isz)
-        self.cur += (nbytes + ALIGN - 1) // ALIGN * ALIGN  # align()
-        return t
-
-    def alloc_any(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Memory for a leaf: in the slot (``alloc``), else ``fallback``."""
-        out = self.alloc(shape, dtype)
-        return out if out is not None else self.fallback(shape, dtype)
-
-    def alloc_any_fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """As :meth:`alloc_any`, a new view each call: what datasets' batch sources get."""
-        out = self.alloc_fresh(shape, dtype)
-        return out if out is not None else self.fallback(shape, dtype)
-
-    def fallback(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Memory for a tensor that does not fit the slot: the batch's spill file when it must
-        cross processes (NOTE [ Spill ] in _memory/spill.py), else ordinary memory."""
-        if not self.shared_fallback:
-            return torch.empty(shape, dtype=dtype)
-        if self.spill is None:
-            self.spill = Spill()
-        return self.spill.alloc(shape, dtype)
-
-    def owns_ptr(self, ptr: int) -> bool:
-        return self.start + self.base <= ptr < self.end + self.base
-
-    def spill_offset(self, ptr: int) -> int | None:
-        """Byte offset of ``ptr`` in this batch's spill file, or None if it is not there."""
-        spill = self.spill
-        if spill is None or not spill.owns_ptr(ptr):
-            return None
-        return ptr - spill.base
+from .._memory.region import ALIGN, _strides, align, contiguous_strides
+from .writer import SlotWriter, dtype_name, dtype_names
 
 
 def _stack_rule(writer: SlotWriter | None) -> Callable[..., torch.Tensor]:
@@ -216,15 +102,7 @@ def __getattr__(name: str) -> LeafRef:  # unpickling LEAF_<index>
 # One leaf on the wire, a plain tuple (cheap to pickle): (offset in elements, dtype name,
 # shape, stride in elements or None when contiguous, a numpy array?, in the spill file?).
 Leaf = tuple[int, str, tuple[int, ...], tuple[int, ...] | None, bool, bool]
-_dtype_names: dict[torch.dtype, str] = {}
 _dtypes: dict[str, torch.dtype] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _dtype_names.get(dtype)
-    if name is None:
-        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
-    return name
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -260,7 +138,7 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
     need = 0
     unsupported = False
     leaves: list[Leaf] = []
-    names, refs = _dtype_names, _refs
+    names, refs = dtype_names, _refs
     carved, start, end = (writer.carved, writer.start, writer.end) if writer else ({}, 0, 0)
 
     def leaf(x: Any) -> Any:
@@ -288,7 +166,7 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
             rel = x.data_ptr() - writer.base - writer.start
             if rel + nbytes > used:
                 used = rel + nbytes
-            leaves.append((rel // esize, names.get(x.dtype) or _dtype_name(x.dtype),
+            leaves.append((rel // esize, names.get(x.dtype) or dtype_name(x.dtype),
                            tuple(x.shape), None, False, False))
             k = len(leaves) - 1
             return refs[k] if k < len(refs) else leaf_ref(k)
@@ -335,10 +213,10 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
             span = nbytes if contiguous else byte_extent(t)
             if rel + span > used:
                 used = rel + span
-            leaves.append((rel // esize, _dtype_name(t.dtype), tuple(t.shape), stride, is_numpy,
+            leaves.append((rel // esize, dtype_name(t.dtype), tuple(t.shape), stride, is_numpy,
                            False))
         else:
-            leaves.append((spilled // esize, _dtype_name(t.dtype), tuple(t.shape), stride,
+            leaves.append((spilled // esize, dtype_name(t.dtype), tuple(t.shape), stride,
                            is_numpy, True))
         return leaf_ref(len(leaves) - 1)
 
@@ -412,5 +290,5 @@ def _flat_refs(n: int) -> tuple[LeafRef, ...]:
     return refs
 
 
-__all__ = ["ALIGN", "Leaf", "LeafRef", "Packed", "SlotWriter", "collate_into", "leaf_ref", "pack",
+__all__ = ["ALIGN", "Leaf", "LeafRef", "Packed", "collate_into", "leaf_ref", "pack",
            "ringable", "unpack"]

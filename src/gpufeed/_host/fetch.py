@@ -22,9 +22,10 @@ from .._order.sample_rng import SampleScope, stream_base
 from .._order.seeding import seeded
 from .._sources.arrays import gather, gather_arrays
 from .._sources.arrow import arrow_source
-from .collate import SlotWriter, collate_into
+from .collate import collate_into
 from .output import building
 from .random_watch import TaskProbe
+from .writer import SlotWriter
 
 _AT_SAMPLE = "while fetching a sample"  # MapFetcher.describe() adds which one
 
@@ -317,7 +318,7 @@ def thread_copy(dataset: Any) -> Any:
 def _alloc_for(writer: SlotWriter | None, *, fresh: bool = False
                ) -> Callable[[tuple[int, ...], Any], Any]:
     """Memory for a batch leaf: a slot of the ring when there is one, else a fresh tensor.
-    ``fresh``: a new view of the slot each call (NOTE [ Carved views ] in collate.py)."""
+    ``fresh``: a new view of the slot each call (NOTE [ Carved views ] in writer.py)."""
     if writer is not None:
         return writer.alloc_any_fresh if fresh else writer.alloc_any
 

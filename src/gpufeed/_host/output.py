@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .collate import SlotWriter
+    from .writer import SlotWriter
 
 _local = threading.local()
 
@@ -76,7 +76,7 @@ def batch_empty(*size: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
                         f"got {dtype!r}")
     writer = getattr(_local, "writer", None)
     if writer is not None:
-        out = writer.alloc(shape, dtype)
+        out = writer.alloc_fresh(shape, dtype)  # a view of its own: user code may alter it
         if out is not None:
             return out
     return torch.empty(shape, dtype=dtype)

@@ -51,7 +51,7 @@ from .._base.errors import capture, out_of_descriptors
 from .._memory.spill import SharedMemoryError, Spill
 from .._order.shards import ShardInfo, set_shard_info
 from .._order.state import capture_state
-from .collate import SlotWriter, pack
+from .collate import pack
 from .descriptors import worker_out_of_descriptors
 from .fetch import IterFetcher, MapFetcher, make_fetcher, thread_copy
 from .messages import (
@@ -71,6 +71,7 @@ from .messages import (
     WorkerSpec,
 )
 from .random_watch import GlobalDrawWatch
+from .writer import SlotWriter
 
 POLL_S = 0.5  # how often an idle worker checks that the main process is alive
 NEWER_CHECK_S = 0.001  # how often a busy worker looks for a newer generation or a stop

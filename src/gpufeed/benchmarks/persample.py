@@ -74,8 +74,9 @@ def _top(prof: cProfile.Profile, n: int) -> list[dict[str, Any]]:
 
 def profile_worker(dataset: Any, batches: int = 40, top: int = 12) -> dict[str, Any]:
     """One worker's work per batch, gpufeed's and the stock one's, in this process."""
-    from gpufeed._host.collate import SlotWriter, pack
+    from gpufeed._host.collate import pack
     from gpufeed._host.fetch import MapFetcher
+    from gpufeed._host.writer import SlotWriter
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the loaders' workers (one_intra_op_thread)

@@ -1,0 +1,145 @@
+"""The worker's side of a slot: a bump allocator over it, and the views it carves.
+
+A worker writes each batch into the slot its task names (``_memory/ring.py``): ``SlotWriter``
+hands out C-contiguous tensors at the slot's next free bytes (collation, the vectorised gather,
+batch sources, ``gpufeed.batch_empty``), and memory of the batch's spill file
+(``_memory/spill.py``) for what does not fit. ``pack`` (``_host/collate.py``) then describes
+where each leaf lies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._memory.region import ALIGN, contiguous_at
+from .._memory.spill import Spill
+
+VIEW_CACHE = 1024  # carved views a SlotWriter keeps (NOTE [ Carved views ]), a few hundred KB
+# A kept view: (view, byte offset in the region, bytes, aligned bytes, itemsize, dtype name,
+# shape): all ``pack`` needs to describe it without touching the tensor
+Carved = tuple[torch.Tensor, int, int, int, int, str, tuple[int, ...]]
+
+
+class SlotWriter:
+    """Bump allocator over one slot of the region (worker side)."""
+
+    def __init__(self, region: torch.Tensor, *, shared_fallback: bool) -> None:
+        self.region = region
+        self.base = region.data_ptr()
+        self.limit = self.base + region.numel() * region.element_size()
+        self.shared_fallback = shared_fallback
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        # (offset, shape, dtype) -> Carved, and id(view) -> Carved: NOTE [ Carved views ]
+        self._views: dict[tuple[Any, ...], Carved] = {}
+        self.carved: dict[int, Carved] = {}
+        self.spill: Spill | None = None
+        self.begin(0, 0)
+
+    def begin(self, offset: int, size: int) -> None:
+        """Start a batch in the slot at ``offset`` (``size`` 0: no slot). The previous batch's
+        spill was taken by ``take_spill``, unless that batch failed: it is dropped here."""
+        self.start = self.cur = offset
+        self.end = offset + size
+        if self.spill is not None:
+            self.spill.release()
+            self.spill = None
+
+    def take_spill(self) -> Spill | None:
+        """The batch's spill file, if it needed one (the caller seals, sends, releases it)."""
+        spill, self.spill = self.spill, None
+        return spill
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A C-contiguous tensor of ``shape`` at the slot's next free bytes, or None when it
+        does not fit (or there is no slot).
+
+        NOTE [ Carved views ]: slots are recycled at the same offsets and batches repeat their
+        shapes, so the view carved at (offset, shape, dtype) is kept (``as_strided`` costs
+        1.5-3 us a leaf) and handed out again. Only gpufeed's own code gets these views
+        (collation, the vectorised gather, ``pack``), and it only writes into them and reads
+        where they lie: their metadata is never changed in place, and they never leave the
+        worker (``pack`` describes them from what was recorded here, without touching the
+        tensor, whose metadata may have left the CPU's caches). Batch sources get a view of
+        their own (:meth:`alloc_fresh`). The region never moves in a worker, and each worker,
+        thread or process, has its own writer.
+        """
+        key = (self.cur, shape, dtype)
+        hit = self._views.get(key)
+        if hit is not None:
+            t, _, nbytes, step = hit[:4]
+            if self.cur + nbytes > self.end or self.end == self.start:
+                return None
+            self.cur += step
+            return t
+        off = self.cur
+        fresh = self.alloc_fresh(shape, dtype)
+        if fresh is not None:
+            views = self._views
+            if len(views) >= VIEW_CACHE:  # rings of many slots or leaves: start over
+                views.clear()
+                self.carved.clear()
+            nbytes = fresh.numel() * dtype.itemsize
+            views[key] = self.carved[id(fresh)] = (
+                fresh, off, nbytes, (nbytes + ALIGN - 1) // ALIGN * ALIGN, dtype.itemsize,
+                dtype_names.get(dtype) or dtype_name(dtype), tuple(fresh.shape))
+        return fresh
+
+    def alloc_fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """As :meth:`alloc`, but a new view each call (for code that may keep or alter it)."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        isz = dtype.itemsize
+        nbytes = numel * isz
+        if self.cur + nbytes > self.end or self.end == self.start:  # full, or no slot at all
+            return None
+        typed = self._typed.get(dtype)
+        if typed is None:  # the region's size is a multiple of every itemsize
+            typed = self._typed[dtype] = self.region.view(dtype)
+        t = contiguous_at(typed, shape, self.cur // isz)
+        self.cur += (nbytes + ALIGN - 1) // ALIGN * ALIGN  # align()
+        return t
+
+    def alloc_any(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Memory for a leaf: in the slot (``alloc``), else ``fallback``."""
+        out = self.alloc(shape, dtype)
+        return out if out is not None else self.fallback(shape, dtype)
+
+    def alloc_any_fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """As :meth:`alloc_any`, a new view each call: what datasets' batch sources get."""
+        out = self.alloc_fresh(shape, dtype)
+        return out if out is not None else self.fallback(shape, dtype)
+
+    def fallback(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Memory for a tensor that does not fit the slot: the batch's spill file when it must
+        cross processes (NOTE [ Spill ] in _memory/spill.py), else ordinary memory."""
+        if not self.shared_fallback:
+            return torch.empty(shape, dtype=dtype)
+        if self.spill is None:
+            self.spill = Spill()
+        return self.spill.alloc(shape, dtype)
+
+    def owns_ptr(self, ptr: int) -> bool:
+        return self.start + self.base <= ptr < self.end + self.base
+
+    def spill_offset(self, ptr: int) -> int | None:
+        """Byte offset of ``ptr`` in this batch's spill file, or None if it is not there."""
+        spill = self.spill
+        if spill is None or not spill.owns_ptr(ptr):
+            return None
+        return ptr - spill.base
+
+
+dtype_names: dict[torch.dtype, str] = {}  # how a leaf's dtype is named on the wire
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = dtype_names.get(dtype)
+    if name is None:
+        name = dtype_names[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+__all__ = ["VIEW_CACHE", "Carved", "SlotWriter", "dtype_name", "dtype_names"]
