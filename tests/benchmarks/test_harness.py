@@ -107,6 +107,19 @@ def test_measure_loader_reads_the_main_process_cpu() -> None:
     assert m.main_thread_cpu_s < 0.03 and m.main_process_cpu_s >= 0.1
 
 
+def test_the_process_cpu_is_never_below_the_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process clock may lag the PSS sampler's own clock by a scheduler tick, which once
+    made a quick pass's process figure smaller than its main thread's: the thread's figure is
+    the floor."""
+    import gpufeed._tools.measure as measure
+
+    readings = iter([(1.0, 1.0), (1.3, 1.1)])  # (thread, process without the sampler)
+    monkeypatch.setattr(measure, "_cpu_now", lambda sampler: next(readings))
+    m = measure_loader(lambda: iter([torch.zeros(2)] * 3), warmup_batches=0, sample_memory=False)
+    assert m.main_thread_cpu_s == pytest.approx(0.3)
+    assert m.main_process_cpu_s == pytest.approx(0.3)
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"warmup_batches": -1}, "warmup_batches=-1"),
     ({"max_batches": 2, "warmup_batches": 2}, "max_batches=2"),

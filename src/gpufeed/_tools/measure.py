@@ -388,8 +388,9 @@ def measure_loader(
         peak_pss_anon_bytes=sampler.peak.anon if sampler else 0,
         peak_pss_file_bytes=sampler.peak.file if sampler else 0,
         peak_pss_shmem_bytes=sampler.peak.shmem if sampler else 0,
-        main_thread_cpu_s=cpu_end[0] - cpu_rate[0] if cpu_end else 0.0,
-        main_process_cpu_s=cpu_end[1] - cpu_rate[1] if cpu_end else 0.0,
+        main_thread_cpu_s=cpu_end[0] - cpu_rate[0],
+        # >= the thread's: the process clock lags a thread busy on another core by up to a tick
+        main_process_cpu_s=max(cpu_end[1] - cpu_rate[1], cpu_end[0] - cpu_rate[0]),
     )
 
 
