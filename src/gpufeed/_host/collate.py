@@ -195,7 +195,7 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
         spilled = None
         if not writer.owns_ptr(ptr):
             spilled = writer.spill_offset(ptr)  # collated into the spill file already?
-            if spilled is None and writer.base <= ptr < writer.limit:
+            if spilled is None and writer.in_region(ptr):  # another slot's: kept past its batch
                 raise _stale_leaf()
             if spilled is None:  # copy it into the slot, else into the batch's spill file
                 dst = writer.alloc(tuple(t.shape), t.dtype)

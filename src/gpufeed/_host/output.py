@@ -86,7 +86,7 @@ def batch_empty(*size: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 def _shape(size: tuple[Any, ...]) -> tuple[int, ...]:
     dims: Any = size
-    if len(size) == 1 and isinstance(size[0], (Sequence, torch.Size)):
+    if len(size) == 1 and isinstance(size[0], Sequence):  # torch.Size is a tuple
         dims = size[0]
     shape = []
     for d in dims:

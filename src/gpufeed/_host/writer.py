@@ -124,6 +124,10 @@ class SlotWriter:
     def owns_ptr(self, ptr: int) -> bool:
         return self.start + self.base <= ptr < self.end + self.base
 
+    def in_region(self, ptr: int) -> bool:
+        """``ptr`` lies in the ring's region (this batch's slot or any other)."""
+        return self.base <= ptr < self.limit
+
     def spill_offset(self, ptr: int) -> int | None:
         """Byte offset of ``ptr`` in this batch's spill file, or None if it is not there."""
         spill = self.spill
