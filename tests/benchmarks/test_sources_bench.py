@@ -25,8 +25,9 @@ def test_sources_benchmark_quick(tmp_path):
             assert r["min_samples_per_s"] <= r["median_samples_per_s"] <= r["max_samples_per_s"]
     jpeg = {r["side"]: r for r in doc["workloads"][0]["rows"]}
     ceilings = [r for side, r in jpeg.items() if side.startswith("no-loader ceiling")]
-    assert len(ceilings) == 2 and all(r["ceiling"] and r["pass"] is None for r in ceilings)
+    assert len(ceilings) == 3 and all(r["ceiling"] and r["pass"] is None for r in ceilings)
     assert not jpeg["stock"]["ceiling"]
+    assert not jpeg["gpufeed ImageFolder (process, channels_last)"]["ceiling"]
     md = (out / "sources.md").read_text()
     assert "Quick mode" in md and "| hdf5 | gpufeed |" in md
     assert "| jpeg-crop | no-loader ceiling: ImageFolder's work |" in md
@@ -38,6 +39,6 @@ def test_no_ceilings_without_workers(tmp_path):
     pytest.importorskip("simplejpeg")
     from gpufeed.benchmarks.sources import Ceiling, _build
 
-    for nw, ceilings in ((0, 0), (1, 2)):
+    for nw, ceilings in ((0, 0), (1, 3)):
         sides, _ = _build("jpeg-crop", True, tmp_path, nw)
         assert sum(isinstance(f, Ceiling) for f in sides.values()) == ceilings

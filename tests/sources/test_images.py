@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gpufeed
-from gpufeed._sources.images import _random_resized
+from gpufeed._sources.resample import random_resized, resize_into
 
 pytest.importorskip("simplejpeg")
 Image = pytest.importorskip("PIL.Image")
@@ -79,18 +79,25 @@ def test_reduced_dct_scale_is_close_to_full_decode(tmp_path):
     assert (scaled - full).abs().float().mean() < 4
 
 
-def test_resized_crop_is_pillows_resize_of_the_cut_region(tmp_path):
-    """The region is cut, then resized (bilinear, antialiased); the result
-    is Pillow's bilinear resize of the same cut to within rounding, shrinking and enlarging
-    (see NOTE [ Resampling ])."""
-    from gpufeed._sources.images import _resize_flip
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_resized_crop_is_pillows_resize_of_the_cut_region(memory_format):
+    """The region is cut, then resized (bilinear, antialiased) straight into the batch's memory
+    in either layout: the same pixels as ``interpolate`` makes, and Pillow's bilinear resize of
+    the same cut to within rounding, shrinking and enlarging (see NOTE [ Resampling ])."""
 
     def _crop_resize(img, top, left, h, w, size, flip):
-        return _resize_flip(img[top:top + h, left:left + w], size, flip)
+        dst = torch.full((1, 3, *size), 7, dtype=torch.uint8).to(memory_format=memory_format)
+        resize_into(dst[0], img[top:top + h, left:left + w], flip)
+        assert dst.is_contiguous(memory_format=memory_format)
+        return dst[0].permute(1, 2, 0).numpy()
 
     img = _photo(375, 500, 3)
     for top, left, h, w in ((10, 20, 350, 400), (100, 50, 120, 150), (0, 0, 375, 500)):
         got = _crop_resize(img, top, left, h, w, (224, 200), 0.0)
+        chw = torch.from_numpy(np.ascontiguousarray(img[top:top + h, left:left + w]))
+        ref = torch.nn.functional.interpolate(chw.permute(2, 0, 1)[None], size=(224, 200),
+                                              mode="bilinear", antialias=True)
+        np.testing.assert_array_equal(got, ref[0].permute(1, 2, 0).numpy())
         cut = Image.fromarray(np.ascontiguousarray(img[top:top + h, left:left + w]))
         want = np.asarray(cut.resize((200, 224), Image.Resampling.BILINEAR))
         diff = np.abs(got.astype(int) - want.astype(int))
@@ -100,6 +107,8 @@ def test_resized_crop_is_pillows_resize_of_the_cut_region(tmp_path):
         np.testing.assert_array_equal(flipped, got[:, ::-1])
     window = _crop_resize(img, 7, 9, 224, 200, (224, 200), 0.0)  # exact size: a plain window
     np.testing.assert_array_equal(window, img[7:231, 9:209])
+    np.testing.assert_array_equal(_crop_resize(img, 7, 9, 224, 200, (224, 200), 1.0),
+                                  img[7:231, 9:209][:, ::-1])
 
 
 @pytest.mark.parametrize("kw", [dict(size=(32, 256), crop="center"),
@@ -118,7 +127,7 @@ def test_a_very_thin_image_still_gives_an_image(tmp_path, kw):
 def test_random_resized_parameters_respect_scale_and_ratio():
     rng = np.random.default_rng(0)
     for _ in range(300):
-        top, left, h, w = _random_resized(375, 500, (0.2, 0.6), (0.75, 1.33), rng)
+        top, left, h, w = random_resized(375, 500, (0.2, 0.6), (0.75, 1.33), rng)
         assert 0 <= top <= 375 - h and 0 <= left <= 500 - w
         assert 0.2 - 0.01 <= h * w / (375 * 500) <= 0.6 + 0.01
         assert 0.74 <= w / h <= 1.34
@@ -154,6 +163,32 @@ def test_equals_the_stock_loader(folder):
             assert type(g) is list and torch.equal(w[0], g[0]) and torch.equal(w[1], g[1])
     got = list(gpufeed.DataLoader(ds, batch_size=5, collate_fn=lambda b: b))
     assert [s[1] for b in got for s in b] == list(ds.targets)
+
+
+@pytest.mark.parametrize("kw", [dict(crop="random", scale=(0.3, 1.0)),
+                                dict(crop="random", scale=None, size=(30, 20)),
+                                dict(crop="center", center_fraction=0.5)])
+def test_channels_last_batches_equal_channels_first(folder, kw):
+    """``memory_format=torch.channels_last``: the same values in every crop (resized, a plain
+    window, a center cut; flips and the Pillow path included) under gpufeed's process and
+    thread workers and the stock loader; gpufeed's batches keep the HWC memory."""
+    kw = {"size": (24, 28), **kw}
+    planes = gpufeed.ImageFolder(folder, **kw)
+    last = gpufeed.ImageFolder(folder, memory_format=torch.channels_last, **kw)
+    assert "channels_last" in repr(last) and "channels_last" not in repr(planes)
+    want = [b[0] for b in gpufeed.DataLoader(planes, batch_size=5, shuffle=True, seed=3)]
+    assert all(b.is_contiguous() for b in want)
+    for nw, wt in ((0, "process"), (2, "process"), (2, "thread")):
+        got = [b[0] for b in gpufeed.DataLoader(last, batch_size=5, shuffle=True, seed=3,
+                                                num_workers=nw, worker_type=wt)]
+        assert all(g.is_contiguous(memory_format=torch.channels_last) and g.shape[1] == 3
+                   for g in got), (nw, wt)
+        assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True)), (nw, wt)
+    stock = [b[0] for b in torch.utils.data.DataLoader(last, batch_size=5, num_workers=1)]
+    assert [b.shape for b in stock] == [b.shape for b in want]
+    if kw["crop"] == "center":  # unseeded random crops differ from call to call
+        ref = torch.utils.data.DataLoader(planes, batch_size=5)
+        assert all(torch.equal(a, b[0]) for a, b in zip(stock, ref, strict=True))
 
 
 def test_flip_mirrors(folder):
@@ -197,6 +232,8 @@ def test_bad_arguments_and_paths(tmp_path, folder):
         gpufeed.ImageFolder(folder, size=8, crop="middle")
     with pytest.raises(ValueError, match="size=0"):
         gpufeed.ImageFolder(folder, size=0)
+    with pytest.raises(ValueError, match=r"memory_format=torch.preserve_format.*channels_last"):
+        gpufeed.ImageFolder(folder, size=8, memory_format=torch.preserve_format)
 
 
 def test_missing_extra_names_it(folder, monkeypatch):

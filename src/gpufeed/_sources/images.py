@@ -27,6 +27,7 @@ from .folder import IMG_EXTENSIONS, Samples, find_classes, pack, scan
 from .jpeg import codec, resolve_codec
 from .packed import PackedList
 from .protocol import index_array, require, sample_seeds
+from .resample import box, center_cut_into, center_resize, random_resized, resize_into
 
 __all__ = ["IMG_EXTENSIONS", "ImageFolder"]
 
@@ -44,7 +45,7 @@ _NO_TRANSFORM = (
 
 
 class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
-    """Images in ``root/<class>/<file>`` as uint8 CHW tensors of ``size`` and int labels.
+    """Images in ``root/<class>/<file>`` as uint8 (3, h, w) tensors of ``size`` and int labels.
 
     torchvision's ``ImageFolder`` layout and attributes: ``classes`` (sorted sub-folders),
     ``class_to_idx``, ``samples`` and ``imgs`` (``(path, class_index)`` per image, made on
@@ -84,6 +85,12 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
         allow_empty: accept class folders without a valid file (torchvision's knob).
         decoder: ``"auto"`` (libjpeg-turbo >= 3.0's region decode when found, else simplejpeg,
             said once), ``"turbojpeg"`` (raise if missing) or ``"simplejpeg"``.
+        memory_format: the images' layout in memory, their shape being ``(B, 3, h, w)``
+            either way: ``torch.contiguous_format`` (CHW planes, as torchvision's) or
+            ``torch.channels_last`` (HWC, as the decoder writes it: no transposition in the
+            workers, about a tenth of a 224 crop's cost; the layout channels-last models take
+            on the GPU). Values are equal; ``view`` on a channels-last batch needs
+            ``.contiguous()`` first (NOTE [ Resampling ] in ``resample.py``).
         transform, target_transform, loader: refused with a TypeError that names what to use
             instead (``device_transform=gpufeed.Normalize(...)``, a ``collate_fn``, or
             torchvision's own ``ImageFolder`` in ``gpufeed.DataLoader``).
@@ -97,8 +104,8 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
         fast: bool = False, dct_scale: bool = True, on_error: str = "raise",
         extensions: Sequence[str] | None = None,
         is_valid_file: Callable[[str], bool] | None = None, allow_empty: bool = False,
-        decoder: str = "auto", transform: Any = None, target_transform: Any = None,
-        loader: Any = None,
+        decoder: str = "auto", memory_format: torch.memory_format = torch.contiguous_format,
+        transform: Any = None, target_transform: Any = None, loader: Any = None,
     ) -> None:
         for name, value in (("transform", transform), ("target_transform", target_transform),
                             ("loader", loader)):
@@ -119,6 +126,9 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
             raise ValueError(f"ratio={ratio!r} must satisfy 0 < low <= high")
         if not 0 < center_fraction <= 1:
             raise ValueError(f"center_fraction={center_fraction!r} must be in (0, 1]")
+        if memory_format not in (torch.contiguous_format, torch.channels_last):
+            raise ValueError(f"memory_format={memory_format!r}: pass torch.contiguous_format "
+                             "(CHW images) or torch.channels_last (HWC memory)")
         if is_valid_file is not None and not callable(is_valid_file):
             raise TypeError(f"is_valid_file must be a callable path -> bool, got "
                             f"{is_valid_file!r}")
@@ -129,7 +139,7 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
         self.crop, self.scale, self.ratio = crop, scale, ratio
         self.flip = crop == "random" if flip is None else bool(flip)
         self.center_fraction, self.fast, self.dct_scale = center_fraction, fast, dct_scale
-        self.on_error = on_error
+        self.on_error, self.memory_format = on_error, memory_format
         self.decoder = resolve_codec(decoder)
         self.skipped = 0
         self.classes = find_classes(self.root)
@@ -171,7 +181,8 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
         return dataset_repr(self, len(self), self.root, [
             f"Classes: {len(self.classes)}",
             f"Output: uint8 3x{self.size[0]}x{self.size[1]}, crop={self.crop!r} ({crop}), "
-            f"flip={self.flip}",
+            f"flip={self.flip}"
+            + (", channels_last" if self.memory_format is torch.channels_last else ""),
             f"Decoder: {self.decoder}, dct_scale={self.dct_scale}, fast={self.fast}, "
             f"on_error={self.on_error!r}"])
 
@@ -195,14 +206,16 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
         idx = index_array(indices)
         n = len(idx)
         h, w = self.size
-        images = allocate(alloc, (n, 3, h, w), torch.uint8)
+        if self.memory_format is torch.channels_last:  # (B, h, w, 3) memory, seen as (B, 3, h, w)
+            images = allocate(alloc, (n, h, w, 3), torch.uint8).permute(0, 3, 1, 2)
+        else:
+            images = allocate(alloc, (n, 3, h, w), torch.uint8)
         labels = allocate(alloc, (n,), torch.int64)
         labels.numpy()[:] = self.targets[idx]
-        out = images.numpy().transpose(0, 2, 3, 1)  # NHWC views of the CHW slot
         for k, (i, s) in enumerate(zip(idx.tolist(), sample_seeds(idx, seed, epoch),
                                        strict=True)):
             try:
-                hwc = self._load(i, np.random.Generator(np.random.PCG64(s)))
+                self._load(i, np.random.Generator(np.random.PCG64(s)), images[k])
             except Exception as exc:
                 if self.on_error == "raise":
                     raise ValueError(
@@ -211,19 +224,19 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
                 self.skipped += 1
                 images[k].zero_()
                 labels[k] = -1
-                continue
-            np.copyto(out[k], hwc)  # HWC into the CHW slot
         return [images, labels]
 
-    def _load(self, index: int, rng: np.random.Generator) -> np.ndarray:
+    def _load(self, index: int, rng: np.random.Generator, dst: torch.Tensor) -> None:
+        """Image ``index``, cropped, resized and flipped, written into ``dst`` (3, h, w)."""
         with open(self.path(index), "rb") as f:
             data = f.read()
         if data[:3] == _JPEG_MAGIC:
             try:
-                return self._jpeg(data, rng)
+                self._jpeg(data, rng, dst)
+                return
             except ValueError:  # e.g. CMYK, or damage Pillow may still get past
                 pass
-        return self._pillow(data, rng)
+        self._pillow(data, rng, dst)
 
     def _region(self, height: int, width: int, rng: np.random.Generator) -> tuple[float, ...]:
         """(top, left, h, w) of a random crop in stored pixels, and the flip (1.0 or 0.0)."""
@@ -234,7 +247,7 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
             top = float(rng.integers(0, int(height - ch) + 1))
             left = float(rng.integers(0, int(width - cw) + 1))
         else:
-            top, left, ch, cw = _random_resized(height, width, self.scale, self.ratio, rng)
+            top, left, ch, cw = random_resized(height, width, self.scale, self.ratio, rng)
         return top, left, ch, cw, self._flip(rng)
 
     def _flip(self, rng: np.random.Generator) -> float:
@@ -248,33 +261,34 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
             factor *= 2
         return factor
 
-    def _jpeg(self, data: bytes, rng: np.random.Generator) -> np.ndarray:
+    def _jpeg(self, data: bytes, rng: np.random.Generator, dst: torch.Tensor) -> None:
         jc = codec(self.decoder)
         height, width = jc.header(data)
         if self.crop == "center":
             nh, nw = center_resize(height, width, self.size, self.center_fraction)
             img = jc.decode(data, factor=self._factor(height, width, nh, nw), box=None,
                             fast=self.fast)
-            return _center_cut(img, (nh, nw), self.size, self._flip(rng))
+            center_cut_into(dst, img, (nh, nw), self._flip(rng))
+            return
         top, left, ch, cw, flip = self._region(height, width, rng)
         factor = self._factor(ch, cw, *self.size)
         sh, sw = math.ceil(height / factor), math.ceil(width / factor)  # the scaled image
         sy, sx = sh / height, sw / width
-        box = _box(top * sy, left * sx, ch * sy, cw * sx, sh, sw)
-        img = jc.decode(data, factor=factor, box=box, fast=self.fast)
-        return _resize_flip(img, self.size, flip)
+        region = box(top * sy, left * sx, ch * sy, cw * sx, sh, sw)
+        resize_into(dst, jc.decode(data, factor=factor, box=region, fast=self.fast), flip)
 
-    def _pillow(self, data: bytes, rng: np.random.Generator) -> np.ndarray:
+    def _pillow(self, data: bytes, rng: np.random.Generator, dst: torch.Tensor) -> None:
         Image = _pil()
         with Image.open(io.BytesIO(data)) as im:
             img = np.array(im.convert("RGB"))  # writable: the resize reads it through torch
         height, width = img.shape[:2]
         if self.crop == "center":
             nh, nw = center_resize(height, width, self.size, self.center_fraction)
-            return _center_cut(img, (nh, nw), self.size, self._flip(rng))
+            center_cut_into(dst, img, (nh, nw), self._flip(rng))
+            return
         top, left, ch, cw, flip = self._region(height, width, rng)
-        t, lft, bh, bw = _box(top, left, ch, cw, height, width)
-        return _resize_flip(img[t:t + bh, lft:lft + bw], self.size, flip)
+        t, lft, bh, bw = box(top, left, ch, cw, height, width)
+        resize_into(dst, img[t:t + bh, lft:lft + bw], flip)
 
 
 @functools.cache
@@ -282,91 +296,3 @@ def _pil() -> Any:
     """``PIL.Image``, imported once, at the first non-JPEG: the image extra is optional, so
     the package imports without it (``ImageFolder`` checks for it)."""
     return require("PIL.Image", "gpufeed.ImageFolder")
-
-
-def _random_resized(
-    height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float],
-    rng: np.random.Generator,
-) -> tuple[float, float, float, float]:
-    """torchvision's RandomResizedCrop parameters: ten tries, then the central crop."""
-    area = height * width
-    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    for _ in range(10):
-        target = area * rng.uniform(scale[0], scale[1])
-        aspect = math.exp(rng.uniform(log_lo, log_hi))
-        w = round(math.sqrt(target * aspect))
-        h = round(math.sqrt(target / aspect))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(rng.integers(0, height - h + 1))
-            left = int(rng.integers(0, width - w + 1))
-            return float(top), float(left), float(h), float(w)
-    in_ratio = width / height
-    if in_ratio < ratio[0]:
-        w, h = width, round(width / ratio[0])
-    elif in_ratio > ratio[1]:
-        h, w = height, round(height * ratio[1])
-    else:
-        w, h = width, height
-    return float((height - h) // 2), float((width - w) // 2), float(h), float(w)
-
-
-def center_resize(height: int, width: int, size: tuple[int, int],
-                  fraction: float) -> tuple[int, int]:
-    """(height, width) after torchvision's ``Resize(S)``, ``S = int(min(size) / fraction)``
-    raised until the result holds ``size``: the shorter side ``S``, the longer
-    ``int(S * longer / shorter)``."""
-    oh, ow = size
-    short, long = (width, height) if width <= height else (height, width)
-    o_short, o_long = (ow, oh) if width <= height else (oh, ow)
-    s = max(int(min(size) / fraction), o_short, math.ceil(o_long * short / long))
-    while int(s * long / short) < o_long:
-        s += 1
-    new_long = int(s * long / short)
-    return (new_long, s) if width <= height else (s, new_long)
-
-
-def _box(top: float, left: float, h: float, w: float, height: int,
-         width: int) -> tuple[int, int, int, int]:
-    """A region on whole pixels inside a ``height x width`` image, at least one pixel across
-    (a very thin image can give a region under half a pixel)."""
-    t = min(round(top), height - 1)
-    lft = min(round(left), width - 1)
-    return t, lft, max(1, min(round(h), height - t)), max(1, min(round(w), width - lft))
-
-
-def _resize(img: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """``img`` (HWC) resized to ``size`` (bilinear with antialiasing); HWC.
-
-    NOTE [ Resampling ]: a region is cut first and then resized, as torchvision's
-    ``resized_crop`` does, by torch's ``interpolate(mode="bilinear", antialias=True)``: on uint8
-    input it runs a dedicated integer kernel (torchvision's tensor path runs the same), 3-4x
-    faster here than Pillow's ``resize(box=...)`` on the same region (0.26 against 1.04 ms for
-    400x350 -> 224x224), which was the largest cost of a random-resized crop after the decode.
-    It agrees with Pillow's bilinear resize of the cut region to within a level or so (tested);
-    Pillow's ``box=`` would also read pixels just outside the region. For one image it runs in
-    the calling thread (with two intra-op threads its CPU time equalled its wall time, measured
-    here), so thread workers do not oversubscribe the cores through it.
-    """
-    if img.shape[:2] == tuple(size):
-        return img
-    chw = torch.from_numpy(img).permute(2, 0, 1).unsqueeze(0)  # a (1, 3, h, w) view
-    resized = torch.nn.functional.interpolate(chw, size=size, mode="bilinear", antialias=True,
-                                              align_corners=False)
-    # an HWC view of the (contiguous CHW) result: the copy into the CHW slot is then plane by
-    # plane
-    return resized[0].permute(1, 2, 0).numpy()
-
-
-def _resize_flip(cut: np.ndarray, size: tuple[int, int], flip: float) -> np.ndarray:
-    out = _resize(cut, size)
-    return out[:, ::-1] if flip else out
-
-
-def _center_cut(img: np.ndarray, resized: tuple[int, int], size: tuple[int, int],
-                flip: float) -> np.ndarray:
-    """torchvision's ``Resize`` to ``resized`` then ``CenterCrop(size)`` (its rounding)."""
-    out = _resize(img, resized)
-    top = round((resized[0] - size[0]) / 2.0)
-    left = round((resized[1] - size[1]) / 2.0)
-    out = out[top:top + size[0], left:left + size[1]]
-    return out[:, ::-1] if flip else out

@@ -4,8 +4,9 @@ Workloads (issue 13's targets; ``--quick`` shrinks every size for tests):
 
 - ``jpeg-crop``: 2,000 photo-like JPEGs 256x256 (~30 KB, ``photos.py``), random 224 crop +
   flip, batch 64. Stock: a per-sample Pillow ``Dataset``. gpufeed: ``ImageFolder(scale=None)``
-  (process and thread workers), and gpufeed's loader alone on the Pillow ``Dataset``. Target 2x
-  (the loader alone: 1.5x).
+  (process and thread workers; process workers also with ``memory_format=torch.channels_last``,
+  the batch in the decoder's HWC layout), and gpufeed's loader alone on the Pillow ``Dataset``.
+  Target 2x (the loader alone: 1.5x).
 - ``jpeg-rrc``: 2,000 photo-like JPEGs 500x375 (~110 KB, as ImageNet's), random-resized crop
   224, batch 64. Target 2.2x. Both JPEG workloads: peak PSS at most 1.05x the stock loader's.
   The JPEG codec ``ImageFolder`` used (NOTE [ Decoding ]) is written in the environment; when
@@ -22,10 +23,10 @@ Workloads (issue 13's targets; ``--quick`` shrinks every size for tests):
 Each (workload, side) runs ``--repeats`` times, gpufeed and stock alternating; the median rate
 and its spread (min-max) are reported, shuffled with one seed. The JPEG workloads also run two
 no-loader ceilings in the same rounds (NOTE [ No-loader ceiling ] in ``ceiling.py``): the
-``ImageFolder`` batches, and the Pillow ``Dataset``'s samples collated, each fetched by
-``--num-workers`` bare forked processes with no loader. No loader doing that work on these cores
-can go faster, so a ceiling's "vs stock" is the most any loader could reach there. Results:
-``sources.json`` and ``sources.md`` in ``--out``.
+``ImageFolder`` batches (in both layouts), and the Pillow ``Dataset``'s samples collated, each
+fetched by ``--num-workers`` bare forked processes with no loader. No loader doing that work on
+these cores can go faster, so a ceiling's "vs stock" is the most any loader could reach there.
+Results: ``sources.json`` and ``sources.md`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -181,6 +182,11 @@ def _build(name: str, quick: bool, cache: Path, nw: int) -> tuple[dict[str, Fact
             "gpufeed ImageFolder (thread)": lambda: gpufeed.DataLoader(
                 folder, batch_size=bs(64), seed=0, worker_type="thread", **kw),
         }
+        last = gpufeed.ImageFolder(root, size=size, crop="random",
+                                   scale=(0.08, 1.0) if resized else None,
+                                   memory_format=torch.channels_last)
+        sides["gpufeed ImageFolder (process, channels_last)"] = lambda: gpufeed.DataLoader(
+            last, batch_size=bs(64), seed=0, **kw)
         if folder.decoder != "simplejpeg":  # the fallback codec, in the same rounds
             whole = gpufeed.ImageFolder(root, size=size, crop="random", decoder="simplejpeg",
                                         scale=(0.08, 1.0) if resized else None)
@@ -197,6 +203,8 @@ def _build(name: str, quick: bool, cache: Path, nw: int) -> tuple[dict[str, Fact
         batches = [order[k:k + bs(64)] for k in range(0, len(order), bs(64))]
         sides["no-loader ceiling: ImageFolder's work"] = Ceiling(
             partial(folder.gpufeed_batch, seed=0, epoch=0, alloc=None), batches, nw)
+        sides["no-loader ceiling: ImageFolder's work, channels_last"] = Ceiling(
+            partial(last.gpufeed_batch, seed=0, epoch=0, alloc=None), batches, nw)
         sides["no-loader ceiling: Pillow Dataset's work"] = Ceiling(
             partial(_collated, pil), batches, nw)
         return sides, goals
