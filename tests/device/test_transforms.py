@@ -54,6 +54,18 @@ def test_nhwc_input_gives_nchw_output(channels_last: bool) -> None:
     assert out.shape == x.shape and torch.equal(out, reference(x))
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_channels_last_input_is_read_by_its_strides(channels_last: bool) -> None:
+    """A (N, 3, H, W) batch in channels-last memory (``ImageFolder(memory_format=
+    torch.channels_last)``): the same values out, in the layout ``channels_last`` asks for."""
+    x = images()
+    out = Normalize(MEAN, STD, channels_last=channels_last)(
+        x.contiguous(memory_format=torch.channels_last))
+    assert torch.equal(out, reference(x))
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    assert out.is_contiguous(memory_format=fmt)
+
+
 def test_float_input_is_not_rescaled_and_input_is_untouched() -> None:
     x = torch.rand(2, 3, 4, 4)
     keep = x.clone()
