@@ -87,7 +87,7 @@ def test_resized_crop_is_pillows_resize_of_the_cut_region(memory_format):
 
     def _crop_resize(img, top, left, h, w, size, flip):
         dst = torch.full((1, 3, *size), 7, dtype=torch.uint8).to(memory_format=memory_format)
-        resize_into(dst[0], img[top:top + h, left:left + w], flip)
+        resize_into(dst[0].permute(1, 2, 0).numpy(), img[top:top + h, left:left + w], flip)
         assert dst.is_contiguous(memory_format=memory_format)
         return dst[0].permute(1, 2, 0).numpy()
 

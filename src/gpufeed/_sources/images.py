@@ -212,10 +212,11 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
             images = allocate(alloc, (n, 3, h, w), torch.uint8)
         labels = allocate(alloc, (n,), torch.int64)
         labels.numpy()[:] = self.targets[idx]
+        hwc = images.numpy().transpose(0, 2, 3, 1)  # HWC views of the slot, in either layout
         for k, (i, s) in enumerate(zip(idx.tolist(), sample_seeds(idx, seed, epoch),
                                        strict=True)):
             try:
-                self._load(i, np.random.Generator(np.random.PCG64(s)), images[k])
+                self._load(i, np.random.Generator(np.random.PCG64(s)), hwc[k])
             except Exception as exc:
                 if self.on_error == "raise":
                     raise ValueError(
@@ -226,8 +227,9 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
                 labels[k] = -1
         return [images, labels]
 
-    def _load(self, index: int, rng: np.random.Generator, dst: torch.Tensor) -> None:
-        """Image ``index``, cropped, resized and flipped, written into ``dst`` (3, h, w)."""
+    def _load(self, index: int, rng: np.random.Generator, dst: np.ndarray) -> None:
+        """Image ``index``, cropped, resized and flipped, written into ``dst`` (an HWC view of
+        its place in the batch)."""
         with open(self.path(index), "rb") as f:
             data = f.read()
         if data[:3] == _JPEG_MAGIC:
@@ -261,7 +263,7 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
             factor *= 2
         return factor
 
-    def _jpeg(self, data: bytes, rng: np.random.Generator, dst: torch.Tensor) -> None:
+    def _jpeg(self, data: bytes, rng: np.random.Generator, dst: np.ndarray) -> None:
         jc = codec(self.decoder)
         height, width = jc.header(data)
         if self.crop == "center":
@@ -277,7 +279,7 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
         region = box(top * sy, left * sx, ch * sy, cw * sx, sh, sw)
         resize_into(dst, jc.decode(data, factor=factor, box=region, fast=self.fast), flip)
 
-    def _pillow(self, data: bytes, rng: np.random.Generator, dst: torch.Tensor) -> None:
+    def _pillow(self, data: bytes, rng: np.random.Generator, dst: np.ndarray) -> None:
         Image = _pil()
         with Image.open(io.BytesIO(data)) as im:
             img = np.array(im.convert("RGB"))  # writable: the resize reads it through torch

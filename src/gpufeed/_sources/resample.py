@@ -88,55 +88,54 @@ def box(top: float, left: float, h: float, w: float, height: int,
     return t, lft, max(1, min(round(h), height - t)), max(1, min(round(w), width - lft))
 
 
-def write(dst: torch.Tensor, img: np.ndarray, flip: float) -> None:
-    """``img`` (HWC uint8 of ``dst``'s size) into ``dst`` (``(3, h, w)``, any memory format),
-    mirrored left to right when ``flip``."""
+def write(dst: np.ndarray, img: np.ndarray, flip: float) -> None:
+    """``img`` (HWC uint8 of ``dst``'s size) into ``dst`` (an HWC view of the batch's image,
+    any memory format), mirrored left to right when ``flip``."""
     if flip and _is_last(dst):  # numpy mirrors 3-byte pixels one by one (10x slower)
-        dst.permute(1, 2, 0).copy_(torch.from_numpy(img).flip(1))
+        torch.from_numpy(dst).copy_(torch.from_numpy(img).flip(1))
         return
-    np.copyto(dst.numpy().transpose(1, 2, 0), img[:, ::-1] if flip else img)
+    np.copyto(dst, img[:, ::-1] if flip else img)
 
 
-def _mirror(dst: torch.Tensor) -> None:
-    """``dst`` (3, h, w) mirrored left to right in place."""
-    if _is_last(dst):
-        dst = dst.permute(1, 2, 0)
-        dst.copy_(dst.flip(1))
-    else:
-        dst.copy_(dst.flip(-1))
+def _mirror(hwc: torch.Tensor) -> None:
+    """An HWC image mirrored left to right in place."""
+    hwc.copy_(hwc.flip(1))
 
 
-def resize_into(dst: torch.Tensor, img: np.ndarray, flip: float) -> None:
-    """``img`` (HWC uint8) resized to ``dst``'s size, written into ``dst`` (NOTE [ Resampling ])."""
-    if img.shape[:2] == tuple(dst.shape[1:]):
+def resize_into(dst: np.ndarray, img: np.ndarray, flip: float) -> None:
+    """``img`` (HWC uint8) resized to ``dst``'s size, written into ``dst`` (an HWC view of the
+    batch's image; NOTE [ Resampling ])."""
+    if img.shape[:2] == dst.shape[:2]:
         write(dst, img, flip)
         return
-    chw = torch.from_numpy(img).permute(2, 0, 1).unsqueeze(0)  # a (1, 3, h, w) view
-    _AA_OUT(chw, list(dst.shape[1:]), False, None, None, out=dst.unsqueeze(0))
+    out = torch.from_numpy(dst)
+    _AA_OUT(torch.from_numpy(img).permute(2, 0, 1).unsqueeze(0), list(dst.shape[:2]), False,
+            None, None, out=out.permute(2, 0, 1).unsqueeze(0))
     if flip:
-        _mirror(dst)
+        _mirror(out)
 
 
-def center_cut_into(dst: torch.Tensor, img: np.ndarray, resized: tuple[int, int],
+def center_cut_into(dst: np.ndarray, img: np.ndarray, resized: tuple[int, int],
                     flip: float) -> None:
     """torchvision's ``Resize`` of ``img`` to ``resized`` then ``CenterCrop`` to ``dst``'s size
-    (its rounding), written into ``dst``."""
-    size = tuple(dst.shape[1:])
-    top = round((resized[0] - size[0]) / 2.0)
-    left = round((resized[1] - size[1]) / 2.0)
+    (its rounding), written into ``dst`` (an HWC view of the batch's image)."""
+    h, w = dst.shape[:2]
+    top = round((resized[0] - h) / 2.0)
+    left = round((resized[1] - w) / 2.0)
     if img.shape[:2] == resized:
-        write(dst, img[top:top + size[0], left:left + size[1]], flip)
+        write(dst, img[top:top + h, left:left + w], flip)
         return
-    chw = torch.from_numpy(img).permute(2, 0, 1).unsqueeze(0)
+    last = _is_last(dst)  # resize in dst's layout: the cut is then copied row by row
     whole = torch.empty((1, 3, *resized), dtype=torch.uint8,
-                        memory_format=torch.channels_last if _is_last(dst) else
-                        torch.contiguous_format)
-    _AA_OUT(chw, list(resized), False, None, None, out=whole)
-    dst.copy_(whole[0, :, top:top + size[0], left:left + size[1]])
+                        memory_format=torch.channels_last if last else torch.contiguous_format)
+    _AA_OUT(torch.from_numpy(img).permute(2, 0, 1).unsqueeze(0), list(resized), False, None,
+            None, out=whole)
+    out = torch.from_numpy(dst)
+    out.copy_(whole[0, :, top:top + h, left:left + w].permute(1, 2, 0))
     if flip:
-        _mirror(dst)
+        _mirror(out)
 
 
-def _is_last(dst: torch.Tensor) -> bool:
-    """Whether ``dst`` (3, h, w) keeps its channels innermost."""
-    return dst.stride(0) == 1 and dst.shape[0] > 1
+def _is_last(dst: np.ndarray) -> bool:
+    """Whether the HWC view ``dst`` keeps its channels innermost (a channels-last batch)."""
+    return dst.strides[2] == dst.itemsize
