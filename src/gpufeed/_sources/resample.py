@@ -18,11 +18,12 @@ operator ``interpolate`` calls, so the same pixels, tested): no resized image is
 copied. The decoder's output is HWC; a channels-first batch turns it into planes on the way,
 a channels-last batch (``ImageFolder(memory_format=torch.channels_last)``) takes it as it is,
 and the kernel, whose own layout is channels-last, packs its result into planes no more. A flip
-mirrors the written image in place (torch's ``flip``: numpy mirrors 3-byte pixels one at a
-time, 0.5 ms for a 224x224 image). Measured here (2026-11-26, one process, the same decoded
-crops into a ten-slot ring, median of 6 rounds of 1,024 images), the work after the decode per
-image: a random-resized crop of a 500x375 photo 566 us before this write path, 502 us now, 373
-us channels-last; a 224 window 97-107 us, 52 us channels-last.
+mirrors a plain window as it is copied into planes, and anything else in place once written
+(torch's ``flip``: numpy mirrors 3-byte HWC pixels one at a time, 0.5 ms for a 224x224
+image). Measured here (2026-11-26, one process, the same decoded
+crops into a ten-slot ring, median of 16 interleaved rounds of 1,024 images), the work after
+the decode per image: a random-resized crop of a 500x375 photo 536 us before this write path,
+485 us now, 337 us channels-last; a 224 window 108 us before, 110 us now, 47 us channels-last.
 """
 
 from __future__ import annotations
