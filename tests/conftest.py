@@ -52,6 +52,19 @@ def _turbojpeg_for_tests() -> None:
 _turbojpeg_for_tests()
 
 
+def _ctrl_c_as_a_terminal_gives_it() -> None:
+    """Let Ctrl-C raise KeyboardInterrupt in this process and the scripts it starts, as in a
+    terminal, when the suite was launched with SIGINT ignored (``cmd &`` in a script or under
+    ``nohup`` ignores it, and Python then installs no handler): the Ctrl-C tests send it."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_ctrl_c_as_a_terminal_gives_it()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "leaks(settle_s): how long the no_leaks fixture waits")
 
