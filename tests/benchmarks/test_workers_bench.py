@@ -46,6 +46,7 @@ def test_quick_run_writes_rounds(tmp_path, capsys):
     assert main(["--quick", "--workload", "tabular", "--variant", "array", "--rounds", "1",
                  "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
+    assert doc["environment"]["torch"] and doc["environment"]["date"]
     (r,) = doc["rounds"]
     assert r["loader"]["samples_per_s"] > 0 and r["ceiling"]["samples_per_s"] > 0
     assert len(r["loader"]["workers"]) == 2

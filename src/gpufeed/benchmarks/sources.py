@@ -34,20 +34,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import socket
 import statistics
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
 from torch.utils.data import DataLoader as StockLoader
 from torch.utils.data import Dataset, default_collate
@@ -57,6 +53,7 @@ from gpufeed._tools.measure import measure_loader, one_intra_op_thread
 from gpufeed._tools.output import directory
 
 from .ceiling import measure_no_loader
+from .environment import environment as shared_environment
 from .photos import mean_file_bytes, photo_set
 
 WORKLOADS = ("jpeg-crop", "jpeg-rrc", "hf-datasets", "hdf5", "python-list")
@@ -307,15 +304,13 @@ def run_workload(name: str, *, repeats: int, quick: bool, cache: Path, nw: int,
 
 
 def environment() -> dict[str, Any]:
-    return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "hostname": socket.gethostname(), "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "memory_bytes": psutil.virtual_memory().total, "loadavg_start": list(os.getloadavg()),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "numpy": np.__version__, "gpufeed": gpufeed.__version__, "jpeg_codec": _jpeg_codec(),
-    }
+    """The shared record (date, machine, versions, commit) and the JPEG codec ImageFolder uses."""
+    return {**shared_environment(), "jpeg_codec": _jpeg_codec()}
+
+
+def _commit(env: dict[str, Any]) -> str:
+    commit = env.get("git_commit")
+    return f" ({commit[:10]}{', dirty' if env.get('git_dirty') else ''})" if commit else ""
 
 
 def _jpeg_codec() -> str:
@@ -335,7 +330,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
     lines = ["# gpufeed data-source benchmark", "",
              f"{env['date']} on `{env['hostname']}` ({env['cpu_affinity']} usable cores, "
              f"{env['memory_bytes'] / 2**30:.0f} GiB); Python {env['python']}, torch "
-             f"{env['torch']}, numpy {env['numpy']}, gpufeed {env['gpufeed']}; load average "
+             f"{env['torch']}, numpy {env['numpy']}, gpufeed {env['gpufeed']}"
+             f"{_commit(env)}; load average "
              f"{env['loadavg_start'][0]:.2f} at start. num_workers={s['num_workers']}, "
              f"shuffled, median of {s['repeats']} runs (min-max), sides alternating in one run."
              + (" **Quick mode: tiny data, figures mean nothing.**" if s["quick"] else ""), "",

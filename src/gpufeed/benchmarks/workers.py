@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 
 from .cpu import Settings, _ceiling, _factory, _fresh
+from .environment import environment
 from .workloads import WORKLOADS, build
 
 __all__ = ["main", "split_epochs", "worker_budget"]
@@ -139,12 +141,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny data (for tests)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = p.parse_args(argv)
+    env = environment()
     rounds = split_epochs(args.workload, args.variant, rounds=args.rounds,
                           num_workers=args.num_workers, quick=args.quick)
     print(render(rounds))
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
-                                         "rounds": rounds}, indent=1) + "\n")
+        env["loadavg_end"] = list(os.getloadavg())
+        args.json.write_text(json.dumps({"environment": env, "args": vars(args) | {
+            "json": str(args.json)}, "rounds": rounds}, indent=1) + "\n")
     return 0
 
 
