@@ -263,6 +263,18 @@ def _median_row(runs: list[dict[str, Any]],
     return {k: float(statistics.median(r[k] for r in runs)) for k in keys}
 
 
+def workload_variant(workload: str, variant: str, *, quick: bool = False
+                     ) -> tuple[Workload, Variant]:
+    """The workload ``workload`` built, and its variant named ``variant`` (a ValueError naming
+    the variants there are otherwise): what the one-loader tools run."""
+    work = build(workload, quick=quick)
+    v = next((x for x in work.variants if x.name == variant), None)
+    if v is None:
+        names = ", ".join(x.name for x in work.variants)
+        raise ValueError(f"workload {workload!r} has no variant {variant!r}; choose from {names}")
+    return work, v
+
+
 def _fresh(variant: Variant) -> Variant:
     """The variant with a shallow copy of its dataset: the data is shared, per-process state
     that the dataset drops when pickled (an open memory map) starts anew (NOTE [ Equal work

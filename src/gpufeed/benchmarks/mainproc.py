@@ -37,8 +37,8 @@ from typing import Any
 import psutil
 import torch
 
-from .cpu import LOADERS, Settings, _factory
-from .workloads import WORKLOADS, build
+from .cpu import LOADERS, Settings, _factory, workload_variant
+from .workloads import WORKLOADS
 
 __all__ = ["STAGES", "classify", "main", "measure_epochs", "stage_budget"]
 
@@ -183,11 +183,7 @@ def measure_epochs(workload: str, variant: str, loader: str, *, epochs: int = 3,
     process and the workers, over the batches after ``warmup``; with ``calls``, the main
     thread's function calls per batch instead (exact, whatever the machine's load: a
     profiling hook sees each), the most frequent first."""
-    work = build(workload, quick=quick)
-    v = next((x for x in work.variants if x.name == variant), None)
-    if v is None:
-        names = ", ".join(x.name for x in work.variants)
-        raise ValueError(f"workload {workload!r} has no variant {variant!r}; choose from {names}")
+    work, v = workload_variant(workload, variant, quick=quick)
     torch.set_num_threads(1)
     make = _factory(loader, v, work, Settings(num_workers=num_workers, quick=quick))
     rows = []

@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
-from .cpu import Settings, _ceiling, _factory, _fresh
+from .cpu import Settings, _ceiling, _factory, _fresh, workload_variant
 from .environment import environment
-from .workloads import WORKLOADS, build
+from .workloads import WORKLOADS
 
 __all__ = ["main", "split_epochs", "worker_budget"]
 
@@ -94,11 +94,7 @@ def _loader_epoch(make: Any) -> dict[str, Any]:
 def split_epochs(workload: str, variant: str, *, rounds: int = 3, num_workers: int = 2,
                  quick: bool = False) -> list[dict[str, Any]]:
     """``rounds`` pairs of (a gpufeed epoch split by :func:`worker_budget`, the ceiling)."""
-    work = build(workload, quick=quick)
-    v = next((x for x in work.variants if x.name == variant), None)
-    if v is None:
-        names = ", ".join(x.name for x in work.variants)
-        raise ValueError(f"workload {workload!r} has no variant {variant!r}; choose from {names}")
+    work, v = workload_variant(workload, variant, quick=quick)
     torch.set_num_threads(1)
     s = Settings(num_workers=num_workers, quick=quick)
     out = []
