@@ -48,6 +48,7 @@ from torch.utils.data import _utils
 from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 
 from .._base.errors import capture, out_of_descriptors
+from .._memory.heap import HeapFollower
 from .._memory.spill import SharedMemoryError, Spill
 from .._order.shards import ShardInfo, set_shard_info
 from .._order.state import capture_state
@@ -205,12 +206,14 @@ def worker_loop(
         except (BrokenPipeError, EOFError, OSError):
             pass  # the main process already stopped (another worker's error, or close())
         return
-    _serve(worker_id, chan, fetcher, writer, parent, None if is_process else spec.random_watch)
+    heap = HeapFollower() if is_process else None  # NOTE [ Worker heap ] in _memory/heap.py
+    _serve(worker_id, chan, fetcher, writer, parent, None if is_process else spec.random_watch,
+           heap if heap is not None and heap.active else None)
 
 
 def _serve(
     worker_id: int, chan: Any, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None,
-    parent: int, watch: GlobalDrawWatch | None,
+    parent: int, watch: GlobalDrawWatch | None, heap: HeapFollower | None,
 ) -> None:
     inbox: collections.deque[ToWorker] = collections.deque()  # read ahead by _newer
     latest = 0  # the newest generation seen: tasks of older ones are dropped, not run
@@ -261,10 +264,12 @@ def _serve(
                 continue
             look_at = now + NEWER_CHECK_S
             if watch is None:
-                results.append(_run_task(worker_id, fetcher, writer, task, msg.epoch, spills))
+                results.append(_run_task(worker_id, fetcher, writer, task, msg.epoch, spills,
+                                          heap))
                 continue
             fetcher.probe = watch.task_probe()  # NOTE [ Seeding and threads ]: global draws
-            results.append(_run_task(worker_id, fetcher, writer, task, msg.epoch, spills))
+            results.append(_run_task(worker_id, fetcher, writer, task, msg.epoch, spills,
+                                          heap))
             fetcher.probe = None
         try:
             _send_results(worker_id, chan, gen, results)
@@ -319,7 +324,7 @@ def _send_results(worker_id: int, chan: Any, gen: int, results: list[Result]) ->
 
 def _run_task(
     worker_id: int, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None, task: Task,
-    epoch: int, spills: list[Spill],
+    epoch: int, spills: list[Spill], heap: HeapFollower | None,
 ) -> Result:
     batch, indices, slot = task.batch, task.indices, task.slot
     sid = -1
@@ -342,6 +347,8 @@ def _run_task(
         data = fetcher.fetch(indices, writer, epoch=epoch)
         t1 = time.perf_counter()
         packed = pack(data, writer)
+        if heap is not None:  # before the samples are freed: glibc keeps them for the next
+            heap.follow_batch(packed.need)
         del data
         spill = writer.take_spill() if writer is not None else None
         sealed = None
