@@ -47,11 +47,14 @@ MMAP_THRESHOLD_MAX = 32 << 20  # glibc's bound on its own adjustment (64-bit)
 _USER_SET = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
              "MALLOC_MMAP_MAX_")
 _PRELOADED = ("jemalloc", "tcmalloc", "mimalloc")
+#: False: workers leave the heap as glibc has it (``benchmarks/heap.py`` measures what following
+#: batches saves; read in the worker, so set it before the loader starts its workers).
+FOLLOW = True
 
 
 def _mallopt() -> Any:
     """glibc's ``mallopt``, or None where the heap is left alone (see the NOTE)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not FOLLOW or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     env = os.environ
     if any(k in env for k in _USER_SET) or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
