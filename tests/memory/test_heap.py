@@ -4,66 +4,77 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
-import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+import torch
+from torch.utils.data import Dataset
 
+import gpufeed
 from gpufeed._memory import heap
 from gpufeed._memory.heap import MMAP_THRESHOLD_MAX, HeapFollower
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-
-
-# A fresh interpreter: a worker inherits the test process's malloc state by fork, and glibc's
-# thresholds in a long test session are wherever the tests before left them.
-_SCRIPT = """
-import ctypes
-import numpy as np, torch
-from torch.utils.data import Dataset
-import gpufeed
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in (
-        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost").split()]
-
-mallinfo2 = ctypes.CDLL(None).mallinfo2
-mallinfo2.restype = MallInfo2
-
-class Crops(Dataset):
-    def __len__(self):
-        return 6 * {batch}
-
-    def __getitem__(self, i):
-        heap = mallinfo2().arena  # bytes of heap the worker holds
-        return torch.from_numpy(np.full({sample}, i % 251, dtype=np.uint8)), heap
-
-for k, (crops, heap) in enumerate(gpufeed.DataLoader(Crops(), batch_size={batch},
-                                                     num_workers=1)):
-    assert torch.equal(crops[:, 0], torch.arange(k * {batch}, (k + 1) * {batch}) % 251)
-    print(int(heap[-1] - heap[0]))
-"""
-BATCH, SAMPLE = 64, 3 * 192 * 192  # 7 MB batches of crops under glibc's first threshold
-
-
-def _heap_growth_per_batch() -> list[int]:
-    """Bytes a process worker's heap grew by over each batch, in a new process."""
-    script = _SCRIPT.format(batch=BATCH, sample=SAMPLE)
-    env = {k: v for k, v in os.environ.items() if k not in heap._USER_SET}  # glibc's own
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, timeout=120, check=True)
-    return [int(n) for n in out.stdout.split()]
-
-
 needs_glibc = pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
 
 
-@needs_glibc
-def test_a_process_worker_keeps_the_heap_a_batch_freed_for_the_next() -> None:
-    # Without the follower glibc trims the batch's freed samples from the heap, and the next
-    # batch grows it again, faulting every page in (2x slower fetches, in the NOTE).
-    growth = _heap_growth_per_batch()
-    assert max(growth[2:]) < BATCH * SAMPLE // 4, growth  # the first two: its first crops
+class _Recorder:
+    """A ``mallopt`` stand-in that appends each call to a file: forked workers inherit it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __call__(self) -> Callable[[int, int], int]:
+        def mallopt(param: int, value: int) -> int:
+            with open(self.path, "a") as f:
+                f.write(f"{os.getpid()} {param} {value}\n")
+            return 1
+        return mallopt
+
+    def calls(self) -> list[tuple[int, int, int]]:
+        if not self.path.exists():
+            return []
+        return [tuple(map(int, line.split())) for line in self.path.read_text().splitlines()]
+
+
+class Crops(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 6 * 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((3, 64, 64), i % 251, dtype=torch.uint8)  # 12 KiB: 768 KiB batches
+
+
+def test_process_workers_raise_the_thresholds_to_their_batches(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    recorder = _Recorder(tmp_path / "mallopt")
+    monkeypatch.setattr(heap, "_mallopt", recorder)
+    loader = gpufeed.DataLoader(Crops(), batch_size=64, num_workers=2,
+                                multiprocessing_context="fork")
+    for k, batch in enumerate(loader):
+        assert torch.equal(batch[:, 0, 0, 0], torch.arange(k * 64, (k + 1) * 64) % 251)
+    calls = recorder.calls()
+    workers = {pid for pid, _, _ in calls}
+    assert len(workers) == 2 and os.getpid() not in workers  # each worker, never the main
+    batch = 64 * 3 * 64 * 64
+    for pid in workers:  # once each: later batches are no larger
+        mine = [(param, value) for p, param, value in calls if p == pid]
+        assert len(mine) == 2, mine
+        (trim, trim_to), (mmap, mmap_to) = mine
+        assert (trim, mmap) == (heap.M_TRIM_THRESHOLD, heap.M_MMAP_THRESHOLD)
+        assert batch <= mmap_to < batch + (64 << 10) and trim_to == 2 * mmap_to
+
+
+def test_thread_workers_leave_the_process_heap_alone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    recorder = _Recorder(tmp_path / "mallopt")
+    monkeypatch.setattr(heap, "_mallopt", recorder)
+    assert len(list(gpufeed.DataLoader(Crops(), batch_size=64, num_workers=2,
+                                       worker_type="thread"))) == 6
+    assert recorder.calls() == []
 
 
 def test_thresholds_follow_the_largest_batch_up_to_glibc_bound(
