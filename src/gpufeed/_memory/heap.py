@@ -10,13 +10,18 @@ second to twice that. A process that collates its batches into memory of its own
 per batch, so after its first batch its samples (a 3x192x192 crop is 108 KiB, a decoded
 500x375 photo 549 KiB) come from a heap that stays mapped.
 
-A gpufeed process worker writes its batches into the ring, which malloc never sees, so
-nothing raises the thresholds: every sample over 128 KiB is a fresh mapping whose pages
-fault in one by one (about 4 us each on a 2-core VM: 0.5 ms per decoded photo), and a
-batch's samples, freed together, are trimmed from the heap after every batch and fault in
-again for the next. Measured (``python -m gpufeed.benchmarks cpu``, image-array
-``per-sample``, 2 process workers): a worker's median fetch 9.8-10.4 ms against 5.0-5.7 ms for
-the same batch in a plain process.
+A gpufeed process worker writes its batches into the ring, which malloc never sees, so its
+thresholds stay wherever the main process's were when it forked (a training script's: low) plus
+whatever its own first batches freed. When a batch's samples add up to more than the trim
+bound, they are handed back to the kernel after every batch and fault in again, page by page,
+for the next (about 4 us a page on a 2-core VM); samples over the mapping bound are fresh
+mappings each time. Measured in new interpreters, image-array ``per-sample`` (64 crops of 108
+KiB, 2 process workers): a worker's median fetch 9.8-10.4 ms against 5.0-5.7 ms for the same
+batch in a bare process (``python -m gpufeed.benchmarks.workers --variant per-sample``), and
+1,641 page faults per batch in the workers against 205 with what follows
+(``python -m gpufeed.benchmarks.heap``: 1.75x the samples/s). Whether glibc hands a given
+batch back depends on what was allocated above it, so the effect varies with the dataset;
+what following costs is the free heap a worker then keeps, bounded below.
 
 So a worker applies glibc's own rule to each batch it writes, as if it had freed it:
 :func:`follow_batch` raises ``M_MMAP_THRESHOLD`` to the batch's bytes (never past glibc's
