@@ -104,6 +104,21 @@ def test_a_refused_setting_turns_the_follower_off(monkeypatch: pytest.MonkeyPatc
     assert calls == [heap.M_TRIM_THRESHOLD] and not follower.active
 
 
+@pytest.mark.parametrize(("env", "named"), [
+    ({"MALLOC_MMAP_THRESHOLD_": "1000000"}, "MALLOC_MMAP_THRESHOLD_ is set"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}, "GLIBC_TUNABLES"),
+    ({"LD_PRELOAD": "/usr/lib/libtcmalloc.so.4"}, "tcmalloc"),
+])
+@needs_glibc
+def test_left_alone_names_the_users_setting(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], named: str,
+) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    why = heap.left_alone()
+    assert why is not None and named in why
+
+
 @pytest.mark.parametrize("env", [
     {"MALLOC_MMAP_THRESHOLD_": "1000000"}, {"MALLOC_TOP_PAD_": "0"},
     {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"},

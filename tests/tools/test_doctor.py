@@ -31,7 +31,7 @@ def healthy(**overrides):
                  affinity=lambda: set(range(16)), cpu_quota=lambda: None,
                  memory=lambda: (64 * GiB, 48 * GiB), read_text=SYS.get,
                  list_dir=lambda path: [], nvidia_smi=lambda args: None,
-                 cuda_names=lambda: [])
+                 cuda_names=lambda: [], worker_heap=lambda: None)
     return dataclasses.replace(base, **overrides)
 
 
@@ -100,6 +100,16 @@ def test_nofile_is_judged_against_the_workers(limits, workers, status, advice):
 
 def test_fds_needed_grows_with_workers_and_prefetch():
     assert fds_needed(0, 2) < fds_needed(2, 2) < fds_needed(2, 8) < fds_needed(8, 8)
+
+
+def test_worker_heap_says_whether_workers_follow_their_batches_and_why_not():
+    follows = by_name(diagnose(probe=healthy()))["worker heap"]
+    assert follows.status == "ok" and "raised to each worker's batches" in follows.value
+    kept = diagnose(probe=healthy(worker_heap=lambda: "MALLOC_TRIM_THRESHOLD_ is set"))
+    f = by_name(kept)["worker heap"]
+    assert f.status == "ok" and f.value == "left as it is: MALLOC_TRIM_THRESHOLD_ is set"
+    for work in (Workload(num_workers=0), Workload(worker_type="thread")):  # the user's heap
+        assert "worker heap" not in by_name(diagnose(probe=healthy(), workload=work))
 
 
 def test_memlock_only_where_pinning_is_used():

@@ -43,7 +43,7 @@ import os
 import platform
 from typing import Any
 
-__all__ = ["MMAP_THRESHOLD_MAX", "HeapFollower"]
+__all__ = ["MMAP_THRESHOLD_MAX", "HeapFollower", "left_alone"]
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -57,14 +57,30 @@ _PRELOADED = ("jemalloc", "tcmalloc", "mimalloc")
 FOLLOW = True
 
 
-def _mallopt() -> Any:
-    """glibc's ``mallopt``, or None where the heap is left alone (see the NOTE)."""
-    if not FOLLOW or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
+def left_alone() -> str | None:
+    """Why this process's workers leave glibc's heap as it is (see the NOTE), or None when
+    they follow their batches. ``gpufeed doctor`` prints it."""
+    if not FOLLOW:
+        return "turned off (gpufeed._memory.heap.FOLLOW)"
+    if platform.system() != "Linux":
+        return f"{platform.system()}: not glibc's malloc"
+    if platform.libc_ver()[0] != "glibc":
+        return "not glibc's malloc (musl?)"
     env = os.environ
-    if any(k in env for k in _USER_SET) or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
-        return None
-    if any(name in env.get("LD_PRELOAD", "") for name in _PRELOADED):
+    user = [k for k in _USER_SET if k in env]
+    if user:
+        return f"{user[0]} is set (your malloc settings are kept)"
+    if "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
+        return "GLIBC_TUNABLES sets glibc.malloc (your malloc settings are kept)"
+    preloaded = next((n for n in _PRELOADED if n in env.get("LD_PRELOAD", "")), None)
+    if preloaded is not None:
+        return f"LD_PRELOAD puts {preloaded} in glibc's place"
+    return None
+
+
+def _mallopt() -> Any:
+    """glibc's ``mallopt``, or None where the heap is left alone (:func:`left_alone`)."""
+    if left_alone() is not None:
         return None
     try:
         fn = ctypes.CDLL(None).mallopt

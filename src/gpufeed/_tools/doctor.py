@@ -24,6 +24,9 @@ CPUs               never                                  fewer usable than onli
                                                           more workers than usable CPUs
 free memory        < 1 GiB available (or < the batches    < 4 GiB available (or < twice that)
                    in flight)
+worker heap        never                                  never: says whether process workers
+(process workers)                                         raise glibc's malloc thresholds to their
+                                                          batches (NOTE [ Worker heap ]), or why not
 GPU PCIe link      never                                  width or generation below the maximum
 GPU NUMA node      never                                  this process may run on CPUs outside it
 =================  =====================================  =======================================
@@ -190,6 +193,14 @@ def check_memlock(probe: Probe) -> Finding:
     return Finding("RLIMIT_MEMLOCK", "ok", value)
 
 
+def check_heap(probe: Probe) -> Finding:
+    """Information only: process workers' malloc (NOTE [ Worker heap ] in _memory/heap.py)."""
+    why = probe.worker_heap()
+    if why is None:
+        return Finding("worker heap", "ok", "glibc: thresholds raised to each worker's batches")
+    return Finding("worker heap", "ok", f"left as it is: {why}")
+
+
 def check_cpus(probe: Probe, num_workers: int | None = None) -> Finding:
     online = probe.cpu_count() or 1
     affinity = probe.affinity()
@@ -275,7 +286,7 @@ def diagnose(*, probe: Probe | None = None, workload: Workload | None = None) ->
                  else max(workers, 1) * work.prefetch_factor * work.batch_bytes)
     findings = []
     if workers and work.worker_type == "process":
-        findings.append(check_shm(probe, in_flight))
+        findings += [check_shm(probe, in_flight), check_heap(probe)]
     findings.append(check_nofile(probe, workers, work.prefetch_factor))
     gpus = query_gpus(probe)
     pinning = work.pin_memory if work.pin_memory is not None else bool(gpus)

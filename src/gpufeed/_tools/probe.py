@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 
 from .._base.system import cpu_affinity, cpu_quota, rollup
+from .._memory.heap import left_alone
 
 __all__ = ["GpuInfo", "Probe", "TreeMemory", "cpulist", "descendants", "helper_pids",
            "process_tree_memory", "process_tree_pss", "query_gpus", "shm_usage"]
@@ -110,6 +111,7 @@ class Probe:
     list_dir: Callable[[str], list[str]] = _list_dir
     nvidia_smi: Callable[[list[str]], str | None] = _nvidia_smi  # stdout, None if unavailable
     cuda_names: Callable[[], list[str]] = _cuda_names  # torch's view, when the above find none
+    worker_heap: Callable[[], str | None] = left_alone  # why workers leave malloc alone, or None
 
 
 @dataclass(frozen=True)
