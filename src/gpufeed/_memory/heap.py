@@ -104,10 +104,8 @@ class HeapFollower:
 
     def follow_batch(self, nbytes: int) -> None:
         """A batch of ``nbytes`` was written: raise the thresholds to what freeing it would."""
-        if nbytes <= self.threshold or self._mallopt is None:
-            return
         threshold = min(nbytes, MMAP_THRESHOLD_MAX)
-        if threshold <= self.threshold:
+        if threshold <= self.threshold or self._mallopt is None:
             return
         if not (self._mallopt(M_TRIM_THRESHOLD, 2 * threshold)
                 and self._mallopt(M_MMAP_THRESHOLD, threshold)):

@@ -33,6 +33,7 @@ it, and the pages it touched, for every later run of every loader.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import gc
 import importlib
@@ -53,7 +54,7 @@ from .._tools.probe import descendants
 from .ceiling import measure_no_loader
 from .environment import environment
 from .summary import PSS_TOLERANCE, TARGETS, summarize
-from .workloads import Variant, Workload, WorkloadUnavailable, build
+from .workloads import WORKLOADS, Variant, Workload, WorkloadUnavailable, build
 
 __all__ = ["CEILING", "LOADERS", "PSS_TOLERANCE", "TARGETS", "Settings", "environment", "run_cpu",
            "summarize"]
@@ -273,6 +274,16 @@ def workload_variant(workload: str, variant: str, *, quick: bool = False
         names = ", ".join(x.name for x in work.variants)
         raise ValueError(f"workload {workload!r} has no variant {variant!r}; choose from {names}")
     return work, v
+
+
+def add_workload_options(p: argparse.ArgumentParser, *, workload: str, variant: str) -> None:
+    """The options every one-loader tool takes (``--workload``, ``--variant``,
+    ``--num-workers``, ``--quick``), for :func:`workload_variant`."""
+    p.add_argument("--workload", default=workload, choices=sorted(WORKLOADS))
+    p.add_argument("--variant", default=variant,
+                   help=f"the workload's variant (default {variant})")
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="tiny data (for tests)")
 
 
 def _fresh(variant: Variant) -> Variant:

@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 import torch
 
-__all__ = ["environment", "write_documents"]
+__all__ = ["commit_label", "environment", "write_documents"]
 
 
 def _version(dist: str) -> str | None:
@@ -62,6 +62,13 @@ def environment() -> dict[str, Any]:
         "git_dirty": bool(_git("status", "--porcelain")) if commit else None,
         "torch_threads_main": torch.get_num_threads(),
     }
+
+
+def commit_label(env: dict[str, Any]) -> str:
+    """`` (<commit>[, dirty])`` of an :func:`environment` record, for a results header; ""
+    outside a git checkout."""
+    commit = env.get("git_commit")
+    return f" ({commit[:10]}{', dirty' if env.get('git_dirty') else ''})" if commit else ""
 
 
 def write_documents(doc: dict[str, Any], out: Path, stem: str,

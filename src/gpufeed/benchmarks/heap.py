@@ -26,8 +26,9 @@ from typing import Any
 import psutil
 import torch
 
-from .environment import environment, write_documents
-from .workloads import WORKLOADS
+from .._memory import heap
+from .cpu import Settings, _factory, add_workload_options, workload_variant
+from .environment import commit_label, environment, write_documents
 
 __all__ = ["main", "one_run"]
 
@@ -51,9 +52,6 @@ def one_run(side: str, workload: str, variant: str, *, num_workers: int = 2,
             quick: bool = False) -> dict[str, Any]:
     """One epoch of ``side``'s loader in this process: samples/s and workers' faults per
     batch after the warm-up."""
-    from .._memory import heap
-    from .cpu import Settings, _factory, workload_variant
-
     torch.set_num_threads(1)
     heap.FOLLOW = side != "gpufeed, heap left alone"
     work, v = workload_variant(workload, variant, quick=quick)
@@ -108,7 +106,7 @@ def render(env: dict[str, Any], args: argparse.Namespace, summary: dict[str, Any
         "",
         f"{env['date']} on `{env['hostname']}`: {env['cpu_model']}, "
         f"{env['cpu_affinity']} usable cores; Python {env['python']}, torch {env['torch']}, "
-        f"gpufeed {env['gpufeed']} ({(env['git_commit'] or '?')[:10]}); load average "
+        f"gpufeed {env['gpufeed']}{commit_label(env)}; load average "
         f"{env['loadavg_start'][0]:.2f} at start.",
         "",
         f"`python -m gpufeed.benchmarks.heap --workload {args.workload} --variant "
@@ -132,11 +130,8 @@ def render(env: dict[str, Any], args: argparse.Namespace, summary: dict[str, Any
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpufeed.benchmarks.heap",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", default="image-array", choices=sorted(WORKLOADS))
-    p.add_argument("--variant", default="per-sample")
+    add_workload_options(p, workload="image-array", variant="per-sample")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="tiny data (for tests)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     if args.rounds < 1:

@@ -37,8 +37,7 @@ from typing import Any
 import psutil
 import torch
 
-from .cpu import LOADERS, Settings, _factory, workload_variant
-from .workloads import WORKLOADS
+from .cpu import LOADERS, Settings, _factory, add_workload_options, workload_variant
 
 __all__ = ["STAGES", "classify", "main", "measure_epochs", "stage_budget"]
 
@@ -212,12 +211,9 @@ def measure_epochs(workload: str, variant: str, loader: str, *, epochs: int = 3,
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gpufeed.benchmarks.mainproc",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", default="tabular", choices=sorted(WORKLOADS))
-    p.add_argument("--variant", default="array", help="the workload's variant (default array)")
+    add_workload_options(p, workload="tabular", variant="array")
     p.add_argument("--loader", default="gpufeed", choices=LOADERS[:3])
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="tiny data (for tests)")
     p.add_argument("--py-spy", dest="pyspy", action="store_true",
                    help="also sample the main thread with py-spy and give the budget by stage")
     p.add_argument("--rate", type=int, default=100,

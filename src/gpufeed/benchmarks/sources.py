@@ -53,6 +53,7 @@ from gpufeed._tools.measure import measure_loader, one_intra_op_thread
 from gpufeed._tools.output import directory
 
 from .ceiling import measure_no_loader
+from .environment import commit_label
 from .environment import environment as shared_environment
 from .photos import mean_file_bytes, photo_set
 
@@ -308,11 +309,6 @@ def environment() -> dict[str, Any]:
     return {**shared_environment(), "jpeg_codec": _jpeg_codec()}
 
 
-def _commit(env: dict[str, Any]) -> str:
-    commit = env.get("git_commit")
-    return f" ({commit[:10]}{', dirty' if env.get('git_dirty') else ''})" if commit else ""
-
-
 def _jpeg_codec() -> str:
     """The codec ``ImageFolder(decoder="auto")`` takes here, and its library."""
     try:
@@ -331,7 +327,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
              f"{env['date']} on `{env['hostname']}` ({env['cpu_affinity']} usable cores, "
              f"{env['memory_bytes'] / 2**30:.0f} GiB); Python {env['python']}, torch "
              f"{env['torch']}, numpy {env['numpy']}, gpufeed {env['gpufeed']}"
-             f"{_commit(env)}; load average "
+             f"{commit_label(env)}; load average "
              f"{env['loadavg_start'][0]:.2f} at start. num_workers={s['num_workers']}, "
              f"shuffled, median of {s['repeats']} runs (min-max), sides alternating in one run."
              + (" **Quick mode: tiny data, figures mean nothing.**" if s["quick"] else ""), "",

@@ -41,9 +41,8 @@ from typing import Any
 
 import torch
 
-from .cpu import Settings, _ceiling, _factory, _fresh, workload_variant
+from .cpu import Settings, _ceiling, _factory, _fresh, add_workload_options, workload_variant
 from .environment import environment
-from .workloads import WORKLOADS
 
 __all__ = ["main", "split_epochs", "worker_budget"]
 
@@ -130,11 +129,8 @@ def render(rounds: Sequence[Mapping[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpufeed.benchmarks.workers",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", default="image-array", choices=sorted(WORKLOADS))
-    p.add_argument("--variant", default="getitems-slot")
+    add_workload_options(p, workload="image-array", variant="getitems-slot")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="tiny data (for tests)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = p.parse_args(argv)
     env = environment()
