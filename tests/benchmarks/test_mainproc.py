@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from gpufeed.benchmarks.mainproc import classify, measure_epochs, stage_budget
+from gpufeed.benchmarks.mainproc import _sched_split, classify, measure_epochs, stage_budget
 
 LOOP = "<module> (gpufeed/benchmarks/mainproc.py:1);_timed_epoch (gpufeed/benchmarks/mainproc.py:9)"
 
@@ -58,3 +60,20 @@ def test_epochs_are_measured_per_batch() -> None:
     # workers >= 0: on a quick epoch they may have fetched every batch before the clocks start
     assert 0 < us["main_thread"] <= us["main_process"] + 1 and us["workers"] >= 0
     assert row["samples_per_s"] > 0
+    if sys.platform.startswith("linux"):  # schedstat: the main thread and both workers
+        sched = row["sched_us_per_batch"]
+        assert sorted(sched) == ["main thread", "worker 0", "worker 1"]
+        for t in sched.values():
+            assert min(t.values()) >= 0
+            assert t["on_cpu"] + t["waiting_for_cpu"] + t["asleep"] >= us["wall"] * 0.99
+
+
+def test_wall_time_is_split_into_on_cpu_waiting_and_asleep() -> None:
+    start = {"main thread": (1.0, 0.5), "worker 0": (2.0, 0.0), "worker 1": None}
+    end = {"main thread": (1.2, 0.6), "worker 0": (2.5, 0.1)}
+    split = _sched_split(start, end, seconds=0.5, batches=100)
+    assert split == {  # us per batch; a worker without figures (or gone) is left out
+        "main thread": pytest.approx({"on_cpu": 2000.0, "waiting_for_cpu": 1000.0,
+                                      "asleep": 2000.0}),
+        "worker 0": pytest.approx({"on_cpu": 5000.0, "waiting_for_cpu": 1000.0,
+                                   "asleep": 0.0})}

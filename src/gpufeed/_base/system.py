@@ -13,7 +13,9 @@ there), the tuner and the autotuner (``num_workers="auto"``) take their budgets 
 - **CPU time of a tree**: CPU seconds of this process (all its threads, thread workers
   included) and of the worker processes named; and how long the workers were runnable but
   waited for a core (the kernel's run-queue delay): workers that wait for a core would not
-  go faster in greater numbers, whoever keeps the cores busy.
+  go faster in greater numbers, whoever keeps the cores busy. The same two figures of one
+  thread (``thread_sched``) split a stretch of wall time into on a core, waiting for one and
+  asleep (the rest).
 - **Private memory of a process**: the pages only it maps (``Private_Clean + Private_Dirty``
   of ``/proc/<pid>/smaps_rollup``), what one more worker adds: the pages it shares with the
   main process (libraries, the dataset before copy-on-write, the slot ring) are there already.
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 __all__ = ["CpuTimes", "TreeCpu", "cpu_affinity", "cpu_quota", "local_ranks", "memory_available",
-           "private_bytes", "rollup", "usable_cpus"]
+           "private_bytes", "rollup", "thread_sched", "usable_cpus"]
 
 _ROLLUP_KEYS = {"Pss:": "pss", "Pss_Anon:": "anon", "Pss_File:": "file", "Pss_Shmem:": "shmem"}
 _PRIVATE_KEYS = {"Private_Clean:": "clean", "Private_Dirty:": "dirty"}
@@ -149,6 +151,13 @@ def _schedstat(path: str) -> tuple[float, float] | None:
         return int(cpu) / 1e9, int(queued) / 1e9
     except ValueError:
         return None
+
+
+def thread_sched(pid: int, tid: int | None = None) -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of thread ``tid`` of process
+    ``pid`` (its main thread when None), cumulative; None where the kernel keeps no
+    ``schedstat`` (not Linux) or the thread is gone."""
+    return _schedstat(f"/proc/{pid}/task/{pid if tid is None else tid}/schedstat")
 
 
 class TreeCpu:

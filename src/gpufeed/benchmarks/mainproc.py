@@ -8,6 +8,10 @@ variants and settings) for a few epochs and reports, per epoch after the warm-up
 - the **CPU time per batch** of the main thread (``time.thread_time``), of the whole main
   process and of the worker processes (``psutil``), with the rate. CPU time is steadier than
   wall time on a loaded machine, though it still grows with cache and CPU contention;
+- **where each thread's wall time goes** (Linux, ``/proc/<pid>/task/<tid>/schedstat``): the
+  main thread and each worker process's, per batch, on a CPU, runnable but waiting for one
+  (more busy threads than cores), and asleep (waiting for work or a message). On cheap
+  batches the loader's rate is set by how these three fit on the cores, not by CPU time alone;
 - with ``--py-spy`` (``pip install py-spy``), **where the main thread's time goes**: the tool
   runs itself under ``py-spy record`` (raw stacks), keeps the samples taken inside the timed
   loop (``_timed_epoch``), leaves out those waiting for a worker (a poll or a queue get), sorts
@@ -28,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -37,6 +42,7 @@ from typing import Any
 import psutil
 import torch
 
+from .._base.system import thread_sched
 from .cpu import LOADERS, Settings, _factory, add_workload_options, workload_variant
 
 __all__ = ["STAGES", "classify", "main", "measure_epochs", "stage_budget"]
@@ -139,18 +145,54 @@ def _workers_cpu() -> float:
     return total
 
 
-def _timed_epoch(it: Any, n_batches: int) -> tuple[int, int, float, float, float, float]:
+def _children() -> set[int]:
+    return {c.pid for c in psutil.Process().children()}
+
+
+def _sched_now(workers: Sequence[int]) -> dict[str, tuple[float, float] | None]:
+    """(on a CPU, waiting for one) seconds so far of the main thread and of each worker
+    process's main thread (``thread_sched``; None off Linux)."""
+    out = {"main thread": thread_sched(os.getpid(), threading.get_native_id())}
+    for k, pid in enumerate(workers):
+        out[f"worker {k}"] = thread_sched(pid)
+    return out
+
+
+def _sched_split(start: dict[str, Any], end: dict[str, Any], seconds: float,
+                 batches: int) -> dict[str, dict[str, float]]:
+    """Each thread's share of the epoch's wall time, in us per batch: on a CPU, runnable and
+    waiting for one (the kernel's run-queue delay), and asleep (the rest: waiting for work,
+    for a message, for a page)."""
+    out = {}
+    for name, a in start.items():
+        b = end.get(name)
+        if a is None or b is None:
+            continue
+        on, queued = b[0] - a[0], b[1] - a[1]
+        out[name] = {"on_cpu": 1e6 * on / batches, "waiting_for_cpu": 1e6 * queued / batches,
+                     "asleep": 1e6 * max(0.0, seconds - on - queued) / batches}
+    return out
+
+
+def _timed_epoch(it: Any, n_batches: int, workers: Sequence[int] = ()) -> tuple[
+        int, int, float, float, float, float, dict[str, dict[str, float]]]:
     """Iterate the rest of the epoch; read the clocks at its last batch, while the workers
-    live. (batches, samples, seconds, thread CPU, process CPU, workers' CPU)."""
+    live. (batches, samples, seconds, thread CPU, process CPU, workers' CPU, the wall time of
+    the main thread and of the ``workers`` (pids) split by ``_sched_split``)."""
+    s0 = _sched_now(workers)
     t0, c0, p0, w0 = time.perf_counter(), time.thread_time(), time.process_time(), _workers_cpu()
     batches = samples = 0
     end = (t0, c0, p0, w0)
+    s1 = s0
     for batch in it:
         batches += 1
         samples += len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch)
         if batches == n_batches:
             end = (time.perf_counter(), time.thread_time(), time.process_time(), _workers_cpu())
-    return batches, samples, end[0] - t0, end[1] - c0, end[2] - p0, end[3] - w0
+            s1 = _sched_now(workers)
+    sec = end[0] - t0
+    return (batches, samples, sec, end[1] - c0, end[2] - p0, end[3] - w0,
+            _sched_split(s0, s1, sec, max(batches, 1)))
 
 
 def _counted_epoch(it: Any) -> tuple[int, Counter[str]]:
@@ -187,10 +229,12 @@ def measure_epochs(workload: str, variant: str, loader: str, *, epochs: int = 3,
     make = _factory(loader, v, work, Settings(num_workers=num_workers, quick=quick))
     rows = []
     for _ in range(epochs):
+        before = _children()
         it = iter(make())
         n = len(it)  # type: ignore[arg-type]
         for _ in range(warmup):
             next(it)
+        workers = sorted(_children() - before)  # this loader's worker processes
         if calls:
             b, counts = _counted_epoch(it)
             del it
@@ -199,12 +243,12 @@ def measure_epochs(workload: str, variant: str, loader: str, *, epochs: int = 3,
                 "c": sum(v for k, v in counts.items() if k.startswith("[C]")) / b,
                 "top": {k: v / b for k, v in counts.most_common(25)}}})
             continue
-        b, s, sec, thread, proc, workers = _timed_epoch(it, n - warmup)
+        b, s, sec, thread, proc, cpu, sched = _timed_epoch(it, n - warmup, workers)
         del it
         rows.append({"batches": b, "samples_per_s": s / sec, "us_per_batch": {
             "wall": 1e6 * sec / b, "main_thread": 1e6 * thread / b,
-            "main_process": 1e6 * proc / b, "workers": 1e6 * workers / b},
-            "loadavg": os.getloadavg()[0]})
+            "main_process": 1e6 * proc / b, "workers": 1e6 * cpu / b},
+            "sched_us_per_batch": sched, "loadavg": os.getloadavg()[0]})
     return rows
 
 
@@ -244,6 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"us/batch: main thread {us['main_thread']:.1f}, main process "
               f"{us['main_process']:.1f}, workers {us['workers']:.1f} (wall {us['wall']:.1f}); "
               f"load {r['loadavg']:.1f}", flush=True)
+        for name, t in r["sched_us_per_batch"].items():
+            print(f"  {name:11}  us/batch on a CPU {t['on_cpu']:6.1f}, waiting for a CPU "
+                  f"{t['waiting_for_cpu']:6.1f}, asleep {t['asleep']:6.1f}")
     if args.json is not None:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                          "epochs": rows}, indent=1) + "\n")
