@@ -16,9 +16,9 @@ Every image is written straight into its place in the batch (the loader's slot),
 memory format. Into a channels-last batch (``ImageFolder(memory_format=torch.channels_last)``)
 the resize writes there itself, through the kernel's ``out=`` form (the same operator
 ``interpolate`` calls, so the same pixels, tested). Into planes it does not: the kernel works in
-channels-last memory, and given planar ``out=`` it took 2-3x as long as into HWC memory
-(440 against 155 us for a 300x260 -> 224x224 resize here, 2026-11-26), more than the
-transposition it saves. So a channels-first batch's image is resized into a new HWC image and
+channels-last memory, and given planar ``out=`` it took about twice as long as into HWC
+memory (1.8-2.8x for a 300x260 -> 224x224 resize in two measurements here, 2026-11-26), more
+than the transposition it saves. So a channels-first batch's image is resized into a new HWC image and
 then copied into planes, mirrored on the way when flipped (numpy; the same pixels, tested), as is
 a plain window (no resize). A flip into channels-last memory is torch's ``flip`` (numpy
 mirrors 3-byte HWC pixels one at a time, 0.5 ms for a 224x224 image).
@@ -145,7 +145,7 @@ def _nchw(img: np.ndarray) -> torch.Tensor:
 
 def _resized_hwc(img: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """``img`` (HWC uint8) resized to ``size`` by the antialiased kernel, into new HWC memory:
-    the kernel's own layout, where it writes 2-3x faster than into planes (NOTE)."""
+    the kernel's own layout, where it writes about twice as fast as into planes (NOTE)."""
     hwc = torch.empty((1, *size, 3), dtype=torch.uint8)
     _AA_OUT(_nchw(img), list(size), False, None, None, out=hwc.permute(0, 3, 1, 2))
     return hwc.numpy()[0]
