@@ -82,8 +82,9 @@ def test_reduced_dct_scale_is_close_to_full_decode(tmp_path):
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
 def test_resized_crop_is_pillows_resize_of_the_cut_region(memory_format):
     """The region is cut, then resized (bilinear, antialiased) into the batch's memory in
-    either layout (through HWC memory for planes): the same pixels as ``interpolate`` makes, and Pillow's bilinear resize of
-    the same cut to within rounding, shrinking and enlarging (see NOTE [ Resampling ])."""
+    either layout (through HWC memory for planes): the same pixels as ``interpolate`` makes,
+    and Pillow's bilinear resize of the same cut to within rounding, shrinking and enlarging
+    (see NOTE [ Resampling ])."""
 
     def _crop_resize(img, top, left, h, w, size, flip):
         dst = torch.full((1, 3, *size), 7, dtype=torch.uint8).to(memory_format=memory_format)

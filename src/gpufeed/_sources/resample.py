@@ -18,10 +18,10 @@ the resize writes there itself, through the kernel's ``out=`` form (the same ope
 ``interpolate`` calls, so the same pixels, tested). Into planes it does not: the kernel works in
 channels-last memory, and given planar ``out=`` it took about twice as long as into HWC
 memory (1.8-2.8x for a 300x260 -> 224x224 resize in two measurements here, 2026-11-26), more
-than the transposition it saves. So a channels-first batch's image is resized into a new HWC image and
-then copied into planes, mirrored on the way when flipped (numpy; the same pixels, tested), as is
-a plain window (no resize). A flip into channels-last memory is torch's ``flip`` (numpy
-mirrors 3-byte HWC pixels one at a time, 0.5 ms for a 224x224 image).
+than the transposition it saves. So a channels-first batch's image is resized into a new HWC
+image and then copied into planes, mirrored on the way when flipped (numpy; the same pixels,
+tested), as is a plain window (no resize). A flip into channels-last memory is torch's
+``flip`` (numpy mirrors 3-byte HWC pixels one at a time, 0.5 ms for a 224x224 image).
 ``center_cut_into`` resizes the whole image into HWC memory in either layout and copies the
 central cut. Measured here (2026-11-26, one process, the same decoded crops into a ten-slot ring,
 median of 16 interleaved rounds of 1,024 images, 256 for the center crop), the work after the
