@@ -194,10 +194,12 @@ def test_decisions_are_logged_at_info_and_in_stats(caplog):
 
 
 class KillNewWorkers(torch.utils.data.Dataset):
-    """Kills (SIGKILL) a worker process whose id is 2 or more on its first sample."""
+    """Kills (SIGKILL) a worker process whose id is 2 or more on its first sample. Long enough
+    (500 batches of 4) that the first two workers' work-ahead (at most 2 chunks of 64 batches
+    each) cannot hold the whole epoch: later workers get tasks."""
 
     def __len__(self):
-        return 200
+        return 2000
 
     def __getitem__(self, i):
         info = torch.utils.data.get_worker_info()

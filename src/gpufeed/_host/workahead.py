@@ -8,7 +8,7 @@ per message, and sizes the ring for the bound plus the batches the consumer hold
 
 from __future__ import annotations
 
-CHUNK_TARGET_S = 0.01  # worker seconds of work per task message (see _host/worker.py)
+CHUNK_TARGET_S = 0.03  # worker seconds of work per task message (see _host/worker.py)
 CHUNK_MAX = 64
 CHUNK_BYTES = 64 << 20  # never prefetch more than this in extra chunked batches
 FENCE_SLACK = 2  # slots of a pinned ring waiting for the user's copies (a GPU 2 steps behind)
