@@ -177,10 +177,10 @@ class TreeCpu:
 
     def read(self, pids: Iterable[int] = (), tids: Iterable[int] = ()) -> CpuTimes:
         now: dict[tuple[str, int], tuple[float, float]] = {}
-        for kind, ids, fmt in (("p", pids, "/proc/{}/schedstat"),
-                               ("t", tids, "/proc/self/task/{}/schedstat")):
+        me = os.getpid()
+        for kind, ids in (("p", pids), ("t", tids)):
             for i in ids:
-                got = _schedstat(fmt.format(i))
+                got = thread_sched(i) if kind == "p" else thread_sched(me, i)
                 if got is None and kind == "p":
                     got = _psutil_cpu(i)
                 if got is not None:

@@ -134,11 +134,12 @@ def stage_budget(raw: Iterable[str], cpu_per_batch_s: float) -> list[dict[str, A
     return rows
 
 
-def _workers_cpu() -> float:
+def _workers_cpu(workers: Sequence[int]) -> float:
+    """CPU seconds so far of the worker processes ``workers`` (pids)."""
     total = 0.0
-    for child in psutil.Process().children(recursive=True):
+    for pid in workers:
         try:
-            t = child.cpu_times()
+            t = psutil.Process(pid).cpu_times()
             total += t.user + t.system
         except psutil.Error:
             pass
@@ -179,20 +180,19 @@ def _timed_epoch(it: Any, n_batches: int, workers: Sequence[int] = ()) -> tuple[
     """Iterate the rest of the epoch; read the clocks at its last batch, while the workers
     live. (batches, samples, seconds, thread CPU, process CPU, workers' CPU, the wall time of
     the main thread and of the ``workers`` (pids) split by ``_sched_split``)."""
-    s0 = _sched_now(workers)
-    t0, c0, p0, w0 = time.perf_counter(), time.thread_time(), time.process_time(), _workers_cpu()
+    def clocks() -> tuple[tuple[float, float, float, float], dict[str, Any]]:
+        return ((time.perf_counter(), time.thread_time(), time.process_time(),
+                 _workers_cpu(workers)), _sched_now(workers))
+
+    start, s0 = end, s1 = clocks()
     batches = samples = 0
-    end = (t0, c0, p0, w0)
-    s1 = s0
     for batch in it:
         batches += 1
         samples += len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch)
         if batches == n_batches:
-            end = (time.perf_counter(), time.thread_time(), time.process_time(), _workers_cpu())
-            s1 = _sched_now(workers)
-    sec = end[0] - t0
-    return (batches, samples, sec, end[1] - c0, end[2] - p0, end[3] - w0,
-            _sched_split(s0, s1, sec, max(batches, 1)))
+            end, s1 = clocks()
+    sec, thread, proc, cpu = (b - a for a, b in zip(start, end, strict=True))
+    return batches, samples, sec, thread, proc, cpu, _sched_split(s0, s1, sec, max(batches, 1))
 
 
 def _counted_epoch(it: Any) -> tuple[int, Counter[str]]:
