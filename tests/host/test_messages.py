@@ -4,8 +4,6 @@ answers typed tasks with typed results (NOTE [ Messages ] in ``_host/messages.py
 from __future__ import annotations
 
 import pickle
-import queue
-import threading
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
@@ -28,13 +26,12 @@ from gpufeed._host.messages import (
     StartFailed,
     Task,
     Tasks,
-    ToMain,
     UsePlan,
     WorkerSpec,
     WorkerState,
 )
-from gpufeed._host.worker import ThreadChannel, worker_loop
 from gpufeed._order.plan import make_plan
+from support.worker_thread import WorkerThread
 
 
 class Squares(Dataset[torch.Tensor]):
@@ -133,32 +130,6 @@ def test_messages_are_read_by_name():
         _spec(Squares()).rank = 1  # type: ignore[misc]
 
 
-class _Worker:
-    """A thread worker on its channel: ``send`` messages, read its ``answer``s."""
-
-    def __init__(self, spec: WorkerSpec, *queued: Any) -> None:
-        self.results: queue.SimpleQueue[tuple[int, ToMain]] = queue.SimpleQueue()
-        self.chan = ThreadChannel(0, self.results)
-        for msg in queued:  # waiting before the worker reads its first message
-            self.chan.tasks.put(msg)
-        self.thread = threading.Thread(target=worker_loop, args=(spec,), daemon=True,
-                                       kwargs=dict(worker_id=0, kind="thread", chan=self.chan))
-        self.thread.start()
-
-    def send(self, msg: Any) -> None:
-        self.chan.tasks.put(msg)
-
-    def answer(self) -> Any:
-        w, msg = self.results.get(timeout=30)
-        assert w == 0
-        return msg
-
-    def stop(self) -> None:
-        self.send(None)
-        self.thread.join(30)
-        assert not self.thread.is_alive() and self.results.empty()
-
-
 def _batch(result: Fetched) -> Any:
     """The batch a worker without a ring answered (no slot, nothing to view)."""
     return unpack(result.packed, None)
@@ -166,7 +137,7 @@ def _batch(result: Fetched) -> Any:
 
 def test_a_thread_worker_answers_typed_tasks():
     plan = make_plan(BatchSampler(SequentialSampler(range(16)), 4, False), shared=False)
-    worker = _Worker(_spec(Squares()))
+    worker = WorkerThread(_spec(Squares()))
     worker.send(UsePlan(1, plan))
     worker.send(Tasks(1, [Task(0, False, [1, 2], None), Task(1, True, None, None),
                           Task(2, False, [12, 13], None)], 0))
@@ -186,7 +157,7 @@ def test_a_thread_worker_answers_typed_tasks():
 def test_tasks_of_an_abandoned_generation_are_dropped_with_their_slots():
     """A newer generation waiting on the channel: the older tasks go back unrun, slots too."""
     old = Tasks(1, [Task(0, False, [0], Slot(4, 0, 64)), Task(1, False, [1], None)], 0)
-    worker = _Worker(_spec(Squares()), old, Reseed(2, None))
+    worker = WorkerThread(_spec(Squares()), old, Reseed(2, None))
     assert worker.answer() == Done(1, [Dropped(0, 4), Dropped(1, -1)])
     worker.send(Tasks(2, [Task(0, False, [2], None)], 0))
     done = worker.answer()
@@ -197,14 +168,15 @@ def test_tasks_of_an_abandoned_generation_are_dropped_with_their_slots():
 
 
 def test_a_waiting_stop_drops_the_tasks_left():
-    worker = _Worker(_spec(Squares()), Tasks(1, [Task(0, False, [0], Slot(2, 0, 64))], 0), None)
+    worker = WorkerThread(_spec(Squares()), Tasks(1, [Task(0, False, [0], Slot(2, 0, 64))], 0),
+                          None)
     assert worker.answer() == Done(1, [Dropped(0, 2)])
     worker.thread.join(30)
     assert not worker.thread.is_alive()
 
 
 def test_iterable_streams_reset_and_run_dry():
-    worker = _Worker(_spec(Count(3)))
+    worker = WorkerThread(_spec(Count(3)))
     worker.send(Tasks(1, [Task(0, False, 2, None), Task(1, False, 2, None),
                           Task(2, False, 2, None)], 0))
     a, b, c = worker.answer().results
@@ -227,7 +199,7 @@ class Noisy(Dataset[torch.Tensor]):
 
 
 def test_reseed_and_epoch_reach_the_fetcher():
-    worker = _Worker(_spec(Noisy(), sample_seed=5))
+    worker = WorkerThread(_spec(Noisy(), sample_seed=5))
 
     def batch(epoch: int) -> torch.Tensor:
         worker.send(Tasks(1, [Task(0, False, [0, 1], None)], epoch))
@@ -248,7 +220,7 @@ def _failing_init(worker_id: int) -> None:
 
 
 def test_a_failed_start_answers_start_failed():
-    worker = _Worker(_spec(Squares(), init_fn=_failing_init))
+    worker = WorkerThread(_spec(Squares(), init_fn=_failing_init))
     msg = worker.answer()
     worker.thread.join(30)
     assert isinstance(msg, StartFailed) and not worker.thread.is_alive()

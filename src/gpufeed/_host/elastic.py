@@ -32,9 +32,9 @@ import threading
 import time
 from typing import Any
 
-from .messages import Done, Tasks, ToMain, ToWorker, WorkerSpec
+from .messages import Done, Tasks, ThreadChannel, ToMain, ToWorker, WorkerSpec
 from .pool import GRACE_S, ProcessPool, ThreadPool, _hang_up, _thread_entry, _Watch
-from .worker import ThreadChannel, in_thread_worker, worker_loop
+from .worker import in_thread_worker, worker_loop
 
 __all__ = ["ElasticProcessPool", "ElasticThreadPool"]
 

@@ -8,8 +8,8 @@ on each side, some 4-7 us per batch on both the worker and the main process on c
 Who sends what, and when, is in ``_host/worker.py``'s docstring and the NOTE below; the main
 process's side is ``WorkerIter`` (``_host/worker_iter.py``).
 
-    main -> worker   Tasks, UsePlan, ResetStream, Reseed, None (stop)
-    worker -> main   Done (with one Result per task), StartFailed
+    main -> worker   Tasks, SlotFor, UsePlan, ResetStream, Reseed, None (stop)
+    worker -> main   Done (with one Result per task), NeedSlot, StartFailed
 
 NOTE [ Messages ]
 -----------------
@@ -18,8 +18,9 @@ Batches are numbered 0, 1, 2 ... in sampler order. The main process keeps at mos
 ``prefetch_factor`` unset and cheap batches, up to ``2 * chunk * num_workers``: see
 ``WorkAhead.adapt`` in ``_host/workahead.py``; never more than ``CHUNK_BYTES`` of extra slots),
 hands each task to the next active worker in turn with a free slot of the ring (or none: see
-NOTE [ Slot lifetime ] in ``_memory/ring.py``), and delivers in order (``in_order=True``) or as
-they come.
+NOTE [ Slot lifetime ] in ``_memory/ring.py``; a task queued behind another on an expensive
+batch gets its slot when it starts: NOTE [ Slots bound when a task starts ] in
+``_host/late_slots.py``), and delivers in order (``in_order=True``) or as they come.
 Each epoch of a persistent iterator is a new *generation*; answers from an older one are
 dropped and their slots released. A worker that sees a newer generation (or a stop) waiting
 on its channel answers ``Dropped`` to the older tasks it still holds, between tasks, without
@@ -30,6 +31,8 @@ classes below; the table of who sends which is in ``_host/worker.py``.
 
 from __future__ import annotations
 
+import queue
+import select
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -56,7 +59,8 @@ class Task(NamedTuple):
 
     ``planned``: take the batch's indices from the epoch's ``IndexPlan`` (``indices`` is None);
     else ``indices`` (a count of samples for iterable datasets). ``slot``: None for ordinary
-    allocation.
+    allocation; ``LATE``: a ``SlotFor`` message names it when the task starts (NOTE [ Slots
+    bound when a task starts ] in ``_host/late_slots.py``).
     """
 
     batch: int
@@ -76,6 +80,17 @@ class Tasks(NamedTuple):
     def __reduce__(self) -> tuple[Any, ...]:
         rows = [(b, p, i, s if s is None else (*s,)) for b, p, i, s in self.tasks]
         return (_tasks, (self.gen, rows, *self[2:]))
+
+
+LATE = Slot(-1, 0, 0)  # a Task's slot that a SlotFor message will name
+
+
+class SlotFor(NamedTuple):
+    """The slot of task ``batch``, sent ``LATE`` (None: ordinary allocation)."""
+
+    gen: int
+    batch: int
+    slot: Slot | None
 
 
 def _tasks(gen: int, rows: list[tuple[Any, ...]], *rest: Any) -> Tasks:
@@ -106,7 +121,7 @@ class Reseed(NamedTuple):
     seed: int | None
 
 
-ToWorker = Tasks | UsePlan | ResetStream | Reseed | None
+ToWorker = Tasks | SlotFor | UsePlan | ResetStream | Reseed | None
 
 
 # -- worker -> main: one result per task -------------------------------------------------------
@@ -177,13 +192,22 @@ def _done(gen: int, rows: list[tuple[int, Any]], *rest: Any) -> Done:
     return Done(gen, [new(results[k], r) if k >= 0 else r for k, r in rows], *rest)
 
 
+class NeedSlot(NamedTuple):
+    """A ``LATE`` task's first request for slot memory: its slot, please (NOTE [ Slots bound
+    when a task starts ] in ``_host/late_slots.py``)."""
+
+    gen: int
+    batch: int
+    asked_at: float  # the worker's perf_counter() (a system-wide clock on Linux)
+
+
 class StartFailed(NamedTuple):
     """``worker_init_fn`` or the worker's set-up failed (thread workers: or the loop itself)."""
 
     error: RemoteError
 
 
-ToMain = Done | StartFailed
+ToMain = Done | NeedSlot | StartFailed
 
 
 class WorkerState(NamedTuple):
@@ -218,3 +242,43 @@ class WorkerSpec:
     rank: int
     world_size: int
     random_watch: Any = None
+
+
+# -- the channels they travel on ---------------------------------------------------------------
+class ThreadChannel:
+    """A thread worker's end: its own task queue, and the results queue all workers share."""
+
+    def __init__(self, worker_id: int, results: queue.SimpleQueue[tuple[int, ToMain]]) -> None:
+        self.worker_id = worker_id
+        self.tasks: queue.SimpleQueue[ToWorker] = queue.SimpleQueue()
+        self.results = results
+
+    def recv(self, timeout: float) -> ToWorker:
+        return self.tasks.get(timeout=timeout) if timeout > 0 else self.tasks.get_nowait()
+
+    def waiting(self) -> bool:
+        return not self.tasks.empty()
+
+    def send(self, msg: ToMain) -> None:
+        self.results.put((self.worker_id, msg))
+
+
+class ProcessChannel:
+    """A process worker's end of its duplex pipe."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.poller = select.poll()  # made once: Connection.poll builds a selector per call
+        self.poller.register(conn.fileno(), select.POLLIN | select.POLLHUP | select.POLLERR)
+
+    def recv(self, timeout: float) -> ToWorker:
+        if not self.poller.poll(int(timeout * 1000)):
+            raise TimeoutError
+        return self.conn.recv()
+
+    def waiting(self) -> bool:
+        """Something (a message, or EOF) can be read now."""
+        return bool(self.poller.poll(0))
+
+    def send(self, msg: ToMain) -> None:
+        self.conn.send(msg)

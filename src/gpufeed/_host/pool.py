@@ -48,8 +48,8 @@ from typing import Any
 
 from .._base.errors import WorkerError, capture
 from .descriptors import receive
-from .messages import StartFailed, ToMain, ToWorker, WorkerSpec
-from .worker import ThreadChannel, in_thread_worker, install_thread_worker_info, worker_loop
+from .messages import StartFailed, ThreadChannel, ToMain, ToWorker, WorkerSpec
+from .worker import in_thread_worker, install_thread_worker_info, worker_loop
 
 log = logging.getLogger("gpufeed")
 GRACE_S = 2.0

@@ -29,6 +29,18 @@ def sample_counters(it: Any, tl: _timeline.Timeline) -> None:
               it._num_workers)
 
 
+def record_fetched(recorder: Any, w: int, epoch: int, fetched: Sequence[Any]) -> float:
+    """Record the fetch and collate times of one message's ``Fetched`` results, one recorder
+    call per stage and message (not per batch), and their spans while a trace records;
+    their worker seconds in all."""
+    fetch_s, collate_s = [r.fetch_s for r in fetched], [r.collate_s for r in fetched]
+    recorder.add_many("fetch", fetch_s)
+    recorder.add_many("collate", collate_s)
+    if _timeline.active is not None:
+        trace_fetched(recorder, w, epoch, fetched)
+    return sum(fetch_s) + sum(collate_s)
+
+
 def trace_fetched(owner: Hashable, w: int, epoch: int, fetched: Sequence[Any]) -> None:
     """Worker ``w``'s spans for the ``Fetched`` results of one message, of ``epoch`` (-1: an
     abandoned one's): NOTE [ Timeline ] (4)."""

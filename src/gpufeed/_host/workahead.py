@@ -11,6 +11,7 @@ from __future__ import annotations
 CHUNK_TARGET_S = 0.03  # worker seconds of work per task message (see _host/worker.py)
 CHUNK_MAX = 64
 CHUNK_BYTES = 64 << 20  # never prefetch more than this in extra chunked batches
+LATE_BIND_S = 0.02  # worker seconds per batch from which queued tasks get slots as they start
 FENCE_SLACK = 2  # slots of a pinned ring waiting for the user's copies (a GPU 2 steps behind)
 
 
@@ -68,13 +69,27 @@ class WorkAhead:
         keeps more batches, or a GPU further behind, gets ordinary allocations."""
         return self.in_flight_bound + self.held
 
+    @property
+    def batch_s(self) -> float:
+        """Worker seconds per batch, a moving average (0 before the first batch)."""
+        return self._batch_s
+
+    @property
+    def late_bind(self) -> bool:
+        """Queued tasks get their slots when they start: one task per message, each of at
+        least LATE_BIND_S of worker time, against which the worker's wait for its slot (one
+        wake-up of the main process, if any) is small (NOTE [ Slots bound when a task starts ]
+        in ``_host/late_slots.py``). Also before the first batch's cost is known: an epoch's
+        second round of tasks waits for the first either way."""
+        return self.chunk == 1 and (self._batch_s >= LATE_BIND_S or not self._batch_s)
+
     def adapt(self, batch_s: float, slot_bytes: int) -> bool:
         """Size task messages so each carries about CHUNK_TARGET_S of worker time, given the
         last message's worker seconds per batch; True when the in-flight bound changed (the
         ring's slots hint with it)."""
+        self._batch_s = batch_s if not self._batch_s else 0.8 * self._batch_s + 0.2 * batch_s
         if not self.adaptive:
             return False
-        self._batch_s = batch_s if not self._batch_s else 0.8 * self._batch_s + 0.2 * batch_s
         chunk = min(int(CHUNK_TARGET_S / max(self._batch_s, 1e-6)), CHUNK_MAX)
         if slot_bytes:
             chunk = min(chunk, CHUNK_BYTES // (slot_bytes * 2 * self.num_workers))

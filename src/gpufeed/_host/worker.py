@@ -6,8 +6,11 @@ the classes are in ``_host/messages.py``):
 
     main -> worker   Tasks(gen, [Task(batch, planned, indices, slot), ...], epoch)
                         planned: take batch ``batch`` of the epoch's IndexPlan (indices unused)
-                        slot: Slot(id, offset, size), or None for ordinary allocation
+                        slot: Slot(id, offset, size), None for ordinary allocation, or
+                              LATE: named by a SlotFor when the worker asks for it
                         epoch: seeds per-sample random state (``_order/seeding.py``)
+                     SlotFor(gen, batch, slot)               a LATE task's slot (NOTE [ Slots
+                                                             bound when a task starts ])
                      UsePlan(gen, plan)                      this epoch's IndexPlan
                      ResetStream(gen, state)                 iterable datasets: restart (from
                                                              ``state`` on resume, else None)
@@ -21,7 +24,8 @@ the classes are in ``_host/messages.py``):
                                 spill,                       a SpillFile or None (NOTE [ Spill ])
                                 unsupported,                 a leaf went torch's way (_collate)
                                 started)                     perf_counter() at the task's start
-                        Dropped(batch, slot_id)              not run: its epoch was abandoned
+                        Dropped(batch, slot_id)              not run (or stopped waiting for its
+                                                             slot): its epoch was abandoned
                         Exhausted(batch, slot_id)            iterable dataset exhausted
                         Failed(batch, slot_id, error)        error: a RemoteError
                      StartFailed(error)                      worker_init_fn or set-up failed
@@ -40,13 +44,14 @@ the workers' turn on its core). At 10 ms of work per message that was 3.5% of th
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import queue
 import random
-import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,15 +66,18 @@ from .._order.state import capture_state
 from .collate import pack
 from .descriptors import worker_out_of_descriptors
 from .fetch import IterFetcher, MapFetcher, make_fetcher, thread_copy
+from .late_slots import Abandoned, wait_for_slot
 from .messages import (
     Done,
     Dropped,
     Exhausted,
     Failed,
     Fetched,
+    ProcessChannel,
     Reseed,
     ResetStream,
     Result,
+    SlotFor,
     StartFailed,
     Task,
     ToMain,
@@ -82,45 +90,6 @@ from .writer import SlotWriter
 
 POLL_S = 0.5  # how often an idle worker checks that the main process is alive
 NEWER_CHECK_S = 0.001  # how often a busy worker looks for a newer generation or a stop
-
-
-class ThreadChannel:
-    """A thread worker's end: its own task queue, and the results queue all workers share."""
-
-    def __init__(self, worker_id: int, results: queue.SimpleQueue[tuple[int, ToMain]]) -> None:
-        self.worker_id = worker_id
-        self.tasks: queue.SimpleQueue[ToWorker] = queue.SimpleQueue()
-        self.results = results
-
-    def recv(self, timeout: float) -> ToWorker:
-        return self.tasks.get(timeout=timeout) if timeout > 0 else self.tasks.get_nowait()
-
-    def waiting(self) -> bool:
-        return not self.tasks.empty()
-
-    def send(self, msg: ToMain) -> None:
-        self.results.put((self.worker_id, msg))
-
-
-class ProcessChannel:
-    """A process worker's end of its duplex pipe."""
-
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-        self.poller = select.poll()  # made once: Connection.poll builds a selector per call
-        self.poller.register(conn.fileno(), select.POLLIN | select.POLLHUP | select.POLLERR)
-
-    def recv(self, timeout: float) -> ToWorker:
-        if not self.poller.poll(int(timeout * 1000)):
-            raise TimeoutError
-        return self.conn.recv()
-
-    def waiting(self) -> bool:
-        """Something (a message, or EOF) can be read now."""
-        return bool(self.poller.poll(0))
-
-    def send(self, msg: ToMain) -> None:
-        self.conn.send(msg)
 
 
 _thread_local = threading.local()
@@ -244,6 +213,8 @@ def _serve(
                 raise
         if msg is None:
             return
+        if isinstance(msg, SlotFor):
+            continue  # its task ended without asking (NOTE [ Slots bound when a task starts ])
         gen = msg.gen
         latest = max(latest, gen)
         if isinstance(msg, ResetStream):
@@ -257,6 +228,7 @@ def _serve(
         if isinstance(msg, Reseed):
             fetcher.seed = msg.seed
             continue
+        late = functools.partial(wait_for_slot, chan, inbox, parent, POLL_S, gen)
         spills: list[Spill] = []
         results: list[Result] = []
         look_at = 0.0  # look for a newer generation (a poll) before the first task, then
@@ -269,14 +241,14 @@ def _serve(
                 results.append(Dropped(task.batch, task.slot.id if task.slot is not None else -1))
                 continue
             look_at = now + NEWER_CHECK_S
-            if watch is None:
-                results.append(_run_task(worker_id, fetcher, writer, task, msg.epoch, spills,
-                                          heap))
-                continue
-            fetcher.probe = watch.task_probe()  # NOTE [ Seeding and threads ]: global draws
-            results.append(_run_task(worker_id, fetcher, writer, task, msg.epoch, spills,
-                                          heap))
-            fetcher.probe = None
+            if watch is not None:  # NOTE [ Seeding and threads ]: global draws
+                fetcher.probe = watch.task_probe()
+            result = _run_task(worker_id, fetcher, writer, task, msg.epoch, spills, heap, late)
+            if watch is not None:
+                fetcher.probe = None
+            if type(result) is Dropped:  # it stopped waiting for its slot: the rest go unrun
+                latest = max(latest, gen + 1)
+            results.append(result)
         try:
             _send_results(worker_id, chan, gen, results)
         except (BrokenPipeError, EOFError, OSError):
@@ -330,16 +302,17 @@ def _send_results(worker_id: int, chan: Any, gen: int, results: list[Result]) ->
 
 def _run_task(
     worker_id: int, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None, task: Task,
-    epoch: int, spills: list[Spill], heap: HeapFollower | None,
+    epoch: int, spills: list[Spill], heap: HeapFollower | None, late: Callable[[int], Any],
 ) -> Result:
     batch, indices, slot = task.batch, task.indices, task.slot
-    sid = -1
+    sid = -1  # the writer's, once the try below has run
     if writer is not None:
         if slot is None:
             writer.begin(0, 0)
+        elif slot.id < 0:  # LATE: NOTE [ Slots bound when a task starts ] (late_slots.py)
+            writer.begin_late(functools.partial(late, batch))
         else:
-            sid = slot.id
-            writer.begin(slot.offset, slot.size)
+            writer.begin(slot.offset, slot.size, slot.id)
     t0 = time.perf_counter()
     try:
         if task.planned:
@@ -361,9 +334,12 @@ def _run_task(
         if spill is not None:
             spills.append(spill)
             sealed = spill.seal()
+    except Abandoned:  # a stop or a newer generation while waiting for its slot
+        return Dropped(batch, -1)
     except StopIteration:
-        return Exhausted(batch, sid)
+        return Exhausted(batch, sid if writer is None else writer.sid)
     except Exception as exc:
+        sid = sid if writer is None else writer.sid
         if out_of_descriptors(exc):  # anywhere: the spill's memory file, or the user's open()
             return Failed(batch, sid, worker_out_of_descriptors(
                 worker_id, f"{fetcher.describe(indices)} (batch {batch})"))
@@ -373,6 +349,14 @@ def _run_task(
         return Failed(batch, sid, capture(where))
     t2 = time.perf_counter()
     collate_s = fetcher.collate_s + (t2 - t1)
+    fetch_s = t2 - t0 - collate_s
+    if writer is not None:
+        sid, waited = writer.sid, writer.waited_s  # a LATE task's wait for its slot is
+        if waited:  # neither fetch nor collate (collation asked, else batch_empty did)
+            if collate_s >= waited:
+                collate_s -= waited
+            else:
+                fetch_s = max(fetch_s - waited, 0.0)
     state = None
     try:
         if type(fetcher) is IterFetcher:  # map-style datasets have no stream state
@@ -381,6 +365,6 @@ def _run_task(
         where = f"in gpufeed worker {worker_id} saving the dataset's state after batch {batch}"
         return Failed(batch, sid, capture(where))
     return tuple.__new__(Fetched, (  # in C: a NamedTuple's __new__ is Python code
-        batch, sid, packed.used, packed.need, (packed.batch, packed.leaves), t2 - t0 - collate_s,
-        collate_s, state, sealed, packed.unsupported, t0,
+        batch, sid, packed.used, packed.need, (packed.batch, packed.leaves), fetch_s, collate_s,
+        state, sealed, packed.unsupported, t0,
     ))

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from .._base import timeline as _timeline
 from .._base.errors import RemoteError, WorkerError
 from .._memory.keeper import end_ring, ring_for
 from .._memory.ring import SlotRing
@@ -24,11 +23,13 @@ from .._sources.packed import check_copy_on_write
 from .collate import unpack
 from .config import IterConfig
 from .iterator import BaseIter
+from .late_slots import LateSlots, late_slot
 from .messages import (
     Dropped,
     Exhausted,
     Failed,
     Fetched,
+    NeedSlot,
     Reseed,
     ResetStream,
     Result,
@@ -50,7 +51,7 @@ from .pool import (
     lost_worker,
     timed_out,
 )
-from .tracing import label_workers, record_ring, sample_counters, trace_fetched
+from .tracing import label_workers, record_fetched, record_ring, sample_counters
 from .workahead import WorkAhead
 
 _live: weakref.WeakSet[WorkerIter] = weakref.WeakSet()
@@ -79,16 +80,13 @@ class WorkerIter(BaseIter):
         try:
             super().__init__(config)
             nw = self._num_workers = config.num_workers
-            self._in_order = config.in_order
-            self._timeout = config.timeout
-            self._timeout_text = config.timeout_text  # as given: torch's message prints it so
-            self._persistent = config.persistent
-            self._shared = shared = config.worker_type == "process"
+            self._in_order, self._persistent = config.in_order, config.persistent
+            self._timeout, self._timeout_text = config.timeout, config.timeout_text  # text: as
+            self._shared = shared = config.worker_type == "process"  # given, for the message
             self._work_ahead = WorkAhead(
-                num_workers=nw, prefetch_factor=config.prefetch_factor,
+                num_workers=nw, prefetch_factor=config.prefetch_factor, pin=self._pin,
                 adaptive=self._timeout <= 0 and not config.prefetch_explicit,
-                device_depth=config.device_depth, pin=self._pin,
-            )
+                device_depth=config.device_depth)
             # A pinned ring outlives the epoch: NOTE [ Slot lifetime ] (e) in _memory/ring.py.
             self._keeper = config.keeper if self._pin else None
             self._ring = ring_for(self._keeper, budget=config.ring_bytes, shared=shared,
@@ -116,7 +114,9 @@ class WorkerIter(BaseIter):
             else:
                 self._pool = self.thread_pool(spec)
             _live.add(self)
-            self._gen = 0
+            self._late = LateSlots(self._pool.send, self._ring.acquire, self._ring.release)
+            self._late.on = self._work_ahead.late_bind
+            self._gen = 0  # the epoch's generation (NOTE [ Messages ])
             self._restart(config, first_iter=True)
         except BaseException:
             self.close()  # a failed start leaves no worker, thread or descriptor behind
@@ -131,8 +131,7 @@ class WorkerIter(BaseIter):
         if not first_iter:
             self._begin_epoch()
         self._num_yielded = 0
-        self._send_idx = 0  # next batch number to dispatch
-        self._rcvd_idx = 0  # next batch number to deliver (in order)
+        self._send_idx, self._rcvd_idx = 0, 0  # next batch number to dispatch, to deliver
         self._tasks: dict[int, int] = {}  # dispatched, not answered: batch -> worker
         self._ready: dict[int, Any] = {}  # answered, not delivered
         self._slot_of: dict[int, int] = {}  # answered batches in pinned slots: batch -> slot
@@ -168,11 +167,12 @@ class WorkerIter(BaseIter):
         """Hand out tasks while fewer than the bound are in flight.
 
         Batch k goes to the next active worker in turn, as with torch's loader (so iterable
-        datasets and per-worker random state give the same batches). When batches are cheap,
-        a window of ``chunk * num_workers`` batches is handed out at once, each worker's share
-        in one message.
+        datasets and per-worker random state give the same batches), in windows of ``chunk *
+        num_workers`` batches, each worker's share in one message (cheap batches: chunk > 1).
         """
-        acquire, new, plan = self._ring.acquire, tuple.__new__, self._plan  # new: in C
+        acquire, new, plan, late = self._ring.acquire, tuple.__new__, self._plan, self._late
+        if late.on:  # slots when the tasks start (NOTE [ Slots bound when a task starts ])
+            acquire = late_slot
         while not self._sampler_done:
             first = self._send_idx < self._num_workers
             window = self._work_ahead.window(first, len(self._tasks) + len(self._ready))
@@ -199,10 +199,8 @@ class WorkerIter(BaseIter):
                 self._send_idx += 1
                 self._tasks[idx] = w
                 slot = acquire()
-                if slot is not None:
-                    slot = new(Slot, slot)
-                per_worker.setdefault(w, []).append(new(Task, (idx, plan is not None, indices,
-                                                               slot)))
+                per_worker.setdefault(w, []).append(new(Task, (
+                    idx, plan is not None, indices, slot if slot is None else new(Slot, slot))))
             for w, tasks in per_worker.items():
                 self._pool.send(w, Tasks(self._gen, tasks, self._tracker.epoch))
         if (self._ring.grows, self._ring.fallbacks) != self._seen:
@@ -214,27 +212,29 @@ class WorkerIter(BaseIter):
             self.close()
             msg.error.reraise()
             return
+        if isinstance(msg, NeedSlot):
+            self._late.answer(w, msg, msg.gen == self._gen, self._work_ahead.batch_s)
+            if (self._ring.grows, self._ring.fallbacks) != self._seen:  # as _dispatch
+                self._seen = record_ring(self._recorder, self._ring, self._seen)
+            return
         fetched = [r for r in msg.results if type(r) is Fetched]
-        if fetched:  # one recorder call per stage and message, not per batch
-            fetch_s, collate_s = [r.fetch_s for r in fetched], [r.collate_s for r in fetched]
-            busy_s = sum(fetch_s) + sum(collate_s)
-            recorder = self._recorder
-            recorder.add_many("fetch", fetch_s)
-            recorder.add_many("collate", collate_s)
-            if _timeline.active is not None:  # epoch -1: an abandoned one's
-                trace_fetched(recorder, w, self._tracker.epoch if msg.gen == self._gen else -1,
-                              fetched)
+        if fetched:  # epoch -1: an abandoned one's
+            busy_s = record_fetched(self._recorder, w, self._tracker.epoch
+                                    if msg.gen == self._gen else -1, fetched)
             self._worked(len(fetched), busy_s)
         for result in msg.results:
             self._result(w, msg.gen, result)
         if fetched and self._work_ahead.adapt(busy_s / len(fetched), self._ring.slot_bytes):
             self._ring.set_slots_hint(self._work_ahead.slots_hint)
+        self._late.on = self._work_ahead.late_bind and not self._late.slow
 
     def _worked(self, batches: int, busy_s: float) -> None:
         """``batches`` answered in ``busy_s`` s of fetch + collate (``AutoIter``'s windows)."""
 
     def _result(self, w: int, gen: int, result: Result) -> None:
         batch, slot_id = result.batch, result.slot_id
+        if self._late.sent:
+            self._late.settle(gen, batch, slot_id)
         if gen != self._gen:  # an answer to an abandoned epoch
             if slot_id >= 0:
                 self._ring.release(slot_id)

@@ -9,6 +9,8 @@ where each leaf lies.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,14 +39,36 @@ class SlotWriter:
         self.spill: Spill | None = None
         self.begin(0, 0)
 
-    def begin(self, offset: int, size: int) -> None:
-        """Start a batch in the slot at ``offset`` (``size`` 0: no slot). The previous batch's
-        spill was taken by ``take_spill``, unless that batch failed: it is dropped here."""
+    def begin(self, offset: int, size: int, sid: int = -1) -> None:
+        """Start a batch in slot ``sid`` at ``offset`` (``size`` 0: no slot). The previous
+        batch's spill was taken by ``take_spill``, unless that batch failed: it is dropped
+        here."""
         self.start = self.cur = offset
         self.end = offset + size
+        self.sid = sid
+        self.late: Callable[[], tuple[int, int, int] | None] | None = None
+        self.waited_s = self.waited_at = 0.0
         if self.spill is not None:
             self.spill.release()
             self.spill = None
+
+    def begin_late(self, late: Callable[[], tuple[int, int, int] | None]) -> None:
+        """Start a batch whose slot ``late()`` names, (id, offset, size) or None, waiting for
+        it if need be: called at the first request for slot memory, if any (NOTE [ Slots
+        bound when a task starts ] in ``_host/late_slots.py``); ``waited_s`` says how long."""
+        self.begin(0, 0)
+        self.late = late
+
+    def _settle(self) -> None:
+        late, self.late = self.late, None
+        t0 = time.perf_counter()
+        slot = late()  # type: ignore[misc]
+        self.waited_at = t1 = time.perf_counter()
+        self.waited_s = t1 - t0
+        if slot is not None:
+            self.sid, offset, size = slot
+            self.start = self.cur = offset
+            self.end = offset + size
 
     def take_spill(self) -> Spill | None:
         """The batch's spill file, if it needed one (the caller seals, sends, releases it)."""
@@ -65,6 +89,8 @@ class SlotWriter:
         their own (:meth:`alloc_fresh`). The region never moves in a worker, and each worker,
         thread or process, has its own writer.
         """
+        if self.late is not None:
+            self._settle()
         key = (self.cur, shape, dtype)
         hit = self._views.get(key)
         if hit is not None:
@@ -88,6 +114,8 @@ class SlotWriter:
 
     def alloc_fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """As :meth:`alloc`, but a new view each call (for code that may keep or alter it)."""
+        if self.late is not None:
+            self._settle()
         numel = 1
         for d in shape:
             numel *= d

@@ -1,0 +1,145 @@
+"""Slots bound when a task starts, not when it is queued: both sides of it.
+
+NOTE [ Slots bound when a task starts ]
+---------------------------------------
+Each worker keeps ``prefetch_factor`` tasks (2 by default) in flight, so that it never waits
+for the main process between batches. Bound at dispatch, each task holds a slot of the ring
+while it is queued and while its samples are decoded, and every slot ever held at once stays
+mapped (a recycled slot keeps its pages): two workers on 9.6 MB batches held six, 55 MiB of
+the process tree's peak, where the stock loader's queued tasks hold nothing and its workers
+take fresh shared memory only to collate a finished batch.
+
+On expensive batches (one task per message, at least ``LATE_BIND_S`` of worker time each:
+``WorkAhead.late_bind``; also before the first batch's cost is known) tasks go out ``LATE``
+(``_host/messages.py``): no slot yet. The worker asks for it at its first request for slot
+memory, that is when it collates the samples, or when a batch source asks for
+``batch_empty``, with a ``NeedSlot`` message; the main process acquires one and answers with
+``SlotFor`` when it next reads its workers' messages, and the worker waits for that. Slots in
+use are then the batches being collated, those answered and not yet handed out, and those the
+loop holds.
+
+    main: Tasks([Task(b, ..., LATE)]) ─> worker: fetches b's samples
+    worker: first request for slot memory ─ NeedSlot(gen, b) ─> main: acquire()
+    main: SlotFor(gen, b, slot) ─> worker: collates into the slot, answers Done([b])
+
+The cost: one more message to the main process per batch, and a worker that waits for the
+answer: on the CPU benchmark's jpeg workload (two process workers on two cores, 64 Pillow
+decodes, about 130 ms of worker time per batch) a median of 0.5 ms per batch (0.4%; at most
+4 ms), for three or four slots where binding at dispatch carved six. The main process reads
+its workers' messages only while it waits for a batch, so while the loop runs a training step
+(a consumer slower than the workers) a request waits up to a step: a worker then idles, with
+its batch unfinished (a batch source's request comes first, before any decoding). Rule (e)
+turns the mode off for such a loop; cheap batches never use it.
+
+Rules (each has a test in tests/host/test_late_slots.py):
+(a) A result settles the slot sent for its task: the result names it, or the worker stopped
+    waiting before it came (rule (c)), and then the main process takes it back.
+(b) A request of an older generation (a restarted epoch) is answered with no slot: the task,
+    if it runs at all, runs in ordinary memory and its answer is dropped as the
+    generation's others are.
+(c) A waiting worker still obeys a stop, a newer generation and its parent's death: the task
+    is dropped as if it had not run.
+(d) No slot free within the budget: the ``SlotFor`` names none and the batch goes the
+    ordinary way, as a task bound at dispatch would.
+(e) Answers must be prompt: once the median delay of the last ``LATE_DELAYS`` answers (from
+    the request to the answer) exceeds ``LATE_DELAY_MAX`` of a batch's worker time, the
+    iterator binds slots at dispatch again, for the rest of its life (a persistent one's
+    later epochs too: the loop that was slow once likely still is).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .messages import LATE, NeedSlot, Slot, SlotFor, ToWorker
+
+__all__ = ["Abandoned", "LateSlots", "late_slot", "wait_for_slot"]
+
+LATE_ROW = (*LATE,)
+LATE_DELAYS = 8  # answers whose delay rule (e) looks at (the median of the last ones)
+LATE_DELAY_MAX = 0.05  # of a batch's worker time: a worker's wait for its slot allowed
+
+
+def late_slot() -> tuple[int, int, int]:
+    """Dispatch's ``acquire`` while tasks go out ``LATE``: the ``LATE`` slot."""
+    return LATE_ROW
+
+
+class LateSlots:
+    """The main process's side: whether tasks go out ``LATE``, and the answers to workers'
+    requests for their slots.
+
+    Args:
+        send: ``pool.send``. acquire, release: ``SlotRing``'s.
+    """
+
+    def __init__(self, send: Callable[[int, ToWorker], None],
+                 acquire: Callable[[], tuple[int, int, int] | None],
+                 release: Callable[[int], None]) -> None:
+        self._send, self._acquire, self._release = send, acquire, release
+        self.on = False  # new tasks go out LATE
+        self.slow = False  # answers came too late: rule (e)
+        self._delays: collections.deque[float] = collections.deque(maxlen=LATE_DELAYS)
+        self.sent: dict[tuple[int, int], int] = {}  # (gen, batch) -> slot id sent in a SlotFor
+
+    def answer(self, w: int, request: NeedSlot, current: bool, batch_s: float) -> None:
+        """Worker ``w``'s request for its task's slot; ``current``: of this generation (else
+        rule (b)); none free: rule (d); ``batch_s``: worker seconds per batch (rule (e))."""
+        if current and batch_s > 0:
+            self._delays.append((time.perf_counter() - request.asked_at) / batch_s)
+            if len(self._delays) >= LATE_DELAYS // 2:
+                self.slow = statistics.median(self._delays) > LATE_DELAY_MAX
+        got = self._acquire() if current else None
+        slot = None
+        if got is not None:
+            slot = Slot(*got)
+            self.sent[(request.gen, request.batch)] = slot.id
+        self._send(w, SlotFor(request.gen, request.batch, slot))
+
+    def settle(self, gen: int, batch: int, slot_id: int) -> None:
+        """A result for ``batch`` of ``gen`` came with ``slot_id``: release the slot sent for
+        it if the worker did not use it (rule (a))."""
+        sid = self.sent.pop((gen, batch), None)
+        if sid is not None and sid != slot_id:
+            self._release(sid)
+
+
+class Abandoned(BaseException):
+    """A worker waiting for its slot saw a stop, a newer generation or its parent's death
+    (rule (c)). Not an ``Exception``: a dataset's ``except Exception`` must not swallow it."""
+
+
+def wait_for_slot(chan: Any, inbox: collections.deque[ToWorker], parent: int, poll_s: float,
+                  gen: int, batch: int) -> tuple[int, int, int] | None:
+    """The worker's side: ask for the slot of ``batch`` of ``gen`` and wait for the
+    ``SlotFor`` that names it (None: use ordinary memory); messages that come meanwhile wait
+    in ``inbox`` (messages read ahead) for the worker's loop. Raises ``Abandoned`` (rule
+    (c))."""
+    try:
+        chan.send(NeedSlot(gen, batch, time.perf_counter()))
+    except (BrokenPipeError, EOFError, OSError):
+        inbox.append(None)  # the main process is gone or closing
+        raise Abandoned from None
+    while True:
+        for i, msg in enumerate(inbox):
+            if msg is None or msg.gen > gen:
+                raise Abandoned
+            if type(msg) is SlotFor and msg.batch == batch and msg.gen == gen:
+                del inbox[i]
+                return msg.slot
+        try:
+            msg = chan.recv(poll_s)
+        except (queue.Empty, TimeoutError):
+            if parent != -1 and os.getppid() != parent:
+                raise Abandoned from None
+            continue
+        except (EOFError, OSError):
+            inbox.append(None)
+            raise Abandoned from None
+        inbox.append(msg)
