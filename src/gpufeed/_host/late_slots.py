@@ -61,6 +61,7 @@ from .messages import LATE, NeedSlot, Slot, SlotFor, ToWorker
 
 __all__ = ["Abandoned", "LateSlots", "late_slot", "wait_for_slot"]
 
+ENABLED = True  # off: every slot at dispatch (benchmarks/slots.py compares the two)
 LATE_ROW = (*LATE,)
 LATE_DELAYS = 8  # answers whose delay rule (e) looks at (the median of the last ones)
 LATE_DELAY_MAX = 0.05  # of a batch's worker time: a worker's wait for its slot allowed
@@ -87,6 +88,11 @@ class LateSlots:
         self.slow = False  # answers came too late: rule (e)
         self._delays: collections.deque[float] = collections.deque(maxlen=LATE_DELAYS)
         self.sent: dict[tuple[int, int], int] = {}  # (gen, batch) -> slot id sent in a SlotFor
+
+    def decide(self, late_bind: bool) -> None:
+        """Tasks go out ``LATE`` from now on if their batches are worth it
+        (``WorkAhead.late_bind``) and answers have been prompt (rule (e))."""
+        self.on = ENABLED and late_bind and not self.slow
 
     def answer(self, w: int, request: NeedSlot, current: bool, batch_s: float) -> None:
         """Worker ``w``'s request for its task's slot; ``current``: of this generation (else

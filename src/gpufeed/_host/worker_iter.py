@@ -115,7 +115,7 @@ class WorkerIter(BaseIter):
                 self._pool = self.thread_pool(spec)
             _live.add(self)
             self._late = LateSlots(self._pool.send, self._ring.acquire, self._ring.release)
-            self._late.on = self._work_ahead.late_bind
+            self._late.decide(self._work_ahead.late_bind)
             self._gen = 0  # the epoch's generation (NOTE [ Messages ])
             self._restart(config, first_iter=True)
         except BaseException:
@@ -226,7 +226,7 @@ class WorkerIter(BaseIter):
             self._result(w, msg.gen, result)
         if fetched and self._work_ahead.adapt(busy_s / len(fetched), self._ring.slot_bytes):
             self._ring.set_slots_hint(self._work_ahead.slots_hint)
-        self._late.on = self._work_ahead.late_bind and not self._late.slow
+        self._late.decide(self._work_ahead.late_bind)
 
     def _worked(self, batches: int, busy_s: float) -> None:
         """``batches`` answered in ``busy_s`` s of fetch + collate (``AutoIter``'s windows)."""

@@ -17,7 +17,9 @@ Files:
 - ``autotune.py``, ``autotune_report.py``: ``num_workers="auto"`` against the static grid
   (``python -m gpufeed.benchmarks autotune``), and its verdicts;
 - ``mainproc.py``: the main process's CPU per batch, by stage
-  (``python -m gpufeed.benchmarks.mainproc --py-spy``).
+  (``python -m gpufeed.benchmarks.mainproc --py-spy``);
+- ``slots.py``: ring slots bound when a task starts against at dispatch
+  (``python -m gpufeed.benchmarks.slots``).
 
 Measurement itself (rates, first-batch latency, process-tree PSS) is ``gpufeed._tools.measure``.
 """
