@@ -22,6 +22,7 @@ from ._host.auto_iter import AutoIter, make_tuner
 from ._host.autotune import AutoTuner
 from ._host.config import IterConfig, WorkerType
 from ._host.iterator import BaseIter, SingleIter
+from ._host.late_slots import LateVerdict
 from ._host.random_watch import GlobalDrawWatch
 from ._host.worker_iter import WorkerIter
 from ._memory import pinning as _pinning
@@ -185,11 +186,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._random_watch = GlobalDrawWatch()  # warns once per loader
         self._position = LoaderPosition()
         self._keeper = RingKeeper()  # NOTE [ Slot lifetime ] (e): a pinned ring across epochs
+        self._late_verdict = LateVerdict()  # NOTE [ Slots bound when a task starts ] (e)
         self._prepared = False  # see _is_accelerate_prepared
         self._workers_warned: tuple[int, str] | None = None
         self.check_worker_number_rationality()  # torch's __init__ asked before worker_type
 
     _autotune: AutoTuner | None = None
+    _late_verdict: LateVerdict | None = None  # (a loader pickled before it had one)
 
     @property
     def num_workers(self) -> int:
@@ -337,6 +340,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             prefetch_explicit=self._prefetch_explicit,
             ring_bytes=self.ring_bytes,
             keeper=self._keeper,
+            late_verdict=self._late_verdict,
             worker_init_fn=self.worker_init_fn,
             multiprocessing_context=self.multiprocessing_context,
             autotune=self._autotune,

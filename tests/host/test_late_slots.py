@@ -299,7 +299,7 @@ def test_late_answers_turn_the_mode_off():
     """Rule (e): answers that keep workers waiting a good part of a batch's time."""
     slots, _, _ = _main(free=100)
     now = time.perf_counter()
-    for k in range(late_slots.LATE_DELAYS):  # prompt answers, one slow one among them
+    for k in range(late_slots.LATE_DELAYS):  # prompt answers, one late one among them
         slots.answer(0, NeedSlot(1, k, now - (0.02 if k == 3 else 0.0001)), True, 0.05)
     assert not slots.slow
     for k in range(late_slots.LATE_DELAYS):
@@ -320,3 +320,6 @@ def test_a_loop_slower_than_its_workers_gets_slots_at_dispatch(worker_type):
         del batch
         time.sleep(0.1)  # a training step, longer than a batch's 30 ms of worker time
     assert it._late.slow and not it._late.on
+    again = iter(loader)  # the verdict is the loader's: the next epoch binds at dispatch
+    assert not again._late.on and again._late.verdict is it._late.verdict
+    assert len(list(again)) == 16 and not again._late.on

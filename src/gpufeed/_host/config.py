@@ -8,7 +8,8 @@ no reference to the loader (NOTE [ Shutdown ] in ``_host/pool.py``).
 Values are read from the loader when the config is built, as the iterators read them before;
 the live objects the loader and its iterators share are held by reference: ``generator`` (each
 iterator draws its base seed from it), ``position`` (which batches reached the user),
-``recorder`` (the stats), ``keeper`` (a pinned ring kept between epochs) and ``autotune`` (the
+``recorder`` (the stats), ``keeper`` (a pinned ring kept between epochs), ``late_verdict``
+(whether its loop was slower than its workers: ``_host/late_slots.py``) and ``autotune`` (the
 worker count in force and the autotuner's memory, with ``num_workers="auto"``). A persistent
 iterator takes from each epoch's config only what may change between epochs: ``sample_seed``
 (``load_state_dict`` may bring another seed).
@@ -26,6 +27,7 @@ from .._base.stats import StatsRecorder
 from .._memory.keeper import RingKeeper
 from .._order.resume import LoaderPosition
 from .autotune import AutoTuner
+from .late_slots import LateVerdict
 from .random_watch import GlobalDrawWatch
 
 #: the kinds of workers: ``"process"`` (like torch's) or ``"thread"`` (``gpufeed.WorkerType``:
@@ -70,6 +72,7 @@ class IterConfig:
     prefetch_explicit: bool  # given by the user (a strict bound), not torch's default
     ring_bytes: int | None
     keeper: RingKeeper | None = None  # live: the loader's pinned ring between epochs
+    late_verdict: LateVerdict | None = None  # live: its loop kept workers waiting (late_slots)
     worker_init_fn: Callable[[int], None] | None
     multiprocessing_context: Any
     autotune: AutoTuner | None = None  # live, with ``num_workers="auto"``: the loader's tuner

@@ -41,10 +41,13 @@ Rules (each has a test in tests/host/test_late_slots.py):
     is dropped as if it had not run.
 (d) No slot free within the budget: the ``SlotFor`` names none and the batch goes the
     ordinary way, as a task bound at dispatch would.
-(e) Answers must be prompt: once the median delay of the last ``LATE_DELAYS`` answers (from
-    the request to the answer) exceeds ``LATE_DELAY_MAX`` of a batch's worker time, the
-    iterator binds slots at dispatch again, for the rest of its life (a persistent one's
-    later epochs too: the loop that was slow once likely still is).
+(e) Answers must be prompt: once ``LATE_SLOW`` of the last ``LATE_DELAYS`` answers came
+    more than ``LATE_DELAY_MAX`` of a batch's worker time after the request, slots are bound
+    at dispatch again, by this iterator and by every later one of the same loader (the
+    verdict is the loader's, ``LateVerdict``: a loop that was slower than its workers once
+    likely still is, and a new epoch's first answers would pay for finding it out again).
+    Two, not one: a worker-bound loop's answers take a wake-up, 0.5 ms in the median and up
+    to 4 ms on these machines, within the bound on batches of more than 80 ms.
 """
 
 from __future__ import annotations
@@ -52,19 +55,26 @@ from __future__ import annotations
 import collections
 import os
 import queue
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 from .messages import LATE, NeedSlot, Slot, SlotFor, ToWorker
 
-__all__ = ["Abandoned", "LateSlots", "late_slot", "wait_for_slot"]
+__all__ = ["Abandoned", "LateSlots", "LateVerdict", "late_slot", "wait_for_slot"]
 
 ENABLED = True  # off: every slot at dispatch (benchmarks/slots.py compares the two)
 LATE_ROW = (*LATE,)
-LATE_DELAYS = 8  # answers whose delay rule (e) looks at (the median of the last ones)
+LATE_DELAYS = 8  # the answers rule (e) looks at: the last ones
+LATE_SLOW = 2  # late answers among them that turn the mode off
 LATE_DELAY_MAX = 0.05  # of a batch's worker time: a worker's wait for its slot allowed
+
+
+class LateVerdict:
+    """A loader's verdict, shared by its iterators: its loop kept workers waiting for their
+    slots (rule (e))."""
+
+    slow = False
 
 
 def late_slot() -> tuple[int, int, int]:
@@ -77,17 +87,22 @@ class LateSlots:
     requests for their slots.
 
     Args:
-        send: ``pool.send``. acquire, release: ``SlotRing``'s.
+        send: ``pool.send``. acquire, release: ``SlotRing``'s. verdict: the loader's.
     """
 
     def __init__(self, send: Callable[[int, ToWorker], None],
                  acquire: Callable[[], tuple[int, int, int] | None],
-                 release: Callable[[int], None]) -> None:
+                 release: Callable[[int], None], verdict: LateVerdict | None = None) -> None:
         self._send, self._acquire, self._release = send, acquire, release
+        self.verdict = verdict if verdict is not None else LateVerdict()
         self.on = False  # new tasks go out LATE
-        self.slow = False  # answers came too late: rule (e)
-        self._delays: collections.deque[float] = collections.deque(maxlen=LATE_DELAYS)
+        self._late: collections.deque[bool] = collections.deque(maxlen=LATE_DELAYS)
         self.sent: dict[tuple[int, int], int] = {}  # (gen, batch) -> slot id sent in a SlotFor
+
+    @property
+    def slow(self) -> bool:
+        """Answers came too late: rule (e)."""
+        return self.verdict.slow
 
     def decide(self, late_bind: bool) -> None:
         """Tasks go out ``LATE`` from now on if their batches are worth it
@@ -98,9 +113,9 @@ class LateSlots:
         """Worker ``w``'s request for its task's slot; ``current``: of this generation (else
         rule (b)); none free: rule (d); ``batch_s``: worker seconds per batch (rule (e))."""
         if current and batch_s > 0:
-            self._delays.append((time.perf_counter() - request.asked_at) / batch_s)
-            if len(self._delays) >= LATE_DELAYS // 2:
-                self.slow = statistics.median(self._delays) > LATE_DELAY_MAX
+            self._late.append(time.perf_counter() - request.asked_at > LATE_DELAY_MAX * batch_s)
+            if sum(self._late) >= LATE_SLOW:
+                self.verdict.slow = True
         got = self._acquire() if current else None
         slot = None
         if got is not None:

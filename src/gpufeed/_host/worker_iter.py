@@ -114,7 +114,8 @@ class WorkerIter(BaseIter):
             else:
                 self._pool = self.thread_pool(spec)
             _live.add(self)
-            self._late = LateSlots(self._pool.send, self._ring.acquire, self._ring.release)
+            self._late = LateSlots(self._pool.send, self._ring.acquire, self._ring.release,
+                                   config.late_verdict)
             self._late.decide(self._work_ahead.late_bind)
             self._gen = 0  # the epoch's generation (NOTE [ Messages ])
             self._restart(config, first_iter=True)
