@@ -213,7 +213,9 @@ def test_worker_death_while_growing_is_reported(worker_type):
     # are killed on their first sample (processes).
     with no_leaks(), deadline(30), timer() as elapsed:
         if worker_type == "thread":
-            loader = auto(dataset(200), lambda k: 2 if k < 3 else 3, worker_type="thread",
+            # 500 batches: more than workers 0 and 1 can hold ahead (2 chunks of 64 each), so
+            # the loop still waits for batches after worker 2 failed, and hears of it
+            loader = auto(dataset(2000), lambda k: 2 if k < 3 else 3, worker_type="thread",
                           worker_init_fn=functools.partial(_fail_from, 2))
             with pytest.raises(ValueError, match="init failed in worker 2"):
                 list(loader)

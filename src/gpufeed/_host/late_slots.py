@@ -25,11 +25,13 @@ loop holds.
 The cost: one more message to the main process per batch, and a worker that waits for the
 answer: on the CPU benchmark's jpeg workload (two process workers on two cores, 64 Pillow
 decodes, about 130 ms of worker time per batch) a median of 0.5 ms per batch (0.4%; at most
-4 ms), for three or four slots where binding at dispatch carved six. The main process reads
+4 ms), for two to four slots where binding at dispatch carved six. The main process reads
 its workers' messages only while it waits for a batch, so while the loop runs a training step
 (a consumer slower than the workers) a request waits up to a step: a worker then idles, with
 its batch unfinished (a batch source's request comes first, before any decoding). Rule (e)
-turns the mode off for such a loop; cheap batches never use it.
+turns the mode off for such a loop, after a few batches' waits: up to 5% of a 40-batch first
+epoch with steps of 12-20 ms, nothing after (``python -m gpufeed.benchmarks.slots``, which
+also has the figures above). Cheap batches never use it.
 
 Rules (each has a test in tests/host/test_late_slots.py):
 (a) A result settles the slot sent for its task: the result names it, or the worker stopped
