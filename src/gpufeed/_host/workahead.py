@@ -79,8 +79,9 @@ class WorkAhead:
         """Queued tasks get their slots when they start: one task per message, each of at
         least LATE_BIND_S of worker time, against which the worker's wait for its slot (one
         wake-up of the main process, if any) is small (NOTE [ Slots bound when a task starts ]
-        in ``_host/late_slots.py``). Also before the first batch's cost is known: an epoch's
-        second round of tasks waits for the first either way."""
+        in ``_host/late_slots.py``). Also before the first batch's cost is known: the ring
+        learns its slot size from the first batch, so a task bound at dispatch before then
+        gets no slot at all, and one that asks later can."""
         return self.chunk == 1 and (self._batch_s >= LATE_BIND_S or not self._batch_s)
 
     def adapt(self, batch_s: float, slot_bytes: int) -> bool:

@@ -47,7 +47,7 @@ class SlotWriter:
         self.end = offset + size
         self.sid = sid
         self.late: Callable[[], tuple[int, int, int] | None] | None = None
-        self.waited_s = self.waited_at = 0.0
+        self.waited_s = 0.0
         if self.spill is not None:
             self.spill.release()
             self.spill = None
@@ -63,8 +63,7 @@ class SlotWriter:
         late, self.late = self.late, None
         t0 = time.perf_counter()
         slot = late()  # type: ignore[misc]
-        self.waited_at = t1 = time.perf_counter()
-        self.waited_s = t1 - t0
+        self.waited_s = time.perf_counter() - t0
         if slot is not None:
             self.sid, offset, size = slot
             self.start = self.cur = offset
