@@ -191,6 +191,7 @@ def _serve(
     parent: int, watch: GlobalDrawWatch | None, heap: HeapFollower | None,
 ) -> None:
     inbox: collections.deque[ToWorker] = collections.deque()  # read ahead by _newer
+    late = functools.partial(wait_for_slot, chan, inbox, parent, POLL_S)  # LATE tasks' slots
     latest = 0  # the newest generation seen: tasks of older ones are dropped, not run
     while True:
         msg: ToWorker
@@ -228,7 +229,6 @@ def _serve(
         if isinstance(msg, Reseed):
             fetcher.seed = msg.seed
             continue
-        late = functools.partial(wait_for_slot, chan, inbox, parent, POLL_S, gen)
         spills: list[Spill] = []
         results: list[Result] = []
         look_at = 0.0  # look for a newer generation (a poll) before the first task, then
@@ -243,7 +243,8 @@ def _serve(
             look_at = now + NEWER_CHECK_S
             if watch is not None:  # NOTE [ Seeding and threads ]: global draws
                 fetcher.probe = watch.task_probe()
-            result = _run_task(worker_id, fetcher, writer, task, msg.epoch, spills, heap, late)
+            result = _run_task(worker_id, fetcher, writer, task, gen, msg.epoch, spills, heap,
+                               late)
             if watch is not None:
                 fetcher.probe = None
             if type(result) is Dropped:  # it stopped waiting for its slot: the rest go unrun
@@ -302,15 +303,15 @@ def _send_results(worker_id: int, chan: Any, gen: int, results: list[Result]) ->
 
 def _run_task(
     worker_id: int, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None, task: Task,
-    epoch: int, spills: list[Spill], heap: HeapFollower | None, late: Callable[[int], Any],
+    gen: int, epoch: int, spills: list[Spill], heap: HeapFollower | None,
+    late: Callable[[int, int], Any],
 ) -> Result:
     batch, indices, slot = task.batch, task.indices, task.slot
-    sid = -1  # the writer's, once the try below has run
     if writer is not None:
         if slot is None:
             writer.begin(0, 0)
         elif slot.id < 0:  # LATE: NOTE [ Slots bound when a task starts ] (late_slots.py)
-            writer.begin_late(functools.partial(late, batch))
+            writer.begin_late(functools.partial(late, gen, batch))
         else:
             writer.begin(slot.offset, slot.size, slot.id)
     t0 = time.perf_counter()
@@ -337,9 +338,9 @@ def _run_task(
     except Abandoned:  # a stop or a newer generation while waiting for its slot
         return Dropped(batch, -1)
     except StopIteration:
-        return Exhausted(batch, sid if writer is None else writer.sid)
+        return Exhausted(batch, -1 if writer is None else writer.sid)
     except Exception as exc:
-        sid = sid if writer is None else writer.sid
+        sid = -1 if writer is None else writer.sid  # (a LATE task's, if it came)
         if out_of_descriptors(exc):  # anywhere: the spill's memory file, or the user's open()
             return Failed(batch, sid, worker_out_of_descriptors(
                 worker_id, f"{fetcher.describe(indices)} (batch {batch})"))
@@ -349,7 +350,7 @@ def _run_task(
         return Failed(batch, sid, capture(where))
     t2 = time.perf_counter()
     collate_s = fetcher.collate_s + (t2 - t1)
-    fetch_s = t2 - t0 - collate_s
+    fetch_s, sid = t2 - t0 - collate_s, -1
     if writer is not None:
         sid, waited = writer.sid, writer.waited_s  # a LATE task's wait for its slot is
         if waited:  # neither fetch nor collate (collation asked, else batch_empty did)

@@ -225,9 +225,10 @@ class WorkerIter(BaseIter):
             self._worked(len(fetched), busy_s)
         for result in msg.results:
             self._result(w, msg.gen, result)
-        if fetched and self._work_ahead.adapt(busy_s / len(fetched), self._ring.slot_bytes):
-            self._ring.set_slots_hint(self._work_ahead.slots_hint)
-        self._late.decide(self._work_ahead.late_bind)
+        if fetched:  # the batches' cost, which decides the chunk and the slots' binding
+            if self._work_ahead.adapt(busy_s / len(fetched), self._ring.slot_bytes):
+                self._ring.set_slots_hint(self._work_ahead.slots_hint)
+            self._late.decide(self._work_ahead.late_bind)
 
     def _worked(self, batches: int, busy_s: float) -> None:
         """``batches`` answered in ``busy_s`` s of fetch + collate (``AutoIter``'s windows)."""
