@@ -18,7 +18,12 @@ import pytest
 import torch
 
 from gpufeed._tools.measure import batch_samples_and_bytes, measure_loader
-from gpufeed._tools.probe import descendants, process_tree_memory, process_tree_pss
+from gpufeed._tools.probe import (
+    descendants,
+    process_tree_memory,
+    process_tree_pss,
+    unmapped_shared_bytes,
+)
 from gpufeed.benchmarks import Settings, Workload, build
 from gpufeed.benchmarks.__main__ import main, render_markdown
 from gpufeed.benchmarks.ceiling import measure_no_loader
@@ -226,6 +231,59 @@ def test_process_tree_memory_splits_by_kind(tmp_path: Path) -> None:
         shm.close()
     finally:
         os.close(fd)
+
+
+def test_shared_memory_held_but_mapped_nowhere_is_counted() -> None:
+    """A memfd a child holds open, written but not mapped, is in no PSS: ``unmapped`` counts
+    it, and stops counting it once a process of the tree maps it."""
+    import os
+
+    if not Path("/proc/self/fd").exists():
+        pytest.skip("needs /proc")
+    code = ("import os, sys, time; fd = os.memfd_create('held'); "
+            "os.write(fd, b'\\x03' * (24 << 20)); "
+            "print(os.getpid(), fd, flush=True); time.sleep(30)")
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                          text=True) as child:
+        try:
+            assert child.stdout is not None
+            pid, fd = map(int, child.stdout.readline().split())
+            assert unmapped_shared_bytes([pid]) >= 24 * MiB
+            tree = process_tree_memory()
+            assert tree.unmapped >= 24 * MiB and tree.held == tree.pss + tree.unmapped
+            import mmap
+
+            mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)  # the same file, mapped here
+            try:
+                view = mmap.mmap(mine, 24 * MiB, prot=mmap.PROT_READ)
+                assert unmapped_shared_bytes([os.getpid(), pid]) < 24 * MiB
+                assert unmapped_shared_bytes([pid]) >= 24 * MiB  # mapped outside those pids
+                view.close()
+            finally:
+                os.close(mine)
+        finally:
+            child.kill()
+
+
+class _Big(torch.utils.data.Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((2 << 20,), i, dtype=torch.uint8)  # 2 MiB: 8 MiB batches of 4
+
+
+def test_stock_loader_queued_batches_count_as_held() -> None:
+    """The stock loader's workers pass collated batches as /dev/shm descriptors: while a slow
+    loop lets them queue, they are in no PSS but in ``peak_held_bytes``."""
+    from torch.utils.data import DataLoader
+
+    m = measure_loader(lambda: DataLoader(_Big(), batch_size=4, num_workers=2,
+                                          prefetch_factor=2),
+                       warmup_batches=1, consume=lambda b: time.sleep(0.25),
+                       sample_interval_s=0.02)
+    # two workers, two batches each in flight, one in the loop: about 3 queued (24 MiB)
+    assert m.peak_held_bytes >= m.peak_pss_bytes + 8 * MiB, m
 
 
 def test_each_run_gets_a_fresh_dataset(tmp_path: Path) -> None:

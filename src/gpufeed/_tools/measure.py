@@ -33,8 +33,15 @@ differently when two loaders are compared:
   dataset: its pages count once a process of the tree has touched them, so this part grows with
   the samples read, and two loaders compare fairly only when they read the same samples;
 - **shmem**: shared memory that some process of the tree maps (the stock loader's per-batch
-  segments once received, gpufeed's slot ring). Shared memory that is open but mapped by no
-  process (a stock batch still in transit, passed as a file descriptor) is in no PSS.
+  segments once received, gpufeed's slot ring).
+
+Shared memory that a process of the tree holds open but that none maps is in no PSS: the stock
+loader's queued batches are such memory (a worker collates into a /dev/shm segment and passes
+its descriptor on; the pages are mapped only when the main process takes the batch). So the
+sampler also reads that (``probe.unmapped_shared_bytes``: shared-memory files behind the tree's
+descriptors that no process of it maps) and keeps the peak of PSS plus it,
+``peak_held_bytes``: the memory the loader holds, queued batches included. Descriptors in
+transit inside a socket are in neither.
 
 NOTE [ Measuring honestly ]
 ---------------------------
@@ -101,6 +108,9 @@ class Measurement:
         peak_pss_anon_bytes, peak_pss_file_bytes, peak_pss_shmem_bytes: the peak sample split
             by kind (see the module docstring); they add up to ``peak_pss_bytes`` within
             rounding. 0 when not sampled, or where the kernel gives no split.
+        peak_held_bytes: the highest PSS plus shared memory held open but mapped by no
+            process of the tree, in one sample (see the module docstring); at least
+            ``peak_pss_bytes`` when sampled.
         main_thread_cpu_s: CPU seconds of the iterating thread over the counted batches: the
             loader's work in the main thread (receiving, unpacking, releasing) and this loop's.
         main_process_cpu_s: the same for every thread of this process but the PSS sampler's
@@ -120,6 +130,7 @@ class Measurement:
     peak_pss_anon_bytes: int = 0
     peak_pss_file_bytes: int = 0
     peak_pss_shmem_bytes: int = 0
+    peak_held_bytes: int = 0
     main_thread_cpu_s: float = 0.0
     main_process_cpu_s: float = 0.0
 
@@ -186,7 +197,8 @@ class PeakSampler:
     """Peaks of this process tree's memory, sampled on demand or by a daemon thread.
 
     ``sample()`` reads the tree's PSS (``process_tree_memory``) and keeps the highest sample as
-    ``peak``; ``start`` is the first sample, ``count`` how many were taken. ``start_thread``
+    ``peak``, and the highest ``held`` (PSS plus shared memory mapped nowhere) as ``held``;
+    ``start`` is the first sample, ``count`` how many were taken. ``start_thread``
     samples every ``interval_s`` until ``stop()``; a per-batch hook calls ``maybe_sample`` to
     sample at most every ``every_s``. With ``gauges=True``, ``sample_gauges()`` also keeps the
     peaks of two cheap reads: ``shm_used``, bytes used on /dev/shm (machine-wide: other programs
@@ -195,6 +207,7 @@ class PeakSampler:
 
     def __init__(self, *, gauges: bool = False) -> None:
         self.start = self.peak = TreeMemory(0)
+        self.held = 0
         self.count = 0
         self.interval_s = 0.0
         self.shm_start = self.shm_used = _shm_used() if gauges else 0
@@ -224,6 +237,7 @@ class PeakSampler:
                 self.start = self.peak = value
             elif value.pss > self.peak.pss:
                 self.peak = value
+            self.held = max(self.held, value.held)
             self.count += 1
         return time.perf_counter() - t0
 
@@ -388,6 +402,7 @@ def measure_loader(
         peak_pss_anon_bytes=sampler.peak.anon if sampler else 0,
         peak_pss_file_bytes=sampler.peak.file if sampler else 0,
         peak_pss_shmem_bytes=sampler.peak.shmem if sampler else 0,
+        peak_held_bytes=sampler.held if sampler else 0,
         main_thread_cpu_s=cpu_end[0] - cpu_rate[0],
         # >= the thread's: the process clock lags a thread busy on another core by up to a tick
         main_process_cpu_s=max(cpu_end[1] - cpu_rate[1], cpu_end[0] - cpu_rate[0]),

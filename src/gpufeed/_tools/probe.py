@@ -1,6 +1,7 @@
 """System reads: those of ``gpufeed doctor``, one small function each, held by a :class:`Probe`
 (tests replace them), and the GPUs it finds (nvidia-smi, else sysfs, else torch); /dev/shm use;
-the PSS of a process tree, whole and by kind (``_tools/measure.py`` says what the kinds hold)."""
+the PSS of a process tree, whole and by kind (``_tools/measure.py`` says what the kinds hold),
+and the shared memory it holds open but maps nowhere."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from .._base.system import cpu_affinity, cpu_quota, rollup
 from .._memory.heap import left_alone
 
 __all__ = ["GpuInfo", "Probe", "TreeMemory", "cpulist", "descendants", "helper_pids",
-           "process_tree_memory", "process_tree_pss", "query_gpus", "shm_usage"]
+           "process_tree_memory", "process_tree_pss", "query_gpus", "shm_usage",
+           "unmapped_shared_bytes"]
 
 _GONE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied, FileNotFoundError)
 
@@ -196,12 +198,20 @@ class TreeMemory:
         pss: the sum over the tree of each process's PSS.
         anon, file, shmem: its ``Pss_Anon``, ``Pss_File`` and ``Pss_Shmem`` parts (0 where the
             kernel has no ``smaps_rollup`` split: before Linux 5.9, or not Linux).
+        unmapped: :func:`unmapped_shared_bytes` of the tree (0 where ``/proc`` is missing).
     """
 
     pss: int
     anon: int = 0
     file: int = 0
     shmem: int = 0
+    unmapped: int = 0
+
+    @property
+    def held(self) -> int:
+        """``pss + unmapped``: what the tree holds, shared memory that no process of it maps
+        (in no PSS) included."""
+        return self.pss + self.unmapped
 
 
 def _psutil_pss(proc: psutil.Process) -> int:
@@ -234,7 +244,45 @@ def process_tree_memory(pid: int | None = None) -> TreeMemory:
                 continue
         for name, value in fields.items():
             total[name] += value
-    return TreeMemory(**total)
+    return TreeMemory(**total, unmapped=unmapped_shared_bytes([p.pid for p in tree]))
+
+
+def _shared_file(target: str) -> bool:
+    """Whether a descriptor's link names shared memory: a memfd or a file on /dev/shm
+    (``shm_open``, torch's ``file_descriptor`` sharing), unlinked or not."""
+    return target.startswith(("/memfd:", "/dev/shm/"))
+
+
+def unmapped_shared_bytes(pids: list[int]) -> int:
+    """Bytes of shared memory (memfds, /dev/shm files) that processes ``pids`` hold open by a
+    file descriptor while none of them maps the file: real memory that is in no PSS.
+
+    The stock loader's queued batches are such memory: a worker collates a batch into a
+    /dev/shm segment and passes its descriptor on; until the main process maps it, the pages
+    live in the kernel, held by a descriptor in the worker. Counted by pages allocated
+    (``st_blocks``), each file once; a file any of ``pids`` maps is left out whole (its
+    mapped pages are in the PSS of whoever maps them). Processes that exit while being read
+    are skipped; 0 without ``/proc``."""
+    held: dict[tuple[int, int], int] = {}
+    for pid in pids:
+        fds = f"/proc/{pid}/fd"
+        for name in _list_dir(fds):
+            path = f"{fds}/{name}"
+            try:
+                if not _shared_file(os.readlink(path)):
+                    continue
+                st = os.stat(path)
+            except OSError:  # closed meanwhile
+                continue
+            held[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    # a maps line: "start-end perms offset MAJOR:MINOR INODE   path", the device in hex
+    needles = {key: f" {os.major(key[0]):02x}:{os.minor(key[0]):02x} {key[1]} " for key in held}
+    for pid in pids:
+        if not needles:
+            break
+        maps = _read_text(f"/proc/{pid}/maps") or ""
+        needles = {key: needle for key, needle in needles.items() if needle not in maps}
+    return sum(held[key] for key in needles)
 
 
 def process_tree_pss(pid: int | None = None) -> int:

@@ -61,6 +61,10 @@ def _fmt(value: float | None, spec: str = ",.0f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
 def _verdict(ok: bool | None) -> str:
     return "" if ok is None else ("pass" if ok else "**miss**")
 
@@ -136,13 +140,14 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += ["**gpufeed's core was not importable: the `gpufeed` rows ran the stock loader "
                   "as a stand-in.**", ""]
     lines += ["| workload | stock best | gpufeed best | ratio | target | | peak PSS vs stock | | "
-              "no-loader ceiling | gpufeed % of ceiling | stock % of ceiling |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "peak held vs stock | no-loader ceiling | gpufeed % of ceiling | stock % of "
+              "ceiling |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
+              "--- |"]
     notes: list[str] = []
     also: list[str] = []
     for w in doc["workloads"]:
         if "skipped" in w:
-            lines.append(f"| {w['name']} | skipped: {w['skipped']} | | | | | | | | | |")
+            lines.append(f"| {w['name']} | skipped: {w['skipped']} | | | | | | | | | | |")
             continue
         sm = w["summary"]
         st, ours = sm["stock_best"], sm["gpufeed_best"]
@@ -152,11 +157,14 @@ def render_markdown(doc: dict[str, Any]) -> str:
         target = f">= {sm['target_ratio']:g}x" if sm["target_ratio"] else "-"
         lines.append(f"| {w['name']} | {stock_txt} | {ours_txt} | {_fmt(sm['ratio'], '.2f')}x | "
                      f"{target} | {_verdict(sm['ratio_pass'])} | {_fmt(sm['pss_ratio'], '.2f')}x"
-                     f" | {_verdict(sm['pss_pass'])} | {' | '.join(_ceiling_cells(sm))} |")
+                     f" | {_verdict(sm['pss_pass'])} | {_times(sm.get('held_ratio'))} | "
+                     f"{' | '.join(_ceiling_cells(sm))} |")
         notes += [f"- {w['name']}: {n}" for n in sm["notes"]]
         also += [f"- {w['name']}: {n}" for n in sm.get("also", [])]
     lines += ["", "Samples/s; ratio = gpufeed's best (loader, fetch variant) over the stock "
-              "loader's best variant. PSS compares the same variant.", ""]
+              "loader's best variant. PSS compares the same variant. Peak held: PSS plus shared "
+              "memory the process tree holds open but maps nowhere (the stock loader's queued "
+              "batches, in no PSS; `_tools/measure.py`), the same variant.", ""]
     if s.get("ceiling", False):
         lines += [
             f"No-loader ceiling: {s['num_workers']} plain forked processes, one torch thread "

@@ -254,7 +254,7 @@ def _wait_for_children(timeout_s: float = 10.0) -> int:
 
 _MEDIAN_KEYS = ("samples_per_s", "bytes_per_s", "peak_pss_bytes", "pss_growth_bytes",
                 "first_batch_s", "samples", "peak_pss_anon_bytes", "peak_pss_file_bytes",
-                "peak_pss_shmem_bytes", "main_thread_cpu_s_per_batch",
+                "peak_pss_shmem_bytes", "peak_held_bytes", "main_thread_cpu_s_per_batch",
                 "main_process_cpu_s_per_batch")
 _CEILING_MEDIAN_KEYS = ("samples_per_s", "bytes_per_s", "samples", "seconds")
 

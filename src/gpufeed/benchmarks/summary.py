@@ -40,6 +40,7 @@ def summarize(name: str, rows: Sequence[dict[str, Any]],
                            "nodes_best": brief(best(["torchdata.nodes"])),
                            "target_ratio": TARGETS.get(name), "ratio": None, "ratio_pass": None,
                            "pss_ratio": None, "pss_pass": None, "pss_ratio_process": None,
+                           "held_ratio": None,
                            "notes": [], "also": [],
                            "ceiling": _ceiling_summary(stock, ours, ceiling)}
     if stock is None or ours is None:
@@ -63,6 +64,8 @@ def summarize(name: str, rows: Sequence[dict[str, Any]],
 
     pss_ratio, ref, equal = pss_vs_stock(ours)
     out["pss_ratio"] = pss_ratio
+    if ours["median"].get("peak_held_bytes") and ref["median"].get("peak_held_bytes"):
+        out["held_ratio"] = ours["median"]["peak_held_bytes"] / ref["median"]["peak_held_bytes"]
     out["pss_reference"] = {"loader": "torch", "variant": ref["variant"]}
     if not equal:  # NOTE [ Equal work for memory ]: no verdict on runs that read different data
         out["notes"].append(
