@@ -296,15 +296,56 @@ def test_cheap_batches_keep_slots_bound_at_dispatch():
 
 
 def test_late_answers_turn_the_mode_off():
-    """Rule (e): answers that keep workers waiting a good part of a batch's time."""
+    """Rule (e): requests that wait a good part of a batch's time for the loop's steps (the
+    times are made up: only the requests' and the steps' count)."""
     slots, _, _ = _main(free=100)
-    now = time.perf_counter()
-    for k in range(late_slots.LATE_DELAYS):  # prompt answers, one late one among them
-        slots.answer(0, NeedSlot(1, k, now - (0.02 if k == 3 else 0.0001)), True, 0.05)
+    for k in range(late_slots.LATE_DELAYS):  # short steps, one long one among them
+        t = 100.0 + k
+        slots.away(t - (0.02 if k == 3 else 0.0001), t)
+        slots.answer(0, NeedSlot(1, k, t - 0.03), True, 0.05)
     assert not slots.slow
-    for k in range(late_slots.LATE_DELAYS):
-        slots.answer(0, NeedSlot(1, 10 + k, time.perf_counter() - 0.01), True, 0.05)
+    t = 200.0  # one more: two in the last eight
+    slots.away(t - 0.01, t)
+    slots.answer(0, NeedSlot(1, 10, t - 0.01), True, 0.05)
     assert slots.slow
+
+
+def test_only_the_loops_steps_make_an_answer_late():
+    """Rule (e) counts the part of a request's wait spent in the loop's steps, not a slow
+    wake-up of a main thread that was in the loader when the request came."""
+    slots, _, _ = _main(free=100)
+    for k in range(late_slots.LATE_DELAYS):  # answered 20 ms on, the step ended before
+        t = 100.0 + k
+        slots.away(t - 0.5, t - 0.03)
+        slots.answer(0, NeedSlot(1, k, t - 0.02), True, 0.05)
+    assert not slots.slow
+    for k in range(late_slots.LATE_SLOW):  # a step of 10 ms after the request
+        t = 200.0 + k
+        slots.away(t - 0.01, t)
+        slots.answer(0, NeedSlot(1, 20 + k, t - 0.02), True, 0.05)
+    assert slots.slow
+
+
+def test_a_late_wake_up_keeps_slots_bound_when_written(worker_type):
+    """A busy machine wakes the waiting main thread late (here: 10 ms after every message,
+    a third of a batch's worker time): that is no loop slower than its workers, so tasks
+    keep going out LATE."""
+    gate = threading.Event()
+    gate.set()
+    loader = gpufeed.DataLoader(Gated(gate), batch_size=8, num_workers=2,
+                                worker_type=worker_type)
+    it = iter(loader)
+    poll = it._pool.poll
+
+    def late_poll(timeout: float | None) -> Any:
+        msgs, dead = poll(timeout)
+        if msgs:
+            time.sleep(0.01)
+        return msgs, dead
+
+    it._pool.poll = late_poll  # type: ignore[method-assign]
+    assert [int(b[0, 0]) for b in it] == [8 * k for k in range(16)]
+    assert not it._late.slow and it._late.on
 
 
 def test_a_loop_slower_than_its_workers_gets_slots_at_dispatch(worker_type):
@@ -323,3 +364,44 @@ def test_a_loop_slower_than_its_workers_gets_slots_at_dispatch(worker_type):
     again = iter(loader)  # the verdict is the loader's: the next epoch binds at dispatch
     assert not again._late.on and again._late.verdict is it._late.verdict
     assert len(list(again)) == 16 and not again._late.on
+
+
+def _itself(batch: Any) -> Any:
+    """The collate_fn of a dataset whose ``__getitems__`` returns the batch."""
+    return batch
+
+
+class StuckAfterAsking(Dataset[torch.Tensor]):
+    """Every batch takes 40 ms before it asks for its slot (``batch_empty``); from batch 1 on,
+    0.6 s, and then it never finishes."""
+
+    def __len__(self) -> int:
+        return 8 * 4
+
+    def __getitems__(self, indices: list[int]) -> torch.Tensor:
+        stuck = indices[0] >= 8
+        time.sleep(0.6 if stuck else 0.04)
+        out = gpufeed.batch_empty(len(indices), 4, dtype=torch.int64)  # NeedSlot: LATE tasks
+        if stuck:
+            time.sleep(60)
+        out[:] = torch.as_tensor(indices).unsqueeze(1)
+        return out
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.__getitems__([i])[0]
+
+
+def test_a_request_does_not_restart_the_timeout(monkeypatch):
+    """Rule (f): batch 1 asks for its slot 0.6 s in and then hangs; ``timeout=1`` raises 1 s
+    after ``next()`` began waiting, as stock's would, not 1 s after the request (1.6 s)."""
+    monkeypatch.setattr(late_slots, "LATE_DELAY_MAX", 1e9)
+    loader = gpufeed.DataLoader(StuckAfterAsking(), batch_size=8, num_workers=1, timeout=1,
+                                collate_fn=_itself)
+    it = iter(loader)
+    assert torch.equal(next(it)[:, 0], torch.arange(8))
+    assert it._late.on  # the tasks went out LATE: batch 1 sends a NeedSlot
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="DataLoader timed out after 1 seconds"):
+        next(it)
+    waited = time.monotonic() - start
+    assert 0.9 <= waited < 1.45, f"timeout=1 raised after {waited:.2f} s"

@@ -100,8 +100,7 @@ class WorkerIter(BaseIter):
                 region=self._ring.region if shared else self._ring.region_tensor,
                 base_seed=self._base_seed, init_fn=config.worker_init_fn,
                 sample_seed=self._sample_seed, rank=config.rank, world_size=config.world_size,
-                random_watch=None if shared else config.random_watch,
-            )
+                random_watch=None if shared else config.random_watch)
             # thread workers' draws from the global generators (process workers seed theirs)
             self._watch = None if shared else config.random_watch
             self._pool: Pool
@@ -139,8 +138,7 @@ class WorkerIter(BaseIter):
         self._dataset_states: dict[int, WorkerState] = {}  # iterable datasets, per batch
         self._active = [True] * self._num_workers
         self._sampler_done = False
-        # NOTE [ Iterable resume ] in _order/delivery.py: each worker restarts from its state as of
-        # its last delivered batch, and the turn starts with the worker that was next.
+        # NOTE [ Iterable resume ]: each worker from its last delivered state, turns where they were
         resumed = self._position.take_dataset_states() if self._is_iterable else None
         first = resumed.next_worker if resumed is not None else 0
         self._cycle = itertools.cycle([*range(first, self._num_workers), *range(first)])
@@ -271,7 +269,7 @@ class WorkerIter(BaseIter):
                                        "of the current epoch; please report it")
 
     def _wait(self) -> None:
-        """Receive at least one message, or raise for a dead worker or a timeout."""
+        """Wait for a task's answer, or raise (dead worker, timeout: NeedSlots do not stop it)."""
         if self._watch is not None:  # the loop draws nothing until the batch is popped
             self._watch.wait_begins()
         check_not_forked(self._pid)  # a persistent loader (or an iterator) inherited by fork
@@ -301,7 +299,7 @@ class WorkerIter(BaseIter):
                 desc = self._pool.exit_description(w)
                 self.close()
                 raise lost_worker(desc, held)
-            if msgs:
+            if any(type(msg) is not NeedSlot for _, msg in msgs):
                 return
 
     def _next(self) -> Any:
@@ -318,6 +316,8 @@ class WorkerIter(BaseIter):
         if self._pin:
             self._check_capture()
         asked_at = time.perf_counter()
+        if self._late.on and self._returned_at:  # the loop's step: late slots' rule (e)
+            self._late.away(self._returned_at, asked_at)
         while True:
             if self._closed:
                 raise StopIteration
