@@ -162,9 +162,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
         notes += [f"- {w['name']}: {n}" for n in sm["notes"]]
         also += [f"- {w['name']}: {n}" for n in sm.get("also", [])]
     lines += ["", "Samples/s; ratio = gpufeed's best (loader, fetch variant) over the stock "
-              "loader's best variant. PSS compares the same variant. Peak held: PSS plus shared "
-              "memory the process tree holds open but maps nowhere (the stock loader's queued "
-              "batches, in no PSS; `_tools/measure.py`), the same variant.", ""]
+              "loader's best variant. PSS compares the same variant, round by round (the "
+              "median of each round's ratio: `paired_ratio` in `summary.py`). Peak held: PSS "
+              "plus shared memory the process tree holds open but maps nowhere (the stock "
+              "loader's queued batches, in no PSS; `_tools/measure.py`), the same way.", ""]
     if s.get("ceiling", False):
         lines += [
             f"No-loader ceiling: {s['num_workers']} plain forked processes, one torch thread "

@@ -4,15 +4,28 @@ ratio against the target, peak PSS on equal work (NOTE [ Equal work for memory ]
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["PSS_TOLERANCE", "TARGETS", "summarize"]
+__all__ = ["PSS_TOLERANCE", "TARGETS", "paired_ratio", "summarize"]
 
 #: Minimum ratio of samples/s, gpufeed's best over the stock loader's best (issue 2, item 6).
 TARGETS: dict[str, float] = {"tabular": 15.0, "image-array": 3.0, "jpeg": 1.15}
 #: Peak PSS passes when gpufeed's is at most the stock loader's times (1 + this): sampling noise.
 PSS_TOLERANCE = 0.02
+
+
+def paired_ratio(runs: Sequence[dict[str, Any]], ref_runs: Sequence[dict[str, Any]],
+                 key: str) -> float | None:
+    """The median over rounds of ``runs[k][key] / ref_runs[k][key]`` (run ``k`` of each side
+    is round ``k``'s); None without a pair that has the figure. Memory is compared this way:
+    the sides alternate within a round, so a pair shares its round's conditions, while the
+    process's PSS at a run's start moves by 10-50 MiB from round to round on these machines,
+    which a ratio of the sides' medians takes from different rounds."""
+    ratios = [a[key] / b[key] for a, b in zip(runs, ref_runs, strict=False)
+              if a.get(key) and b.get(key)]
+    return statistics.median(ratios) if ratios else None
 
 
 def summarize(name: str, rows: Sequence[dict[str, Any]],
@@ -59,13 +72,15 @@ def summarize(name: str, rows: Sequence[dict[str, Any]],
         """(peak PSS ratio to the stock loader on r's variant, that stock row, equal work)"""
         ref = same_variant("torch", r["variant"]) or stock
         n, ref_n = r["median"].get("samples"), ref["median"].get("samples")
-        ratio = r["median"]["peak_pss_bytes"] / max(ref["median"]["peak_pss_bytes"], 1.0)
+        ratio = paired_ratio(r.get("runs", ()), ref.get("runs", ()), "peak_pss_bytes")
+        if ratio is None:  # (rows without their runs)
+            ratio = r["median"]["peak_pss_bytes"] / max(ref["median"]["peak_pss_bytes"], 1.0)
         return ratio, ref, n is None or ref_n is None or n == ref_n
 
     pss_ratio, ref, equal = pss_vs_stock(ours)
     out["pss_ratio"] = pss_ratio
-    if ours["median"].get("peak_held_bytes") and ref["median"].get("peak_held_bytes"):
-        out["held_ratio"] = ours["median"]["peak_held_bytes"] / ref["median"]["peak_held_bytes"]
+    out["held_ratio"] = paired_ratio(ours.get("runs", ()), ref.get("runs", ()),
+                                     "peak_held_bytes")
     out["pss_reference"] = {"loader": "torch", "variant": ref["variant"]}
     if not equal:  # NOTE [ Equal work for memory ]: no verdict on runs that read different data
         out["notes"].append(
