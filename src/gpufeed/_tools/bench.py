@@ -50,6 +50,7 @@ class BenchConfig:
     make: Callable[[], Any]
     rates: list[float] = field(default_factory=list)
     peak_pss_bytes: int = 0
+    peak_held_bytes: int = 0  # PSS plus shared memory mapped nowhere (``_tools/measure.py``)
     first_batch_s: list[float] = field(default_factory=list)
 
     @property
@@ -60,7 +61,7 @@ class BenchConfig:
         s = self.spread
         return {"loader": self.loader, "path": self.path, "num_workers": self.num_workers,
                 "samples_per_s": s.median, "spread": s.to_dict(),
-                "peak_pss_bytes": self.peak_pss_bytes,
+                "peak_pss_bytes": self.peak_pss_bytes, "peak_held_bytes": self.peak_held_bytes,
                 "first_batch_s": sorted(self.first_batch_s)[len(self.first_batch_s) // 2]
                 if self.first_batch_s else 0.0}
 
@@ -118,6 +119,7 @@ def run_bench(rows: list[BenchConfig], *, seconds: float, runs: int, target_spre
             r.rates.append(m.samples_per_s)
             r.first_batch_s.append(m.first_batch_s)
             r.peak_pss_bytes = max(r.peak_pss_bytes, m.peak_pss_bytes)
+            r.peak_held_bytes = max(r.peak_held_bytes, m.peak_held_bytes)
             if step is not None:
                 step(f"{r.loader} {r.path} {r.num_workers}w: {m.samples_per_s:,.0f}/s")
     return monitor.stop()
@@ -149,9 +151,10 @@ def render(title: str, rows: Sequence[BenchConfig], comparisons: Sequence[Compar
             "(interleaved); samples/s as median (slowest-fastest run)")
     table = format_table(
         ["loader", "fetch path", "workers", "samples/s (range)", "spread", "peak PSS",
-         "first batch"],
+         "peak held", "first batch"],
         [[r.loader, r.path, r.num_workers, r.spread.text(), f"{r.spread.rel_spread:.0%}",
-          human_bytes(r.peak_pss_bytes), f"{r.to_dict()['first_batch_s'] * 1e3:.0f} ms"]
+          human_bytes(r.peak_pss_bytes), human_bytes(r.peak_held_bytes),
+          f"{r.to_dict()['first_batch_s'] * 1e3:.0f} ms"]
          for r in rows], left=2)
     cmp = format_table(
         ["comparison", "workers", "ratio (range)", "verdict"],
@@ -160,7 +163,9 @@ def render(title: str, rows: Sequence[BenchConfig], comparisons: Sequence[Compar
     legend = "\n".join(f"  {p}: {PATHS[p]}" for p in dict.fromkeys(r.path for r in rows)
                        if p in PATHS)
     notes = ["two rows differ only when their ranges do not overlap; otherwise the verdict "
-             "is 'same within noise'", load.summary]
+             "is 'same within noise'", "peak held: peak PSS plus shared memory the loader "
+             "holds but no process maps (the stock loader's queued batches, in no PSS)",
+             load.summary]
     if not torch.cuda.is_available():
         notes.append("pin_memory=True and the device-stage transfer figures need CUDA: "
                      "not measured")
