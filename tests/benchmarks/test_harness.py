@@ -250,7 +250,7 @@ def test_shared_memory_held_but_mapped_nowhere_is_counted() -> None:
             assert child.stdout is not None
             pid, fd = map(int, child.stdout.readline().split())
             assert unmapped_shared_bytes([pid]) >= 24 * MiB
-            tree = process_tree_memory()
+            tree = process_tree_memory(unmapped=True)
             assert tree.unmapped >= 24 * MiB and tree.held == tree.pss + tree.unmapped
             import mmap
 

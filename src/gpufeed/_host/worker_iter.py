@@ -138,7 +138,7 @@ class WorkerIter(BaseIter):
         self._dataset_states: dict[int, WorkerState] = {}  # iterable datasets, per batch
         self._active = [True] * self._num_workers
         self._sampler_done = False
-        # NOTE [ Iterable resume ]: each worker from its last delivered state, turns where they were
+        # NOTE [ Iterable resume ] in _order/delivery.py: states and turns as last delivered
         resumed = self._position.take_dataset_states() if self._is_iterable else None
         first = resumed.next_worker if resumed is not None else 0
         self._cycle = itertools.cycle([*range(first, self._num_workers), *range(first)])

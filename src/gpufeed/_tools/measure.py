@@ -66,7 +66,6 @@ rest on, so that two loaders are compared and not two conditions:
 from __future__ import annotations
 
 import gc
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -75,16 +74,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._memory.pinning import registered_bytes
-from .probe import TreeMemory, process_tree_memory, shm_usage
+from .peaks import PeakSampler
 
 __all__ = [
     "Measurement",
-    "PeakSampler",
     "batch_samples_and_bytes",
     "measure_loader",
     "one_intra_op_thread",
-    "pinned_bytes",
 ]
 
 
@@ -181,102 +177,6 @@ def one_intra_op_thread(worker_id: int = 0) -> None:
         torch.set_num_threads(1)
 
 
-def pinned_bytes() -> int:
-    """Pinned host bytes (CUDA only): torch's caching host allocator plus the regions gpufeed
-    registered (``pinning.registered_bytes``)."""
-    stats = torch.cuda.host_memory_stats()
-    return int(stats.get("allocated_bytes.current", 0)) + int(registered_bytes())
-
-
-def _shm_used() -> int:
-    usage = shm_usage()
-    return usage[0] - usage[1] if usage is not None else 0
-
-
-class PeakSampler:
-    """Peaks of this process tree's memory, sampled on demand or by a daemon thread.
-
-    ``sample()`` reads the tree's PSS (``process_tree_memory``) and keeps the highest sample as
-    ``peak``, and the highest ``held`` (PSS plus shared memory mapped nowhere) as ``held``;
-    ``start`` is the first sample, ``count`` how many were taken. ``start_thread``
-    samples every ``interval_s`` until ``stop()``; a per-batch hook calls ``maybe_sample`` to
-    sample at most every ``every_s``. With ``gauges=True``, ``sample_gauges()`` also keeps the
-    peaks of two cheap reads: ``shm_used``, bytes used on /dev/shm (machine-wide: other programs
-    count too; ``shm_start`` when built), and ``pinned``, :func:`pinned_bytes` (CUDA only).
-    """
-
-    def __init__(self, *, gauges: bool = False) -> None:
-        self.start = self.peak = TreeMemory(0)
-        self.held = 0
-        self.count = 0
-        self.interval_s = 0.0
-        self.shm_start = self.shm_used = _shm_used() if gauges else 0
-        self.pinned = 0
-        self._cuda = gauges and torch.cuda.is_available() and hasattr(torch.cuda,
-                                                                      "host_memory_stats")
-        self._next = 0.0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start_thread(self, interval_s: float) -> PeakSampler:
-        """Sample now, then every ``interval_s`` (stretched to ten times the cost of a sample
-        when that is longer) in a daemon thread until :meth:`stop`."""
-        self.interval_s = interval_s
-        self.sample()
-        self._thread = threading.Thread(target=self._run, name="gpufeed-pss", daemon=True)
-        self._thread.start()
-        return self
-
-    def sample(self) -> float:
-        """Take one sample now (any thread); return what it cost in seconds."""
-        t0 = time.perf_counter()
-        value = process_tree_memory()
-        with self._lock:
-            if self.count == 0:
-                self.start = self.peak = value
-            elif value.pss > self.peak.pss:
-                self.peak = value
-            self.held = max(self.held, value.held)
-            self.count += 1
-        return time.perf_counter() - t0
-
-    def maybe_sample(self, every_s: float) -> None:
-        """Sample when ``every_s`` seconds have passed since this method last sampled (the
-        first call samples)."""
-        now = time.perf_counter()
-        if now >= self._next:
-            self.sample()
-            self._next = now + every_s
-
-    def sample_gauges(self) -> None:
-        """Read /dev/shm use and pinned bytes (``gauges=True``) and keep their peaks."""
-        self.shm_used = max(self.shm_used, _shm_used())
-        if self._cuda:
-            self.pinned = max(self.pinned, pinned_bytes())
-
-    def thread_cpu_s(self) -> float:
-        """CPU seconds the sampling thread has used so far (0 without one)."""
-        thread = self._thread
-        try:  # (AttributeError, OSError): no per-thread CPU clocks here, or it has ended
-            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))  # type: ignore[union-attr,arg-type]
-        except (AttributeError, OSError, TypeError):
-            return 0.0
-
-    def _run(self) -> None:
-        wait = self.interval_s
-        while not self._stop.wait(wait):
-            cost = self.sample()
-            wait = max(self.interval_s, 10.0 * cost)
-
-    def stop(self) -> None:
-        """Stop the thread (if started) and take a last sample."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.sample()
-
-
 def measure_loader(
     make_iterable: Callable[[], Iterable[Any]],
     *,
@@ -286,6 +186,7 @@ def measure_loader(
     consume: Callable[[Any], None] | None = None,
     sample_memory: bool = True,
     sample_interval_s: float = 0.02,
+    sample_held: bool = True,
     count: Callable[[Any], tuple[int, int]] = batch_samples_and_bytes,
 ) -> Measurement:
     """Iterate one pass over ``make_iterable()`` and measure it.
@@ -306,6 +207,9 @@ def measure_loader(
         sample_memory: sample the PSS of the process tree in a thread, plus once when the pass
             is about to end (untimed). Costs up to about 10% of one core; turn it off for
             timing-only runs or where PSS is not available.
+        sample_held: also read the shared memory the tree holds but maps nowhere
+            (``peak_held_bytes``; a few more reads per sample, 0.1-10 ms by how many shared
+            memory files the tree holds open).
         sample_interval_s: seconds between PSS samples (stretched to ten times the cost of a
             sample when that is longer). Shorter catches briefer peaks and costs more CPU.
         count: returns ``(samples, bytes)`` of a batch; the default handles tensors, numpy
@@ -333,7 +237,8 @@ def measure_loader(
         pass_len = None
     ends = [n for n in (pass_len, max_batches) if n is not None]
     last = min(ends) if ends else None  # the batch after which the pass ends, when known
-    sampler = PeakSampler().start_thread(sample_interval_s) if sample_memory else None
+    sampler = PeakSampler(held=sample_held).start_thread(sample_interval_s) \
+        if sample_memory else None
     seen = samples = nbytes = 0
     first_batch_s = 0.0
     t_start = time.perf_counter()

@@ -6,6 +6,7 @@ and the shared memory it holds open but maps nowhere."""
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -198,7 +199,8 @@ class TreeMemory:
         pss: the sum over the tree of each process's PSS.
         anon, file, shmem: its ``Pss_Anon``, ``Pss_File`` and ``Pss_Shmem`` parts (0 where the
             kernel has no ``smaps_rollup`` split: before Linux 5.9, or not Linux).
-        unmapped: :func:`unmapped_shared_bytes` of the tree (0 where ``/proc`` is missing).
+        unmapped: :func:`unmapped_shared_bytes` of the tree, when asked for (else 0; 0 where
+            ``/proc`` is missing).
     """
 
     pss: int
@@ -224,7 +226,7 @@ def _psutil_pss(proc: psutil.Process) -> int:
     return int(pss)
 
 
-def process_tree_memory(pid: int | None = None) -> TreeMemory:
+def process_tree_memory(pid: int | None = None, *, unmapped: bool = False) -> TreeMemory:
     """PSS of process ``pid`` (default: this one) plus its :func:`descendants`, whole and by
     kind.
 
@@ -244,7 +246,8 @@ def process_tree_memory(pid: int | None = None) -> TreeMemory:
                 continue
         for name, value in fields.items():
             total[name] += value
-    return TreeMemory(**total, unmapped=unmapped_shared_bytes([p.pid for p in tree]))
+    return TreeMemory(**total, unmapped=unmapped_shared_bytes([p.pid for p in tree])
+                      if unmapped else 0)
 
 
 def _shared_file(target: str) -> bool:
@@ -275,14 +278,17 @@ def unmapped_shared_bytes(pids: list[int]) -> int:
             except OSError:  # closed meanwhile
                 continue
             held[(st.st_dev, st.st_ino)] = st.st_blocks * 512
-    # a maps line: "start-end perms offset MAJOR:MINOR INODE   path", the device in hex
-    needles = {key: f" {os.major(key[0]):02x}:{os.minor(key[0]):02x} {key[1]} " for key in held}
-    for pid in pids:
-        if not needles:
-            break
+    # a maps line: "start-end perms offset MAJOR:MINOR INODE   path", the device in hex: one
+    # scan per device and process finds the inodes mapped (a search per file took 10 ms for
+    # 50 files in a process of 1,500 mappings, holding the GIL)
+    devices = {dev: re.compile(rf" {os.major(dev):02x}:{os.minor(dev):02x} (\d+) ")
+               for dev, _ in held}
+    mapped: set[tuple[int, int]] = set()
+    for pid in pids if held else ():
         maps = _read_text(f"/proc/{pid}/maps") or ""
-        needles = {key: needle for key, needle in needles.items() if needle not in maps}
-    return sum(held[key] for key in needles)
+        for dev, pattern in devices.items():
+            mapped.update((dev, int(ino)) for ino in pattern.findall(maps))
+    return sum(size for key, size in held.items() if key not in mapped)
 
 
 def process_tree_pss(pid: int | None = None) -> int:

@@ -27,6 +27,7 @@ from .._base.system import TreeCpu
 from .._host.config import WorkerType
 from .._host.cost import parse_bytes
 from . import measure as _measure
+from . import peaks as _peaks
 from .probe import descendants, process_tree_pss, shm_usage
 from .repeat import Spread
 
@@ -174,7 +175,7 @@ class _CpuClock:
         return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
 
 
-def _consume(timer: _StepTimer, peaks: _measure.PeakSampler,
+def _consume(timer: _StepTimer, peaks: _peaks.PeakSampler,
              cpu: _CpuClock) -> Callable[[Any], None]:
     """``consume`` hook of a run: the step and its timing, then the memory gauges every batch
     and the process tree's PSS once the warm-up is over and then every ``PSS_EVERY_S`` (a
@@ -209,7 +210,7 @@ def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: i
     wait_s = step_s = 0.0
     cores: list[float] = []
     while not Spread(tuple(rates)).done(runs, target_spread):
-        timer, peaks = _StepTimer(step, warmup), _measure.PeakSampler(gauges=True)
+        timer, peaks = _StepTimer(step, warmup), _peaks.PeakSampler(gauges=True)
         cpu = _CpuClock()
         try:
             with warnings.catch_warnings():  # trying more workers than CPUs is the point here
@@ -217,7 +218,8 @@ def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: i
                                         category=UserWarning)
                 m = _measure.measure_loader(lambda: factory(dataset, **kwargs),
                                             max_seconds=seconds, warmup_batches=warmup,
-                                            consume=_consume(timer, peaks, cpu))
+                                            consume=_consume(timer, peaks, cpu),
+                                            sample_held=False)  # the budget is on PSS
         except Exception as exc:  # a failing configuration is a result, not the end of the search
             log.warning("trial %s failed: %s: %s", kwargs_text(kwargs), type(exc).__name__, exc)
             first = (str(exc).strip().splitlines() or [""])[0]  # not the worker's traceback

@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 from .._host import late_slots
 from .._host.output import batch_empty
 from .._loader import DataLoader
-from .._tools.measure import PeakSampler
+from .._tools.peaks import PeakSampler
 from .cpu import workload_variant
 from .environment import commit_label, environment, write_documents
 
