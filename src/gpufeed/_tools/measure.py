@@ -39,9 +39,9 @@ Shared memory that a process of the tree holds open but that none maps is in no 
 loader's queued batches are such memory (a worker collates into a /dev/shm segment and passes
 its descriptor on; the pages are mapped only when the main process takes the batch). So the
 sampler also reads that (``probe.unmapped_shared_bytes``: shared-memory files behind the tree's
-descriptors that no process of it maps) and keeps the peak of PSS plus it,
-``peak_held_bytes``: the memory the loader holds, queued batches included. Descriptors in
-transit inside a socket are in neither.
+descriptors that no process of it maps; ``sample_held``, on by default) and keeps the peak of
+PSS plus it, ``peak_held_bytes``: the memory the loader holds, queued batches included.
+Descriptors in transit inside a socket are in neither.
 
 NOTE [ Measuring honestly ]
 ---------------------------
@@ -208,8 +208,8 @@ def measure_loader(
             is about to end (untimed). Costs up to about 10% of one core; turn it off for
             timing-only runs or where PSS is not available.
         sample_held: also read the shared memory the tree holds but maps nowhere
-            (``peak_held_bytes``; a few more reads per sample, 0.1-10 ms by how many shared
-            memory files the tree holds open).
+            (``peak_held_bytes``): each process's descriptors and, when one is shared
+            memory, its ``/proc/<pid>/maps`` (a few ms, mostly the kernel's, per sample).
         sample_interval_s: seconds between PSS samples (stretched to ten times the cost of a
             sample when that is longer). Shorter catches briefer peaks and costs more CPU.
         count: returns ``(samples, bytes)`` of a batch; the default handles tensors, numpy

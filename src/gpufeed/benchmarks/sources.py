@@ -283,9 +283,7 @@ def run_workload(name: str, *, repeats: int, quick: bool, cache: Path, nw: int,
         rows.append({"side": side, "runs": ms, "median_samples_per_s": statistics.median(rates),
                      "min_samples_per_s": min(rates), "max_samples_per_s": max(rates),
                      "median_pss_growth": statistics.median(growth),
-                     "median_peak_pss_bytes": statistics.median(m["peak_pss_bytes"] for m in ms),
-                     "median_peak_held_bytes": statistics.median(m.get("peak_held_bytes", 0)
-                                                                 for m in ms)})
+                     "median_peak_pss_bytes": statistics.median(m["peak_pss_bytes"] for m in ms)})
     stock = next(r for r in rows if r["side"] == "stock")
     for r in rows:
         r["ratio"] = r["median_samples_per_s"] / max(stock["median_samples_per_s"], 1e-9)
