@@ -44,11 +44,16 @@ def _stack_rule(writer: SlotWriter | None) -> Callable[..., torch.Tensor]:
     return stack
 
 
-def collate_into(batch: list[Any], writer: SlotWriter | None) -> Any:
-    """``default_collate(batch)`` with stacked tensors written through ``writer``."""
+def collate_rules(writer: SlotWriter | None) -> dict[Any, Callable[..., Any]]:
+    """``default_collate``'s rules by type, with stacked tensors written through ``writer``."""
     rules = dict(default_collate_fn_map)
     rules[torch.Tensor] = _stack_rule(writer)
-    return collate(batch, collate_fn_map=rules)
+    return rules
+
+
+def collate_into(batch: list[Any], writer: SlotWriter | None) -> Any:
+    """``default_collate(batch)`` with stacked tensors written through ``writer``."""
+    return collate(batch, collate_fn_map=collate_rules(writer))
 
 
 def ringable(t: torch.Tensor) -> bool:
@@ -290,5 +295,5 @@ def _flat_refs(n: int) -> tuple[LeafRef, ...]:
     return refs
 
 
-__all__ = ["ALIGN", "Leaf", "LeafRef", "Packed", "collate_into", "leaf_ref", "pack",
-           "ringable", "unpack"]
+__all__ = ["ALIGN", "Leaf", "LeafRef", "Packed", "collate_into", "collate_rules", "leaf_ref",
+           "pack", "ringable", "unpack"]

@@ -25,6 +25,7 @@ from .._sources.arrow import arrow_source
 from .collate import collate_into
 from .output import building
 from .random_watch import TaskProbe
+from .streaming import StreamedBatch
 from .writer import SlotWriter
 
 _AT_SAMPLE = "while fetching a sample"  # MapFetcher.describe() adds which one
@@ -148,31 +149,50 @@ class MapFetcher:
             self.collate_s = time.perf_counter() - t0
             return out
         if globally:
-            samples = self._fetch_seeded(indices, self.seed, epoch)  # type: ignore[arg-type]
+            samples = self._fetch_seeded(
+                indices, self.seed, epoch, writer if collate_fn is None else None)  # type: ignore[arg-type]
         elif self.getitems is not None:
             self.where = "in __getitems__"
             scope.at_batch(indices)
             samples = (self.getitems if probe is None else probe.wrap(self.getitems))(indices)
         else:
-            samples = []
+            samples = []  # or a StreamedBatch from the first sample on (_host/streaming.py)
             append, dataset, at = samples.append, self.dataset, scope.at
+            stream = collate_fn is None and writer is not None
             self.where = _AT_SAMPLE  # formatted only on error: this loop is per sample
             building(None)  # one sample of a batch the loader collates: not the batch
+            t0 = time.perf_counter()
             for i in indices:
                 self.index = i
                 at(i)
                 append(get(dataset, i))
+                if stream:
+                    stream = False
+                    streamed = _stream(samples, writer, indices, t0)
+                    if streamed is not None:
+                        samples, append = streamed, streamed.add
             building(writer)
+        return self._collate(samples, writer, collate_fn, indices, scope)
+
+    def _collate(self, samples: Any, writer: SlotWriter | None,
+                 collate_fn: Callable[[Any], Any] | None, indices: Any, scope: SampleScope
+                 ) -> Any:
         self.where = "in collate_fn"
         scope.at_batch(indices)
         t0 = time.perf_counter()
+        if type(samples) is StreamedBatch:
+            out = samples.finish()
+            self.collate_s = time.perf_counter() - t0 + samples.copy_s
+            return out
         out = collate_into(samples, writer) if collate_fn is None else collate_fn(samples)
         self.collate_s = time.perf_counter() - t0
         return out
 
-    def _fetch_seeded(self, indices: Any, seed: int, epoch: int) -> list[Any]:
+    def _fetch_seeded(self, indices: Any, seed: int, epoch: int, stream_to: SlotWriter | None
+                      ) -> list[Any] | StreamedBatch:
         """Samples with per-sample random state (NOTE [ Seeding and threads ] in
-        _order/seeding.py)."""
+        _order/seeding.py); ``stream_to``: the writer of a batch that may be collated as the
+        samples come (NOTE [ Streamed collation ] in _host/streaming.py)."""
         scope = self.scope
         with seeded(seed, epoch) as reseed:
             if self.getitems is not None:
@@ -180,14 +200,22 @@ class MapFetcher:
                 scope.at_batch(indices)
                 reseed.batch(indices)
                 return list(self.getitems(indices))
-            samples = []
+            samples: Any = []
+            append = samples.append
+            stream = stream_to is not None
             self.where = _AT_SAMPLE
             writer = building(None)  # one sample of a batch the loader collates
+            t0 = time.perf_counter()
             for i in indices:
                 self.index = i
                 scope.at(i)
                 reseed(i)
-                samples.append(self.dataset[i])
+                append(self.dataset[i])
+                if stream:
+                    stream = False
+                    streamed = _stream(samples, stream_to, indices, t0)
+                    if streamed is not None:
+                        samples, append = streamed, streamed.add
             building(writer)
             return samples
 
@@ -275,23 +303,35 @@ class IterFetcher:
             self.where = "in collate_fn"
             scope.at_batch((first,))
             return collate_fn(sample) if collate_fn is not None else sample
-        samples = []
+        samples: Any = []  # or a StreamedBatch from the first sample on (_host/streaming.py)
+        append = samples.append
+        stream = collate_fn is None and writer is not None
         building(None)  # one sample of a batch the loader collates: not the batch
+        t0 = time.perf_counter()
         for _ in range(n):
             self.where = f"while fetching sample {self.count} of this worker's stream"
             scope.at(self.count)
             try:
-                samples.append(step(self._it))
+                append(step(self._it))
             except StopIteration:
                 self.ended = True
                 break
             self.count += 1
+            if stream:
+                stream = False
+                streamed = StreamedBatch.start(samples[0], writer, n, time.perf_counter() - t0)
+                if streamed is not None:
+                    samples, append = streamed, streamed.add
         building(writer)
         if not samples or (self.drop_last and len(samples) < n):
             raise StopIteration
         self.where = "in collate_fn"
         scope.at_batch(range(first, self.count))
         t0 = time.perf_counter()
+        if type(samples) is StreamedBatch:
+            out = samples.finish()
+            self.collate_s = time.perf_counter() - t0 + samples.copy_s
+            return out
         out = collate_into(samples, writer) if collate_fn is None else collate_fn(samples)
         self.collate_s = time.perf_counter() - t0
         return out
@@ -313,6 +353,18 @@ def thread_copy(dataset: Any) -> Any:
         return copy.copy(dataset)
     except Exception:
         return dataset
+
+
+def _stream(samples: list[Any], writer: SlotWriter | None, indices: Any, t0: float
+            ) -> StreamedBatch | None:
+    """The batch of ``indices`` collated as its samples come, from its first (``samples[0]``,
+    fetched from ``t0`` on), or None (NOTE [ Streamed collation ] in _host/streaming.py)."""
+    fetch_s = time.perf_counter() - t0
+    try:
+        n = len(indices)
+    except TypeError:  # a batch sampler's generator: its length is not known
+        return None
+    return StreamedBatch.start(samples[0], writer, n, fetch_s)
 
 
 def _alloc_for(writer: SlotWriter | None, *, fresh: bool = False

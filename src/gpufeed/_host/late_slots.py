@@ -12,8 +12,9 @@ take fresh shared memory only to collate a finished batch.
 On expensive batches (one task per message, at least ``LATE_BIND_S`` of worker time each:
 ``WorkAhead.late_bind``; also before the first batch's cost is known) tasks go out ``LATE``
 (``_host/messages.py``): no slot yet. The worker asks for it at its first request for slot
-memory, that is when it collates the samples, or when a batch source asks for
-``batch_empty``, with a ``NeedSlot`` message; the main process acquires one and answers with
+memory, that is when it collates the samples (after the first sample, when they are
+collated as they come: NOTE [ Streamed collation ] in ``_host/streaming.py``), or when a
+batch source asks for ``batch_empty``, with a ``NeedSlot`` message; the main process acquires one and answers with
 ``SlotFor`` when it next reads its workers' messages, and the worker waits for that. Slots in
 use are then the batches being collated, those answered and not yet handed out, and those the
 loop holds.

@@ -1,0 +1,237 @@
+"""Collating a batch sample by sample: each large tensor goes into its row of the slot at once.
+
+NOTE [ Streamed collation ]
+---------------------------
+With the default ``collate_fn``, a dataset read one sample at a time (``__getitem__``, or an
+iterable dataset's stream) makes the stock loader's worker hold every sample of the batch in
+its heap, then stack them into a second copy: a worker's memory peaks at two batches, and the
+stack reads the first batch back from DRAM. When the first sample has tensors (or numeric
+numpy arrays) of ``STREAM_BYTES`` or more, gpufeed allocates the batch's stacked tensors in the
+slot at once (``SlotWriter.alloc_any``, as the stack would at the end), copies each sample's
+large tensors into their rows as soon as the sample is fetched, and keeps only the sample's
+*skeleton*: its containers and small leaves, each copied tensor replaced by a marker. The
+worker then holds at most one sample besides the batch, and each row is copied while the
+sample is still in the CPU's caches.
+
+The batch is the one ``default_collate`` makes (values, dtypes, shapes, strides, container
+types, error messages): the skeletons are collated by torch's own ``collate`` with the
+loader's rules (``collate_rules``) and one more, which answers each marker's column with its
+stacked tensor. Only plain containers are walked (``tuple``, ``list``, ``dict``, named
+tuples); anything else, and small tensors, stay in the skeleton as they are and are collated
+at the end as usual.
+
+A sample that does not match the first (another number of large tensors, or one of another
+shape, dtype, or kind), a marker's column holding anything but that marker, or any error while
+collating the skeletons ends the streaming: the samples so far are rebuilt with views of
+their rows (numpy arrays as numpy arrays) and the batch is collated the ordinary way, which
+gives ``default_collate``'s own result or error. The rows keep their space in the slot; the
+ordinary collation takes more (or the spill file): a cost paid only by batches whose samples
+differ.
+
+Small or quick samples are not streamed. Walking a sample and copying its rows one by one
+costs about 10 us of Python per sample more than one stack at the end (image-array's
+``per-sample`` variant, 64 crops of 108 KiB from a memory map, about 80 us each: 4.9 against
+5.6 ms of worker time per batch in one process), so a batch is streamed only when its first
+sample took ``STREAM_MIN_S`` (0.2 ms) or more to fetch, where that is under 5%: image decoding
+and its augmentations take milliseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data._utils.collate import collate, np_str_obj_array_pattern
+
+from .collate import collate_into, collate_rules, ringable
+from .writer import SlotWriter
+
+STREAM_BYTES = 32 * 1024  # a tensor of this many bytes or more is copied into its row at once
+STREAM_MIN_S = 200e-6  # and only when the batch's first sample took this long to fetch
+
+
+class _Marker:
+    """Stands for the ``i``-th large tensor of a sample in its skeleton."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __repr__(self) -> str:
+        return f"<gpufeed streamed tensor {self.i}>"
+
+
+_MARKERS: list[_Marker] = []
+
+
+def _marker(i: int) -> _Marker:
+    while len(_MARKERS) <= i:
+        _MARKERS.append(_Marker(len(_MARKERS)))
+    return _MARKERS[i]
+
+
+class _Mismatch(Exception):
+    """A sample (or a column) that the streamed batch cannot take: collate the ordinary way."""
+
+
+def _large(x: Any) -> tuple[torch.Tensor, bool] | None:
+    """``x`` as a tensor to copy into a row, and whether it was a numpy array; None when it is
+    collated at the end instead."""
+    t = type(x)
+    if t is torch.Tensor:
+        if (x.nbytes < STREAM_BYTES or x.requires_grad or not ringable(x) or x.is_conj()
+                or x.is_neg()):  # (a lazy conjugate or negation: its bytes are not its values)
+            return None
+        return x, False
+    if t is np.ndarray:
+        if (x.nbytes < STREAM_BYTES or not x.dtype.isnative or x.dtype.kind not in "biufc"
+                or np_str_obj_array_pattern.search(x.dtype.str) is not None):
+            return None
+        return torch.as_tensor(x), True  # as default_collate converts it
+    return None
+
+
+def _skeleton(x: Any, found: list[tuple[torch.Tensor, bool]]) -> Any:
+    """``x`` with each large tensor replaced by its marker (appended to ``found``)."""
+    t = type(x)
+    if t is tuple or t is list:
+        return t([_skeleton(v, found) for v in x])
+    if t is dict:
+        return {k: _skeleton(v, found) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(t, "_fields") and hasattr(t, "_make"):
+        return t._make([_skeleton(v, found) for v in x])
+    big = _large(x)
+    if big is None:
+        return x
+    found.append(big)
+    return _marker(len(found) - 1)
+
+
+def _rebuild(x: Any, views: list[Any]) -> Any:
+    """A skeleton with its markers replaced by ``views`` (the rows of one sample)."""
+    t = type(x)
+    if t is _Marker:
+        return views[x.i]
+    if t is tuple or t is list:
+        return t([_rebuild(v, views) for v in x])
+    if t is dict:
+        return {k: _rebuild(v, views) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(t, "_fields") and hasattr(t, "_make"):
+        return t._make([_rebuild(v, views) for v in x])
+    return x
+
+
+def _copy_row(row: torch.Tensor, t: torch.Tensor) -> None:
+    """``row.copy_(t)``; a plain ``memmove`` where ``t`` is contiguous (``copy_`` costs a few
+    microseconds more per call, and a 100 KB row takes about 5)."""
+    if t.is_contiguous():
+        ctypes.memmove(row.data_ptr(), t.data_ptr(), t.nbytes)
+    else:
+        row.copy_(t)
+
+
+class StreamedBatch:
+    """A batch of at most ``n`` samples collated as they come (NOTE [ Streamed collation ]).
+
+    ``start`` makes one from the first sample, or returns None when it is not worth it; then
+    ``add`` each later sample and ``finish``. ``copy_s`` is the time spent copying rows.
+    """
+
+    __slots__ = ("_seen", "copy_s", "n", "outs", "pending", "rows", "skeletons", "specs",
+                 "writer")
+
+    def __init__(self, writer: SlotWriter, n: int,
+                 found: list[tuple[torch.Tensor, bool]], skeleton: Any) -> None:
+        self.writer = writer
+        self.n = n
+        self.specs = [(t.shape, t.dtype, is_numpy) for t, is_numpy in found]
+        self.outs = [writer.alloc_any((n, *t.shape), t.dtype) for t, _ in found]
+        self.rows = [out.unbind(0) for out in self.outs]
+        self.skeletons: list[Any] = []
+        self.pending: list[Any] = []  # samples taken after a mismatch, as they are
+        self.copy_s = 0.0
+        self._seen = 0
+        self._copy(found, skeleton)
+
+    @classmethod
+    def start(cls, sample: Any, writer: SlotWriter | None, n: int, fetch_s: float = 1.0
+              ) -> StreamedBatch | None:
+        """The streamed batch begun with ``sample``, which took ``fetch_s`` to fetch, or None:
+        no writer, a batch of one, a sample quicker than ``STREAM_MIN_S`` or with no large
+        tensor."""
+        if writer is None or n < 2 or fetch_s < STREAM_MIN_S:
+            return None
+        found: list[tuple[torch.Tensor, bool]] = []
+        skeleton = _skeleton(sample, found)
+        if not found:
+            return None
+        return cls(writer, n, found, skeleton)
+
+    def _copy(self, found: list[tuple[torch.Tensor, bool]], skeleton: Any) -> None:
+        k = len(self.skeletons)
+        t0 = time.perf_counter()
+        for rows, (t, _) in zip(self.rows, found, strict=True):
+            _copy_row(rows[k], t)
+        self.copy_s += time.perf_counter() - t0
+        self.skeletons.append(skeleton)
+
+    def add(self, sample: Any) -> None:
+        """Take the next sample: its large tensors into their rows, or, once a sample did not
+        match, the sample as it is."""
+        if self.pending or len(self.skeletons) >= self.n:
+            self.pending.append(sample)
+            return
+        found: list[tuple[torch.Tensor, bool]] = []
+        skeleton = _skeleton(sample, found)
+        specs = self.specs
+        if len(found) != len(specs) or any(
+                t.shape != shape or t.dtype != dtype or is_numpy != was_numpy
+                for (t, is_numpy), (shape, dtype, was_numpy) in zip(found, specs, strict=True)):
+            self.pending.append(sample)
+            return
+        self._copy(found, skeleton)
+
+    def __len__(self) -> int:
+        return len(self.skeletons) + len(self.pending)
+
+    def samples(self) -> list[Any]:
+        """The samples taken, rebuilt with views of their rows (for the ordinary collation)."""
+        out = []
+        for k, skeleton in enumerate(self.skeletons):
+            views = [rows[k].numpy() if is_numpy else rows[k]
+                     for rows, (_, _, is_numpy) in zip(self.rows, self.specs, strict=True)]
+            out.append(_rebuild(skeleton, views))
+        return out + self.pending
+
+    def finish(self) -> Any:
+        """The collated batch of the samples taken (``default_collate``'s)."""
+        m = len(self.skeletons)
+        if self.pending:
+            return collate_into(self.samples(), self.writer)
+        outs = self.outs if m == self.n else [out[:m] for out in self.outs]
+        self._seen = 0
+
+        def column(batch: list[Any], *, collate_fn_map: Any = None) -> torch.Tensor:
+            first = batch[0]
+            for b in batch:
+                if b is not first:
+                    raise _Mismatch
+            self._seen += 1
+            return outs[first.i]
+
+        rules = collate_rules(self.writer)
+        rules[_Marker] = column
+        try:
+            batch = collate(self.skeletons, collate_fn_map=rules)
+            if self._seen != len(outs):  # a marker's column was never reached
+                raise _Mismatch
+        except Exception:  # the ordinary way gives default_collate's own result or error
+            return collate_into(self.samples(), self.writer)
+        return batch
+
+
+__all__ = ["STREAM_BYTES", "StreamedBatch"]
