@@ -21,11 +21,12 @@ from torch.utils.data import DataLoader as TorchLoader
 from torch.utils.data import Dataset, IterableDataset
 
 import gpufeed
+from gpufeed._host import streaming
 from gpufeed._host.collate import collate_into
 from gpufeed._host.fetch import IterFetcher, MapFetcher
-from gpufeed._host import streaming
 from gpufeed._host.streaming import STREAM_BYTES, StreamedBatch
 from gpufeed._host.writer import SlotWriter
+from support.compare import assert_same
 
 Pair = namedtuple("Pair", "image label")
 SIDE = 64  # 3 x 64 x 64 float32: 48 KiB, above STREAM_BYTES
@@ -49,21 +50,8 @@ def _image(i: int, *, side: int = SIDE, dtype: torch.dtype = torch.float32) -> t
     return torch.full((3, side, side), float(i), dtype=dtype)
 
 
-def _same(a: Any, b: Any) -> None:
-    assert type(a) is type(b), (type(a), type(b))
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, (tuple, list)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _same(x, y)
-    else:
-        assert a == b
+def _same(expected: Any, got: Any) -> None:
+    assert_same(expected, got, strides=True)
 
 
 def _streamed(samples: list[Any], writer: SlotWriter | None = None, n: int | None = None
@@ -94,7 +82,7 @@ SAMPLES = {
 def test_a_streamed_batch_equals_the_ordinary_collation(kind: str) -> None:
     samples = [SAMPLES[kind](i) for i in range(5)]
     out, _ = _streamed(samples)
-    _same(out, collate_into(samples, _writer()))
+    _same(collate_into(samples, _writer()), out)
 
 
 def test_rows_are_written_as_samples_come_into_the_slot() -> None:
@@ -124,7 +112,7 @@ def test_small_or_quick_samples_and_batches_of_one_are_not_streamed(monkeypatch)
 
 def test_a_short_batch_has_only_the_rows_taken() -> None:
     out, _ = _streamed([(_image(i), i) for i in range(3)], n=8)
-    _same(out, collate_into([(_image(i), i) for i in range(3)], _writer()))
+    _same(collate_into([(_image(i), i) for i in range(3)], _writer()), out)
 
 
 DIFFERENT = {
@@ -146,11 +134,11 @@ def test_samples_that_differ_give_the_ordinary_result_or_error(kind: str) -> Non
     samples = [DIFFERENT[kind](i) for i in range(5)]
     try:
         expected = collate_into(samples, _writer())
-    except Exception as e:  # noqa: BLE001 - the same error, whatever it is
+    except Exception as e:  # the same error, whatever it is
         with pytest.raises(type(e), match=re.escape(str(e))):
             _streamed(samples)
     else:
-        _same(_streamed(samples)[0], expected)
+        _same(expected, _streamed(samples)[0])
 
 
 def test_a_column_where_a_marker_lands_among_strings_is_collated_the_ordinary_way() -> None:
@@ -231,7 +219,7 @@ def test_the_loader_gives_the_stock_loaders_batches_and_errors(worker_type: str)
     stock = TorchLoader(_Images(), **kw)
     mine, theirs = iter(ours), iter(stock)
     for _ in range(4):
-        _same(next(mine), next(theirs))
+        _same(next(theirs), next(mine))
     with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
         next(theirs)
     with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):

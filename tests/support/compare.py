@@ -36,8 +36,10 @@ def torchvision_or_skip() -> Any:
 # -- comparing batches -------------------------------------------------------------------------
 
 
-def assert_same(expected: Any, got: Any, where: str = "batch") -> None:
-    """Exact, nested equality: container types, dtypes, shapes and values."""
+def assert_same(expected: Any, got: Any, where: str = "batch", *, strides: bool = False
+                ) -> None:
+    """Exact, nested equality: container types, dtypes, shapes and values (``strides``: and
+    tensors' strides)."""
     assert type(got) is type(expected), (
         f"{where}: got a {type(got).__name__}, expected a {type(expected).__name__}"
     )
@@ -45,6 +47,8 @@ def assert_same(expected: Any, got: Any, where: str = "batch") -> None:
         assert got.dtype == expected.dtype, f"{where}: dtype {got.dtype} != {expected.dtype}"
         assert got.shape == expected.shape, f"{where}: shape {got.shape} != {expected.shape}"
         assert torch.equal(got, expected), f"{where}: values differ\n{got}\n!=\n{expected}"
+        assert not strides or got.stride() == expected.stride(), (
+            f"{where}: strides {got.stride()} != {expected.stride()}")
     elif isinstance(expected, np.ndarray):
         assert got.dtype == expected.dtype, f"{where}: dtype {got.dtype} != {expected.dtype}"
         assert got.shape == expected.shape, f"{where}: shape {got.shape} != {expected.shape}"
@@ -52,14 +56,15 @@ def assert_same(expected: Any, got: Any, where: str = "batch") -> None:
     elif isinstance(expected, Mapping):
         assert list(got.keys()) == list(expected.keys()), f"{where}: keys differ"
         for k in expected:
-            assert_same(expected[k], got[k], f"{where}[{k!r}]")
+            assert_same(expected[k], got[k], f"{where}[{k!r}]", strides=strides)
     elif dataclasses.is_dataclass(expected) and not isinstance(expected, type):
         for f in dataclasses.fields(expected):
-            assert_same(getattr(expected, f.name), getattr(got, f.name), f"{where}.{f.name}")
+            assert_same(getattr(expected, f.name), getattr(got, f.name), f"{where}.{f.name}",
+                        strides=strides)
     elif isinstance(expected, (list, tuple)):
         assert len(got) == len(expected), f"{where}: length {len(got)} != {len(expected)}"
         for k, (e, g) in enumerate(zip(expected, got, strict=True)):
-            assert_same(e, g, f"{where}[{k}]")
+            assert_same(e, g, f"{where}[{k}]", strides=strides)
     else:
         assert got == expected, f"{where}: {got!r} != {expected!r}"
 

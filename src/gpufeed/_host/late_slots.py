@@ -14,10 +14,10 @@ On expensive batches (one task per message, at least ``LATE_BIND_S`` of worker t
 (``_host/messages.py``): no slot yet. The worker asks for it at its first request for slot
 memory, that is when it collates the samples (after the first sample, when they are
 collated as they come: NOTE [ Streamed collation ] in ``_host/streaming.py``), or when a
-batch source asks for ``batch_empty``, with a ``NeedSlot`` message; the main process acquires one and answers with
-``SlotFor`` when it next reads its workers' messages, and the worker waits for that. Slots in
-use are then the batches being collated, those answered and not yet handed out, and those the
-loop holds.
+batch source asks for ``batch_empty``, with a ``NeedSlot`` message; the main process
+acquires one and answers with ``SlotFor`` when it next reads its workers' messages, and the
+worker waits for that. Slots in use are then the batches being collated, those answered and
+not yet handed out, and those the loop holds.
 
     main: Tasks([Task(b, ..., LATE)]) ─> worker: fetches b's samples
     worker: first request for slot memory ─ NeedSlot(gen, b) ─> main: acquire()

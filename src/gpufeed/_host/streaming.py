@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -95,34 +96,34 @@ def _large(x: Any) -> tuple[torch.Tensor, bool] | None:
     return None
 
 
-def _skeleton(x: Any, found: list[tuple[torch.Tensor, bool]]) -> Any:
-    """``x`` with each large tensor replaced by its marker (appended to ``found``)."""
+def _walk(x: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``x`` with its plain containers (tuple, list, dict, named tuple) rebuilt and everything
+    else given to ``leaf``, in ``default_collate``'s order."""
     t = type(x)
     if t is tuple or t is list:
-        return t([_skeleton(v, found) for v in x])
+        return t([_walk(v, leaf) for v in x])
     if t is dict:
-        return {k: _skeleton(v, found) for k, v in x.items()}
+        return {k: _walk(v, leaf) for k, v in x.items()}
     if isinstance(x, tuple) and hasattr(t, "_fields") and hasattr(t, "_make"):
-        return t._make([_skeleton(v, found) for v in x])
-    big = _large(x)
-    if big is None:
-        return x
-    found.append(big)
-    return _marker(len(found) - 1)
+        return t._make([_walk(v, leaf) for v in x])
+    return leaf(x)
+
+
+def _skeleton(x: Any, found: list[tuple[torch.Tensor, bool]]) -> Any:
+    """``x`` with each large tensor replaced by its marker (appended to ``found``)."""
+    def leaf(v: Any) -> Any:
+        big = _large(v)
+        if big is None:
+            return v
+        found.append(big)
+        return _marker(len(found) - 1)
+
+    return _walk(x, leaf)
 
 
 def _rebuild(x: Any, views: list[Any]) -> Any:
     """A skeleton with its markers replaced by ``views`` (the rows of one sample)."""
-    t = type(x)
-    if t is _Marker:
-        return views[x.i]
-    if t is tuple or t is list:
-        return t([_rebuild(v, views) for v in x])
-    if t is dict:
-        return {k: _rebuild(v, views) for k, v in x.items()}
-    if isinstance(x, tuple) and hasattr(t, "_fields") and hasattr(t, "_make"):
-        return t._make([_rebuild(v, views) for v in x])
-    return x
+    return _walk(x, lambda v: views[v.i] if type(v) is _Marker else v)
 
 
 def _copy_row(row: torch.Tensor, t: torch.Tensor) -> None:
