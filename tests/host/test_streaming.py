@@ -227,3 +227,35 @@ def test_the_loader_gives_the_stock_loaders_batches_and_errors(worker_type: str)
         next(theirs)
     with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
         next(mine)
+
+
+def test_thread_workers_making_markers_at_once_agree_on_each(monkeypatch) -> None:
+    """Each index has one marker, whichever thread worker made it first: a batch's columns are
+    matched by the marker's identity and index."""
+    import threading
+    import time
+
+    monkeypatch.setattr(streaming, "_MARKERS", type(streaming._MARKERS)())
+    init = streaming._Marker.__init__
+
+    def slow_init(self: Any, i: int) -> None:  # a thread switch inside the making
+        time.sleep(0.001)
+        init(self, i)
+
+    monkeypatch.setattr(streaming._Marker, "__init__", slow_init)
+    got: list[list[Any]] = []
+    start = threading.Barrier(6)
+
+    def make(order: list[int]) -> None:
+        start.wait()
+        got.append([streaming._marker(i) for i in order])
+
+    threads = [threading.Thread(target=make, args=(list(range(12))[::1 - 2 * (k % 2)],))
+               for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for markers in got:
+        assert sorted(m.i for m in markers) == list(range(12))
+        assert all(streaming._marker(m.i) is m for m in markers)

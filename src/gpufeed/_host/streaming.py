@@ -69,13 +69,14 @@ class _Marker:
         return f"<gpufeed streamed tensor {self.i}>"
 
 
-_MARKERS: list[_Marker] = []
+_MARKERS: dict[int, _Marker] = {}
 
 
 def _marker(i: int) -> _Marker:
-    while len(_MARKERS) <= i:
-        _MARKERS.append(_Marker(len(_MARKERS)))
-    return _MARKERS[i]
+    """The one marker of index ``i`` (``setdefault``: one C call, so thread workers that make
+    the same index at once all get the one that was kept)."""
+    m = _MARKERS.get(i)
+    return m if m is not None else _MARKERS.setdefault(i, _Marker(i))
 
 
 class _Mismatch(Exception):
