@@ -172,20 +172,9 @@ class MapFetcher:
                     if streamed is not None:
                         samples, append = streamed, streamed.add
             building(writer)
-        return self._collate(samples, writer, collate_fn, indices, scope)
-
-    def _collate(self, samples: Any, writer: SlotWriter | None,
-                 collate_fn: Callable[[Any], Any] | None, indices: Any, scope: SampleScope
-                 ) -> Any:
         self.where = "in collate_fn"
         scope.at_batch(indices)
-        t0 = time.perf_counter()
-        if type(samples) is StreamedBatch:
-            out = samples.finish()
-            self.collate_s = time.perf_counter() - t0 + samples.copy_s
-            return out
-        out = collate_into(samples, writer) if collate_fn is None else collate_fn(samples)
-        self.collate_s = time.perf_counter() - t0
+        out, self.collate_s = _collated(samples, writer, collate_fn)
         return out
 
     def _fetch_seeded(self, indices: Any, seed: int, epoch: int, stream_to: SlotWriter | None
@@ -327,13 +316,7 @@ class IterFetcher:
             raise StopIteration
         self.where = "in collate_fn"
         scope.at_batch(range(first, self.count))
-        t0 = time.perf_counter()
-        if type(samples) is StreamedBatch:
-            out = samples.finish()
-            self.collate_s = time.perf_counter() - t0 + samples.copy_s
-            return out
-        out = collate_into(samples, writer) if collate_fn is None else collate_fn(samples)
-        self.collate_s = time.perf_counter() - t0
+        out, self.collate_s = _collated(samples, writer, collate_fn)
         return out
 
 
@@ -353,6 +336,18 @@ def thread_copy(dataset: Any) -> Any:
         return copy.copy(dataset)
     except Exception:
         return dataset
+
+
+def _collated(samples: list[Any] | StreamedBatch, writer: SlotWriter | None,
+              collate_fn: Callable[[Any], Any] | None) -> tuple[Any, float]:
+    """The batch of ``samples`` (``collate_fn``'s, else collated into ``writer``'s slot) and
+    the seconds collating took (a streamed batch's row copies included)."""
+    t0 = time.perf_counter()
+    if isinstance(samples, StreamedBatch):
+        out = samples.finish()
+        return out, time.perf_counter() - t0 + samples.copy_s
+    out = collate_into(samples, writer) if collate_fn is None else collate_fn(samples)
+    return out, time.perf_counter() - t0
 
 
 def _stream(samples: list[Any], writer: SlotWriter | None, indices: Any, t0: float

@@ -149,8 +149,7 @@ class StreamedBatch:
     ``add`` each later sample and ``finish``. ``copy_s`` is the time spent copying rows.
     """
 
-    __slots__ = ("_seen", "copy_s", "n", "outs", "pending", "rows", "skeletons", "specs",
-                 "writer")
+    __slots__ = ("copy_s", "n", "outs", "pending", "rows", "skeletons", "specs", "writer")
 
     def __init__(self, writer: SlotWriter, n: int,
                  found: list[tuple[torch.Tensor, bool]], skeleton: Any) -> None:
@@ -162,7 +161,6 @@ class StreamedBatch:
         self.skeletons: list[Any] = []
         self.pending: list[Any] = []  # samples taken after a mismatch, as they are
         self.copy_s = 0.0
-        self._seen = 0
         self._copy(found, skeleton)
 
     @classmethod
@@ -190,7 +188,7 @@ class StreamedBatch:
     def add(self, sample: Any) -> None:
         """Take the next sample: its large tensors into their rows, or, once a sample did not
         match, the sample as it is."""
-        if self.pending or len(self.skeletons) >= self.n:
+        if self.pending:
             self.pending.append(sample)
             return
         found: list[tuple[torch.Tensor, bool]] = []
@@ -221,21 +219,21 @@ class StreamedBatch:
         if self.pending:
             return collate_into(self.samples(), self.writer)
         outs = self.outs if m == self.n else [out[:m] for out in self.outs]
-        self._seen = 0
+        seen = []  # the markers whose columns were answered
 
         def column(batch: list[Any], *, collate_fn_map: Any = None) -> torch.Tensor:
             first = batch[0]
             for b in batch:
                 if b is not first:
                     raise _Mismatch
-            self._seen += 1
+            seen.append(first)
             return outs[first.i]
 
         rules = collate_rules(self.writer)
         rules[_Marker] = column
         try:
             batch = collate(self.skeletons, collate_fn_map=rules)
-            if self._seen != len(outs):  # a marker's column was never reached
+            if len(seen) != len(outs):  # a marker's column was never reached
                 raise _Mismatch
         except Exception:  # the ordinary way gives default_collate's own result or error
             return collate_into(self.samples(), self.writer)

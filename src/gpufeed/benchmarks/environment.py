@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 import torch
 
-__all__ = ["commit_label", "environment", "write_documents"]
+__all__ = ["commit_label", "environment", "environment_line", "write_documents"]
 
 
 def _version(dist: str) -> str | None:
@@ -69,6 +69,15 @@ def commit_label(env: dict[str, Any]) -> str:
     outside a git checkout."""
     commit = env.get("git_commit")
     return f" ({commit[:10]}{', dirty' if env.get('git_dirty') else ''})" if commit else ""
+
+
+def environment_line(env: dict[str, Any]) -> str:
+    """The one-line header of a results file: date, machine, Python, torch, gpufeed and its
+    commit, the load average at the start (of an :func:`environment` record)."""
+    return (f"{env['date']} on `{env['hostname']}`: {env['cpu_model']}, {env['cpu_affinity']} "
+            f"usable cores; Python {env['python']}, torch {env['torch']}, gpufeed "
+            f"{env['gpufeed']}{commit_label(env)}; load average {env['loadavg_start'][0]:.2f} "
+            "at start.")
 
 
 def write_documents(doc: dict[str, Any], out: Path, stem: str,

@@ -28,7 +28,7 @@ import torch
 
 from .._memory import heap
 from .cpu import Settings, _factory, add_workload_options, workload_variant
-from .environment import commit_label, environment, write_documents
+from .environment import environment, environment_line, write_documents
 
 __all__ = ["main", "one_run"]
 
@@ -104,10 +104,7 @@ def render(env: dict[str, Any], args: argparse.Namespace, summary: dict[str, Any
     lines = [
         "# A process worker's heap: following its batches, or left as glibc has it",
         "",
-        f"{env['date']} on `{env['hostname']}`: {env['cpu_model']}, "
-        f"{env['cpu_affinity']} usable cores; Python {env['python']}, torch {env['torch']}, "
-        f"gpufeed {env['gpufeed']}{commit_label(env)}; load average "
-        f"{env['loadavg_start'][0]:.2f} at start.",
+        environment_line(env),
         "",
         f"`python -m gpufeed.benchmarks.heap --workload {args.workload} --variant "
         f"{args.variant} --rounds {args.rounds}`: {args.num_workers} workers, one epoch per run "

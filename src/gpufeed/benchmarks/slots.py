@@ -35,7 +35,7 @@ from .._host.output import batch_empty
 from .._loader import DataLoader
 from .._tools.peaks import PeakSampler
 from .cpu import workload_variant
-from .environment import commit_label, environment, write_documents
+from .environment import environment, environment_line, write_documents
 
 __all__ = ["SIDES", "STEPS_S", "main", "run_jpeg", "run_step"]
 
@@ -135,10 +135,7 @@ def render(env: dict[str, Any], args: argparse.Namespace, jpeg: dict[str, list[d
            steps: list[dict[str, Any]]) -> str:
     lines = [
         "# Slots bound when a task starts, against slots bound at dispatch", "",
-        f"{env['date']} on `{env['hostname']}`: {env['cpu_model']}, {env['cpu_affinity']} "
-        f"usable cores; Python {env['python']}, torch {env['torch']}, gpufeed "
-        f"{env['gpufeed']}{commit_label(env)}; load average {env['loadavg_start'][0]:.2f} at "
-        "start.", "",
+        environment_line(env), "",
         f"`python -m gpufeed.benchmarks.slots --rounds {args.rounds}`: {args.num_workers} "
         "workers, sides alternating in every round, medians (min-max) over the rounds (NOTE "
         "[ Slots bound when a task starts ] in `_host/late_slots.py`).", "",

@@ -32,7 +32,7 @@ from .._host import streaming
 from .._loader import DataLoader
 from .._tools.measure import measure_loader
 from .cpu import workload_variant
-from .environment import commit_label, environment, write_documents
+from .environment import environment, environment_line, write_documents
 from .summary import paired_ratio
 
 __all__ = ["SIDES", "WORKLOADS", "main", "run"]
@@ -80,10 +80,7 @@ def render(env: dict[str, Any], args: argparse.Namespace,
            results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
     lines = [
         "# Per-sample batches collated as their samples come, against at the end", "",
-        f"{env['date']} on `{env['hostname']}`: {env['cpu_model']}, {env['cpu_affinity']} "
-        f"usable cores; Python {env['python']}, torch {env['torch']}, gpufeed "
-        f"{env['gpufeed']}{commit_label(env)}; load average {env['loadavg_start'][0]:.2f} at "
-        "start.", "",
+        environment_line(env), "",
         f"`python -m gpufeed.benchmarks.streaming --rounds {args.rounds}`: "
         f"{args.num_workers} process workers, batch 64, one epoch per run, sides alternating "
         "in every round; medians over the rounds, ratios round by round",
