@@ -208,6 +208,37 @@ def test_generator_break_then_next_epoch_matches_stock(taken, kwargs, n, drop_la
     assert torch.equal(ours[3], stock[3]), "the generator was left in another state"
 
 
+@pytest.mark.parametrize("taken", [1, 2, 7])
+@pytest.mark.parametrize("kwargs", [
+    dict(num_workers=1), dict(num_workers=2), dict(num_workers=2, worker_type="thread"),
+    dict(num_workers=1, prefetch_factor=3, persistent_workers=True),
+], ids=["w1", "w2", "w2-thread", "w1-pf3-persistent"])
+@pytest.mark.parametrize("how", ["shuffle", "sampler"])
+def test_unbatched_break_then_next_epoch_matches_stock(taken, kwargs, how):
+    """``batch_size=None``: the sampler is pulled one index at a time, so breaking out leaves
+    its generator as stock does (gpufeed works further ahead than stock pulls: it used to
+    exhaust a short epoch's sampler, whose closing draw then shifted the next epoch's order)."""
+    n = 7
+
+    def run(cls, **kw):
+        g = torch.Generator()
+        g.manual_seed(40)
+        if how == "shuffle":
+            kw.update(shuffle=True, generator=g)
+        else:
+            kw.update(sampler=tud.RandomSampler(range(n), generator=g))
+        loader = cls(RangeIndex(n), batch_size=None, **kw)
+        it = iter(loader)
+        first = [next(it) for _ in range(taken)]
+        del it
+        return [first, list(loader), list(loader), g.get_state()]
+
+    stock_kw = {k: v for k, v in kwargs.items() if k != "worker_type"}
+    ours, stock = run(gpufeed.DataLoader, **kwargs), run(tud.DataLoader, **stock_kw)
+    assert ours[:3] == stock[:3]
+    assert torch.equal(ours[3], stock[3]), "the generator was left in another state"
+
+
 class RangeIndex(tud.Dataset):
     def __init__(self, n):
         self.n = n

@@ -318,7 +318,9 @@ def _run_task(
     try:
         if task.planned:
             plan = fetcher.plan  # type: ignore[union-attr]
-            if fetcher.gathers:  # gpufeed's own gather: a numpy view of the plan
+            if plan.single:  # no batching: one index, as stock passes it
+                indices = plan.index(batch)
+            elif fetcher.gathers:  # gpufeed's own gather: a numpy view of the plan
                 indices = plan.batch_array(batch)
             else:
                 indices = plan.batch(batch)

@@ -4,6 +4,8 @@ With ``BatchSampler(SequentialSampler | RandomSampler)`` (what ``batch_size``/``
 build), the main process draws the epoch's permutation once, exactly as torch's
 ``RandomSampler`` would (same generator, same calls, same order), and workers slice it: no
 Python list of indices is built per batch in the main process and none crosses a pipe.
+Without batching (``batch_size=None``) the sampler itself is planned the same way, one index
+per "batch": its closing draw then comes when stock's would, too.
 gpufeed's own samplers (``_order/sampler.py``) hand over their order through ``take_epoch()``. Any
 other sampler goes through the generic path, one list of indices per batch.
 """
@@ -16,15 +18,18 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-from .rewind import EpochSeed
+from .rewind import EpochSeed, inner_sampler
 from .sampler import SeededRandomSampler, ShardedSampler
 
 
 class IndexPlan:
-    """Batch ``k`` is ``perm[k*batch_size : (k+1)*batch_size]`` (``perm`` None: arange)."""
+    """Batch ``k`` is ``perm[k*batch_size : (k+1)*batch_size]`` (``perm`` None: arange);
+    ``single`` (no batching): item ``k`` is the one index ``perm[k]`` (:meth:`index`)."""
 
-    def __init__(self, perm: torch.Tensor | None, n: int, batch_size: int, drop_last: bool):
+    def __init__(self, perm: torch.Tensor | None, n: int, batch_size: int, drop_last: bool,
+                 single: bool = False):
         self.perm, self.n, self.batch_size, self.drop_last = perm, n, batch_size, drop_last
+        self.single = single
         self.n_batches = n // batch_size if drop_last else -(-n // batch_size)
         self.finished = False  # the sampler's closing draw was made (main process only)
         # Which ``next()`` on torch's ``BatchSampler`` exhausts its sampler: the last batch's
@@ -40,6 +45,18 @@ class IndexPlan:
             return torch.arange(lo, hi)
         return self.perm[lo:hi]
 
+    def index(self, k: int) -> int:
+        """Item ``k`` of an unbatched plan: a Python int, as torch's samplers yield it."""
+        if self.perm is None:
+            return k
+        return int(self._numpy()[k])
+
+    def _numpy(self) -> np.ndarray:
+        flat = self._flat
+        if flat is None:
+            flat = self._flat = self.perm.numpy()  # type: ignore[union-attr]
+        return flat
+
     def batch_array(self, k: int) -> np.ndarray:
         """Batch ``k`` as a numpy view of the plan, for the vectorised gather: the same
         indices as :meth:`batch`, a slice of a numpy view of ``perm`` made once (slicing the
@@ -48,27 +65,28 @@ class IndexPlan:
         hi = min(lo + self.batch_size, self.n)
         if self.perm is None:
             return np.arange(lo, hi, dtype=np.int64)
-        flat = self._flat
-        if flat is None:
-            flat = self._flat = self.perm.numpy()
-        return flat[lo:hi]
+        return self._numpy()[lo:hi]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (IndexPlan, (self.perm, self.n, self.batch_size, self.drop_last))
+        return (IndexPlan, (self.perm, self.n, self.batch_size, self.drop_last, self.single))
 
 
-def plannable(batch_sampler: Any) -> bool:
-    if type(batch_sampler) is not BatchSampler:
-        return False
-    s = batch_sampler.sampler
+def plannable(index_sampler: Any) -> bool:
+    """Whether the epoch's order can be drawn at once: torch's ``BatchSampler`` over one of
+    the samplers below, or (no batching) one of them alone."""
+    if type(index_sampler) is BatchSampler:
+        return _plannable_sampler(index_sampler.sampler)
+    return _plannable_sampler(index_sampler)
+
+
+def _plannable_sampler(s: Any) -> bool:
     if type(s) is SequentialSampler or isinstance(s, (ShardedSampler, SeededRandomSampler)):
         return True
     return type(s) is RandomSampler and not s.replacement and s._num_samples is None
 
 
 def make_plan(
-    batch_sampler: BatchSampler, *, shared: bool, skip: int = 0,
-    epoch_seed: EpochSeed | None = None,
+    index_sampler: Any, *, shared: bool, skip: int = 0, epoch_seed: EpochSeed | None = None,
 ) -> IndexPlan:
     """Draw the epoch's order as the stock sampler would at its first ``next()``.
 
@@ -77,14 +95,15 @@ def make_plan(
     ``rewind.EpochSeed``, which every ``RandomSampler`` on the global generator has: it draws
     (and records) or replays the epoch's seed (NOTE [ Rewinding samplers ], case 4).
     """
-    s = batch_sampler.sampler
-    bs = batch_sampler.batch_size
+    batched = type(index_sampler) is BatchSampler
+    s = inner_sampler(index_sampler)
+    bs = index_sampler.batch_size if batched else 1
     perm: torch.Tensor | None = None
     if isinstance(s, (ShardedSampler, SeededRandomSampler)):
         _, perm, start = s.take_epoch()
         n = len(perm)
     else:
-        n = len(s.data_source)  # type: ignore[attr-defined]
+        n = len(s.data_source)
         if type(s) is RandomSampler:
             generator = epoch_seed.generator() if epoch_seed is not None else _generator(s)
             perm = torch.randperm(n, generator=generator)
@@ -96,10 +115,11 @@ def make_plan(
             perm, n = perm[start:].clone(), n - start
         if shared:
             perm.share_memory_()
-    return IndexPlan(perm, n, batch_size=bs, drop_last=batch_sampler.drop_last)
+    return IndexPlan(perm, n, batch_size=bs, drop_last=batched and index_sampler.drop_last,
+                     single=not batched)
 
 
-def pull_as_stock(plan: IndexPlan, batch_sampler: BatchSampler, pulled: int) -> None:
+def pull_as_stock(plan: IndexPlan, index_sampler: Any, pulled: int) -> None:
     """Advance the user's generator as the stock loader would have once it ``pulled``
     batches of indices from its sampler.
 
@@ -111,12 +131,12 @@ def pull_as_stock(plan: IndexPlan, batch_sampler: BatchSampler, pulled: int) -> 
     """
     if not plan.finished and pulled >= plan.closing_pull:
         plan.finished = True
-        finish_plan(batch_sampler)
+        finish_plan(index_sampler)
 
 
-def finish_plan(batch_sampler: BatchSampler) -> None:
+def finish_plan(index_sampler: Any) -> None:
     """Consume what the stock sampler consumes when it runs out (a second ``randperm``)."""
-    s = batch_sampler.sampler
+    s = inner_sampler(index_sampler)
     if type(s) is RandomSampler and s.generator is not None:
         advance_as_randperm(s.generator, len(s.data_source))
 
