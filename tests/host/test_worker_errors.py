@@ -55,7 +55,32 @@ def test_dataset_exception_reraised_with_type_traceback_and_index(exc_type, work
     assert "Traceback (most recent call last)" in msg and "fakes.py" in msg
     assert "__getitem__" in msg  # the worker's frames
     assert re.search(r"index[^\n]*\b13\b", msg), f"no failing sample index in: {msg[:300]}"
-    assert re.search(r"worker \d", msg), msg[:300]
+    assert re.search(r"DataLoader worker (process|thread) \d", msg), msg[:300]
+
+
+@pytest.mark.usefixtures("no_leaks")
+@pytest.mark.parametrize("where", ["dataset", "init"])
+def test_worker_exception_starts_with_stocks_words(where):
+    """People and tools search logs for torch's "Caught KeyError in DataLoader worker process
+    3." and "Original Traceback (most recent call last):"; gpufeed's context comes after."""
+    def run(cls):
+        if where == "dataset":
+            loader = cls(FailingDataset(20, bad=13, exc_type=KeyError), batch_size=4,
+                         num_workers=2)
+        else:
+            loader = cls(FailingDataset(20), batch_size=4, num_workers=2,
+                         worker_init_fn=failing_init)
+        with deadline(15), pytest.raises(Exception) as info:
+            list_or_stop(loader)
+        return type(info.value), str(info.value).splitlines()
+
+    stock_type, stock = run(tud.DataLoader)
+    ours_type, ours = run(gpufeed.DataLoader)
+    assert ours_type is stock_type
+    head = stock[0].rstrip(".")  # "Caught KeyError in DataLoader worker process 1"
+    assert re.fullmatch(r"Caught \w+ in DataLoader worker process \d", head), stock[0]
+    assert ours[0].startswith(head + " (gpufeed: "), (ours[0], stock[0])
+    assert ours[1] == stock[1] == "Original Traceback (most recent call last):"
 
 
 def test_locally_defined_exception_class(worker_type):
@@ -286,7 +311,8 @@ def test_failing_dataset_state_dict_is_reraised_not_lost(worker_type, capfd):
         threading.excepthook = old_hook
     assert errors == [], errors
     assert "state_dict failed" in msg, msg
-    assert re.search(r"worker \d saving the dataset's state", msg), msg
+    assert re.search(r"DataLoader worker (process|thread) \d \(gpufeed: saving the dataset's "
+                     r"state", msg), msg
     assert "Traceback" not in capfd.readouterr().err  # no worker died printing one
 
 

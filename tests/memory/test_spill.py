@@ -150,7 +150,7 @@ def test_out_of_shared_memory_says_which_memory_how_much_and_the_fixes(monkeypat
     for fix in ("ring_bytes=", "worker_type='thread'", "/dev/shm"):
         assert fix in msg, f"{fix} missing from: {msg}"
     first = msg.splitlines()[0]  # gpufeed's own allocation, not the user's code
-    assert first.startswith("Caught SharedMemoryError in gpufeed worker"), first
+    assert first.startswith("Caught SharedMemoryError in DataLoader worker process"), first
     assert "collate_fn" not in first, first
 
 

@@ -80,7 +80,7 @@ class RemoteError:
             raise self.exc_type(self.text)
         msg = (
             f"Caught {self.type_name} {self.where}.\n"
-            f"Original traceback (worker):\n{self.text}"
+            f"Original {self.text}"  # torch's words: "Original Traceback (most recent ..."
         )
         if self.exc_type is KeyError:
             msg = KeyErrorMessage(msg)  # keep the newlines readable

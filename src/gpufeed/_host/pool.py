@@ -49,7 +49,7 @@ from typing import Any
 from .._base.errors import WorkerError, capture
 from .descriptors import receive
 from .messages import StartFailed, ThreadChannel, ToMain, ToWorker, WorkerSpec
-from .worker import in_thread_worker, install_thread_worker_info, worker_loop
+from .worker import in_thread_worker, install_thread_worker_info, worker_label, worker_loop
 
 log = logging.getLogger("gpufeed")
 GRACE_S = 2.0
@@ -390,7 +390,7 @@ def _thread_entry(spec: WorkerSpec, worker_id: int, chan: ThreadChannel) -> None
     try:
         worker_loop(spec, worker_id=worker_id, kind="thread", chan=chan)
     except BaseException:
-        chan.send(StartFailed(capture(f"in gpufeed thread worker {worker_id}")))
+        chan.send(StartFailed(capture(f"in {worker_label(worker_id, False)} (gpufeed)")))
 
 
 Pool = ProcessPool | ThreadPool

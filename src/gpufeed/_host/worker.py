@@ -125,6 +125,13 @@ def in_thread_worker() -> bool:
     return getattr(_thread_local, "info", None) is not None
 
 
+def worker_label(worker_id: int, is_process: bool) -> str:
+    """How an error caught in a worker names it: torch's words for a process worker
+    (``Caught KeyError in DataLoader worker process 0.``: what people and tools search logs
+    for), the same with "thread" for a thread worker."""
+    return f"DataLoader worker {'process' if is_process else 'thread'} {worker_id}"
+
+
 def worker_loop(
     spec: WorkerSpec, *, worker_id: int, kind: str, chan: Any, close_fds: tuple[int, ...] = (),
 ) -> None:
@@ -134,6 +141,7 @@ def worker_loop(
     ``close_fds``: descriptors a forked process worker inherited and closes at once.
     """
     is_process = kind == "process"
+    label = worker_label(worker_id, is_process)
     seed = spec.base_seed + worker_id
     dataset = spec.dataset
     region = spec.region
@@ -177,17 +185,19 @@ def worker_loop(
         )
     except Exception:
         try:
-            chan.send(StartFailed(capture(f"in gpufeed worker {worker_id} during start-up")))
+            chan.send(StartFailed(capture(f"in {label} (gpufeed: during start-up)")))
         except (BrokenPipeError, EOFError, OSError):
             pass  # the main process already stopped (another worker's error, or close())
         return
     heap = HeapFollower() if is_process else None  # NOTE [ Worker heap ] in _memory/heap.py
-    _serve(worker_id, chan, fetcher, writer, parent, None if is_process else spec.random_watch,
+    _serve(worker_id, label, chan, fetcher, writer, parent,
+           None if is_process else spec.random_watch,
            heap if heap is not None and heap.active else None)
 
 
 def _serve(
-    worker_id: int, chan: Any, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None,
+    worker_id: int, label: str, chan: Any, fetcher: MapFetcher | IterFetcher,
+    writer: SlotWriter | None,
     parent: int, watch: GlobalDrawWatch | None, heap: HeapFollower | None,
 ) -> None:
     inbox: collections.deque[ToWorker] = collections.deque()  # read ahead by _newer
@@ -243,15 +253,15 @@ def _serve(
             look_at = now + NEWER_CHECK_S
             if watch is not None:  # NOTE [ Seeding and threads ]: global draws
                 fetcher.probe = watch.task_probe()
-            result = _run_task(worker_id, fetcher, writer, task, gen, msg.epoch, spills, heap,
-                               late)
+            result = _run_task(worker_id, label, fetcher, writer, task, gen, msg.epoch, spills,
+                               heap, late)
             if watch is not None:
                 fetcher.probe = None
             if type(result) is Dropped:  # it stopped waiting for its slot: the rest go unrun
                 latest = max(latest, gen + 1)
             results.append(result)
         try:
-            _send_results(worker_id, chan, gen, results)
+            _send_results(worker_id, label, chan, gen, results)
         except (BrokenPipeError, EOFError, OSError):
             return
         finally:
@@ -280,7 +290,8 @@ def _newer(chan: Any, inbox: collections.deque[ToWorker], gen: int) -> bool:
     return any(m is None or m.gen > gen for m in inbox)
 
 
-def _send_results(worker_id: int, chan: Any, gen: int, results: list[Result]) -> None:
+def _send_results(worker_id: int, label: str, chan: Any, gen: int, results: list[Result]
+                  ) -> None:
     """Send a message's results; if pickling them fails (torch's own shared memory, which
     the leaves the ring cannot hold still use, is full), each becomes that error."""
     try:
@@ -293,16 +304,17 @@ def _send_results(worker_id: int, chan: Any, gen: int, results: list[Result]) ->
         if isinstance(exc, (BrokenPipeError, EOFError, OSError)):
             raise
         where = (
-            f"in gpufeed worker {worker_id} sending a batch with tensors the ring cannot hold "
-            "(nested, sparse, quantized, subclasses: torch shares them through /dev/shm; a "
-            "larger /dev/shm, e.g. docker --shm-size, or worker_type='thread' avoids it)"
+            f"in {label} (gpufeed: sending a batch with tensors the ring cannot hold, nested, "
+            "sparse, quantized or subclasses, which torch shares through /dev/shm; a larger "
+            "/dev/shm, e.g. docker --shm-size, or worker_type='thread' avoids it)"
         )
         err = capture(where)
         chan.send(Done(gen, [Failed(r.batch, r.slot_id, err) for r in results]))
 
 
 def _run_task(
-    worker_id: int, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None, task: Task,
+    worker_id: int, label: str, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None,
+    task: Task,
     gen: int, epoch: int, spills: list[Spill], heap: HeapFollower | None,
     late: Callable[[int, int], Any],
 ) -> Result:
@@ -347,8 +359,8 @@ def _run_task(
             return Failed(batch, sid, worker_out_of_descriptors(
                 worker_id, f"{fetcher.describe(indices)} (batch {batch})"))
         if isinstance(exc, SharedMemoryError):  # gpufeed's own allocation, not the user's
-            return Failed(batch, sid, capture(f"in gpufeed worker {worker_id} (batch {batch})"))
-        where = f"in gpufeed worker {worker_id} {fetcher.describe(indices)} (batch {batch})"
+            return Failed(batch, sid, capture(f"in {label} (gpufeed: batch {batch})"))
+        where = f"in {label} (gpufeed: {fetcher.describe(indices)}, batch {batch})"
         return Failed(batch, sid, capture(where))
     t2 = time.perf_counter()
     collate_s = fetcher.collate_s + (t2 - t1)
@@ -365,7 +377,7 @@ def _run_task(
         if type(fetcher) is IterFetcher:  # map-style datasets have no stream state
             state = capture_state(fetcher.dataset)
     except Exception:
-        where = f"in gpufeed worker {worker_id} saving the dataset's state after batch {batch}"
+        where = f"in {label} (gpufeed: saving the dataset's state after batch {batch})"
         return Failed(batch, sid, capture(where))
     return tuple.__new__(Fetched, (  # in C: a NamedTuple's __new__ is Python code
         batch, sid, packed.used, packed.need, (packed.batch, packed.leaves), fetch_s, collate_s,
