@@ -382,6 +382,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
         _timeline.span_until_now(self._recorder, "start workers", started)  # NOTE [ Timeline ]
         return iterator
 
+    def _next_base_seed_generator(self) -> torch.Generator | None:
+        """What the next ``iter()`` draws a base seed from (a kept iterator draws none)."""
+        it = self._iterator
+        return None if isinstance(it, BaseIter) and not it.closed else self.generator
+
     def __iter__(self) -> Any:
         iterator = self._iterator
         if isinstance(iterator, BaseIter) and iterator.closed:  # closed by the user: afresh

@@ -171,8 +171,9 @@ def test_prepare_resume_user_sampler_skips_in_the_plan():
     batches = BatchSampler(sampler, 4, drop_last=False)
     state = _state(batches_delivered=2, sampler_state=sampler_state_of(sampler))
     point = prepare_resume(state, index_sampler=batches, num_batches=3)
-    assert point == ResumePoint(1, 2, (), False)
-    assert sampler.epochs == [1] and sampler.loaded == {"n": 1}
+    assert point == ResumePoint(1, 2, (), False, sampler_state={"n": 1})
+    # the sampler's state is put back when the epoch starts (LoaderPosition.begin_epoch)
+    assert sampler.epochs == [1] and sampler.loaded is None
     assert list(numbered(batches, point)) == [(2, [8, 9])]
     assert sampler_state_of(SeededRandomSampler(range(3), seed=0)) is None
     assert sampler_state_of(SequentialSampler(range(3))) is None
@@ -190,8 +191,11 @@ def test_stock_random_sampler_with_a_generator_resumes():
     state = _state(batches_delivered=2, sampler_state=sampler_state_of(batches.sampler))
     list(batches)  # the generator moves on
     point = prepare_resume(state, index_sampler=batches, num_batches=4)
-    assert point == ResumePoint(1, 2, (), False)
-    assert [b for _, b in numbered(batches, point)] == reference[2:]
+    assert point == ResumePoint(1, 2, (), False, sampler_state=state["sampler_state"])
+    progress = LoaderPosition()
+    progress.pending = point  # as load_state_dict leaves it; the epoch's start restores
+    tracker = progress.begin_epoch(batches, iterable=False, direct=True)
+    assert list(tracker.indices) == reference[2:]
 
 
 def test_prepare_resume_rolls_over_and_rejects_overrun():
@@ -309,7 +313,7 @@ def _fake_loader(dataset, sampler, batch_size=4, num_workers=0):
     return SimpleNamespace(
         dataset=dataset, sampler=sampler, batch_sampler=batches, _index_sampler=batches,
         batch_size=batch_size, num_workers=num_workers, seed=getattr(sampler, "seed", 0),
-        deterministic=True, rank=0, world_size=1,
+        deterministic=True, rank=0, world_size=1, _next_base_seed_generator=lambda: None,
     )
 
 

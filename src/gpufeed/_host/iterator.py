@@ -8,6 +8,7 @@ ring.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from .._base.tree import batch_len
 from .._memory import pinning as _pinning
 from .._memory.pinning import pin_batch
 from .._order.resume import capture_state
+from .._order.rewind import draw_base_seed
 from .._order.shards import ShardInfo, set_shard_info
 from .config import ConfigSource, IterConfig
 from .fetch import IterFetcher, make_fetcher
@@ -51,10 +53,15 @@ class BaseIter:
         self._pin = config.pin  # asked for, or implied by a CUDA device stage
         self._pin_device = config.pin_device  # pinning, registration and release fences run under
         self._sample_seed = config.sample_seed
+        # torch's draw order: the base seed, then the sampler's first draw; a loaded state is
+        # put back in between (LoaderPosition.begin_epoch)
+        self._base_seed = draw_base_seed(config.generator)
+        # a replayed epoch's end is followed by the next iterator's draw, where epochs get
+        # new iterators and that draw comes from the generator the sampler may share
+        self._base_seed_of = None if config.generator is None or (
+            config.persistent and config.num_workers > 0) else functools.partial(
+                draw_base_seed, config.generator)
         self._begin_epoch()
-        self._base_seed = int(
-            torch.empty((), dtype=torch.int64).random_(generator=config.generator).item()
-        )
         self._num_yielded = 0
         self._len_called = config.len_called
         self._recorder = config.recorder
@@ -87,7 +94,8 @@ class BaseIter:
         """Start the epoch's index plan and delivery count (NOTE [ Delivery tracking ] in
         ``_order/delivery.py``); resumes where ``loader.load_state_dict`` said."""
         self._tracker = self._position.begin_epoch(
-            self._index_sampler, iterable=self._is_iterable, direct=self._direct
+            self._index_sampler, iterable=self._is_iterable, direct=self._direct,
+            base_seed_of=self._base_seed_of,
         )
         self._sampler_iter = self._tracker.indices
 
@@ -226,3 +234,4 @@ class SingleIter(BaseIter):
         self._begin_epoch()
         self._load_dataset_state()
         self._num_yielded = 0
+

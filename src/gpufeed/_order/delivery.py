@@ -50,6 +50,10 @@ class ResumePoint(NamedTuple):
         seeked: the sampler itself starts at batch ``done`` (nothing to drop from the plan).
         epoch_seed: the seed a ``RandomSampler`` on the global generator shuffles this epoch
             with (NOTE [ Rewinding samplers ] in ``_order/rewind.py``); ``None``: drawn afresh.
+        sampler_state: what puts the sampler back where the saved epoch started
+            (``rewind.restore_sampler``), applied when the epoch starts; ``None``: nothing.
+        replay: the saved epoch (``epoch - 1``) was delivered whole but not ended: after the
+            restore, the sampler draws it once more and drops it, as the run that saved it did.
     """
 
     epoch: int
@@ -57,6 +61,8 @@ class ResumePoint(NamedTuple):
     ahead: tuple[int, ...] = ()
     seeked: bool = False
     epoch_seed: int | None = None
+    sampler_state: Any = None
+    replay: bool = False
 
 
 class WorkerStates(NamedTuple):

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from torch.utils.data import BatchSampler, IterableDataset
+import torch
+from torch.utils.data import BatchSampler, IterableDataset, RandomSampler
 
 from .delivery import Delivered, DeliveryTracker, ResumePoint, WorkerStates, numbered
+from .plan import advance_as_randperm
 from .rewind import (
     EPOCH_SEED,
     UNREWINDABLE,
@@ -33,6 +35,7 @@ from .rewind import (
     is_ours,
     restore_sampler,
     sampler_state_of,
+    state_after_base_seed,
 )
 from .sample_rng import RandomStateWarning
 from .state import (
@@ -80,6 +83,7 @@ def prepare_resume(
     (``num_batches`` known and reached) rolls over to the start of the next epoch.
     """
     epoch, done, ahead = state["epoch"], state["batches_delivered"], state["delivered_ahead"]
+    rolled = False
     if num_batches is not None:
         if done > num_batches:
             raise ValueError(
@@ -87,7 +91,8 @@ def prepare_resume(
                 f"loader's epoch has only {num_batches}; resume with the same batch_size, "
                 "drop_last and sampler"
             )
-        if done == num_batches:
+        rolled = done == num_batches
+        if rolled:
             epoch, done, ahead = epoch + 1, 0, []
     if iterable:  # batches are counted, not numbered (NOTE [ Iterable resume ])
         return ResumePoint(epoch, done, (), seeked=True)
@@ -114,8 +119,13 @@ def prepare_resume(
                 )
             epoch_seed = int(sampler_state[EPOCH_SEED])
         sampler_state = None
-    point = ResumePoint(epoch, done, tuple(ahead), epoch_seed=epoch_seed)
-    restore_sampler(sampler, sampler_state)
+    # The sampler is put back when the epoch starts (LoaderPosition.begin_epoch), after the
+    # new iterator's base seed: the state was taken there too, right before the epoch's
+    # first draw. A saved epoch delivered whole is drawn once more there (else the next
+    # epoch would repeat its order).
+    point = ResumePoint(epoch, done, tuple(ahead), epoch_seed=epoch_seed,
+                        sampler_state=sampler_state,
+                        replay=rolled and sampler_state is not None and not is_ours(sampler))
     if is_ours(sampler):
         if index_sampler is sampler:
             sampler.seek(epoch, done)
@@ -126,6 +136,26 @@ def prepare_resume(
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
     return point
+
+
+def replay_epoch(index_sampler: Any, epoch: int) -> None:
+    """Draw epoch ``epoch`` of ``index_sampler`` whole and drop it: what the run that saved
+    it consumed of the sampler's generator or state by the epoch's end (torch's
+    ``RandomSampler``: the epoch's permutation and the closing one, without shuffling)."""
+    sampler = inner_sampler(index_sampler)
+    set_epoch = getattr(sampler, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
+    if type(sampler) is RandomSampler and not sampler.replacement and (
+            sampler._num_samples is None and sampler.generator is not None):
+        n = len(sampler.data_source)
+        advance_as_randperm(sampler.generator, n)  # the epoch's order
+        advance_as_randperm(sampler.generator, n)  # the draw that finds it exhausted
+    else:
+        for _ in index_sampler:
+            pass
+    if callable(set_epoch):
+        set_epoch(epoch + 1)
 
 
 def _len(obj: Any) -> int | None:
@@ -156,6 +186,8 @@ class LoaderView(Protocol):
     def rank(self) -> int: ...
     @property
     def world_size(self) -> int: ...
+    # the generator the next iter()'s new iterator draws its base seed from (None: no draw)
+    def _next_base_seed_generator(self) -> torch.Generator | None: ...
 
 
 class LoaderPosition:
@@ -193,15 +225,25 @@ class LoaderPosition:
         self.epoch = epoch
 
     def begin_epoch(
-        self, index_sampler: Any, *, iterable: bool, direct: bool
+        self, index_sampler: Any, *, iterable: bool, direct: bool,
+        base_seed_of: Callable[[], Any] | None = None,
     ) -> DeliveryTracker:
-        """Called once per epoch by the iterator with the loader's ``_index_sampler``; draw
-        indices from ``tracker.indices``. ``iterable``: the dataset is an ``IterableDataset``
-        (no order: its stream resumes); ``direct``: no device stage follows the iterator."""
+        """Called once per epoch by the iterator with the loader's ``_index_sampler``, after
+        the iterator drew its base seed; draw indices from ``tracker.indices``. ``iterable``:
+        the dataset is an ``IterableDataset`` (no order: its stream resumes); ``direct``: no
+        device stage follows the iterator; ``base_seed_of``: draws a base seed as a new
+        iterator does (the loader's generator), where each epoch gets a new iterator (no
+        persistent workers): a replayed epoch is followed by that draw."""
         point, self.pending = self.pending, None
         sampler = inner_sampler(index_sampler)
         if point is not None and is_ours(sampler) and sampler.epoch != point.epoch:
             point = None  # sampler.set_epoch() chose another epoch after the load: start it
+        if point is not None and point.sampler_state is not None:
+            restore_sampler(sampler, point.sampler_state)
+            if point.replay:
+                replay_epoch(index_sampler, point.epoch - 1)
+                if base_seed_of is not None:  # the run that saved it began a new iterator
+                    base_seed_of()
         if point is None:
             point, self.pending_dataset = ResumePoint(self.next_epoch(index_sampler)), None
         self.epoch = point.epoch + 1
@@ -242,7 +284,7 @@ class LoaderPosition:
                 self.next_epoch(loader._index_sampler), 0, []
             )
             sampler_state = None if isinstance(loader.dataset, IterableDataset) else (
-                sampler_state_of(inner_sampler(loader._index_sampler))
+                self._next_start(loader)
             )
         if loader.seed is None or not loader.deterministic:
             self._random_not_replayed(loader, "loader.state_dict() was taken", "resuming from it")
@@ -276,6 +318,21 @@ class LoaderPosition:
             world_size=loader.world_size, rank=loader.rank, num_workers=loader.num_workers,
             sampler_state=sampler_state, dataset_state=dataset_state,
         )
+
+    @staticmethod
+    def _next_start(loader: LoaderView) -> Any:
+        """The sampler's state where the next epoch's first draw will find it. States taken in
+        an epoch hold it at that draw, after the new iterator's base seed (``begin_epoch``);
+        between epochs a sampler sharing the loader's generator is not there yet, when the
+        next ``iter()`` makes a new iterator, whose base seed comes first."""
+        sampler = inner_sampler(loader._index_sampler)
+        state = sampler_state_of(sampler)
+        generator = loader._next_base_seed_generator()
+        shared = getattr(sampler, "generator", None) is generator
+        if shared and isinstance(generator, torch.Generator) and isinstance(state, dict) and (
+                "generator_state" in state):
+            return {"generator_state": state_after_base_seed(generator)}
+        return state
 
     def _random_not_replayed(self, loader: LoaderView, what: str, resume: str) -> None:
         """Say once per loader that a resume without per-sample seeds replays the batches'

@@ -22,6 +22,18 @@ holds what reproduces the epoch's order (``sampler_state``), taken as the epoch 
    succeeds (a loader that iterates can always be checkpointed): ``sampler_state`` is
    ``{"unrewindable": reason}``, and the loader warns once. Loading such a mid-epoch state
    restarts that epoch from its first batch, with a warning that says so and why.
+
+Where the state stands (cases 2 and 3): right before the epoch's first draw, after the base
+seed a new iterator draws for its workers (torch's order: base seed, then the sampler; with
+``shuffle=True, generator=g`` both come from ``g``). A resume puts it back at that same point,
+when the resumed epoch starts (``LoaderPosition.begin_epoch``), not at ``load_state_dict``:
+the new iterator's base seed comes first, whether or not the saved epoch had one (a persistent
+iterator's later epochs draw none). A state taken between epochs holds where the next epoch's
+first draw will find the generator (past the next iterator's base seed, drawn from a copy). A
+state taken after an epoch's last batch, its iterator not run out, rolls over to the next
+epoch: the restored sampler then draws the saved epoch whole once more (torch's
+``RandomSampler``: its permutation and the closing one) and, where each epoch gets a new
+iterator, one base seed, which is where the run that saved it went on from.
 """
 
 from __future__ import annotations
@@ -118,6 +130,21 @@ def sampler_state_of(sampler: Any) -> Any:
         return {"generator_state": sampler.generator.get_state().tolist()}
     reason = unrewindable_reason(sampler)
     return None if reason is None else {UNREWINDABLE: reason}
+
+
+def draw_base_seed(generator: torch.Generator | None) -> int:
+    """A new iterator's base seed for its workers, drawn as torch's iterators draw it (from
+    the loader's ``generator``, else torch's global one), before the epoch's first index."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def state_after_base_seed(generator: torch.Generator) -> list[int]:
+    """The state ``generator`` will have once the next new iterator drew its base seed from
+    it (drawn from a copy: ``generator`` is left as it is)."""
+    copy = torch.Generator(device=generator.device)
+    copy.set_state(generator.get_state())
+    draw_base_seed(copy)
+    return copy.get_state().tolist()
 
 
 def restore_sampler(sampler: Any, state: Any) -> None:

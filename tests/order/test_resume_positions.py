@@ -1,0 +1,99 @@
+"""A state taken at any point of a run resumes into the batches the run went on to give: in an
+epoch, right after its last batch (the loop stopped before the iterator said so), between
+epochs and before the first, for every sampler that draws from a generator the state holds,
+with or without persistent workers.
+
+The cases the positions catch: a state taken after an epoch's last batch rolls over to the
+next epoch, whose order the restored generator used to repeat (the saved epoch's, again); and
+a loader whose epochs do not all start a new iterator (persistent workers) used to restore its
+generator one base-seed draw early.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+import gpufeed
+
+pytestmark = pytest.mark.filterwarnings("ignore::gpufeed.RandomStateWarning")
+
+N = 7
+EPOCHS = 4
+
+
+def _generator():
+    return torch.Generator().manual_seed(3)
+
+
+SAMPLERS = {
+    "shuffle-generator": lambda: dict(shuffle=True, generator=_generator()),
+    "random-sampler": lambda: dict(sampler=tud.RandomSampler(range(N), generator=_generator())),
+    "subset": lambda: dict(sampler=tud.SubsetRandomSampler([0, 2, 3, 5, 6],
+                                                           generator=_generator())),
+    "weighted": lambda: dict(sampler=tud.WeightedRandomSampler(
+        [1.0, 2, 3, 4, 5, 6, 7], N, generator=_generator())),
+    "seed": lambda: dict(shuffle=True, seed=4),
+    "sequential": lambda: {},
+}
+WORKERS = {
+    "main": {},
+    "threads": dict(num_workers=2, worker_type="thread"),
+    "threads-persistent": dict(num_workers=2, worker_type="thread", persistent_workers=True),
+    "processes-persistent": dict(num_workers=2, persistent_workers=True),
+}
+
+
+def _make(sampler, workers, batch_size):
+    return gpufeed.DataLoader(list(range(N)), batch_size=batch_size, **SAMPLERS[sampler](),
+                              **WORKERS[workers])
+
+
+def _plain(batch):
+    return batch.tolist() if isinstance(batch, torch.Tensor) else batch
+
+
+# every sampler in the main process and thread workers; one process-worker case (the
+# bookkeeping is the main process's whatever the workers)
+CASES = [(s, w, b) for s in SAMPLERS for w in WORKERS for b in (3, None)
+         if w != "processes-persistent" or (s, b) == ("random-sampler", 3)]
+
+
+@pytest.mark.parametrize("sampler,workers,batch_size", CASES)
+def test_a_state_from_any_point_resumes_into_the_rest_of_the_run(sampler, workers, batch_size):
+    reference = _make(sampler, workers, batch_size)
+    run = [[_plain(b) for b in reference] for _ in range(EPOCHS)]
+    flat = [b for epoch in run for b in epoch]
+    per_epoch = len(run[0])
+
+    def resumed(state, taken):
+        fresh = _make(sampler, workers, batch_size)
+        fresh.load_state_dict(state)
+        rest: list = []
+        while len(rest) < len(flat) - taken:
+            rest.extend(_plain(b) for b in fresh)
+        return rest[: len(flat) - taken]
+
+    # before the first epoch
+    assert resumed(_make(sampler, workers, batch_size).state_dict(), 0) == flat
+    # in epoch 1, after one batch
+    loader = _make(sampler, workers, batch_size)
+    list(loader)
+    it = iter(loader)
+    next(it)
+    assert resumed(loader.state_dict(), per_epoch + 1) == flat[per_epoch + 1:]
+    del it
+    # right after epoch 1's last batch, the iterator not run out
+    loader = _make(sampler, workers, batch_size)
+    list(loader)
+    it = iter(loader)
+    for _ in range(per_epoch):
+        next(it)
+    assert resumed(loader.state_dict(), 2 * per_epoch) == flat[2 * per_epoch:]
+    del it
+    # between epochs 1 and 2 (the iterator ran out)
+    loader = _make(sampler, workers, batch_size)
+    list(loader)
+    list(loader)
+    assert resumed(loader.state_dict(), 2 * per_epoch) == flat[2 * per_epoch:]
