@@ -295,6 +295,38 @@ def test_errors_are_raised_in_order_after_earlier_batches() -> None:
         next(it)
 
 
+class Flaky(Source):
+    """Batch 1 raises; the batches after it come as usual (a worker's error in a loader)."""
+
+    def __next__(self) -> torch.Tensor:
+        if self.pulled == 1:
+            self.pulled += 1
+            self.refs.append(weakref.ref(torch.empty(0)))
+            raise ValueError("batch 1 failed")
+        return super().__next__()
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_source_error_comes_in_order_and_the_batches_after_it_follow(depth: int) -> None:
+    """The error comes after the batches before it; a loop that catches it goes on with the
+    batches after it (it used to end there, losing them), and nothing is pulled past the error
+    before it was raised."""
+    backend = FakeBackend()
+    src = Flaky(5)
+    it = to_device(src, "cuda", depth=depth, backend=backend)
+    outcomes: list[Any] = []
+    while True:
+        try:
+            outcomes.append(int(next(it)[0]))
+        except StopIteration:
+            break
+        except ValueError as exc:
+            outcomes.append(str(exc))
+            assert src.pulled == 2, "pulled past the error before raising it"
+    assert outcomes == [0, "batch 1 failed", 2, 3, 4]
+    assert src.alive() == []
+
+
 def test_transform_error_keeps_host_batch_until_copy_done() -> None:
     backend = FakeBackend()
     src = Source(3)

@@ -132,12 +132,20 @@ def _outcomes(loader):
             it.close()
 
 
-def test_iteration_continues_after_a_dataset_exception_like_stock(worker_type):
-    expected = _outcomes(tud.DataLoader(FailingDataset(20, bad=5), batch_size=4, num_workers=2))
-    got = _outcomes(gpufeed.DataLoader(FailingDataset(20, bad=5), batch_size=4, num_workers=2,
-                                       worker_type=worker_type))
+@pytest.mark.parametrize("device", [None, "cpu"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_iteration_continues_after_a_dataset_exception_like_stock(worker_type, num_workers,
+                                                                   device):
+    """A loop that catches a failing batch's error gets the batches after it, as with the
+    stock loader, with a device stage too (it used to end the epoch there: the rest of its
+    batches were silently lost)."""
+    expected = _outcomes(tud.DataLoader(FailingDataset(20, bad=5), batch_size=4,
+                                        num_workers=num_workers))
+    got = _outcomes(gpufeed.DataLoader(FailingDataset(20, bad=5), batch_size=4,
+                                       num_workers=num_workers, worker_type=worker_type,
+                                       device=device))
     assert got == expected
-    assert "DatasetBoom" in got
+    assert "DatasetBoom" in got and len(got) == 5
 
 
 class BrokenStream(tud.IterableDataset):

@@ -70,6 +70,11 @@ NOTE [ Device stage: streams, events and slots ]
     reuse until that stream's work is done. Using a batch on another stream is the user's
     to order (``s.wait_stream(C)``, ``t.record_stream(s)``), as with any CUDA tensor; the
     marks of rule (8) are then taken on whichever stream was current at each next().
+(13) Errors. An error of the source (a worker's), of a copy or of the transform takes its
+    batch's place: raised after the batches before it, nothing pulled past it until then (so
+    rule (4) issues fewer), and the next next() goes on with the batches after it, as the
+    stock loader goes on after a worker's error. A failed copy's or transform's host batch
+    is dropped once its E_copy was waited for (rule 6's guarantee, for one batch).
 """
 
 from __future__ import annotations
@@ -151,11 +156,11 @@ class DeviceIterator(Iterator[Any]):
         self._state = _State.UNSTARTED
         self._side: Any = None
         self._host: deque[tuple[Event, Any, tuple[int, ...]]] = deque()
-        self._ready: deque[tuple[Event, Any, int]] = deque()
+        self._ready: deque[tuple[Event | None, Any, int]] = deque()
         self._marks: deque[Event] = deque()
         self._copies = _cuda.Fences()  # rule (10)
         self._source_done = False
-        self._error: BaseException | None = None
+        self._error_queued = False  # an error of the source waits in _ready, in order
         self._warned = False
         self._batches = self._bytes_copied = self._bytes_held = self._peak = 0
         self._host_waits = self._pageable = self._consumer_waits = 0
@@ -214,12 +219,12 @@ class DeviceIterator(Iterator[Any]):
             self._marks.append(backend.record_event(backend.current_stream()))
         self._fill()
         if not self._ready:
-            error, self._error = self._error, None
             self._release(_State.EXHAUSTED)
-            if error is not None:
-                raise error
             raise StopIteration
         event, batch, nbytes = self._ready.popleft()
+        if event is None:  # the source's error, after the batches before it; as with the
+            self._error_queued = False  # stock loader, the next next() goes on after it
+            raise batch
         consumer = backend.current_stream()  # rule (2)
         backend.wait_event(consumer, event)
         map_tensors(lambda t: backend.record_stream(t, consumer), batch)
@@ -282,17 +287,25 @@ class DeviceIterator(Iterator[Any]):
                 close()  # rule (6)
 
     def _fill(self) -> None:
-        while not self._source_done and len(self._ready) < self.depth:
+        while not self._source_done and not self._error_queued and len(self._ready) < self.depth:
+            issued = len(self._host)
             try:
                 waited = self._make_room()  # before next(): the source may need a free slot
+                issued = len(self._host)
                 self._issue(next(self._source), waited)
             except StopIteration:
                 self._source_done = True
-            except Exception as exc:  # delivered in order, after the batches before it
+            except Exception as exc:  # delivered in order, after the batches before it; the
+                # source is asked again only once it was: an error skips one batch, and the
+                # loop goes on if it catches it, as with the stock loader's worker errors
                 # Its traceback's frames would keep the host batch (a ring slot) alive.
                 traceback.clear_frames(exc.__traceback__)
-                self._error = exc
-                self._source_done = True
+                if len(self._host) > issued:  # the copy or transform failed: its host batch
+                    self._host[-1][0].synchronize()  # goes once what was queued of it is
+                    drop_copied([self._host.pop()])  # done (rule 6); no local keeps it (this
+                    # frame is in the traceback)
+                self._ready.append((None, exc, 0))
+                self._error_queued = True
 
     def _make_room(self) -> float:
         """Rules (3) and (8) before a batch is issued; returns the seconds spent waiting on
