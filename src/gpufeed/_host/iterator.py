@@ -234,4 +234,3 @@ class SingleIter(BaseIter):
         self._begin_epoch()
         self._load_dataset_state()
         self._num_yielded = 0
-
