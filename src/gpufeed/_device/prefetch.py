@@ -288,7 +288,7 @@ class DeviceIterator(Iterator[Any]):
 
     def _fill(self) -> None:
         while not self._source_done and not self._error_queued and len(self._ready) < self.depth:
-            issued = len(self._host)
+            issued = len(self._host)  # (again below: _make_room may drop copied batches)
             try:
                 waited = self._make_room()  # before next(): the source may need a free slot
                 issued = len(self._host)

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler
 
 from .delivery import Delivered, DeliveryTracker, ResumePoint, WorkerStates, numbered
-from .plan import advance_as_randperm
+from .plan import advance_as_randperm, finish_plan, plannable
 from .rewind import (
     EPOCH_SEED,
     UNREWINDABLE,
@@ -146,11 +146,10 @@ def replay_epoch(index_sampler: Any, epoch: int) -> None:
     set_epoch = getattr(sampler, "set_epoch", None)
     if callable(set_epoch):
         set_epoch(epoch)
-    if type(sampler) is RandomSampler and not sampler.replacement and (
-            sampler._num_samples is None and sampler.generator is not None):
-        n = len(sampler.data_source)
-        advance_as_randperm(sampler.generator, n)  # the epoch's order
-        advance_as_randperm(sampler.generator, n)  # the draw that finds it exhausted
+    if plannable(index_sampler) and type(sampler) is RandomSampler and (
+            sampler.generator is not None):
+        advance_as_randperm(sampler.generator, len(sampler.data_source))  # the epoch's order
+        finish_plan(index_sampler)  # the draw that finds it exhausted
     else:
         for _ in index_sampler:
             pass
