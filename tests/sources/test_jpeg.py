@@ -67,6 +67,47 @@ def test_region_decode_equals_the_full_decode_of_the_box(subsampling):
                 assert diff <= 1, (subsampling, (h, w), factor, (top, left, bh, bw), diff)
 
 
+class _Recording:
+    """The library of a TurboJpeg, recording the cropping region and the fast upsampling in
+    force at each decode."""
+
+    def __init__(self, lib):
+        self._lib, self.region, self.upsample, self.decodes = lib, None, 0, []
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def tj3Set(self, h, param, value):
+        if param == jpeg._TJPARAM_FASTUPSAMPLE:
+            self.upsample = value
+        return self._lib.tj3Set(h, param, value)
+
+    def tj3SetCroppingRegion(self, h, region):
+        self.region = (region.x, region.y, region.w, region.h)
+        return self._lib.tj3SetCroppingRegion(h, region)
+
+    def tj3Decompress8(self, *args):
+        self.decodes.append((self.region != (0, 0, 0, 0), self.upsample))
+        return self._lib.tj3Decompress8(*args)
+
+
+@needs_turbo
+def test_fast_never_decodes_a_region_with_merged_upsampling():
+    """``fast=True``: the fast DCT everywhere, the fast (merged) chroma upsampling only for a
+    whole image. With a cropping region it corrupted the heap of the library we test with
+    (segmentation faults and spurious "Corrupt JPEG data" in a worker: NOTE [ Decoding ])."""
+    turbo = jpeg.TurboJpeg(TURBO)
+    turbo.lib = rec = _Recording(turbo.lib)
+    data = _jpeg(375, 500, 3, "4:2:0")
+    exact = jpeg.codec("turbojpeg").decode(data, factor=1, box=(40, 37, 200, 300), fast=False)
+    fast = turbo.decode(data, factor=1, box=(40, 37, 200, 300), fast=True)
+    assert np.abs(fast.astype(int) - exact.astype(int)).mean() < 3  # the fast DCT: a level or so
+    turbo.decode(data, factor=2, box=(10, 9, 100, 120), fast=True)
+    turbo.decode(data, factor=1, box=None, fast=True)
+    turbo.decode(data, factor=1, box=(0, 0, 375, 500), fast=True)  # the whole image: no region
+    assert rec.decodes == [(True, 0), (True, 0), (False, 1), (False, 1)]
+
+
 @needs_turbo
 def test_turbojpeg_refuses_what_simplejpeg_refuses(tmp_path):
     """Damage is a ValueError from both codecs (ImageFolder then tries Pillow, then names the

@@ -73,7 +73,8 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
         scale, ratio: as torchvision's ``RandomResizedCrop``.
         center_fraction: for ``crop="center"``, the share of the resized image kept (0.875:
             224 of 256).
-        fast: fast (less accurate) DCT and chroma upsampling (NOTE [ Decoding ]).
+        fast: the fast (less accurate) DCT, and fast chroma upsampling where the whole image
+            is decoded (never with a region: NOTE [ Decoding ]).
         dct_scale: decode at a reduced DCT scale when the region is at least twice the output
             in both directions (faster; the resampling then starts from a DCT-domain downscale).
         on_error: ``"raise"`` (an error naming the file) or ``"skip"``: an unreadable image

@@ -56,7 +56,16 @@ What else was tried (November 2026, Debian 12, x86-64):
 
 Exactness: with ``fast=False`` a full-scale decode equals Pillow's
 ``Image.open(f).convert("RGB")`` pixel for pixel (accurate integer DCT, smooth chroma
-upsampling; tested); ``fast=True`` trades a few levels for a few percent of speed. Other
+upsampling; tested); ``fast=True`` trades a few levels for a few percent of speed: the fast
+integer DCT always, and the fast (merged) chroma upsampling only for a whole image. Merged
+upsampling with a cropping region is the combination libjpeg-turbo has fixed crashes in
+release after release (2.0.0, 2.0.6 and 2.0.7 changelogs; its issues 574, 669, 670, 675), and
+the library in the ``turbojpeg`` 0.0.2 wheel (libjpeg-turbo 2.1.92, 3.0 beta) still fails on
+it here: on 300 of the benchmark's 500x375 photos, cropped decodes alternating between smooth
+and merged upsampling on one handle, each followed by the resize, ended in a segmentation
+fault or a spurious "Corrupt JPEG data: premature end of data segment" in 5 of 6 runs, every
+failure in a cropped decode with merged upsampling (none in the same runs' whole-image decodes
+with it, none in 3 runs with it off). So a region is always decoded with smooth upsampling. Other
 formats, and JPEGs a codec refuses (CMYK, 12-bit, recoverable damage), go through Pillow.
 """
 
@@ -181,7 +190,6 @@ class TurboJpeg:
         lib, h = self.lib, self._handle()
         height, width = self._read_header(h, data)
         lib.tj3Set(h, _TJPARAM_FASTDCT, int(fast))
-        lib.tj3Set(h, _TJPARAM_FASTUPSAMPLE, int(fast))
         if lib.tj3SetScalingFactor(h, _Scale(1, factor)) != 0:
             raise self._fail(h, f"cannot decode at 1/{factor} scale")
         sh, sw = -(-height // factor), -(-width // factor)
@@ -198,6 +206,8 @@ class TurboJpeg:
         if not cropped:
             x0, x1 = 0, sw
             lib.tj3SetCroppingRegion(h, _Region(0, 0, 0, 0))  # TJUNCROPPED
+        # never merged upsampling with a region (NOTE [ Decoding ]: it corrupts the heap)
+        lib.tj3Set(h, _TJPARAM_FASTUPSAMPLE, int(fast and not cropped))
         out = np.empty((bh if cropped else sh, x1 - x0, 3), np.uint8)
         if lib.tj3Decompress8(h, data, len(data), out.ctypes.data, out.strides[0],
                               _TJPF_RGB) != 0:
