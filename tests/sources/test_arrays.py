@@ -135,8 +135,10 @@ def test_array_dataset_with_stock_loader_uses_getitems():
         ((np.float32(1.0),), (TypeError, ValueError), ""),
         ((np.array(5.0),), ValueError, "0-d"),
         ((np.array([object(), object()]),), TypeError, "object"),
+        ((np.array(["a", "b"]),), TypeError, "dtype <U1, which no torch tensor holds"),
+        ((np.arange(2).astype("datetime64[s]"),), TypeError, "datetime64[s], which no"),
     ],
-    ids=["none", "list", "lengths", "scalar", "0d", "object"],
+    ids=["none", "list", "lengths", "scalar", "0d", "object", "str", "datetime"],
 )
 def test_array_dataset_rejects_bad_input(args, exc, needle):
     with pytest.raises(exc) as info:
@@ -151,6 +153,39 @@ def test_array_dataset_out_of_range_index_is_an_index_error():
     loader = gpufeed.DataLoader(ds, sampler=[0, 1, 99], batch_size=3, num_workers=1)
     with pytest.raises(IndexError):
         list_or_stop(loader)
+
+
+def test_negative_indices_count_from_the_end_as_a_list_does():
+    """A sampler may give negative indices: a[i] and the stock loader count them from the
+    end, so the batched gather does too (index_select alone refuses them)."""
+    x, y = torch.arange(12.0).view(6, 2), np.arange(6)
+    for ds in (ArrayDataset(x, y), tud.TensorDataset(x, torch.from_numpy(y))):
+        want = list(tud.DataLoader(ds, sampler=[[-1, 0, -6]], batch_size=None))
+        for nw in (0, 1):
+            got = list_or_stop(gpufeed.DataLoader(ds, sampler=[[-1, 0, -6]], batch_size=None,
+                                                  num_workers=nw))
+            assert_same_batches(want, got)
+    with pytest.raises(IndexError, match="index -7 is out of range for 6 samples"):
+        ArrayDataset(x).__getitems__([0, -7])
+
+
+def test_tensors_that_require_grad_batch_as_the_stock_loader_does():
+    """Without workers the stock loader stacks the rows into a batch that requires grad; the
+    gather gives the same values, requiring grad, instead of failing in ``out=``."""
+    w = torch.arange(8.0).view(4, 2).requires_grad_()
+    for ds in (ArrayDataset(w), tud.TensorDataset(w)):
+        want = next(iter(tud.DataLoader(ds, batch_size=3)))
+        got = next(iter(gpufeed.DataLoader(ds, batch_size=3)))
+        assert torch.equal(got[0], want[0]) and got[0].requires_grad
+
+
+def test_big_endian_arrays_read_as_native_numbers():
+    a = np.arange(12, dtype=">i4").reshape(6, 2)
+    ds = ArrayDataset(a)
+    assert torch.equal(ds[1][0], torch.tensor([2, 3], dtype=torch.int32))
+    for nw in (0, 1):
+        got = list_or_stop(gpufeed.DataLoader(ds, batch_size=4, num_workers=nw))
+        assert torch.equal(torch.cat([b[0] for b in got]), torch.from_numpy(a.astype("<i4")))
 
 
 @pytest.mark.parametrize("workers", WORKERS)

@@ -141,6 +141,45 @@ def test_arrow_dataset_pads_lists_to_the_batch_maximum():
         gpufeed.ArrowDataset(ds, pad={"label": 0})
 
 
+def test_a_table_column_keeps_one_type_in_every_batch():
+    """A table has no stock path to copy, so each column's form is decided on the whole
+    table: a column with a null anywhere, or a list column whose rows differ in length
+    anywhere, is Python values in every batch, never a tensor in some and a list in others."""
+    table = pa.table({"f": [0.5, None, 1.5, 2.5, 3.5], "v": [[1], [2, 3], [], [4], [5]],
+                      "u": [[1, 2]] * 5, "s": ["a", None, "c", "d", "e"]})
+    for nw in (0, 2):
+        got = list(gpufeed.DataLoader(table, batch_size=2, num_workers=nw))
+        assert [type(b["f"]) for b in got] == [list] * 3
+        assert [type(b["v"]) for b in got] == [list] * 3 and got[2]["v"] == [[5]]
+        assert [type(b["u"]) for b in got] == [torch.Tensor] * 3 and got[2]["u"].shape == (1, 2)
+        assert got[0]["f"] == [0.5, None] and got[0]["s"] == ["a", None]
+
+
+def test_negative_indices_count_from_the_end():
+    ds = datasets.Dataset.from_dict({"x": [10, 11, 12]})
+    table = ds.data.table
+    for data in (ds, ds.with_format("torch"), table):
+        want = [{"x": 12}, {"x": 10}]
+        got = next(iter(gpufeed.DataLoader(data, batch_sampler=[[-1, 0]])))
+        assert torch.equal(torch.as_tensor(got["x"]), torch.tensor([12, 10]))
+        padded = gpufeed.ArrowDataset(data, pad={})
+        assert [dict(r, x=int(r["x"])) for r in padded.__getitems__([-1, 0])] == want
+
+
+def test_arrow_dataset_refuses_holes_and_pad_values_that_do_not_fit():
+    table = pa.table({"ids": pa.array([[1, None, 3], [4, 5]], pa.list_(pa.int64())),
+                      "small": pa.array([[1], [2, 3]], pa.list_(pa.uint8()))})
+    holes = gpufeed.ArrowDataset(table, pad={"ids": 0})
+    with pytest.raises(ValueError, match="row 0 of column 'ids' holds a null inside its list"):
+        next(iter(gpufeed.DataLoader(holes, batch_size=2)))
+    ok = next(iter(gpufeed.DataLoader(holes, batch_sampler=[[1]])))
+    assert ok["ids"].dtype == torch.int64  # Arrow's own type, whatever the batch
+    for pad in (-1, 0.5, "0"):
+        bad = gpufeed.ArrowDataset(table, pad={"small": pad})
+        with pytest.raises(ValueError, match=f"pad value {pad!r} of column 'small' does not"):
+            next(iter(gpufeed.DataLoader(bad, batch_size=2)))
+
+
 ARROW_TYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                "float16", "float32", "float64", "bool_"]
 

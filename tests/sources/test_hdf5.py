@@ -68,6 +68,21 @@ def test_repeated_negative_and_sparse_indices(h5file):
         ds.gpufeed_batch([1, 90], seed=None, epoch=0, alloc=None)
 
 
+def test_big_endian_data_reads_and_other_dtypes_are_named(tmp_path):
+    path = tmp_path / "odd.h5"
+    with h5py.File(path, "w") as f:
+        f["be"] = np.arange(12, dtype=">f4").reshape(6, 2)
+        f["y"] = np.arange(6, dtype=">i8")
+        f["s"] = np.array([b"a"] * 6, dtype=h5py.string_dtype())
+    ds = gpufeed.HDF5Dataset(path, ("be", "y"))
+    assert ds[1][0].tolist() == [2.0, 3.0] and ds[1][1].item() == 1
+    got = list(gpufeed.DataLoader(ds, batch_size=4, num_workers=1))
+    assert torch.equal(torch.cat([b[0] for b in got]), torch.arange(12.0).view(6, 2))
+    assert torch.cat([b[1] for b in got]).tolist() == list(range(6))
+    with pytest.raises(TypeError, match=r"\['s'\] has dtype object, which no torch tensor"):
+        gpufeed.HDF5Dataset(path, ("y", "s"))
+
+
 def test_one_handle_per_process_never_across_fork(h5file):
     ds = gpufeed.HDF5Dataset(h5file, ["labels"])
     assert ds._file is None  # closed after validation: nothing open to fork

@@ -45,7 +45,36 @@ def test_rows_become_one_array_and_ragged_rows_keep_lengths():
     assert packed[0][0] == 0 and not packed._data.flags.writeable
 
 
+def test_an_empty_row_keeps_integer_rows_exact():
+    """One empty document among token ids: the rows stay int64 (an empty list's default
+    dtype is float64), values of any size come back exactly, and so does the loader's batch."""
+    big = 2**60 + 1
+    packed = gpufeed.PackedList([[1, 2], [], [big]])
+    assert packed.kind == "ragged" and packed._data.dtype == np.int64
+    assert int(packed[2][0]) == big and packed[1].dtype == np.int64
+    rows = gpufeed.PackedList([[1, 2], [], [3, 4]])
+    batch = next(iter(gpufeed.DataLoader(rows, batch_size=None)))
+    assert batch.dtype == torch.int64
+    assert gpufeed.PackedList([[0.5], []])._data.dtype == np.float64
+
+
+@pytest.mark.parametrize("items", [[[1, 2], [3, 4], [5, 6]], [[1, 2], [3], [4, 5, 6]]])
+def test_rows_answer_in_index_and_count_as_a_list_does(items):
+    packed = gpufeed.PackedList(items)
+    assert items[1] in packed and tuple(items[1]) in packed and np.array(items[1]) in packed
+    assert [9, 9] not in packed and 3 not in packed and "a" not in packed
+    assert packed.index(items[2]) == 2 and packed.count(items[0]) == 1
+    assert packed.index(items[0], 0, 1) == 0
+    with pytest.raises(ValueError, match="not in the PackedList"):
+        packed.index(items[0], 1)
+    assert gpufeed.PackedList(["a", "b"]).count("b") == 1
+    assert gpufeed.PackedList(list("abc")) != "abc"  # a list never equals a str
+    assert gpufeed.PackedList(["a", "b"])[1:1].kind == "str"
+
+
 def test_bad_items_are_named():
+    with pytest.raises(TypeError, match="mix numbers with other things"):
+        gpufeed.PackedList([1, "a"])
     with pytest.raises(TypeError, match="item 1 is a int"):
         gpufeed.PackedList(["a", 1])
     with pytest.raises(TypeError, match="cannot pack dict"):

@@ -46,8 +46,9 @@ class ArrayDataset(Dataset[tuple[torch.Tensor, ...]]):
                 )
             if a.ndim == 0:
                 raise ValueError(f"ArrayDataset argument {k} is 0-d; samples index dimension 0")
-            if isinstance(a, np.ndarray) and a.dtype.hasobject:
-                raise TypeError(f"ArrayDataset argument {k} has dtype object; use a numeric dtype")
+            if isinstance(a, np.ndarray) and (a.dtype.kind not in "biufc" or a.dtype.fields):
+                raise TypeError(f"ArrayDataset argument {k} has dtype {a.dtype}, which no torch "
+                                "tensor holds; pass numbers or bools (e.g. a.astype(np.int64))")
         n = len(arrays[0])
         lengths = [len(a) for a in arrays]
         if any(m != n for m in lengths):
@@ -79,6 +80,8 @@ def _row(a: np.ndarray | torch.Tensor, index: int) -> torch.Tensor:
     if isinstance(a, torch.Tensor):
         return a[index]
     row = a[index]
+    if not a.dtype.isnative:  # big-endian data on a little-endian machine (or the reverse)
+        return torch.from_numpy(np.array(row, dtype=a.dtype.newbyteorder("=")))
     if isinstance(row, np.ndarray) and row.flags.writeable and type(row) is np.ndarray:
         return torch.from_numpy(row)
     return torch.from_numpy(np.array(row))  # memmap rows and scalars: an owned copy
@@ -98,8 +101,9 @@ def _gatherable(a: Any) -> Any:
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
     """The torch dtype of numpy's ``dtype`` (found once per dtype: 2 us a leaf per batch)."""
     found = _torch_dtypes.get(dtype)
-    if found is None:
-        found = _torch_dtypes[dtype] = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    if found is None:  # in this machine's byte order: rows are converted as they are copied
+        native = np.empty(0, dtype=dtype.newbyteorder("="))
+        found = _torch_dtypes[dtype] = torch.from_numpy(native).dtype
     return found
 
 
@@ -117,13 +121,27 @@ def gather(arrays: Sequence[Any], indices: Sequence[int],
         if isinstance(a, torch.Tensor):
             if idx_t is None:
                 idx_t = torch.from_numpy(idx_np)
-            dst = allocate(alloc, (n, *a.shape[1:]), a.dtype)
-            torch.index_select(a, 0, idx_t, out=dst)
+            # one that requires grad: a batch that does, as stacking its rows gives (out= refuses)
+            dst = None if a.requires_grad else allocate(alloc, (n, *a.shape[1:]), a.dtype)
+            try:
+                dst = torch.index_select(a, 0, idx_t, out=dst)
+            except IndexError:  # a negative index (counted from the end, as a[i] does)
+                idx_t = torch.from_numpy(wrap_indices(idx_np, len(a)))
+                dst = torch.index_select(a, 0, idx_t, out=dst)
         else:
             dst = allocate(alloc, (n, *a.shape[1:]), torch_dtype(a.dtype))
             np.take(a, idx_np, axis=0, out=dst.numpy())
         out.append(dst)
     return out
+
+
+def wrap_indices(idx: np.ndarray, n: int) -> np.ndarray:
+    """``idx`` (not empty) with negative indices counted from the end, as ``a[i]`` and
+    ``np.take`` count them (``index_select`` does not); IndexError naming one out of range."""
+    low, high = int(idx.min()), int(idx.max())
+    if low < -n or high >= n:
+        raise IndexError(f"index {low if low < -n else high} is out of range for {n} samples")
+    return np.where(idx < 0, idx + n, idx)
 
 
 def gather_arrays(dataset: Any) -> Sequence[Any] | None:
@@ -137,6 +155,7 @@ def gather_arrays(dataset: Any) -> Sequence[Any] | None:
         return dataset.gather_arrays
     if type(dataset) is TensorDataset:
         tensors = dataset.tensors
-        if all(t.device.type == "cpu" and t.layout == torch.strided for t in tensors):
+        if all(t.device.type == "cpu" and t.layout == torch.strided and not t.requires_grad
+               for t in tensors):
             return tensors
     return None

@@ -12,7 +12,10 @@ included; a column that does not match exactly (nested features, images, nulls, 
 transform) sends every batch down the stock path. A batch whose list rows differ in length
 also goes the stock way (which raises as the stock loader does). A ``pyarrow.Table`` has no
 stock meaning: its batch is ``{column: tensor}`` in Arrow's own dtypes (lists of one length:
-``(B, L)``), strings and other columns as lists of Python values.
+``(B, L)``), strings and other columns as lists of Python values, each column's form decided
+once on the whole table (a null anywhere in a column, or list rows of different lengths
+anywhere, make it Python values in every batch), so that no column is a tensor in one batch
+and a list in the next. Negative indices count from the end, as ``dataset[i]`` counts them.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from .arrays import Alloc, allocate, torch_dtype
+from .arrays import Alloc, allocate, torch_dtype, wrap_indices
 from .describe import dataset_repr
 from .protocol import index_array, require
 
@@ -54,11 +57,14 @@ class ArrowSource:
         self.hf = hf
         self.table = dataset.with_format(
             "arrow", columns=dataset.format.get("columns")) if hf else dataset
-        self.plan: dict[str, Any] | None = None if hf else {}  # name -> ("tensor"|"columns", dtype)
+        # name -> ("tensor"|"columns"|"str"|"pylist", dtype); a table's is fixed for good here
+        self.plan: dict[str, Any] | None = None if hf else _table_plan(dataset)
         self.stock_only = False
         self.raw = _raw_table(dataset) if hf else None
 
     def _rows(self, idx: np.ndarray) -> Any:
+        if len(idx) and idx.min() < 0:  # counted from the end, as the dataset's [i] counts
+            idx = wrap_indices(idx, len(self.dataset))
         if self.raw is not None:  # the Arrow table itself: a fifth of the cost of __getitem__
             table, mapping = self.raw
             return table.take(idx if mapping is None else mapping.take(idx))
@@ -119,7 +125,11 @@ class ArrowSource:
 def samples(data: Any, idx: np.ndarray, *, hf: bool) -> Any:
     """Rows ``idx`` of a ``datasets.Dataset`` (``hf``) or ``pyarrow.Table`` as the stock path
     gives them: the dataset's own ``__getitems__``, or the table's rows as dicts."""
-    return data.__getitems__(idx.tolist()) if hf else data.take(idx).to_pylist()
+    if hf:
+        return data.__getitems__(idx.tolist())
+    if len(idx) and idx.min() < 0:  # counted from the end, as a list counts
+        idx = wrap_indices(idx, data.num_rows)
+    return data.take(idx).to_pylist()
 
 
 def _raw_table(dataset: Any) -> tuple[Any, Any] | None:
@@ -163,6 +173,8 @@ def _column(col: Any, plan: Any, alloc: Alloc | None) -> Any:
     import pyarrow as pa
 
     kind, dtype = plan if plan is not None else (None, None)
+    if kind == "pylist":
+        return col.to_pylist()
     if kind == "str" or (kind is None and pa.types.is_string(col.type)):
         return col.to_pylist() if col.null_count == 0 else None  # already str values
     if col.null_count:
@@ -195,6 +207,29 @@ def _column(col: Any, plan: Any, alloc: Alloc | None) -> Any:
     return dst
 
 
+def _table_plan(table: Any) -> dict[str, Any]:
+    """How each column of a ``pyarrow.Table`` is batched, decided once on the whole table so
+    that a column's type does not change from batch to batch: Python values (``"pylist"``)
+    for a column with a null anywhere, and for a list column whose rows differ in length
+    anywhere; the rest by their Arrow type (NOTE [ Arrow batches ])."""
+    import pyarrow as pa
+
+    plan: dict[str, Any] = {}
+    for name in table.column_names:
+        col = table.column(name)
+        typ = col.type
+        if pa.types.is_string(typ) or pa.types.is_large_string(typ):
+            plan[name] = ("str", None) if col.null_count == 0 else ("pylist", None)
+        elif col.null_count:
+            plan[name] = ("pylist", None)
+        elif pa.types.is_list(typ) or pa.types.is_large_list(typ):
+            lengths = pa.compute.list_value_length(col)
+            bounds = pa.compute.min_max(lengths).as_py() if len(col) else {}
+            if bounds.get("min") != bounds.get("max") or pa.compute.list_flatten(col).null_count:
+                plan[name] = ("pylist", None)
+    return plan
+
+
 def _numeric(typ: Any) -> bool:
     import pyarrow as pa
 
@@ -222,6 +257,8 @@ class ArrowDataset(Dataset[Any]):
     Args:
         data: a ``datasets.Dataset`` (format none, numpy or torch) or a ``pyarrow.Table``.
         pad: ``{column: pad value}`` for list-of-number columns, e.g. ``{"input_ids": 0}``.
+            A null row is padded whole (length 0); a null inside a row, or a pad value the
+            column's dtype cannot hold exactly, is a ValueError naming it.
     """
 
     def __init__(self, data: Any, *, pad: dict[str, Any] | None = None) -> None:
@@ -274,6 +311,8 @@ class ArrowDataset(Dataset[Any]):
     def gpufeed_batch(self, indices: Sequence[int], *, seed: int | None, epoch: int,
                       alloc: Any) -> Any:
         idx = index_array(indices)
+        if len(idx) and idx.min() < 0:  # counted from the end, as dataset[i] counts
+            idx = wrap_indices(idx, len(self))
         if self._source is None:
             self._source = ArrowSource(self._rest, hf=self.hf)
         out = dict(self._source.batch(idx, alloc)) if self._rest.num_columns else {}
@@ -281,11 +320,15 @@ class ArrowDataset(Dataset[Any]):
         for name, value in self.pad.items():
             col = rows.column(name).combine_chunks()
             lengths = pa_lengths(col)
-            flat = col.flatten().to_numpy(zero_copy_only=False)
+            values = col.flatten()
+            if values.null_count:
+                raise self._hole(name, idx, lengths, values)
+            flat = values.to_numpy(zero_copy_only=False)
             width = int(lengths.max()) if len(lengths) else 0
             if name not in self._pad_dtypes:
-                self._pad_dtypes[name] = (self._pad_dtype(name, col.type.value_type) if self.hf
-                                          else torch_dtype(flat.dtype))
+                self._pad_dtypes[name] = self._checked_pad(
+                    name, self._pad_dtype(name, col.type.value_type) if self.hf
+                    else torch_dtype(np.dtype(col.type.value_type.to_pandas_dtype())))
             dst = allocate(alloc, (len(idx), width), self._pad_dtypes[name])
             arr = dst.numpy()
             arr.fill(value)
@@ -295,6 +338,32 @@ class ArrowDataset(Dataset[Any]):
             n.numpy()[:] = lengths
             out[name], out[f"{name}_length"] = dst, n
         return out
+
+    @staticmethod
+    def _hole(name: str, idx: np.ndarray, lengths: np.ndarray, values: Any) -> ValueError:
+        """The error for a null inside a row of padded column ``name``."""
+        import pyarrow as pa
+
+        at = int(pa.compute.index(pa.compute.is_null(values), True).as_py())
+        row = int(idx[np.searchsorted(np.cumsum(lengths), at, side="right")])
+        return ValueError(
+            f"ArrowDataset: row {row} of column {name!r} holds a null inside its list; padding "
+            "fills the end of short rows, not holes. Fill the nulls first (e.g. "
+            "dataset.map, or pyarrow.compute.fill_null on the flattened column)")
+
+    def _checked_pad(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """``dtype``, once the pad value of column ``name`` was found to fit it exactly."""
+        value = self.pad[name]
+        ok = isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating))
+        if ok and dtype == torch.bool:
+            ok = value in (0, 1)
+        elif ok and not dtype.is_floating_point:
+            info = torch.iinfo(dtype)
+            ok = float(value).is_integer() and info.min <= value <= info.max
+        if not ok:
+            raise ValueError(f"ArrowDataset: pad value {value!r} of column {name!r} does not fit "
+                             f"its dtype {dtype}; give a value of that dtype, e.g. 0")
+        return dtype
 
     def _pad_dtype(self, name: str, value_type: Any) -> torch.dtype:
         """The dtype a ``datasets.Dataset``'s own format gives a row of column ``name`` (a

@@ -81,7 +81,8 @@ class HDF5Dataset(Dataset[tuple[torch.Tensor, ...]]):
                 raise ValueError(f"HDF5Dataset keys {self.keys} differ in length {lengths}; "
                                  "they must all match")
             self._len = lengths[0]
-            self._meta = [(f[k].shape[1:], torch_dtype(f[k].dtype)) for k in self.keys]
+            self._meta = [(f[k].shape[1:], torch_dtype(_native(f[k].dtype, self.path, k)))
+                          for k in self.keys]
         finally:
             self.close()
 
@@ -127,7 +128,8 @@ class HDF5Dataset(Dataset[tuple[torch.Tensor, ...]]):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         f = self._open()
-        return tuple(torch.as_tensor(np.asarray(f[k][index])) for k in self.keys)
+        return tuple(torch.as_tensor(np.asarray(f[k][index], dtype=_native(f[k].dtype)))
+                     for k in self.keys)
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, ...]]:
         cols = self.gpufeed_batch(indices, seed=None, epoch=0, alloc=None)
@@ -160,3 +162,14 @@ class HDF5Dataset(Dataset[tuple[torch.Tensor, ...]]):
                     np.take(f[k][uniq], inverse, axis=0, out=dst.numpy())
             out.append(dst)
         return out
+
+
+def _native(dtype: np.dtype, path: str = "", key: str = "") -> np.dtype:
+    """``dtype`` in this machine's byte order (rows are converted as they are read); a
+    TypeError naming the dataset for one torch has no dtype for."""
+    if dtype.kind not in "biufc" or dtype.fields is not None:
+        raise TypeError(
+            f"{path!r}[{key!r}] has dtype {dtype}, which no torch tensor holds; HDF5Dataset "
+            "reads numeric and bool datasets (read strings and compound types with h5py in a "
+            "Dataset of your own)")
+    return dtype.newbyteorder("=")

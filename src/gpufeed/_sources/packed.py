@@ -71,7 +71,7 @@ class PackedList(Sequence[Any]):
                               for k, b in enumerate(seq)], "bytes")
         elif isinstance(first, (bool, int, float, np.number, np.bool_)):
             arr = np.asarray(seq, dtype=dtype)
-            if arr.ndim != 1 or arr.dtype == object:
+            if arr.ndim != 1 or arr.dtype.kind not in "biuf":
                 raise TypeError("PackedList items mix numbers with other things; pass one kind "
                                 "(all str, all bytes, all numbers or all rows of numbers)")
             self._pack_array(arr, None)
@@ -110,14 +110,17 @@ class PackedList(Sequence[Any]):
                 raise TypeError(f"PackedList item {k} is not a flat row of numbers "
                                 f"(shape {r.shape}, dtype {r.dtype})")
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-        common = np.result_type(*{r.dtype for r in rows}) if dtype is None else np.dtype(dtype)
+        # an empty row's dtype is numpy's default (float64), not the data's: left out, so one
+        # empty document among token ids keeps them int64
+        kinds = {r.dtype for r in rows if len(r)} or {rows[0].dtype}
+        common = np.result_type(*kinds) if dtype is None else np.dtype(dtype)
         if (lengths == lengths[0]).all():
             self._data = np.ascontiguousarray(np.stack(rows).astype(common, copy=False))
             self._kind = "row"
         else:
             self._offsets = np.zeros(len(rows) + 1, dtype=np.int64)
             np.cumsum(lengths, out=self._offsets[1:])
-            self._data = np.concatenate(rows).astype(common, copy=False)
+            self._data = np.concatenate([r.astype(common, copy=False) for r in rows])
             self._kind = "ragged"
         self._data.flags.writeable = False
 
@@ -142,8 +145,12 @@ class PackedList(Sequence[Any]):
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
-            return PackedList([self[i] for i in range(*index.indices(len(self)))]) \
-                if self._offsets is not None else self._from_array(self._data[index])
+            if self._offsets is None:
+                return self._from_array(self._data[index])
+            picked = range(*index.indices(len(self)))
+            if not picked:  # of the same kind, not an empty list's
+                return _rebuild(self._kind, self._data[:0], np.zeros(1, dtype=np.int64))
+            return PackedList([self[i] for i in picked])
         n = len(self)
         try:
             i = operator.index(index)
@@ -172,8 +179,22 @@ class PackedList(Sequence[Any]):
         for i in range(len(self)):
             yield self[i]
 
+    def __contains__(self, value: object) -> bool:
+        return any(_same(item, value) for item in self)
+
+    def index(self, value: Any, start: int = 0, stop: int | None = None) -> int:
+        n = len(self)
+        for i in range(*slice(start, stop).indices(n)):
+            if _same(self[i], value):
+                return i
+        raise ValueError(f"{value!r} is not in the PackedList")
+
+    def count(self, value: Any) -> int:
+        return sum(1 for item in self if _same(item, value))
+
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence) or len(other) != len(self):
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)) \
+                or len(other) != len(self):
             return False
         return all(_same(a, b) for a, b in zip(self, other, strict=True))
 
@@ -203,8 +224,16 @@ def _need(item: Any, kind: Any, k: int) -> Any:
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Item ``a`` equals ``b``: a row equals a row (array, list or tuple) of the same values;
+    anything else by ``==``."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+        other = b if isinstance(a, np.ndarray) else a
+        if not isinstance(other, (np.ndarray, list, tuple)):
+            return False
+        try:
+            return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+        except (TypeError, ValueError):  # e.g. a ragged list against a row
+            return False
     return bool(a == b)
 
 
