@@ -223,6 +223,60 @@ def test_corrupt_file_is_named_and_can_be_skipped(tmp_path):
     assert torch.cat([b[0] for b in batches])[k].sum() == 0
 
 
+def _decoders():
+    from gpufeed._sources.jpeg import find_turbojpeg
+
+    return ["simplejpeg"] + (["turbojpeg"] if find_turbojpeg()[0] else [])
+
+
+@pytest.mark.parametrize("decoder", _decoders())
+def test_a_damaged_jpeg_is_refused_whatever_the_crop(tmp_path, decoder):
+    """A file cut short (no end marker, or 90% of its bytes) is refused in every epoch, as
+    the stock path refuses it, not only when the random crop reaches its missing end."""
+    (tmp_path / "a").mkdir()
+    buf = tmp_path / "whole.jpg"
+    Image.fromarray(_photo(120, 160, 5)).save(buf, quality=90)
+    data = buf.read_bytes()
+    buf.unlink()
+    (tmp_path / "a" / "cut.jpg").write_bytes(data[:int(len(data) * 0.9)])
+    (tmp_path / "a" / "noeoi.jpg").write_bytes(data[:-2])
+    ds = gpufeed.ImageFolder(tmp_path, size=32, decoder=decoder, on_error="skip")
+    labels = [ds.gpufeed_batch([0, 1], seed=0, epoch=e, alloc=None)[1] for e in range(24)]
+    assert torch.stack(labels).eq(-1).all()
+
+
+@pytest.mark.parametrize("decoder", _decoders())
+def test_a_jpeg_the_codec_refuses_gets_the_codecs_crop_from_pillow(tmp_path, decoder):
+    """CMYK goes to Pillow, as the stock path converts it; the crop and flip are the ones
+    drawn for the sample, the same as a PNG of the same pixels gets."""
+    (tmp_path / "jpg" / "a").mkdir(parents=True)
+    (tmp_path / "png" / "a").mkdir(parents=True)
+    cmyk = tmp_path / "jpg" / "a" / "c.jpg"
+    Image.fromarray(_photo(90, 120, 3)).convert("CMYK").save(cmyk, quality=95)
+    with Image.open(cmyk) as im:
+        im.convert("RGB").save(tmp_path / "png" / "a" / "c.png")
+    for crop in ("random", "center"):
+        jpg, png = [gpufeed.ImageFolder(tmp_path / kind, size=40, crop=crop, scale=(0.2, 0.6),
+                                        decoder=decoder, flip=True) for kind in ("jpg", "png")]
+        for seed in range(6):  # sample 0 of each: the same seed, so the same draws
+            a, b = [ds.gpufeed_samples([0], seed=seed, epoch=0)[0][0] for ds in (jpg, png)]
+            assert torch.equal(a, b), (crop, seed)
+
+
+def test_a_subsampling_simplejpeg_cannot_name_goes_to_pillow(tmp_path):
+    turbojpeg = pytest.importorskip("turbojpeg")  # the wheel writes 4:4:1, Pillow cannot
+    (tmp_path / "a").mkdir()
+    img = _photo(64, 64, 2)
+    (tmp_path / "a" / "x.jpg").write_bytes(
+        turbojpeg.compress(img, 90, turbojpeg.SAMP.Y441, pixelformat=turbojpeg.PF.RGB))
+    ds = gpufeed.ImageFolder(tmp_path, size=(64, 64), crop="center", center_fraction=1.0,
+                             decoder="simplejpeg", flip=False)
+    got, label = ds[0]
+    with Image.open(tmp_path / "a" / "x.jpg") as im:
+        want = torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1)
+    assert label == 0 and torch.equal(got, want)
+
+
 def test_bad_arguments_and_paths(tmp_path, folder):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         gpufeed.ImageFolder(tmp_path / "nowhere", size=8)
@@ -233,6 +287,17 @@ def test_bad_arguments_and_paths(tmp_path, folder):
         gpufeed.ImageFolder(folder, size=8, crop="middle")
     with pytest.raises(ValueError, match="size=0"):
         gpufeed.ImageFolder(folder, size=0)
+    with pytest.raises(ValueError, match="size=True"):
+        gpufeed.ImageFolder(folder, size=True)
+    assert gpufeed.ImageFolder(folder, size=np.int64(8))[0][0].shape == (3, 8, 8)
+    (folder / "ant" / "9_text.jpg").write_text("not an image at all")
+    try:
+        ds = gpufeed.ImageFolder(folder, size=8)
+        k = [str(f) for f in ds.files].index("ant/9_text.jpg")
+        with pytest.raises(ValueError, match=r"9_text\.jpg.*Pillow cannot identify it as an image"):
+            ds[k]
+    finally:
+        (folder / "ant" / "9_text.jpg").unlink()
     with pytest.raises(ValueError, match=r"memory_format=torch.preserve_format.*channels_last"):
         gpufeed.ImageFolder(folder, size=8, memory_format=torch.preserve_format)
 

@@ -24,6 +24,16 @@ codecs give the same pixels for the same box (tested):
   and announced once per process by a warning on the ``gpufeed`` logger, when no TurboJPEG 3
   library is found.
 
+Damaged files. Rows below a region are never entropy-decoded, so a region decode would find a
+file cut short only when the crop reached its end: the same file refused in one epoch and read
+in the next. A JPEG that does not end with its EOI marker (0xFFD9, trailing bytes allowed in its
+last KiB) is therefore decoded whole and then cut, so it fails, and goes to Pillow (which
+refuses it as the stock path does) whatever the crop. Damage inside the entropy-coded data of a
+complete file is found when it lies above or inside the region (those rows are decoded); below
+it, it is not read, the region's pixels are intact, and the stock path would refuse the file.
+A failed decode's Pillow fallback draws its crop from a fresh generator of the same seed, so it
+cuts the box the codec would have cut.
+
 What else was tried (November 2026, Debian 12, x86-64):
 - PyTurboJPEG 2.x needs libjpeg-turbo >= 3.0 (it refuses to load without ``tj3Init``), and its
   ``decode`` has no cropping region (its ``crop`` is the lossless transform below). Debian 12
@@ -226,7 +236,12 @@ class SimpleJpeg:
         self.lib = require("simplejpeg", "gpufeed.ImageFolder")
 
     def header(self, data: bytes) -> tuple[int, int]:
-        height, width, _, _ = self.lib.decode_jpeg_header(data)
+        try:
+            height, width, colorspace, _ = self.lib.decode_jpeg_header(data)
+        except KeyError as exc:  # a subsampling it has no name for (4:4:1): Pillow decodes it
+            raise ValueError(f"simplejpeg cannot read this JPEG's header ({exc!r})") from None
+        if colorspace in ("CMYK", "YCCK"):  # converted by Pillow, as the stock path does
+            raise ValueError(f"simplejpeg leaves {colorspace} JPEGs to Pillow")
         return int(height), int(width)
 
     def decode(self, data: bytes, *, factor: int, box: tuple[int, int, int, int] | None,
