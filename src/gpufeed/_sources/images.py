@@ -121,9 +121,10 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
             raise ValueError(f"crop={crop!r} is not one of {CROPS}")
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r} is not one of {ON_ERROR}")
-        hw = (size, size) if isinstance(size, numbers.Integral) else tuple(size)
+        given: Any = size  # an int, a numpy int, or a pair of them
+        hw = (given, given) if isinstance(given, numbers.Integral) else tuple(given)
         if len(hw) != 2 or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
-                                   and v > 0 for v in hw):
+                                   and int(v) > 0 for v in hw):
             raise ValueError(f"size={size!r} must be a positive int or (height, width)")
         if scale is not None and not 0 < scale[0] <= scale[1] <= 1:
             raise ValueError(f"scale={scale!r} must satisfy 0 < low <= high <= 1 (or be None)")
