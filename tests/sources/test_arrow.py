@@ -166,6 +166,14 @@ def test_negative_indices_count_from_the_end():
         assert [dict(r, x=int(r["x"])) for r in padded.__getitems__([-1, 0])] == want
 
 
+def test_arrow_dataset_pads_a_fixed_length_list_column_too():
+    features = datasets.Features({"p": datasets.Sequence(datasets.Value("int32"), length=2)})
+    ds = datasets.Dataset.from_dict({"p": [[1, 2], [3, 4]]}, features=features)
+    got = next(iter(gpufeed.DataLoader(gpufeed.ArrowDataset(ds, pad={"p": 0}), batch_size=2)))
+    assert torch.equal(got["p"], torch.tensor([[1, 2], [3, 4]]))
+    assert got["p_length"].tolist() == [2, 2]
+
+
 def test_arrow_dataset_refuses_holes_and_pad_values_that_do_not_fit():
     table = pa.table({"ids": pa.array([[1, None, 3], [4, 5]], pa.list_(pa.int64())),
                       "small": pa.array([[1], [2, 3]], pa.list_(pa.uint8()))})

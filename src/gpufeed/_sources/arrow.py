@@ -276,8 +276,8 @@ class ArrowDataset(Dataset[Any]):
             raise ValueError(f"pad names columns {missing} that the data lacks; it has {names}")
         for c in self.pad:
             typ = (data.data if self.hf else data).schema.field(c).type
-            if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)) \
-                    or not _numeric(typ.value_type):
+            if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)
+                    or pa.types.is_fixed_size_list(typ)) or not _numeric(typ.value_type):
                 raise TypeError(f"pad column {c!r} is {typ}, not a list of numbers")
         if self.hf:
             self._rest = data.remove_columns(list(self.pad)) if self.pad else data
