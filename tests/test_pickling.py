@@ -91,3 +91,35 @@ def test_module_holding_a_loader_deep_copies():
     twin = copy.deepcopy(holder)
     assert twin.loader is not holder.loader and twin.loader.dataset is not holder.loader.dataset
     assert _batches(twin.loader) == _batches(holder.loader)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_iterator_refuses_copies_as_stocks_does_and_keeps_its_epoch(num_workers):
+    """``copy.copy`` of a running iterator: torch's refuses; a copy sharing the workers would
+    stop them when it is deleted and end the original's epoch early, silently."""
+    loader = gpufeed.DataLoader(list(range(10)), batch_size=2, num_workers=num_workers)
+    it = iter(loader)
+    assert next(it).tolist() == [0, 1]
+    for how in (copy.copy, pickle.dumps):
+        with pytest.raises(NotImplementedError, match="cannot be pickled"):
+            how(it)
+    assert [b.tolist() for b in it] == [[2, 3], [4, 5], [6, 7], [8, 9]]
+
+
+def test_a_loader_with_running_persistent_workers_copies_shallowly_as_stocks_does():
+    loader = gpufeed.DataLoader(list(range(6)), batch_size=2, num_workers=1,
+                                persistent_workers=True)
+    first = [b.tolist() for b in loader]
+    shallow = copy.copy(loader)
+    assert shallow._iterator is loader._iterator  # as torch's copy.copy shares it
+    assert [b.tolist() for b in shallow] == first
+    with pytest.raises(NotImplementedError, match="persistent_workers=True cannot be pickled"):
+        copy.deepcopy(loader)
+
+
+def test_a_negative_worker_count_set_later_is_refused_in_stocks_words():
+    loader = gpufeed.DataLoader(list(range(6)), batch_size=2)
+    with pytest.raises(ValueError, match="num_workers option should be non-negative"):
+        loader.num_workers = -1
+    loader.num_workers = 1
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -17,7 +16,7 @@ from ._base import timeline as _timeline
 from ._base.stats import LoaderStats, StatsRecorder
 from ._device.stage import to_device
 from ._device.streams import parse_device
-from ._host.arguments import check_arguments
+from ._host.arguments import check_arguments, check_num_workers, warn_thread_workers
 from ._host.auto_iter import AutoIter, make_tuner
 from ._host.autotune import AutoTuner
 from ._host.config import IterConfig, WorkerType
@@ -208,6 +207,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 raise ValueError("num_workers='auto' is chosen when the DataLoader is built: "
                                  "gpufeed.DataLoader(dataset, ..., num_workers='auto')")
             return
+        check_num_workers(value)
         self.__dict__["num_workers"], self._autotune = value, None
 
     @property
@@ -264,6 +264,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 )
             state["_iterator"] = None
         return state
+
+    def __copy__(self) -> DataLoader:
+        """A shallow copy, sharing a running iterator, as ``copy.copy`` of torch's gives."""
+        copied = type(self).__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)  # bypasses DataLoader.__setattr__'s "already initialized"
@@ -359,17 +365,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if kind == "process":
             super().check_worker_number_rationality()
             return
-        affinity = getattr(os, "sched_getaffinity", None)  # as torch counts them
-        cpus = len(affinity(0)) if affinity else os.cpu_count()
-        if cpus is not None and self.num_workers > cpus:
-            cpuset = "" if affinity else " (`cpuset` is not taken into account)"
-            warnings.warn(
-                f"This DataLoader will create {self.num_workers} worker threads in total. Our "
-                f"suggested max number of worker in current system is {cpus}{cpuset}, which is "
-                "smaller than what this DataLoader is going to create. Please be aware that "
-                "excessive worker creation might get DataLoader running slow or even freeze, "
-                "lower the worker number to avoid potential slowness/freeze if necessary.",
-                stacklevel=3)
+        warn_thread_workers(self.num_workers)
 
     def _get_iterator(self) -> BaseIter:  # type: ignore[override]
         if self.num_workers == 0:

@@ -7,13 +7,15 @@ takes an argument at construction and fails only at ``iter()``, gpufeed says so 
 from __future__ import annotations
 
 import operator
+import os
 import select
 import sys
+import warnings
 from typing import Any
 
 from .config import WORKER_TYPES
 
-__all__ = ["check_arguments"]
+__all__ = ["check_arguments", "check_num_workers", "warn_thread_workers"]
 
 
 def _whole_positive(value: Any) -> bool:
@@ -68,3 +70,27 @@ def check_arguments(
         raise ValueError("device_transform needs device=, e.g. device='cuda'")
     if deterministic is not None and not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
+
+
+def check_num_workers(value: Any) -> None:
+    """torch's error for a worker count set on a built loader (its constructor's words; torch
+    itself only fails at the next ``iter()``, or gives no batch)."""
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"num_workers option should be non-negative; use num_workers=0 to "
+                         f"disable multiprocessing (got {value!r})")
+
+
+def warn_thread_workers(num_workers: int) -> None:
+    """torch's warning when ``num_workers`` exceeds the CPUs this process may use, in its
+    words, for thread workers (``DataLoader.check_worker_number_rationality``)."""
+    affinity = getattr(os, "sched_getaffinity", None)  # as torch counts them
+    cpus = len(affinity(0)) if affinity else os.cpu_count()
+    if cpus is not None and num_workers > cpus:
+        cpuset = "" if affinity else " (`cpuset` is not taken into account)"
+        warnings.warn(
+            f"This DataLoader will create {num_workers} worker threads in total. Our "
+            f"suggested max number of worker in current system is {cpus}{cpuset}, which is "
+            "smaller than what this DataLoader is going to create. Please be aware that "
+            "excessive worker creation might get DataLoader running slow or even freeze, "
+            "lower the worker number to avoid potential slowness/freeze if necessary.",
+            stacklevel=4)

@@ -78,6 +78,11 @@ class BaseIter:
     def __iter__(self) -> BaseIter:
         return self
 
+    def __getstate__(self) -> Any:
+        """Refused, as torch's iterators refuse it (``pickle``, ``copy.copy``): a copy would
+        share, and on its deletion stop, this iterator's workers and pending batches."""
+        raise NotImplementedError("{} cannot be pickled", type(self).__name__)
+
     def __next__(self) -> Any:
         if _timeline.torch_profiler._is_profiler_enabled:  # NOTE [ Timeline ] (1): a range
             with _timeline.torch_range(_timeline.WAIT_RANGE):
