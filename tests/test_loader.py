@@ -534,12 +534,21 @@ def test_len_of_iterable_without_len_raises_like_stock():
     assert str(ours.value) == str(stock.value)
 
 
-def test_iterable_length_warning_like_stock():
-    loader = gpufeed.DataLoader(ShortLenIterable(RangeIterable(12, rich=False)),
-                                batch_size=None)
-    assert len(loader) == 10
-    with pytest.warns(UserWarning, match="was reported to be 10"):
-        list(loader)
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_iterable_length_warning_like_stock(num_workers):
+    """torch's words exactly (tools and warning filters match them), pointing at the loop."""
+    said = []
+    for cls in (tud.DataLoader, gpufeed.DataLoader):
+        data = ShortLenIterable(RangeIterable(12, rich=False))
+        loader = cls(data, batch_size=None, num_workers=num_workers)
+        assert len(loader) == 10
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            list(loader)  # the loop's line
+        seen = [w for w in caught if "was reported to be 10" in str(w.message)]
+        assert seen and all(w.filename == __file__ for w in seen)
+        said.append([str(w.message).replace(repr(data), "DATA") for w in seen])
+    assert said[1] == said[0]
 
 
 class ShortLenIterable(tud.IterableDataset):

@@ -86,8 +86,15 @@ class BaseIter:
     def __next__(self) -> Any:
         if _timeline.torch_profiler._is_profiler_enabled:  # NOTE [ Timeline ] (1): a range
             with _timeline.torch_range(_timeline.WAIT_RANGE):
-                return self._next()
-        return self._next()
+                data = self._next()
+        else:
+            data = self._next()
+        if self._len_warning:  # here, so that it points at the loop, as torch's does
+            text, self._len_warning = self._len_warning, ""
+            warnings.warn(text, stacklevel=2)
+        return data
+
+    _len_warning = ""  # torch's "Length of IterableDataset ..." for the batch being returned
 
     def _next(self) -> Any:
         raise NotImplementedError
@@ -131,12 +138,14 @@ class BaseIter:
             and self._len_called is not None
             and self._num_yielded > self._len_called
         ):
-            warnings.warn(
-                f"Length of IterableDataset {self._dataset} was reported to be "
-                f"{self._len_called} (when accessing len(dataloader)), but "
-                f"{self._num_yielded} samples have been fetched.",
-                stacklevel=3,
-            )
+            self._len_warning = (  # torch's words, spacing included
+                f"Length of IterableDataset {self._dataset} was reported to be {self._len_called}"
+                f"(when accessing len(dataloader)), but {self._num_yielded} samples have been "
+                "fetched. " + ("" if not getattr(self, "_num_workers", 0) else
+                               "For multiprocessing data-loading, this could be caused by not "
+                               "properly configuring the IterableDataset replica at each worker. "
+                               "Please see https://pytorch.org/docs/stable/data.html"
+                               "#torch.utils.data.IterableDataset for examples."))
         if self._pin:
             data = pin_batch(data, registered, device=self._pin_device)
         self._tracker.produced_nth(k, worker_state)
