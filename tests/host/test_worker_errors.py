@@ -62,7 +62,8 @@ def test_dataset_exception_reraised_with_type_traceback_and_index(exc_type, work
 @pytest.mark.parametrize("where", ["dataset", "init"])
 def test_worker_exception_starts_with_stocks_words(where):
     """People and tools search logs for torch's "Caught KeyError in DataLoader worker process
-    3." and "Original Traceback (most recent call last):"; gpufeed's context comes after."""
+    3." and "Original Traceback (most recent call last):"; gpufeed's context comes between,
+    on a line of its own."""
     def run(cls):
         if where == "dataset":
             loader = cls(FailingDataset(20, bad=13, exc_type=KeyError), batch_size=4,
@@ -79,8 +80,9 @@ def test_worker_exception_starts_with_stocks_words(where):
     assert ours_type is stock_type
     head = stock[0].rstrip(".")  # "Caught KeyError in DataLoader worker process 1"
     assert re.fullmatch(r"Caught \w+ in DataLoader worker process \d", head), stock[0]
-    assert ours[0].startswith(head + " (gpufeed: "), (ours[0], stock[0])
-    assert ours[1] == stock[1] == "Original Traceback (most recent call last):"
+    assert ours[0] == head + ".", (ours[0], stock[0])
+    assert ours[1].startswith("(gpufeed: ") and ours[1].endswith(")"), ours[1]
+    assert ours[2] == stock[1] == "Original Traceback (most recent call last):"
 
 
 def test_locally_defined_exception_class(worker_type):
@@ -319,8 +321,8 @@ def test_failing_dataset_state_dict_is_reraised_not_lost(worker_type, capfd):
         threading.excepthook = old_hook
     assert errors == [], errors
     assert "state_dict failed" in msg, msg
-    assert re.search(r"DataLoader worker (process|thread) \d \(gpufeed: saving the dataset's "
-                     r"state", msg), msg
+    assert re.search(r"DataLoader worker (process|thread) \d\.\n\(gpufeed: saving the "
+                     r"dataset's state", msg), msg
     assert "Traceback" not in capfd.readouterr().err  # no worker died printing one
 
 

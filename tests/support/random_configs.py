@@ -206,11 +206,10 @@ def canon(x: Any) -> Any:
 
 
 def _error(exc: BaseException) -> tuple[str, str]:
-    """An error as a program matching on it sees it: its type and first line, gpufeed's
-    context after torch's words left out."""
+    """An error as a program matching on it sees it: its type and first line (torch's words
+    whole; gpufeed's context is on the next line)."""
     # (a KeyError subclass's message is its repr: one line, with "\n" for its newlines)
     first = str(exc).split("\n")[0].split("\\n")[0]
-    first = re.sub(r" \(gpufeed: [^)]*\)\.$", ".", first)
     return type(exc).__name__, first.replace("worker thread", "worker process")
 
 

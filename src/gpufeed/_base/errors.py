@@ -78,8 +78,12 @@ class RemoteError:
     def reraise(self) -> None:
         if not self.where:  # RemoteError.plain
             raise self.exc_type(self.text)
+        where, detail = self.where, ""
+        if " (gpufeed: " in where:  # torch's first line whole: "... worker process 0."
+            where, detail = where.split(" (", 1)
+            detail = f"({detail}\n"
         msg = (
-            f"Caught {self.type_name} {self.where}.\n"
+            f"Caught {self.type_name} {where}.\n{detail}"
             f"Original {self.text}"  # torch's words: "Original Traceback (most recent ..."
         )
         if self.exc_type is KeyError:
