@@ -100,7 +100,13 @@ def test_help_of_every_command(argv, capsys):
 @pytest.mark.parametrize("argv", [[], ["fly"], ["tune"], ["tune", "m:f", "--batch-size", "0"],
                                   ["tune", "m:f", "--budget", "lots"],
                                   ["bench", "--workers", "a,b"], ["doctor", "--workers", "-1"],
-                                  ["doctor", "--batch-bytes", "big"]])
+                                  ["doctor", "--batch-bytes", "big"],
+                                  # checked before a run, not after it (or never)
+                                  ["bench", "--workers", "-1"], ["bench", "--workers", ","],
+                                  ["bench", "--seconds", "nan"], ["tune", "m:f", "--runs", "inf"],
+                                  ["bench", "--json", "/no/such/folder/b.json"],
+                                  ["bench", "--plot", "/no/such/folder/b.png"],
+                                  ["profile", "m:f", "--trace", "-"]])
 def test_usage_errors_exit_2(argv, capsys):
     assert main(argv) == 2
     assert "usage: gpufeed" in capsys.readouterr().err

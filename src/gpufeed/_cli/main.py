@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._tools.output import file_path, json_output
+from .._tools.output import file_path, json_output, json_path
 from .commands import cmd_bench, cmd_doctor, cmd_tune
 from .targets import UsageError
 from .tracing import add_trace_options, cmd_profile_traced
@@ -40,10 +40,19 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or value <= 0:
+        if value is None or not 0 < value < float("inf"):  # nan and inf too
             raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
         return value
     return parse
+
+
+def _worker_counts(text: str) -> list[int]:
+    """``--workers 0,2,4``: at least one count, each an int >= 0."""
+    counts = _csv(int)(text)
+    if not counts or any(n < 0 for n in counts):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated worker counts >= 0, e.g. 0,2,4; got {text!r}")
+    return counts
 
 
 def _nonnegative(text: str) -> int:
@@ -84,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="gpufeed's version, torch's version and build, and Python's")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", metavar="FILE",
+    common.add_argument("--json", metavar="FILE", type=json_path,
                         help="also write the results as JSON to FILE (-: to stdout, and the "
                         "tables to stderr)")
     common.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -101,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="a function returning your dataset (default: built-in synthetic data)")
     b.add_argument("--batch-size", type=_positive(int),
                    help="samples per batch (default: 256 built-in, 32 yours)")
-    b.add_argument("--workers", type=_csv(int), default=[0, 2], help="num_workers values (0,2)")
+    b.add_argument("--workers", type=_worker_counts, default=[0, 2],
+                   help="num_workers values (0,2)")
     b.add_argument("--seconds", type=_positive(float), default=0.5,
                    help="timed seconds per run (0.5)")
     b.add_argument("--runs", type=_positive(int), default=21,

@@ -11,6 +11,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from .._tools.output import file_path
 from .commands import cmd_profile
 
 __all__ = ["add_trace_options", "cmd_profile_traced"]
@@ -31,11 +32,11 @@ def add_trace_options(p: argparse.ArgumentParser,
     """``--trace``, ``--timeline`` and their bounds, on ``profile``'s parser (``positive``:
     the parser's type for positive numbers)."""
     g = p.add_argument_group("timeline")
-    g.add_argument("--trace", metavar="FILE",
+    g.add_argument("--trace", metavar="FILE", type=file_path,
                    help="write a timeline of every batch through every stage as Chrome Trace "
                    "Event JSON (FILE.json.gz: compressed); open it in ui.perfetto.dev or "
                    "chrome://tracing")
-    g.add_argument("--timeline", metavar="PNG",
+    g.add_argument("--timeline", metavar="PNG", type=file_path,
                    help="draw the first seconds of the timeline as a Gantt chart per track, "
                    "stalls marked (needs matplotlib)")
     g.add_argument("--timeline-seconds", type=positive(float), default=1.0, metavar="S",

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STDOUT", "directory", "file_path", "is_stdout", "json_output", "write_json"]
+__all__ = ["STDOUT", "directory", "file_path", "is_stdout", "json_output", "json_path",
+           "write_json"]
 
 #: the file name that means stdout
 STDOUT = "-"
@@ -71,7 +72,17 @@ def file_path(text: str) -> str:
     ``-`` is refused, naming the fix."""
     if text == STDOUT:
         raise argparse.ArgumentTypeError(
-            "'-' (stdout) cannot take an image; give a file name, e.g. bench.png")
+            "'-' (stdout) cannot take this file (an image or a trace); give a file name")
+    return json_path(text)
+
+
+def json_path(text: str) -> str:
+    """An ``argparse`` type for ``--json FILE`` (``-``: stdout): the file's folder must exist,
+    checked before the run rather than after it."""
+    folder = os.path.dirname(os.path.abspath(os.path.expanduser(text)))
+    if text != STDOUT and not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(
+            f"folder {folder!r} of {text!r} does not exist; create it first (mkdir -p)")
     return text
 
 
