@@ -421,3 +421,26 @@ def test_ctrl_c_stops_promptly_with_keyboard_interrupt(worker_type):
     while not all(gone(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.05)
     assert all(gone(p) for p in pids), f"workers outlived Ctrl-C: {pids}"
+
+
+def test_a_second_ctrl_c_at_exit_still_stops_every_loader_quietly(monkeypatch):
+    """The exit hook closes every live iterator; a Ctrl-C inside one close (a terminal sends
+    it to the whole group twice) stops the others at once instead of escaping as a traceback
+    and leaving them to their workers' parent check."""
+    from gpufeed._host import worker_iter
+
+    closed = []
+
+    class Fake:
+        def __init__(self, name, interrupt):
+            self.name, self.interrupt = name, interrupt
+
+        def close(self, grace_s):
+            closed.append((self.name, grace_s))
+            if self.interrupt:
+                raise KeyboardInterrupt
+
+    fakes = [Fake("a", True), Fake("b", False)]
+    monkeypatch.setattr(worker_iter, "_live", fakes)
+    worker_iter._close_all()
+    assert closed == [("a", worker_iter.GRACE_S), ("b", 0.0)]

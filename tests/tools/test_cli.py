@@ -326,7 +326,8 @@ def test_json_dash_writes_the_json_alone_to_stdout(user_module, tmp_path, monkey
 
 def test_plot_dash_is_refused_naming_the_fix(capsys):
     assert main(["bench", "--plot", "-"]) == 2
-    assert "cannot take this file (an image or a trace); give a file name" in capsys.readouterr().err
+    assert "cannot take this file (an image or a trace); give a file name" in \
+        capsys.readouterr().err
 
 
 def test_version_names_gpufeed_torch_and_python(capsys):

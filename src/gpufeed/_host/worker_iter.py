@@ -42,15 +42,7 @@ from .messages import (
     WorkerSpec,
     WorkerState,
 )
-from .pool import (
-    GRACE_S,
-    Pool,
-    ProcessPool,
-    ThreadPool,
-    check_not_forked,
-    lost_worker,
-    timed_out,
-)
+from .pool import GRACE_S, Pool, ProcessPool, ThreadPool, check_not_forked, lost_worker, timed_out
 from .tracing import label_workers, record_fetched, record_ring, sample_counters
 from .workahead import WorkAhead
 
@@ -61,8 +53,12 @@ WAIT_SLICE_S = 1.0  # how often a waiting main process re-checks worker health
 
 @atexit.register
 def _close_all() -> None:
+    grace = GRACE_S  # a second Ctrl-C while exiting: the rest stop at once, with no traceback
     for it in list(_live):
-        it.close()
+        try:
+            it.close(grace)
+        except KeyboardInterrupt:
+            grace = 0.0
 
 
 class WorkerIter(BaseIter):
