@@ -80,8 +80,8 @@ class RemoteError:
             raise self.exc_type(self.text)
         where, detail = self.where, ""
         if " (gpufeed: " in where:  # torch's first line whole: "... worker process 0."
-            where, detail = where.split(" (", 1)
-            detail = f"({detail}\n"
+            where, detail = where.split(" (gpufeed: ", 1)
+            detail = f"(gpufeed: {detail}\n"
         msg = (
             f"Caught {self.type_name} {where}.\n{detail}"
             f"Original {self.text}"  # torch's words: "Original Traceback (most recent ..."
