@@ -12,7 +12,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from .._base.stats import human_bytes
 from .describe import dataset_repr
-from .protocol import index_array
+from .protocol import index_array, wrap_indices
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
@@ -133,15 +133,6 @@ def gather(arrays: Sequence[Any], indices: Sequence[int],
             np.take(a, idx_np, axis=0, out=dst.numpy())
         out.append(dst)
     return out
-
-
-def wrap_indices(idx: np.ndarray, n: int) -> np.ndarray:
-    """``idx`` (not empty) with negative indices counted from the end, as ``a[i]`` and
-    ``np.take`` count them (``index_select`` does not); IndexError naming one out of range."""
-    low, high = int(idx.min()), int(idx.max())
-    if low < -n or high >= n:
-        raise IndexError(f"index {low if low < -n else high} is out of range for {n} samples")
-    return np.where(idx < 0, idx + n, idx)
 
 
 def gather_arrays(dataset: Any) -> Sequence[Any] | None:

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from .arrays import Alloc, allocate, torch_dtype, wrap_indices
+from .arrays import Alloc, allocate, torch_dtype
 from .describe import dataset_repr
-from .protocol import index_array, require
+from .protocol import index_array, require, wrap_indices
 
 _FAST_FORMATS = (None, "numpy", "torch", "np", "pt")
 
@@ -63,8 +63,7 @@ class ArrowSource:
         self.raw = _raw_table(dataset) if hf else None
 
     def _rows(self, idx: np.ndarray) -> Any:
-        if len(idx) and idx.min() < 0:  # counted from the end, as the dataset's [i] counts
-            idx = wrap_indices(idx, len(self.dataset))
+        idx = wrap_indices(idx, len(self.dataset))  # from the end, as the dataset's [i] counts
         if self.raw is not None:  # the Arrow table itself: a fifth of the cost of __getitem__
             table, mapping = self.raw
             return table.take(idx if mapping is None else mapping.take(idx))
@@ -127,9 +126,7 @@ def samples(data: Any, idx: np.ndarray, *, hf: bool) -> Any:
     gives them: the dataset's own ``__getitems__``, or the table's rows as dicts."""
     if hf:
         return data.__getitems__(idx.tolist())
-    if len(idx) and idx.min() < 0:  # counted from the end, as a list counts
-        idx = wrap_indices(idx, data.num_rows)
-    return data.take(idx).to_pylist()
+    return data.take(wrap_indices(idx, data.num_rows)).to_pylist()  # from the end, as a list
 
 
 def _raw_table(dataset: Any) -> tuple[Any, Any] | None:
@@ -311,8 +308,7 @@ class ArrowDataset(Dataset[Any]):
     def gpufeed_batch(self, indices: Sequence[int], *, seed: int | None, epoch: int,
                       alloc: Any) -> Any:
         idx = index_array(indices)
-        if len(idx) and idx.min() < 0:  # counted from the end, as dataset[i] counts
-            idx = wrap_indices(idx, len(self))
+        idx = wrap_indices(idx, len(self))  # counted from the end, as dataset[i] counts
         if self._source is None:
             self._source = ArrowSource(self._rest, hf=self.hf)
         out = dict(self._source.batch(idx, alloc)) if self._rest.num_columns else {}

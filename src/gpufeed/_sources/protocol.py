@@ -74,3 +74,15 @@ def index_array(indices: Any) -> np.ndarray:
     if idx.ndim != 1:
         raise TypeError(f"batch indices must be a flat sequence of ints, got shape {idx.shape}")
     return idx
+
+
+def wrap_indices(idx: np.ndarray, n: int) -> np.ndarray:
+    """``idx`` with negative indices counted from the end of ``n`` samples, as ``a[i]``,
+    ``np.take`` and the stock loader count them (``index_select`` and Arrow's ``take`` do
+    not); ``idx`` itself when none is negative; IndexError naming one out of range."""
+    if not len(idx) or idx.min() >= 0:
+        return idx
+    low, high = int(idx.min()), int(idx.max())
+    if low < -n or high >= n:
+        raise IndexError(f"index {low if low < -n else high} is out of range for {n} samples")
+    return np.where(idx < 0, idx + n, idx)
