@@ -63,6 +63,6 @@ def test_a_tiny_run_through_the_harness(tmp_path):
     doc = {"environment": environment(), "settings": {"seconds_static": 0.6,
                                                       "seconds_auto": 0.8, "warm_s": 0.5,
                                                       "quick": True}, "workloads": workloads}
-    json_path, md_path = write_results(doc, tmp_path)
-    assert json.loads(json_path.read_text())["workloads"][0]["name"] == "step"
+    output_path, md_path = write_results(doc, tmp_path)
+    assert json.loads(output_path.read_text())["workloads"][0]["name"] == "step"
     assert "## step:" in md_path.read_text()

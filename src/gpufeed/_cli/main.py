@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._tools.output import file_path, json_output, json_path
+from .._tools.output import file_path, json_output, output_path
 from .commands import cmd_bench, cmd_doctor, cmd_tune
 from .targets import UsageError
 from .tracing import add_trace_options, cmd_profile_traced
@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="gpufeed's version, torch's version and build, and Python's")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", metavar="FILE", type=json_path,
+    common.add_argument("--json", metavar="FILE", type=output_path,
                         help="also write the results as JSON to FILE (-: to stdout, and the "
                         "tables to stderr)")
     common.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STDOUT", "directory", "file_path", "is_stdout", "json_output", "json_path",
+__all__ = ["STDOUT", "directory", "file_path", "is_stdout", "json_output", "output_path",
            "write_json"]
 
 #: the file name that means stdout
@@ -73,12 +73,12 @@ def file_path(text: str) -> str:
     if text == STDOUT:
         raise argparse.ArgumentTypeError(
             "'-' (stdout) cannot take this file (an image or a trace); give a file name")
-    return json_path(text)
+    return output_path(text)
 
 
-def json_path(text: str) -> str:
-    """An ``argparse`` type for ``--json FILE`` (``-``: stdout): the file's folder must exist,
-    checked before the run rather than after it."""
+def output_path(text: str) -> str:
+    """An ``argparse`` type for a file a command writes (``--json FILE``; ``-``: stdout):
+    its folder must exist, checked before the run rather than after it."""
     folder = os.path.dirname(os.path.abspath(os.path.expanduser(text)))
     if text != STDOUT and not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(

@@ -252,10 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ceiling=args.ceiling)
     doc = run_cpu(args.workloads, settings=settings, loaders=args.loaders,
                   cache_dir=args.cache_dir, progress=lambda line: print(line, flush=True))
-    json_path, md_path = write_results(doc, args.out)
+    output_path, md_path = write_results(doc, args.out)
     print()
     print(render_markdown(doc).split("## Every")[0].rstrip())
-    print(f"\nwrote {json_path} and {md_path}")
+    print(f"\nwrote {output_path} and {md_path}")
     return 0
 
 

@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = {"environment": env, "settings": {"seconds_static": static, "seconds_auto": auto,
                                             "warm_s": WARM_S, "quick": args.quick},
            "workloads": workloads}
-    json_path, md_path = write_results(doc, args.out)
+    output_path, md_path = write_results(doc, args.out)
     print(render_markdown(doc).split("<details>")[0])
-    print(f"wrote {json_path} and {md_path}")
+    print(f"wrote {output_path} and {md_path}")
     return 0

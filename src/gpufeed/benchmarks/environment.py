@@ -85,7 +85,7 @@ def write_documents(doc: dict[str, Any], out: Path, stem: str,
     """Write ``doc`` as ``<stem>.json`` and ``markdown`` as ``<stem>.md`` into ``out``
     (created if needed)."""
     out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
-    json_path.write_text(json.dumps(doc, indent=1) + "\n")
+    output_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
+    output_path.write_text(json.dumps(doc, indent=1) + "\n")
     md_path.write_text(markdown)
-    return json_path, md_path
+    return output_path, md_path
