@@ -180,7 +180,7 @@ def _gpufeed_threads() -> list[str]:
 
 
 STRESS_SCRIPT = """
-import faulthandler, gc, sys, threading, time
+import faulthandler, gc, sys, threading, time, weakref
 import psutil, torch, torch.utils.data as tud, gpufeed
 from support.fakes import RichDataset
 faulthandler.dump_traceback_later({hang_s}, exit=True)  # a hang fails, with its stacks
@@ -192,11 +192,13 @@ worst = 0.0
 for n in range({rounds}):
     wt, persistent = KINDS[n % len(KINDS)]
     ds = RichDataset(16)
+    shuffle = n % 10 >= 5
     if wt == "stock":
-        loader = tud.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=persistent)
+        loader = tud.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=persistent,
+                                shuffle=shuffle)
     else:
         loader = gpufeed.DataLoader(ds, batch_size=4, num_workers=2, worker_type=wt,
-                                    persistent_workers=persistent)
+                                    persistent_workers=persistent, shuffle=shuffle)
     before = {{p.pid for p in me.children()}}
     for epoch in range(2 if persistent else 1):
         it = iter(loader)
@@ -204,7 +206,11 @@ for n in range({rounds}):
         assert got == 4, (n, wt, got)  # every loader finishes its epochs
     pids = {{p.pid for p in me.children()}} - before
     threads = [t for t in threading.enumerate() if t.name.startswith("gpufeed-worker")]
-    del it, loader
+    dataset = weakref.ref(ds)
+    del it, loader, ds
+    if dataset() is not None:  # as stock's: nothing of the loader's keeps it
+        sys.exit(f"round {{n}} ({{wt}}, persistent={{persistent}}, shuffle={{shuffle}}): the "
+                 "dataset outlived its loader")
     t0 = time.monotonic()
     while True:
         alive = [p for p in pids if psutil.pid_exists(p)
@@ -222,9 +228,10 @@ print("OK", worst)
 
 
 def test_dropping_loaders_stops_their_workers_without_the_garbage_collector():
-    """``del it, loader`` stops gpufeed's workers at once (no reference cycle keeps them), and
-    stock loaders created in between keep working: 50 loaders of five kinds, one after the
-    other, in one process with the cyclic collector off."""
+    """``del it, loader, dataset`` stops gpufeed's workers and frees the dataset at once (no
+    reference cycle keeps them), and stock loaders created in between keep working: 50 loaders
+    of five kinds, shuffled or not, one after the other, in one process with the cyclic
+    collector off."""
     proc = run_script(STRESS_SCRIPT.format(rounds=50, hang_s=150), timeout=180)
     assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr
 

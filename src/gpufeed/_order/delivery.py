@@ -103,6 +103,13 @@ def numbered(plan: Iterable[T], point: ResumePoint) -> Iterator[tuple[int, T]]:
 _END: Any = object()
 
 
+def _draw(plan: Iterator[tuple[int, Any]], numbers: list[int]) -> Iterator[Any]:
+    """The items of a :func:`numbered` plan, keeping their numbers in ``numbers``."""
+    for number, item in plan:
+        numbers.append(number)
+        yield item
+
+
 class DeliveryTracker:
     """Which batches of one epoch the user has received (NOTE [ Delivery tracking ]).
 
@@ -141,13 +148,10 @@ class DeliveryTracker:
             self.next_worker = resumed.next_worker
         self._in_flight: deque[tuple[int, Any]] = deque()
         self._numbers: list[int] = []
-        self.indices: Iterator[Any] = self._draw(numbered(plan, point))
+        # Not a method: a generator of ``self`` would make the tracker and its draw a
+        # reference cycle, keeping the sampler and dataset alive until a collection.
+        self.indices: Iterator[Any] = _draw(numbered(plan, point), self._numbers)
         self._advance()
-
-    def _draw(self, plan: Iterator[tuple[int, Any]]) -> Iterator[Any]:
-        for number, item in plan:
-            self._numbers.append(number)
-            yield item
 
     def produced_nth(self, k: int, worker_state: tuple[int, Any] | None = None) -> None:
         """:meth:`produced` for the iterator's ``k``-th batch of the epoch (0-based): the

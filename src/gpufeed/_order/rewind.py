@@ -38,6 +38,7 @@ iterator, one base seed, which is where the run that saved it went on from.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -194,12 +195,19 @@ class EpochSeed:
 
     Args:
         replay: the seed to shuffle with (a resume), or ``None`` to draw it as torch would.
-        record: called with the seed, once, when it is drawn or replayed.
+        record: a bound method, called with the seed, once, when it is drawn or replayed,
+            while its object lives. Held weakly: the epoch's draw holds this object, and the
+            recorder (a loader's position) holds the draw; a strong reference would make a
+            cycle that keeps the sampler and the dataset alive until a cyclic collection.
     """
 
     def __init__(self, replay: int | None, record: Callable[[int], None]) -> None:
         self.replay = replay
-        self.record = record
+        self._record = weakref.WeakMethod(record)  # type: ignore[arg-type]
+
+    def record(self, seed: int) -> None:
+        if (bound := self._record()) is not None:
+            bound(seed)
 
     def generator(self) -> torch.Generator:
         """A generator seeded as ``RandomSampler.__iter__`` seeds its own: call it where the
