@@ -54,6 +54,14 @@ def bad_pair():
     return 5
 
 
+def one_step():
+    return range(1), lambda batch: None
+
+
+def no_wrap(profiler):
+    pass
+
+
 def broken():
     raise RuntimeError("the user's bug")
 
@@ -110,6 +118,17 @@ def test_help_of_every_command(argv, capsys):
 def test_usage_errors_exit_2(argv, capsys):
     assert main(argv) == 2
     assert "usage: gpufeed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, fix", [
+    (["doctor", "--workers", "0", "--prefetch-factor", "5"], "with --workers 0 there are none"),
+    (["profile", "m:f", "--trace-last", "5"], "add --trace FILE"),
+    (["profile", "m:f", "--trace", "/tmp/t.json", "--stall-ms", "3", "--timeline-start", "1"],
+     "--timeline-start, --stall-ms shape the picture: add --timeline FILE.png")])
+def test_options_that_would_be_ignored_are_usage_errors(argv, fix, capsys):
+    """Checked before anything runs (``m:f`` is never imported), naming the option and fix."""
+    assert main(argv) == 2
+    assert fix in capsys.readouterr().err
 
 
 def png_is_a_real_chart(path, min_size=(300, 200)):
@@ -236,6 +255,16 @@ def test_profile_bad_return_and_user_errors(user_module, capsys):
     assert main(["profile", f"{user_module}:broken"]) == 1
     err = capsys.readouterr().err
     assert "RuntimeError: the user's bug" in err and "Traceback" in err
+
+
+@pytest.mark.parametrize("target, warmup", [("one_step", []), ("no_wrap", []),
+                                            ("pair", ["--warmup", "30"])])
+def test_profile_that_measured_nothing_fails_and_says_why(user_module, target, warmup, capsys):
+    """No step after the warm-up gives no verdict: exit 1 (a script must not read a pass)."""
+    assert main(["profile", f"{user_module}:{target}", "--no-progress", *warmup]) == 1
+    err = capsys.readouterr().err
+    assert "no steps measured" in err and "give it more batches" in err
+    assert ("lower --warmup" in err) == bool(warmup)
 
 
 def test_tune_bad_worker_type_is_a_usage_error(user_module, capsys):

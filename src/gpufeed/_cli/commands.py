@@ -181,14 +181,26 @@ def cmd_profile(args: argparse.Namespace) -> int:
             bar.close()
     print(report)
     args.emit_json(report.to_dict())
+    if report.steps == 0:  # no verdict: a script reading the exit code must not take it as one
+        print(f"gpufeed profile: error: no steps measured: the loop ended within the first "
+              f"{args.warmup} step(s) that --warmup leaves out, or never iterated "
+              "profiler.wrap(loader); give it more batches"
+              + (" or a lower --warmup" if args.warmup > 1 else ""),
+              file=sys.stderr)
+        return 1
     return 0
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from .._tools.doctor import Workload, diagnose
 
+    if args.workers == 0 and args.prefetch_factor is not None:
+        raise UsageError("--prefetch-factor counts batches in flight per worker process: with "
+                         "--workers 0 there are none (DataLoader(num_workers=0) refuses a "
+                         "prefetch_factor too); leave it out")
     report = diagnose(workload=Workload(
-        num_workers=args.workers, prefetch_factor=args.prefetch_factor,
+        num_workers=args.workers, prefetch_factor=2 if args.prefetch_factor is None
+        else args.prefetch_factor,
         pin_memory=args.pin_memory, batch_bytes=args.batch_bytes, worker_type=args.worker_type))
     print(report)
     args.emit_json(report.to_dict())

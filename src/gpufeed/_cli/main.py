@@ -172,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
                        "GPUs against the loader you will run; exit 1 when something will "
                        "break it.")
     d.add_argument("--workers", type=_nonnegative, help="num_workers (default: usable CPUs)")
-    d.add_argument("--prefetch-factor", type=_positive(int), default=2,
+    d.add_argument("--prefetch-factor", type=_positive(int),
                    help="batches in flight per worker (2)")
     d.add_argument("--worker-type", choices=("process", "thread"), default="process",
                    help="worker kind (process)")

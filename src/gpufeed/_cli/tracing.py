@@ -13,6 +13,7 @@ from typing import Any
 
 from .._tools.output import file_path
 from .commands import cmd_profile
+from .targets import UsageError
 
 __all__ = ["add_trace_options", "cmd_profile_traced"]
 
@@ -39,19 +40,40 @@ def add_trace_options(p: argparse.ArgumentParser,
     g.add_argument("--timeline", metavar="PNG", type=file_path,
                    help="draw the first seconds of the timeline as a Gantt chart per track, "
                    "stalls marked (needs matplotlib)")
-    g.add_argument("--timeline-seconds", type=positive(float), default=1.0, metavar="S",
+    g.add_argument("--timeline-seconds", type=positive(float), metavar="S",
                    help="seconds of the run the picture shows (1.0)")
-    g.add_argument("--timeline-start", type=_nonnegative_float, default=0.0, metavar="S",
+    g.add_argument("--timeline-start", type=_nonnegative_float, metavar="S",
                    help="where the picture starts, in seconds from the start (0: worker "
                    "start-up included)")
-    g.add_argument("--stall-ms", type=_nonnegative_float, default=1.0, metavar="MS",
+    g.add_argument("--stall-ms", type=_nonnegative_float, metavar="MS",
                    help="a wait of the loop this long or longer is a stall in the picture (1)")
     g.add_argument("--trace-last", type=positive(int), metavar="N",
                    help="keep only the last N batches in the trace (a long run)")
 
 
+#: The picture's options (None: not given) and their defaults; each needs ``--timeline``.
+_PICTURE = {"timeline_seconds": 1.0, "timeline_start": 0.0, "stall_ms": 1.0}
+
+
+def _check_trace_options(args: argparse.Namespace) -> None:
+    """An option that shapes a recording nobody asked for is a usage error, not ignored."""
+    given = [name for name in _PICTURE if getattr(args, name) is not None]
+    if given and not args.timeline:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UsageError(f"{flags} shape{'s' if len(given) == 1 else ''} the picture: add "
+                         "--timeline FILE.png, or leave "
+                         f"{'it' if len(given) == 1 else 'them'} out")
+    if args.trace_last is not None and not (args.trace or args.timeline):
+        raise UsageError("--trace-last bounds a recording: add --trace FILE (or --timeline "
+                         "FILE.png), or leave it out")
+    for name, default in _PICTURE.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def cmd_profile_traced(args: argparse.Namespace) -> int:
     """``cmd_profile``, recorded when ``--trace`` or ``--timeline`` is given."""
+    _check_trace_options(args)
     if not (args.trace or args.timeline):
         return cmd_profile(args)
     from .._tools.gantt import require_matplotlib

@@ -203,7 +203,7 @@ class EpochSeed:
 
     def __init__(self, replay: int | None, record: Callable[[int], None]) -> None:
         self.replay = replay
-        self._record = weakref.WeakMethod(record)  # type: ignore[arg-type]
+        self._record = weakref.WeakMethod(record)
 
     def record(self, seed: int) -> None:
         if (bound := self._record()) is not None:
