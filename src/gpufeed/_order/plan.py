@@ -104,16 +104,20 @@ def make_plan(
         n = len(perm)
     else:
         n = len(s.data_source)
+        start = skip * bs
         if type(s) is RandomSampler:
             generator = epoch_seed.generator() if epoch_seed is not None else _generator(s)
-            perm = torch.randperm(n, generator=generator)
-        start = skip * bs
+            # Drawn straight into shared memory when the workers will read it: a private
+            # draw copied there would leave its pages (8 bytes a sample) in the main process.
+            out = torch.empty(n, dtype=torch.int64).share_memory_() if shared and not start \
+                else None
+            perm = torch.randperm(n, generator=generator, out=out)
         if start:
             perm = torch.arange(n) if perm is None else perm
     if perm is not None:
         if start:
             perm, n = perm[start:].clone(), n - start
-        if shared:
+        if shared and not perm.is_shared():
             perm.share_memory_()
     return IndexPlan(perm, n, batch_size=bs, drop_last=batched and index_sampler.drop_last,
                      single=not batched)
