@@ -6,6 +6,7 @@ the batches are compared as a multiset.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
@@ -595,6 +596,34 @@ def test_spawn_context_matches_stock(tmp_path):
     )[0]
     assert_same_batches(expected, got)
     assert init_calls(tmp_path) == {0: 1}
+
+
+class _Unpicklable(tud.Dataset):
+    def __init__(self):
+        self.transform = lambda x: x  # spawn cannot pickle it
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return self.transform(i)
+
+
+def test_spawn_with_an_unpicklable_dataset_warns_and_raises_like_stock():
+    """The worker's start fails as stock's does: the same error, after torch's own warning
+    (which names the fix), and nothing is left behind."""
+    seen = {}
+    for name, loader_cls in (("stock", tud.DataLoader), ("gpufeed", gpufeed.DataLoader)):
+        # stock's run first: spawn's resource tracker, which outlives both, starts there
+        with warnings.catch_warnings(record=True) as caught, \
+                (no_leaks() if name == "gpufeed" else contextlib.nullcontext()):
+            warnings.simplefilter("always")
+            with pytest.raises(AttributeError) as error:
+                list(loader_cls(_Unpicklable(), batch_size=2, num_workers=1,
+                                multiprocessing_context="spawn"))
+        seen[name] = (str(error.value), [str(w.message) for w in caught
+                                         if "pickle error" in str(w.message)])
+    assert seen["gpufeed"] == seen["stock"] and len(seen["stock"][1]) == 1
 
 
 @pytest.mark.parametrize("workers", WORKER_CONFIGS)

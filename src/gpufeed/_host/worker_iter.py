@@ -22,6 +22,7 @@ from .._order.plan import IndexPlan, make_plan, plannable, pull_as_stock
 from .._sources.packed import check_copy_on_write
 from .collate import unpack
 from .config import IterConfig
+from .failures import check_not_forked, lost_worker, timed_out
 from .iterator import BaseIter
 from .late_slots import LateSlots, late_slot
 from .messages import (
@@ -42,7 +43,7 @@ from .messages import (
     WorkerSpec,
     WorkerState,
 )
-from .pool import GRACE_S, Pool, ProcessPool, ThreadPool, check_not_forked, lost_worker, timed_out
+from .pool import GRACE_S, Pool, ProcessPool, ThreadPool
 from .tracing import label_workers, record_fetched, record_ring, sample_counters
 from .workahead import WorkAhead
 
