@@ -6,6 +6,7 @@ the batches are compared as a multiset.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -596,6 +597,54 @@ def test_spawn_context_matches_stock(tmp_path):
     )[0]
     assert_same_batches(expected, got)
     assert init_calls(tmp_path) == {0: 1}
+
+
+class _ReadOnlyMap(collections.abc.Mapping):
+    """A Mapping that is not mutable: the default collate rebuilds it from a dict."""
+
+    def __init__(self, items):
+        self._items = dict(items)
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
+class _Record(collections.abc.Sequence):
+    """An immutable Sequence that keeps what it is given: rebuilt from a list, it must not get
+    a generator."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def __getitem__(self, i):
+        return self.values[i]
+
+    def __len__(self):
+        return len(self.values)
+
+
+class _AbcContainers(tud.Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return _ReadOnlyMap({"x": torch.full((2,), i), "rec": _Record([torch.tensor(i), i])})
+
+
+@pytest.mark.parametrize("batch_size", [2, None])
+@pytest.mark.parametrize("workers", WORKER_CONFIGS)
+def test_abstract_mapping_and_sequence_subclasses_keep_their_type_like_stock(workers,
+                                                                              batch_size):
+    expected = list(tud.DataLoader(_AbcContainers(), batch_size=batch_size))
+    got = list(gpufeed.DataLoader(_AbcContainers(), batch_size=batch_size, **workers))
+    assert_same_batches(expected, got)
+    assert all(type(b["rec"].values) is list for b in got)
 
 
 class _Unpicklable(tud.Dataset):

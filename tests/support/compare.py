@@ -7,7 +7,7 @@ import collections
 import dataclasses
 import gc
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,7 +61,7 @@ def assert_same(expected: Any, got: Any, where: str = "batch", *, strides: bool 
         for f in dataclasses.fields(expected):
             assert_same(getattr(expected, f.name), getattr(got, f.name), f"{where}.{f.name}",
                         strides=strides)
-    elif isinstance(expected, (list, tuple)):
+    elif isinstance(expected, Sequence) and not isinstance(expected, (str, bytes)):
         assert len(got) == len(expected), f"{where}: length {len(got)} != {len(expected)}"
         for k, (e, g) in enumerate(zip(expected, got, strict=True)):
             assert_same(e, g, f"{where}[{k}]", strides=strides)

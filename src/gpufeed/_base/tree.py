@@ -58,18 +58,23 @@ def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
         for k, v in obj.items():
             clone[k] = tree_map(fn, v)
         return clone
-    if kind == _MAP:
-        return {k: tree_map(fn, v) for k, v in obj.items()}
+    if kind == _MAP:  # rebuilt from a dict, as the default collate rebuilds it
+        items = {k: tree_map(fn, v) for k, v in obj.items()}
+        try:
+            return t(items)
+        except TypeError:  # its __init__ takes no dict: a plain one, as stock
+            return items
     if kind == _MUTSEQ:
         seq = copy.copy(obj)
         for i, v in enumerate(obj):
             seq[i] = tree_map(fn, v)
         return seq
-    if kind == _SEQ:
+    if kind == _SEQ:  # rebuilt from a list, as the default collate rebuilds it; each leaf
+        values = [tree_map(fn, x) for x in obj]  # mapped once, whatever t accepts
         try:
-            return t(tree_map(fn, x) for x in obj)
+            return t(values)
         except TypeError:
-            return [tree_map(fn, x) for x in obj]
+            return values
     changes = {  # a dataclass instance
         f.name: tree_map(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init
     }
