@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import multiprocessing
@@ -645,6 +646,53 @@ def test_abstract_mapping_and_sequence_subclasses_keep_their_type_like_stock(wor
     got = list(gpufeed.DataLoader(_AbcContainers(), batch_size=batch_size, **workers))
     assert_same_batches(expected, got)
     assert all(type(b["rec"].values) is list for b in got)
+
+
+@dataclasses.dataclass
+class _Counted:
+    x: torch.Tensor
+    inits: int = 0
+    mask: torch.Tensor | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self):
+        self.inits += 1
+
+
+@dataclasses.dataclass(init=False)
+class _OwnInit:
+    x: torch.Tensor
+
+    def __init__(self, samples):
+        self.x = torch.stack(samples)
+
+
+def _collate_objects(samples):
+    """What custom collate functions return: dataclasses (one with a field set after init,
+    one with its own __init__), a masked array, a tensor that requires grad, a range."""
+    x = torch.stack([torch.as_tensor(s, dtype=torch.float32) for s in samples])
+    counted = _Counted(x)
+    counted.mask = x > 1
+    masked = np.ma.masked_array(x.numpy().copy(), mask=x.numpy() > 1)
+    return counted, _OwnInit([torch.tensor([s]) for s in samples]), masked, \
+        x.clone().requires_grad_(), range(len(samples))
+
+
+@pytest.mark.parametrize("workers", WORKER_CONFIGS)
+def test_objects_a_collate_fn_returns_come_back_as_stock_returns_them(workers):
+    """Rebuilt as unpickling rebuilds them: no __init__ or __post_init__ run again, fields set
+    after init kept, subclasses of arrays and grad flags kept."""
+    def run(loader_cls, **kw):
+        return list(loader_cls(list(range(6)), batch_size=3, collate_fn=_collate_objects, **kw))
+
+    for expected, got in zip(run(tud.DataLoader, num_workers=1), run(gpufeed.DataLoader,
+                                                                     **workers), strict=True):
+        (e_counted, e_own, e_masked, e_grad, e_range) = expected
+        (counted, own, masked, grad, rng) = got
+        assert type(counted) is _Counted and counted.inits == e_counted.inits == 1
+        assert_same(e_counted.mask, counted.mask) and assert_same(e_own.x, own.x)
+        assert type(masked) is np.ma.MaskedArray and masked.tolist() == e_masked.tolist()
+        assert grad.requires_grad and e_grad.requires_grad and torch.equal(grad, e_grad)
+        assert rng == e_range
 
 
 class _Unpicklable(tud.Dataset):

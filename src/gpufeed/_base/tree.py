@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-_ATOMS = (str, bytes, bytearray, memoryview)
+_ATOMS = (str, bytes, bytearray, memoryview, range)
 
 
 # How tree_map treats each type, decided once per type (the checks below cost ~1 us per leaf
@@ -75,10 +75,13 @@ def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
             return t(values)
         except TypeError:
             return values
-    changes = {  # a dataclass instance
-        f.name: tree_map(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init
-    }
-    return dataclasses.replace(obj, **changes)
+    # A dataclass instance: copied, then its fields set, as unpickling rebuilds it (stock's
+    # workers pickle it): neither __init__ nor __post_init__ runs again, init=False fields and
+    # a frozen one's fields are kept.
+    clone = copy.copy(obj)
+    for f in dataclasses.fields(obj):
+        object.__setattr__(clone, f.name, tree_map(fn, getattr(obj, f.name)))
+    return clone
 
 
 def tree_leaves(obj: Any) -> list[Any]:
