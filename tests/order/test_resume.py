@@ -15,7 +15,8 @@ from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, Seque
 import gpufeed
 from gpufeed._order import resume as _resume
 from gpufeed._order.delivery import Delivered, DeliveryTracker, ResumePoint, WorkerStates, numbered
-from gpufeed._order.resume import LoaderPosition, prepare_resume, sampler_state_of
+from gpufeed._order.points import prepare_resume
+from gpufeed._order.resume import LoaderPosition, sampler_state_of
 from gpufeed._order.sampler import SeededRandomSampler, ShardedSampler
 from gpufeed._order.state import capture_state, check_state, make_state, require_resumable
 from support.resume_checker import Case, RandomTransformDataset, ShardedStream, check_many, leaves
@@ -202,7 +203,7 @@ def test_prepare_resume_rolls_over_and_rejects_overrun():
     sampler = SeededRandomSampler(range(10), seed=5)
     batches = BatchSampler(sampler, 4, drop_last=False)
     point = prepare_resume(_state(batches_delivered=3), index_sampler=batches, num_batches=3)
-    assert point == ResumePoint(2, 0, (), True)
+    assert point == ResumePoint(2, 0, (), True, rolled=True)
     with pytest.raises(ValueError, match="3 batches of epoch 1 were delivered but this loader's "
                                          "epoch has only 2"):
         prepare_resume(_state(batches_delivered=3), index_sampler=batches, num_batches=2)

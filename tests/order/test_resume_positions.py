@@ -97,3 +97,49 @@ def test_a_state_from_any_point_resumes_into_the_rest_of_the_run(sampler, worker
     list(loader)
     list(loader)
     assert resumed(loader.state_dict(), 2 * per_epoch) == flat[2 * per_epoch:]
+
+
+def _distributed():
+    return dict(sampler=tud.distributed.DistributedSampler(range(N + 1), num_replicas=2, rank=0,
+                                                           seed=1))
+
+
+SET_EPOCH = {  # loaders whose epoch the training loop sets, and how it sets it
+    "distributed": (_distributed, lambda loader, e: loader.sampler.set_epoch(e)),
+    "seed": (lambda: dict(shuffle=True, seed=4), lambda loader, e: loader.set_epoch(e)),
+    "sequential": (dict, lambda loader, e: loader.set_epoch(e)),
+}
+
+
+@pytest.mark.parametrize("workers", ["main", "threads-persistent"])
+@pytest.mark.parametrize("kind", SET_EPOCH)
+def test_the_usual_resume_loop_that_sets_each_epoch_continues_the_run(kind, workers):
+    """``for e in range(saved_epoch, E): set_epoch(e); for batch in loader`` after a state taken
+    in an epoch or after its last batch (the iterator not yet run out): the saved epoch's rest
+    (empty after its last batch), then the later epochs, neither repeated nor skipped."""
+    options, set_epoch = SET_EPOCH[kind]
+
+    def make():
+        return gpufeed.DataLoader(list(range(N + 1)), batch_size=2, **options(),
+                                  **WORKERS[workers])
+
+    def epochs(loader, first, seen=()):
+        out = list(seen)
+        for e in range(first, EPOCHS):
+            set_epoch(loader, e)
+            out += [(e, _plain(b)) for b in loader]
+        return out
+
+    run = epochs(make(), 0)
+    per_epoch = sum(1 for e, _ in run if e == 0)
+    for taken in (1, per_epoch):  # in epoch 1, and after its last batch
+        loader, seen = make(), []
+        for e in range(2):
+            set_epoch(loader, e)
+            it = iter(loader)
+            seen += [(e, _plain(next(it))) for _ in range(per_epoch if e == 0 else taken)]
+        state = loader.state_dict()
+        del it
+        fresh = make()
+        fresh.load_state_dict(state)
+        assert epochs(fresh, 1, seen) == run, (kind, taken)

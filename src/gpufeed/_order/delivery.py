@@ -54,6 +54,8 @@ class ResumePoint(NamedTuple):
             (``rewind.restore_sampler``), applied when the epoch starts; ``None``: nothing.
         replay: the saved epoch (``epoch - 1``) was delivered whole but not ended: after the
             restore, the sampler draws it once more and drops it, as the run that saved it did.
+        rolled: the state was taken after the last batch of epoch ``epoch - 1`` (the iterator
+            not yet run out), so this point is the next epoch's start.
     """
 
     epoch: int
@@ -63,6 +65,7 @@ class ResumePoint(NamedTuple):
     epoch_seed: int | None = None
     sampler_state: Any = None
     replay: bool = False
+    rolled: bool = False
 
 
 class WorkerStates(NamedTuple):

@@ -9,7 +9,9 @@ provides;
 - ``_order/rewind.py``: what replays each kind of sampler's epoch (NOTE [ Rewinding samplers ]);
 - this module: :class:`LoaderPosition` (the loader's ``state_dict``/``load_state_dict``/
   ``set_epoch`` and each epoch's start delegate to it; what it reads of the loader is
-  :class:`LoaderView`) and :func:`prepare_resume` (seek or replay the sampler).
+  :class:`LoaderView`);
+- ``_order/points.py``: :func:`prepare_resume` (seek or replay the sampler) and what a later
+  ``set_epoch`` makes of a loaded state.
 
 The names of ``_order/state.py`` and ``_order/delivery.py`` are re-exported here.
 """
@@ -22,10 +24,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import BatchSampler, IterableDataset, RandomSampler
+from torch.utils.data import IterableDataset
 
 from .delivery import Delivered, DeliveryTracker, ResumePoint, WorkerStates, numbered
-from .plan import advance_as_randperm, finish_plan, plannable
+from .points import after_set_epoch, chosen_epoch, length_or_none, prepare_resume, replay_epoch
 from .rewind import (
     EPOCH_SEED,
     UNREWINDABLE,
@@ -67,101 +69,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("gpufeed")
-
-
-def prepare_resume(
-    state: LoaderState, *, index_sampler: Any, num_batches: int | None, iterable: bool = False
-) -> ResumePoint:
-    """Set the sampler up for ``state`` and say where the next ``__iter__`` starts.
-
-    ``index_sampler`` is the loader's ``_index_sampler`` (its batch sampler, or its sampler
-    without automatic batching). gpufeed's own samplers seek directly (the permutation is
-    regenerated, nothing is fetched). Other samplers get their epoch-start state back
-    (:func:`sampler_state_of`) and ``set_epoch`` if they have it, and the iterator draws and
-    drops ``done`` batches of indices (:func:`numbered`). Iterable datasets resume through
-    their own state (``iterable=True``). A state taken after the epoch's last batch
-    (``num_batches`` known and reached) rolls over to the start of the next epoch.
-    """
-    epoch, done, ahead = state["epoch"], state["batches_delivered"], state["delivered_ahead"]
-    rolled = False
-    if num_batches is not None:
-        if done > num_batches:
-            raise ValueError(
-                f"loader state says {done} batches of epoch {epoch} were delivered but this "
-                f"loader's epoch has only {num_batches}; resume with the same batch_size, "
-                "drop_last and sampler"
-            )
-        rolled = done == num_batches
-        if rolled:
-            epoch, done, ahead = epoch + 1, 0, []
-    if iterable:  # batches are counted, not numbered (NOTE [ Iterable resume ])
-        return ResumePoint(epoch, done, (), seeked=True)
-    sampler = inner_sampler(index_sampler)
-    sampler_state, epoch_seed = state["sampler_state"], None
-    if isinstance(sampler_state, dict) and UNREWINDABLE in sampler_state:
-        if done or ahead:
-            warnings.warn(
-                f"cannot resume epoch {epoch} at batch {done}: {sampler_state[UNREWINDABLE]}. "
-                "The epoch restarts from its first batch, so the batches already delivered "
-                f"({done + len(ahead)}) come again",
-                stacklevel=4,
-            )
-            done, ahead = 0, []
-        sampler_state = None
-    elif isinstance(sampler_state, dict) and EPOCH_SEED in sampler_state:
-        if epoch == state["epoch"]:  # a rolled-over state's next epoch draws its own seed
-            if not draws_epoch_seed(sampler):
-                raise ValueError(
-                    "cannot resume: the state was saved by a loader that shuffled from torch's "
-                    f"global random generator (shuffle=True without seed=), but this one orders "
-                    f"its epochs with {type(sampler).__name__}; resume with the same shuffle, "
-                    "sampler, generator and seed arguments"
-                )
-            epoch_seed = int(sampler_state[EPOCH_SEED])
-        sampler_state = None
-    # The sampler is put back when the epoch starts (LoaderPosition.begin_epoch), after the
-    # new iterator's base seed: the state was taken there too, right before the epoch's
-    # first draw. A saved epoch delivered whole is drawn once more there (else the next
-    # epoch would repeat its order).
-    point = ResumePoint(epoch, done, tuple(ahead), epoch_seed=epoch_seed,
-                        sampler_state=sampler_state,
-                        replay=rolled and sampler_state is not None and not is_ours(sampler))
-    if is_ours(sampler):
-        if index_sampler is sampler:
-            sampler.seek(epoch, done)
-            return point._replace(seeked=True)
-        if type(index_sampler) is BatchSampler:
-            sampler.seek(epoch, done * index_sampler.batch_size)
-            return point._replace(seeked=True)
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(epoch)
-    return point
-
-
-def replay_epoch(index_sampler: Any, epoch: int) -> None:
-    """Draw epoch ``epoch`` of ``index_sampler`` whole and drop it: what the run that saved
-    it consumed of the sampler's generator or state by the epoch's end (torch's
-    ``RandomSampler``: the epoch's permutation and the closing one, without shuffling)."""
-    sampler = inner_sampler(index_sampler)
-    set_epoch = getattr(sampler, "set_epoch", None)
-    if callable(set_epoch):
-        set_epoch(epoch)
-    if plannable(index_sampler) and type(sampler) is RandomSampler and (
-            sampler.generator is not None):
-        advance_as_randperm(sampler.generator, len(sampler.data_source))  # the epoch's order
-        finish_plan(index_sampler)  # the draw that finds it exhausted
-    else:
-        for _ in index_sampler:
-            pass
-    if callable(set_epoch):
-        set_epoch(epoch + 1)
-
-
-def _len(obj: Any) -> int | None:
-    try:
-        return len(obj)
-    except TypeError:
-        return None
 
 
 class LoaderView(Protocol):
@@ -214,13 +121,17 @@ class LoaderPosition:
         return int(sampler.epoch) if is_ours(sampler) else self.epoch
 
     def set_epoch(self, loader: LoaderView, epoch: int) -> None:
-        """``loader.set_epoch``: the epoch of the next ``__iter__`` (drops a loaded state)."""
+        """``loader.set_epoch``: the epoch of the next ``__iter__``; a loaded state is kept
+        for its own epoch only (:func:`~.delivery.after_set_epoch`)."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
-        self.pending = self.pending_dataset = None
         sampler = inner_sampler(loader._index_sampler)
         if is_ours(sampler):
             sampler.set_epoch(epoch)
+        if self.pending is not None:
+            self.pending = after_set_epoch(self.pending, epoch, loader._index_sampler)
+        if self.pending is None:
+            self.pending_dataset = None
         self.epoch = epoch
 
     def begin_epoch(
@@ -235,8 +146,9 @@ class LoaderPosition:
         persistent workers): a replayed epoch is followed by that draw."""
         point, self.pending = self.pending, None
         sampler = inner_sampler(index_sampler)
-        if point is not None and is_ours(sampler) and sampler.epoch != point.epoch:
-            point = None  # sampler.set_epoch() chose another epoch after the load: start it
+        chosen = chosen_epoch(sampler)  # the sampler's set_epoch() after the load
+        if point is not None and chosen is not None:
+            point = after_set_epoch(point, chosen, index_sampler)
         if point is not None and point.sampler_state is not None:
             restore_sampler(sampler, point.sampler_state)
             if point.replay:
@@ -313,7 +225,7 @@ class LoaderPosition:
             epoch=epoch, batches_delivered=done, delivered_ahead=ahead,
             batch_size=loader.batch_size, seed=loader.seed,
             dataset_len=None if isinstance(loader.dataset, IterableDataset)
-            else _len(loader.dataset),
+            else length_or_none(loader.dataset),
             world_size=loader.world_size, rank=loader.rank, num_workers=loader.num_workers,
             sampler_state=sampler_state, dataset_state=dataset_state,
         )
@@ -360,7 +272,7 @@ class LoaderPosition:
         ``seed``), or ``None`` when the state has none."""
         iterable = isinstance(loader.dataset, IterableDataset)
         checked = check_state(
-            state, dataset_len=None if iterable else _len(loader.dataset),
+            state, dataset_len=None if iterable else length_or_none(loader.dataset),
             world_size=loader.world_size, rank=loader.rank, batch_size=loader.batch_size,
             num_workers=loader.num_workers,
         )
@@ -375,8 +287,8 @@ class LoaderPosition:
             sampler.seed = seed  # replaying the epoch's order needs it
         try:
             point = prepare_resume(
-                checked, index_sampler=loader._index_sampler,
-                num_batches=None if iterable else _len(loader._index_sampler), iterable=iterable,
+                checked, index_sampler=loader._index_sampler, iterable=iterable,
+                num_batches=None if iterable else length_or_none(loader._index_sampler),
             )
         except BaseException:
             if ours:  # a state that cannot be resumed changes nothing
