@@ -737,3 +737,49 @@ def test_a_state_without_seed_says_once_that_random_transforms_are_not_replayed(
         warnings.simplefilter("error")
         make().state_dict()  # does not raise
     assert "loader.state_dict() was taken without seed=" in caplog.text
+
+
+def _generated(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+ORDERS = {  # each loads its own state; none loads another's (some samples would come twice)
+    "global shuffle": lambda: dict(shuffle=True),
+    "seed": lambda: dict(shuffle=True, seed=1),
+    "sequential": dict,
+    "generator": lambda: dict(sampler=RandomSampler(range(10), generator=_generated())),
+    "2 replicas": lambda: dict(sampler=torch.utils.data.distributed.DistributedSampler(
+        range(10), num_replicas=2, rank=0, seed=0)),
+    "3 replicas": lambda: dict(sampler=torch.utils.data.distributed.DistributedSampler(
+        range(10), num_replicas=3, rank=0, seed=0)),
+}
+
+
+@pytest.mark.filterwarnings("ignore::gpufeed.RandomStateWarning")
+@pytest.mark.parametrize("saved", ORDERS)
+def test_a_state_loads_only_under_the_order_it_was_saved_with(saved):
+    def make(name):
+        return gpufeed.DataLoader(list(range(10)), batch_size=2, **ORDERS[name]())
+
+    loader = make(saved)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    make(saved).load_state_dict(state)  # its own order: fine
+    for other in ORDERS:
+        if other != saved:
+            with pytest.raises(ValueError, match=r"cannot resume: the state was saved by a "
+                                                 r"loader ordered by .* but this one is ordered"):
+                make(other).load_state_dict(state)
+    older = {k: v for k, v in state.items() if k != "order"}  # a state from before "order"
+    make(saved).load_state_dict(older)
+
+
+@pytest.mark.parametrize("key, value", [("batches_delivered", True), ("epoch", False),
+                                        ("seed", "x"), ("seed", 1.0),
+                                        ("delivered_ahead", [True]), ("delivered_ahead", "3")])
+def test_edited_state_fields_of_the_wrong_type_are_refused_by_name(key, value):
+    loader = gpufeed.DataLoader(list(range(10)), batch_size=2, seed=3)
+    state = {**loader.state_dict(), key: value}
+    with pytest.raises(ValueError, match=f"loader state {key} must be"):
+        gpufeed.DataLoader(list(range(10)), batch_size=2, seed=3).load_state_dict(state)

@@ -35,6 +35,7 @@ from .rewind import (
     draws_epoch_seed,
     inner_sampler,
     is_ours,
+    order_of,
     restore_sampler,
     sampler_state_of,
     state_after_base_seed,
@@ -228,6 +229,8 @@ class LoaderPosition:
             else length_or_none(loader.dataset),
             world_size=loader.world_size, rank=loader.rank, num_workers=loader.num_workers,
             sampler_state=sampler_state, dataset_state=dataset_state,
+            order=None if isinstance(loader.dataset, IterableDataset)
+            else order_of(loader._index_sampler),
         )
 
     @staticmethod
@@ -275,6 +278,7 @@ class LoaderPosition:
             state, dataset_len=None if iterable else length_or_none(loader.dataset),
             world_size=loader.world_size, rank=loader.rank, batch_size=loader.batch_size,
             num_workers=loader.num_workers,
+            order=None if iterable else order_of(loader._index_sampler),
         )
         sampler = inner_sampler(loader._index_sampler)
         seed = checked["seed"]

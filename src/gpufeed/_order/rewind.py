@@ -46,6 +46,7 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     RandomSampler,
+    Sampler,
     SequentialSampler,
     SubsetRandomSampler,
     WeightedRandomSampler,
@@ -80,6 +81,27 @@ def inner_sampler(index_sampler: Any) -> Any:
 
 def is_ours(sampler: Any) -> bool:
     return isinstance(sampler, (ShardedSampler, SeededRandomSampler))
+
+
+def order_of(index_sampler: Any) -> str:
+    """What orders a map-style loader's epochs, in a few words a state keeps: loaded under
+    another order, its count of delivered batches would pick the wrong samples (some twice,
+    others never). Seeds a state holds otherwise (``seed=``, a generator's) are not repeated."""
+    sampler = inner_sampler(index_sampler)
+    # a plain iterable of indices (a list, an iterator) says nothing of its order
+    name = type(sampler).__name__ if isinstance(sampler, Sampler) else "indices"
+    if isinstance(sampler, DistributedSampler):  # gpufeed's sharded sampler is one
+        name += (f"(num_replicas={sampler.num_replicas}, shuffle={sampler.shuffle}, "
+                 f"drop_last={sampler.drop_last}"
+                 + ("" if is_ours(sampler) else f", seed={sampler.seed}") + ")")
+    elif isinstance(sampler, RandomSampler):
+        name += (f"(replacement={sampler.replacement}, generator="
+                 + ("global" if sampler.generator is None and not is_ours(sampler) else "own")
+                 + ")")
+    if index_sampler is not sampler and type(index_sampler) is not BatchSampler:
+        kind = type(index_sampler).__name__ if isinstance(index_sampler, Sampler) else "batches"
+        name = f"{kind} of {name}"  # a batch_sampler of the user's
+    return name
 
 
 def draws_epoch_seed(sampler: Any) -> bool:

@@ -20,7 +20,10 @@ continues with exactly the next batch the user would have seen, whatever ``num_w
                                  # {"generator_state": [...]}, {"epoch_seed": S} or
                                  # {"unrewindable": why} (NOTE [ Rewinding samplers ],
                                  # _order/rewind.py)
-     "dataset_state": None}      # iterable datasets, see below
+     "dataset_state": None,      # iterable datasets, see below
+     "order": "RandomSampler(replacement=False, generator=global)"}
+                                 # what ordered the epochs (map-style; rewind.order_of): a
+                                 # state loads only under the same (absent in older states)
 
 ``dataset_state`` of an iterable dataset: ``{"num_workers": W, "workers": [state | None] * W,
 "next_worker": w}``; ``workers[i]`` is worker ``i``'s ``dataset.state_dict()`` as of its last
@@ -51,7 +54,13 @@ __all__ = [
 STATE_VERSION = 1
 
 
-class LoaderState(TypedDict):
+class _Since(TypedDict, total=False):
+    """Keys later versions of the state added: a state without them still loads."""
+
+    order: str | None
+
+
+class LoaderState(_Since):
     """The loader's ``state_dict()`` (see the module docstring for each field)."""
 
     version: int
@@ -81,6 +90,7 @@ def make_state(
     num_workers: int,
     sampler_state: Any = None,
     dataset_state: Any = None,
+    order: str | None = None,
 ) -> LoaderState:
     """Build a state dict of plain Python values."""
     return {
@@ -96,6 +106,7 @@ def make_state(
         "num_workers": int(num_workers),
         "sampler_state": sampler_state,
         "dataset_state": dataset_state,
+        "order": order,
     }
 
 
@@ -114,6 +125,7 @@ def check_state(
     rank: int,
     batch_size: int | None,
     num_workers: int,
+    order: str | None = None,
 ) -> LoaderState:
     """Validate a state against the loader that loads it; return it as a :class:`LoaderState`.
 
@@ -131,12 +143,18 @@ def check_state(
             f"unsupported loader state version {state.get('version')!r} (this gpufeed reads "
             f"version {STATE_VERSION}); pass a dict made by gpufeed's loader.state_dict()"
         )
-    missing = sorted(set(LoaderState.__annotations__) - set(state))
+    missing = sorted(LoaderState.__required_keys__ - set(state))
     if missing:
         raise ValueError(f"loader state is missing keys {missing}; was it edited or truncated?")
     for key in ("epoch", "batches_delivered"):
-        if not isinstance(state[key], int) or state[key] < 0:
+        if type(state[key]) is not int or state[key] < 0:
             raise ValueError(f"loader state {key} must be an int >= 0, got {state[key]!r}")
+    if state["seed"] is not None and type(state["seed"]) is not int:
+        raise ValueError(f"loader state seed must be an int or None, got {state['seed']!r}")
+    ahead = state["delivered_ahead"]
+    if not isinstance(ahead, list) or any(type(n) is not int or n < 0 for n in ahead):
+        raise ValueError("loader state delivered_ahead must be a list of ints >= 0, got "
+                         f"{ahead!r}")
     fix = "resume with the same dataset and loader settings, or start without the state"
     if state["dataset_len"] != dataset_len:
         raise _mismatch("dataset_len", state["dataset_len"], dataset_len, fix)
@@ -153,6 +171,13 @@ def check_state(
         )
     if state["batch_size"] != batch_size:
         raise _mismatch("batch_size", state["batch_size"], batch_size, fix)
+    saved_order = state.get("order")
+    if saved_order is not None and order is not None and saved_order != order:
+        raise ValueError(
+            f"cannot resume: the state was saved by a loader ordered by {saved_order}, but this "
+            f"one is ordered by {order}, so its delivered batches would name other samples; "
+            "resume with the same shuffle, sampler, generator and seed arguments, or start "
+            "without the state")
     if state["dataset_state"] is not None:
         if state["num_workers"] != num_workers:
             raise _mismatch(
