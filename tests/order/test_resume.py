@@ -783,3 +783,24 @@ def test_edited_state_fields_of_the_wrong_type_are_refused_by_name(key, value):
     state = {**loader.state_dict(), key: value}
     with pytest.raises(ValueError, match=f"loader state {key} must be"):
         gpufeed.DataLoader(list(range(10)), batch_size=2, seed=3).load_state_dict(state)
+
+
+@pytest.mark.filterwarnings("ignore::gpufeed.RandomStateWarning")
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_taken_before_the_first_batch_of_a_stock_shuffle_resumes_its_order(
+        num_workers):
+    """Between ``iter()`` and the first batch the epoch has not drawn its seed yet (in the main
+    process it draws at the first batch, as torch's sampler does): the state draws it then."""
+    def make():
+        return gpufeed.DataLoader(list(range(8)), batch_size=2, shuffle=True,
+                                  num_workers=num_workers)
+
+    torch.manual_seed(5)
+    loader = make()
+    it = iter(loader)
+    state = loader.state_dict()
+    uninterrupted = [b.tolist() for b in it]
+    torch.manual_seed(999)  # the resuming process's own global generator
+    fresh = make()
+    fresh.load_state_dict(state)
+    assert [b.tolist() for b in fresh] == uninterrupted

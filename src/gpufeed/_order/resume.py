@@ -191,6 +191,9 @@ class LoaderPosition:
             epoch, done, ahead = pending.epoch, pending.done, list(pending.ahead)
         elif tracker is not None and not tracker.finished:
             epoch, done, ahead = tracker.position()
+            if tracker.epoch_seed is not None:  # the epoch began but has not drawn its seed
+                tracker.epoch_seed.draw_now()  # yet (no batch asked): draw it, to keep it
+                sampler_state = self.sampler_state
         else:  # at the start of an epoch: the sampler as it stands now starts it
             epoch, done, ahead = tracker.position() if tracker else (
                 self.next_epoch(loader._index_sampler), 0, []

@@ -231,12 +231,20 @@ class EpochSeed:
         if (bound := self._record()) is not None:
             bound(seed)
 
+    def draw_now(self) -> None:
+        """Draw the seed now if it is not drawn yet (a state taken before the epoch's first
+        batch keeps it); the epoch then shuffles with it. The global generator gives the same
+        one draw, earlier."""
+        if self.replay is None:
+            self.replay = int(torch.empty((), dtype=torch.int64).random_().item())
+            self.record(self.replay)
+
     def generator(self) -> torch.Generator:
         """A generator seeded as ``RandomSampler.__iter__`` seeds its own: call it where the
         sampler would draw (its first index)."""
         seed = self.replay
         if seed is None:
-            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            seed = self.replay = int(torch.empty((), dtype=torch.int64).random_().item())
         self.record(seed)
         generator = torch.Generator()
         generator.manual_seed(seed)
