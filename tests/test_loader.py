@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 import gc
+import io
 import multiprocessing
 import os
 import sys
@@ -693,6 +694,32 @@ def test_objects_a_collate_fn_returns_come_back_as_stock_returns_them(workers):
         assert type(masked) is np.ma.MaskedArray and masked.tolist() == e_masked.tolist()
         assert grad.requires_grad and e_grad.requires_grad and torch.equal(grad, e_grad)
         assert rng == e_range
+
+
+class _ImagesAndPairs(tud.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return torch.full((3, 32, 32), float(i)), torch.tensor([i, -i])
+
+
+@pytest.mark.parametrize("workers", WORKER_CONFIGS)
+def test_a_tensor_kept_from_a_batch_holds_and_saves_only_its_own_bytes(workers):
+    """Keeping (and torch.save-ing) the labels of every batch takes what stock's take, not
+    the batch's whole slot of memory."""
+    def labels(loader_cls, **kw):
+        return [y for _, y in loader_cls(_ImagesAndPairs(), batch_size=4, **kw)]
+
+    expected, got = labels(tud.DataLoader, num_workers=1), labels(gpufeed.DataLoader, **workers)
+    assert_same_batches(expected, got)
+    for y in got:
+        assert y.untyped_storage().nbytes() == y.numel() * y.element_size()
+    saved = io.BytesIO()
+    torch.save(got, saved)
+    stock_saved = io.BytesIO()
+    torch.save(expected, stock_saved)
+    assert len(saved.getvalue()) <= len(stock_saved.getvalue()) + 1024
 
 
 class _Unpicklable(tud.Dataset):
