@@ -95,3 +95,31 @@ def test_identity_map_returns_equal_structure():
     assert out["x"][0].x is batch["x"][0].x
     assert out["y"][1]["z"] is batch["y"][1]["z"]
     assert type(out["x"][0]) is Point
+
+
+@dataclasses.dataclass
+class _Later:
+    x: torch.Tensor
+    later: torch.Tensor = dataclasses.field(init=False)
+    inits: int = 0
+
+    def __post_init__(self):
+        self.inits += 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FrozenSlots:
+    x: torch.Tensor
+
+
+def test_dataclasses_are_rebuilt_as_unpickling_rebuilds_them():
+    """No __post_init__ again; an init=False field kept when set, left unset when not;
+    frozen and slotted classes too."""
+    unset = tree_map(lambda t: t * 2, _Later(torch.ones(2)))
+    assert torch.equal(unset.x, torch.full((2,), 2.0)) and not hasattr(unset, "later")
+    assert unset.inits == 1
+    done = _Later(torch.ones(1))
+    done.later = torch.zeros(1)
+    mapped = tree_map(lambda t: t + 1, done)
+    assert torch.equal(mapped.later, torch.ones(1)) and mapped.inits == 1
+    assert torch.equal(tree_map(lambda t: t + 1, _FrozenSlots(torch.zeros(1))).x, torch.ones(1))

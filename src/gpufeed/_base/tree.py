@@ -80,8 +80,13 @@ def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
     # a frozen one's fields are kept.
     clone = copy.copy(obj)
     for f in dataclasses.fields(obj):
-        object.__setattr__(clone, f.name, tree_map(fn, getattr(obj, f.name)))
+        value = getattr(obj, f.name, _UNSET)  # an init=False field nothing set yet: none
+        if value is not _UNSET:
+            object.__setattr__(clone, f.name, tree_map(fn, value))
     return clone
+
+
+_UNSET: Any = object()
 
 
 def tree_leaves(obj: Any) -> list[Any]:
