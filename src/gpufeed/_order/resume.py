@@ -123,7 +123,7 @@ class LoaderPosition:
 
     def set_epoch(self, loader: LoaderView, epoch: int) -> None:
         """``loader.set_epoch``: the epoch of the next ``__iter__``; a loaded state is kept
-        for its own epoch only (:func:`~.delivery.after_set_epoch`)."""
+        for its own epoch only (:func:`~.points.after_set_epoch`)."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         sampler = inner_sampler(loader._index_sampler)

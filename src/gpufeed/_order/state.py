@@ -152,7 +152,7 @@ def check_state(
     if state["seed"] is not None and type(state["seed"]) is not int:
         raise ValueError(f"loader state seed must be an int or None, got {state['seed']!r}")
     ahead = state["delivered_ahead"]
-    if not isinstance(ahead, list) or any(type(n) is not int or n < 0 for n in ahead):
+    if not isinstance(ahead, list | tuple) or any(type(n) is not int or n < 0 for n in ahead):
         raise ValueError("loader state delivered_ahead must be a list of ints >= 0, got "
                          f"{ahead!r}")
     fix = "resume with the same dataset and loader settings, or start without the state"
