@@ -470,3 +470,40 @@ def test_close_while_a_large_task_message_is_being_sent():
         threading.excepthook = old_hook
     assert errors == [], errors
     assert raised_after < 1 + 3, f"timeout=1 raised after {raised_after:.1f} s"
+
+
+class _Interrupt(KeyboardInterrupt):
+    pass
+
+
+class _RaisesAt5(tud.Dataset):
+    def __init__(self, error):
+        self.error = error
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i == 5:
+            raise self.error
+        return i
+
+
+@pytest.mark.parametrize("error", [SystemExit(3), _Interrupt("from the dataset")])
+def test_a_base_exception_in_a_thread_worker_raises_at_its_batch_like_num_workers_0(error):
+    """SystemExit or a KeyboardInterrupt subclass from a dataset in a thread worker comes out of
+    the batch that raised it, in order (it ran ahead of the batches before it, and ended the
+    epoch), as with num_workers=0 in the same process; the loop may go on past it."""
+    got = []
+    it = iter(gpufeed.DataLoader(_RaisesAt5(error), batch_size=4, num_workers=2,
+                                 worker_type="thread"))
+    while True:
+        try:
+            got.append(next(it).tolist())
+        except StopIteration:
+            break
+        except BaseException as e:  # the point: SystemExit and KeyboardInterrupt too
+            assert type(e) is type(error)
+            assert f"Caught {type(error).__name__} in DataLoader worker thread 1" in str(e)
+            got.append("error")
+    assert got == [[0, 1, 2, 3], "error", [8, 9, 10, 11], [12, 13, 14, 15]]

@@ -353,7 +353,10 @@ def _run_task(
         return Dropped(batch, -1)
     except StopIteration:
         return Exhausted(batch, -1 if writer is None else writer.sid)
-    except Exception as exc:
+    except BaseException as exc:
+        if not isinstance(exc, Exception) and not in_thread_worker():
+            raise  # SystemExit and the like end a process worker, as stock's (its exit is
+            # reported); in a thread worker the batch raises it, in order, as num_workers=0
         sid = -1 if writer is None else writer.sid  # (a LATE task's, if it came)
         if out_of_descriptors(exc):  # anywhere: the spill's memory file, or the user's open()
             return Failed(batch, sid, worker_out_of_descriptors(
