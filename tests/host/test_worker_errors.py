@@ -507,3 +507,29 @@ def test_a_base_exception_in_a_thread_worker_raises_at_its_batch_like_num_worker
             assert f"Caught {type(error).__name__} in DataLoader worker thread 1" in str(e)
             got.append("error")
     assert got == [[0, 1, 2, 3], "error", [8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+class _KilledAt5(tud.Dataset):
+    """Sample 0 is slow, sample 5 kills its worker: the worker of batch 1 dies while batch 0
+    is still being fetched by the other."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i == 0:
+            time.sleep(0.5)
+        if i == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+def test_a_dead_workers_error_comes_after_the_batches_before_its_own():
+    got = []
+    it = iter(gpufeed.DataLoader(_KilledAt5(), batch_size=4, num_workers=2, timeout=30))
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid \d+\) is killed by signal"
+                                           r".* while it held batch(es)? 1\b"):
+        for batch in it:
+            got.append(batch.tolist())
+    assert got == [[0, 1, 2, 3]]  # batch 0, from the other worker, first
+    assert list_or_stop(it) == []  # then the epoch is over

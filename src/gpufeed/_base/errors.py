@@ -19,7 +19,7 @@ import errno
 import pickle
 import sys
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 # torch's words (dataloader.py, NOTE [ DataLoader on Linux and open files limit ]), which
 # programs match on; gpufeed's detail follows them.
@@ -75,7 +75,7 @@ class RemoteError:
         obj.exc_type, obj.type_name, obj.where, obj.text = exc_type, "", "", message
         return obj
 
-    def reraise(self) -> None:
+    def reraise(self) -> NoReturn:
         if not self.where:  # RemoteError.plain
             raise self.exc_type(self.text)
         where, detail = self.where, ""

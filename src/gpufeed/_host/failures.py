@@ -12,11 +12,12 @@ import pickle
 import signal
 import warnings
 from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 from .._base.errors import WorkerError
 
-__all__ = ["check_not_forked", "describe_exit", "forked_message", "lost_worker", "timed_out",
-           "warn_if_unpicklable"]
+__all__ = ["Lost", "check_not_forked", "defer_lost", "describe_exit", "forked_message",
+           "lost_worker", "timed_out", "warn_if_unpicklable"]
 
 #: torch's warning, word for word, when a worker process cannot be started because its
 #: arguments cannot be pickled (spawn and forkserver pickle the dataset and the functions).
@@ -68,6 +69,27 @@ def describe_exit(pid: int | None, w: int, code: int | None) -> str:
         f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}. "
         f"gpufeed worker {w} exited with code {code}"
     )
+
+
+class Lost(NamedTuple):
+    """In the place of a dead worker's first batch: the error raised when the loop gets there
+    (the batches before it, from the other workers, come first)."""
+
+    error: WorkerError
+
+
+def defer_lost(it: Any, w: int, held: list[int], error: WorkerError) -> bool:
+    """Worker ``w`` of iterator ``it`` (a ``WorkerIter``, in order) died holding batches
+    ``held``: when the first is still ahead of the next the loop gets, put ``error`` in its
+    place (a :class:`Lost`), forget the tasks and send no more, so that the batches before it,
+    from the other workers, come first; True then. False: raise it now."""
+    if not held or min(held) <= it._rcvd_idx:
+        return False
+    it._ready[min(held)] = Lost(error)
+    for batch in held:
+        del it._tasks[batch]
+    it._active[w], it._sampler_done = False, True
+    return True
 
 
 def lost_worker(desc: str, held: list[int]) -> WorkerError:

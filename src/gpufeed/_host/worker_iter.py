@@ -22,7 +22,7 @@ from .._order.plan import IndexPlan, make_plan, plannable, pull_as_stock
 from .._sources.packed import check_copy_on_write
 from .collate import unpack
 from .config import IterConfig
-from .failures import check_not_forked, lost_worker, timed_out
+from .failures import Lost, check_not_forked, defer_lost, lost_worker, timed_out
 from .iterator import BaseIter
 from .late_slots import LateSlots, late_slot
 from .messages import (
@@ -191,8 +191,7 @@ class WorkerIter(BaseIter):
                 if plan is not None and self._send_idx >= plan.n_batches:
                     self._sampler_done = True
                     break
-                idx = self._send_idx
-                self._send_idx += 1
+                idx, self._send_idx = self._send_idx, self._send_idx + 1
                 self._tasks[idx] = w
                 slot = acquire()
                 per_worker.setdefault(w, []).append(new(Task, (
@@ -207,7 +206,6 @@ class WorkerIter(BaseIter):
         if isinstance(msg, StartFailed):
             self.close()
             msg.error.reraise()
-            return
         if isinstance(msg, NeedSlot):
             self._late.answer(w, msg, msg.gen == self._gen, self._work_ahead.batch_s)
             if (self._ring.grows, self._ring.fallbacks) != self._seen:  # as _dispatch
@@ -293,9 +291,11 @@ class WorkerIter(BaseIter):
                 held = [i for i, holder in self._tasks.items() if holder == w]
                 if not held and not self._tasks and self._sampler_done:
                     continue  # it had nothing left to do
-                desc = self._pool.exit_description(w)
+                error = lost_worker(self._pool.exit_description(w), held)
+                if self._in_order and defer_lost(self, w, held, error):
+                    return  # the batches before the dead worker's first come first
                 self.close()
-                raise lost_worker(desc, held)
+                raise error
             if any(type(msg) is not NeedSlot for _, msg in msgs):
                 return
 
@@ -346,6 +346,9 @@ class WorkerIter(BaseIter):
                 in_flight = len(self._ready) + len(self._tasks)
             if data is _STOP:
                 continue
+            if type(data) is Lost:  # a dead worker's first batch: the epoch stops here
+                self.close()
+                raise data.error
             if isinstance(data, RemoteError):
                 data.reraise()
             ring = self._ring
@@ -369,7 +372,7 @@ class WorkerIter(BaseIter):
         raise StopIteration
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def ring_info(self) -> dict[str, int]:
+    def ring_info(self) -> dict[str, int]:  # (tests)
         return self._ring.info()
 
     def close(self, grace_s: float = GRACE_S) -> None:
