@@ -60,4 +60,44 @@ def test_batch_array_holds_the_indices_of_batch(perm: torch.Tensor | None, drop_
         got = plan.batch_array(k)
         assert isinstance(got, np.ndarray) and got.ndim == 1
         assert got.tolist() == plan.batch(k).tolist()
-        assert got.dtype == (np.int64 if perm is None else perm.numpy().dtype)
+        assert got.dtype == np.int64 and plan.batch(k).dtype == torch.int64  # int32 plans too
+
+
+@pytest.mark.parametrize("n", [plan.COMPACT_FROM - 1, plan.COMPACT_FROM, plan.COMPACT_FROM + 7])
+def test_an_int32_permutation_draws_what_torch_draws(n: int) -> None:
+    """The compact permutation is torch's own, value for value, and leaves the generator
+    where torch's int64 draw leaves it."""
+    ours, torchs = torch.Generator().manual_seed(n), torch.Generator().manual_seed(n)
+    compact = torch.empty(n, dtype=torch.int32)
+    torch.randperm(n, generator=ours, out=compact)
+    assert torch.equal(compact.long(), torch.randperm(n, generator=torchs))
+    assert torch.equal(ours.get_state(), torchs.get_state())
+
+
+class _Ids(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return plan.COMPACT_FROM + 5
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+    def __getitems__(self, indices: list[int]) -> list[int]:
+        return indices
+
+
+def test_a_shuffle_of_a_million_samples_shared_as_int32_gives_stocks_batches() -> None:
+    import torch.utils.data as tud
+
+    import gpufeed
+
+    def batches(loader_cls, **kw):
+        torch.manual_seed(11)
+        loader = loader_cls(_Ids(), batch_size=1 << 16, shuffle=True, collate_fn=torch.tensor,
+                            **kw)
+        return [b for b in loader], torch.randint(0, 2**30, (1,))  # and the generator after
+
+    (expected, after), (got, got_after) = batches(tud.DataLoader), batches(
+        gpufeed.DataLoader, num_workers=2)
+    assert len(got) == len(expected) and got_after == after
+    for e, g in zip(expected, got, strict=True):
+        assert g.dtype == torch.int64 and torch.equal(e, g)

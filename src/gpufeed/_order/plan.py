@@ -21,6 +21,10 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from .rewind import EpochSeed, inner_sampler
 from .sampler import SeededRandomSampler, ShardedSampler
 
+#: From this many samples a plan the workers share holds its permutation as int32: half
+#: the shared memory (4 bytes a sample), each batch's slice widened to int64 when taken.
+COMPACT_FROM = 1 << 20
+
 
 class IndexPlan:
     """Batch ``k`` is ``perm[k*batch_size : (k+1)*batch_size]`` (``perm`` None: arange);
@@ -43,7 +47,7 @@ class IndexPlan:
         hi = min(lo + self.batch_size, self.n)
         if self.perm is None:
             return torch.arange(lo, hi)
-        return self.perm[lo:hi]
+        return self.perm[lo:hi].long()  # (a no-op on int64; int32 plans: COMPACT_FROM)
 
     def index(self, k: int) -> int:
         """Item ``k`` of an unbatched plan: a Python int, as torch's samplers yield it."""
@@ -65,7 +69,7 @@ class IndexPlan:
         hi = min(lo + self.batch_size, self.n)
         if self.perm is None:
             return np.arange(lo, hi, dtype=np.int64)
-        return self._numpy()[lo:hi]
+        return self._numpy()[lo:hi].astype(np.int64, copy=False)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (IndexPlan, (self.perm, self.n, self.batch_size, self.drop_last, self.single))
@@ -109,9 +113,10 @@ def make_plan(
             generator = epoch_seed.generator() if epoch_seed is not None else _generator(s)
             # Drawn straight into shared memory when the workers will read it: a private
             # draw copied there would leave its pages (8 bytes a sample) in the main process.
-            out = torch.empty(n, dtype=torch.int64).share_memory_() if shared and not start \
-                else None
-            perm = torch.randperm(n, generator=generator, out=out)
+            out = torch.empty(n, dtype=torch.int32 if COMPACT_FROM <= n < 2**31 else torch.int64
+                              ).share_memory_() if shared and not start else None
+            perm = torch.randperm(n, generator=generator, out=out)  # (the same draws and
+            # values in either dtype, tested)
         if start:
             perm = torch.arange(n) if perm is None else perm
     if perm is not None:
