@@ -137,8 +137,7 @@ def after_set_epoch(point: ResumePoint, chosen: int, index_sampler: Any) -> Resu
         return point
     if not (point.rolled and chosen == point.epoch - 1):
         return None
-    sampler = getattr(index_sampler, "sampler", index_sampler)
-    seek = getattr(sampler, "seek", None)  # gpufeed's samplers slice their order themselves
-    if callable(seek):
-        seek(chosen, len(sampler))
-    return ResumePoint(chosen, len(index_sampler), seeked=callable(seek))
+    sampler = inner_sampler(index_sampler)
+    if is_ours(sampler):  # gpufeed's samplers slice their order themselves
+        sampler.seek(chosen, len(sampler))
+    return ResumePoint(chosen, len(index_sampler), seeked=is_ours(sampler))

@@ -236,18 +236,20 @@ class EpochSeed:
         batch keeps it); the epoch then shuffles with it. The global generator gives the same
         one draw, earlier."""
         if self.replay is None:
+            self._seed()
+
+    def _seed(self) -> int:
+        """The epoch's seed, drawn as torch draws it if not yet drawn (or replayed); recorded."""
+        if self.replay is None:
             self.replay = int(torch.empty((), dtype=torch.int64).random_().item())
-            self.record(self.replay)
+        self.record(self.replay)
+        return self.replay
 
     def generator(self) -> torch.Generator:
         """A generator seeded as ``RandomSampler.__iter__`` seeds its own: call it where the
         sampler would draw (its first index)."""
-        seed = self.replay
-        if seed is None:
-            seed = self.replay = int(torch.empty((), dtype=torch.int64).random_().item())
-        self.record(seed)
         generator = torch.Generator()
-        generator.manual_seed(seed)
+        generator.manual_seed(self._seed())
         return generator
 
     def plan(self, index_sampler: Iterable[Any], sampler: RandomSampler) -> Iterator[Any]:
