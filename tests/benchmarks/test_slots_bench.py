@@ -27,10 +27,15 @@ def test_quick_run_writes_every_side_and_both_parts(tmp_path, capsys):
 def test_the_dispatch_side_binds_every_slot_at_dispatch(monkeypatch):
     """The A side is the old behaviour: tasks never go out LATE; the B side's do."""
     monkeypatch.setattr(late_slots, "LATE_DELAY_MAX", 1e9)  # rule (e) is not this test's
-    eager = run_step("gpufeed, slots at dispatch", False, 0.0, batches=6, num_workers=2)
-    late = run_step("gpufeed", False, 0.0, batches=6, num_workers=2)
-    assert not eager["late_at_end"] and late["late_at_end"] and late_slots.ENABLED
-    assert late["slots"] <= eager["slots"]
+    # Slots carved depend on how the two workers and the main process share the cores: each
+    # side's fewest over five runs (one run each failed about one time in three on a loaded
+    # 2-core machine, with the code before and after round 11 alike).
+    eager = [run_step("gpufeed, slots at dispatch", False, 0.0, batches=6, num_workers=2)
+             for _ in range(5)]
+    late = [run_step("gpufeed", False, 0.0, batches=6, num_workers=2) for _ in range(5)]
+    assert not any(r["late_at_end"] for r in eager) and all(r["late_at_end"] for r in late)
+    assert late_slots.ENABLED
+    assert min(r["slots"] for r in late) <= min(r["slots"] for r in eager)
 
 
 def test_rounds_and_batches_must_be_positive(tmp_path):
