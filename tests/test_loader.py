@@ -467,9 +467,11 @@ def test_persistent_loader_usable_after_iterator_closed(worker_type, small_datas
     assert len(list(loader)) == 2
 
 
-def _fetched_after_two_batches(**kwargs):
+def _fetched_after_two_batches(then=None, **kwargs):
     ds = CountingDataset(400)
     loader = gpufeed.DataLoader(ds, batch_size=1, num_workers=2, worker_type="thread", **kwargs)
+    if then is not None:  # set on the loader after construction, before iter()
+        loader.prefetch_factor = then
     it = iter(loader)
     for _ in range(40):  # long enough for the chunk size to adapt to these cheap batches
         next(it)
@@ -489,6 +491,24 @@ def test_unset_prefetch_factor_works_further_ahead_for_cheap_batches():
     """The documented default: several cheap batches per message, bounded by 2*chunk*workers."""
     ahead = _fetched_after_two_batches()
     assert 2 * 2 < ahead <= 2 * CHUNK_MAX * 2, f"{ahead} samples fetched ahead"
+
+
+def test_prefetch_factor_read_back_is_stocks_and_stays_unset():
+    """Left unset, prefetch_factor reads 2, as stock's; a loader built again with it (as
+    Lightning rebuilds one from its attributes) still works further ahead on cheap batches.
+    An explicit 2 read back stays a strict bound, as does a value set on the loader later."""
+    unset = gpufeed.DataLoader(CountingDataset(4), num_workers=2).prefetch_factor
+    assert unset == tud.DataLoader(CountingDataset(4), num_workers=2).prefetch_factor == 2
+    assert isinstance(unset, int) and repr(unset) == "2" and copy.deepcopy(unset) == 2
+    assert gpufeed.DataLoader(CountingDataset(4)).prefetch_factor is None  # no workers
+    assert gpufeed.DataLoader(CountingDataset(4), prefetch_factor=unset).prefetch_factor is None
+    ahead = _fetched_after_two_batches(prefetch_factor=unset)
+    assert 2 * 2 < ahead <= 2 * CHUNK_MAX * 2, f"{ahead} samples fetched ahead"
+    explicit = gpufeed.DataLoader(CountingDataset(4), num_workers=2, prefetch_factor=2)
+    ahead = _fetched_after_two_batches(prefetch_factor=explicit.prefetch_factor)
+    assert ahead <= 2 * 2, f"{ahead} samples fetched ahead"
+    ahead = _fetched_after_two_batches(then=2)
+    assert ahead <= 2 * 2, f"{ahead} samples fetched ahead"
 
 
 @pytest.mark.parametrize("workers", WORKER_CONFIGS)

@@ -16,7 +16,12 @@ from ._base import timeline as _timeline
 from ._base.stats import LoaderStats, StatsRecorder
 from ._device.stage import to_device
 from ._device.streams import parse_device
-from ._host.arguments import check_arguments, check_num_workers, warn_thread_workers
+from ._host.arguments import (
+    DefaultPrefetch,
+    check_arguments,
+    check_num_workers,
+    warn_thread_workers,
+)
 from ._host.auto_iter import AutoIter, make_tuner
 from ._host.autotune import AutoTuner
 from ._host.config import IterConfig, WorkerType
@@ -45,7 +50,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
     unset and batches that take under ~10 ms of worker time, workers get several batches per
     message and work up to ``2 * chunk * num_workers`` batches ahead (never more than 64 MB
     of extra ring slots), which hides the 0.1-0.4 ms a process wake-up costs. An explicit
-    ``prefetch_factor`` (or ``timeout``) is a strict bound, as in torch.
+    ``prefetch_factor`` (or ``timeout``) is a strict bound, as in torch. Left unset, it reads
+    2 (torch's), and a loader rebuilt with that value (Lightning's sampler injection) keeps it
+    unset.
 
     Args:
         worker_type: ``"process"`` (default; like torch) or ``"thread"``. Threads share the
@@ -137,6 +144,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         max_workers: int | None = None,
         memory_budget: int | str | None = None,
     ) -> None:
+        if isinstance(prefetch_factor, DefaultPrefetch):  # read back from a loader: unset
+            prefetch_factor = None
         tuner = make_tuner(num_workers, max_workers=max_workers, memory_budget=memory_budget,
                            worker_type=worker_type, prefetch_factor=prefetch_factor,
                            iterable=isinstance(dataset, IterableDataset))
@@ -170,8 +179,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device, in_order=in_order,
         )
-        # Unset: gpufeed sizes work-ahead itself (NOTE [ Messages ] in _host/messages.py).
-        self._prefetch_explicit = prefetch_factor is not None
+        if prefetch_factor is None and self.prefetch_factor is not None:  # torch's 2, unchosen
+            self.prefetch_factor = DefaultPrefetch(self.prefetch_factor)
         self.worker_type = worker_type
         self.ring_bytes = ring_bytes
         # "cuda" stays without index until iteration starts (the current device then).
@@ -343,7 +352,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
             timeout_text=str(self.timeout),
             persistent=self.persistent_workers,
             prefetch_factor=self.prefetch_factor,
-            prefetch_explicit=self._prefetch_explicit,
+            # unset: gpufeed sizes work-ahead itself (NOTE [ Messages ] in _host/messages.py)
+            prefetch_explicit=self.prefetch_factor is not None
+            and not isinstance(self.prefetch_factor, DefaultPrefetch),
             ring_bytes=self.ring_bytes,
             keeper=self._keeper,
             late_verdict=self._late_verdict,

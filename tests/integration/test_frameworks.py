@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 import torch.utils.data as tud
 
 import gpufeed
+from support.fakes import CountingDataset
 from support.frameworks import (
     Pairs,
     PairStream,
@@ -137,6 +139,24 @@ def test_loader_rebuilt_by_lightning_keeps_gpufeed_and_takes_the_sampler():
     assert type(rebuilt) is gpufeed.DataLoader and rebuilt.worker_type == "thread"
     stock = tud.DataLoader(Pairs(N), batch_size=BATCH, sampler=sampler)
     assert [b[0].tolist() for b in rebuilt] == [b[0].tolist() for b in stock]
+
+
+def test_loader_rebuilt_by_lightning_keeps_sizing_its_work_ahead():
+    """The rebuild passes back every attribute that differs from the signature's default,
+    prefetch_factor's 2 (torch's resolved default) among them: left unset by the user, it
+    must stay unset, or cheap batches lose their chunked messages (a strict bound of 2)."""
+    data = pytest.importorskip("lightning.pytorch.utilities.data")
+    ds = CountingDataset(400)
+    loader = gpufeed.DataLoader(ds, batch_size=1, num_workers=2, worker_type="thread")
+    rebuilt = data._update_dataloader(loader, tud.SequentialSampler(ds))
+    assert rebuilt.prefetch_factor == 2
+    it = iter(rebuilt)
+    for _ in range(40):  # long enough for the chunk size to adapt to these cheap batches
+        next(it)
+    time.sleep(0.3)
+    ahead = ds.fetched - 40
+    it.close()
+    assert ahead > 2 * 2, f"only {ahead} samples fetched ahead: the rebuild bound work-ahead"
 
 
 # -- Lightning DDP: two CPU processes, gloo, launched by torchrun -------------------------------
