@@ -1,4 +1,5 @@
-"""webdataset and litdata under gpufeed's workers: each sample once per epoch, any split."""
+"""webdataset, litdata and Hugging Face streaming datasets under gpufeed's workers: each sample
+once per epoch, any split."""
 
 import collections
 import io
@@ -113,3 +114,29 @@ def test_litdata_each_sample_once(chunks):
         world_rank[:] = [world, rank]
 
     _check_once_per_epoch(make, "idx", 24, set_rank=set_rank)
+
+
+# -- Hugging Face datasets, streaming (datasets.IterableDataset) -----------------------------
+
+
+@pytest.mark.parametrize("nw, wt", WORKERS)
+def test_hf_iterable_dataset_gives_stocks_batches(nw, wt):
+    """Shards split among the workers by torch's worker info, as under the stock loader: the
+    same batches in the same order, each epoch of a shuffled stream as well (set_epoch)."""
+    datasets = pytest.importorskip("datasets")
+    rows = {"x": list(range(40)), "y": [2 * i for i in range(40)]}
+    stream = datasets.Dataset.from_dict(rows).to_iterable_dataset(num_shards=4)
+
+    def batches(loader):
+        return [(b["x"].tolist(), b["y"].tolist()) for b in loader]
+
+    want = batches(torch.utils.data.DataLoader(stream, batch_size=4, num_workers=nw))
+    assert sorted(x for xs, _ in want for x in xs) == list(range(40))
+    assert batches(gpufeed.DataLoader(stream, batch_size=4, num_workers=nw,
+                                      worker_type=wt)) == want
+    shuffled = stream.shuffle(seed=1, buffer_size=8)
+    for epoch in range(2):
+        shuffled.set_epoch(epoch)
+        want = batches(torch.utils.data.DataLoader(shuffled, batch_size=4, num_workers=nw))
+        assert batches(gpufeed.DataLoader(shuffled, batch_size=4, num_workers=nw,
+                                          worker_type=wt)) == want
