@@ -82,8 +82,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
         deterministic: per-sample random state on (``True``) or off (``False``: the stock
             per-worker seeding, for speed or stock behaviour). Default: on iff ``seed`` is given.
         rank, world_size: shard the dataset for this process (``DistributedSampler``
-            semantics, see ``gpufeed.ShardedSampler``). Default: from an initialised
-            ``torch.distributed``; without one, no sharding.
+            semantics, see ``gpufeed.ShardedSampler``). Default: with ``seed`` given, from an
+            initialised ``torch.distributed``; otherwise no sharding, as the stock loader
+            (every rank reads every sample; a ``DistributedSampler``, Lightning or
+            Accelerate's ``prepare`` shard it as they shard the stock loader). Iterable
+            datasets learn the rank from ``get_shard_info()`` either way.
         max_workers: with ``num_workers="auto"``, the most workers it may run. Default: 8 per
             usable CPU (affinity and cgroup quota, divided among torchrun's local ranks), at
             most 64: workers waiting on I/O cost little CPU, and the CPU budget bounds the rest.
@@ -159,7 +162,15 @@ class DataLoader(_TorchDataLoader[_T_co]):
         # Private, read through properties: frameworks that rebuild a loader from its public
         # attributes (Lightning's distributed sampler injection) must not pin the rank and
         # world size resolved before torch.distributed was initialised.
-        self._rank, self._world_size, distributed = resolve_world(rank, world_size)
+        self._rank, self._world_size, in_world = resolve_world(rank, world_size)
+        # A program written for the stock loader (no seed=, rank= or world_size=) keeps its
+        # order under torch.distributed: every rank reads every sample, and whoever shards
+        # does it as with the stock loader (a DistributedSampler, Lightning, Accelerate's
+        # prepare). gpufeed shards by rank itself only when asked (NOTE [ Sharding by rank ]).
+        distributed = in_world and (seed is not None or rank is not None
+                                    or world_size is not None)
+        if not distributed and not isinstance(dataset, IterableDataset):
+            self._rank, self._world_size = 0, 1  # every rank reads the whole dataset
         self.deterministic = seed is not None if deterministic is None else deterministic
         self.seed = (
             resolve_seed(seed, generator, distributed=distributed)
@@ -168,7 +179,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         built = build_sampler(
             dataset, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
             seed=self.seed if seed is not None or distributed else None, rank=rank,
-            world_size=world_size, drop_last=drop_last,
+            world_size=world_size, drop_last=drop_last, shard=distributed,
         )
         if built is not sampler:
             sampler, shuffle = built, None
@@ -239,12 +250,22 @@ class DataLoader(_TorchDataLoader[_T_co]):
         would be gone silently, so this warns at ``prepare`` time with the pattern that keeps
         gpufeed (tested in ``tests/integration/test_frameworks.py``).
         """
+        if not self._prepared and self._world_size > 1 and not isinstance(self.dataset,
+                                                                          IterableDataset):
+            raise ValueError(
+                f"accelerator.prepare(loader) would shard this gpufeed.DataLoader a second "
+                f"time: it already reads only rank {self._rank}'s share of the dataset (seed= "
+                f"under torch.distributed, or rank=/world_size=), and Accelerate splits that "
+                f"share again among {self._world_size} processes, so most samples would never "
+                "be seen. Either keep gpufeed's loader out of prepare() (build it after "
+                "Accelerator() with device=accelerator.device), or build it without seed=, "
+                "rank= and world_size= so that Accelerate shards it as a stock loader")
         if not self._prepared:
             warnings.warn(
                 "accelerator.prepare(loader) rebuilds a gpufeed.DataLoader as a stock "
                 "torch.utils.data.DataLoader: gpufeed's ring, thread workers, device stage, "
                 "seed, stats and state_dict are dropped. To keep them, build the gpufeed loader "
-                "after Accelerator() (it then shards by rank itself) with "
+                "after Accelerator() with seed= (it then shards by rank itself) and "
                 "device=accelerator.device, and do not pass it to prepare()",
                 stacklevel=3,
             )

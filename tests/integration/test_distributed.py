@@ -104,6 +104,18 @@ def test_loader_draws_are_seeded_per_sample(reports, drop_last):
                 assert draw == _draw(seed=3, epoch=epoch, index=index), (rep["rank"], epoch, index)
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_stock_program_is_not_sharded(reports, shuffle):
+    """Without seed=, rank= or world_size=, a loader under torch.distributed reads the whole
+    dataset on every rank, in the stock loader's order, as the stock loader does: Lightning
+    (use_distributed_sampler=False), Accelerate's prepare and per-rank evaluation rely on it."""
+    key = f"stock_program/shuffle={shuffle}"
+    for rep in reports:
+        assert rep[key] == rep[f"{key}/stock"] and sorted(rep[key]) == list(range(N))
+        assert rep[f"{key}/world"] == [0, 1]
+        assert rep[f"{key}/sampler"] == ("RandomSampler" if shuffle else "SequentialSampler")
+
+
 def test_iterable_dataset_sharded_by_rank_and_worker(reports):
     parts = [rep["iterable"][0] for rep in reports]
     assert sorted(i for p in parts for i in p) == list(range(N))

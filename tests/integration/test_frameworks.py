@@ -162,12 +162,14 @@ def test_loader_rebuilt_by_lightning_keeps_sizing_its_work_ahead():
 # -- Lightning DDP: two CPU processes, gloo, launched by torchrun -------------------------------
 
 
-def _torchrun(mode: str, out: Path, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+def _torchrun(mode: str, out: Path, timeout: float = 150,
+              script: str = "lightning_ddp.py") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")])}
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    modes = [mode] if mode else []
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            "--monitor-interval=0.5", str(TESTS / "support" / "lightning_ddp.py"), mode, str(out)]
+            "--monitor-interval=0.5", str(TESTS / "support" / script), *modes, str(out)]
     # its own session, so that a timeout ends torchrun's workers too, not only torchrun
     with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=env, cwd=out, start_new_session=True) as proc:
@@ -209,6 +211,24 @@ def test_lightning_ddp_refuses_rank_0s_state_where_it_depends_on_the_rank(tmp_pa
 
 
 # -- Accelerate ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_accelerate_prepare_on_two_processes_shards_once(tmp_path):
+    """A stock program's loader, prepared, gives each rank the share the stock loader's does;
+    a loader that shards by rank itself (seed=) is refused by prepare() instead of being
+    sharded twice (each rank a quarter of the data, half of it never seen)."""
+    pytest.importorskip("accelerate")
+    done = _torchrun("", tmp_path, script="accelerate_ddp.py")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert r["gpufeed/shuffle=False"] == r["stock/shuffle=False"]
+        assert "shard this gpufeed.DataLoader a second time" in r["seeded"]
+    for side in ("stock", "gpufeed"):
+        parts = [r[f"{side}/shuffle=True"] for r in ranks]
+        assert len(parts[0]) == len(parts[1]) == 8 and sorted(parts[0] + parts[1]) == \
+            list(range(16)), (side, parts)
 
 
 def test_accelerate_prepare_warns_and_the_documented_pattern_keeps_gpufeed():

@@ -168,7 +168,7 @@ class _Stream(IterableDataset):
 
 def test_build_sampler_choices():
     data = list(range(10))
-    common = dict(seed=3, rank=None, world_size=None, drop_last=False)
+    common = dict(seed=3, rank=None, world_size=None, drop_last=False, shard=False)
     user = SequentialSampler(data)
     assert build_sampler(data, shuffle=None, sampler=user, **common) is user
     assert build_sampler(_Stream(), shuffle=None, sampler=None, **common) is None
@@ -177,23 +177,23 @@ def test_build_sampler_choices():
     shuffled = build_sampler(data, shuffle=True, sampler=None, **common)
     assert isinstance(shuffled, SeededRandomSampler) and shuffled.seed == 3
     sharded = build_sampler(
-        data, shuffle=True, sampler=None, seed=3, rank=1, world_size=2, drop_last=True
-    )
+        data, shuffle=True, sampler=None, seed=3, rank=1, world_size=2, drop_last=True,
+        shard=True)
     assert isinstance(sharded, ShardedSampler)
     assert (sharded.rank, sharded.num_replicas, sharded.shuffle, sharded.drop_last) == (
         1, 2, True, True
     )
     unshuffled = build_sampler(
-        data, shuffle=None, sampler=None, seed=3, rank=0, world_size=2, drop_last=False
-    )
+        data, shuffle=None, sampler=None, seed=3, rank=0, world_size=2, drop_last=False,
+        shard=True)
     assert isinstance(unshuffled, ShardedSampler) and list(unshuffled) == [0, 2, 4, 6, 8]
     unseeded = build_sampler(
-        data, shuffle=True, sampler=None, seed=None, rank=0, world_size=2, drop_last=False
-    )
+        data, shuffle=True, sampler=None, seed=None, rank=0, world_size=2, drop_last=False,
+        shard=True)
     assert isinstance(unseeded, ShardedSampler) and unseeded.seed == 0
     with pytest.raises(ValueError, match="cannot be combined with sampler=SequentialSampler"):
         build_sampler(data, shuffle=None, sampler=user, seed=3, rank=0, world_size=2,
-                      drop_last=False)
+                      drop_last=False, shard=True)
 
 
 def test_shard_for_and_info():

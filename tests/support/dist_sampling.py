@@ -70,6 +70,18 @@ def main() -> None:
                 )
                 report[f"loader/{key}"] = epochs(loader)
                 report[f"loader_sampler/{key}"] = type(loader.sampler).__name__
+    # a program written for the stock loader (no seed=): every rank reads every sample, in
+    # the stock order (the same global seed on both sides)
+    for shuffle in (True, False):
+        key = f"stock_program/shuffle={shuffle}"
+        torch.manual_seed(7)
+        ours = gpufeed.DataLoader(Indexed(), batch_size=BATCH, shuffle=shuffle, num_workers=2)
+        report[key] = [int(i) for index, _ in ours for i in index]
+        report[f"{key}/sampler"] = type(ours.sampler).__name__
+        report[f"{key}/world"] = [ours.rank, ours.world_size]
+        torch.manual_seed(7)
+        stock = DataLoader(Indexed(), batch_size=BATCH, shuffle=shuffle, num_workers=2)
+        report[f"{key}/stock"] = [int(i) for index, _ in stock for i in index]
     stream = ShardedIterable(range(N))
     report["iterable"] = [
         [int(x) for x in gpufeed.DataLoader(stream, batch_size=None, num_workers=2,

@@ -254,15 +254,16 @@ def build_sampler(
     rank: int | None,
     world_size: int | None,
     drop_last: bool,
+    shard: bool,
 ) -> Sampler[int] | Iterable[Any] | None:
     """Choose the loader's sampler; ``None`` means "let torch build its stock default".
 
     - a user ``sampler`` is kept as is, and a user ``batch_sampler`` gives ``None`` (with explicit
       ``rank``/``world_size`` either is an error: shard it yourself or drop it);
     - iterable datasets get ``None`` (they are sharded inside the workers, see :func:`shard_for`);
-    - with explicit ``rank``/``world_size`` or an initialised ``torch.distributed``: a
-      :class:`ShardedSampler` (``shuffle`` defaults to false as in the stock loader; ``seed``
-      None means 0, as in ``DistributedSampler``);
+    - with ``shard`` (the loader's: explicit ``rank``/``world_size``, or a ``seed`` and an
+      initialised ``torch.distributed``): a :class:`ShardedSampler` (``shuffle`` defaults to
+      false as in the stock loader; ``seed`` None means 0, as in ``DistributedSampler``);
     - otherwise, with ``shuffle`` and a ``seed``: a :class:`SeededRandomSampler`; without a
       seed, torch's own ``RandomSampler``/``SequentialSampler`` (the stock order, bit for bit).
     """
@@ -278,8 +279,8 @@ def build_sampler(
         return sampler
     if isinstance(dataset, IterableDataset):
         return None
-    rank_, world_size_, distributed = resolve_world(rank, world_size)
-    if distributed:
+    if shard:
+        rank_, world_size_, _ = resolve_world(rank, world_size)
         return ShardedSampler(
             dataset,
             rank=rank_,

@@ -5,6 +5,22 @@ Iterable datasets are sharded by ``(rank, worker)``: :func:`shard_for` gives the
 worker, :func:`get_shard_info` tells code running inside a worker which shard it owns, and
 :class:`ShardedIterable` strides any iterable by it. Map-style datasets are sharded by the
 samplers in ``_order/sampler.py``.
+
+NOTE [ Sharding by rank ]
+-------------------------
+The stock loader never shards by itself: under ``torch.distributed`` every rank reads every
+sample unless a ``DistributedSampler`` says otherwise, and the frameworks rely on that. Lightning
+injects its own sampler (or, with ``use_distributed_sampler=False``, leaves each rank the whole
+dataset), Accelerate's ``prepare`` splits the batches among the processes, and evaluation code
+reads the whole set on every rank. A map-style loader that sharded whenever a process group
+was up broke each of them: under ``prepare`` every rank read a quarter of a 2-rank dataset and
+half the samples were never seen, silently. So ``gpufeed.DataLoader`` shards a map-style
+dataset by rank only when asked: ``rank=``/``world_size=``, or ``seed=`` with an initialised
+process group (a shared seed is what gives every rank the same permutation to split; a program
+written for the stock loader passes none of them). A loader that shards itself refuses
+``accelerator.prepare`` (which would shard it again) with an error that names both ways out.
+Iterable datasets shard themselves, through :func:`get_shard_info`, which always reports the
+process group's rank.
 """
 
 from __future__ import annotations
