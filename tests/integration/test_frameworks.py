@@ -25,6 +25,7 @@ from support.fakes import CountingDataset
 from support.frameworks import (
     Pairs,
     PairStream,
+    PlainStream,
     PythonRandomSampler,
     lightning_module,
     quiet_fit,
@@ -105,6 +106,36 @@ def test_lightning_with_an_unrewindable_sampler_warns_and_restarts_the_epoch(tmp
                                           weights_only=False)["loops"]["fit_loop"][
                                               "state_dict"]["combined_loader"][0])
     assert sorted(_flat(b[0].int().flatten().tolist() for b in loader)) == list(range(N))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_lightning_checkpoints_an_iterable_dataset_without_state(tmp_path, num_workers):
+    """Lightning checkpoints every loader that has a state_dict, by default at each epoch's
+    end and here also mid-epoch: training over a stream gpufeed cannot position trains as with
+    the stock loader (it raised at the first checkpoint), and a resume restarts the epoch."""
+    pytest.importorskip("lightning")
+
+    def run(make, root, **fit):
+        module = lightning_module()
+        said = quiet_fit(trainer(root, epochs=2, every=3), module, train_dataloaders=make(),
+                         **fit)
+        return module.seen, said
+
+    def ours():
+        return gpufeed.DataLoader(PlainStream(N), batch_size=BATCH, num_workers=num_workers)
+
+    def stock():
+        return tud.DataLoader(PlainStream(N), batch_size=BATCH, num_workers=num_workers)
+
+    want, _ = run(stock, tmp_path / "stock")
+    got, said = run(ours, tmp_path / "ours")
+    assert got == want and len(got) == 12  # 2 epochs of 6 batches (22 samples, 4 a batch)
+    assert len(said) == 1 and "PlainStream is an IterableDataset without its own" in said[0]
+    ckpt = tmp_path / "ours" / "ckpt" / "epoch=0-step=3.ckpt"
+    got, said = run(ours, tmp_path / "again", ckpt_path=ckpt)
+    want, _ = run(stock, tmp_path / "stock-again",
+                  ckpt_path=tmp_path / "stock" / "ckpt" / "epoch=0-step=3.ckpt")
+    assert got == want and any("epoch restarts from its first batch" in m for m in said)
 
 
 def test_lightning_resumes_a_sized_iterable_dataset_exactly(tmp_path):

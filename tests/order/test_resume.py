@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import re
 import warnings
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ from gpufeed._order.delivery import Delivered, DeliveryTracker, ResumePoint, Wor
 from gpufeed._order.points import prepare_resume
 from gpufeed._order.resume import LoaderPosition, sampler_state_of
 from gpufeed._order.sampler import SeededRandomSampler, ShardedSampler
-from gpufeed._order.state import capture_state, check_state, make_state, require_resumable
+from gpufeed._order.state import capture_state, check_state, make_state, unresumable
 from support.resume_checker import Case, RandomTransformDataset, ShardedStream, check_many, leaves
 
 CURRENT = dict(dataset_len=10, world_size=2, rank=1, batch_size=4, num_workers=2)
@@ -303,10 +304,9 @@ def test_iterable_dataset_state_helpers():
     assert capture_state([1, 2]) is None
     assert capture_state(_Plain()) is None
     assert capture_state(_Stateful()) == {"at": 0}
-    require_resumable([1, 2])
-    require_resumable(_Stateful())
-    with pytest.raises(TypeError, match=r"cannot save the position of _Plain.*state_dict"):
-        require_resumable(_Plain())
+    assert unresumable([1, 2]) is None and unresumable(_Stateful()) is None
+    assert re.match(r"_Plain is an IterableDataset without its own state_dict\(\) and "
+                    r"load_state_dict\(state\)", unresumable(_Plain()))
 
 
 def _fake_loader(dataset, sampler, batch_size=4, num_workers=0):
@@ -395,8 +395,8 @@ def test_progress_iterable_dataset_states():
         "num_workers": 2, "workers": [{"at": 1}, {"at": 3}], "next_worker": 1,
     }
     plain = SimpleNamespace(**{**vars(loader), "dataset": _Plain()})
-    with pytest.raises(TypeError, match="cannot save the position of _Plain"):
-        LoaderPosition().state_dict(plain)
+    state = LoaderPosition().state_dict(plain)  # between epochs: nothing to warn of
+    assert state["dataset_state"] is None and "_Plain" in state["sampler_state"]["unrewindable"]
 
 
 # -- end to end, through gpufeed.DataLoader --------------------------------------------------
@@ -515,11 +515,29 @@ def test_iterable_dataset_resumes_through_its_state():
 
 
 @integrated
-def test_iterable_dataset_without_state_is_a_clear_error():
-    loader = gpufeed.DataLoader(_Plain(), batch_size=2, seed=0)
-    next(iter(loader))
-    with pytest.raises(TypeError, match=r"cannot save the position of _Plain.*state_dict"):
-        loader.state_dict()
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_iterable_dataset_without_state_restarts_its_epoch_with_a_warning(num_workers):
+    """Frameworks checkpoint every loader that has a state_dict (Lightning's default
+    ModelCheckpoint does): one over a stream gpufeed cannot position must not stop training.
+    The state says so, a mid-epoch one warns once, and loading it restarts that epoch, as the
+    stock loader, which has no state, would."""
+    loader = gpufeed.DataLoader(_Plain(), batch_size=2, seed=0, num_workers=num_workers,
+                                worker_type="thread")
+    whole = [b.tolist() for b in loader]
+    assert loader.state_dict()["dataset_state"] is None  # between epochs: no warning
+    it = iter(loader)
+    next(it)
+    with pytest.warns(UserWarning, match=r"at batch 1 of epoch 1 cannot be resumed exactly: "
+                      r"_Plain is an IterableDataset without its own state_dict\(\)"):
+        state = loader.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader.state_dict()  # once per loader
+    fresh = gpufeed.DataLoader(_Plain(), batch_size=2, seed=0, num_workers=num_workers,
+                               worker_type="thread")
+    with pytest.warns(UserWarning, match=r"cannot resume epoch 1 at batch 1: _Plain"):
+        fresh.load_state_dict(state)
+    assert [b.tolist() for b in fresh] == whole
 
 
 class _ShardedCounter(IterableDataset):

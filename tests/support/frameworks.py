@@ -47,6 +47,19 @@ class PairStream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
         self.start = state["at"]
 
 
+class PlainStream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """An iterable ``Pairs`` with no ``state_dict``: nothing can say where it stood."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(wid, self.n, nw):
+            yield torch.tensor([float(i)]), torch.tensor([2.0 * i])
+
+
 class PythonRandomSampler(Sampler[int]):
     """A user sampler that shuffles with Python's ``random`` and keeps no state: gpufeed
     cannot rewind it."""

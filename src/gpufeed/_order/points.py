@@ -47,11 +47,9 @@ def prepare_resume(
         rolled = done == num_batches
         if rolled:
             epoch, done, ahead = epoch + 1, 0, []
-    if iterable:  # batches are counted, not numbered (NOTE [ Iterable resume ])
-        return ResumePoint(epoch, done, (), seeked=True)
-    sampler = inner_sampler(index_sampler)
     sampler_state, epoch_seed = state["sampler_state"], None
     if isinstance(sampler_state, dict) and UNREWINDABLE in sampler_state:
+        # an unrewindable sampler, or an iterable dataset without a state of its own
         if done or ahead:
             warnings.warn(
                 f"cannot resume epoch {epoch} at batch {done}: {sampler_state[UNREWINDABLE]}. "
@@ -61,7 +59,10 @@ def prepare_resume(
             )
             done, ahead = 0, []
         sampler_state = None
-    elif isinstance(sampler_state, dict) and EPOCH_SEED in sampler_state:
+    if iterable:  # batches are counted, not numbered (NOTE [ Iterable resume ])
+        return ResumePoint(epoch, done, (), seeked=True)
+    sampler = inner_sampler(index_sampler)
+    if isinstance(sampler_state, dict) and EPOCH_SEED in sampler_state:
         if epoch == state["epoch"]:  # a rolled-over state's next epoch draws its own seed
             if not draws_epoch_seed(sampler):
                 raise ValueError(

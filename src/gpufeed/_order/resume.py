@@ -47,7 +47,7 @@ from .state import (
     capture_state,
     check_state,
     make_state,
-    require_resumable,
+    unresumable,
 )
 
 __all__ = [
@@ -65,8 +65,8 @@ __all__ = [
     "make_state",
     "numbered",
     "prepare_resume",
-    "require_resumable",
     "sampler_state_of",
+    "unresumable",
 ]
 
 log = logging.getLogger("gpufeed")
@@ -203,6 +203,9 @@ class LoaderPosition:
             )
         if loader.seed is None or not loader.deterministic:
             self._random_not_replayed(loader, "loader.state_dict() was taken", "resuming from it")
+        dataset_state, stream_lost = None, unresumable(loader.dataset)
+        if stream_lost is not None:  # as an unrewindable sampler: the epoch restarts
+            sampler_state = {UNREWINDABLE: stream_lost}
         lost = isinstance(sampler_state, dict) and UNREWINDABLE in sampler_state
         if lost and (done or ahead) and not self.warned:  # once per loader
             self.warned = True
@@ -212,9 +215,7 @@ class LoaderPosition:
                 "epoch from its first batch",
                 stacklevel=3,
             )
-        dataset_state = None
-        if isinstance(loader.dataset, IterableDataset):
-            require_resumable(loader.dataset)
+        if isinstance(loader.dataset, IterableDataset) and stream_lost is None:
             workers = max(loader.num_workers, 1)
             position = WorkerStates([None] * workers)
             if pending is not None and self.pending_dataset is not None:

@@ -48,7 +48,7 @@ __all__ = [
     "capture_state",
     "check_state",
     "make_state",
-    "require_resumable",
+    "unresumable",
 ]
 
 STATE_VERSION = 1
@@ -205,18 +205,21 @@ def _check_dataset_state(dataset_state: Any) -> None:
         )
 
 
-def require_resumable(dataset: Any) -> None:
-    """Raise ``TypeError`` naming the class when an iterable dataset has no ``state_dict`` and
-    ``load_state_dict``: gpufeed cannot know where such a stream stood."""
+def unresumable(dataset: Any) -> str | None:
+    """Why gpufeed cannot know where an iterable dataset's stream stood (it lacks its own
+    ``state_dict`` and ``load_state_dict``), naming the class and the fix; None when it can (or
+    the dataset is map-style). The state then says so, as for a sampler gpufeed cannot rewind:
+    frameworks checkpoint every loader that has a ``state_dict``, and training must go on."""
     if isinstance(dataset, IterableDataset) and not (
         stateful(dataset) and hasattr(dataset, "load_state_dict")
     ):
-        raise TypeError(
-            f"cannot save the position of {type(dataset).__name__}: an IterableDataset is resumed "
-            "through its own state_dict() and load_state_dict(state) methods, which it lacks "
-            "(or its state_dict needs arguments, as litdata's, made for its own loader); "
-            "add them (returning plain Python values), or use a map-style Dataset"
+        return (
+            f"{type(dataset).__name__} is an IterableDataset without its own state_dict() and "
+            "load_state_dict(state) (or its state_dict needs arguments, as litdata's, made for "
+            "its own loader), so gpufeed cannot know where its stream stood; add them "
+            "(returning plain Python values), or use a map-style Dataset"
         )
+    return None
 
 
 def capture_state(dataset: Any) -> Any:
