@@ -109,6 +109,27 @@ def test_lightning_with_an_unrewindable_sampler_warns_and_restarts_the_epoch(tmp
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
+def test_lightning_resume_after_an_epoch_cut_short_by_limit_train_batches(tmp_path, num_workers):
+    """A checkpoint at the last of an epoch's limit_train_batches: the state says 4 of 6
+    batches, Lightning resumes into the next epoch (load_state_dict, iter(), then the
+    sampler's set_epoch), which must run its 4 batches as in the uninterrupted run (it got
+    the saved epoch's 2 unused batches, with workers)."""
+    pytest.importorskip("lightning")
+
+    def make():
+        return gpufeed.DataLoader(Pairs(22), batch_size=4, shuffle=True, seed=5,
+                                  num_workers=num_workers)
+
+    reference = lightning_module()
+    quiet_fit(trainer(tmp_path, epochs=2, every=4, limit_train_batches=4), reference,
+              train_dataloaders=make())
+    resumed = lightning_module()
+    quiet_fit(trainer(tmp_path / "again", epochs=2, limit_train_batches=4), resumed,
+              train_dataloaders=make(), ckpt_path=tmp_path / "ckpt" / "epoch=0-step=4.ckpt")
+    assert len(reference.seen) == 8 and resumed.seen == reference.seen[4:]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
 def test_lightning_checkpoints_an_iterable_dataset_without_state(tmp_path, num_workers):
     """Lightning checkpoints every loader that has a state_dict, by default at each epoch's
     end and here also mid-epoch: training over a stream gpufeed cannot position trains as with

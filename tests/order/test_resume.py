@@ -822,3 +822,46 @@ def test_a_state_taken_before_the_first_batch_of_a_stock_shuffle_resumes_its_ord
     fresh = make()
     fresh.load_state_dict(state)
     assert [b.tolist() for b in fresh] == uninterrupted
+
+
+class _Ids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 22
+
+    def __getitem__(self, i):
+        return i
+
+
+@integrated
+@pytest.mark.parametrize("workers", [(0, "process"), (2, "process"), (2, "thread")])
+@pytest.mark.parametrize("sampler", ["seed", "DistributedSampler"])
+def test_set_epoch_after_iter_of_a_resumed_loader(workers, sampler):
+    """Lightning resumes with load_state_dict(), iter(), then the sampler's set_epoch(): after
+    an epoch cut short (limit_train_batches), to the next epoch, which must then run whole, as
+    from an iterator made after the call. set_epoch to the saved epoch keeps its rest."""
+    num_workers, worker_type = workers
+
+    def make():
+        kw = dict(batch_size=4, num_workers=num_workers, worker_type=worker_type)
+        if sampler == "seed":
+            return gpufeed.DataLoader(_Ids(), shuffle=True, seed=5, **kw)
+        return gpufeed.DataLoader(_Ids(), sampler=torch.utils.data.DistributedSampler(
+            _Ids(), num_replicas=1, rank=0, seed=5), **kw)
+
+    reference = make()
+    epochs = []
+    for epoch in range(2):
+        reference.sampler.set_epoch(epoch)
+        epochs.append([b.tolist() for b in reference])
+    loader = make()
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    state = loader.state_dict()
+    del it
+    for chosen, want in ((1, epochs[1]), (0, epochs[0][4:])):
+        resumed = make()
+        resumed.load_state_dict(state)
+        it = iter(resumed)
+        resumed.sampler.set_epoch(chosen)
+        assert [b.tolist() for b in it] == want, chosen

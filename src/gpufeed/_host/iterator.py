@@ -50,6 +50,7 @@ class BaseIter:
                 "then device pinned memory won't be used.",
                 stacklevel=3,
             )
+        self._config = config  # the epoch's (a worker iterator's _restart takes the next)
         self._pin = config.pin  # asked for, or implied by a CUDA device stage
         self._pin_device = config.pin_device  # pinning, registration and release fences run under
         self._sample_seed = config.sample_seed
@@ -101,6 +102,15 @@ class BaseIter:
 
     def __len__(self) -> int:
         return len(self._index_sampler)
+
+    def _begin_again_if_set_late(self) -> None:
+        """Before an epoch's first batch: if it began from a loaded state and its sampler's
+        ``set_epoch`` ran since, to another epoch (Lightning resumes so:
+        ``LoaderPosition.set_epoch_came_late``), begin it again, as an iterator made now
+        would (the sampler's draw may have begun: a worker iterator dispatches at once)."""
+        if not self._num_yielded and self._position.set_epoch_came_late(self._index_sampler):
+            self._position.reload()
+            self._restart(self._config)
 
     def _begin_epoch(self) -> None:
         """Start the epoch's index plan and delivery count (NOTE [ Delivery tracking ] in
@@ -224,6 +234,7 @@ class SingleIter(BaseIter):
 
     def _next(self) -> Any:
         self._check_capture()
+        self._begin_again_if_set_late()
         asked_at = time.perf_counter()
         try:
             indices = self._next_indices()

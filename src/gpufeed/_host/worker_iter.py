@@ -124,7 +124,7 @@ class WorkerIter(BaseIter):
         if self._closed:
             raise RuntimeError("this gpufeed iterator was closed; iterate the DataLoader again")
         check_not_forked(self._pid)  # a persistent loader (or an iterator) inherited by fork
-        self._gen += 1
+        self._gen, self._config = self._gen + 1, config
         if not first_iter:
             self._begin_epoch()
         self._num_yielded = 0
@@ -312,6 +312,7 @@ class WorkerIter(BaseIter):
     def _next_batch(self) -> Any:
         if self._pin:
             self._check_capture()
+        self._begin_again_if_set_late()
         asked_at = time.perf_counter()
         if self._late.on and self._returned_at:  # the loop's step: late slots' rule (e)
             self._late.away(self._returned_at, asked_at)
@@ -396,5 +397,4 @@ class WorkerIter(BaseIter):
                          workers_stopped=getattr(pool, "stopped", False))
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            self.close()
+        self.close()  # idempotent, and a no-op in a forked child

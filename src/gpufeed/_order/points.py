@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from torch.utils.data import BatchSampler, RandomSampler
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
 from .delivery import ResumePoint
 from .plan import advance_as_randperm, finish_plan, plannable
@@ -19,7 +19,7 @@ from .rewind import EPOCH_SEED, UNREWINDABLE, draws_epoch_seed, inner_sampler, i
 from .state import LoaderState
 
 __all__ = ["after_set_epoch", "chosen_epoch", "length_or_none", "prepare_resume",
-           "replay_epoch"]
+           "replay_epoch", "set_epoch_mark"]
 
 
 def prepare_resume(
@@ -126,6 +126,20 @@ def chosen_epoch(sampler: Any) -> int | None:
     epoch = getattr(sampler, "epoch", None)
     if type(epoch) is int and callable(getattr(sampler, "set_epoch", None)):
         return epoch
+    return None
+
+
+def set_epoch_mark(sampler: Any) -> int | None:
+    """What changes when ``sampler.set_epoch`` runs, where that can be told apart from the
+    sampler advancing by itself: gpufeed's samplers count the calls (they also advance their
+    epoch when iterated); torch's ``DistributedSampler`` changes its ``epoch`` only there.
+    None for other samplers, which may advance their epoch when iterated."""
+    if is_ours(sampler):
+        return int(sampler.set_epoch_calls)
+    kind = type(sampler)
+    if isinstance(sampler, DistributedSampler) and kind.__iter__ is DistributedSampler.__iter__ \
+            and kind.set_epoch is DistributedSampler.set_epoch:
+        return int(sampler.epoch)
     return None
 
 

@@ -27,7 +27,14 @@ import torch
 from torch.utils.data import IterableDataset
 
 from .delivery import Delivered, DeliveryTracker, ResumePoint, WorkerStates, numbered
-from .points import after_set_epoch, chosen_epoch, length_or_none, prepare_resume, replay_epoch
+from .points import (
+    after_set_epoch,
+    chosen_epoch,
+    length_or_none,
+    prepare_resume,
+    replay_epoch,
+    set_epoch_mark,
+)
 from .rewind import (
     EPOCH_SEED,
     UNREWINDABLE,
@@ -110,6 +117,9 @@ class LoaderPosition:
         self.sampler_state: Any = None  # sampler_state of the epoch in progress
         self.warned = False  # the "cannot be rewound" warning was given
         self.warned_random = False  # the "random transforms are not replayed" one
+        # the epoch in progress began from a loaded state: that point, its sampler's
+        # set_epoch_mark then, and the epoch it runs (see set_epoch_came_late)
+        self.loaded: tuple[ResumePoint, int, int] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """A copied loader starts its next epoch afresh: the epoch in progress stays here."""
@@ -148,6 +158,7 @@ class LoaderPosition:
         point, self.pending = self.pending, None
         sampler = inner_sampler(index_sampler)
         chosen = chosen_epoch(sampler)  # the sampler's set_epoch() after the load
+        loaded, mark = point, set_epoch_mark(sampler)
         if point is not None and chosen is not None:
             point = after_set_epoch(point, chosen, index_sampler)
         if point is not None and point.sampler_state is not None:
@@ -158,6 +169,7 @@ class LoaderPosition:
                     base_seed_of()
         if point is None:
             point, self.pending_dataset = ResumePoint(self.next_epoch(index_sampler)), None
+        self.loaded = None if loaded is None or mark is None else (loaded, mark, point.epoch)
         self.epoch = point.epoch + 1
         self.sampler_state = None if iterable else sampler_state_of(sampler)
         plan, epoch_seed = index_sampler, None
@@ -169,6 +181,24 @@ class LoaderPosition:
         )
         self.tracker.epoch_seed = epoch_seed
         return self.tracker
+
+    def set_epoch_came_late(self, index_sampler: Any) -> bool:
+        """Whether this epoch began from a loaded state and its sampler's ``set_epoch`` ran
+        since, to another epoch (known where its calls can be told from its own advancing:
+        ``set_epoch_mark``). Lightning's fit loop resumes that way: ``load_state_dict``,
+        ``iter()``, then ``set_epoch`` (after an epoch cut short by ``limit_train_batches``,
+        to the next epoch). An iterator that prepared its epoch at ``iter()`` and has
+        delivered nothing starts it again (:meth:`reload`), as one made after the call would."""
+        if self.loaded is None:
+            return False
+        sampler = inner_sampler(index_sampler)
+        _, mark, running = self.loaded
+        return set_epoch_mark(sampler) != mark and chosen_epoch(sampler) != running
+
+    def reload(self) -> None:
+        """Put the loaded state back for the next :meth:`begin_epoch`."""
+        if self.loaded is not None:
+            self.pending, self.loaded = self.loaded[0], None
 
     def _record_epoch_seed(self, seed: int) -> None:
         self.sampler_state = {EPOCH_SEED: seed}

@@ -76,6 +76,7 @@ class _Resumable:
     _cursor: _Cursor | None = None
     _cursor_epoch: int = 0
     _seek: tuple[int, int] | None = None
+    set_epoch_calls = 0  # how many times set_epoch ran (the epoch also advances by itself)
 
     def _order(self, epoch: int) -> torch.Tensor:
         raise NotImplementedError
@@ -88,6 +89,7 @@ class _Resumable:
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         self.epoch = epoch
+        self.set_epoch_calls += 1
 
     def __iter__(self) -> Iterator[int]:
         epoch, order, start = self.take_epoch()
