@@ -161,6 +161,10 @@ class DeviceIterator(Iterator[Any]):
         self._copies = _cuda.Fences()  # rule (10)
         self._source_done = False
         self._error_queued = False  # an error of the source waits in _ready, in order
+        self._taken = 0  # batches taken from the source
+        # the error next() raised last was a taken batch's (its copy or transform failed),
+        # not the source's own: that batch will never be delivered
+        self.error_took_a_batch = False
         self._warned = False
         self._batches = self._bytes_copied = self._bytes_held = self._peak = 0
         self._host_waits = self._pageable = self._consumer_waits = 0
@@ -224,7 +228,11 @@ class DeviceIterator(Iterator[Any]):
         event, batch, nbytes = self._ready.popleft()
         if event is None:  # the source's error, after the batches before it; as with the
             self._error_queued = False  # stock loader, the next next() goes on after it
-            raise batch
+            self.error_took_a_batch = bool(nbytes)  # (see Delivered in _order/delivery.py)
+            try:
+                raise batch
+            finally:  # the traceback holds this frame: no local may hold the error (a cycle
+                batch = None  # that kept the iterator, its workers and ring until a collection)
         consumer = backend.current_stream()  # rule (2)
         backend.wait_event(consumer, event)
         map_tensors(lambda t: backend.record_stream(t, consumer), batch)
@@ -289,10 +297,11 @@ class DeviceIterator(Iterator[Any]):
     def _fill(self) -> None:
         while not self._source_done and not self._error_queued and len(self._ready) < self.depth:
             issued = len(self._host)  # (again below: _make_room may drop copied batches)
+            taken = self._taken
             try:
                 waited = self._make_room()  # before next(): the source may need a free slot
                 issued = len(self._host)
-                self._issue(next(self._source), waited)
+                self._issue(self._take(), waited)
             except StopIteration:
                 self._source_done = True
             except Exception as exc:  # delivered in order, after the batches before it; the
@@ -304,8 +313,15 @@ class DeviceIterator(Iterator[Any]):
                     self._host[-1][0].synchronize()  # goes once what was queued of it is
                     drop_copied([self._host.pop()])  # done (rule 6); no local keeps it (this
                     # frame is in the traceback)
-                self._ready.append((None, exc, 0))
+                # a taken batch failed here (copy, transform): said when it is raised
+                self._ready.append((None, exc, self._taken - taken))
                 self._error_queued = True
+
+    def _take(self) -> Any:
+        """The source's next batch, counted (no local of ``_fill`` may hold it)."""
+        batch = next(self._source)
+        self._taken += 1
+        return batch
 
     def _make_room(self) -> float:
         """Rules (3) and (8) before a batch is issued; returns the seconds spent waiting on

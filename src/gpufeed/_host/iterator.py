@@ -120,6 +120,7 @@ class BaseIter:
             base_seed_of=self._base_seed_of,
         )
         self._sampler_iter = self._tracker.indices
+        self._drawn = 0  # batches drawn this epoch, failed fetches too (SingleIter numbers them)
 
     def _next_indices(self) -> Any:
         idx = next(self._sampler_iter)
@@ -238,6 +239,7 @@ class SingleIter(BaseIter):
         asked_at = time.perf_counter()
         try:
             indices = self._next_indices()
+            k, self._drawn = self._drawn, self._drawn + 1  # a failed fetch drew its batch too
             data = self._fetcher.fetch(indices, None, epoch=self._tracker.epoch)
         except StopIteration:
             self._tracker.host_exhausted()
@@ -253,7 +255,7 @@ class SingleIter(BaseIter):
             tl.span(self._recorder, "fetching", "collate", fetched - collate_s, fetched, args)
         state = (0, capture_state(self._dataset)) if self._is_iterable else None
         # the loop waited from asked_at: the fetch is its wait, not its step
-        return self._finish(data, asked_at, self._num_yielded, state)
+        return self._finish(data, asked_at, k, state)
 
     def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
         self._begin_epoch()

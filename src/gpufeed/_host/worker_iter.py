@@ -18,7 +18,7 @@ import torch
 from .._base.errors import RemoteError, WorkerError
 from .._memory.keeper import end_ring, ring_for
 from .._memory.ring import SlotRing
-from .._order.plan import IndexPlan, make_plan, plannable, pull_as_stock
+from .._order.plan import IndexPlan, follow_stock, make_plan, plannable
 from .._sources.packed import check_copy_on_write
 from .collate import unpack
 from .config import IterConfig
@@ -156,7 +156,8 @@ class WorkerIter(BaseIter):
                                    epoch_seed=self._tracker.epoch_seed)
             for w in range(self._num_workers):
                 self._pool.send(w, UsePlan(self._gen, self._plan))
-            pull_as_stock(self._plan, self._index_sampler, self._work_ahead.stock_in_flight)
+            follow_stock(self._plan, self._index_sampler, self._work_ahead.stock_in_flight,
+                         self._tracker)
         self._dispatch()
 
     def _dispatch(self) -> None:
@@ -336,10 +337,7 @@ class WorkerIter(BaseIter):
             data = self._ready.pop(idx)
             if self._watch is not None:  # the sampler, asked for more below, may draw
                 self._watch.wait_ends()
-            plan, ahead = self._plan, self._work_ahead
-            pulled = ahead.stock_in_flight + self._num_yielded + 1
-            if plan is not None and not plan.finished and pulled >= plan.closing_pull:
-                pull_as_stock(plan, self._index_sampler, pulled)  # as stock's generator
+            ahead = self._work_ahead
             in_flight = len(self._ready) + len(self._tasks)
             if not self._sampler_done and (in_flight <= ahead.refill_at or in_flight == 0
                                            or self._send_idx < self._num_workers):

@@ -26,7 +26,7 @@ numbering them.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 __all__ = [
@@ -151,10 +151,25 @@ class DeliveryTracker:
             self.next_worker = resumed.next_worker
         self._in_flight: deque[tuple[int, Any]] = deque()
         self._numbers: list[int] = []
+        self.handed = 0  # batches that reached the user (or failed on the way) this iterator
+        self._close_at: int | None = None  # see follow_stock
+        self._close: Callable[[], None] | None = None
         # Not a method: a generator of ``self`` would make the tracker and its draw a
         # reference cycle, keeping the sampler and dataset alive until a collection.
         self.indices: Iterator[Any] = _draw(numbered(plan, point), self._numbers)
         self._advance()
+
+    def follow_stock(self, close_at: int, close: Callable[[], None]) -> None:
+        """Run ``close`` once ``close_at`` batches reached the user (or failed on the way):
+        where the stock loader's sampler pulls, which follow the user's batches, run out
+        (``_order/plan.py``'s ``pull_as_stock``). Counted here, on the user's side, so that a
+        device stage's batches taken ahead do not count before the user has them."""
+        self._close_at, self._close = close_at, close
+
+    def _handed(self) -> None:
+        self.handed += 1
+        if self.handed == self._close_at:
+            self._close()  # type: ignore[misc]  # set with _close_at
 
     def produced_nth(self, k: int, worker_state: tuple[int, Any] | None = None) -> None:
         """:meth:`produced` for the iterator's ``k``-th batch of the epoch (0-based): the
@@ -163,6 +178,7 @@ class DeliveryTracker:
         number = self._numbers[k] if k < len(self._numbers) else self.point.done + k
         if number == self.prefix and self.direct and not self.ahead and worker_state is None:
             self.prefix += 1  # the common case of produced() and delivered(), in one call
+            self._handed()
             return
         self.produced(number, worker_state)
 
@@ -176,6 +192,7 @@ class DeliveryTracker:
     def delivered(self) -> None:
         """User side: the oldest produced batch has reached the user."""
         number, worker_state = self._in_flight.popleft()
+        self._handed()
         if worker_state is not None:
             worker, self.worker_states[worker] = worker_state
             self.next_worker = worker + 1  # taken modulo num_workers by dataset_states()
@@ -184,6 +201,13 @@ class DeliveryTracker:
             self._advance()
         else:
             self.ahead.add(number)
+
+    def failed(self) -> None:
+        """User side: the oldest produced batch failed on its way (a device stage's copy or
+        ``device_transform`` raised): never delivered, it is retried by a resume, as a batch
+        whose fetch failed is; later ones count as delivered ahead of it."""
+        self._in_flight.popleft()
+        self._handed()
 
     def host_exhausted(self) -> None:
         """The host iterator raised ``StopIteration`` (ends the epoch only when ``direct``)."""
@@ -230,6 +254,10 @@ class Delivered(Iterator[T]):
             item = next(self.inner)
         except StopIteration:
             self.tracker.user_exhausted()
+            raise
+        except Exception:  # a produced batch that failed in the stage (its error_took_a_batch)
+            if getattr(self.inner, "error_took_a_batch", False):
+                self.tracker.failed()
             raise
         self.tracker.delivered()
         return item

@@ -12,6 +12,7 @@ other sampler goes through the generic path, one list of indices per batch.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -141,6 +142,15 @@ def pull_as_stock(plan: IndexPlan, index_sampler: Any, pulled: int) -> None:
     if not plan.finished and pulled >= plan.closing_pull:
         plan.finished = True
         finish_plan(index_sampler)
+
+
+def follow_stock(plan: IndexPlan, index_sampler: Any, pulled: int, tracker: Any) -> None:
+    """At an epoch's start: the stock loader's ``pulled`` pulls at ``iter()``, then one per
+    batch that reaches the user, counted by ``tracker`` (a ``DeliveryTracker``, on the user's
+    side of a device stage, whose batches taken ahead do not count before the user has them)."""
+    pull_as_stock(plan, index_sampler, pulled)
+    tracker.follow_stock(plan.closing_pull - pulled, functools.partial(
+        pull_as_stock, plan, index_sampler, plan.closing_pull))
 
 
 def finish_plan(index_sampler: Any) -> None:

@@ -1,0 +1,127 @@
+"""The device stage inside ``gpufeed.DataLoader`` (``device="cpu"`` runs the same
+``DeviceIterator`` as CUDA): errors, the delivered count a state records, and where the
+user's generator is left."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+import gpufeed
+
+
+class _Numbers(tud.Dataset):
+    """Sample ``i`` is ``[i, i]``; sample ``fail`` raises KeyError."""
+
+    def __init__(self, n: int = 12, fail: int | None = None) -> None:
+        self.n, self.fail = n, fail
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.fail:
+            raise KeyError(f"bad sample {i}")
+        return torch.full((2,), float(i))
+
+
+def _fail_on_batch_1(batch: torch.Tensor) -> torch.Tensor:
+    if int(batch[0, 0]) == 2:  # batch 1 holds samples 2 and 3
+        raise ValueError("transform failed on batch 1")
+    return batch
+
+
+def _take(it, count: int) -> list:
+    """``count`` outcomes of ``next(it)``: a batch's first sample, or "error"."""
+    out: list = []
+    while len(out) < count:
+        try:
+            out.append(int(next(it)[0, 0]))
+        except (KeyError, ValueError):
+            out.append("error")
+    return out
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("where", ["dataset", "device_transform"])
+def test_a_failed_batch_is_not_counted_as_delivered(num_workers, where):
+    """A state taken after a batch failed (in the dataset, or in the device stage's transform)
+    resumes with that batch and the ones never delivered: none twice (batch 3 came again
+    after a transform error, credited to the batch before it), none lost."""
+    def make():
+        dataset = _Numbers(fail=2 if where == "dataset" else None)
+        return gpufeed.DataLoader(
+            dataset, batch_size=2, num_workers=num_workers, worker_type="thread", device="cpu",
+            device_transform=_fail_on_batch_1 if where == "device_transform" else None)
+
+    loader = make()
+    it = iter(loader)
+    assert _take(it, 4) == [0, "error", 4, 6]
+    state = loader.state_dict()
+    assert (state["batches_delivered"], state["delivered_ahead"]) == (1, [2, 3])
+    resumed = make()
+    resumed.load_state_dict(state)
+    if where == "dataset":
+        resumed.dataset.fail = None  # fixed since
+    else:
+        resumed.device_transform = None
+    assert [int(b[0, 0]) for b in resumed] == [2, 8, 10]
+
+
+def test_a_dataset_error_without_workers_keeps_the_later_batches_numbers():
+    """num_workers=0, no device stage: the batch after a failed fetch was counted as the failed
+    one, so a resume gave batch 3 again and never batch 1."""
+    loader = gpufeed.DataLoader(_Numbers(fail=2), batch_size=2)
+    it = iter(loader)
+    assert _take(it, 4) == [0, "error", 4, 6]
+    state = loader.state_dict()
+    assert (state["batches_delivered"], state["delivered_ahead"]) == (1, [2, 3])
+
+
+@pytest.mark.parametrize("where", ["dataset", "device_transform"])
+def test_an_error_through_the_device_stage_leaves_no_reference_cycle(where):
+    """The error's traceback held the device stage's frame, whose local held the error: the
+    iterator, its worker threads and ring lived until a cyclic collection."""
+    loader = gpufeed.DataLoader(
+        _Numbers(fail=5 if where == "dataset" else None), batch_size=2, num_workers=2,
+        worker_type="thread", device="cpu",
+        device_transform=_fail_on_batch_1 if where == "device_transform" else None)
+    before = threading.active_count()
+    gc.disable()
+    try:
+        it = iter(loader)
+        assert "error" in _take(it, 4)
+        ref = weakref.ref(it)
+        del it
+        assert ref() is None, "the iterator outlived its last reference"
+        assert threading.active_count() <= before
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+@pytest.mark.parametrize("stop", [1, 2, 4])
+def test_an_early_break_leaves_the_generator_as_stock(depth, stop):
+    """The stock loader's sampler pulls follow the batches the user gets; a device stage takes
+    batches ahead of the user, which must not count: breaking out after ``stop`` batches then
+    gives the next epoch the stock loader's shuffle."""
+    def orders(cls, **kw):
+        loader = cls(_Numbers(10), batch_size=2, shuffle=True, num_workers=2,
+                     generator=torch.Generator().manual_seed(0), **kw)
+        out = []
+        for epoch in range(2):
+            got = []
+            for batch in loader:
+                got.append(batch[:, 0].tolist())
+                if epoch == 0 and len(got) == stop:
+                    break
+            out.append(got)
+        return out
+
+    assert orders(gpufeed.DataLoader, device="cpu", device_depth=depth) == orders(
+        tud.DataLoader)
