@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, TypeVar, cast
 
@@ -16,15 +15,11 @@ from ._base import timeline as _timeline
 from ._base.stats import LoaderStats, StatsRecorder
 from ._device.stage import to_device
 from ._device.streams import parse_device
-from ._host.arguments import (
-    DefaultPrefetch,
-    check_arguments,
-    check_num_workers,
-    warn_thread_workers,
-)
+from ._host.arguments import check_arguments, check_num_workers, warn_thread_workers
 from ._host.auto_iter import AutoIter, make_tuner
 from ._host.autotune import AutoTuner
 from ._host.config import IterConfig, WorkerType
+from ._host.frameworks import DefaultPrefetch, before_prepare
 from ._host.iterator import BaseIter, SingleIter
 from ._host.late_slots import LateVerdict
 from ._host.random_watch import GlobalDrawWatch
@@ -242,33 +237,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     @property
     def _is_accelerate_prepared(self) -> bool:
-        """Read by ``accelerate.Accelerator.prepare_data_loader`` before it rebuilds a loader.
-
-        Accelerate (1.x) rebuilds every ``torch.utils.data.DataLoader`` it prepares as a stock
-        one, from the batch sampler and the stock arguments, and offers no hook to build
-        another class. gpufeed's ring, thread workers, device stage, seed, stats and state
-        would be gone silently, so this warns at ``prepare`` time with the pattern that keeps
-        gpufeed (tested in ``tests/integration/test_frameworks.py``).
-        """
-        if not self._prepared and self._world_size > 1 and not isinstance(self.dataset,
-                                                                          IterableDataset):
-            raise ValueError(
-                f"accelerator.prepare(loader) would shard this gpufeed.DataLoader a second "
-                f"time: it already reads only rank {self._rank}'s share of the dataset (seed= "
-                f"under torch.distributed, or rank=/world_size=), and Accelerate splits that "
-                f"share again among {self._world_size} processes, so most samples would never "
-                "be seen. Either keep gpufeed's loader out of prepare() (build it after "
-                "Accelerator() with device=accelerator.device), or build it without seed=, "
-                "rank= and world_size= so that Accelerate shards it as a stock loader")
+        """Read by ``accelerate.Accelerator.prepare_data_loader`` before it rebuilds a loader:
+        refused for a loader sharded by rank, else warned of (``_host/frameworks.py``)."""
         if not self._prepared:
-            warnings.warn(
-                "accelerator.prepare(loader) rebuilds a gpufeed.DataLoader as a stock "
-                "torch.utils.data.DataLoader: gpufeed's ring, thread workers, device stage, "
-                "seed, stats and state_dict are dropped. To keep them, build the gpufeed loader "
-                "after Accelerator() with seed= (it then shards by rank itself) and "
-                "device=accelerator.device, and do not pass it to prepare()",
-                stacklevel=3,
-            )
+            before_prepare(self._rank, self._world_size, isinstance(self.dataset, IterableDataset))
         return self._prepared
 
     @_is_accelerate_prepared.setter

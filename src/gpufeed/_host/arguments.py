@@ -15,18 +15,8 @@ from typing import Any
 
 from .config import WORKER_TYPES
 
-__all__ = ["DefaultPrefetch", "check_arguments", "check_num_workers", "warn_thread_workers"]
+__all__ = ["check_arguments", "check_num_workers", "warn_thread_workers"]
 
-
-class DefaultPrefetch(int):
-    """torch's default ``prefetch_factor`` (2 with workers), the value ``loader.prefetch_factor``
-    reads when it was left unset, marked as not chosen. It is an ``int`` equal to stock's; a
-    framework that rebuilds a loader from its attributes (Lightning's sampler injection,
-    ``copy`` of the arguments) passes it back, and the new loader takes it as unset: gpufeed
-    keeps sizing its work-ahead itself instead of holding to a bound nobody chose (NOTE
-    [ Messages ] in ``_host/messages.py``)."""
-
-    __slots__ = ()
 
 
 

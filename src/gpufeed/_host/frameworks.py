@@ -1,0 +1,56 @@
+"""What the frameworks that rebuild a loader read of it, and what they get back.
+
+Lightning rebuilds a loader from its attributes to inject a ``DistributedSampler``, passing back
+every value that differs from the signature's default; Accelerate's ``prepare`` rebuilds every
+loader as a stock one. ``gpufeed.DataLoader`` answers both through this module: a
+``prefetch_factor`` left unset reads torch's 2 and stays unset when passed back
+(:class:`DefaultPrefetch`), and ``prepare`` is refused or warned of (:func:`before_prepare`).
+Tested in ``tests/integration/test_frameworks.py``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+__all__ = ["DefaultPrefetch", "before_prepare"]
+
+
+class DefaultPrefetch(int):
+    """torch's default ``prefetch_factor`` (2 with workers), the value ``loader.prefetch_factor``
+    reads when it was left unset, marked as not chosen. It is an ``int`` equal to stock's; a
+    framework that rebuilds a loader from its attributes (Lightning's sampler injection,
+    ``copy`` of the arguments) passes it back, and the new loader takes it as unset: gpufeed
+    keeps sizing its work-ahead itself instead of holding to a bound nobody chose (NOTE
+    [ Messages ] in ``_host/messages.py``)."""
+
+    __slots__ = ()
+
+
+def before_prepare(rank: int, world_size: int, iterable: bool) -> None:
+    """Called when ``accelerate.Accelerator.prepare_data_loader`` first reads a loader's
+    ``_is_accelerate_prepared``, before it rebuilds the loader.
+
+    Accelerate (1.x) rebuilds every ``torch.utils.data.DataLoader`` it prepares as a stock one,
+    from the batch sampler and the stock arguments, and offers no hook to build another class.
+    A loader that already reads one rank's share (``world_size`` > 1, map-style: NOTE
+    [ Sharding by rank ] in ``_order/shards.py``) would be sharded again, so most samples
+    would never be seen: refused. Otherwise gpufeed's ring, thread workers, device stage,
+    seed, stats and state would be gone silently: a warning names the pattern that keeps them.
+    """
+    if world_size > 1 and not iterable:
+        raise ValueError(
+            f"accelerator.prepare(loader) would shard this gpufeed.DataLoader a second time: it "
+            f"already reads only rank {rank}'s share of the dataset (seed= under "
+            f"torch.distributed, or rank=/world_size=), and Accelerate splits that share again "
+            f"among {world_size} processes, so most samples would never be seen. Either keep "
+            "gpufeed's loader out of prepare() (build it after Accelerator() with "
+            "device=accelerator.device), or build it without seed=, rank= and world_size= so "
+            "that Accelerate shards it as a stock loader")
+    warnings.warn(
+        "accelerator.prepare(loader) rebuilds a gpufeed.DataLoader as a stock "
+        "torch.utils.data.DataLoader: gpufeed's ring, thread workers, device stage, seed, stats "
+        "and state_dict are dropped. To keep them, build the gpufeed loader after Accelerator() "
+        "with seed= (it then shards by rank itself) and device=accelerator.device, and do not "
+        "pass it to prepare()",
+        stacklevel=4,
+    )
