@@ -151,7 +151,7 @@ class DeliveryTracker:
             self.next_worker = resumed.next_worker
         self._in_flight: deque[tuple[int, Any]] = deque()
         self._numbers: list[int] = []
-        self.handed = 0  # batches that reached the user (or failed on the way) this iterator
+        self._reached = 0  # batches that reached the user (or failed on the way) this iterator
         self._close_at: int | None = None  # see follow_stock
         self._close: Callable[[], None] | None = None
         # Not a method: a generator of ``self`` would make the tracker and its draw a
@@ -166,9 +166,9 @@ class DeliveryTracker:
         device stage's batches taken ahead do not count before the user has them."""
         self._close_at, self._close = close_at, close
 
-    def _handed(self) -> None:
-        self.handed += 1
-        if self.handed == self._close_at:
+    def _count_reached(self) -> None:
+        self._reached += 1
+        if self._reached == self._close_at:
             self._close()  # type: ignore[misc]  # set with _close_at
 
     def produced_nth(self, k: int, worker_state: tuple[int, Any] | None = None) -> None:
@@ -178,7 +178,7 @@ class DeliveryTracker:
         number = self._numbers[k] if k < len(self._numbers) else self.point.done + k
         if number == self.prefix and self.direct and not self.ahead and worker_state is None:
             self.prefix += 1  # the common case of produced() and delivered(), in one call
-            self._handed()
+            self._count_reached()
             return
         self.produced(number, worker_state)
 
@@ -192,7 +192,7 @@ class DeliveryTracker:
     def delivered(self) -> None:
         """User side: the oldest produced batch has reached the user."""
         number, worker_state = self._in_flight.popleft()
-        self._handed()
+        self._count_reached()
         if worker_state is not None:
             worker, self.worker_states[worker] = worker_state
             self.next_worker = worker + 1  # taken modulo num_workers by dataset_states()
@@ -207,7 +207,7 @@ class DeliveryTracker:
         ``device_transform`` raised): never delivered, it is retried by a resume, as a batch
         whose fetch failed is; later ones count as delivered ahead of it."""
         self._in_flight.popleft()
-        self._handed()
+        self._count_reached()
 
     def host_exhausted(self) -> None:
         """The host iterator raised ``StopIteration`` (ends the epoch only when ``direct``)."""
