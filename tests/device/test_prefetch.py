@@ -24,6 +24,7 @@ from gpufeed._device.pageable import PageableCopyWarning, is_dense, staged_reaso
 from gpufeed._device.stage import to_device
 from gpufeed._device.streams import CudaBackend, SyncBackend
 from gpufeed._memory import pinning as _pinning
+from support.cuda_memory import at_rest
 
 Pair = namedtuple("Pair", ["x", "y"])
 
@@ -928,8 +929,8 @@ def test_cuda_gpufeed_dataloader_pinned_ring_end_to_end(
         pins.append(self.numel())
         return pin_memory(self, *args)
 
+    registered_start = at_rest()[0]
     monkeypatch.setattr(torch.Tensor, "pin_memory", counting_pin)
-    registered_start = _pinning.registered_bytes()
     batches, bs, width = 1100, 64, 256
     data = torch.randint(0, 1 << 20, (batches * bs, width), dtype=torch.int32)
     expected = data.view(batches, bs, width).sum((1, 2), dtype=torch.int64)
@@ -961,7 +962,11 @@ def test_cuda_gpufeed_dataloader_pinned_ring_end_to_end(
     assert registered > 0 and len(pins) - pins_then <= fallbacks * len(batch)
     del it, batch
     gc.collect()
-    assert _pinning.registered_bytes() == registered_start  # unregistered at the epoch's end
+    torch.cuda.synchronize()  # the last copies from the ring are done
+    assert _pinning.registered_bytes() > registered_start  # kept for the loader's next epoch
+    del loader
+    gc.collect()
+    assert _pinning.registered_bytes() == registered_start  # unregistered with its loader
 
 
 @pytest.mark.cuda

@@ -345,7 +345,6 @@ def test_cuda_pin_batch_and_pinned_memory_back_to_start() -> None:
     import gc
 
     torch.cuda.synchronize()
-    before = torch.cuda.host_memory_stats().get("active_bytes.current", 0)
     batch = (torch.zeros(1 << 20), {"y": torch.ones(4)}, "tag")
     pinned = _pinning.pin_batch(batch)
     assert _pinning.is_pinned(pinned[0]) and _pinning.is_pinned(pinned[1]["y"])
@@ -354,8 +353,13 @@ def test_cuda_pin_batch_and_pinned_memory_back_to_start() -> None:
     del pinned
     gc.collect()
     torch.cuda.synchronize()
-    torch.empty(1).pin_memory()  # lets the caching host allocator process freed blocks
-    assert torch.cuda.host_memory_stats().get("active_bytes.current", 0) <= before + 512
+    # Given back to torch's caching host allocator: a pinned tensor of the same size takes
+    # the freed block rather than a new cudaHostAlloc. (The allocator's active-bytes figure
+    # is not a measure: torch 2.11 reported 4 MiB still active, and a negative 'freed'.)
+    allocs = torch.cuda.host_memory_stats()["num_host_alloc"]
+    again = torch.zeros(1 << 20).pin_memory()
+    assert torch.cuda.host_memory_stats()["num_host_alloc"] == allocs
+    del again
 
 
 @pytest.mark.cuda

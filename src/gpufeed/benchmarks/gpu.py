@@ -86,8 +86,10 @@ def warm_up(
 
 
 def _ring_grows(loader: Any) -> Callable[[], int]:
+    """Slots a gpufeed loader's ring has carved so far; 0 for anything without a ring (the
+    stock loader, ``to_device`` over views, whose stats have no counters)."""
     stats = getattr(loader, "stats", None)
-    if stats is None:
+    if stats is None or not hasattr(stats(), "counters"):
         return lambda: 0
     return lambda: int(stats().counters.get("ring_grow", 0))
 
