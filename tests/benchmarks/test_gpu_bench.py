@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
+import pytest
 import torch
 
 import gpufeed
-from gpufeed.benchmarks.gpu import _ring_grows, warm_up
+from gpufeed.benchmarks.gpu import _ring_grows, loader_rates, warm_up
 
 
 def test_warm_up_runs_until_the_ring_stops_growing() -> None:
@@ -32,6 +35,8 @@ def test_warm_up_is_bounded_and_at_least_settle() -> None:
 
     assert warm_up(iter(range(100)), grow, lambda: state["now"], settle=2, cap=7) == 7
     assert warm_up(iter(range(100)), lambda b: None, lambda: 0, settle=4, cap=16) == 4
+    # least: every worker has had the chance to read every distinct batch first
+    assert warm_up(iter(range(100)), lambda b: None, lambda: 0, settle=4, cap=16, least=9) == 9
 
 
 def test_warm_up_reads_a_gpufeed_loaders_ring_counter() -> None:
@@ -49,3 +54,25 @@ def test_warm_up_reads_a_gpufeed_loaders_ring_counter() -> None:
     assert grows() == before
     it.close()  # type: ignore[attr-defined]
     assert _ring_grows(torch.utils.data.DataLoader(data))() == 0  # stock: no ring
+
+
+def test_to_device_has_no_ring_to_read() -> None:
+    """The GPU benchmark's row over a registered region times ``to_device``, whose stats
+    have no counters: reading them crashed ``gpufeed bench`` on every CUDA machine."""
+    it = gpufeed.to_device(iter([torch.zeros(2)] * 3), "cpu")
+    assert _ring_grows(it)() == 0
+    assert len(list(it)) == 3
+
+
+def test_loader_rows_run_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows (c) and (d) with their cycling sampler and warm-up, on CPU: both loaders give the
+    timed batches (the device stage runs with ``device="cpu"``)."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    data = torch.randint(0, 256, (8 * 4, 3, 8, 8), dtype=torch.uint8)
+    settings = {"batches": 12, "repeats": 1, "warmup_batches": 2, "num_workers": 2}
+    notes: list[str] = []
+    with warnings.catch_warnings():  # pin_memory=True without CUDA: both loaders say so
+        warnings.simplefilter("ignore", UserWarning)
+        rates = loader_rates(data, 4, torch.device("cpu"), settings, notes, lambda s: 12 / s)
+    assert not [n for n in notes if "not measured" in n], notes
+    assert rates["c_stock_dataloader_pin_memory"] > 0 and rates["d_gpufeed_dataloader"] > 0

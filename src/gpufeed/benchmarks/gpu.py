@@ -12,16 +12,22 @@ Host-to-device GB/s, one batch of ``batch_size`` uint8 3x224x224 images at a tim
 and the overlap of a synthetic step (``torch.cuda._sleep`` calibrated to T, the measured time
 of one copy) with that copy: a naive loop pays about 2T per step, ``to_device`` should pay T
 (target <= 1.05 T, start-up included). Targets for bandwidth: d >= 0.9 e (for the loader only
-when its workers gather faster than PCIe copies). Medians of ``repeats`` runs; every page of
-the data is touched before timing. Without CUDA it says so and exits with status 0, writing
-nothing.
+when its workers gather faster than PCIe copies). Medians of ``repeats`` runs. Without CUDA it
+says so and exits with status 0, writing nothing.
 
-Steady state: the loaders (c) and (d) read the same dataset (``gpufeed.ArrayDataset`` over the
-same tensor: one gather per batch for both). Each run warms up until gpufeed's ring has stopped
-growing (no slot carved, so nothing registered with ``cudaHostRegister``, for ``settle``
-batches in a row; at least ``warmup_batches``, at most 4x that), so registration and worker
-start-up stay outside the timed window; the stock loader gets as many warm-up batches. A ring
-that still grew inside the window is reported in ``notes``.
+Steady state: the data is ``DISTINCT`` batches (8: 308 MB at the defaults, more than a CPU's
+last-level cache), every page touched before timing, and each path reads them over and over.
+The loaders (c) and (d) read the same dataset (``gpufeed.ArrayDataset`` over that tensor: one
+gather per batch for both) through a sampler that cycles through it. A worker process maps
+each page of the parent's data on its first read of it (a page fault per 4 KiB, which the
+parent's touch does not save it): a fresh worker's first pass runs several times slower than
+a warm one (on CPU, two process workers: 3.1 against 17.9 GB/s), so the first GPU run (the data
+read once, 4 to 16 warm-up batches) measured that, not the copy path. Each run now warms up
+until every worker has had the chance to read every distinct batch (``DISTINCT`` batches per
+worker) and gpufeed's ring has stopped growing (no slot carved, so nothing registered with
+``cudaHostRegister``, for ``warmup_batches`` batches in a row; at most 4x the least), so page
+faults, registration and worker start-up stay outside the timed window; the stock loader gets
+as many warm-up batches. A ring that still grew inside the window is reported in ``notes``.
 """
 
 from __future__ import annotations
@@ -53,8 +59,9 @@ SCHEMA = "gpufeed-bench-gpu/1"
 IMAGE = (3, 224, 224)
 TARGET_D_OVER_E = 0.9
 TARGET_OVERLAP = 1.05
-PREFETCH_DEPTH = 2  # to_device depth in (d); the data holds this many extra batches
-WARMUP_CAP = 4  # warm-up runs until the ring stops growing, at most this x warmup_batches
+PREFETCH_DEPTH = 2  # to_device depth in (d)
+WARMUP_CAP = 4  # warm-up runs until the ring stops growing, at most this x its least length
+DISTINCT = 8  # distinct batches in the data, read over and over
 
 
 def _median_s(run: Callable[[], float], repeats: int) -> float:
@@ -71,12 +78,13 @@ def _timed(body: Callable[[], None]) -> float:
 
 def warm_up(
     it: Iterator[Any], consume: Callable[[Any], None], grows: Callable[[], int],
-    settle: int, cap: int,
+    settle: int, cap: int, least: int = 0,
 ) -> int:
     """Consume batches until ``grows()`` (slots carved so far) has not changed for ``settle``
-    batches in a row, at least ``settle`` and at most ``cap`` of them; return how many."""
+    batches in a row, at least ``max(settle, least)`` and at most ``cap`` of them; return how
+    many."""
     done, last, steady = 0, grows(), 0
-    while done < cap and (steady < settle or done < settle):
+    while done < cap and (steady < settle or done < max(settle, least)):
         consume(next(it))
         done += 1
         now = grows()
@@ -95,24 +103,24 @@ def _ring_grows(loader: Any) -> Callable[[], int]:
 
 
 def _loader_seconds(
-    loader: Iterable[Any], n: int, warmup: int | tuple[int, int], consume: Callable[[Any], None],
-    log: dict[str, int] | None = None,
+    loader: Iterable[Any], n: int, warmup: int | tuple[int, int, int],
+    consume: Callable[[Any], None], log: dict[str, int] | None = None,
 ) -> float:
     """Seconds for ``n`` batches of an iterable, after untimed warm-up batches.
 
-    ``warmup``: a count, or ``(settle, cap)`` for :func:`warm_up` (until a gpufeed loader's
-    ring stops growing). ``log`` receives the warm-up batches and the slots carved inside the
-    timed window. A prefetching iterable has copied ``PREFETCH_DEPTH`` batches ahead when the
-    clock starts (finished by the synchronize, so free) and copies as many beyond the last
-    timed batch before the clock stops: the source must hold ``cap + n + PREFETCH_DEPTH``
+    ``warmup``: a count, or ``(settle, cap, least)`` for :func:`warm_up` (until a gpufeed
+    loader's ring stops growing). ``log`` receives the warm-up batches and the slots carved
+    inside the timed window. A prefetching iterable has copied ``PREFETCH_DEPTH`` batches ahead
+    when the clock starts (finished by the synchronize, so free) and copies as many beyond the
+    last timed batch before the clock stops: the source must hold ``cap + n + PREFETCH_DEPTH``
     batches. The iterator is closed afterwards, so a gpufeed loader's page-locked ring and
     workers do not outlive their run.
     """
     grows = _ring_grows(loader)
-    settle, cap = (warmup, warmup) if isinstance(warmup, int) else warmup
+    settle, cap, least = (warmup, warmup, 0) if isinstance(warmup, int) else warmup
     it = iter(loader)
     try:
-        warmed = warm_up(it, consume, grows, settle, cap)
+        warmed = warm_up(it, consume, grows, settle, cap, least)
         before = grows()
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -133,10 +141,9 @@ def _loader_seconds(
 def _bandwidth(
     data: torch.Tensor, bs: int, dev: torch.device, s: dict[str, Any]
 ) -> dict[str, Any]:
-    n, reps, warm, workers = s["batches"], s["repeats"], s["warmup_batches"], s["num_workers"]
-    cap = warm * WARMUP_CAP
+    n, reps, warm = s["batches"], s["repeats"], s["warmup_batches"]
     nbytes = bs * data[0].numel()
-    views = [data[i * bs : (i + 1) * bs] for i in range(n + warm + PREFETCH_DEPTH)]
+    views = [data[i * bs : (i + 1) * bs] for i in range(len(data) // bs)]
     gbps: dict[str, Any] = {}
     notes: list[str] = []
 
@@ -151,50 +158,18 @@ def _bandwidth(
 
     def pageable() -> None:
         for i in range(n):  # each result is dropped at once: the allocator reuses its block
-            views[i].to(dev)
+            views[i % len(views)].to(dev)
 
     def pin_per_batch() -> None:
         for i in range(n):
-            views[i].pin_memory().to(dev, non_blocking=True)
+            views[i % len(views)].pin_memory().to(dev, non_blocking=True)
 
     for name, body in (("e_raw_pinned_copy", raw), ("a_pageable_to", pageable),
                        ("b_pin_memory_per_batch", pin_per_batch)):
         body()  # warm-up: allocator blocks, pinned cache
         gbps[name] = rate(_median_s(functools.partial(_timed, body), reps))
 
-    from torch.utils.data import DataLoader
-
-    import gpufeed
-
-    dataset = gpufeed.ArrayDataset(data)  # the same dataset (one gather per batch) for c and d
-    warmed: list[int] = []
-
-    def stock() -> float:
-        loader = DataLoader(dataset, batch_size=bs, num_workers=workers,
-                            pin_memory=True, persistent_workers=False)
-        count = max(warmed, default=warm)  # as many warm-up batches as gpufeed's ring needed
-        return _loader_seconds(loader, n, count, lambda b: b[0].to(dev, non_blocking=True))
-
-    gbps["c_stock_dataloader_pin_memory"] = None  # measured after d: its warm-up count
-    gbps["d_gpufeed_dataloader"] = None
-    try:
-        def ours() -> float:
-            loader = gpufeed.DataLoader(dataset, batch_size=bs,
-                                        num_workers=workers, pin_memory=True, device=dev,
-                                        device_depth=PREFETCH_DEPTH)
-            log: dict[str, int] = {}
-            seconds = _loader_seconds(loader, n, (warm, cap), lambda b: None, log)
-            warmed.append(log["warmup_batches"])
-            if log["grew_in_window"]:
-                notes.append(f"d: the ring still grew by {log['grew_in_window']} slot(s) in "
-                             f"the timed window after {log['warmup_batches']} warm-up batches")
-            return seconds
-
-        gbps["d_gpufeed_dataloader"] = rate(_median_s(ours, reps))
-    except Exception as exc:  # the core may be missing or fail: still report the rest
-        notes.append(f"d (gpufeed.DataLoader) not measured: {type(exc).__name__}: {exc}")
-        logger.warning("gpufeed.DataLoader run failed: %s", exc)
-    gbps["c_stock_dataloader_pin_memory"] = rate(_median_s(stock, reps))
+    gbps.update(loader_rates(data, bs, dev, s, notes, rate))
 
     gbps["d_to_device_pinned_region"] = None
     try:
@@ -204,7 +179,9 @@ def _bandwidth(
     else:
         try:
             def ring() -> float:
-                it = to_device(iter(views), dev, depth=PREFETCH_DEPTH)
+                total = warm + n + PREFETCH_DEPTH
+                it = to_device((views[i % len(views)] for i in range(total)), dev,
+                               depth=PREFETCH_DEPTH)
                 return _loader_seconds(it, n, warm, lambda b: None)
 
             gbps["d_to_device_pinned_region"] = rate(_median_s(ring, reps))
@@ -213,6 +190,53 @@ def _bandwidth(
     e = gbps["e_raw_pinned_copy"]
     ratios = {k: (v / e if v is not None else None) for k, v in gbps.items()}
     return {"gb_per_s": gbps, "over_raw": ratios, "batch_bytes": nbytes, "notes": notes}
+
+
+def loader_rates(
+    data: torch.Tensor, bs: int, dev: torch.device, s: dict[str, Any], notes: list[str],
+    rate: Callable[[float], float],
+) -> dict[str, float | None]:
+    """Rows (c) and (d): the stock loader and gpufeed's, each over ``data`` through a sampler
+    that cycles through it, warmed up as the module docstring says. Runs on CPU too
+    (``dev`` "cpu", where ``torch.cuda.synchronize`` is replaced): the tests do."""
+    from torch.utils.data import DataLoader
+
+    import gpufeed
+
+    n, reps, warm, workers = s["batches"], s["repeats"], s["warmup_batches"], s["num_workers"]
+    least = (len(data) // bs) * max(1, workers)  # each worker can have read every batch
+    cap = WARMUP_CAP * max(warm, least)
+    cycle = [i % len(data) for i in range((cap + n + PREFETCH_DEPTH + 1) * bs)]
+    dataset = gpufeed.ArrayDataset(data)  # the same dataset (one gather per batch) for c and d
+    warmed: list[int] = []
+    out: dict[str, float | None] = {"c_stock_dataloader_pin_memory": None,
+                                    "d_gpufeed_dataloader": None}
+
+    def stock() -> float:
+        loader = DataLoader(dataset, batch_size=bs, sampler=cycle, num_workers=workers,
+                            pin_memory=True, persistent_workers=False)
+        count = max(warmed, default=max(warm, least))  # as many as gpufeed's ring needed
+        return _loader_seconds(loader, n, count, lambda b: b[0].to(dev, non_blocking=True))
+
+    try:
+        def ours() -> float:
+            loader = gpufeed.DataLoader(dataset, batch_size=bs, sampler=cycle,
+                                        num_workers=workers, pin_memory=True, device=dev,
+                                        device_depth=PREFETCH_DEPTH)
+            log: dict[str, int] = {}
+            seconds = _loader_seconds(loader, n, (warm, cap, least), lambda b: None, log)
+            warmed.append(log["warmup_batches"])
+            if log["grew_in_window"]:
+                notes.append(f"d: the ring still grew by {log['grew_in_window']} slot(s) in "
+                             f"the timed window after {log['warmup_batches']} warm-up batches")
+            return seconds
+
+        out["d_gpufeed_dataloader"] = rate(_median_s(ours, reps))
+    except Exception as exc:  # the core may be missing or fail: still report the rest
+        notes.append(f"d (gpufeed.DataLoader) not measured: {type(exc).__name__}: {exc}")
+        logger.warning("gpufeed.DataLoader run failed: %s", exc)
+    out["c_stock_dataloader_pin_memory"] = rate(_median_s(stock, reps))
+    return out
 
 
 def _sleep_cycles_per_ms() -> float:
@@ -278,11 +302,12 @@ def run_gpu_benchmark(
     Args:
         out_path: JSON file to write (None: do not write). Nothing is written when skipped.
         batch_size: uint8 3x224x224 images per batch (256: 38.5 MB per batch).
-        batches: timed batches per run; host memory used is about
-            (batches + 4 x warmup_batches + 2) x batch bytes, plus pinned copies.
-        warmup_batches: untimed batches first (worker start-up, first page faults); the
-            gpufeed loader warms up until its ring stops growing for this many batches (at
-            most 4x as many), and the stock loader gets as many.
+        batches: timed batches per run; host memory used is ``DISTINCT`` (8) batches, plus
+            the loaders' rings and pinned copies.
+        warmup_batches: the gpufeed loader warms up until its ring has not grown for this
+            many batches, after at least ``DISTINCT`` batches per worker (worker start-up,
+            each worker's first page faults) and at most 4x that; the stock loader gets as
+            many. ``to_device`` over the registered region warms up this many batches.
         repeats: runs per figure; medians are reported. More is steadier, slower.
         num_workers: workers of the loaders (c) and (d); too few and the gather, not the
             copy, is measured.
@@ -300,8 +325,7 @@ def run_gpu_benchmark(
     env.update(gpu=torch.cuda.get_device_name(dev), cuda=torch.version.cuda,
                gpu_capability=list(torch.cuda.get_device_capability(dev)),
                gpu_count=torch.cuda.device_count())
-    total = batches + warmup_batches * WARMUP_CAP + PREFETCH_DEPTH  # see _loader_seconds
-    data = torch.empty((total * batch_size, *IMAGE), dtype=torch.uint8)
+    data = torch.empty((DISTINCT * batch_size, *IMAGE), dtype=torch.uint8)
     data.view(-1)[:: 4096].fill_(1)  # touch every page before timing
     bw = _bandwidth(data, batch_size, dev, settings)
     del data
