@@ -20,6 +20,12 @@ Cost, sampled: at most one task every ``CHECK_EVERY_S`` seconds per loader is ch
 torch's state, numpy's read in place, Python's ``getstate``); after ``CLEAN_CALLS`` calls seen
 drawing nothing, or once the loader has warned, nothing at all. The loop waits at least for the
 first batches of each epoch, so a dataset that draws on every sample is seen in its first.
+
+``numpy.random`` is imported with this module, in the thread that imports gpufeed: numpy 2
+imports it on first use, which here would be a thread worker's first fingerprint. A fork in
+another thread meanwhile (another loader starting process workers) would copy that import's
+module lock, held, into the child, whose first ``np.random`` then waits for good. Thread workers
+import nothing of gpufeed's own (tests/host/test_thread_imports.py).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
+import numpy.random  # numpy 2 imports it on first use: see the module docstring
 import torch
 
 from .._order.sample_rng import RandomStateWarning

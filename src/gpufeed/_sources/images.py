@@ -156,6 +156,7 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
                              is_valid_file=is_valid_file, allow_empty=allow_empty)
         self.files = PackedList(files)  # NOTE [ Copy-on-write and Python objects ]
         self.targets = np.asarray(labels, dtype=np.int64)
+        _pillow_ready()
 
     # -- torchvision's attributes ------------------------------------------------------------
     @property
@@ -317,8 +318,16 @@ def _complete(data: bytes) -> bool:
     return data.endswith(b"\xff\xd9") or b"\xff\xd9" in data[max(2048, len(data) - 1024):]
 
 
+def _pillow_ready() -> None:
+    """Import now, in the thread that builds the dataset, what Pillow's ``Image.open`` would
+    import at its first file (every plugin: about 70 ms, once per process). Done by a thread
+    worker, an import in flight while another thread forks (another loader starting process
+    workers) leaves its lock held in the child for good (see ``_host/random_watch.py``)."""
+    _pil().init()
+
+
 @functools.cache
 def _pil() -> Any:
-    """``PIL.Image``, imported once, at the first non-JPEG: the image extra is optional, so
-    the package imports without it (``ImageFolder`` checks for it)."""
+    """``PIL.Image``, imported once, when an ``ImageFolder`` is built: the image extra is
+    optional, so the package imports without it."""
     return require("PIL.Image", "gpufeed.ImageFolder")
