@@ -20,7 +20,11 @@ PROBE = textwrap.dedent('''
     import numpy as np, torch
     import gpufeed
 
-    root = sys.argv[1]
+    root, arrow, h5 = sys.argv[1], sys.argv[2] == "arrow", sys.argv[3]
+    if arrow:
+        import pyarrow
+    if h5:
+        import h5py
     seen = set()
 
     def hook(event, args):
@@ -46,6 +50,12 @@ PROBE = textwrap.dedent('''
     if root != "-":
         loaders += [loader(gpufeed.ImageFolder(root, size=16)),
                     loader(gpufeed.ImageFolder(root, size=16, crop="center"))]
+    if arrow:
+        import pyarrow as pa
+        table = pa.table({"ids": [[i] * (i % 5 + 1) for i in range(64)], "y": list(range(64))})
+        loaders.append(loader(gpufeed.ArrowDataset(table)))
+    if h5:
+        loaders.append(loader(gpufeed.HDF5Dataset(h5, keys=["x"])))
     for epoch in range(2):
         for each in loaders:
             for batch in each:
@@ -69,7 +79,15 @@ def _images(root: Path) -> str:
 
 
 def test_thread_workers_import_nothing(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-c", PROBE, _images(tmp_path / "images")],
+    arrow = "arrow" if importlib.util.find_spec("pyarrow") else "-"
+    h5 = ""
+    if importlib.util.find_spec("h5py"):
+        import h5py
+
+        h5 = str(tmp_path / "rows.h5")
+        with h5py.File(h5, "w") as f:
+            f["x"] = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+    out = subprocess.run([sys.executable, "-c", PROBE, _images(tmp_path / "images"), arrow, h5],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
