@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.utils.data as tud
+from torch.utils.data.distributed import DistributedSampler
 
 import gpufeed
 from support.fakes import CountingDataset
@@ -216,13 +217,19 @@ def test_loader_rebuilt_by_lightning_keeps_sizing_its_work_ahead():
 
 def _torchrun(mode: str, out: Path, timeout: float = 150,
               script: str = "lightning_ddp.py") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
     modes = [mode] if mode else []
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
             "--monitor-interval=0.5", str(TESTS / "support" / script), *modes, str(out)]
-    # its own session, so that a timeout ends torchrun's workers too, not only torchrun
+    return _run(args, out, timeout, f"torchrun {mode}")
+
+
+def _run(args: list[str], out: Path, timeout: float, what: str
+         ) -> subprocess.CompletedProcess[str]:
+    """``args`` in ``out`` with ``src`` and ``tests`` importable, in a session of its own, so
+    that a timeout ends the processes it started too."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
     with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=env, cwd=out, start_new_session=True) as proc:
         try:
@@ -230,7 +237,7 @@ def _torchrun(mode: str, out: Path, timeout: float = 150,
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
-            pytest.fail(f"torchrun {mode} did not finish in {timeout} s:\n{stderr[-3000:]}")
+            pytest.fail(f"{what} did not finish in {timeout} s:\n{stderr[-3000:]}")
     return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
 
 
@@ -260,6 +267,35 @@ def test_lightning_ddp_refuses_rank_0s_state_where_it_depends_on_the_rank(tmp_pa
     assert "this loader is rank 1 but the state was saved by rank 0" in message
     assert "iterable dataset's per-worker stream positions" in message
     assert not (tmp_path / "rank0.error").exists()  # rank 0 loads its own state
+
+
+@pytest.mark.slow
+def test_lightning_ddp_spawn_pickles_and_rebuilds_the_loaders(tmp_path):
+    """``ddp_spawn`` on 2 processes, loaders built before ``fit``: each process gets gpufeed
+    loaders (pickled, then rebuilt with Lightning's ``DistributedSampler``) whose batches are
+    the sampler's, as the stock loader's are: train shuffled per epoch, validation in order."""
+    pytest.importorskip("lightning")
+    script = str(TESTS / "support" / "lightning_spawn.py")
+    done = _run([sys.executable, script, str(tmp_path), "process"], tmp_path, 150, "ddp_spawn")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["classes"] == ["gpufeed._loader.DataLoader"] * 2
+        assert result["worker_types"] == ["process"] * 2
+        assert result["samplers"] == ["DistributedSampler"] * 2
+
+        assert result["train"] == _shard(rank, True, 0) + _shard(rank, True, 1), rank
+        assert result["val"] == _shard(rank, False, 0) * 2, rank
+
+
+def _shard(rank: int, shuffle: bool, epoch: int) -> list[list[int]]:
+    """Rank ``rank``'s batches of lightning_spawn.py's data under a ``DistributedSampler``."""
+    from support.lightning_spawn import BATCH, N
+
+    sampler = DistributedSampler(range(N), num_replicas=2, rank=rank, shuffle=shuffle)
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    return [order[k:k + BATCH] for k in range(0, len(order), BATCH)]
 
 
 # -- Accelerate ------------------------------------------------------------------------------

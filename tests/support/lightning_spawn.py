@@ -1,0 +1,73 @@
+"""Support script for tests/integration/test_frameworks.py (not a test module): Lightning's
+``ddp_spawn`` on two CPU processes with gpufeed loaders built before ``fit``, so Lightning
+pickles them to the processes it spawns and rebuilds them there with a ``DistributedSampler``.
+
+``python lightning_spawn.py OUT WORKER_TYPE``: 2 epochs; each rank writes the sample numbers
+of its training and validation batches, and the class and worker type of the loaders it got,
+to ``OUT/rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+warnings.simplefilter("ignore")  # Lightning's advice about workers, loggers, ...
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+
+import gpufeed  # noqa: E402
+from support.frameworks import Pairs  # noqa: E402
+
+N, BATCH = 36, 4  # 18 samples a rank: 5 batches, the last of 2
+
+
+class Recorder(pl.LightningModule):
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.out = out
+        self.seen: dict[str, list[list[int]]] = {"train": [], "val": []}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.seen["train"].append([int(v) for v in x.flatten().tolist()])
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.seen["val"].append([int(v) for v in batch[0].flatten().tolist()])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def on_train_end(self) -> None:
+        loaders = [self.trainer.train_dataloader, self.trainer.val_dataloaders]
+        result = dict(self.seen, rank=self.global_rank,
+                      classes=[type(d).__module__ + "." + type(d).__name__ for d in loaders],
+                      worker_types=[getattr(d, "worker_type", None) for d in loaders],
+                      samplers=[type(d.sampler).__name__ for d in loaders])
+        Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(result))
+
+
+def main(out: str, worker_type: str) -> None:
+    def loader(shuffle: bool) -> gpufeed.DataLoader:
+        return gpufeed.DataLoader(Pairs(N), batch_size=BATCH, shuffle=shuffle, num_workers=2,
+                                  worker_type=worker_type)
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+        default_root_dir=out,
+        strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo",
+                             timeout=timedelta(seconds=60)))
+    trainer.fit(Recorder(out), loader(True), loader(False))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
