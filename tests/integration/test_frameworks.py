@@ -324,8 +324,9 @@ def test_accelerate_prepare_warns_and_the_documented_pattern_keeps_gpufeed():
     accelerator = accelerate.Accelerator(cpu=True)
     loader = gpufeed.DataLoader(Pairs(N), batch_size=BATCH, shuffle=True, seed=4,
                                 num_workers=1, worker_type="thread")
-    with pytest.warns(UserWarning, match=r"accelerator.prepare\(loader\) rebuilds"):
+    with pytest.warns(UserWarning, match=r"accelerator.prepare\(loader\) rebuilds") as caught:
         prepared = accelerator.prepare(loader)
+    assert caught[0].filename == __file__  # the user's line, not Accelerate's
     assert not isinstance(prepared.base_dataloader, gpufeed.DataLoader)  # what it warned of
 
     # the pattern: built after Accelerator(), on its device, not passed to prepare

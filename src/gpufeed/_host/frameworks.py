@@ -10,6 +10,7 @@ Tested in ``tests/integration/test_frameworks.py``.
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 __all__ = ["DefaultPrefetch", "before_prepare"]
@@ -52,5 +53,15 @@ def before_prepare(rank: int, world_size: int, iterable: bool) -> None:
         "and state_dict are dropped. To keep them, build the gpufeed loader after Accelerator() "
         "with seed= (it then shards by rank itself) and device=accelerator.device, and do not "
         "pass it to prepare()",
-        stacklevel=4,
+        stacklevel=_user_level(),
     )
+
+
+def _user_level() -> int:
+    """``stacklevel`` of the first frame above the caller outside gpufeed and Accelerate: the
+    user's ``prepare`` call, however many of Accelerate's own calls lead to the loader."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in (
+            "gpufeed", "accelerate"):
+        frame, level = frame.f_back, level + 1
+    return level
