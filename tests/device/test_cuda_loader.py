@@ -68,9 +68,9 @@ def _same(ours: list[dict[str, Any]], stock: list[dict[str, Any]]) -> None:
 
 
 def _given_back(start: tuple[int, int]) -> None:
-    """After the test dropped its batches and iterators, let the GPU finish, and then its
-    loader: every registered page and every device byte is given back with it (no wait for
-    a later ring to reap them)."""
+    """Called once the test dropped its batches, its iterator and then (the GPU done with
+    them) its loader: every registered page and device byte is back where the test started,
+    with no later ring needed to reap them."""
     gc.collect()
     torch.cuda.synchronize()
     gc.collect()
