@@ -226,32 +226,17 @@ def test_cuda_slots_bound_late_stay_intact_under_non_blocking_copies() -> None:
 @pytest.mark.parametrize("device", [None, "cuda"])
 def test_cuda_lightning_trains_on_the_stock_loaders_batches(device: str | None,
                                                             tmp_path: Path) -> None:
-    pl = pytest.importorskip("lightning.pytorch")
-    from support.frameworks import Pairs
+    pytest.importorskip("lightning")
+    from support.frameworks import Pairs, lightning_module, trainer
 
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(1, 1)
-            self.seen: list[list[int]] = []
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            assert x.is_cuda
-            self.seen.append([int(v) for v in x.flatten().tolist()])
-            return torch.nn.functional.mse_loss(self.layer(x), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=1e-3)
+    def on_cuda(batch: Any) -> None:
+        assert batch[0].is_cuda
 
     def fit(loader: Any) -> list[list[int]]:
-        module = Tiny()
-        trainer = pl.Trainer(accelerator="gpu", devices=1, max_epochs=2, logger=False,
-                             enable_progress_bar=False, enable_model_summary=False,
-                             enable_checkpointing=False, default_root_dir=tmp_path)
+        module = lightning_module(on_batch=on_cuda)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer.fit(module, loader)
+            trainer(tmp_path, epochs=2, accelerator="gpu", devices=1).fit(module, loader)
         return module.seen
 
     stock = fit(tud.DataLoader(Pairs(64), batch_size=4, shuffle=True, num_workers=2,

@@ -76,8 +76,9 @@ class PythonRandomSampler(Sampler[int]):
         return iter(order)
 
 
-def lightning_module(loader_factory: Any = None) -> Any:
-    """A one-weight regression whose ``seen`` lists each training batch's sample numbers."""
+def lightning_module(loader_factory: Any = None, on_batch: Any = None) -> Any:
+    """A one-weight regression whose ``seen`` lists each training batch's sample numbers;
+    ``on_batch(batch)``, if given, is called on each (to check it)."""
     import lightning.pytorch as pl
 
     class Tiny(pl.LightningModule):
@@ -88,6 +89,8 @@ def lightning_module(loader_factory: Any = None) -> Any:
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
+            if on_batch is not None:
+                on_batch(batch)
             self.seen.append([int(v) for v in x.flatten().tolist()])
             return torch.nn.functional.mse_loss(self.layer(x), y)
 
@@ -102,8 +105,10 @@ def lightning_module(loader_factory: Any = None) -> Any:
     return Tiny()
 
 
-def trainer(root: Path, *, epochs: int, every: int | None = None, **kwargs: Any) -> Any:
-    """A quiet CPU Trainer; ``every``: a ModelCheckpoint every that many steps, all kept."""
+def trainer(root: Path, *, epochs: int, every: int | None = None, accelerator: str = "cpu",
+            **kwargs: Any) -> Any:
+    """A quiet Trainer (on the CPU unless told); ``every``: a ModelCheckpoint every that many
+    steps, all kept."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -112,7 +117,7 @@ def trainer(root: Path, *, epochs: int, every: int | None = None, **kwargs: Any)
         callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=every,
                                          save_top_k=-1, filename="{epoch}-{step}"))
     return pl.Trainer(
-        accelerator="cpu", max_epochs=epochs, logger=False, enable_progress_bar=False,
+        accelerator=accelerator, max_epochs=epochs, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=every is not None,
         callbacks=callbacks, num_sanity_val_steps=0, default_root_dir=root, **kwargs,
     )
