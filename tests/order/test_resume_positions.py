@@ -143,3 +143,32 @@ def test_the_usual_resume_loop_that_sets_each_epoch_continues_the_run(kind, work
         fresh = make()
         fresh.load_state_dict(state)
         assert epochs(fresh, 1, seen) == run, (kind, taken)
+
+
+@pytest.mark.parametrize("workers", ["main", "threads-persistent"])
+@pytest.mark.parametrize("kind", SET_EPOCH)
+def test_a_state_taken_once_the_epoch_ran_out_belongs_to_the_next_epoch(kind, workers):
+    """The README's rule for a state taken after ``for batch in loader`` is over: restarting at
+    the next epoch continues the run; setting the saved epoch again replays it whole."""
+    options, set_epoch = SET_EPOCH[kind]
+
+    def make():
+        return gpufeed.DataLoader(list(range(N + 1)), batch_size=2, **options(),
+                                  **WORKERS[workers])
+
+    def epoch(loader, e):
+        set_epoch(loader, e)
+        return [_plain(b) for b in loader]
+
+    reference = make()
+    run = [epoch(reference, e) for e in range(3)]
+    loader = make()
+    for e in range(2):
+        assert epoch(loader, e) == run[e]
+    state = loader.state_dict()  # epoch 1's iterator has run out
+    fresh = make()
+    fresh.load_state_dict(state)
+    assert epoch(fresh, 2) == run[2], kind
+    again = make()
+    again.load_state_dict(state)
+    assert epoch(again, 1) == run[1], kind
