@@ -29,10 +29,10 @@ from ._order.sampler import (
 )
 from ._order.seeding import sample_seed
 from ._sources.arrays import ArrayDataset
-from ._sources.arrow import ArrowDataset
 from ._sources.hdf5 import HDF5Dataset
 from ._sources.images import ImageFolder
 from ._sources.packed import CopyOnWriteWarning, PackedList
+from ._sources.padded import ArrowDataset
 from ._tools.doctor import DoctorReport, Finding, diagnose
 from ._tools.profiler import Profiler, ProfileReport, profile
 from ._tools.trace import Trace, trace

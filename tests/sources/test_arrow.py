@@ -16,7 +16,7 @@ pa = pytest.importorskip("pyarrow")
 
 
 def assert_equal(want, got):
-    assert type(want) is type(got) or (isinstance(want, str) and isinstance(got, str))
+    assert type(want) is type(got)  # str and numpy.str_ too (numpy format gives numpy.str_)
     if isinstance(want, torch.Tensor):
         assert want.dtype == got.dtype and want.shape == got.shape and torch.equal(want, got)
     elif isinstance(want, dict):
@@ -61,6 +61,53 @@ def test_batches_equal_the_stock_loader(fmt):
     fetcher.fetch(ORDER[:8], None)
     assert isinstance(fetcher.source, ArrowSource) and not fetcher.source.stock_only
     assert fetcher.source.plan["x"][0] == ("columns" if fmt is None else "tensor")
+
+
+def _stock_and_gpufeed(data, **options):
+    """What the stock loader and gpufeed's (0, 2 process, 2 thread workers) give or raise."""
+    def run(make, **extra):
+        try:
+            return list(make(data, **options, **extra))
+        except Exception as exc:  # compared below: its type and last line
+            return type(exc), str(exc).splitlines()[-1]
+    return run(DataLoader), [run(gpufeed.DataLoader, num_workers=nw, worker_type=wt)
+                             for nw, wt in ((0, "process"), (2, "process"), (2, "thread"))]
+
+
+def test_a_format_dtype_numpy_lacks_keeps_the_fast_path():
+    ds = make().with_format("torch", dtype=torch.bfloat16)  # numpy has no bfloat16
+    want, gots = _stock_and_gpufeed(ds, batch_size=8, sampler=ORDER)
+    assert want[0]["x"].dtype == torch.bfloat16
+    for got in gots:
+        assert_equal(want, got)
+    source = ArrowSource(ds, hf=True)
+    source.batch(np.arange(8), None)
+    assert not source.stock_only and source.plan["x"] == ("tensor", torch.bfloat16)
+
+
+def test_integers_the_batch_dtype_cannot_hold_are_never_wrapped():
+    """uint64 above int64's range: the stock loader raises (torch.tensor of a Python int);
+    so does gpufeed, where a cast would have wrapped the values to negative numbers."""
+    big = datasets.Dataset(datasets.table.InMemoryTable(pa.table(
+        {"u": pa.array([1, 2, 2**63 + 5, 2**64 - 1], pa.uint64())})))
+    want, gots = _stock_and_gpufeed(big, batch_size=4)
+    assert want[0] is ValueError
+    for got in gots:
+        assert got[0] is ValueError and got[1].endswith(want[1]), got
+    small = big.select([0, 1])  # in range: the fast path, stock's values
+    want, gots = _stock_and_gpufeed(small, batch_size=2)
+    for got in gots:
+        assert_equal(want, got)
+
+
+def test_an_index_out_of_range_raises_the_datasets_own_error():
+    ds = make(10)
+    want, gots = _stock_and_gpufeed(ds, batch_size=3, sampler=[0, 1, 12])
+    assert want[0] is IndexError and "12" in want[1]
+    for got in gots:
+        assert got[0] is IndexError and got[1].endswith(want[1]), got
+    with pytest.raises(IndexError, match="index 12 is out of range for a table of 10 rows"):
+        list(gpufeed.DataLoader(ds.data.table, batch_size=3, sampler=[0, 1, 12]))
 
 
 def test_a_selected_and_shuffled_dataset_keeps_its_row_mapping():

@@ -4,33 +4,36 @@ NOTE [ Arrow batches ]: the stock loader turns each row into Python objects (a d
 ints and strings), then ``default_collate`` turns them back into tensors. Here a batch is one
 ``take`` of its rows from the Arrow table; each numeric column (and each list column whose rows
 have one length) becomes one numpy array written straight into the slot, strings a list of
-``str``. What the stock path makes of a column depends on the dataset's format (``None``:
-a list column becomes a *list* of per-position tensors, float64; ``"numpy"``: float64 scalars
-become float32; ...), so for a ``datasets.Dataset`` the first batch is also fetched the stock
-way on two rows and each column's fast result is checked against it, dtype and layout
-included; a column that does not match exactly (nested features, images, nulls, a custom
-transform) sends every batch down the stock path. A batch whose list rows differ in length
-also goes the stock way (which raises as the stock loader does). A ``pyarrow.Table`` has no
-stock meaning: its batch is ``{column: tensor}`` in Arrow's own dtypes (lists of one length:
-``(B, L)``), strings and other columns as lists of Python values, each column's form decided
-once on the whole table (a null anywhere in a column, or list rows of different lengths
-anywhere, make it Python values in every batch), so that no column is a tensor in one batch
-and a list in the next. Negative indices count from the end, as ``dataset[i]`` counts them.
+``str`` (``numpy.str_`` where the format gives those: ``"numpy"``). What the stock path makes
+of a column depends on the dataset's format (``None``: a list column becomes a *list* of
+per-position tensors, float64; ``"numpy"``: float64 scalars become float32; ...), so for a
+``datasets.Dataset`` the first batch is also fetched the stock way on two rows and each
+column's fast result is checked against it, dtype and layout included; a column that does not
+match exactly (nested features, images, nulls, a custom transform) sends every batch down the
+stock path. A batch whose integers the column's dtype cannot hold (uint64 above int64's range)
+goes the stock way too, rather than being wrapped by a cast; so does one with an index out of
+range, for the dataset's own IndexError. A batch whose list rows differ in length also goes the
+stock way (which raises as the stock loader does). A ``pyarrow.Table`` has no stock meaning:
+its batch is ``{column: tensor}`` in Arrow's own dtypes (lists of one length: ``(B, L)``),
+strings and other columns as lists of Python values, each column's form decided once on the
+whole table (a null anywhere in a column, or list rows of different lengths anywhere, make it
+Python values in every batch), so that no column is a tensor in one batch and a list in the
+next. Negative indices count from the end, as ``dataset[i]`` counts them.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import default_collate
 
 from .arrays import Alloc, allocate, torch_dtype
-from .describe import dataset_repr
-from .protocol import index_array, require, wrap_indices
+from .protocol import index_array, wrap_indices
 
 _FAST_FORMATS = (None, "numpy", "torch", "np", "pt")
 
@@ -78,6 +81,12 @@ class ArrowSource:
 
     def batch(self, idx: np.ndarray, alloc: Alloc | None) -> Any:
         """The batch of rows ``idx`` (an index array), its tensors from ``alloc``."""
+        n = len(self.dataset)
+        if len(idx) and (idx.max() >= n or idx.min() < -n):  # Arrow's take would name it
+            if self.hf:  # in its own words: the dataset's IndexError, as the stock loader
+                return default_collate(self.dataset.__getitems__(idx.tolist()))
+            bad = int(idx.max()) if idx.max() >= n else int(idx.min())
+            raise IndexError(f"index {bad} is out of range for a table of {n} rows")
         if self.plan is None:
             self.plan = self._calibrate(idx[:2])
         if self.stock_only:
@@ -109,12 +118,16 @@ class ArrowSource:
             elif isinstance(stock, list) and stock and all(
                     isinstance(t, torch.Tensor) and t.dim() == 1 for t in stock):
                 plan[name] = ("columns", stock[0].dtype)
-            elif isinstance(stock, list) and all(isinstance(s, str) for s in stock):
-                plan[name] = ("str", None)
+            elif isinstance(stock, list) and stock and all(
+                    type(s) is type(stock[0]) for s in stock) and type(stock[0]) in (str, np.str_):
+                plan[name] = ("str", type(stock[0]))  # numpy's format gives numpy.str_
             else:
                 self.stock_only = True
                 return plan
-            got = _column(rows.column(name), plan[name], None)
+            try:
+                got = _column(rows.column(name), plan[name], None)
+            except (TypeError, ValueError, RuntimeError):  # a dtype numpy cannot hold, ...
+                got = None
             if got is None or not _same(stock, got):
                 self.stock_only = True
                 return plan
@@ -160,9 +173,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, list):
         return isinstance(b, list) and len(a) == len(b) and all(
             _same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, str):  # numpy's str_ is a str: equal, and what users compare
-        return isinstance(b, str) and a == b
-    return bool(type(a) is type(b) and a == b)
+    return bool(type(a) is type(b) and a == b)  # str and numpy.str_ too: as stock gives it
 
 
 def _column(col: Any, plan: Any, alloc: Alloc | None) -> Any:
@@ -173,14 +184,17 @@ def _column(col: Any, plan: Any, alloc: Alloc | None) -> Any:
     if kind == "pylist":
         return col.to_pylist()
     if kind == "str" or (kind is None and pa.types.is_string(col.type)):
-        return col.to_pylist() if col.null_count == 0 else None  # already str values
+        if col.null_count:
+            return None
+        values = col.to_pylist()  # str values
+        return values if dtype in (None, str) else list(map(dtype, values))
     if col.null_count:
         return None
     typ = col.type
     if pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_boolean(typ):
         arr = col.to_numpy()
     elif (pa.types.is_list(typ) or pa.types.is_large_list(typ)
-          or pa.types.is_fixed_size_list(typ)) and _numeric(typ.value_type):
+          or pa.types.is_fixed_size_list(typ)) and numeric_type(typ.value_type):
         flat = col.combine_chunks()
         lengths = pa.compute.list_value_length(flat).to_numpy(zero_copy_only=False)
         if len(lengths) and (lengths != lengths[0]).any():
@@ -193,15 +207,54 @@ def _column(col: Any, plan: Any, alloc: Alloc | None) -> Any:
         return None if plan is not None else col.to_pylist()
     if dtype is None:
         dtype = torch_dtype(arr.dtype)
+    elif not _fits(arr, dtype):  # e.g. uint64 above int64's range: never wrapped silently,
+        return None  # the stock path decides (it raises, as the stock loader does)
     if kind == "columns":
         if arr.ndim != 2:
             return None
         dst = allocate(alloc, (arr.shape[1], arr.shape[0]), dtype)
-        np.copyto(dst.numpy(), arr.T, casting="unsafe")
+        _copy(dst, arr.T)
         return list(dst)
     dst = allocate(alloc, arr.shape, dtype)
-    np.copyto(dst.numpy(), arr, casting="unsafe")
+    _copy(dst, arr)
     return dst
+
+
+def _fits(arr: np.ndarray, dtype: torch.dtype) -> bool:
+    """Whether integers ``arr`` keep their values as ``dtype`` (True for other kinds: a float
+    cast rounds as the stock path's does; ``_calibrate`` compares the first rows)."""
+    if arr.dtype.kind not in "iu" or dtype.is_floating_point or dtype.is_complex \
+            or dtype == torch.bool or not arr.size:
+        return True
+    low, high = _int_range(dtype)
+    if _holds(arr.dtype, dtype):
+        return True
+    return bool(low <= int(arr.min()) and int(arr.max()) <= high)
+
+
+@functools.cache
+def _int_range(dtype: torch.dtype) -> tuple[int, int]:
+    info = torch.iinfo(dtype)
+    return info.min, info.max
+
+
+@functools.cache
+def _holds(source: np.dtype, dtype: torch.dtype) -> bool:
+    """Whether every value of integer dtype ``source`` fits integer ``dtype``."""
+    low, high = _int_range(dtype)
+    info = np.iinfo(source)
+    return bool(low <= info.min and info.max <= high)
+
+
+def _copy(dst: torch.Tensor, arr: np.ndarray) -> None:
+    """``arr`` into ``dst``, cast to its dtype (torch's cast for dtypes numpy lacks:
+    bfloat16, float8, ...)."""
+    try:
+        out = dst.numpy()
+    except TypeError:
+        dst.copy_(torch.from_numpy(np.array(arr)))  # a copy: Arrow's are read-only
+        return
+    np.copyto(out, arr, casting="unsafe")
 
 
 def _table_plan(table: Any) -> dict[str, Any]:
@@ -227,160 +280,8 @@ def _table_plan(table: Any) -> dict[str, Any]:
     return plan
 
 
-def _numeric(typ: Any) -> bool:
+def numeric_type(typ: Any) -> bool:
     import pyarrow as pa
 
     return bool(pa.types.is_integer(typ) or pa.types.is_floating(typ)
                 or pa.types.is_boolean(typ))
-
-
-class ArrowDataset(Dataset[Any]):
-    """A ``datasets.Dataset`` or ``pyarrow.Table`` whose variable-length list columns are
-    padded per batch.
-
-    ``dataset[i]`` and a user's ``collate_fn`` see the rows as the data gives them. With the
-    default collate, each column named in ``pad`` comes as a ``(B, longest row in the batch)``
-    tensor filled with its pad value, plus ``"<name>_length"`` (int64 row lengths), after the
-    other columns, which are batched as ``gpufeed.DataLoader(data)`` batches them (NOTE [ Arrow
-    batches ]). Needs ``pip install 'gpufeed[arrow]'``.
-
-    Dtypes are those of the data's own format: for a ``datasets.Dataset`` a padded column
-    has the dtype its format gives one row's list (``with_format("torch")``, ``"numpy"`` and
-    none alike in ``datasets`` 2-5: integers int64, floats float32, booleans bool; read from
-    the format on the first batch), so ``input_ids`` stored as int32 arrive as int64, as
-    language-model losses expect; the other columns are batched as the stock loader batches
-    them. A ``pyarrow.Table`` keeps Arrow's dtypes (it has no format).
-
-    Args:
-        data: a ``datasets.Dataset`` (format none, numpy or torch) or a ``pyarrow.Table``.
-        pad: ``{column: pad value}`` for list-of-number columns, e.g. ``{"input_ids": 0}``.
-            A null row is padded whole (length 0); a null inside a row, or a pad value the
-            column's dtype cannot hold exactly, is a ValueError naming it.
-    """
-
-    def __init__(self, data: Any, *, pad: dict[str, Any] | None = None) -> None:
-        pa = require("pyarrow", "gpufeed.ArrowDataset")
-        self.data = data
-        self.pad = dict(pad or {})
-        hf = sys.modules.get("datasets")
-        self.hf = hf is not None and isinstance(data, hf.Dataset)
-        if not self.hf and not isinstance(data, pa.Table):
-            raise TypeError(f"ArrowDataset takes a datasets.Dataset or a pyarrow.Table, got "
-                            f"{type(data).__name__}")
-        names = data.column_names
-        missing = [c for c in self.pad if c not in names]
-        if missing:
-            raise ValueError(f"pad names columns {missing} that the data lacks; it has {names}")
-        for c in self.pad:
-            typ = (data.data if self.hf else data).schema.field(c).type
-            if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)
-                    or pa.types.is_fixed_size_list(typ)) or not _numeric(typ.value_type):
-                raise TypeError(f"pad column {c!r} is {typ}, not a list of numbers")
-        if self.hf:
-            self._rest = data.remove_columns(list(self.pad)) if self.pad else data
-            self._padded = data.with_format("arrow", columns=list(self.pad))
-        else:
-            self._rest = data.drop_columns(list(self.pad))
-            self._padded = data.select(list(self.pad))
-        self._source: ArrowSource | None = None
-        self._pad_dtypes: dict[str, torch.dtype] = {}
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __repr__(self) -> str:
-        kind = "datasets.Dataset" if self.hf else "pyarrow.Table"
-        fmt = f", format {self.data.format.get('type')}" if self.hf else ""
-        pads = ", ".join(f"{c} (pad {v!r})" for c, v in self.pad.items()) or "none"
-        return dataset_repr(self, len(self), None, [
-            f"Data: {kind}{fmt}, columns {list(self.data.column_names)}",
-            f"Padded per batch: {pads}"])
-
-    def __getitem__(self, index: int) -> Any:
-        return self.gpufeed_samples([index], seed=None, epoch=0)[0]
-
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        return self.gpufeed_samples(indices, seed=None, epoch=0)
-
-    def gpufeed_samples(self, indices: Sequence[int], *, seed: int | None, epoch: int) -> Any:
-        return samples(self.data, index_array(indices), hf=self.hf)
-
-    def gpufeed_batch(self, indices: Sequence[int], *, seed: int | None, epoch: int,
-                      alloc: Any) -> Any:
-        idx = index_array(indices)
-        idx = wrap_indices(idx, len(self))  # counted from the end, as dataset[i] counts
-        if self._source is None:
-            self._source = ArrowSource(self._rest, hf=self.hf)
-        out = dict(self._source.batch(idx, alloc)) if self._rest.num_columns else {}
-        rows = self._padded[idx.tolist()] if self.hf else self._padded.take(idx)
-        for name, value in self.pad.items():
-            col = rows.column(name).combine_chunks()
-            lengths = pa_lengths(col)
-            values = col.flatten()
-            if values.null_count:
-                raise self._hole(name, idx, lengths, values)
-            flat = values.to_numpy(zero_copy_only=False)
-            width = int(lengths.max()) if len(lengths) else 0
-            if name not in self._pad_dtypes:
-                self._pad_dtypes[name] = self._checked_pad(
-                    name, self._pad_dtype(name, col.type.value_type) if self.hf
-                    else torch_dtype(np.dtype(col.type.value_type.to_pandas_dtype())))
-            dst = allocate(alloc, (len(idx), width), self._pad_dtypes[name])
-            arr = dst.numpy()
-            arr.fill(value)
-            starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-            arr[np.repeat(np.arange(len(idx)), lengths), np.arange(len(flat)) - starts] = flat
-            n = allocate(alloc, (len(idx),), torch.int64)
-            n.numpy()[:] = lengths
-            out[name], out[f"{name}_length"] = dst, n
-        return out
-
-    @staticmethod
-    def _hole(name: str, idx: np.ndarray, lengths: np.ndarray, values: Any) -> ValueError:
-        """The error for a null inside a row of padded column ``name``."""
-        import pyarrow as pa
-
-        at = int(pa.compute.index(pa.compute.is_null(values), True).as_py())
-        row = int(idx[np.searchsorted(np.cumsum(lengths), at, side="right")])
-        return ValueError(
-            f"ArrowDataset: row {row} of column {name!r} holds a null inside its list; padding "
-            "fills the end of short rows, not holes. Fill the nulls first (e.g. "
-            "dataset.map, or pyarrow.compute.fill_null on the flattened column)")
-
-    def _checked_pad(self, name: str, dtype: torch.dtype) -> torch.dtype:
-        """``dtype``, once the pad value of column ``name`` was found to fit it exactly."""
-        value = self.pad[name]
-        ok = isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating))
-        if ok and dtype == torch.bool:
-            ok = value in (0, 1)
-        elif ok and not dtype.is_floating_point:
-            info = torch.iinfo(dtype)
-            ok = float(value).is_integer() and info.min <= value <= info.max
-        if not ok:
-            raise ValueError(f"ArrowDataset: pad value {value!r} of column {name!r} does not fit "
-                             f"its dtype {dtype}; give a value of that dtype, e.g. 0")
-        return dtype
-
-    def _pad_dtype(self, name: str, value_type: Any) -> torch.dtype:
-        """The dtype a ``datasets.Dataset``'s own format gives a row of column ``name`` (a
-        list of ``value_type``): its tensor's or array's, or for a Python list what
-        ``torch.tensor`` makes of it (int64, float32, bool)."""
-        import pyarrow as pa
-
-        row = self.data.__getitems__([0])[0] if len(self.data) else {}  # as the stock loader
-        value = row.get(name) if isinstance(row, dict) else None
-        if isinstance(value, torch.Tensor):
-            return value.dtype
-        if isinstance(value, np.ndarray):
-            return torch_dtype(value.dtype)
-        if pa.types.is_boolean(value_type):
-            return torch.bool
-        return torch.float32 if pa.types.is_floating(value_type) else torch.int64
-
-
-def pa_lengths(col: Any) -> np.ndarray:
-    """Row lengths of a list array (null rows count as empty)."""
-    import pyarrow as pa
-
-    return np.asarray(pa.compute.fill_null(pa.compute.list_value_length(col), 0)
-                      .to_numpy(zero_copy_only=False), dtype=np.int64)
