@@ -1,0 +1,205 @@
+"""What a loader's hand-off could cost at best: ``python -m gpufeed.benchmarks.handoff``.
+
+NOTE [ Hand-off bound ]
+-----------------------
+The CPU benchmark grades each loader against the no-loader ceiling (NOTE [ No-loader ceiling ]
+in ``benchmarks/ceiling.py``). On cheap batches (tabular) gpufeed reaches about half of it,
+and the question is whether the rest is out of reach on two cores (a consuming main process
+competes with two workers) or is the loader's own cost. This tool answers it by measuring
+an idealised loader with the same workers, the same batches and the same gather, next to the
+ceiling and ``gpufeed.DataLoader``, alternating, in one process:
+
+- ``workers`` forked processes; worker ``w`` gathers batches ``w, w + workers, ...`` of one
+  shuffled epoch with ``index_select(out=)`` (gpufeed's own gather for these arrays) straight
+  into slot ``k % slots`` of a ring in shared memory;
+- two flag arrays in the same memory say which batch a slot holds and which batch may use it
+  next: no message, no pickle, no per-batch Python object but the two views the main process
+  hands out, made once per slot;
+- a waiting side spins on ``sched_yield`` (``--wait yield``) or sleeps 20 us at a time
+  (``--wait sleep``); the main process releases a slot when it asks for the next batch.
+
+It keeps none of a loader's duties (errors, resume, timeouts, late slots, statistics, any
+dataset but plain arrays, a user holding a batch), so it bounds what a hand-off can cost from
+below; it checks itself by summing every label it hands out against the epoch's labels.
+``benchmarks/results/main-process.md`` ("Round 14") holds its figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, RandomSampler
+
+from .._tools.measure import one_intra_op_thread
+from .ceiling import measure_no_loader
+from .cpu import _ceiling_fetch
+from .environment import environment
+from .workloads import build
+
+__all__ = ["ideal_pass", "main"]
+
+SPIN = 10_000  # sched_yield calls before a waiting side sleeps
+NAP_S = 20e-6
+
+
+def _shared(nbytes: int) -> mmap.mmap:
+    return mmap.mmap(-1, max(nbytes, 1))  # anonymous and shared: seen by forked children
+
+
+def _wait_until(ready: Any, how: str) -> None:
+    spins = 0
+    while not ready():
+        spins += 1
+        if how == "yield" and spins < SPIN:
+            os.sched_yield()
+        else:
+            time.sleep(NAP_S)
+
+
+def ideal_pass(arrays: Sequence[torch.Tensor], order: np.ndarray, batch_size: int, *,
+               workers: int = 2, slots: int = 8, wait: str = "yield") -> dict[str, float]:
+    """One epoch of ``order`` through the idealised hand-off (NOTE [ Hand-off bound ]).
+
+    ``arrays``: tensors sharing their first dimension (the last one's values are summed as a
+    check). Returns ``samples_per_s``, ``seconds``, and ``checksum`` (the sum of the last
+    array's rows handed out), which must equal ``arrays[-1][order].sum()``.
+    """
+    if wait not in ("yield", "sleep"):
+        raise ValueError(f"wait={wait!r}: choose 'yield' or 'sleep'")
+    if workers < 1 or slots < workers:
+        raise ValueError(f"workers={workers}, slots={slots}: need workers >= 1 and slots >= "
+                         "workers")
+    n = len(order)
+    batches = -(-n // batch_size)
+    perm_mem = _shared(n * 8)
+    perm = np.frombuffer(perm_mem, np.int64)
+    perm[:] = order
+    outs, mems = [], []
+    for a in arrays:
+        mem = _shared(slots * batch_size * a[0].numel() * a.element_size())
+        mems.append(mem)
+        outs.append(torch.frombuffer(mem, dtype=a.dtype).view(slots, batch_size, *a.shape[1:]))
+    flags_mem = _shared(2 * slots * 8)
+    flags = np.frombuffer(flags_mem, np.int64)
+    holds, next_use = flags[:slots], flags[slots:]  # slot s: batch it holds, next batch allowed
+    holds[:] = -1
+    next_use[:] = np.arange(slots)
+    pids = []
+    for w in range(workers):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover  (a child: coverage does not follow it)
+            code = 0
+            try:
+                torch.set_num_threads(1)
+                for k in range(w, batches, workers):
+                    s = k % slots
+                    _wait_until(lambda s=s, k=k: next_use[s] >= k, wait)
+                    idx = torch.from_numpy(perm[k * batch_size:(k + 1) * batch_size])
+                    for a, out in zip(arrays, outs, strict=True):
+                        torch.index_select(a, 0, idx, out=out[s, :len(idx)])
+                    holds[s] = k
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    views = [[out[s] for out in outs] for s in range(slots)]  # made once per slot
+    last = n - (batches - 1) * batch_size
+    checksum = 0
+    t0 = time.perf_counter()
+    try:
+        for k in range(batches):
+            s = k % slots
+            _wait_until(lambda s=s, k=k: holds[s] == k, wait)
+            batch = views[s] if k < batches - 1 else [v[:last] for v in views[s]]
+            checksum += int(batch[-1].sum())  # what a training step would read, cheaply
+            next_use[s] = k + slots  # released as the loop asks for the next batch
+        seconds = time.perf_counter() - t0
+    finally:
+        bad = [pid for pid in pids if os.waitpid(pid, 0)[1] != 0]
+    if bad:
+        raise RuntimeError(f"hand-off workers {bad} failed")
+    return {"samples_per_s": n / seconds, "seconds": seconds, "checksum": float(checksum)}
+
+
+def _gpufeed_pass(dataset: Any, batch_size: int, workers: int, seed: int) -> float:
+    """samples/s of ``gpufeed.DataLoader`` over one shuffled epoch, after one warm-up epoch
+    with the same (persistent) workers."""
+    import gpufeed
+
+    loader = gpufeed.DataLoader(dataset, batch_size=batch_size, shuffle=True,
+                                num_workers=workers, persistent_workers=True,
+                                worker_init_fn=one_intra_op_thread,
+                                generator=torch.Generator().manual_seed(seed))
+    for _ in loader:
+        pass
+    samples = 0
+    t0 = time.perf_counter()
+    for batch in loader:
+        samples += len(batch[0])
+    rate = samples / (time.perf_counter() - t0)
+    del loader
+    return rate
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m gpufeed.benchmarks.handoff",
+                                description="The idealised hand-off next to the no-loader "
+                                            "ceiling and gpufeed (NOTE [ Hand-off bound ]).")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--wait", choices=("yield", "sleep"), default="yield")
+    p.add_argument("--quick", action="store_true", help="tiny data (for tests)")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    work = build("tabular", quick=args.quick)
+    variant = next(v for v in work.variants if v.name == "array")
+    dataset = variant.dataset
+    arrays = [torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+              for a in dataset.gather_arrays]
+    _, fetch = _ceiling_fetch(variant)
+    rounds = []
+    for r in range(args.rounds):
+        generator = torch.Generator().manual_seed(r)
+        order = torch.randperm(len(dataset), generator=generator).numpy()
+        batches = list(BatchSampler(RandomSampler(dataset, generator=torch.Generator()
+                                                  .manual_seed(r)), work.batch_size, False))
+        before = measure_no_loader(fetch, batches, processes=args.workers,
+                                   init=one_intra_op_thread).samples_per_s
+        ideal = ideal_pass(arrays, order, work.batch_size, workers=args.workers,
+                           slots=args.slots, wait=args.wait)
+        if ideal["checksum"] != float(arrays[-1][torch.from_numpy(order)].sum()):
+            raise RuntimeError("the hand-off lost or repeated a batch (checksum differs)")
+        loader = _gpufeed_pass(dataset, work.batch_size, args.workers, r)
+        after = measure_no_loader(fetch, batches, processes=args.workers,
+                                  init=one_intra_op_thread).samples_per_s
+        ceiling = (before + after) / 2
+        row = {"ceiling_samples_per_s": [before, after], "ideal_samples_per_s":
+               ideal["samples_per_s"], "gpufeed_samples_per_s": loader,
+               "ideal_share": ideal["samples_per_s"] / ceiling, "gpufeed_share": loader / ceiling,
+               "load_average": os.getloadavg()[0]}
+        rounds.append(row)
+        print(f"round {r}: ceiling {before:,.0f} / {after:,.0f}; ideal hand-off ({args.wait}, "
+              f"{args.slots} slots) {row['ideal_samples_per_s']:,.0f} "
+              f"({row['ideal_share']:.0%}); gpufeed {loader:,.0f} ({row['gpufeed_share']:.0%}); "
+              f"load {row['load_average']:.1f}", flush=True)
+    result = {"environment": environment(), "workload": work.description,
+              "settings": vars(args) | {"json": None}, "rounds": rounds}
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

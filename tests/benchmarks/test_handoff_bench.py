@@ -1,0 +1,45 @@
+"""The hand-off bound (gpufeed.benchmarks.handoff): it hands out every batch once, and runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from gpufeed.benchmarks.handoff import ideal_pass, main
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="forks its workers (Linux)")
+
+
+@pytest.mark.parametrize("wait", ["yield", "sleep"])
+@pytest.mark.parametrize("workers, slots", [(1, 1), (2, 3), (2, 8)])
+def test_every_batch_is_handed_out_once(wait, workers, slots):
+    """A bound that lost or repeated a batch would be no bound: the labels handed out sum to
+    the epoch's, with a last batch shorter than the rest and slots reused many times."""
+    x = torch.randn(1000, 5)[:, ::2]  # strided, as a structured array's field
+    y = torch.arange(1000, dtype=torch.int64) ** 2
+    order = np.random.default_rng(0).permutation(1000)[:997]
+    got = ideal_pass([x, y], order, 32, workers=workers, slots=slots, wait=wait)
+    assert got["checksum"] == float(y[torch.from_numpy(order)].sum())
+    assert got["samples_per_s"] > 0
+
+
+def test_bad_settings_name_the_value():
+    x = torch.zeros(4, 1)
+    with pytest.raises(ValueError, match="wait='spin'"):
+        ideal_pass([x], np.arange(4), 2, wait="spin")
+    with pytest.raises(ValueError, match="slots=1"):
+        ideal_pass([x], np.arange(4), 2, workers=2, slots=1)
+
+
+def test_the_tool_writes_its_rounds(tmp_path):
+    out = tmp_path / "handoff.json"
+    result = main(["--quick", "--rounds", "1", "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["rounds"] == json.loads(json.dumps(result["rounds"]))
+    row = saved["rounds"][0]
+    assert row["ideal_samples_per_s"] > 0 and row["gpufeed_samples_per_s"] > 0
+    assert len(row["ceiling_samples_per_s"]) == 2 and saved["environment"]["torch"]
