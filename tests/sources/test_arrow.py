@@ -23,7 +23,7 @@ def assert_equal(want, got):
         assert list(want) == list(got)
         for k in want:
             assert_equal(want[k], got[k])
-    elif isinstance(want, list):
+    elif isinstance(want, (list, tuple)):
         assert len(want) == len(got)
         for a, b in zip(want, got, strict=True):
             assert_equal(a, b)
@@ -296,3 +296,28 @@ def test_arrow_dataset_repr_is_torchvisions_layout():
          "    Padded per batch: input_ids (pad 0)"])
     text = repr(gpufeed.ArrowDataset(ds.data.table))
     assert "Data: pyarrow.Table, columns ['input_ids', 'label']" in text and "none" in text
+
+
+def _to_arrays(samples):
+    """A user's collate for PIL images: uint8 HWC arrays stacked, labels as a tensor."""
+    return (torch.from_numpy(np.stack([np.asarray(s["image"]) for s in samples])),
+            torch.tensor([s["label"] for s in samples]))
+
+
+def test_image_features_give_the_stock_loaders_batches(tmp_path):
+    """An ``Image`` feature (PNG files): the torch format's tensors through the default
+    collate, and PIL images through a user's collate, as the stock loader gives them."""
+    Image = pytest.importorskip("PIL.Image")
+    rng = np.random.default_rng(2)
+    paths = []
+    for i in range(10):
+        paths.append(str(tmp_path / f"{i}.png"))
+        Image.fromarray(rng.integers(0, 256, (6, 5, 3), dtype=np.uint8)).save(paths[-1])
+    ds = datasets.Dataset.from_dict({"image": paths, "label": list(range(10))}).cast_column(
+        "image", datasets.Image())
+    for data, collate in ((ds.with_format("torch"), None), (ds, _to_arrays)):
+        want, gots = _stock_and_gpufeed(data, batch_size=4, sampler=[3, 1, 4, 0, 5, 9, 2, 6, 8, 7],
+                                        collate_fn=collate)
+        assert isinstance(want, list) and len(want) == 3
+        for got in gots:
+            assert_equal(want, got)
