@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -43,3 +44,19 @@ def test_the_tool_writes_its_rounds(tmp_path):
     row = saved["rounds"][0]
     assert row["ideal_samples_per_s"] > 0 and row["gpufeed_samples_per_s"] > 0
     assert len(row["ceiling_samples_per_s"]) == 2 and saved["environment"]["torch"]
+
+
+def test_a_failing_worker_is_an_error_not_a_hang():
+    """An index past the data's end fails one worker's gather: the pass raises within
+    seconds, and the other worker (waiting for slots never released) is stopped too."""
+    code = (
+        "import numpy as np, torch\n"
+        "from gpufeed.benchmarks.handoff import ideal_pass\n"
+        "order = np.arange(200); order[150] = 10_000\n"
+        "try:\n"
+        "    ideal_pass([torch.zeros(200, 2), torch.arange(200)], order, 8, slots=2)\n"
+        "except RuntimeError as e:\n"
+        "    print('raised:', e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert "raised: hand-off workers" in done.stdout, done.stdout + done.stderr

@@ -30,6 +30,7 @@ import argparse
 import json
 import mmap
 import os
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,7 +56,8 @@ def _shared(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(nbytes, 1))  # anonymous and shared: seen by forked children
 
 
-def _wait_until(ready: Any, how: str) -> None:
+def _wait_until(ready: Any, how: str, check: Any = None) -> None:
+    """Wait until ``ready()``; ``check()`` (raising on a failed worker) now and then."""
     spins = 0
     while not ready():
         spins += 1
@@ -63,6 +65,8 @@ def _wait_until(ready: Any, how: str) -> None:
             os.sched_yield()
         else:
             time.sleep(NAP_S)
+        if check is not None and spins % 1000 == 0:
+            check()
 
 
 def ideal_pass(arrays: Sequence[torch.Tensor], order: np.ndarray, batch_size: int, *,
@@ -112,22 +116,39 @@ def ideal_pass(arrays: Sequence[torch.Tensor], order: np.ndarray, batch_size: in
             finally:
                 os._exit(code)
         pids.append(pid)
+    status: dict[int, int] = {}  # exited workers' wait statuses
+
+    def check() -> None:  # a failed worker would leave the main process waiting for good
+        for pid in pids:
+            if pid not in status:
+                done, code = os.waitpid(pid, os.WNOHANG)
+                if done == pid:
+                    status[pid] = code
+        failed = [pid for pid, code in status.items() if code != 0]
+        if failed:
+            raise RuntimeError(f"hand-off workers {failed} failed")
+
     views = [[out[s] for out in outs] for s in range(slots)]  # made once per slot
     last = n - (batches - 1) * batch_size
     checksum = 0
+    finished = False
     t0 = time.perf_counter()
     try:
         for k in range(batches):
             s = k % slots
-            _wait_until(lambda s=s, k=k: holds[s] == k, wait)
+            _wait_until(lambda s=s, k=k: holds[s] == k, wait, check)
             batch = views[s] if k < batches - 1 else [v[:last] for v in views[s]]
             checksum += int(batch[-1].sum())  # what a training step would read, cheaply
             next_use[s] = k + slots  # released as the loop asks for the next batch
         seconds = time.perf_counter() - t0
+        finished = True
     finally:
-        bad = [pid for pid in pids if os.waitpid(pid, 0)[1] != 0]
-    if bad:
-        raise RuntimeError(f"hand-off workers {bad} failed")
+        for pid in pids:
+            if pid not in status:
+                if not finished:  # the others may wait for slots that are never released
+                    os.kill(pid, signal.SIGKILL)
+                status[pid] = os.waitpid(pid, 0)[1]
+    check()
     return {"samples_per_s": n / seconds, "seconds": seconds, "checksum": float(checksum)}
 
 
