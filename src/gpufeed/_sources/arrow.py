@@ -66,7 +66,7 @@ class ArrowSource:
         self.raw = _raw_table(dataset) if hf else None
 
     def _rows(self, idx: np.ndarray) -> Any:
-        idx = wrap_indices(idx, len(self.dataset))  # from the end, as the dataset's [i] counts
+        """Rows ``idx`` (in range, none negative: ``batch`` sees to both) as an Arrow table."""
         if self.raw is not None:  # the Arrow table itself: a fifth of the cost of __getitem__
             table, mapping = self.raw
             return table.take(idx if mapping is None else mapping.take(idx))
@@ -82,11 +82,14 @@ class ArrowSource:
     def batch(self, idx: np.ndarray, alloc: Alloc | None) -> Any:
         """The batch of rows ``idx`` (an index array), its tensors from ``alloc``."""
         n = len(self.dataset)
-        if len(idx) and (idx.max() >= n or idx.min() < -n):  # Arrow's take would name it
-            if self.hf:  # in its own words: the dataset's IndexError, as the stock loader
+        low, high = (int(idx.min()), int(idx.max())) if len(idx) else (0, 0)
+        if high >= n or low < -n:  # Arrow's take would name it in its own words
+            if self.hf:  # the dataset's IndexError, as the stock loader raises it
                 return default_collate(self.dataset.__getitems__(idx.tolist()))
-            bad = int(idx.max()) if idx.max() >= n else int(idx.min())
+            bad = high if high >= n else low
             raise IndexError(f"index {bad} is out of range for a table of {n} rows")
+        if low < 0:  # from the end, as the dataset's [i] counts
+            idx = np.where(idx < 0, idx + n, idx)
         if self.plan is None:
             self.plan = self._calibrate(idx[:2])
         if self.stock_only:
@@ -226,9 +229,9 @@ def _fits(arr: np.ndarray, dtype: torch.dtype) -> bool:
     if arr.dtype.kind not in "iu" or dtype.is_floating_point or dtype.is_complex \
             or dtype == torch.bool or not arr.size:
         return True
-    low, high = _int_range(dtype)
     if _holds(arr.dtype, dtype):
         return True
+    low, high = _int_range(dtype)
     return bool(low <= int(arr.min()) and int(arr.max()) <= high)
 
 

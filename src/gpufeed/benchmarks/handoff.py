@@ -97,7 +97,12 @@ def ideal_pass(arrays: Sequence[torch.Tensor], order: np.ndarray, batch_size: in
     holds, next_use = flags[:slots], flags[slots:]  # slot s: batch it holds, next batch allowed
     holds[:] = -1
     next_use[:] = np.arange(slots)
-    pids = []
+    pids, parent = [], os.getpid()
+
+    def orphaned() -> None:  # (in a worker) the main process was killed: stop, not spin on
+        if os.getppid() != parent:
+            raise SystemExit(1)
+
     for w in range(workers):
         pid = os.fork()
         if pid == 0:  # pragma: no cover  (a child: coverage does not follow it)
@@ -106,7 +111,7 @@ def ideal_pass(arrays: Sequence[torch.Tensor], order: np.ndarray, batch_size: in
                 torch.set_num_threads(1)
                 for k in range(w, batches, workers):
                     s = k % slots
-                    _wait_until(lambda s=s, k=k: next_use[s] >= k, wait)
+                    _wait_until(lambda s=s, k=k: next_use[s] >= k, wait, orphaned)
                     idx = torch.from_numpy(perm[k * batch_size:(k + 1) * batch_size])
                     for a, out in zip(arrays, outs, strict=True):
                         torch.index_select(a, 0, idx, out=out[s, :len(idx)])
