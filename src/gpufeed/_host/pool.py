@@ -84,6 +84,8 @@ class ProcessPool:
             worker_end.close()
         self._poller = select.poll()
         self._fd_owner: dict[int, tuple[_Watch, int]] = {}  # fd -> (what, worker)
+        self._exited: set[int] = set()  # workers poll() has reported: each once, though its
+        # pipe's end and its sentinel may fire in different polls
         for w in range(n):
             self._watch(self.conns[w].fileno(), _Watch.CONN, w)
             self._watch(self.procs[w].sentinel, _Watch.EXIT, w)
@@ -105,6 +107,7 @@ class ProcessPool:
     def _watch(self, fd: int, what: _Watch, w: int) -> None:
         self._poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         self._fd_owner[fd] = (what, w)
+        self._exited.discard(w)  # a worker (re)started at id w (a resized pool reuses ids)
 
     def send(self, w: int, msg: ToWorker) -> None:
         payload = ForkingPickler.dumps(msg)
@@ -136,6 +139,8 @@ class ProcessPool:
             else:
                 self._poller.unregister(fd)
                 dead.append(w)
+        dead = [w for w in dict.fromkeys(dead) if w not in self._exited]
+        self._exited.update(dead)
         return msgs, dead
 
     def last_messages(self, w: int) -> list[ToMain]:
