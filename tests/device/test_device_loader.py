@@ -105,14 +105,22 @@ def test_an_error_through_the_device_stage_leaves_no_reference_cycle(where):
 
 
 @pytest.mark.parametrize("depth", [1, 2, 4])
-@pytest.mark.parametrize("stop", [1, 2, 4])
-def test_an_early_break_leaves_the_generator_as_stock(depth, stop):
+@pytest.mark.parametrize("stop", [1, 4, 5])
+@pytest.mark.parametrize("num_workers,n,own", [
+    (2, 10, True), (0, 10, True), (0, 9, True), (0, 10, False), (0, 9, False)])
+def test_an_early_break_leaves_the_generator_as_stock(depth, stop, num_workers, n, own):
     """The stock loader's sampler pulls follow the batches the user gets; a device stage takes
     batches ahead of the user, which must not count: breaking out after ``stop`` batches then
-    gives the next epoch the stock loader's shuffle."""
+    gives the next epoch the stock loader's shuffle, and leaves the generator where stock
+    leaves it. Without workers too (NOTE [ Planned epochs without workers ]): 5 batches, the
+    last full (n=10: the closing draw comes with the ``next()`` after it, which a break at 5
+    never makes) or partial (n=9: with its pull). ``own``: the loader's ``generator=``, else
+    the global generator."""
     def orders(cls, **kw):
-        loader = cls(_Numbers(10), batch_size=2, shuffle=True, num_workers=2,
-                     generator=torch.Generator().manual_seed(0), **kw)
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(0) if own else torch.default_generator
+        loader = cls(_Numbers(n), batch_size=2, shuffle=True, num_workers=num_workers,
+                     generator=g if own else None, **kw)
         out = []
         for epoch in range(2):
             got = []
@@ -121,6 +129,7 @@ def test_an_early_break_leaves_the_generator_as_stock(depth, stop):
                 if epoch == 0 and len(got) == stop:
                     break
             out.append(got)
+            out.append(g.get_state().tolist())
         return out
 
     assert orders(gpufeed.DataLoader, device="cpu", device_depth=depth) == orders(

@@ -21,6 +21,7 @@ from .._base import timeline as _timeline
 from .._base.tree import batch_len
 from .._memory import pinning as _pinning
 from .._memory.pinning import pin_batch
+from .._order.plan import IndexPlan, follow_stock, make_plan, plannable
 from .._order.resume import capture_state
 from .._order.rewind import draw_base_seed
 from .._order.shards import ShardInfo, set_shard_info
@@ -215,8 +216,24 @@ class BaseIter:
         self.close()
 
 
+_UNDRAWN = IndexPlan(None, 0, 1, False)  # a plannable epoch whose order is not drawn yet
+
+
 class SingleIter(BaseIter):
-    """``num_workers=0``: fetch in the calling thread (batched gather where possible)."""
+    """``num_workers=0``: fetch in the calling thread (batched gather where possible).
+
+    NOTE [ Planned epochs without workers ]
+    ---------------------------------------
+    With torch's own samplers (``_order/plan.py``'s ``plannable``), the epoch's order is
+    drawn as one plan at its first pull, when the stock sampler draws it, and batches are
+    sliced from it, as the workers slice theirs. The sampler itself is never run, so its
+    closing draw (a second permutation when it runs out) is made by the delivery tracker
+    when the user's batches say the stock loader's pulls ran out (``follow_stock``): a device
+    stage taking the epoch's last batches ahead of a loop that breaks out does not make it.
+    Any other sampler is pulled one batch at a time, as stock pulls it.
+    """
+
+    _plan: IndexPlan | None  # the epoch's plan, _UNDRAWN before its first pull; None: unplanned
 
     def __init__(self, config: IterConfig) -> None:
         super().__init__(config)
@@ -238,7 +255,7 @@ class SingleIter(BaseIter):
         self._begin_again_if_set_late()
         asked_at = time.perf_counter()
         try:
-            indices = self._next_indices()
+            indices = self._planned_indices() if self._plan is not None else self._next_indices()
             k, self._drawn = self._drawn, self._drawn + 1  # a failed fetch drew its batch too
             data = self._fetcher.fetch(indices, None, epoch=self._tracker.epoch)
         except StopIteration:
@@ -256,6 +273,34 @@ class SingleIter(BaseIter):
         state = (0, capture_state(self._dataset)) if self._is_iterable else None
         # the loop waited from asked_at: the fetch is its wait, not its step
         return self._finish(data, asked_at, k, state)
+
+    def _planned_indices(self) -> Any:
+        """Batch ``_drawn`` of the epoch's order (NOTE [ Planned epochs without workers ]),
+        drawn at the epoch's first pull, as the stock sampler draws it; StopIteration past
+        the end."""
+        plan = self._plan
+        assert plan is not None  # (called only for a planned epoch)
+        if plan is _UNDRAWN:
+            point = self._tracker.point
+            plan = self._plan = make_plan(
+                self._index_sampler, shared=False, skip=0 if point.seeked else point.done,
+                epoch_seed=self._tracker.epoch_seed)
+            follow_stock(plan, self._index_sampler, 0, self._tracker)
+        k = self._drawn
+        if k >= plan.n_batches:
+            raise StopIteration
+        if plan.single:  # no batching: one index, as stock passes it
+            return plan.index(k)
+        if self._fetcher.gathers:  # gpufeed's own gather: a numpy view of the plan
+            return plan.batch_array(k)
+        indices = plan.batch(k)
+        return indices if self._fetcher.arrays is not None else indices.tolist()
+
+    def _begin_epoch(self) -> None:
+        super()._begin_epoch()
+        point = self._tracker.point
+        self._plan = _UNDRAWN if (not self._is_iterable and not point.ahead
+                                  and plannable(self._index_sampler)) else None
 
     def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
         self._begin_epoch()

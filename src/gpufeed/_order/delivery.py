@@ -212,11 +212,15 @@ class DeliveryTracker:
     def host_exhausted(self) -> None:
         """The host iterator raised ``StopIteration`` (ends the epoch only when ``direct``)."""
         if self.direct:
-            self.finished = True
+            self.user_exhausted()
 
     def user_exhausted(self) -> None:
-        """The user saw ``StopIteration``: the epoch is over."""
+        """The user saw ``StopIteration``: the epoch is over. The ``next()`` that raised it is
+        a pull of the stock loader's sampler too, where none is ahead of the user (no
+        workers): with a full last batch, the one that makes its closing draw."""
         self.finished = True
+        if self._close_at is not None and self._reached + 1 == self._close_at:
+            self._count_reached()
 
     def _advance(self) -> None:
         while self.prefix in self.ahead:
