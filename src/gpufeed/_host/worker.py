@@ -66,6 +66,7 @@ from .._order.state import capture_state
 from .collate import pack
 from .descriptors import worker_out_of_descriptors
 from .fetch import IterFetcher, MapFetcher, make_fetcher, thread_copy
+from .lane import GatherLane
 from .late_slots import Abandoned, wait_for_slot
 from .messages import (
     Done,
@@ -190,15 +191,17 @@ def worker_loop(
             pass  # the main process already stopped (another worker's error, or close())
         return
     heap = HeapFollower() if is_process else None  # NOTE [ Worker heap ] in _memory/heap.py
+    lane = GatherLane.of(fetcher) if writer is not None else None  # NOTE [ Gather lane ]
     _serve(worker_id, label, chan, fetcher, writer, parent,
            None if is_process else spec.random_watch,
-           heap if heap is not None and heap.active else None)
+           heap if heap is not None and heap.active else None, lane)
 
 
 def _serve(
     worker_id: int, label: str, chan: Any, fetcher: MapFetcher | IterFetcher,
     writer: SlotWriter | None,
     parent: int, watch: GlobalDrawWatch | None, heap: HeapFollower | None,
+    lane: GatherLane | None,
 ) -> None:
     inbox: collections.deque[ToWorker] = collections.deque()  # read ahead by _newer
     late = functools.partial(wait_for_slot, chan, inbox, parent, POLL_S)  # LATE tasks' slots
@@ -253,8 +256,12 @@ def _serve(
             look_at = now + NEWER_CHECK_S
             if watch is not None:  # NOTE [ Seeding and threads ]: global draws
                 fetcher.probe = watch.task_probe()
-            result = _run_task(worker_id, label, fetcher, writer, task, gen, msg.epoch, spills,
-                               heap, late)
+            result: Result | None = None
+            if lane is not None and lane.on:  # (a lane comes with a writer)
+                result = lane.take(fetcher, task, writer, heap)  # type: ignore[arg-type]
+            if result is None:
+                result = _run_task(worker_id, label, fetcher, writer, task, gen, msg.epoch,
+                                   spills, heap, late)
             if watch is not None:
                 fetcher.probe = None
             if type(result) is Dropped:  # it stopped waiting for its slot: the rest go unrun

@@ -122,12 +122,17 @@ class SlotWriter:
         nbytes = numel * isz
         if self.cur + nbytes > self.end or self.end == self.start:  # full, or no slot at all
             return None
-        typed = self._typed.get(dtype)
-        if typed is None:  # the region's size is a multiple of every itemsize
-            typed = self._typed[dtype] = self.region.view(dtype)
-        t = contiguous_at(typed, shape, self.cur // isz)
+        t = contiguous_at(self.typed(dtype), shape, self.cur // isz)
         self.cur += (nbytes + ALIGN - 1) // ALIGN * ALIGN  # align()
         return t
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole region as one 1-D tensor of ``dtype`` (made once per dtype; the region's
+        size is a multiple of every item size)."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = self.region.view(dtype)
+        return typed
 
     def alloc_any(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Memory for a leaf: in the slot (``alloc``), else ``fallback``."""
