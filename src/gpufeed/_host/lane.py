@@ -6,11 +6,12 @@ A batch that is nothing but a gather (``MapFetcher.gathers``: an ``ArrayDataset`
 ``TensorDataset`` with the default collate: no user code, nothing random) went the general
 way: the plan's slice, ``fetch``, ``gather``, a view of the slot per leaf from the writer,
 then ``pack`` describing each leaf. On tabular batches (256 rows of 64 float32 and an int64
-label) that general way cost 9-10 us of Python per batch beside 19 us of gather, measured
-alone, best of 7 (``benchmarks/results/main-process.md``, round 15). The lane does the same
-work in one function: ``index_select(out=)`` of each array straight from the plan's slice
-(int32 or int64: both are valid indices) into views of the slot, whose views and leaf
-descriptions are made once per slot and kept.
+label) that general way cost 9.3 us of Python per batch beside 21.0 us of bare gather, in one
+thread, best of 7; the lane costs 2.1 (``python -m gpufeed.benchmarks.lane``;
+``benchmarks/results/main-process.md``, round 15). The lane does the same work in one
+function: ``index_select(out=)`` of each array straight from the plan's slice (int32 or int64:
+both are valid indices) into views of the slot, whose views and leaf descriptions are made
+once per slot and kept.
 
 What it gives is what the general way gives: the same bytes in the same dtypes and shapes,
 described by the same kind of leaves (the offsets its own, as every batch's are). It takes
