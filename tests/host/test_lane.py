@@ -144,3 +144,57 @@ def test_a_loader_takes_the_lane_and_gives_stocks_batches(monkeypatch, worker_ty
         for a, b in zip(got, expected, strict=True):
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert count.value > 125, count.value  # most of the 250 batches
+
+
+def _random_gather_config(seed: int) -> tuple[tud.TensorDataset, dict, dict, int | None]:
+    rng = np.random.default_rng(seed)
+    n = int(rng.choice([1, 5, 37, 100, 257]))
+    dtypes = [torch.float32, torch.int64, torch.uint8, torch.float16, torch.bool, torch.int32]
+    tensors = []
+    for _ in range(int(rng.integers(1, 4))):
+        dtype = dtypes[int(rng.integers(len(dtypes)))]
+        shape = (n, *[int(d) for d in rng.integers(1, 5, int(rng.integers(0, 3)))])
+        tensors.append(torch.from_numpy(rng.integers(0, 2, shape) if dtype is torch.bool
+                                        else rng.integers(0, 200, shape)).to(dtype))
+    kw: dict = {"num_workers": int(rng.integers(1, 3)),
+                "batch_size": int(rng.choice([1, 3, 16, 64])),
+                "drop_last": bool(rng.random() < 0.3)}
+    order = rng.random()
+    if order < 0.4:
+        kw.update(shuffle=True, generator=torch.Generator().manual_seed(seed))
+    elif order < 0.6:
+        kw["sampler"] = tud.RandomSampler(range(n), generator=torch.Generator().manual_seed(seed))
+    if rng.random() < 0.3:
+        kw["persistent_workers"] = True
+    if rng.random() < 0.3:
+        kw["prefetch_factor"] = int(rng.choice([1, 4]))
+    extra = {"worker_type": "thread"} if rng.random() < 0.4 else {}
+    if rng.random() < 0.25:
+        extra["device"] = "cpu"
+    stop = int(rng.choice([1, 2])) if rng.random() < 0.3 else None
+    return tud.TensorDataset(*tensors), kw, extra, stop
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_gathers_match_stock(seed):
+    """TensorDataset batches (the lane's, and the general way's for what it leaves) against
+    the stock loader's: every batch, dtype and shape, two epochs, a break in the first one at
+    times, and where the user's generator is left."""
+    def run(cls, gpufeed_only):
+        torch.manual_seed(seed)
+        dataset, kw, extra, stop = _random_gather_config(seed)  # fresh generators
+        loader = cls(dataset, **kw, **(extra if gpufeed_only else {}))
+        epochs = []
+        for epoch in range(2):
+            got = []
+            for batch in loader:
+                got.append([(t.dtype, tuple(t.shape), t.tolist()) for t in batch])
+                if epoch == 0 and stop is not None and len(got) == stop:
+                    break
+            epochs.append(got)
+        generator = kw.get("generator")
+        return epochs, (generator.get_state() if generator is not None else None), (kw, extra)
+
+    (ours, g1, label), (stock, g2, _) = run(gpufeed.DataLoader, True), run(tud.DataLoader, False)
+    assert ours == stock, label
+    assert (g1 is None) == (g2 is None) and (g1 is None or torch.equal(g1, g2))
