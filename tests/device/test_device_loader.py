@@ -134,3 +134,48 @@ def test_an_early_break_leaves_the_generator_as_stock(depth, stop, num_workers, 
 
     assert orders(gpufeed.DataLoader, device="cpu", device_depth=depth) == orders(
         tud.DataLoader)
+
+
+class _Failing(tud.Dataset):
+    """Sample ``i`` is ``i``; those in ``fail`` raise KeyError."""
+
+    def __init__(self, n: int, fail: tuple[int, ...]) -> None:
+        self.n, self.fail = n, fail
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i in self.fail:
+            raise KeyError(f"bad sample {i}")
+        return i
+
+
+@pytest.mark.parametrize("fail", [(5,), (1, 5, 9)], ids=["one", "three"])
+@pytest.mark.parametrize("n", [12, 11], ids=["full-last", "partial-last"])
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_failed_batches_count_as_the_stock_loaders_pulls(fail, n, num_workers, device):
+    """A batch whose fetch failed was pulled from the sampler all the same: a loop that goes
+    on after the errors gets the stock loader's next epoch, and leaves the generator where
+    stock leaves it (the closing draw came one pull late, or never, when failed batches did
+    not count: without workers from one failure on, with one worker from three)."""
+    def run(cls, **kw):
+        g = torch.Generator().manual_seed(0)
+        loader = cls(_Failing(n, fail), batch_size=3, shuffle=True, generator=g,
+                     num_workers=num_workers, **kw)
+        out = []
+        for _ in range(2):
+            it = iter(loader)
+            while True:
+                try:
+                    out.append(next(it).tolist())
+                except KeyError:
+                    out.append("error")
+                except StopIteration:
+                    break
+            out.append(g.get_state().tolist())
+        return out
+
+    kw = {} if device is None else {"device": device}
+    assert run(gpufeed.DataLoader, **kw) == run(tud.DataLoader)

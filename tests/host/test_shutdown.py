@@ -434,7 +434,7 @@ def test_a_second_ctrl_c_at_exit_still_stops_every_loader_quietly(monkeypatch):
     """The exit hook closes every live iterator; a Ctrl-C inside one close (a terminal sends
     it to the whole group twice) stops the others at once instead of escaping as a traceback
     and leaving them to their workers' parent check."""
-    from gpufeed._host import worker_iter
+    from gpufeed._host import pool
 
     closed = []
 
@@ -448,6 +448,6 @@ def test_a_second_ctrl_c_at_exit_still_stops_every_loader_quietly(monkeypatch):
                 raise KeyboardInterrupt
 
     fakes = [Fake("a", True), Fake("b", False)]
-    monkeypatch.setattr(worker_iter, "_live", fakes)
-    worker_iter._close_all()
-    assert closed == [("a", worker_iter.GRACE_S), ("b", 0.0)]
+    monkeypatch.setattr(pool, "live", fakes)
+    pool.close_all()
+    assert closed == [("a", pool.GRACE_S), ("b", 0.0)]

@@ -33,6 +33,8 @@ from support.fakes import (
     KillDataset,
     SleepDataset,
     failing_init,
+    late_failing_init,
+    second_worker_failing_init,
     staggered_failing_init,
 )
 from support.leaks import no_leaks, worker_pids
@@ -199,6 +201,32 @@ def test_worker_init_fn_error_is_clear_and_leaves_nothing(worker_type, small_dat
     assert elapsed() < 5
     assert re.search(r"init failed in worker \d", msg) and "failing_init" in msg
     assert re.search(r"worker \d", msg)
+
+
+@pytest.mark.parametrize("init", [late_failing_init, second_worker_failing_init],
+                         ids=["all-fail-worker-0-last", "worker-1-fails"])
+def test_a_worker_init_error_comes_at_its_first_batch_as_stocks(init, small_dataset,
+                                                                 monkeypatch):
+    """The stock loader raises a worker's ``worker_init_fn`` error at that worker's first
+    batch, in order: the batches before it come first, and when every worker fails it is
+    worker 0's error, whichever reached the main process first (it was the first to arrive,
+    at once: worker 1's, before batch 0)."""
+    def run(cls):
+        loader = cls(small_dataset, batch_size=4, num_workers=2, worker_init_fn=init)
+        got = []
+        with deadline(15), pytest.raises(ValueError) as info:
+            for batch in loader:
+                leaves = torch.utils._pytree.tree_flatten(batch)[0]
+                got.append([x.tolist() if isinstance(x, torch.Tensor) else x for x in leaves])
+        return got, str(info.value).splitlines()[0]
+
+    with no_leaks():
+        ours = run(gpufeed.DataLoader)
+    # the stock iterator's shutdown waits this long for each worker here (5 s by default)
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 0.2)
+    stock = run(tud.DataLoader)
+    gc.collect()  # its iterator, in a cycle with the error's traceback, shuts down now
+    assert ours == stock
 
 
 def test_second_worker_init_error_prints_nothing(capfd, small_dataset):

@@ -447,6 +447,20 @@ def failing_init(worker_id: int) -> None:
     raise ValueError(f"init failed in worker {worker_id}")
 
 
+def late_failing_init(worker_id: int) -> None:
+    """Every worker fails; worker 0 last, after the others' errors have reached the main
+    process."""
+    time.sleep(0.4 if worker_id == 0 else 0.0)
+    raise ValueError(f"init failed in worker {worker_id}")
+
+
+def second_worker_failing_init(worker_id: int) -> None:
+    """Worker 1 fails at once; worker 0 starts late and works."""
+    if worker_id == 1:
+        raise ValueError(f"init failed in worker {worker_id}")
+    time.sleep(0.4)
+
+
 def staggered_failing_init(worker_id: int) -> None:
     """Worker 0 fails at once; worker 1 fails after the main process has reacted."""
     time.sleep(0.5 * worker_id)

@@ -163,6 +163,7 @@ class DeviceIterator(Iterator[Any]):
         self._error_queued = False  # an error of the source waits in _ready, in order
         self._taken = 0  # batches taken from the source (counted by _issue)
         self.error_took_a_batch = False  # the last error raised was a taken batch's: see _next
+        self.error_from_source = False  # ... or the source's (a batch whose fetch failed)
         self._warned = False
         self._batches = self._bytes_copied = self._bytes_held = self._peak = 0
         self._host_waits = self._pageable = self._consumer_waits = 0
@@ -194,6 +195,7 @@ class DeviceIterator(Iterator[Any]):
             pass
 
     def __next__(self) -> Any:
+        self.error_took_a_batch = self.error_from_source = False  # set by the error it raises
         if self._state is _State.CLOSED:
             raise RuntimeError("this to_device iterator is closed; call to_device(...) again")
         if self._state is _State.EXHAUSTED:
@@ -228,6 +230,7 @@ class DeviceIterator(Iterator[Any]):
             self._error_queued = False  # stock loader, the next next() goes on after it
             # its copy or transform failed (not the source): never delivered (Delivered, in
             self.error_took_a_batch = bool(nbytes)  # _order/delivery.py, counts it so)
+            self.error_from_source = not nbytes
             try:  # the traceback holds this frame: no local may keep the error (a cycle that
                 raise batch  # kept the iterator, its workers and ring until a collection)
             finally:

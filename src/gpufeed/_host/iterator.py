@@ -257,7 +257,12 @@ class SingleIter(BaseIter):
         try:
             indices = self._planned_indices() if self._plan is not None else self._next_indices()
             k, self._drawn = self._drawn, self._drawn + 1  # a failed fetch drew its batch too
-            data = self._fetcher.fetch(indices, None, epoch=self._tracker.epoch)
+            try:
+                data = self._fetcher.fetch(indices, None, epoch=self._tracker.epoch)
+            except Exception:
+                if self._direct:  # (else the device stage's Delivered counts it)
+                    self._tracker.fetch_failed()
+                raise
         except StopIteration:
             self._tracker.host_exhausted()
             raise

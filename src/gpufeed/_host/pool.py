@@ -34,6 +34,7 @@ its exit code or signal, also when a send found its pipe broken; never a hang.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import logging
 import queue
@@ -41,6 +42,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -52,6 +54,20 @@ from .worker import in_thread_worker, install_thread_worker_info, worker_label, 
 
 log = logging.getLogger("gpufeed")
 GRACE_S = 2.0
+#: Iterators with workers: closed at the interpreter's exit (``close_all``; NOTE [ Shutdown ]).
+live: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@atexit.register
+def close_all() -> None:
+    grace = GRACE_S  # a second Ctrl-C while exiting: the rest stop at once, with no traceback
+    for it in list(live):
+        try:
+            it.close(grace)
+        except KeyboardInterrupt:
+            grace = 0.0
+
+
 _STOP_MSG = bytes(ForkingPickler.dumps(None))
 INLINE_BYTES = 4096  # task messages up to this size are written inline (never blocks)
 

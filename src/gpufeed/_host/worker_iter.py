@@ -6,11 +6,9 @@ generation is: NOTE [ Messages ] in ``_host/messages.py``.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
 import time
-import weakref
 from typing import Any
 
 import torch
@@ -20,9 +18,9 @@ from .._memory.keeper import end_ring, ring_for
 from .._memory.ring import SlotRing
 from .._order.plan import IndexPlan, follow_stock, make_plan, plannable
 from .._sources.packed import check_copy_on_write
+from . import failures
 from .collate import unpack
 from .config import IterConfig
-from .failures import Lost, check_not_forked, defer_lost, lost_worker, timed_out
 from .iterator import BaseIter
 from .late_slots import LateSlots, late_slot
 from .messages import (
@@ -43,23 +41,12 @@ from .messages import (
     WorkerSpec,
     WorkerState,
 )
-from .pool import GRACE_S, Pool, ProcessPool, ThreadPool
+from .pool import GRACE_S, Pool, ProcessPool, ThreadPool, live
 from .tracing import label_workers, record_fetched, record_ring, sample_counters
 from .workahead import WorkAhead
 
-_live: weakref.WeakSet[WorkerIter] = weakref.WeakSet()
 _STOP = object()  # an iterable dataset's worker ran dry
 WAIT_SLICE_S = 1.0  # how often a waiting main process re-checks worker health
-
-
-@atexit.register
-def _close_all() -> None:
-    grace = GRACE_S  # a second Ctrl-C while exiting: the rest stop at once, with no traceback
-    for it in list(_live):
-        try:
-            it.close(grace)
-        except KeyboardInterrupt:
-            grace = 0.0
 
 
 class WorkerIter(BaseIter):
@@ -109,7 +96,7 @@ class WorkerIter(BaseIter):
                     self._ring.region.close_fd()
             else:
                 self._pool = self.thread_pool(spec)
-            _live.add(self)
+            live.add(self)
             self._late = LateSlots(self._pool.send, self._ring.acquire, self._ring.release,
                                    config.late_verdict)
             self._late.decide(self._work_ahead.late_bind)
@@ -123,7 +110,7 @@ class WorkerIter(BaseIter):
     def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
         if self._closed:
             raise RuntimeError("this gpufeed iterator was closed; iterate the DataLoader again")
-        check_not_forked(self._pid)  # a persistent loader (or an iterator) inherited by fork
+        failures.check_not_forked(self._pid)  # a persistent loader or iterator, forked
         self._gen, self._config = self._gen + 1, config
         if not first_iter:
             self._begin_epoch()
@@ -134,6 +121,7 @@ class WorkerIter(BaseIter):
         self._slot_of: dict[int, int] = {}  # answered batches in pinned slots: batch -> slot
         self._dataset_states: dict[int, WorkerState] = {}  # iterable datasets, per batch
         self._active = [True] * self._num_workers
+        self._exits_expected: set[int] = set()  # workers that could not start (deferred)
         self._sampler_done = False
         # NOTE [ Iterable resume ] in _order/delivery.py: states and turns as last delivered
         resumed = self._position.take_dataset_states() if self._is_iterable else None
@@ -205,6 +193,8 @@ class WorkerIter(BaseIter):
     # -- receiving ----------------------------------------------------------------------------
     def _handle(self, w: int, msg: ToMain) -> None:
         if isinstance(msg, StartFailed):
+            if failures.defer_start_failed(self, w, msg.error):
+                return
             self.close()
             msg.error.reraise()
         if isinstance(msg, NeedSlot):
@@ -268,14 +258,14 @@ class WorkerIter(BaseIter):
         """Wait for a task's answer, or raise (dead worker, timeout: NeedSlots do not stop it)."""
         if self._watch is not None:  # the loop draws nothing until the batch is popped
             self._watch.wait_begins()
-        check_not_forked(self._pid)  # a persistent loader (or an iterator) inherited by fork
+        failures.check_not_forked(self._pid)  # a persistent loader or iterator, forked
         start = time.monotonic()
         while True:
             slice_s = WAIT_SLICE_S
             if self._timeout > 0:
                 left = self._timeout - (time.monotonic() - start)
                 if left <= 0:
-                    error = timed_out(self._timeout_text, self._tasks)
+                    error = failures.timed_out(self._timeout_text, self._tasks)
                     self.close(grace_s=0.0)  # as stock: raised at the timeout, not after a grace
                     raise error
                 slice_s = min(slice_s, left)
@@ -289,11 +279,13 @@ class WorkerIter(BaseIter):
             for w in dead:
                 for msg in self._pool.last_messages(w):
                     self._handle(w, msg)
+                if w in self._exits_expected:
+                    continue
                 held = [i for i, holder in self._tasks.items() if holder == w]
                 if not held and not self._tasks and self._sampler_done:
                     continue  # it had nothing left to do
-                error = lost_worker(self._pool.exit_description(w), held)
-                if self._in_order and defer_lost(self, w, held, error):
+                error = failures.lost_worker(self._pool.exit_description(w), held)
+                if self._in_order and failures.defer_lost(self, w, held, error):
                     return  # the batches before the dead worker's first come first
                 self.close()
                 raise error
@@ -345,10 +337,12 @@ class WorkerIter(BaseIter):
                 in_flight = len(self._ready) + len(self._tasks)
             if data is _STOP:
                 continue
-            if type(data) is Lost:  # a dead worker's first batch: the epoch stops here
+            if type(data) is failures.Lost:  # a dead worker's first batch: the epoch stops here
                 self.close()
-                raise data.error
+                data.raise_it()
             if isinstance(data, RemoteError):
+                if self._direct:  # (else the device stage's Delivered counts it)
+                    self._tracker.fetch_failed()
                 data.reraise()
             ring = self._ring
             occupancy, gauges = ring.levels()
@@ -381,7 +375,7 @@ class WorkerIter(BaseIter):
         if getattr(self, "_closed", True) or os.getpid() != self._pid:
             return
         self._closed = True
-        _live.discard(self)
+        live.discard(self)
         for pending in ("_ready", "_tasks", "_slot_of"):
             getattr(self, pending, {}).clear()
         pool: Pool | None = getattr(self, "_pool", None)

@@ -209,6 +209,12 @@ class DeliveryTracker:
         self._in_flight.popleft()
         self._count_reached()
 
+    def fetch_failed(self) -> None:
+        """User side: a batch whose fetch failed reached the user as its error. Never produced,
+        it is retried by a resume; the stock loader pulled its indices all the same, so it
+        counts towards the sampler's closing draw (:meth:`follow_stock`)."""
+        self._count_reached()
+
     def host_exhausted(self) -> None:
         """The host iterator raised ``StopIteration`` (ends the epoch only when ``direct``)."""
         if self.direct:
@@ -262,6 +268,8 @@ class Delivered(Iterator[T]):
         except Exception:  # a produced batch that failed in the stage (its error_took_a_batch)
             if getattr(self.inner, "error_took_a_batch", False):
                 self.tracker.failed()
+            elif getattr(self.inner, "error_from_source", False):  # a batch's failed fetch
+                self.tracker.fetch_failed()
             raise
         self.tracker.delivered()
         return item
