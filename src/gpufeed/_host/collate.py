@@ -23,7 +23,7 @@ import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from .._base.tree import byte_extent, tree_map
-from .._memory.region import ALIGN, align
+from .._memory.region import ALIGN, align, contiguous_strides
 from .writer import SlotWriter, dtype_name, dtype_names
 
 
@@ -271,8 +271,8 @@ def unpack(packed: tuple[Any, list[Leaf]], base: np.ndarray | None,
             if stride is None:
                 t = frombuffer(buf, dtype=dtype, count=prod(shape),
                                offset=offset * dtype.itemsize)
-                if len(shape) != 1:
-                    t = t.view(shape)
+                if len(shape) != 1:  # (as_strided: 1.3 us, view: 1.8, measured)
+                    t = t.as_strided(shape, contiguous_strides(shape))
             else:
                 t = frombuffer(buf, dtype=dtype, offset=offset * dtype.itemsize,
                                count=1 + sum((d - 1) * st for d, st in zip(shape, stride,
