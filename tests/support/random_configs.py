@@ -270,6 +270,7 @@ def resume_matches(conf: dict[str, Any], cut_seed: int, epochs: int = 3) -> tupl
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        torch.manual_seed(cut_seed)  # both runs draw the same orders from the global generator
         data, args = conf["make"]()
         try:
             reference = gpufeed.DataLoader(data, **args, **conf["gpufeed"])
@@ -282,6 +283,7 @@ def resume_matches(conf: dict[str, Any], cut_seed: int, epochs: int = 3) -> tupl
             return True, "no batches"
         rng = random.Random(cut_seed)
         cut = rng.randrange(0, total + 1)
+        torch.manual_seed(cut_seed)
         data, args = conf["make"]()
         loader = gpufeed.DataLoader(data, **args, **conf["gpufeed"])
         taken = 0
