@@ -100,6 +100,17 @@ class MapFetcher:
         self.collate_s = 0.0
         self.probe: TaskProbe | None = None  # set by a thread worker for a checked task
 
+    def planned(self, k: int) -> Any:
+        """Batch ``k`` of :attr:`plan` as this dataset takes its indices: one index unbatched,
+        as stock passes it; a numpy view for gpufeed's gather; else a list of ints, as stock."""
+        plan = self.plan
+        if plan.single:
+            return plan.index(k)
+        if self.gathers:
+            return plan.batch_array(k)
+        indices = plan.batch(k)
+        return indices if self.arrays is not None else indices.tolist()
+
     def fetch(self, indices: Any, writer: SlotWriter | None, *, epoch: int = 0) -> Any:
         """The batch of ``indices``; ``epoch`` seeds per-sample random state."""
         if self.gathers:

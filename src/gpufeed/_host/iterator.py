@@ -287,19 +287,13 @@ class SingleIter(BaseIter):
         assert plan is not None  # (called only for a planned epoch)
         if plan is _UNDRAWN:
             point = self._tracker.point
-            plan = self._plan = make_plan(
+            plan = self._plan = self._fetcher.plan = make_plan(  # type: ignore[union-attr]
                 self._index_sampler, shared=False, skip=0 if point.seeked else point.done,
                 epoch_seed=self._tracker.epoch_seed)
             follow_stock(plan, self._index_sampler, 0, self._tracker)
-        k = self._drawn
-        if k >= plan.n_batches:
+        if self._drawn >= plan.n_batches:
             raise StopIteration
-        if plan.single:  # no batching: one index, as stock passes it
-            return plan.index(k)
-        if self._fetcher.gathers:  # gpufeed's own gather: a numpy view of the plan
-            return plan.batch_array(k)
-        indices = plan.batch(k)
-        return indices if self._fetcher.arrays is not None else indices.tolist()
+        return self._fetcher.planned(self._drawn)  # type: ignore[union-attr]
 
     def _begin_epoch(self) -> None:
         super()._begin_epoch()

@@ -336,15 +336,7 @@ def _run_task(
     t0 = time.perf_counter()
     try:
         if task.planned:
-            plan = fetcher.plan  # type: ignore[union-attr]
-            if plan.single:  # no batching: one index, as stock passes it
-                indices = plan.index(batch)
-            elif fetcher.gathers:  # gpufeed's own gather: a numpy view of the plan
-                indices = plan.batch_array(batch)
-            else:
-                indices = plan.batch(batch)
-                if fetcher.arrays is None:  # what stock passes a dataset: a list of ints
-                    indices = indices.tolist()
+            indices = fetcher.planned(batch)  # type: ignore[union-attr]
         data = fetcher.fetch(indices, writer, epoch=epoch)
         t1 = time.perf_counter()
         packed = pack(data, writer)

@@ -89,7 +89,7 @@ class ArrowSource:
             bad = high if high >= n else low
             raise IndexError(f"index {bad} is out of range for a table of {n} rows")
         if low < 0:  # from the end, as the dataset's [i] counts
-            idx = np.where(idx < 0, idx + n, idx)
+            idx = wrap_indices(idx, n)
         if self.plan is None:
             self.plan = self._calibrate(idx[:2])
         if self.stock_only:
