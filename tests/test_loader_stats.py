@@ -102,6 +102,11 @@ def test_every_documented_stat_is_recorded(monkeypatch):
     kept = run_epochs(small, keep=True)
     collect(small.stats())
     assert small.stats().counters["samples"] == 61 == sum(n for _, n in kept)
+    # process workers at a lower priority (NOTE [ Worker priority ]): asked for here
+    niced = gpufeed.DataLoader(IndexDataset(16), batch_size=4, num_workers=2, worker_nice=2)
+    run_epochs(niced)
+    collect(niced.stats())
+    assert niced.stats().counters["worker_nice"] == 2
     # a leaf the ring cannot hold
     sparse = gpufeed.DataLoader(Sparse(), batch_size=2, num_workers=2, worker_type="thread",
                                 collate_fn=stack_sparse)

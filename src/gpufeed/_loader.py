@@ -22,6 +22,7 @@ from ._host.config import IterConfig, WorkerType
 from ._host.frameworks import DefaultPrefetch, before_prepare
 from ._host.iterator import BaseIter, SingleIter
 from ._host.late_slots import LateVerdict
+from ._host.priority import check_worker_nice
 from ._host.random_watch import GlobalDrawWatch
 from ._host.worker_iter import WorkerIter
 from ._memory import pinning as _pinning
@@ -89,6 +90,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
             workers' private memory and the ring (shared, and pinned when pinned) may hold
             together. Default: a quarter of the memory available when the loader is built,
             divided among the local ranks. More workers or work-ahead past it are not tried.
+        worker_nice: how much lower than your loop's the process workers' CPU priority is.
+            None (default): +5 once the loop is main-bound on cores the workers and the main
+            process oversubscribe, else unchanged (NOTE [ Worker priority ] in
+            ``_host/priority.py``); 0: never changed (stock's workers); 1-19: from the start.
 
     ``num_workers="auto"`` sizes the workers and how far they work ahead while you iterate:
     it grows them while your loop waits and the last growth paid off, shrinks them while it
@@ -141,6 +146,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         world_size: int | None = None,
         max_workers: int | None = None,
         memory_budget: int | str | None = None,
+        worker_nice: int | None = None,
     ) -> None:
         if isinstance(prefetch_factor, DefaultPrefetch):  # read back from a loader: unset
             prefetch_factor = None
@@ -154,6 +160,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             multiprocessing_context=multiprocessing_context, ring_bytes=ring_bytes,
             device=device, device_transform=device_transform, device_depth=device_depth,
             deterministic=deterministic)
+        check_worker_nice(worker_nice)
         # Private, read through properties: frameworks that rebuild a loader from its public
         # attributes (Lightning's distributed sampler injection) must not pin the rank and
         # world size resolved before torch.distributed was initialised.
@@ -194,6 +201,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.device_transform = device_transform
         self.device_depth = device_depth
         self.max_workers, self.memory_budget = max_workers, memory_budget
+        self.worker_nice = worker_nice
         if tuner is not None:  # vars() keeps "auto": frameworks rebuild the loader from it
             self.__dict__["num_workers"], self._autotune = "auto", tuner
         self._recorder = StatsRecorder()
@@ -207,6 +215,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     _autotune: AutoTuner | None = None
     _late_verdict: LateVerdict | None = None  # (a loader pickled before it had one)
+    worker_nice: int | None = None  # (idem)
 
     @property
     def num_workers(self) -> int:
@@ -306,7 +315,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         process workers they travel in a memory file of their own, never /dev/shm),
         ``ring_unsupported`` (batches with a tensor the ring cannot hold: nested, sparse or
         quantized, a tensor subclass, or on another device; such tensors travel torch's own
-        way, as with the stock loader, and the batch equals stock's).
+        way, as with the stock loader, and the batch equals stock's), ``worker_nice``.
         """
         snap = self._recorder.snapshot()
         if self._autotune is not None:
@@ -327,33 +336,23 @@ class DataLoader(_TorchDataLoader[_T_co]):
             collate_fn=self.collate_fn,
             drop_last=self.drop_last,
             len_called=self._IterableDataset_len_called,
-            rank=self.rank,
-            world_size=self.world_size,
-            sample_seed=self.seed if self.deterministic else None,
-            generator=self.generator,
-            position=self._position,
-            recorder=self._recorder,
+            rank=self.rank, world_size=self.world_size,
+            sample_seed=self.seed if self.deterministic else None, generator=self.generator,
+            position=self._position, recorder=self._recorder,
             random_watch=self._random_watch,
-            pin_memory=self.pin_memory,
-            pin=pin,
+            pin_memory=self.pin_memory, pin=pin,
             pin_device=pin_device_index(self.device, self.pin_memory_device) if pin else None,
             device_depth=self.device_depth if self.device is not None else None,
-            num_workers=self.num_workers,
-            worker_type=self.worker_type,
-            in_order=self.in_order,
-            timeout=float(self.timeout),
-            timeout_text=str(self.timeout),
-            persistent=self.persistent_workers,
+            num_workers=self.num_workers, worker_type=self.worker_type, in_order=self.in_order,
+            timeout=float(self.timeout), timeout_text=str(self.timeout),
+            persistent=self.persistent_workers, worker_nice=self.worker_nice,
             prefetch_factor=self.prefetch_factor,
             # unset: gpufeed sizes work-ahead itself (NOTE [ Messages ] in _host/messages.py)
             prefetch_explicit=self.prefetch_factor is not None
             and not isinstance(self.prefetch_factor, DefaultPrefetch),
-            ring_bytes=self.ring_bytes,
-            keeper=self._keeper,
-            late_verdict=self._late_verdict,
-            worker_init_fn=self.worker_init_fn,
+            ring_bytes=self.ring_bytes, keeper=self._keeper, late_verdict=self._late_verdict,
+            worker_init_fn=self.worker_init_fn, autotune=self._autotune,
             multiprocessing_context=self.multiprocessing_context,
-            autotune=self._autotune,
         )
 
     def check_worker_number_rationality(self) -> None:

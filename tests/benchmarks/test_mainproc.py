@@ -60,12 +60,19 @@ def test_epochs_are_measured_per_batch() -> None:
     # workers >= 0: on a quick epoch they may have fetched every batch before the clocks start
     assert 0 < us["main_thread"] <= us["main_process"] + 1 and us["workers"] >= 0
     assert row["samples_per_s"] > 0
+    assert 0 <= row["machine_idle"] <= 1 and row["worker_nice"] in (0, 5)
     if sys.platform.startswith("linux"):  # schedstat: the main thread and both workers
         sched = row["sched_us_per_batch"]
         assert sorted(sched) == ["main thread", "worker 0", "worker 1"]
         for t in sched.values():
             assert min(t.values()) >= 0
             assert t["on_cpu"] + t["waiting_for_cpu"] + t["asleep"] >= us["wall"] * 0.99
+
+
+def test_a_worker_nice_given_is_the_loaders() -> None:
+    (row,) = measure_epochs("tabular", "array", "gpufeed", epochs=1, warmup=2, quick=True,
+                            worker_nice=3)
+    assert row["worker_nice"] == 3
 
 
 def test_wall_time_is_split_into_on_cpu_waiting_and_asleep() -> None:

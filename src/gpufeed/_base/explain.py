@@ -96,6 +96,9 @@ MEANINGS: dict[str, str] = {
     "ring_slots": "slots the ring has carved and holds (in use, fenced or free), at the last "
                   "batch handed over",
     "ring_bytes": "memory the ring's slots take (in use or free), at the last batch handed over",
+    "worker_nice": "how much lower than the main process's the process workers' CPU priority "
+                   "is (nice; worker_nice=None lowers it by 5 once the loop is main-bound on "
+                   "oversubscribed cores)",
     "consumer_waits": "device stage: times your loop waited for a batch on the device",
     "pageable_batches": "device stage: batches copied from unpinned memory (slower copies)",
     # columns

@@ -133,7 +133,8 @@ class LoaderStats:
         counters: event counts ("batches", "samples", "ring_grow", "ring_fallback",
             "ring_unsupported": batches with a tensor the ring cannot hold, sent torch's own
             way, see ``gpufeed.DataLoader.stats``) and gauges, values at the last batch handed
-            over ("ring_slots", "ring_bytes").
+            over ("ring_slots", "ring_bytes"), or set when they change ("worker_nice": NOTE
+            [ Worker priority ] in ``_host/priority.py``).
         autotune: with ``num_workers="auto"``, an ``AutotuneStats`` (``_base/tuning.py``):
             the worker count in force, the budgets and the latest decisions; else None.
     """

@@ -173,6 +173,7 @@ class AutoIter(WorkerIter):
                         break
                     self._seeds[w] = pool._spec.sample_seed
                     self._plans.pop(w, None)
+                    self._priority.catch_up(w)  # started at the main process's priority
                 self._catch_up(w)
                 self._num_workers = w + 1
             while self._num_workers > workers:
@@ -181,6 +182,7 @@ class AutoIter(WorkerIter):
         finally:
             n = self._num_workers
             self._tuner.workers = n  # the count in force, whatever happened
+            self._priority.resize(n)
             self._active = [True] * n
             self._cycle = itertools.cycle(range(n))
         self._work_ahead.resize(n, depth)

@@ -73,6 +73,7 @@ class IterConfig:
     ring_bytes: int | None
     keeper: RingKeeper | None = None  # live: the loader's pinned ring between epochs
     late_verdict: LateVerdict | None = None  # live: its loop kept workers waiting (late_slots)
+    worker_nice: int | None = None  # NOTE [ Worker priority ] (None: decided from costs)
     worker_init_fn: Callable[[int], None] | None
     multiprocessing_context: Any
     autotune: AutoTuner | None = None  # live, with ``num_workers="auto"``: the loader's tuner

@@ -8,7 +8,7 @@ on each side, some 4-7 us per batch on both the worker and the main process on c
 Who sends what, and when, is in ``_host/worker.py``'s docstring and the NOTE below; the main
 process's side is ``WorkerIter`` (``_host/worker_iter.py``).
 
-    main -> worker   Tasks, SlotFor, UsePlan, ResetStream, Reseed, None (stop)
+    main -> worker   Tasks, SlotFor, UsePlan, ResetStream, Reseed, Nice, None (stop)
     worker -> main   Done (with one Result per task), NeedSlot, StartFailed
 
 NOTE [ Messages ]
@@ -121,7 +121,15 @@ class Reseed(NamedTuple):
     seed: int | None
 
 
-ToWorker = Tasks | SlotFor | UsePlan | ResetStream | Reseed | None
+class Nice(NamedTuple):
+    """Process workers: lower your priority by ``step`` (NOTE [ Worker priority ] in
+    ``_host/priority.py``)."""
+
+    gen: int
+    step: int
+
+
+ToWorker = Tasks | SlotFor | UsePlan | ResetStream | Reseed | Nice | None
 
 
 # -- worker -> main: one result per task -------------------------------------------------------

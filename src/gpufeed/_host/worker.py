@@ -17,6 +17,9 @@ the classes are in ``_host/messages.py``):
                      Reseed(gen, seed)                       per-sample seeding's base seed from
                                                              now on (None: off); a persistent
                                                              pool after load_state_dict
+                     Nice(gen, step)                         process workers: lower the
+                                                             priority by step (NOTE [ Worker
+                                                             priority ])
                      None                                    stop (or EOF on the pipe)
     worker -> main   Done(gen, [result, ...])                one result per task, in order:
                         Fetched(batch, slot_id, used, need, packed, fetch_s, collate_s,
@@ -74,6 +77,7 @@ from .messages import (
     Exhausted,
     Failed,
     Fetched,
+    Nice,
     ProcessChannel,
     Reseed,
     ResetStream,
@@ -86,6 +90,7 @@ from .messages import (
     UsePlan,
     WorkerSpec,
 )
+from .priority import lower_priority
 from .random_watch import GlobalDrawWatch
 from .writer import SlotWriter
 
@@ -241,6 +246,9 @@ def _serve(
             continue
         if isinstance(msg, Reseed):
             fetcher.seed = msg.seed
+            continue
+        if isinstance(msg, Nice):  # (sent to process workers only)
+            lower_priority(msg.step)
             continue
         spills: list[Spill] = []
         results: list[Result] = []

@@ -42,6 +42,7 @@ from .messages import (
     WorkerState,
 )
 from .pool import GRACE_S, Pool, ProcessPool, ThreadPool, live
+from .priority import WorkerPriority
 from .tracing import label_workers, record_fetched, record_ring, sample_counters
 from .workahead import WorkAhead
 
@@ -97,6 +98,9 @@ class WorkerIter(BaseIter):
             else:
                 self._pool = self.thread_pool(spec)
             live.add(self)
+            # NOTE [ Worker priority ] in _host/priority.py: the loop's thread first
+            self._priority = WorkerPriority(config.worker_nice, num_workers=nw, process=shared,
+                                            send=self._pool.send, recorder=self._recorder)
             self._late = LateSlots(self._pool.send, self._ring.acquire, self._ring.release,
                                    config.late_verdict)
             self._late.decide(self._work_ahead.late_bind)
@@ -213,6 +217,7 @@ class WorkerIter(BaseIter):
             if self._work_ahead.adapt(busy_s / len(fetched), self._ring.slot_bytes):
                 self._ring.set_slots_hint(self._work_ahead.slots_hint)
             self._late.decide(self._work_ahead.late_bind)
+            self._priority.observe(self._num_yielded, len(fetched), busy_s)
 
     def _worked(self, batches: int, busy_s: float) -> None:
         """``batches`` answered in ``busy_s`` s of fetch + collate (``AutoIter``'s windows)."""

@@ -129,6 +129,7 @@ class Measurement:
     peak_held_bytes: int = 0
     main_thread_cpu_s: float = 0.0
     main_process_cpu_s: float = 0.0
+    worker_nice: int = 0  # a gpufeed loader's workers' priority at the end (its stats gauge)
 
     @property
     def pss_growth_bytes(self) -> int:
@@ -283,6 +284,8 @@ def measure_loader(
         close = getattr(iterator, "close", None)
         if callable(close):  # generators and gpufeed iterators; others stop when collected
             close()
+        stats = getattr(iterable, "stats", None)  # gpufeed's: NOTE [ Worker priority ]
+        nice = stats().counters.get("worker_nice", 0) if callable(stats) else 0
         del iterator, iterable
         gc.collect()  # loaders that stop their workers when collected stop them now
         if sampler is not None:
@@ -311,6 +314,7 @@ def measure_loader(
         main_thread_cpu_s=cpu_end[0] - cpu_rate[0],
         # >= the thread's: the process clock lags a thread busy on another core by up to a tick
         main_process_cpu_s=max(cpu_end[1] - cpu_rate[1], cpu_end[0] - cpu_rate[0]),
+        worker_nice=nice,
     )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .._tools.output import directory
-from .cpu import CEILING, LOADERS, STAND_IN, Settings, run_cpu
+from .cpu import CEILING, EXTRA_LOADERS, LOADERS, STAND_IN, Settings, run_cpu
 from .environment import write_documents
 from .workloads import WORKLOADS
 
@@ -34,8 +34,10 @@ def _parser() -> argparse.ArgumentParser:
                    default=list(DEFAULT_WORKLOADS), metavar="NAME",
                    help=f"workloads to run, from {', '.join(WORKLOADS)} "
                         f"(default: {' '.join(DEFAULT_WORKLOADS)})")
-    p.add_argument("--loaders", nargs="+", choices=LOADERS, default=list(LOADERS),
-                   metavar="NAME", help=f"loaders to compare, from {', '.join(LOADERS)}")
+    p.add_argument("--loaders", nargs="+", choices=(*LOADERS, *EXTRA_LOADERS),
+                   default=list(LOADERS), metavar="NAME",
+                   help=f"loaders to compare, from {', '.join(LOADERS)} (default: these), "
+                        f"{', '.join(EXTRA_LOADERS)} (gpufeed with worker_nice=0)")
     p.add_argument("--repeats", type=int, default=None,
                    help="runs per (loader, variant); medians are reported (default 3, quick 1)")
     p.add_argument("--num-workers", type=int, default=2, help="workers of every loader")
@@ -93,6 +95,13 @@ def _main_cpu(m: dict[str, Any]) -> str:
         return "-"
     return (f"{m['main_thread_cpu_s_per_batch'] * 1e6:,.0f} / "
             f"{m['main_process_cpu_s_per_batch'] * 1e6:,.0f}")
+
+
+def _niced(row: dict[str, Any]) -> str:
+    """The runs whose workers ended at a lower priority (NOTE [ Worker priority ])."""
+    niced = [run.get("worker_nice", 0) for run in row.get("runs", [])]
+    n = sum(1 for x in niced if x)
+    return f"; workers at nice +{max(niced)} in {n} of {len(niced)} runs" if n else ""
 
 
 def render_markdown(doc: dict[str, Any]) -> str:
@@ -201,7 +210,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
                     f"| {w['name']} | {variant} | {r['loader']} | {_fmt(m['samples_per_s'])} | "
                     f"{_fmt(m['bytes_per_s'] / 1e6)} | {_fmt(m['peak_pss_bytes'] / 2**20)} | "
                     f"{kinds} | {_fmt(m['pss_growth_bytes'] / 2**20)} | "
-                    f"{_fmt(m['first_batch_s'] * 1e3)} | {_main_cpu(m)} |")
+                    f"{_fmt(m['first_batch_s'] * 1e3)} | {_main_cpu(m)}{_niced(r)} |")
             if variant in ceiling:
                 m = ceiling[variant]["median"]
                 lines.append(f"| {w['name']} | {variant} | {CEILING} | "
@@ -211,7 +220,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
               "need not add up to the peak exactly). main CPU: CPU microseconds of the main "
               "process per batch over the counted batches, of the iterating thread and of all "
               "its threads but the PSS sampler (thread workers included; worker processes not): "
-              "what the loader takes from the cores its workers and the training loop share. "
+              "what the loader takes from the cores its workers and the training loop share; "
+              "then how many runs ended with gpufeed's workers at a lower priority "
+              "(`worker_nice` in `loader.stats()`: README, Worker priority). "
               "The no-loader ceiling rows measure no memory, first batch or main CPU."]
     return "\n".join(lines) + "\n"
 

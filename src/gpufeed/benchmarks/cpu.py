@@ -56,10 +56,12 @@ from .environment import environment
 from .summary import PSS_TOLERANCE, TARGETS, summarize
 from .workloads import WORKLOADS, Variant, Workload, WorkloadUnavailable, build
 
-__all__ = ["CEILING", "LOADERS", "PSS_TOLERANCE", "TARGETS", "Settings", "environment", "run_cpu",
-           "summarize"]
+__all__ = ["CEILING", "EXTRA_LOADERS", "LOADERS", "PSS_TOLERANCE", "TARGETS", "Settings",
+           "environment", "run_cpu", "summarize"]
 
 LOADERS = ("torch", "gpufeed", "gpufeed-thread", "torchdata.nodes")
+#: By name only: gpufeed's process workers at the main process's priority (``worker_nice=0``)
+EXTRA_LOADERS = ("gpufeed-nice0",)
 #: Name of the no-loader ceiling in the results and progress lines.
 CEILING = "no-loader ceiling"
 SCHEMA = "gpufeed-bench-cpu/1"
@@ -137,7 +139,8 @@ def available_loaders() -> dict[str, str]:
         nodes = "ok"
     except ImportError:
         nodes = "torchdata is not installed (pip install --no-deps torchdata)"
-    return {"torch": "ok", "gpufeed": gpufeed, "gpufeed-thread": thread, "torchdata.nodes": nodes}
+    return {"torch": "ok", "gpufeed": gpufeed, "gpufeed-thread": thread, "torchdata.nodes": nodes,
+            "gpufeed-nice0": thread}
 
 
 def _factory(loader: str, variant: Variant, work: Workload,
@@ -154,6 +157,8 @@ def _factory(loader: str, variant: Variant, work: Workload,
         common["prefetch_factor"] = s.prefetch_factor
     if loader == "torch":
         return lambda: DataLoader(ds, generator=sampler_gen(), **common)
+    if loader == "gpufeed-nice0":
+        common["worker_nice"], loader = 0, "gpufeed"
     if loader in ("gpufeed", "gpufeed-thread"):
         cls = _gpufeed_loader()
         if cls is None and loader == "gpufeed":  # stand-in until the core imports
@@ -352,9 +357,10 @@ def run_cpu(workloads: Sequence[str], *, settings: Settings | None = None,
     """
     s = settings or Settings()
     say = progress or (lambda line: None)
-    unknown = [name for name in loaders if name not in LOADERS]
+    unknown = [name for name in loaders if name not in (*LOADERS, *EXTRA_LOADERS)]
     if unknown:
-        raise ValueError(f"unknown loaders {unknown}; choose from {', '.join(LOADERS)}")
+        raise ValueError(f"unknown loaders {unknown}; choose from "
+                         f"{', '.join((*LOADERS, *EXTRA_LOADERS))}")
     status = available_loaders()
     usable = [name for name in loaders if status[name] in ("ok", STAND_IN)]
     torch.set_num_threads(1)

@@ -176,13 +176,14 @@ def _sched_split(start: dict[str, Any], end: dict[str, Any], seconds: float,
 
 
 def _timed_epoch(it: Any, n_batches: int, workers: Sequence[int] = ()) -> tuple[
-        int, int, float, float, float, float, dict[str, dict[str, float]]]:
+        int, int, float, float, float, float, dict[str, dict[str, float]], float]:
     """Iterate the rest of the epoch; read the clocks at its last batch, while the workers
     live. (batches, samples, seconds, thread CPU, process CPU, workers' CPU, the wall time of
-    the main thread and of the ``workers`` (pids) split by ``_sched_split``)."""
-    def clocks() -> tuple[tuple[float, float, float, float], dict[str, Any]]:
+    the main thread and of the ``workers`` (pids) split by ``_sched_split``, the share of the
+    machine's CPU time left idle)."""
+    def clocks() -> tuple[tuple[float, float, float, float, float, float], dict[str, Any]]:
         return ((time.perf_counter(), time.thread_time(), time.process_time(),
-                 _workers_cpu(workers)), _sched_now(workers))
+                 _workers_cpu(workers), *_machine_idle()), _sched_now(workers))
 
     start, s0 = end, s1 = clocks()
     batches = samples = 0
@@ -191,8 +192,19 @@ def _timed_epoch(it: Any, n_batches: int, workers: Sequence[int] = ()) -> tuple[
         samples += len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch)
         if batches == n_batches:
             end, s1 = clocks()
-    sec, thread, proc, cpu = (b - a for a, b in zip(start, end, strict=True))
-    return batches, samples, sec, thread, proc, cpu, _sched_split(s0, s1, sec, max(batches, 1))
+    sec, thread, proc, cpu, idle, total = (b - a for a, b in zip(start, end, strict=True))
+    sched = _sched_split(s0, s1, sec, max(batches, 1))
+    return batches, samples, sec, thread, proc, cpu, sched, idle / total if total > 0 else 0.0
+
+
+def _machine_idle() -> tuple[float, float]:
+    """(idle + iowait, all) jiffies of every CPU so far, from /proc/stat ((0, 0) elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    return float(sum(ticks[3:5])), float(sum(ticks))
 
 
 def _counted_epoch(it: Any) -> tuple[int, Counter[str]]:
@@ -219,18 +231,22 @@ def _counted_epoch(it: Any) -> tuple[int, Counter[str]]:
 
 def measure_epochs(workload: str, variant: str, loader: str, *, epochs: int = 3,
                    warmup: int = 5, num_workers: int = 2, quick: bool = False,
-                   calls: bool = False) -> list[dict[str, Any]]:
+                   calls: bool = False, worker_nice: int | None = None) -> list[dict[str, Any]]:
     """One row per epoch: rate and CPU microseconds per batch of the main thread, the main
     process and the workers, over the batches after ``warmup``; with ``calls``, the main
     thread's function calls per batch instead (exact, whatever the machine's load: a
-    profiling hook sees each), the most frequent first."""
+    profiling hook sees each), the most frequent first. ``worker_nice``: set on gpufeed's
+    loader (None: its default; NOTE [ Worker priority ] in ``_host/priority.py``)."""
     work, v = workload_variant(workload, variant, quick=quick)
     torch.set_num_threads(1)
     make = _factory(loader, v, work, Settings(num_workers=num_workers, quick=quick))
     rows = []
     for _ in range(epochs):
         before = _children()
-        it = iter(make())
+        made = make()
+        if worker_nice is not None:  # (else the loader's default)
+            made.worker_nice = worker_nice  # type: ignore[attr-defined]
+        it = iter(made)
         n = len(it)  # type: ignore[arg-type]
         for _ in range(warmup):
             next(it)
@@ -243,12 +259,14 @@ def measure_epochs(workload: str, variant: str, loader: str, *, epochs: int = 3,
                 "c": sum(v for k, v in counts.items() if k.startswith("[C]")) / b,
                 "top": {k: v / b for k, v in counts.most_common(25)}}})
             continue
-        b, s, sec, thread, proc, cpu, sched = _timed_epoch(it, n - warmup, workers)
+        b, s, sec, thread, proc, cpu, sched, idle = _timed_epoch(it, n - warmup, workers)
         del it
+        stats = getattr(made, "stats", None)  # gpufeed's: NOTE [ Worker priority ]
         rows.append({"batches": b, "samples_per_s": s / sec, "us_per_batch": {
             "wall": 1e6 * sec / b, "main_thread": 1e6 * thread / b,
             "main_process": 1e6 * proc / b, "workers": 1e6 * cpu / b},
-            "sched_us_per_batch": sched, "loadavg": os.getloadavg()[0]})
+            "sched_us_per_batch": sched, "loadavg": os.getloadavg()[0], "machine_idle": idle,
+            "worker_nice": stats().counters.get("worker_nice", 0) if stats else 0})
     return rows
 
 
@@ -265,6 +283,8 @@ def _parser() -> argparse.ArgumentParser:
                         "samples, steadier shares, a slower and costlier main thread)")
     p.add_argument("--calls", action="store_true",
                    help="count the main thread's Python and C calls per batch instead")
+    p.add_argument("--worker-nice", type=int, default=None,
+                   help="gpufeed's worker_nice (default: the loader's, decided from costs)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p
 
@@ -274,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.pyspy:
         return _under_py_spy(args, list(sys.argv[1:] if argv is None else argv))
     rows = measure_epochs(args.workload, args.variant, args.loader, epochs=args.epochs,
-                          num_workers=args.num_workers, quick=args.quick, calls=args.calls)
+                          num_workers=args.num_workers, quick=args.quick, calls=args.calls,
+                          worker_nice=args.worker_nice)
     for k, r in enumerate(rows):
         if args.calls:
             c = r["calls_per_batch"]
@@ -287,9 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"epoch {k}: {r['batches']} batches, {r['samples_per_s']:,.0f} samples/s; CPU "
               f"us/batch: main thread {us['main_thread']:.1f}, main process "
               f"{us['main_process']:.1f}, workers {us['workers']:.1f} (wall {us['wall']:.1f}); "
-              f"load {r['loadavg']:.1f}", flush=True)
+              f"load {r['loadavg']:.1f}; the machine's CPUs {r['machine_idle']:.0%} idle, "
+              f"workers at nice +{r['worker_nice']}", flush=True)
         for name, t in r["sched_us_per_batch"].items():
-            print(f"  {name:11}  us/batch on a CPU {t['on_cpu']:6.1f}, waiting for a CPU "
+                print(f"  {name:11}  us/batch on a CPU {t['on_cpu']:6.1f}, waiting for a CPU "
                   f"{t['waiting_for_cpu']:6.1f}, asleep {t['asleep']:6.1f}")
     if args.json is not None:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
