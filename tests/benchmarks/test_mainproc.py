@@ -75,6 +75,12 @@ def test_a_worker_nice_given_is_the_loaders() -> None:
     assert row["worker_nice"] == 3
 
 
+def test_one_loader_can_serve_every_epoch() -> None:
+    rows = measure_epochs("tabular", "array", "gpufeed", epochs=2, warmup=2, quick=True,
+                          same_loader=True)
+    assert [r["batches"] for r in rows] == [-(-20_000 // 256) - 2] * 2
+
+
 def test_wall_time_is_split_into_on_cpu_waiting_and_asleep() -> None:
     start = {"main thread": (1.0, 0.5), "worker 0": (2.0, 0.0), "worker 1": None}
     end = {"main thread": (1.2, 0.6), "worker 0": (2.5, 0.1)}

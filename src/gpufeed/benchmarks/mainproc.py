@@ -231,19 +231,23 @@ def _counted_epoch(it: Any) -> tuple[int, Counter[str]]:
 
 def measure_epochs(workload: str, variant: str, loader: str, *, epochs: int = 3,
                    warmup: int = 5, num_workers: int = 2, quick: bool = False,
-                   calls: bool = False, worker_nice: int | None = None) -> list[dict[str, Any]]:
+                   calls: bool = False, worker_nice: int | None = None,
+                   same_loader: bool = False) -> list[dict[str, Any]]:
     """One row per epoch: rate and CPU microseconds per batch of the main thread, the main
     process and the workers, over the batches after ``warmup``; with ``calls``, the main
     thread's function calls per batch instead (exact, whatever the machine's load: a
     profiling hook sees each), the most frequent first. ``worker_nice``: set on gpufeed's
-    loader (None: its default; NOTE [ Worker priority ] in ``_host/priority.py``)."""
+    loader (None: its default; NOTE [ Worker priority ] in ``_host/priority.py``).
+    ``same_loader``: one loader for every epoch (as a training loop has), not a new one each
+    (as the CPU benchmark runs them)."""
     work, v = workload_variant(workload, variant, quick=quick)
     torch.set_num_threads(1)
     make = _factory(loader, v, work, Settings(num_workers=num_workers, quick=quick))
     rows = []
+    one = make() if same_loader else None
     for _ in range(epochs):
         before = _children()
-        made = make()
+        made = one if one is not None else make()
         if worker_nice is not None:  # (else the loader's default)
             made.worker_nice = worker_nice  # type: ignore[attr-defined]
         it = iter(made)
@@ -285,6 +289,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="count the main thread's Python and C calls per batch instead")
     p.add_argument("--worker-nice", type=int, default=None,
                    help="gpufeed's worker_nice (default: the loader's, decided from costs)")
+    p.add_argument("--same-loader", action="store_true",
+                   help="iterate one loader for every epoch, not a new one per epoch")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p
 
@@ -295,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _under_py_spy(args, list(sys.argv[1:] if argv is None else argv))
     rows = measure_epochs(args.workload, args.variant, args.loader, epochs=args.epochs,
                           num_workers=args.num_workers, quick=args.quick, calls=args.calls,
-                          worker_nice=args.worker_nice)
+                          worker_nice=args.worker_nice, same_loader=args.same_loader)
     for k, r in enumerate(rows):
         if args.calls:
             c = r["calls_per_batch"]
