@@ -161,12 +161,27 @@ def test_one_main_bound_window_is_not_enough(monkeypatch, cores_shared):
 
 def test_workers_started_later_get_the_increment(monkeypatch, cores_shared):
     p, clock, sent = _rule(monkeypatch)
-    p.catch_up(2)
+    p.started(2)
     assert sent == []  # nothing lowered yet: a new worker has the main process's priority
     _feed(p, clock, windows=priority.WINDOWS, main_s=1e-3, worker_s=1e-4)
+    assert sent == [(0, Nice(0, 5)), (1, Nice(0, 5))]
     p.resize(3)
-    p.catch_up(2)
-    assert sent[-1] == (2, Nice(0, priority.NICE_STEP))
+    p.started(2)  # a new process
+    p.catch_up(1)  # already has it: nothing twice
+    p.resize(1)  # the autotuner retires worker 1 ... then takes it back
+    p.catch_up(1)
+    assert sent[2:] == [(2, Nice(0, priority.NICE_STEP))]
+
+
+def test_a_worker_retiring_when_it_was_decided_gets_it_when_taken_back(monkeypatch,
+                                                                     cores_shared):
+    p, clock, sent = _rule(monkeypatch)
+    p.resize(1)  # worker 1 is retiring: only worker 0 is in use when it is decided
+    _feed(p, clock, windows=priority.WINDOWS, main_s=1e-3, worker_s=1e-4)
+    assert sent == [(0, Nice(0, priority.NICE_STEP))]
+    p.resize(2)
+    p.catch_up(1)  # the autotuner takes worker 1 back
+    assert sent[1:] == [(1, Nice(0, priority.NICE_STEP))]
 
 
 def test_workers_the_autotuner_adds_get_the_increment_too():

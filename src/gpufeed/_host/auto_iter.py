@@ -165,6 +165,7 @@ class AutoIter(WorkerIter):
                 w = self._num_workers
                 if w in self._retiring:
                     self._retiring.discard(w)
+                    self._priority.catch_up(w)  # it may have missed a lowered priority
                 else:
                     try:
                         pool.add(w, workers)
@@ -173,7 +174,7 @@ class AutoIter(WorkerIter):
                         break
                     self._seeds[w] = pool._spec.sample_seed
                     self._plans.pop(w, None)
-                    self._priority.catch_up(w)  # started at the main process's priority
+                    self._priority.started(w)  # at the main process's priority
                 self._catch_up(w)
                 self._num_workers = w + 1
             while self._num_workers > workers:

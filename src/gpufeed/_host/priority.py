@@ -35,6 +35,10 @@ thread's own, and the GIL, not the cores, is what they share with the loop).
 stock loader's workers); an int 1-19 lowers every process worker's priority by that much
 from its start (before any batch; ``worker_init_fn`` runs first). The increment in force is
 the ``worker_nice`` gauge of ``loader.stats()``.
+
+A loop that waits for the GPU by spinning (CUDA's default synchronisation where it has cores
+to spare) is busy to this rule: its workers then yield the shared core to the spin, which costs
+them nothing while the GPU is the bottleneck, and some of their rate if they were close to it.
 """
 
 from __future__ import annotations
@@ -100,21 +104,30 @@ class WorkerPriority:
         self._windows = 0  # main-bound windows in a row
         self._start: tuple[float, float, int] | None = None  # wall, main CPU, batches
         self._busy = (0, 0.0)  # the window's batches answered, and their worker seconds
+        self._sent: dict[int, int] = {}  # worker -> the increment it has been sent
         if process and setting:
             self._lower(setting)
 
     def resize(self, num_workers: int) -> None:
         self._num_workers = num_workers
 
+    def started(self, w: int) -> None:
+        """Worker ``w`` was just started, at the main process's priority (the autotuner)."""
+        self._sent[w] = 0
+        self.catch_up(w)
+
     def catch_up(self, w: int) -> None:
-        """Worker ``w`` was just started (at the main process's priority)."""
-        if self.applied:
-            self._send(w, Nice(0, self.applied))
+        """Bring worker ``w`` to the increment in force (one the autotuner had been retiring
+        may have missed it)."""
+        step = self.applied - self._sent.get(w, 0)
+        if step > 0:
+            self._send(w, Nice(0, step))  # (messages of any generation apply)
+            self._sent[w] = self.applied
 
     def _lower(self, step: int) -> None:
         self.applied += step
         for w in range(self._num_workers):
-            self._send(w, Nice(0, step))  # (messages of any generation apply)
+            self.catch_up(w)
         self._recorder.gauge("worker_nice", self.applied)
 
     def observe(self, yielded: int, answered: int, busy_s: float) -> None:
