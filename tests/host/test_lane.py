@@ -146,6 +146,37 @@ def test_a_loader_takes_the_lane_and_gives_stocks_batches(monkeypatch, worker_ty
     assert count.value > 125, count.value  # most of the 250 batches
 
 
+def test_workers_the_autotuner_adds_take_the_lane_too():
+    """num_workers="auto": workers started mid-epoch build their own lane, and the epoch still
+    equals the stock loader's."""
+    counts = multiprocessing.get_context("fork").Array("i", 4)  # per worker, seen when forked
+    run = GatherLane.run
+
+    def counted(self, *args):
+        result = run(self, *args)
+        if result is not None:
+            counts[tud.get_worker_info().id] += 1
+        return result
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4000, 6)).astype(np.float32)
+    y = rng.integers(0, 10, 4000)
+    kw = dict(batch_size=16, shuffle=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GatherLane, "run", counted)
+        ours = gpufeed.DataLoader(gpufeed.ArrayDataset(x, y), num_workers="auto",
+                                  generator=torch.Generator().manual_seed(5),
+                                  multiprocessing_context="fork", **kw)
+        ours._autotune.schedule = lambda k: 1 if k < 40 else 3  # (the autotuner's test seam)
+        got = list(ours)
+    stock = list(tud.DataLoader(tud.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)),
+                                generator=torch.Generator().manual_seed(5), **kw))
+    assert len(got) == len(stock) == 250
+    for a, b in zip(got, stock, strict=True):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert counts[1] > 0 and counts[2] > 0, list(counts)  # the workers started mid-epoch
+
+
 def _random_gather_config(seed: int) -> tuple[tud.TensorDataset, dict, dict, int | None]:
     rng = np.random.default_rng(seed)
     n = int(rng.choice([1, 5, 37, 100, 257]))
