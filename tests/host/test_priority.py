@@ -193,3 +193,14 @@ def test_workers_the_autotuner_adds_get_the_increment_too():
         seen.extend(int(x) for x in batch)
     assert counts == {1, 3}
     assert seen == [BASE + 4] * 240
+
+
+def test_the_gauge_says_what_is_in_force_in_each_epoch(cores_shared):
+    # a main-bound first epoch lowers it; the next epoch's new workers start at the main
+    # process's priority, and a worker-bound epoch keeps them there
+    loader = gpufeed.DataLoader(Niceness(400), batch_size=2, num_workers=2, prefetch_factor=2)
+    assert _niceness(loader, step_s=3e-4)[-1] == BASE + priority.NICE_STEP
+    assert loader.stats().counters["worker_nice"] == priority.NICE_STEP
+    loader.dataset.spin_s = 1e-3
+    assert _niceness(loader) == [BASE] * 400
+    assert loader.stats().counters["worker_nice"] == 0
