@@ -15,11 +15,9 @@ Stages the core reports (seconds per batch):
 The input-bound share has one definition, :func:`input_bound_share`, used by
 ``LoaderStats.input_bound``, ``gpufeed.Profiler`` and the tuner's trials.
 
-A ``to_device`` iterator keeps its own counters; ``DeviceIterator.stats()`` returns them as a
-:class:`DeviceStats`.
-
-Cost: :meth:`StatsRecorder.add` is one lock round trip, a dict look-up and a few float
-operations (about a microsecond); percentiles are computed only in :meth:`snapshot`.
+A ``to_device`` iterator keeps its own counters (``DeviceIterator.stats()``: a
+:class:`DeviceStats`). Cost: :meth:`StatsRecorder.add` is one lock round trip, a dict look-up
+and a few float operations (about a microsecond); percentiles only in :meth:`snapshot`.
 """
 
 from __future__ import annotations
@@ -351,6 +349,10 @@ class StatsRecorder:
         """Add ``k`` to the counter ``name`` (e.g. "ring_fallback")."""
         with self._lock:
             self._counters[name] = self._counters.get(name, 0) + k
+
+    def counter(self, name: str) -> int | None:
+        """The counter or gauge ``name`` now, None if never set (one value, no snapshot)."""
+        return self._counters.get(name)  # one dict read, atomic: no lock needed
 
     def gauge(self, name: str, value: int) -> None:
         """Set the counter ``name`` to ``value``: a level now (e.g. "ring_bytes"), not a sum."""

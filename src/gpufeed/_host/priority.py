@@ -107,7 +107,7 @@ class WorkerPriority:
         self._sent: dict[int, int] = {}  # worker -> the increment it has been sent
         if process and setting:
             self._lower(setting)
-        elif process and "worker_nice" in recorder.snapshot().counters:
+        elif process and recorder.counter("worker_nice"):
             recorder.gauge("worker_nice", 0)  # new workers: a last epoch's is not in force
 
     def resize(self, num_workers: int) -> None:

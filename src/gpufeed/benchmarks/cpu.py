@@ -133,14 +133,14 @@ def available_loaders() -> dict[str, str]:
     """Each loader name -> ``"ok"`` or why it cannot run here."""
     real = _gpufeed_loader() is not None
     gpufeed = "ok" if real else STAND_IN
-    thread = "ok" if real else "gpufeed.DataLoader is not importable (core missing)"
+    only_real = "ok" if real else "gpufeed.DataLoader is not importable (core missing)"
     try:
         importlib.import_module("torchdata.nodes")
         nodes = "ok"
     except ImportError:
         nodes = "torchdata is not installed (pip install --no-deps torchdata)"
-    return {"torch": "ok", "gpufeed": gpufeed, "gpufeed-thread": thread, "torchdata.nodes": nodes,
-            "gpufeed-nice0": thread}
+    return {"torch": "ok", "gpufeed": gpufeed, "gpufeed-thread": only_real,
+            "torchdata.nodes": nodes, "gpufeed-nice0": only_real}
 
 
 def _factory(loader: str, variant: Variant, work: Workload,
