@@ -28,7 +28,7 @@ from gpufeed.benchmarks import Settings, Workload, build
 from gpufeed.benchmarks.__main__ import main, render_markdown
 from gpufeed.benchmarks.ceiling import measure_no_loader
 from gpufeed.benchmarks.cpu import CEILING, _run_workload, _wait_for_children, summarize
-from gpufeed.benchmarks.summary import paired_ratio
+from gpufeed.benchmarks.summary import main_bound, paired_ratio
 from gpufeed.benchmarks.workloads import Variant
 
 MiB = 1 << 20
@@ -415,6 +415,59 @@ def test_summary_ratio_comes_from_the_figures() -> None:
                                row("gpufeed", "getitems", 900.0, 30.0, samples=1800.0)])
     assert sm["pss_ratio"] == pytest.approx(1.5) and sm["pss_pass"] is None
     assert "not judged" in sm["notes"][-1] and "1,800 vs 600 samples" in sm["notes"][-1]
+
+
+def test_ceiling_share_is_paired_by_round_and_bounded_by_the_main_process() -> None:
+    """The share of the ceiling is the median of each round's (the sides of a round share its
+    conditions), with the rounds' spread; the main-process bound (NOTE [ Main-process bound ])
+    is what the main process's CPU per batch leaves of the ceiling on these cores."""
+    def runs(rates: list[float], main_s: float) -> list[dict[str, float]]:
+        return [{"samples_per_s": r, "main_process_cpu_s_per_batch": main_s,
+                 "main_thread_cpu_s_per_batch": main_s / 10} for r in rates]
+
+    def row(loader: str, rates: list[float], main_s: float) -> dict[str, object]:
+        return {"loader": loader, "variant": "array", "runs": runs(rates, main_s),
+                "median": {"samples_per_s": statistics.median(rates), "bytes_per_s": 0.0,
+                           "peak_pss_bytes": 1.0, "pss_growth_bytes": 0.0,
+                           "first_batch_s": 0.0, "samples": 1000.0}}
+
+    # the ceiling's 2 processes take 1 s each for 100 batches: 0.02 core-s per batch, and its
+    # rate halves in round 2 (a slower machine), where gpufeed's halves too
+    ceiling = [{"variant": "array", "median": {"samples_per_s": 750.0, "bytes_per_s": 0.0},
+                "runs": [{"samples_per_s": 1000.0, "batches": 100, "seconds": 1.0,
+                          "process_seconds": [1.0, 1.0]},
+                         {"samples_per_s": 500.0, "batches": 100, "seconds": 2.0,
+                          "process_seconds": [2.0, 2.0]},
+                         {"samples_per_s": 1000.0, "batches": 100, "seconds": 1.0,
+                          "process_seconds": [1.0, 1.0]}]}]
+    rows = [row("torch", [100.0, 50.0, 100.0], 0.05),
+            row("gpufeed", [700.0, 400.0, 750.0], 0.005)]
+    c = summarize("tabular", rows, ceiling, cores=2)["ceiling"]
+    assert c["gpufeed_of_ceiling"] == pytest.approx(0.75)  # rounds: 0.70, 0.80, 0.75
+    assert c["gpufeed_of_ceiling_range"] == pytest.approx([0.70, 0.80])
+    # (a ratio of medians would say 700 / 1000 = 70%: round 2's slow ceiling left out)
+    assert c["gpufeed_main_bound"] == pytest.approx(0.02 / (0.02 + 0.005))
+    assert c["gpufeed_main_us"] == pytest.approx(5000.0)
+    assert c["stock_main_bound"] == pytest.approx((1 / 0.05) / 100)  # its main thread alone
+    # thread workers fetch in the main process: the iterating thread's CPU is the main's own
+    rows[1]["loader"] = "gpufeed-thread"
+    c = summarize("tabular", rows, ceiling, cores=2)["ceiling"]
+    assert c["gpufeed_main_bound"] == pytest.approx(0.02 / (0.02 + 0.0005))
+    # more cores than workers: the main process has a core of its own; at most all of it
+    assert main_bound(runs([1.0], 0.005)[0], ceiling[0]["runs"][0], 4) == 1.0
+    assert main_bound(runs([1.0], 0.015)[0], ceiling[0]["runs"][0], 4) == pytest.approx(
+        (1 / 0.015) / 100)
+    assert main_bound({"samples_per_s": 1.0}, ceiling[0]["runs"][0], 2) is None
+    md = render_markdown(
+        {"environment": {"date": "d", "hostname": "h", "cpu_model": "c", "cpu_affinity": 2,
+                         "memory_bytes": 2**30, "python": "p", "torch": "t", "numpy": "n",
+                         "torchdata": None, "gpufeed": "g", "loadavg_start": [0.0]},
+         "settings": {**Settings().__dict__}, "loaders": {},
+         "workloads": [{"name": "tabular", "results": rows, "ceiling": ceiling,
+                        "summary": summarize("tabular", rows, ceiling, cores=2)}]})
+    assert "| 75% (70-80%) | 10% (10-10%) |" in md
+    assert ("- tabular: gpufeed 98% (main process 500 us per batch), stock 20% (main process "
+            "50,000 us per batch)") in md
 
 
 def test_memory_is_compared_round_by_round() -> None:

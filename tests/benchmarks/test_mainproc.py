@@ -81,6 +81,16 @@ def test_one_loader_can_serve_every_epoch() -> None:
     assert [r["batches"] for r in rows] == [-(-20_000 // 256) - 2] * 2
 
 
+def test_a_step_spends_its_cpu_in_the_loop() -> None:
+    """--step-us: the loop's own CPU per batch, a training step's stand-in (NOTE [ Main-process
+    bound ]): it shows in the main thread's CPU per batch."""
+    (bare,) = measure_epochs("tabular", "array", "gpufeed", epochs=1, warmup=2, quick=True)
+    (row,) = measure_epochs("tabular", "array", "gpufeed", epochs=1, warmup=2, quick=True,
+                            step_us=2000)
+    assert row["us_per_batch"]["main_thread"] >= 2000
+    assert row["us_per_batch"]["main_thread"] > bare["us_per_batch"]["main_thread"] + 1500
+
+
 def test_wall_time_is_split_into_on_cpu_waiting_and_asleep() -> None:
     start = {"main thread": (1.0, 0.5), "worker 0": (2.0, 0.0), "worker 1": None}
     end = {"main thread": (1.2, 0.6), "worker 0": (2.5, 0.1)}

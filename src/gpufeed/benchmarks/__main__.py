@@ -82,10 +82,35 @@ def _ceiling_cells(sm: dict[str, Any]) -> list[str]:
         ours += f" ({c['gpufeed_variant']})"
     pct = [_fmt(None if c[f"{side}_of_ceiling"] is None else 100 * c[f"{side}_of_ceiling"])
            for side in ("gpufeed", "stock")]
-    pct = [x if x == "-" else x + "%" for x in pct]
+    pct = [x if x == "-" else x + "%" + _spread(c.get(f"{side}_of_ceiling_range"))
+           for x, side in zip(pct, ("gpufeed", "stock"), strict=True)]
     if c["stock_variant"] not in (None, c["gpufeed_variant"]) and pct[1] != "-":
         pct[1] += f" of {_fmt(c['stock_variant_ceiling'])} ({c['stock_variant']})"
     return [ours, *pct]
+
+
+def _spread(lo_hi: list[float] | None) -> str:
+    """" (lowest-highest%)" of the rounds' shares, or nothing (results from before)."""
+    return "" if not lo_hi else f" ({100 * lo_hi[0]:.0f}-{100 * lo_hi[1]:.0f}%)"
+
+
+def _bound_lines(workloads: list[dict[str, Any]]) -> list[str]:
+    """One line per workload with a main-process bound (NOTE [ Main-process bound ])."""
+    lines = []
+    for w in workloads:
+        c = (w.get("summary") or {}).get("ceiling") or {}
+        sides = [f"{side} {100 * c[f'{key}_main_bound']:.0f}% (main process "
+                 f"{c[f'{key}_main_us']:,.0f} us per batch)"
+                 for key, side in (("gpufeed", "gpufeed"), ("stock", "stock"))
+                 if c.get(f"{key}_main_bound") is not None]
+        if sides:
+            lines.append(f"- {w['name']}: {', '.join(sides)}")
+    if not lines:
+        return []
+    return ["Main-process bound (NOTE [ Main-process bound ] in `benchmarks/summary.py`): the "
+            "most of its variant's ceiling a loader can reach, round by round, with what its "
+            "main process spent per batch, on these cores; a share at its bound has nothing "
+            "left to gain but a cheaper main process:", "", *lines, ""]
 
 
 def _main_cpu(m: dict[str, Any]) -> str:
@@ -186,7 +211,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
             "upper bound for a loader with as many workers, not a target: the main process's "
             "own work (receiving batches, bookkeeping) is not in it, and a loader's rate, "
             "which starts after warm-up batches with later ones under way, may come within "
-            "noise of it; % of ceiling compares each best with its own variant's ceiling.", ""]
+            "noise of it; % of ceiling compares each best with its own variant's ceiling, "
+            "the median of each round's share (the rounds' lowest and highest in "
+            "brackets).", "", *_bound_lines(doc["workloads"])]
     if notes:
         lines += ["Misses:", "", *notes, ""]
     if also:

@@ -394,7 +394,7 @@ def run_cpu(workloads: Sequence[str], *, settings: Settings | None = None,
             "name": name, "description": work.description, "batch_size": work.batch_size,
             "samples": work.samples, "full_epoch": work.full_epoch, "meta": work.meta,
             "peer_teardown_errors": teardown.count, "results": rows, "ceiling": ceiling,
-            "summary": summarize(name, rows, ceiling)})
+            "summary": summarize(name, rows, ceiling, doc["environment"]["cpu_affinity"])})
         del work
     doc["environment"]["loadavg_end"] = list(os.getloadavg())
     return doc

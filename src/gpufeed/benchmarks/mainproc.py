@@ -175,11 +175,13 @@ def _sched_split(start: dict[str, Any], end: dict[str, Any], seconds: float,
     return out
 
 
-def _timed_epoch(it: Any, n_batches: int, workers: Sequence[int] = ()) -> tuple[
-        int, int, float, float, float, float, dict[str, dict[str, float]], float]:
-    """Iterate the rest of the epoch; read the clocks at its last batch, while the workers
-    live. (batches, samples, seconds, thread CPU, process CPU, workers' CPU, the wall time of
-    the main thread and of the ``workers`` (pids) split by ``_sched_split``, the share of the
+def _timed_epoch(it: Any, n_batches: int, workers: Sequence[int] = (), step_s: float = 0.0
+                 ) -> tuple[int, int, float, float, float, float, dict[str, dict[str, float]],
+                            float]:
+    """Iterate the rest of the epoch, spending ``step_s`` of CPU in the loop per batch (a
+    training step's stand-in); read the clocks at its last batch, while the workers live.
+    (batches, samples, seconds, thread CPU, process CPU, workers' CPU, the wall time of the
+    main thread and of the ``workers`` (pids) split by ``_sched_split``, the share of the
     machine's CPU time left idle)."""
     def clocks() -> tuple[tuple[float, float, float, float, float, float], dict[str, Any]]:
         return ((time.perf_counter(), time.thread_time(), time.process_time(),
@@ -187,9 +189,14 @@ def _timed_epoch(it: Any, n_batches: int, workers: Sequence[int] = ()) -> tuple[
 
     start, s0 = end, s1 = clocks()
     batches = samples = 0
+    clock = time.thread_time
     for batch in it:
         batches += 1
         samples += len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch)
+        if step_s:  # CPU time, not wall time: a step preempted still costs its CPU
+            done = clock() + step_s
+            while clock() < done:
+                pass
         if batches == n_batches:
             end, s1 = clocks()
     sec, thread, proc, cpu, idle, total = (b - a for a, b in zip(start, end, strict=True))
@@ -232,14 +239,15 @@ def _counted_epoch(it: Any) -> tuple[int, Counter[str]]:
 def measure_epochs(workload: str, variant: str, loader: str, *, epochs: int = 3,
                    warmup: int = 5, num_workers: int = 2, quick: bool = False,
                    calls: bool = False, worker_nice: int | None = None,
-                   same_loader: bool = False) -> list[dict[str, Any]]:
+                   same_loader: bool = False, step_us: float = 0.0) -> list[dict[str, Any]]:
     """One row per epoch: rate and CPU microseconds per batch of the main thread, the main
     process and the workers, over the batches after ``warmup``; with ``calls``, the main
     thread's function calls per batch instead (exact, whatever the machine's load: a
     profiling hook sees each), the most frequent first. ``worker_nice``: set on gpufeed's
     loader (None: its default; NOTE [ Worker priority ] in ``_host/priority.py``).
     ``same_loader``: one loader for every epoch (as a training loop has), not a new one each
-    (as the CPU benchmark runs them)."""
+    (as the CPU benchmark runs them). ``step_us``: CPU microseconds the loop spends per batch
+    (in the main thread's figures), to see how the rate answers the main process's cost."""
     work, v = workload_variant(workload, variant, quick=quick)
     torch.set_num_threads(1)
     make = _factory(loader, v, work, Settings(num_workers=num_workers, quick=quick))
@@ -263,7 +271,8 @@ def measure_epochs(workload: str, variant: str, loader: str, *, epochs: int = 3,
                 "c": sum(v for k, v in counts.items() if k.startswith("[C]")) / b,
                 "top": {k: v / b for k, v in counts.most_common(25)}}})
             continue
-        b, s, sec, thread, proc, cpu, sched, idle = _timed_epoch(it, n - warmup, workers)
+        b, s, sec, thread, proc, cpu, sched, idle = _timed_epoch(it, n - warmup, workers,
+                                                                 step_us * 1e-6)
         del it
         stats = getattr(made, "stats", None)  # gpufeed's: NOTE [ Worker priority ]
         rows.append({"batches": b, "samples_per_s": s / sec, "us_per_batch": {
@@ -291,6 +300,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="gpufeed's worker_nice (default: the loader's, decided from costs)")
     p.add_argument("--same-loader", action="store_true",
                    help="iterate one loader for every epoch, not a new one per epoch")
+    p.add_argument("--step-us", type=float, default=0.0,
+                   help="CPU microseconds the loop spends per batch, a training step's stand-in "
+                        "(it counts in the main thread's CPU): how the rate answers the main "
+                        "process's cost per batch")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p
 
@@ -301,7 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _under_py_spy(args, list(sys.argv[1:] if argv is None else argv))
     rows = measure_epochs(args.workload, args.variant, args.loader, epochs=args.epochs,
                           num_workers=args.num_workers, quick=args.quick, calls=args.calls,
-                          worker_nice=args.worker_nice, same_loader=args.same_loader)
+                          worker_nice=args.worker_nice, same_loader=args.same_loader,
+                          step_us=args.step_us)
     for k, r in enumerate(rows):
         if args.calls:
             c = r["calls_per_batch"]

@@ -1,19 +1,48 @@
 """The verdict of one workload of the CPU benchmark: the best stock and gpufeed figures, their
 ratio against the target, peak PSS on equal work (NOTE [ Equal work for memory ] in
-``benchmarks/cpu.py``), and each best as a share of its variant's no-loader ceiling."""
+``benchmarks/cpu.py``), and each best as a share of its variant's no-loader ceiling.
+
+NOTE [ Main-process bound ]
+---------------------------
+A loader's share of the no-loader ceiling is bounded by what its main process spends per batch.
+The ceiling's ``W`` processes spend ``c`` core-seconds per batch (their seconds over the
+batches: they do nothing but the work, so their wall time is CPU time), and the loader's
+workers spend about that on the same batches (the same work: their messages add to it, and
+less contention for memory can take from it); the loader's main process adds ``m`` CPU
+seconds per batch (``main_process_cpu_s_per_batch``; the iterating thread's alone with thread
+workers, whose fetch is in the same process and counts in ``c``). On ``P`` usable cores the
+loader then hands out at most ``min(P / (c + m), 1 / m, W / c)`` batches per second, whatever
+its hand-off does: all the work on every core, the main thread's on one, the workers' on
+theirs (as far as its workers cost what the ceiling's processes do). Over the ceiling's rate
+this is the **main-process bound**, computed round by round: with two workers on two cores,
+``c / (c + m)``. Where a loader's share sits at its bound, the
+main process's CPU per batch is what is left to cut; a bound below a target says the target
+needs a cheaper main process first. ``python -m gpufeed.benchmarks.mainproc --step-us N``
+adds N us of CPU per batch to the loop, to see how a rate answers that cost
+(``benchmarks/results/main-process.md``, round 17).
+"""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
-__all__ = ["PSS_TOLERANCE", "TARGETS", "paired_ratio", "summarize"]
+__all__ = ["PSS_TOLERANCE", "TARGETS", "main_bound", "paired_ratio", "per_round", "summarize"]
 
 #: Minimum ratio of samples/s, gpufeed's best over the stock loader's best (issue 2, item 6).
 TARGETS: dict[str, float] = {"tabular": 15.0, "image-array": 3.0, "jpeg": 1.15}
 #: Peak PSS passes when gpufeed's is at most the stock loader's times (1 + this): sampling noise.
 PSS_TOLERANCE = 0.02
+
+
+def per_round(runs: Sequence[dict[str, Any]], ref_runs: Sequence[dict[str, Any]],
+              figure: Callable[[dict[str, Any], dict[str, Any]], float | None]) -> list[float]:
+    """``figure(runs[k], ref_runs[k])`` for each round ``k`` (run ``k`` of each side is round
+    ``k``'s) where it is not None."""
+    out = [figure(a, b) for a, b in zip(runs, ref_runs, strict=False)]
+    return [x for x in out if x is not None]
 
 
 def paired_ratio(runs: Sequence[dict[str, Any]], ref_runs: Sequence[dict[str, Any]],
@@ -23,18 +52,19 @@ def paired_ratio(runs: Sequence[dict[str, Any]], ref_runs: Sequence[dict[str, An
     the sides alternate within a round, so a pair shares its round's conditions, while the
     process's PSS at a run's start moves by 10-50 MiB from round to round on these machines,
     which a ratio of the sides' medians takes from different rounds."""
-    ratios = [a[key] / b[key] for a, b in zip(runs, ref_runs, strict=False)
-              if a.get(key) and b.get(key)]
+    ratios = per_round(runs, ref_runs,
+                       lambda a, b: a[key] / b[key] if a.get(key) and b.get(key) else None)
     return statistics.median(ratios) if ratios else None
 
 
 def summarize(name: str, rows: Sequence[dict[str, Any]],
-              ceiling: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+              ceiling: Sequence[dict[str, Any]] = (), cores: int | None = None) -> dict[str, Any]:
     """Best stock figure, best gpufeed figure, their ratio and the targets' pass/miss, and each
-    best as a share of the no-loader ceiling of its variant.
+    best as a share of the no-loader ceiling of its variant, with its main-process bound
+    (NOTE [ Main-process bound ]; needs ``cores``, the usable cores).
 
-    ``rows`` are the result rows of one workload (``loader``, ``variant``, ``median``),
-    ``ceiling`` its no-loader rows (``variant``, ``median``)."""
+    ``rows`` are the result rows of one workload (``loader``, ``variant``, ``median``, and
+    ``runs`` in round order), ``ceiling`` its no-loader rows (the same, per variant)."""
     def best(loaders: Sequence[str]) -> dict[str, Any] | None:
         cands = [r for r in rows if r["loader"] in loaders]
         return max(cands, key=lambda r: r["median"]["samples_per_s"], default=None)
@@ -55,7 +85,7 @@ def summarize(name: str, rows: Sequence[dict[str, Any]],
                            "pss_ratio": None, "pss_pass": None, "pss_ratio_process": None,
                            "held_ratio": None,
                            "notes": [], "also": [],
-                           "ceiling": _ceiling_summary(stock, ours, ceiling)}
+                           "ceiling": _ceiling_summary(stock, ours, ceiling, cores)}
     if stock is None or ours is None:
         out["notes"].append("no comparison: the stock loader or gpufeed did not run")
         return out
@@ -102,9 +132,12 @@ def summarize(name: str, rows: Sequence[dict[str, Any]],
 
 
 def _ceiling_summary(stock: dict[str, Any] | None, ours: dict[str, Any] | None,
-                     ceiling: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """Each best row's variant, that variant's no-loader ceiling and the best as a share of it
-    (None where no ceiling was measured)."""
+                     ceiling: Sequence[dict[str, Any]], cores: int | None) -> dict[str, Any] | None:
+    """Each best row's variant, that variant's no-loader ceiling, and the best as a share of it:
+    the median over rounds of each round's share where the rows have their runs (the sides
+    alternate within a round, so a pair shares its conditions), with the rounds' lowest and
+    highest share and the main-process bound (NOTE [ Main-process bound ]); else the medians'
+    ratio. None where no ceiling was measured."""
     if not ceiling:
         return None
     out: dict[str, Any] = {}
@@ -116,4 +149,40 @@ def _ceiling_summary(stock: dict[str, Any] | None, ours: dict[str, Any] | None,
         out[f"{side}_variant_ceiling"] = rate
         out[f"{side}_of_ceiling"] = (None if r is None or not rate
                                      else r["median"]["samples_per_s"] / rate)
+        if r is None or c is None:
+            continue
+        runs, c_runs = r.get("runs", ()), c.get("runs", ())
+        shares = per_round(runs, c_runs, lambda a, b: a["samples_per_s"] / b["samples_per_s"]
+                           if b.get("samples_per_s") else None)
+        if shares:
+            out[f"{side}_of_ceiling"] = statistics.median(shares)
+            out[f"{side}_of_ceiling_range"] = [min(shares), max(shares)]
+        if cores:
+            thread = r["loader"].endswith("-thread")
+            bounds = per_round(runs, c_runs,
+                               partial(main_bound, cores=cores, thread_workers=thread))
+            if bounds:
+                out[f"{side}_main_bound"] = statistics.median(bounds)
+                out[f"{side}_main_us"] = 1e6 * statistics.median(
+                    _main_cpu(a, thread) or 0.0 for a in runs)
     return out
+
+
+def _main_cpu(run: dict[str, Any], thread_workers: bool) -> float | None:
+    return run.get("main_thread_cpu_s_per_batch" if thread_workers
+                   else "main_process_cpu_s_per_batch")
+
+
+def main_bound(run: dict[str, Any], ceiling_run: dict[str, Any], cores: int,
+               thread_workers: bool = False) -> float | None:
+    """The most of the ceiling run's rate (at most all of it) a loader whose main process
+    spends what ``run``'s did per batch can reach on ``cores`` cores (NOTE [ Main-process
+    bound ]); None without the figures."""
+    m = _main_cpu(run, thread_workers)
+    batches, seconds = ceiling_run.get("batches"), ceiling_run.get("seconds")
+    each = ceiling_run.get("process_seconds")
+    if not m or not batches or not seconds or not each:
+        return None
+    c = sum(each) / batches  # the ceiling's core-seconds per batch
+    rate = min(cores / (c + m), 1 / m, len(each) / c)
+    return min(rate / (batches / seconds), 1.0)
