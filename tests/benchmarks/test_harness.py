@@ -449,6 +449,16 @@ def test_ceiling_share_is_paired_by_round_and_bounded_by_the_main_process() -> N
     assert c["gpufeed_main_bound"] == pytest.approx(0.02 / (0.02 + 0.005))
     assert c["gpufeed_main_us"] == pytest.approx(5000.0)
     assert c["stock_main_bound"] == pytest.approx((1 / 0.05) / 100)  # its main thread alone
+    # rounds pair by their number: a run missing from round 1 leaves that round out
+    for k, r in enumerate(ceiling[0]["runs"]):
+        r["repeat"] = k
+    ours = rows[1]["runs"]
+    ours[0]["repeat"], ours[2]["repeat"] = 0, 2
+    rows[1]["runs"] = [ours[0], ours[2]]
+    c = summarize("tabular", rows, ceiling, cores=2)["ceiling"]
+    assert c["gpufeed_of_ceiling_range"] == pytest.approx([0.70, 0.75])
+    rows[1]["runs"] = ours
+    del ours[0]["repeat"], ours[2]["repeat"]
     # thread workers fetch in the main process: the iterating thread's CPU is the main's own
     rows[1]["loader"] = "gpufeed-thread"
     c = summarize("tabular", rows, ceiling, cores=2)["ceiling"]

@@ -109,8 +109,8 @@ def _bound_lines(workloads: list[dict[str, Any]]) -> list[str]:
         return []
     return ["Main-process bound (NOTE [ Main-process bound ] in `benchmarks/summary.py`): the "
             "most of its variant's ceiling a loader can reach, round by round, with what its "
-            "main process spent per batch, on these cores; a share at its bound has nothing "
-            "left to gain but a cheaper main process:", "", *lines, ""]
+            "main process spent per batch, on these cores; a share near its bound gains little "
+            "but from a cheaper main process:", "", *lines, ""]
 
 
 def _main_cpu(m: dict[str, Any]) -> str:

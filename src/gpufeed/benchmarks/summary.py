@@ -39,9 +39,15 @@ PSS_TOLERANCE = 0.02
 
 def per_round(runs: Sequence[dict[str, Any]], ref_runs: Sequence[dict[str, Any]],
               figure: Callable[[dict[str, Any], dict[str, Any]], float | None]) -> list[float]:
-    """``figure(runs[k], ref_runs[k])`` for each round ``k`` (run ``k`` of each side is round
-    ``k``'s) where it is not None."""
-    out = [figure(a, b) for a, b in zip(runs, ref_runs, strict=False)]
+    """``figure(run, ref_run)`` for each round that has a run on both sides, where it is not
+    None: the runs of one ``repeat`` (a run that failed in a round leaves that round out), or,
+    for runs without the number, run ``k`` of each side."""
+    if all("repeat" in r for r in (*runs, *ref_runs)):
+        ref_of = {r["repeat"]: r for r in ref_runs}
+        pairs = [(a, ref_of[a["repeat"]]) for a in runs if a["repeat"] in ref_of]
+    else:
+        pairs = list(zip(runs, ref_runs, strict=False))
+    out = [figure(a, b) for a, b in pairs]
     return [x for x in out if x is not None]
 
 
@@ -164,7 +170,7 @@ def _ceiling_summary(stock: dict[str, Any] | None, ours: dict[str, Any] | None,
             if bounds:
                 out[f"{side}_main_bound"] = statistics.median(bounds)
                 out[f"{side}_main_us"] = 1e6 * statistics.median(
-                    _main_cpu(a, thread) or 0.0 for a in runs)
+                    m for a in runs if (m := _main_cpu(a, thread)))
     return out
 
 
