@@ -99,10 +99,9 @@ def _bound_lines(workloads: list[dict[str, Any]]) -> list[str]:
     lines = []
     for w in workloads:
         c = (w.get("summary") or {}).get("ceiling") or {}
-        sides = [f"{side} {100 * c[f'{key}_main_bound']:.0f}% (main process "
-                 f"{c[f'{key}_main_us']:,.0f} us per batch)"
-                 for key, side in (("gpufeed", "gpufeed"), ("stock", "stock"))
-                 if c.get(f"{key}_main_bound") is not None]
+        sides = [f"{side} {100 * c[f'{side}_main_bound']:.0f}% (main process "
+                 f"{c[f'{side}_main_us']:,.0f} us per batch)"
+                 for side in ("gpufeed", "stock") if c.get(f"{side}_main_bound") is not None]
         if sides:
             lines.append(f"- {w['name']}: {', '.join(sides)}")
     if not lines:

@@ -51,15 +51,19 @@ def per_round(runs: Sequence[dict[str, Any]], ref_runs: Sequence[dict[str, Any]]
     return [x for x in out if x is not None]
 
 
+def _ratio_of(key: str) -> Callable[[dict[str, Any], dict[str, Any]], float | None]:
+    """A :func:`per_round` figure: ``run[key] / ref_run[key]``, None unless both have it."""
+    return lambda a, b: a[key] / b[key] if a.get(key) and b.get(key) else None
+
+
 def paired_ratio(runs: Sequence[dict[str, Any]], ref_runs: Sequence[dict[str, Any]],
                  key: str) -> float | None:
-    """The median over rounds of ``runs[k][key] / ref_runs[k][key]`` (run ``k`` of each side
-    is round ``k``'s); None without a pair that has the figure. Memory is compared this way:
+    """The median over rounds (:func:`per_round`) of each round's ``run[key] / ref_run[key]``;
+    None without a pair that has the figure. Memory is compared this way:
     the sides alternate within a round, so a pair shares its round's conditions, while the
     process's PSS at a run's start moves by 10-50 MiB from round to round on these machines,
     which a ratio of the sides' medians takes from different rounds."""
-    ratios = per_round(runs, ref_runs,
-                       lambda a, b: a[key] / b[key] if a.get(key) and b.get(key) else None)
+    ratios = per_round(runs, ref_runs, _ratio_of(key))
     return statistics.median(ratios) if ratios else None
 
 
@@ -158,8 +162,7 @@ def _ceiling_summary(stock: dict[str, Any] | None, ours: dict[str, Any] | None,
         if r is None or c is None:
             continue
         runs, c_runs = r.get("runs", ()), c.get("runs", ())
-        shares = per_round(runs, c_runs, lambda a, b: a["samples_per_s"] / b["samples_per_s"]
-                           if b.get("samples_per_s") else None)
+        shares = per_round(runs, c_runs, _ratio_of("samples_per_s"))
         if shares:
             out[f"{side}_of_ceiling"] = statistics.median(shares)
             out[f"{side}_of_ceiling_range"] = [min(shares), max(shares)]
