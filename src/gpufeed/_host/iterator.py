@@ -21,6 +21,7 @@ from .._base import timeline as _timeline
 from .._base.tree import batch_len
 from .._memory import pinning as _pinning
 from .._memory.pinning import pin_batch
+from .._order.datapipes import PipeSeeds, shard_here
 from .._order.plan import IndexPlan, follow_stock, make_plan, plannable
 from .._order.resume import capture_state
 from .._order.rewind import draw_base_seed
@@ -55,8 +56,11 @@ class BaseIter:
         self._pin = config.pin  # asked for, or implied by a CUDA device stage
         self._pin_device = config.pin_device  # pinning, registration and release fences run under
         self._sample_seed = config.sample_seed
-        # torch's draw order: the base seed, then the sampler's first draw; a loaded state is
-        # put back in between (LoaderPosition.begin_epoch)
+        # torch's draw order: a datapipe's shared seed (NOTE [ DataPipes ] in
+        # _order/datapipes.py), the base seed, then the sampler's first draw; a loaded state
+        # is put back in between (LoaderPosition.begin_epoch)
+        self._pipe_seeds = PipeSeeds(config.dataset, config.generator)
+        self._pipe_seeds.draw()
         self._base_seed = draw_base_seed(config.generator)
         # a replayed epoch's end is followed by the next iterator's draw, where epochs get
         # new iterators and that draw comes from the generator the sampler may share
@@ -237,6 +241,7 @@ class SingleIter(BaseIter):
 
     def __init__(self, config: IterConfig) -> None:
         super().__init__(config)
+        shard_here(self._dataset)  # a datapipe graph, by the process group's rank
         self._fetcher = make_fetcher(
             self._dataset, is_iterable=self._is_iterable, auto_collation=self._auto_collation,
             collate_fn=self._collate_fn, drop_last=self._drop_last, sample_seed=self._sample_seed,

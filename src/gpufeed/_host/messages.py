@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
     from .._base.errors import RemoteError
     from .._memory.spill import SpillFile
+    from .._order.datapipes import PipeSetup
     from .._order.plan import IndexPlan
 
 
@@ -107,10 +108,13 @@ class UsePlan(NamedTuple):
 
 
 class ResetStream(NamedTuple):
-    """Iterable datasets: restart the stream, from ``state`` on resume (else None)."""
+    """Iterable datasets: restart the stream, from ``state`` on resume (else None);
+    ``pipe_seed``: a datapipe graph's shared seed for the epoch (NOTE [ DataPipes ] in
+    ``_order/datapipes.py``), None to keep its seed."""
 
     gen: int
     state: Any
+    pipe_seed: int | None = None
 
 
 class Reseed(NamedTuple):
@@ -235,6 +239,8 @@ class WorkerSpec:
     worker seeds from ``base_seed + worker_id``. ``sample_seed``: per-sample seeding's base
     seed (None: off) at start; ``Reseed`` changes it later. ``random_watch``: thread workers
     only, the loader's ``GlobalDrawWatch`` (``_host/random_watch.py``), else None.
+    ``datapipe``: what each worker applies to its copy of a datapipe graph before
+    ``init_fn`` (``_order/datapipes.py``), None for any other dataset.
     """
 
     num_workers: int
@@ -250,6 +256,7 @@ class WorkerSpec:
     rank: int
     world_size: int
     random_watch: Any = None
+    datapipe: PipeSetup | None = None
 
 
 # -- the channels they travel on ---------------------------------------------------------------

@@ -64,6 +64,7 @@ from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 from .._base.errors import capture, out_of_descriptors
 from .._memory.heap import HeapFollower
 from .._memory.spill import SharedMemoryError, Spill
+from .._order.datapipes import reseed_in_worker, set_up_in_worker
 from .._order.shards import ShardInfo, set_shard_info
 from .._order.state import capture_state
 from .collate import pack
@@ -179,6 +180,8 @@ def worker_loop(
         parent = -1
     set_shard_info(ShardInfo(spec.rank, spec.world_size, worker_id, spec.num_workers))
     try:
+        if spec.datapipe is not None:  # torch's seed and sharding, before worker_init_fn
+            set_up_in_worker(dataset, spec.datapipe, spec.num_workers, worker_id)
         if spec.init_fn is not None:
             spec.init_fn(worker_id)
         fetcher = make_fetcher(
@@ -238,6 +241,7 @@ def _serve(
         latest = max(latest, gen)
         if isinstance(msg, ResetStream):
             if isinstance(fetcher, IterFetcher):
+                reseed_in_worker(fetcher.dataset, msg.pipe_seed)  # NOTE [ DataPipes ]
                 fetcher.reset(msg.state)
             continue
         if isinstance(msg, UsePlan):

@@ -85,7 +85,8 @@ class WorkerIter(BaseIter):
                 region=self._ring.region if shared else self._ring.region_tensor,
                 base_seed=self._base_seed, init_fn=config.worker_init_fn,
                 sample_seed=self._sample_seed, rank=config.rank, world_size=config.world_size,
-                random_watch=None if shared else config.random_watch)
+                random_watch=None if shared else config.random_watch,
+                datapipe=self._pipe_seeds.setup())
             # thread workers' draws from the global generators (process workers seed theirs)
             self._watch = None if shared else config.random_watch
             self._pool: Pool
@@ -131,10 +132,12 @@ class WorkerIter(BaseIter):
         resumed = self._position.take_dataset_states() if self._is_iterable else None
         first = resumed.next_worker if resumed is not None else 0
         self._cycle = itertools.cycle([*range(first, self._num_workers), *range(first)])
+        pipe_seed = self._pipe_seeds.draw()  # at every start, as torch: NOTE [ DataPipes ] (1)
         if self._is_iterable and (resumed is not None or not first_iter):
             for w in range(self._num_workers):
                 state = resumed.states[w] if resumed is not None else None
-                self._pool.send(w, ResetStream(self._gen, state))
+                # (the workers started with the first datapipe seed)
+                self._pool.send(w, ResetStream(self._gen, state, None if first_iter else pipe_seed))
         seed = config.sample_seed
         if seed != self._sample_seed:  # load_state_dict brought another seed: re-seed workers
             self._sample_seed = seed
