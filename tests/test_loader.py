@@ -575,6 +575,22 @@ def test_iterable_length_warning_like_stock(num_workers):
     assert said[1] == said[0]
 
 
+def test_a_persistent_iterator_warns_of_a_length_asked_after_its_first_epoch():
+    """``len(loader)`` first asked between epochs: the kept iterator's next epoch warns as a
+    new one would (torch's ``_reset`` takes the length again)."""
+    counts = []
+    for cls in (tud.DataLoader, gpufeed.DataLoader):
+        loader = cls(ShortLenIterable(RangeIterable(12, rich=False)), batch_size=None,
+                     num_workers=1, persistent_workers=True)
+        list(loader)
+        assert len(loader) == 10
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            list(loader)
+        counts.append(sum("was reported to be 10" in str(w.message) for w in caught))
+    assert counts[1] == counts[0] == 2
+
+
 class ShortLenIterable(tud.IterableDataset):
     def __init__(self, inner):
         self.inner = inner

@@ -203,8 +203,11 @@ class BaseIter:
     def _reset(self, loader: ConfigSource, first_iter: bool = False) -> None:
         """torch's persistent-worker hook: ``DataLoader.__iter__`` calls it with the loader to
         start the next epoch. The one place an iterator is handed its loader: it only asks it
-        for the epoch's config."""
-        self._restart(loader._iter_config(), first_iter=first_iter)
+        for the epoch's config (whose ``len(loader)``, asked since, the length warning takes,
+        as torch's ``_reset`` does)."""
+        config = loader._iter_config()
+        self._len_called = config.len_called
+        self._restart(config, first_iter=first_iter)
 
     def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
         """Start the next epoch (``first_iter``: the one ``__init__`` started)."""
