@@ -121,6 +121,15 @@ def test_iterable_dataset_sharded_by_rank_and_worker(reports):
     assert sorted(i for p in parts for i in p) == list(range(N))
 
 
+def test_a_datapipe_is_shuffled_alike_on_every_rank_then_sharded(reports):
+    """Each rank seeds its global generator differently; the loader broadcasts rank 0's
+    shared seed, so the ranks' shards of one order cover every sample once, as stock's do."""
+    parts = [rep["datapipe"] for rep in reports]
+    assert sorted(i for p in parts for i in p) == list(range(N))
+    for rep in reports:
+        assert rep["datapipe"] == rep["datapipe/stock"]
+
+
 # -- explicit rank/world_size, no process group -------------------------------------------------
 
 

@@ -7,7 +7,9 @@ checks the ranks against each other. Recorded per configuration:
   read from the process group);
 - ``loader/*``: ``gpufeed.DataLoader(..., seed=3)``, which must shard by itself once the process
   group is up (only when the loader has ``seed=``);
-- ``iterable``: an iterable dataset wrapped in ShardedIterable, two thread workers per rank.
+- ``iterable``: an iterable dataset wrapped in ShardedIterable, two thread workers per rank;
+- ``datapipe``: a shuffled, sharded datapipe with a different global seed on each rank (the
+  loader broadcasts rank 0's shared seed: NOTE [ DataPipes ]), and ``datapipe/stock``.
 
 Usage: ``torchrun --nproc_per_node=2 tests/support/dist_sampling.py OUT_DIR``.
 """
@@ -17,11 +19,13 @@ from __future__ import annotations
 import inspect
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.datapipes.iter import IterableWrapper
 
 import gpufeed
 from gpufeed._order.sampler import ShardedIterable, ShardedSampler
@@ -87,6 +91,12 @@ def main() -> None:
         [int(x) for x in gpufeed.DataLoader(stream, batch_size=None, num_workers=2,
                                             worker_type="thread")]
     ]
+    for name, cls in (("datapipe", gpufeed.DataLoader), ("datapipe/stock", DataLoader)):
+        torch.manual_seed(11 + rank)
+        pipe = IterableWrapper(list(range(N))).shuffle(buffer_size=8).sharding_filter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's datapipe deprecation
+            report[name] = [int(x) for x in cls(pipe, batch_size=None, num_workers=2)]
     Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
     dist.destroy_process_group()
