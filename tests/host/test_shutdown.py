@@ -105,6 +105,36 @@ def test_closed_iterator_stops_cleanly():
         next(it)
 
 
+@pytest.mark.parametrize("worker_type", WORKER_TYPES)
+def test_programs_that_reach_for_the_stock_iterators_workers_keep_working(worker_type):
+    """``loader._iterator._workers`` (pids for taskset or memory probes) and
+    ``loader._iterator._shutdown_workers()`` (persistent workers stopped before a loader is
+    replaced): private names of torch's iterator, used by programs written for it."""
+    with no_leaks(), deadline(20):
+        loader = gpufeed.DataLoader(BlockDataset(40), batch_size=4, num_workers=2,
+                                    persistent_workers=True, worker_type=worker_type)
+        assert sum(1 for _ in loader) == 10
+        held = list(loader._iterator._workers)
+        pids = [w.pid for w in held]
+        if worker_type == "thread":
+            assert pids == []  # no process to name
+        else:
+            assert len(pids) == 2 and not any(gone(p) for p in pids)
+            assert sum(1 for _ in loader) == 10  # persistent: the same processes
+            assert [w.pid for w in loader._iterator._workers] == pids
+        loader._iterator._shutdown_workers()
+        loader._iterator._shutdown_workers()  # idempotent, as stock's
+        assert loader._iterator._workers == []
+        assert all(gone(p) for p in pids)
+        # the process objects a program kept still answer, as stock's do (each holds a
+        # descriptor until dropped, as stock's)
+        assert all(p.join(1.0) is None and not p.is_alive() and p.exitcode is not None
+                   for p in held)
+        del held
+        assert sum(1 for _ in loader) == 10  # the next iter() starts afresh
+        del loader
+
+
 def test_close_is_fast_while_another_iterator_runs():
     """Workers forked later inherit this iterator's pipe ends: EOF alone would not stop it."""
     a = iter(gpufeed.DataLoader(BlockDataset(40), batch_size=4, num_workers=2))

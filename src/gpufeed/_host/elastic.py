@@ -104,6 +104,11 @@ class ElasticProcessPool(_Counting, ProcessPool):
         """Nothing outstanding for worker ``w``: it may be retired."""
         return self.out.count[w] <= 0 and not (self._sender is not None and self._sender.busy(w))
 
+    def processes(self) -> list[Any]:
+        """The process objects of the workers in force (retiring ones included, retired
+        ones not)."""
+        return [p for w, p in enumerate(self.procs) if w not in self.out.retired]
+
     def pids(self) -> list[int]:
         """The pids of the workers in force (retiring ones included, retired ones not)."""
         return [p.pid for w, p in enumerate(self.procs) if w not in self.out.retired and p.pid]

@@ -159,6 +159,10 @@ class ProcessPool:
         self._exited.update(dead)
         return msgs, dead
 
+    def processes(self) -> list[Any]:
+        """The workers' ``multiprocessing`` process objects in force; none once closed."""
+        return list(self.procs)
+
     def last_messages(self, w: int) -> list[ToMain]:
         """Whatever worker ``w`` sent before it died."""
         out = []
@@ -206,8 +210,8 @@ class ProcessPool:
         for p in self.procs:
             if p.is_alive():
                 log.warning("gpufeed worker pid %s did not stop", p.pid)
-            else:
-                p.close()
+        # Not Process.close(): a program may hold them (``_workers``, _host/stock_names.py) and
+        # join them or ask is_alive(), as with stock's. Dropped, they free their descriptors.
         self.procs = []  # their arguments hold the ring: let it go with the last user view
 
 

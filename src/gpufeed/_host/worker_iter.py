@@ -43,6 +43,7 @@ from .messages import (
 )
 from .pool import GRACE_S, Pool, ProcessPool, ThreadPool, live
 from .priority import WorkerPriority
+from .stock_names import StockNames
 from .tracing import label_workers, record_fetched, record_ring, sample_counters
 from .workahead import WorkAhead
 
@@ -50,7 +51,7 @@ _STOP = object()  # an iterable dataset's worker ran dry
 WAIT_SLICE_S = 1.0  # how often a waiting main process re-checks worker health
 
 
-class WorkerIter(BaseIter):
+class WorkerIter(StockNames, BaseIter):
     """Batches from ``num_workers`` process or thread workers through the slot ring."""
 
     # the pools it starts; ``AutoIter`` (``_host/auto_iter.py``) starts pools that can resize,
@@ -72,8 +73,7 @@ class WorkerIter(BaseIter):
                 num_workers=nw, prefetch_factor=config.prefetch_factor, pin=self._pin,
                 adaptive=self._timeout <= 0 and not config.prefetch_explicit,
                 device_depth=config.device_depth)
-            # A pinned ring outlives the epoch: NOTE [ Slot lifetime ] (e) in _memory/ring.py.
-            self._keeper = config.keeper if self._pin else None
+            self._keeper = config.keeper if self._pin else None  # NOTE [ Slot lifetime ] (e)
             self._ring = ring_for(self._keeper, budget=config.ring_bytes, shared=shared,
                                   pin=self._pin, device=self._pin_device,
                                   slots_hint=self._work_ahead.slots_hint)
@@ -132,11 +132,11 @@ class WorkerIter(BaseIter):
         resumed = self._position.take_dataset_states() if self._is_iterable else None
         first = resumed.next_worker if resumed is not None else 0
         self._cycle = itertools.cycle([*range(first, self._num_workers), *range(first)])
-        pipe_seed = self._pipe_seeds.draw()  # at every start, as torch: NOTE [ DataPipes ] (1)
+        # NOTE [ DataPipes ] (1): drawn at every start, as torch; workers started with the first
+        pipe_seed = self._pipe_seeds.draw()
         if self._is_iterable and (resumed is not None or not first_iter):
             for w in range(self._num_workers):
                 state = resumed.states[w] if resumed is not None else None
-                # (the workers started with the first datapipe seed)
                 self._pool.send(w, ResetStream(self._gen, state, None if first_iter else pipe_seed))
         seed = config.sample_seed
         if seed != self._sample_seed:  # load_state_dict brought another seed: re-seed workers
