@@ -313,6 +313,10 @@ class ThreadPool:
         dead = [] if msgs else [w for w, t in enumerate(self.threads) if not t.is_alive()]
         return msgs, dead
 
+    def processes(self) -> list[Any]:
+        """None: thread workers have no process."""
+        return []
+
     def last_messages(self, w: int) -> list[ToMain]:
         return []
 

@@ -29,9 +29,8 @@ class StockNames:
 
     @property
     def _workers(self) -> list[Any]:
-        pool = getattr(self, "_pool", None)  # (missing on a half-built iterator)
-        processes = getattr(pool, "processes", None)
-        return processes() if processes is not None else []
+        pool: Pool | None = getattr(self, "_pool", None)  # (missing on a half-built iterator)
+        return pool.processes() if pool is not None else []
 
     def _shutdown_workers(self) -> None:
         self.close()  # type: ignore[attr-defined]  # WorkerIter's

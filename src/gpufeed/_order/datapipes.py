@@ -108,13 +108,13 @@ def shard_here(dataset: Any) -> None:
 
 def set_up_in_worker(dataset: Any, setup: PipeSetup, num_workers: int, worker_id: int) -> None:
     """In worker ``worker_id``, before ``worker_init_fn``: seed and shard its graph."""
-    if setup.seed is not None and isinstance(dataset, IterDataPipe):
-        _seed_graph(dataset, setup.seed)
+    reseed_in_worker(dataset, setup.seed)
     graph_settings.apply_sharding(dataset, setup.world_size * num_workers,
                                   worker_id * setup.world_size + setup.rank)
 
 
 def reseed_in_worker(dataset: Any, seed: int | None) -> None:
-    """A persistent worker's next epoch: its graph reseeded with the epoch's shared seed."""
+    """Seed a worker's ``IterDataPipe`` graph with a shared seed (None: leave it): at its
+    start, and at each next epoch of a persistent pool."""
     if seed is not None and isinstance(dataset, IterDataPipe):
         _seed_graph(dataset, seed)
