@@ -22,8 +22,9 @@ import torch.utils.data as tud
 import gpufeed
 from gpufeed._base import cuda as _cuda
 from gpufeed._base.cuda import Fences
+from gpufeed._base.interrupts import interrupt_main_later
 from gpufeed._memory.region import PAGE, Region, default_reserve, reserve_for
-from gpufeed._memory.release import Releaser, interrupt_main_later
+from gpufeed._memory.release import Releaser
 from gpufeed._memory.ring import SlotRing
 from support.compare import assert_same, assert_same_batches, list_or_stop
 from support.fakes import (

@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Any
 
+from .._base.interrupts import ctrl_c_held
 from .messages import Done, Tasks, ThreadChannel, ToMain, ToWorker, WorkerSpec
 from .pool import GRACE_S, ProcessPool, ThreadPool, _hang_up, _thread_entry, _Watch
 from .worker import in_thread_worker, worker_loop
@@ -138,25 +139,26 @@ class ElasticProcessPool(_Counting, ProcessPool):
             close_fds = (*(c.fileno() for c in self.conns if not c.closed), parent_end.fileno())
         proc = self._ctx.Process(target=worker_loop, args=(spec,), daemon=True, kwargs=dict(
             worker_id=w, kind="process", chan=child_end, close_fds=close_fds))
-        placed = False
-        try:
-            proc.start()
-            if w == len(self.procs):
-                self.procs.append(proc)
-                self.conns.append(parent_end)
-            else:
-                self.procs[w], self.conns[w] = proc, parent_end
-            placed = True
-        finally:
-            child_end.close()
-            if not placed:
-                parent_end.close()  # a started child reads EOF and exits
-        self.out.place(w)
-        if self._sender is not None and w == len(self._sender.pending):
-            self._sender.pending.append(0)
-        self.n = max(self.n, w + 1)
-        self._watch(parent_end.fileno(), _Watch.CONN, w)
-        self._watch(proc.sentinel, _Watch.EXIT, w)
+        with ctrl_c_held():  # NOTE [ Ctrl-C that Python drops ]: raised once it is watched
+            placed = False
+            try:
+                proc.start()
+                if w == len(self.procs):
+                    self.procs.append(proc)
+                    self.conns.append(parent_end)
+                else:
+                    self.procs[w], self.conns[w] = proc, parent_end
+                placed = True
+            finally:
+                child_end.close()
+                if not placed:
+                    parent_end.close()  # a started child reads EOF and exits
+            self.out.place(w)
+            if self._sender is not None and w == len(self._sender.pending):
+                self._sender.pending.append(0)
+            self.n = max(self.n, w + 1)
+            self._watch(parent_end.fileno(), _Watch.CONN, w)
+            self._watch(proc.sentinel, _Watch.EXIT, w)
 
     def _join(self, w: int) -> None:
         """Reap the retired process at ``w`` and close its pipe (NOTE [ Resizing the pool ])."""

@@ -47,6 +47,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from .._base.errors import capture
+from .._base.interrupts import ctrl_c_held
 from .descriptors import receive
 from .failures import describe_exit, warn_if_unpicklable
 from .messages import StartFailed, ThreadChannel, ToMain, ToWorker, WorkerSpec
@@ -116,9 +117,10 @@ class ProcessPool:
             kwargs = dict(worker_id=w, kind="process", chan=pipes[w][1],
                           close_fds=tuple(fd for fd in close_fds if fd != own))
             proc = ctx.Process(target=worker_loop, args=(spec,), kwargs=kwargs, daemon=True)
-            with warn_if_unpicklable():
-                proc.start()
-            self.procs.append(proc)
+            with ctrl_c_held():  # NOTE [ Ctrl-C that Python drops ]: raised once it is kept
+                with warn_if_unpicklable():
+                    proc.start()
+                self.procs.append(proc)
 
     def _watch(self, fd: int, what: _Watch, w: int) -> None:
         self._poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)

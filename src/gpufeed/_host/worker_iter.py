@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .._base.errors import RemoteError, WorkerError
+from .._base.interrupts import ctrl_c_held
 from .._memory.keeper import end_ring, ring_for
 from .._memory.ring import SlotRing
 from .._order.plan import IndexPlan, follow_stock, make_plan, plannable
@@ -301,8 +302,7 @@ class WorkerIter(StockNames, BaseIter):
                 return
 
     def _next(self) -> Any:
-        watch = self._watch
-        if watch is None:
+        if (watch := self._watch) is None:
             return self._next_batch()
         watch.report(stacklevel=3)  # here: a warning turned error loses no batch
         try:
@@ -352,8 +352,7 @@ class WorkerIter(StockNames, BaseIter):
                 if self._direct:  # (else the device stage's Delivered counts it)
                     self._tracker.fetch_failed()
                 data.reraise()
-            ring = self._ring
-            occupancy, gauges = ring.levels()
+            occupancy, gauges = (ring := self._ring).levels()
             occupancy.append(("prefetch", in_flight, ahead.in_flight_bound))
             span = None
             if self._slot_of:  # batches in pinned slots (a device stage orders their copies)
@@ -397,4 +396,5 @@ class WorkerIter(StockNames, BaseIter):
                          workers_stopped=getattr(pool, "stopped", False))
 
     def __del__(self) -> None:
-        self.close()  # idempotent, and a no-op in a forked child
+        with ctrl_c_held(in_finalizer=True):  # NOTE [ Ctrl-C that Python drops ]
+            self.close()  # idempotent, and a no-op in a forked child

@@ -85,8 +85,8 @@ import torch
 
 from .._base import cuda as _cuda
 from .._base.cuda import Fences
+from .._base.interrupts import interrupt_main_later
 from .._base.tree import byte_extent, tree_map
-from .release import interrupt_main_later
 
 __all__ = [
     "PinnedRegion", "cuda_usable", "is_pinned", "pin", "pin_batch", "pin_device_index",

@@ -36,17 +36,15 @@ release would be lost and the loop would go on. So:
 
 from __future__ import annotations
 
-import _thread
 import collections
 import logging
-import signal
-import threading
 import warnings
 from typing import Any
 
 from .._base import cuda as _cuda
+from .._base.interrupts import interrupt_main_later
 
-__all__ = ["PinningFallbackWarning", "Releaser", "interrupt_main_later", "warn_unpinned"]
+__all__ = ["PinningFallbackWarning", "Releaser", "warn_unpinned"]
 
 logger = logging.getLogger(__name__)
 
@@ -146,24 +144,3 @@ class Releaser:
             sid = self.parked.popleft()
             self.handout.pop(sid, None)
             self.fences.add(event, sid)
-
-
-def interrupt_main_later(delay_s: float = 0.02) -> None:
-    """Interrupt the main thread again after ``delay_s``, from a daemon thread: a Ctrl-C caught
-    where Python would drop it (a finalizer) is raised again once that code has returned.
-
-    With Python's own SIGINT handler, a real SIGINT to the main thread (it also wakes a
-    blocking wait); with another handler, or where threads cannot be signalled, the handler
-    is run as for a SIGINT (``_thread.interrupt_main``).
-    """
-    main = threading.main_thread().ident
-    kill = getattr(signal, "pthread_kill", None)
-    if main is not None and kill is not None and (
-        signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    ):
-        timer = threading.Timer(delay_s, kill, (main, signal.SIGINT))
-    else:
-        timer = threading.Timer(delay_s, _thread.interrupt_main)
-    timer.daemon = True
-    timer.name = "gpufeed-reinterrupt"
-    timer.start()

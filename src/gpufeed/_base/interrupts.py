@@ -1,0 +1,89 @@
+"""Ctrl-C where Python would drop it: held across a fork, raised again after a finalizer.
+
+NOTE [ Ctrl-C that Python drops ]
+---------------------------------
+Python runs a signal's handler in the main thread at the next bytecode it runs there. Two
+kinds of code print the handler's exception ("Exception ignored in ...") and go on without it:
+
+- finalizers and weak-reference callbacks (a batch's slot release, NOTE [ Ctrl-C and slot
+  releases ] in ``_memory/release.py``): ``interrupt_main_later`` interrupts the main thread
+  again once the finalizer has returned;
+- ``os.register_at_fork`` hooks. ``Process.start()`` with the fork method spends milliseconds
+  in ``fork()`` itself (the page tables of a process that imported torch), and a SIGINT that
+  arrives meanwhile is handled at the first bytecode after it: in the parent, the hooks run
+  after the fork (logging's lock release is the first). The KeyboardInterrupt was dropped
+  there and the loop went on: with a pool that grows and shrinks every batch, 17 of 40 Ctrl-Cs
+  were lost. ``ctrl_c_held`` swaps in a handler that only notes the signal for the length of
+  the start, and hands a noted one to the handler it replaced once the start is over, so the
+  KeyboardInterrupt is raised in the loader's own code, which cleans up as for any other.
+
+An iterator dropped unclosed closes its pool from ``__del__``, and stopping workers takes
+milliseconds: a Ctrl-C then would be dropped and stop the close half-way. That close runs
+under ``ctrl_c_held(in_finalizer=True)``: it finishes, then the main thread is interrupted.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+__all__ = ["ctrl_c_held", "interrupt_main_later"]
+
+
+@contextlib.contextmanager
+def ctrl_c_held(in_finalizer: bool = False) -> Iterator[None]:
+    """Hold a SIGINT that arrives inside the block and deliver it to the handler in force
+    before, once the block is over (raised after any exception of the block's own). With
+    ``in_finalizer``, where an exception raised then would be dropped too, the main thread
+    is interrupted again shortly after instead (:func:`interrupt_main_later`).
+
+    Only the main thread runs signal handlers, so elsewhere (and where the handler is not
+    Python's to change: ignored, or installed from C) this does nothing.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if (threading.current_thread() is not threading.main_thread()
+            or previous is None or previous == signal.SIG_IGN):
+        yield
+        return
+    held: list[FrameType | None] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        held.append(frame)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held and in_finalizer:
+            interrupt_main_later()
+        elif held:
+            if callable(previous):  # Python's own raises KeyboardInterrupt here
+                previous(signal.SIGINT, held[0])
+            else:  # SIG_DFL: end the process as the signal would have
+                signal.raise_signal(signal.SIGINT)
+
+
+def interrupt_main_later(delay_s: float = 0.02) -> None:
+    """Interrupt the main thread again after ``delay_s``, from a daemon thread: a Ctrl-C caught
+    where Python would drop it (a finalizer) is raised again once that code has returned.
+
+    With Python's own SIGINT handler, a real SIGINT to the main thread (it also wakes a
+    blocking wait); with another handler, or where threads cannot be signalled, the handler
+    is run as for a SIGINT (``_thread.interrupt_main``).
+    """
+    main = threading.main_thread().ident
+    kill = getattr(signal, "pthread_kill", None)
+    if main is not None and kill is not None and (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
+        timer = threading.Timer(delay_s, kill, (main, signal.SIGINT))
+    else:
+        timer = threading.Timer(delay_s, _thread.interrupt_main)
+    timer.daemon = True
+    timer.name = "gpufeed-reinterrupt"
+    timer.start()
