@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpufeed.benchmarks.handoff import ideal_pass, main
+from gpufeed.benchmarks.handoff import DUTIES, ideal_pass, main
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="forks its workers (Linux)")
 
@@ -28,17 +28,31 @@ def test_every_batch_is_handed_out_once(wait, workers, slots):
     assert got["samples_per_s"] > 0
 
 
+@pytest.mark.parametrize("duties", [("views",), ("views", "lease"), ("stats",), DUTIES])
+@pytest.mark.parametrize("wait", ["yield", "sleep"])
+def test_with_a_drop_in_loaders_duties_every_batch_is_handed_out_once(wait, duties):
+    """With new tensors per batch, slots held by their leases until the batch is dropped and
+    the statistics recorded: the same labels, whichever duties."""
+    x = torch.randn(1000, 5)[:, ::2]
+    y = torch.arange(1000, dtype=torch.int64) ** 2
+    order = np.random.default_rng(1).permutation(1000)[:997]
+    got = ideal_pass([x, y], order, 32, workers=2, slots=3, wait=wait, duties=duties)
+    assert got["checksum"] == float(y[torch.from_numpy(order)].sum())
+
+
 def test_bad_settings_name_the_value():
     x = torch.zeros(4, 1)
     with pytest.raises(ValueError, match="wait='spin'"):
         ideal_pass([x], np.arange(4), 2, wait="spin")
     with pytest.raises(ValueError, match="slots=1"):
         ideal_pass([x], np.arange(4), 2, workers=2, slots=1)
+    with pytest.raises(ValueError, match=r"\['pickle'\] unknown; choose from"):
+        ideal_pass([x], np.arange(4), 2, duties=("views", "pickle"))
 
 
 def test_the_tool_writes_its_rounds(tmp_path):
     out = tmp_path / "handoff.json"
-    result = main(["--quick", "--rounds", "1", "--json", str(out)])
+    result = main(["--quick", "--rounds", "1", "--duties", "all", "--json", str(out)])
     saved = json.loads(out.read_text())
     assert saved["rounds"] == json.loads(json.dumps(result["rounds"]))
     row = saved["rounds"][0]

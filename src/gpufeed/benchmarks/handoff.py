@@ -22,11 +22,22 @@ It keeps none of a loader's duties (errors, resume, timeouts, late slots, statis
 dataset but plain arrays, a user holding a batch), so it bounds what a hand-off can cost from
 below; it checks itself by summing every label it hands out against the epoch's labels.
 ``benchmarks/results/main-process.md`` ("Round 14") holds its figures.
+
+``--duties`` adds what a drop-in loader must still do per batch in its main process, whatever
+its hand-off, each by name: ``views``, the batch as new tensors of their own (gpufeed's
+``unpack`` over the slot's bytes, which a user may keep); ``lease``, the slot held until the
+last of them is gone (a lease whose callback is ``deque.append``, as the ring's) rather than
+released at the next ask; ``stats``, the per-batch statistics (``StatsRecorder.handout`` with
+the ring's and the work-ahead's occupancy). With any of them both arrays share one slot, at
+aligned offsets, as in gpufeed's ring. What
+it leaves out is what a flag hand-off would remove: task and result messages, their pickling,
+the poll ("Round 19" in ``main-process.md``).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import mmap
 import os
@@ -40,14 +51,18 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler
 
+from .._base.stats import StatsRecorder
+from .._host.collate import Leaf, leaf_ref, unpack
+from .._memory.ring import _Lease
 from .._tools.measure import one_intra_op_thread
 from .ceiling import measure_no_loader
 from .cpu import _ceiling_fetch
 from .environment import environment
 from .workloads import build
 
-__all__ = ["ideal_pass", "main"]
+__all__ = ["DUTIES", "ideal_pass", "main"]
 
+DUTIES = ("views", "lease", "stats")  # a drop-in loader's per-batch duties (--duties)
 SPIN = 10_000  # sched_yield calls before a waiting side sleeps
 NAP_S = 20e-6
 
@@ -70,15 +85,22 @@ def _wait_until(ready: Any, how: str, check: Any = None) -> None:
 
 
 def ideal_pass(arrays: Sequence[torch.Tensor], order: np.ndarray, batch_size: int, *,
-               workers: int = 2, slots: int = 8, wait: str = "yield") -> dict[str, float]:
+               workers: int = 2, slots: int = 8, wait: str = "yield",
+               duties: Sequence[str] = ()) -> dict[str, float]:
     """One epoch of ``order`` through the idealised hand-off (NOTE [ Hand-off bound ]).
 
     ``arrays``: tensors sharing their first dimension (the last one's values are summed as a
-    check). Returns ``samples_per_s``, ``seconds``, and ``checksum`` (the sum of the last
-    array's rows handed out), which must equal ``arrays[-1][order].sum()``.
+    check). ``duties``: which of a drop-in loader's per-batch duties its main process does too
+    (``DUTIES``; ``lease`` and ``stats`` each imply ``views``). Returns
+    ``samples_per_s``, ``seconds``, and ``checksum`` (the sum of the last array's rows handed
+    out), which must equal ``arrays[-1][order].sum()``.
     """
     if wait not in ("yield", "sleep"):
         raise ValueError(f"wait={wait!r}: choose 'yield' or 'sleep'")
+    unknown = set(duties) - set(DUTIES)
+    if unknown:
+        raise ValueError(f"duties={tuple(duties)!r}: {sorted(unknown)} unknown; choose from "
+                         f"{DUTIES}")
     if workers < 1 or slots < workers:
         raise ValueError(f"workers={workers}, slots={slots}: need workers >= 1 and slots >= "
                          "workers")
@@ -87,11 +109,27 @@ def ideal_pass(arrays: Sequence[torch.Tensor], order: np.ndarray, batch_size: in
     perm_mem = _shared(n * 8)
     perm = np.frombuffer(perm_mem, np.int64)
     perm[:] = order
-    outs, mems = [], []
-    for a in arrays:
-        mem = _shared(slots * batch_size * a[0].numel() * a.element_size())
-        mems.append(mem)
-        outs.append(torch.frombuffer(mem, dtype=a.dtype).view(slots, batch_size, *a.shape[1:]))
+    outs: list[Any] = []  # per array: the slots' views (one tensor, or one per slot)
+    mems = []
+    if duties:  # one slot holds every array, each at an aligned offset, as gpufeed's ring
+        offsets, end = [], 0
+        for a in arrays:
+            offsets.append(end)
+            end += -(-batch_size * a[0].numel() * a.element_size() // 64) * 64
+        slot_bytes = end
+        region = _shared(slots * slot_bytes)
+        mems.append(region)
+        for a, off in zip(arrays, offsets, strict=True):
+            row = a[0].numel()
+            outs.append([torch.frombuffer(region, dtype=a.dtype, count=batch_size * row,
+                                          offset=s * slot_bytes + off)
+                         .view(batch_size, *a.shape[1:]) for s in range(slots)])
+    else:
+        for a in arrays:
+            mem = _shared(slots * batch_size * a[0].numel() * a.element_size())
+            mems.append(mem)
+            outs.append(torch.frombuffer(mem, dtype=a.dtype).view(slots, batch_size,
+                                                                  *a.shape[1:]))
     flags_mem = _shared(2 * slots * 8)
     flags = np.frombuffer(flags_mem, np.int64)
     holds, next_use = flags[:slots], flags[slots:]  # slot s: batch it holds, next batch allowed
@@ -114,7 +152,7 @@ def ideal_pass(arrays: Sequence[torch.Tensor], order: np.ndarray, batch_size: in
                     _wait_until(lambda s=s, k=k: next_use[s] >= k, wait, orphaned)
                     idx = torch.from_numpy(perm[k * batch_size:(k + 1) * batch_size])
                     for a, out in zip(arrays, outs, strict=True):
-                        torch.index_select(a, 0, idx, out=out[s, :len(idx)])
+                        torch.index_select(a, 0, idx, out=out[s][:len(idx)])
                     holds[s] = k
             except BaseException:
                 code = 1
@@ -139,12 +177,16 @@ def ideal_pass(arrays: Sequence[torch.Tensor], order: np.ndarray, batch_size: in
     finished = False
     t0 = time.perf_counter()
     try:
-        for k in range(batches):
-            s = k % slots
-            _wait_until(lambda s=s, k=k: holds[s] == k, wait, check)
-            batch = views[s] if k < batches - 1 else [v[:last] for v in views[s]]
-            checksum += int(batch[-1].sum())  # what a training step would read, cheaply
-            next_use[s] = k + slots  # released as the loop asks for the next batch
+        if duties:
+            checksum = _duties_loop(arrays, offsets, slot_bytes, mems[0], holds, next_use,
+                                    batches, batch_size, last, slots, wait, check, set(duties))
+        else:
+            for k in range(batches):
+                s = k % slots
+                _wait_until(lambda s=s, k=k: holds[s] == k, wait, check)
+                batch = views[s] if k < batches - 1 else [v[:last] for v in views[s]]
+                checksum += int(batch[-1].sum())  # what a training step would read, cheaply
+                next_use[s] = k + slots  # released as the loop asks for the next batch
         seconds = time.perf_counter() - t0
         finished = True
     finally:
@@ -155,6 +197,53 @@ def ideal_pass(arrays: Sequence[torch.Tensor], order: np.ndarray, batch_size: in
                 status[pid] = os.waitpid(pid, 0)[1]
     check()
     return {"samples_per_s": n / seconds, "seconds": seconds, "checksum": float(checksum)}
+
+
+def _duties_loop(arrays: Sequence[torch.Tensor], offsets: list[int], slot_bytes: int,
+                 region: mmap.mmap, holds: np.ndarray, next_use: np.ndarray, batches: int,
+                 batch_size: int, last: int, slots: int, wait: str, check: Any,
+                 duties: set[str]) -> int:
+    """The main process's side with some of a drop-in loader's per-batch duties
+    (``--duties``)."""
+    memory = np.frombuffer(region, np.uint8)
+    names = [str(a.dtype).removeprefix("torch.") for a in arrays]
+    tree = tuple(leaf_ref(i) for i in range(len(arrays)))
+    dropped: collections.deque[_Lease] = collections.deque()
+    leases: dict[int, _Lease] = {}
+    recorder = StatsRecorder()
+    checksum, out, returned = 0, 0, None
+    for k in range(batches):
+        while dropped:  # batches the loop let go of: their slots may be written again
+            sid = dropped.popleft().sid
+            del leases[sid]
+            next_use[sid] = int(holds[sid]) + slots
+            out -= 1
+        s = k % slots
+        asked = time.perf_counter()
+        _wait_until(lambda s=s, k=k: holds[s] == k, wait, check)
+        rows = batch_size if k < batches - 1 else last
+        used = offsets[-1] + rows * arrays[-1][0].numel() * arrays[-1].element_size()
+        base = memory[s * slot_bytes : s * slot_bytes + -(-used // 64) * 64]
+        if "lease" in duties:
+            lease = leases[s] = _Lease(base, dropped.append)
+            lease.sid = s
+        out += 1
+        leaves: list[Leaf] = [
+            (off // a.element_size(), name, (rows, *a.shape[1:]), None, False, False)
+            for a, off, name in zip(arrays, offsets, names, strict=True)]
+        batch = unpack((tree, leaves), base)
+        del base
+        if "stats" in duties:
+            now = time.perf_counter()
+            recorder.handout(None if returned is None else asked - returned, now - asked, rows,
+                             (("ring", out, slots), ("prefetch", slots - out, slots)))
+            returned = time.perf_counter()
+        checksum += int(batch[-1].sum())  # what a training step would read, cheaply
+        del batch  # the loop lets go of it: its lease's callback queues the slot
+        if "lease" not in duties:  # released as the loop asks for the next batch
+            next_use[s] = k + slots
+            out -= 1
+    return checksum
 
 
 def _gpufeed_pass(dataset: Any, batch_size: int, workers: int, seed: int) -> float:
@@ -185,9 +274,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--wait", choices=("yield", "sleep"), default="yield")
+    p.add_argument("--duties", default="",
+                   help="comma-separated per-batch duties of a drop-in loader's main process "
+                        f"to do too, of {','.join(DUTIES)}, or 'all' (each implies views)")
     p.add_argument("--quick", action="store_true", help="tiny data (for tests)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = p.parse_args(argv)
+    duties = DUTIES if args.duties == "all" else tuple(d for d in args.duties.split(",") if d)
     torch.set_num_threads(1)
     work = build("tabular", quick=args.quick)
     variant = next(v for v in work.variants if v.name == "array")
@@ -204,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         before = measure_no_loader(fetch, batches, processes=args.workers,
                                    init=one_intra_op_thread).samples_per_s
         ideal = ideal_pass(arrays, order, work.batch_size, workers=args.workers,
-                           slots=args.slots, wait=args.wait)
+                           slots=args.slots, wait=args.wait, duties=duties)
         if ideal["checksum"] != float(arrays[-1][torch.from_numpy(order)].sum()):
             raise RuntimeError("the hand-off lost or repeated a batch (checksum differs)")
         loader = _gpufeed_pass(dataset, work.batch_size, args.workers, r)
@@ -217,7 +310,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                "load_average": os.getloadavg()[0]}
         rounds.append(row)
         print(f"round {r}: ceiling {before:,.0f} / {after:,.0f}; ideal hand-off ({args.wait}, "
-              f"{args.slots} slots) {row['ideal_samples_per_s']:,.0f} "
+              f"{args.slots} slots{', ' + '+'.join(duties) if duties else ''}) "
+              f"{row['ideal_samples_per_s']:,.0f} "
               f"({row['ideal_share']:.0%}); gpufeed {loader:,.0f} ({row['gpufeed_share']:.0%}); "
               f"load {row['load_average']:.1f}", flush=True)
     result = {"environment": environment(), "workload": work.description,
