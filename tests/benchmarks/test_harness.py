@@ -359,6 +359,24 @@ def test_no_loader_reports_a_failing_process() -> None:
     assert not descendants()
 
 
+def _slow_rows(indices: list[int]) -> torch.Tensor:
+    time.sleep(0.01)
+    return torch.zeros(len(indices), 4)
+
+
+def test_the_ceiling_can_bear_the_loaders_memory_sampler() -> None:
+    """The benchmark's ceiling runs beside the same PSS sampler as a loader's run, so that the
+    sampler's CPU is not counted against the loaders alone; without it, no sample is taken."""
+    batches = [[i, i + 1] for i in range(0, 40, 2)]  # 20 batches, 10 per process, 0.1 s
+    sampled = measure_no_loader(_slow_rows, batches, processes=2, sample_memory=True,
+                                sample_interval_s=0.01)
+    assert sampled.samples == 40 and sampled.memory_samples >= 2
+    assert sampled.peak_pss_bytes > 0
+    plain = measure_no_loader(_slow_rows, batches, processes=2)
+    assert plain.samples == 40 and (plain.memory_samples, plain.peak_pss_bytes) == (0, 0)
+    assert not descendants()
+
+
 def test_workload_variants_give_the_same_batches(tmp_path: Path) -> None:
     pytest.importorskip("PIL")
     for name in ("tabular", "image-array", "jpeg"):

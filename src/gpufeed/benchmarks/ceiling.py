@@ -13,10 +13,16 @@ the process. Each runs ``init`` (one torch thread) and fetches the first index o
 one start event, which the parent sets once all are ready, so forking and start-up are not
 timed. Each reads the clock after the event and after its last batch; ``time.perf_counter`` is
 ``CLOCK_MONOTONIC`` on Linux, one clock for every process, so the figure is all samples over
-(last end - first start). What a loader adds (sending batches, the main process receiving them,
-its memory sampler) is not in it, which is why it bounds a loader with as many workers on the
-same cores from above (up to noise: its first batches are timed, where a loader's rate skips
-whole warm-up batches).
+(last end - first start). What a loader adds (sending batches, the main process receiving them)
+is not in it, which is why it bounds a loader with as many workers on the same cores from above
+(up to noise: its first batches are timed, where a loader's rate skips whole warm-up batches).
+
+What the benchmark adds is in it when asked: ``sample_memory=True`` runs the same PSS sampler
+thread as ``measure_loader`` (same interval, same reads) in the parent for the length of the
+pass. The benchmarks ask, because a loader's runs carry it: reading the PSS of a process tree
+that maps image-array's 2.9 GB file costs enough CPU that, on two cores, gpufeed ran 6% slower
+with it than without (median of 9 alternating rounds, 7 slower; ``benchmarks/results/round19/
+image-array/sampler-ab.json``), and a ceiling without it put that cost on the loaders' side.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._tools.measure import batch_samples_and_bytes
+from .._tools.peaks import PeakSampler
 
 __all__ = ["NoLoaderMeasurement", "measure_no_loader"]
 
@@ -47,6 +54,8 @@ class NoLoaderMeasurement:
         processes: how many processes fetched.
         process_seconds: each process's own time from the start event to its last batch
             (their spread shows how evenly the work fell).
+        memory_samples: PSS samples taken during the pass (``sample_memory``; else 0).
+        peak_pss_bytes: the highest PSS of the process tree they saw (0 without samples).
     """
 
     samples: int
@@ -56,6 +65,8 @@ class NoLoaderMeasurement:
     bytes_per_s: float
     processes: int
     process_seconds: tuple[float, ...]
+    memory_samples: int = 0
+    peak_pss_bytes: int = 0
 
 
 def _no_loader_process(k: int, fetch: Callable[[list[int]], Any], batches: Sequence[Sequence[int]],
@@ -113,6 +124,8 @@ def measure_no_loader(
     max_seconds: float | None = None,
     count: Callable[[Any], tuple[int, int]] = batch_samples_and_bytes,
     timeout_s: float = 3600.0,
+    sample_memory: bool = False,
+    sample_interval_s: float = 0.02,
 ) -> NoLoaderMeasurement:
     """Fetch ``batches`` in ``processes`` forked processes with no loader and time it: the
     ceiling of a loader with that many workers (NOTE [ No-loader ceiling ]).
@@ -130,6 +143,9 @@ def measure_no_loader(
             (``None``: every batch). Bounds the run time on large data sets.
         count: ``(samples, bytes)`` of a batch, as for ``measure_loader``.
         timeout_s: give up (and kill the processes) after this many seconds in all.
+        sample_memory: run ``measure_loader``'s PSS sampler (every ``sample_interval_s``, with
+            the held shared memory) during the pass, so that the ceiling bears its cost as a
+            loader's run does (see the NOTE); its peak is ``peak_pss_bytes``.
 
     Raises:
         ValueError: bad knobs. RuntimeError: a process failed (its traceback is in the message),
@@ -149,9 +165,12 @@ def measure_no_loader(
     ready: set[int] = set()
     done: dict[int, tuple[Any, ...]] = {}
     deadline = time.monotonic() + timeout_s
+    sampler = None
     try:
         for p in procs:
             p.start()
+        if sample_memory:  # the processes exist: the sampler reads the tree they make
+            sampler = PeakSampler(held=True).start_thread(sample_interval_s)
         while len(done) < processes:
             msg = _next_message(results, procs, done, deadline, timeout_s)
             if msg is None:
@@ -165,6 +184,8 @@ def measure_no_loader(
             else:
                 done[msg[1]] = msg[2:]
     finally:
+        if sampler is not None:
+            sampler.stop()
         for p in procs:  # after a failure the others may wait for a start that never comes
             if p.pid is not None:
                 p.join(timeout=10.0 if len(done) == processes else 0.0)
@@ -178,4 +199,6 @@ def measure_no_loader(
     return NoLoaderMeasurement(
         samples=samples, batches=sum(d[2] for d in done.values()), seconds=seconds,
         samples_per_s=samples / seconds, bytes_per_s=sum(d[1] for d in done.values()) / seconds,
-        processes=processes, process_seconds=tuple(done[k][4] - done[k][3] for k in sorted(done)))
+        processes=processes, process_seconds=tuple(done[k][4] - done[k][3] for k in sorted(done)),
+        memory_samples=sampler.count if sampler else 0,
+        peak_pss_bytes=sampler.peak.pss if sampler else 0)

@@ -245,7 +245,7 @@ def _ceiling(variant: Variant, work: Workload, s: Settings) -> dict[str, Any]:
         batches = batches[:s.max_batches]
     how, fetch = _ceiling_fetch(variant)
     m = measure_no_loader(fetch, batches, processes=s.num_workers, init=one_intra_op_thread,
-                          max_seconds=s.max_seconds if capped else None)
+                          max_seconds=s.max_seconds if capped else None, sample_memory=True)
     return {**asdict(m), "fetch": how}
 
 

@@ -250,7 +250,7 @@ def _collated(ds: Dataset[Any], indices: list[int]) -> Any:
 def _measure(factory: Factory, quick: bool, whole_epoch: bool) -> dict[str, Any]:
     if isinstance(factory, Ceiling):
         c = measure_no_loader(factory.fetch, factory.batches, processes=factory.processes,
-                              init=one_intra_op_thread)
+                              init=one_intra_op_thread, sample_memory=True)  # as the loaders
         return {"samples_per_s": c.samples_per_s, "first_batch_s": 0.0, "peak_pss_bytes": 0,
                 "start_pss_bytes": 0, "pss_growth_bytes": 0}
     m = measure_loader(factory, warmup_batches=1 if quick else 3,
