@@ -35,6 +35,17 @@ def test_a_ctrl_c_inside_the_block_is_raised_when_it_ends():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_nothing_is_held_where_no_at_fork_hook_runs():
+    """A spawned worker's start runs no at-fork hook in this process, and may pickle a large
+    dataset: a Ctrl-C then is raised at once, not after the start."""
+    ran_on = []
+    with pytest.raises(KeyboardInterrupt), ctrl_c_held(hold=False):
+        signal.raise_signal(signal.SIGINT)
+        ran_on.append("after the signal")
+    assert ran_on == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_the_programs_own_handler_gets_the_held_signal_once_afterwards():
     calls = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))

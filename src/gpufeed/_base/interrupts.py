@@ -14,8 +14,9 @@ kinds of code print the handler's exception ("Exception ignored in ...") and go 
   after the fork (logging's lock release is the first). The KeyboardInterrupt was dropped
   there and the loop went on: with a pool that grows and shrinks every batch, 17 of 40 Ctrl-Cs
   were lost. ``ctrl_c_held`` swaps in a handler that only notes the signal for the length of
-  the start, and hands a noted one to the handler it replaced once the start is over, so the
-  KeyboardInterrupt is raised in the loader's own code, which cleans up as for any other.
+  a forked start, and hands a noted one to the handler it replaced once the start is over, so
+  the KeyboardInterrupt is raised in the loader's own code, which cleans up as for any other.
+  (Spawn and forkserver starts run no at-fork hook in this process: nothing is held.)
 
 An iterator dropped unclosed closes its pool from ``__del__``, and stopping workers takes
 milliseconds: a Ctrl-C then would be dropped and stop the close half-way. That close runs
@@ -35,26 +36,28 @@ __all__ = ["ctrl_c_held", "interrupt_main_later"]
 
 
 @contextlib.contextmanager
-def ctrl_c_held(in_finalizer: bool = False) -> Iterator[None]:
+def ctrl_c_held(in_finalizer: bool = False, *, hold: bool = True) -> Iterator[None]:
     """Hold a SIGINT that arrives inside the block and deliver it to the handler in force
     before, once the block is over (raised after any exception of the block's own). With
     ``in_finalizer``, where an exception raised then would be dropped too, the main thread
-    is interrupted again shortly after instead (:func:`interrupt_main_later`).
+    is interrupted again shortly after instead (:func:`interrupt_main_later`). ``hold=False``:
+    nothing is held (a spawned worker's start runs no at-fork hook, and pickling a large
+    dataset for it would hold a Ctrl-C for as long).
 
     Only the main thread runs signal handlers, so elsewhere (and where the handler is not
     Python's to change: ignored, or installed from C) this does nothing.
     """
     previous = signal.getsignal(signal.SIGINT)
-    if (threading.current_thread() is not threading.main_thread()
+    if (not hold or threading.current_thread() is not threading.main_thread()
             or previous is None or previous == signal.SIG_IGN):
         yield
         return
     held: list[FrameType | None] = []
 
-    def hold(signum: int, frame: FrameType | None) -> None:
+    def note(signum: int, frame: FrameType | None) -> None:
         held.append(frame)
 
-    signal.signal(signal.SIGINT, hold)
+    signal.signal(signal.SIGINT, note)
     try:
         yield
     finally:

@@ -135,11 +135,11 @@ class ElasticProcessPool(_Counting, ProcessPool):
         spec = self.out.spec_for(self._spec, w, num_workers)
         parent_end, child_end = self._ctx.Pipe(duplex=True)
         close_fds: tuple[int, ...] = ()
-        if self._ctx.get_start_method() == "fork":  # the child closes every main end
+        if fork := self._ctx.get_start_method() == "fork":  # the child closes every main end
             close_fds = (*(c.fileno() for c in self.conns if not c.closed), parent_end.fileno())
         proc = self._ctx.Process(target=worker_loop, args=(spec,), daemon=True, kwargs=dict(
             worker_id=w, kind="process", chan=child_end, close_fds=close_fds))
-        with ctrl_c_held():  # NOTE [ Ctrl-C that Python drops ]: raised once it is watched
+        with ctrl_c_held(hold=fork):  # NOTE [ Ctrl-C that Python drops ]: raised once watched
             placed = False
             try:
                 proc.start()

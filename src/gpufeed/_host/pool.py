@@ -117,7 +117,7 @@ class ProcessPool:
             kwargs = dict(worker_id=w, kind="process", chan=pipes[w][1],
                           close_fds=tuple(fd for fd in close_fds if fd != own))
             proc = ctx.Process(target=worker_loop, args=(spec,), kwargs=kwargs, daemon=True)
-            with ctrl_c_held():  # NOTE [ Ctrl-C that Python drops ]: raised once it is kept
+            with ctrl_c_held(hold=fork):  # NOTE [ Ctrl-C that Python drops ]: raised once kept
                 with warn_if_unpicklable():
                     proc.start()
                 self.procs.append(proc)
