@@ -29,9 +29,10 @@ its hand-off, each by name: ``views``, the batch as new tensors of their own (gp
 last of them is gone (a lease whose callback is ``deque.append``, as the ring's) rather than
 released at the next ask; ``stats``, the per-batch statistics (``StatsRecorder.handout`` with
 the ring's and the work-ahead's occupancy). With any of them both arrays share one slot, at
-aligned offsets, as in gpufeed's ring. What
-it leaves out is what a flag hand-off would remove: task and result messages, their pickling,
-the poll ("Round 19" in ``main-process.md``).
+aligned offsets, as in gpufeed's ring, and the batch is new tensors (``lease`` and ``stats``
+imply ``views``), whose leaf descriptions are made once per batch length. What it leaves out
+is what a flag hand-off would remove: task and result messages, their pickling, the poll
+("Round 19" in ``main-process.md``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ from torch.utils.data import BatchSampler, RandomSampler
 
 from .._base.stats import StatsRecorder
 from .._host.collate import Leaf, leaf_ref, unpack
+from .._host.writer import dtype_name
+from .._memory.region import align
 from .._memory.ring import _Lease
 from .._tools.measure import one_intra_op_thread
 from .ceiling import measure_no_loader
@@ -115,7 +118,7 @@ def ideal_pass(arrays: Sequence[torch.Tensor], order: np.ndarray, batch_size: in
         offsets, end = [], 0
         for a in arrays:
             offsets.append(end)
-            end += -(-batch_size * a[0].numel() * a.element_size() // 64) * 64
+            end += align(batch_size * a[0].numel() * a.element_size())
         slot_bytes = end
         region = _shared(slots * slot_bytes)
         mems.append(region)
@@ -171,7 +174,8 @@ def ideal_pass(arrays: Sequence[torch.Tensor], order: np.ndarray, batch_size: in
         if failed:
             raise RuntimeError(f"hand-off workers {failed} failed")
 
-    views = [[out[s] for out in outs] for s in range(slots)]  # made once per slot
+    # made once per slot (the plain bound's batches; with duties each batch is new tensors)
+    views = [] if duties else [[out[s] for out in outs] for s in range(slots)]
     last = n - (batches - 1) * batch_size
     checksum = 0
     finished = False
@@ -206,8 +210,19 @@ def _duties_loop(arrays: Sequence[torch.Tensor], offsets: list[int], slot_bytes:
     """The main process's side with some of a drop-in loader's per-batch duties
     (``--duties``)."""
     memory = np.frombuffer(region, np.uint8)
-    names = [str(a.dtype).removeprefix("torch.") for a in arrays]
     tree = tuple(leaf_ref(i) for i in range(len(arrays)))
+
+    def layout(rows: int) -> tuple[int, list[Leaf], int]:
+        """``rows``, the leaf descriptions of a batch of that many rows and the bytes it spans:
+        known per slot to a hand-off without messages, as the gather lane's are (made once,
+        not per batch)."""
+        leaves: list[Leaf] = [(off // a.element_size(), dtype_name(a.dtype),
+                               (rows, *a.shape[1:]), None, False, False)
+                              for a, off in zip(arrays, offsets, strict=True)]
+        last_leaf = rows * arrays[-1][0].numel() * arrays[-1].element_size()
+        return rows, leaves, align(offsets[-1] + last_leaf)
+
+    full, short = layout(batch_size), layout(last)
     dropped: collections.deque[_Lease] = collections.deque()
     leases: dict[int, _Lease] = {}
     recorder = StatsRecorder()
@@ -221,16 +236,12 @@ def _duties_loop(arrays: Sequence[torch.Tensor], offsets: list[int], slot_bytes:
         s = k % slots
         asked = time.perf_counter()
         _wait_until(lambda s=s, k=k: holds[s] == k, wait, check)
-        rows = batch_size if k < batches - 1 else last
-        used = offsets[-1] + rows * arrays[-1][0].numel() * arrays[-1].element_size()
-        base = memory[s * slot_bytes : s * slot_bytes + -(-used // 64) * 64]
+        rows, leaves, spans = full if k < batches - 1 else short
+        base = memory[s * slot_bytes : s * slot_bytes + spans]
         if "lease" in duties:
             lease = leases[s] = _Lease(base, dropped.append)
             lease.sid = s
         out += 1
-        leaves: list[Leaf] = [
-            (off // a.element_size(), name, (rows, *a.shape[1:]), None, False, False)
-            for a, off, name in zip(arrays, offsets, names, strict=True)]
         batch = unpack((tree, leaves), base)
         del base
         if "stats" in duties:
