@@ -7,26 +7,24 @@ per message, and sizes the ring for the bound plus the batches the consumer hold
 
 NOTE [ Fresh slots ]
 --------------------
-A chunked loader keeps two chunks per worker in flight, each batch in its own ring slot, so
-the chunk sizes the ring: 64-batch chunks of cheap batches (tabular rows) make 258 slots for
-two workers. A slot's pages cost their first touch: shared memory is allocated and zeroed
-page by page as a worker first writes it (about 2.3 us a page here), and every other worker
-that writes the slot later maps the page again (about 0.9 us). Measured on tabular
-(``benchmarks/results/main-process.md``, "Round 20"), a fresh loader's first 500 batches ran
-at 2-4x the steady cost per batch, the workers' gather at 40-90 us a batch against 14, over
-10,000 page faults an epoch, against 250 once the ring was warm. So while the ring is new
-(its first epoch, every epoch of a loader without persistent workers) the chunk is capped at
-``FRESH_CHUNK_MAX``: half the slots to fault in, which gave a fresh loader's epoch 1.055x the
-rate of 64-batch chunks (median of 16 alternating rounds), and half the ring's memory. A
-ring that has served an epoch (persistent workers, a kept pinned ring) is warm and takes the
-longer chunks, whose fewer messages were worth 2-4% there.
+A chunked loader keeps two chunks per worker in flight, each batch in a ring slot of its own,
+so the longest chunk sizes the ring of cheap batches: with two workers, ``CHUNK_MAX`` 64 made
+258 slots of tabular batches, 32 makes 130. A slot's pages cost their first touch: shared
+memory is allocated and zeroed page by page as a worker first writes it (2.3 us a page here),
+and each other worker that writes the slot later maps the page again (0.9 us). A new ring
+pays that in its first epoch, and a loader without persistent workers has a new ring every
+epoch. Measured on tabular (``benchmarks/results/main-process.md``, "Round 20"): with 64 a
+fresh loader's workers took over 10,000 page faults an epoch against 250 on a warm ring, and
+their gather 40-90 us a batch for the first 500 batches against 14. With 32, a fresh loader's
+epoch ran 1.03x the rate of 64 (median of 16 alternating rounds, 11 faster), and a warm ring's
+0.99x (16 rounds, 8 faster): the messages that 64 saves were worth nothing measurable, and
+the ring of cheap batches takes half the memory.
 """
 
 from __future__ import annotations
 
 CHUNK_TARGET_S = 0.03  # worker seconds of work per task message (see _host/worker.py)
-CHUNK_MAX = 64
-FRESH_CHUNK_MAX = 32  # while the ring's slots are new (NOTE [ Fresh slots ])
+CHUNK_MAX = 32  # batches per message at most: NOTE [ Fresh slots ]
 CHUNK_BYTES = 64 << 20  # never prefetch more than this in extra chunked batches
 LATE_BIND_S = 0.02  # worker seconds per batch from which queued tasks get slots as they start
 FENCE_SLACK = 2  # slots of a pinned ring waiting for the user's copies (a GPU 2 steps behind)
@@ -61,7 +59,6 @@ class WorkAhead:
         self.depth = prefetch_factor or 2  # batches in flight per worker, unchunked
         self.in_flight_bound = self.stock_in_flight
         self.chunk = 1  # batches per worker per task message
-        self.chunk_max = FRESH_CHUNK_MAX  # see ring_warmth
         self.refill_at = self.in_flight_bound - num_workers  # see window()
         self._batch_s = 0.0  # moving average of worker seconds per batch
 
@@ -109,7 +106,7 @@ class WorkAhead:
         self._batch_s = batch_s if not self._batch_s else 0.8 * self._batch_s + 0.2 * batch_s
         if not self.adaptive:
             return False
-        chunk = min(int(CHUNK_TARGET_S / max(self._batch_s, 1e-6)), self.chunk_max)
+        chunk = min(int(CHUNK_TARGET_S / max(self._batch_s, 1e-6)), CHUNK_MAX)
         if slot_bytes:
             chunk = min(chunk, CHUNK_BYTES // (slot_bytes * 2 * self.num_workers))
         chunk = max(chunk, 1)
@@ -118,12 +115,6 @@ class WorkAhead:
         self.chunk = chunk
         self._bound()
         return True
-
-    def ring_warmth(self, warm: bool) -> None:
-        """At an epoch's start: whether the ring has served an epoch already (or was kept
-        from one), its slots faulted in, so that :meth:`adapt` may lengthen the chunk to
-        CHUNK_MAX; a fresh ring's cap is FRESH_CHUNK_MAX (NOTE [ Fresh slots ])."""
-        self.chunk_max = CHUNK_MAX if warm else FRESH_CHUNK_MAX
 
     def resize(self, num_workers: int, depth: int) -> None:
         """The autotuner moved the worker count or the batches each works ahead (``depth``,

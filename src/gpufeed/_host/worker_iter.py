@@ -120,7 +120,6 @@ class WorkerIter(StockNames, BaseIter):
         self._gen, self._config = self._gen + 1, config
         if not first_iter:
             self._begin_epoch()
-        self._work_ahead.ring_warmth(not first_iter or self._ring.grows > 0)  # a kept ring
         self._num_yielded = 0
         self._send_idx, self._rcvd_idx = 0, 0  # next batch number to dispatch, to deliver
         self._tasks: dict[int, int] = {}  # dispatched, not answered: batch -> worker
@@ -258,7 +257,8 @@ class WorkerIter(StockNames, BaseIter):
             case Failed():
                 self._ready[batch] = result.error
             case Dropped():  # the slot went back above; nothing is stored
-                # only a closing pool (a stop on the channel) drops this epoch's tasks: else lost
+                # Workers drop the current epoch's tasks only when the pool is closing (a stop
+                # waiting on their channel): anything else would lose a batch silently.
                 if not self._closed:
                     raise RuntimeError(f"gpufeed internal error: a worker dropped batch {batch} "
                                        "of the current epoch; please report it")
