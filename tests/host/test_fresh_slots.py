@@ -37,7 +37,7 @@ def test_a_loaders_ring_of_cheap_batches_holds_its_chunks_slots_and_no_more(work
     second = torch.cat([b[0] for b in loader])
     expected = torch.from_numpy(rows)
     assert torch.equal(first, expected) and torch.equal(second, expected)
-    assert it._work_ahead.chunk == CHUNK_MAX  # cheap enough to reach the cap
+    assert it._work_ahead.chunk > 1  # chunked (at the cap, 32, unless the machine crawls)
     grows = it.ring_info()["grows"]
     assert grows <= 2 * CHUNK_MAX * 2 + it._work_ahead.held < FAULTED_IN_BEFORE, grows
     it.close()

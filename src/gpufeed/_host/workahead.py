@@ -14,8 +14,8 @@ memory is allocated and zeroed page by page as a worker first writes it (2.3 us 
 and each other worker that writes the slot later maps the page again (0.9 us). A new ring
 pays that in its first epoch, and a loader without persistent workers has a new ring every
 epoch. Measured on tabular (``benchmarks/results/main-process.md``, "Round 20"): with 64 a
-fresh loader's workers took over 10,000 page faults an epoch against 250 on a warm ring, and
-their gather 40-90 us a batch for the first 500 batches against 14. With 32, a fresh loader's
+fresh loader's workers took 9,000-10,000 page faults an epoch against 250 on a warm ring,
+and their gather 37-87 us a batch for the first 500 batches against 14. With 32, a fresh loader's
 epoch ran 1.03x the rate of 64 (median of 16 alternating rounds, 11 faster), and a warm ring's
 0.99x (16 rounds, 8 faster): the messages that 64 saves were worth nothing measurable, and
 the ring of cheap batches takes half the memory. Python's collector runs less, too: a
