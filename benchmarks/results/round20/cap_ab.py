@@ -1,12 +1,14 @@
-"""Round 20: the chunk cap of cheap batches, 32 (69f8fe3) against 64 (before), side by side.
+"""Round 20: the chunk cap, 32 (69f8fe3) against another (64 before), side by side.
 
-``python cap_ab.py fresh|warm ROUNDS OUT.json`` (tabular, 2 process workers). mode fresh:
-each side's rate over one epoch of a new loader (batches 4..end), as the CPU benchmark times
-it; mode warm: the second epoch of a persistent loader. The no-loader ceiling before and after
-each round. ``cap-fresh.json`` and ``cap-warm-growing.json`` were taken on 0e9c923, whose cap
-of 32 held only for a ring's first epoch (``FRESH_CHUNK_MAX``, 64 after): in its warm mode the
-32 side grew its ring to 258 slots during the timed epoch. ``cap-warm.json``: this script,
-both caps held throughout.
+``python cap_ab.py fresh|warm ROUNDS OUT.json [WORKLOAD VARIANT OTHER_CAP]``, 2 process
+workers; by default tabular ``array`` against 64. mode fresh: each side's rate over one epoch
+of a new loader (batches 4..end), as the CPU benchmark times it; mode warm: the second epoch of
+a persistent loader. The no-loader ceiling before and after each round. ``cap-fresh.json`` and
+``cap-warm-growing.json`` were taken on 0e9c923, whose cap of 32 held only for a ring's first
+epoch (``FRESH_CHUNK_MAX``, 64 after): in its warm mode the 32 side grew its ring to 258 slots
+during the timed epoch. ``cap-warm.json``: this script, both caps held throughout.
+``image-*.json``: ``image-array getitems-slot 1``, whose chunk under 32 is 2 (the 64 MB bound
+on chunked batches' slots, 7 MB each: 10 slots, against 6 with one batch a message).
 """
 import json
 import sys
@@ -25,9 +27,11 @@ from gpufeed.benchmarks.environment import environment
 from gpufeed.benchmarks.workloads import build
 
 mode, rounds, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+workload, variant_name, other = (*sys.argv[4:6], int(sys.argv[6])) if len(sys.argv) > 4 else (
+    "tabular", "array", 64)
 torch.set_num_threads(1)
-work = build("tabular", quick=False)
-variant = next(v for v in work.variants if v.name == "array")
+work = build(workload, quick=False)
+variant = next(v for v in work.variants if v.name == variant_name)
 ds = variant.dataset
 _, fetch = _ceiling_fetch(variant)
 
@@ -38,7 +42,7 @@ def ceiling(r):
 
 def loader_rate(seed):
     loader = gpufeed.DataLoader(ds, batch_size=work.batch_size, shuffle=True, num_workers=2,
-                                persistent_workers=mode == "warm",
+                                collate_fn=variant.collate_fn, persistent_workers=mode == "warm",
                                 worker_init_fn=one_intra_op_thread,
                                 generator=torch.Generator().manual_seed(seed))
     if mode == "warm":
@@ -59,23 +63,24 @@ rows = []
 for r in range(rounds):
     before = ceiling(r)
     res = {}
-    for cap in ((32, 64) if r % 2 == 0 else (64, 32)):
+    for cap in ((32, other) if r % 2 == 0 else (other, 32)):
         workahead.CHUNK_MAX = cap
         res[cap] = loader_rate(r)
     workahead.CHUNK_MAX = 32
     after = ceiling(r)
     c = (before + after) / 2
-    rows.append({"ceiling_samples_per_s": [before, after], "cap32_samples_per_s": res[32][0],
-                 "cap64_samples_per_s": res[64][0], "cap32_slots": res[32][1],
-                 "cap64_slots": res[64][1]})
-    print(f"round {r}: ceiling {c/1e6:.2f}M; cap 32 {res[32][0]/1e6:.2f}M "
-          f"({res[32][0]/c:.0%}, {res[32][1]} slots); cap 64 {res[64][0]/1e6:.2f}M "
-          f"({res[64][0]/c:.0%}, {res[64][1]} slots)", flush=True)
+    row = {"ceiling_samples_per_s": [before, after]}
+    for cap in (32, other):
+        row |= {f"cap{cap}_samples_per_s": res[cap][0], f"cap{cap}_slots": res[cap][1]}
+    rows.append(row)
+    print(f"round {r}: ceiling {c/1e6:.2f}M; " + "; ".join(
+        f"cap {cap} {res[cap][0]/1e6:.2f}M ({res[cap][0]/c:.0%}, {res[cap][1]} slots)"
+        for cap in (32, other)), flush=True)
 def share(k):
     return [x[k] / np.mean(x["ceiling_samples_per_s"]) for x in rows]
-ratio = [x["cap32_samples_per_s"] / x["cap64_samples_per_s"] for x in rows]
+ratio = [x["cap32_samples_per_s"] / x[f"cap{other}_samples_per_s"] for x in rows]
 summary = {"cap32_share_median": float(np.median(share("cap32_samples_per_s"))),
-           "cap64_share_median": float(np.median(share("cap64_samples_per_s"))),
+           f"cap{other}_share_median": float(np.median(share(f"cap{other}_samples_per_s"))),
            "ratio_median": float(np.median(ratio)), "ratio_range": [min(ratio), max(ratio)],
            "cap32_faster_rounds": sum(x > 1 for x in ratio)}
 print(summary)
