@@ -172,3 +172,35 @@ def test_a_state_taken_once_the_epoch_ran_out_belongs_to_the_next_epoch(kind, wo
     again = make()
     again.load_state_dict(state)
     assert epoch(again, 1) == run[1], kind
+
+
+@pytest.mark.parametrize("workers", ["main", "threads", "processes-persistent"])
+def test_a_state_between_epochs_of_a_stock_shuffle_leaves_the_order_to_the_global_generator(
+        workers):
+    """``shuffle=True`` without ``seed=`` draws each epoch's seed from torch's global generator
+    when the epoch starts, as torch does. A state taken before the first epoch or between two
+    draws nothing (taking a checkpoint does not change the run that takes it), and the epoch
+    after its load draws from the resumed run's global generator, as a new loader would
+    (README, "Resume without seed=")."""
+    def make():
+        return gpufeed.DataLoader(list(range(N)), batch_size=3, shuffle=True,
+                                  **WORKERS[workers])
+
+    torch.manual_seed(5)
+    plain = make()
+    run = [[_plain(b) for b in plain] for _ in range(2)]
+    after = torch.get_rng_state()
+    torch.manual_seed(5)
+    checkpointed = make()
+    states, seen = [], []
+    for _ in range(2):
+        states.append(checkpointed.state_dict())
+        seen.append([_plain(b) for b in checkpointed])
+    assert seen == run and torch.equal(torch.get_rng_state(), after)
+    for state in states:
+        torch.manual_seed(7)
+        first = [_plain(b) for b in make()]
+        torch.manual_seed(7)
+        fresh = make()
+        fresh.load_state_dict(state)
+        assert [_plain(b) for b in fresh] == first

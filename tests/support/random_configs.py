@@ -179,8 +179,8 @@ def config(seed: int, *, resumable: bool = False) -> dict[str, Any]:
                     generator=torch.Generator().manual_seed(seed + 3))
             elif order < 0.8:
                 args["sampler"] = list(reversed(range(size)))
-        if collate < 0.15:
-            args["collate_fn"] = as_list
+        if collate < 0.15 and not (resumable and batching == "none"):  # no error to resume
+            args["collate_fn"] = as_list  # (unbatched, it would get a scalar sample)
         elif collate < 0.25:
             args["collate_fn"] = identity
         return data, args
@@ -303,7 +303,9 @@ def resume_matches(conf: dict[str, Any], cut_seed: int, epochs: int = 3) -> tupl
         if args.get("shuffle") and args.get("generator") is None:
             epoch_end = next(s for s in (sum(lengths[: e + 1]) for e in range(epochs))
                              if s >= cut)
-            want = want[: epoch_end - cut] if cut else want[: lengths[0]]
+            # a state between epochs (before the first included) leaves the next epoch's
+            # order to the resumed run's global generator (README, "Resume without seed=")
+            want = want[: epoch_end - cut] if cut else []
         got: list[Any] = []
         for _ in range(epochs + 1):
             if len(got) >= len(want):
