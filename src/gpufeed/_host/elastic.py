@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from .._base.interrupts import ctrl_c_held
+from .frozen_heap import heap_frozen
 from .messages import Done, Tasks, ThreadChannel, ToMain, ToWorker, WorkerSpec
 from .pool import GRACE_S, ProcessPool, ThreadPool, _hang_up, _thread_entry, _Watch
 from .worker import in_thread_worker, worker_loop
@@ -142,7 +143,8 @@ class ElasticProcessPool(_Counting, ProcessPool):
         with ctrl_c_held(hold=fork):  # NOTE [ Ctrl-C that Python drops ]: raised once watched
             placed = False
             try:
-                proc.start()
+                with heap_frozen(fork=fork):  # NOTE [ Frozen heap at fork ]
+                    proc.start()
                 if w == len(self.procs):
                     self.procs.append(proc)
                     self.conns.append(parent_end)

@@ -50,6 +50,7 @@ from .._base.errors import capture
 from .._base.interrupts import ctrl_c_held
 from .descriptors import receive
 from .failures import describe_exit, warn_if_unpicklable
+from .frozen_heap import heap_frozen
 from .messages import StartFailed, ThreadChannel, ToMain, ToWorker, WorkerSpec
 from .worker import in_thread_worker, install_thread_worker_info, worker_label, worker_loop
 
@@ -118,8 +119,8 @@ class ProcessPool:
                           close_fds=tuple(fd for fd in close_fds if fd != own))
             proc = ctx.Process(target=worker_loop, args=(spec,), kwargs=kwargs, daemon=True)
             with ctrl_c_held(hold=fork):  # NOTE [ Ctrl-C that Python drops ]: raised once kept
-                with warn_if_unpicklable():
-                    proc.start()
+                with warn_if_unpicklable(), heap_frozen(fork=fork):
+                    proc.start()  # the parent's objects frozen: NOTE [ Frozen heap at fork ]
                 self.procs.append(proc)
 
     def _watch(self, fd: int, what: _Watch, w: int) -> None:

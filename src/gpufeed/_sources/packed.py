@@ -7,7 +7,9 @@ copy per worker, growing over the epoch (pytorch/pytorch#13246). A ``PackedList`
 items in numpy buffers (one data buffer, plus an offsets buffer for strings, bytes and
 variable-length rows) and makes a Python object only for the item asked for; the buffers' pages
 are never written, so they stay shared. :func:`check_copy_on_write` runs when process workers
-start and warns once per dataset holding a large Python container.
+start and warns once per dataset holding a large Python container. (The cyclic collector's
+writes, which would copy every container object a worker inherited, read or not, are kept out
+of the workers: NOTE [ Frozen heap at fork ] in ``_host/frozen_heap.py``.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,62 @@
+"""Python's cyclic collector and forked workers: the parent's objects frozen across the fork.
+
+NOTE [ Frozen heap at fork ]
+----------------------------
+A forked worker inherits every object of the main process, sharing its pages until it writes
+to one. Reading an object writes its reference count (NOTE [ Copy-on-write and Python objects ]
+in ``_sources/packed.py``); the cyclic collector writes more: a full collection in the worker
+rewrites the collector's header of every container object it inherited (lists, dicts, tuples,
+class instances), read by the worker or not, so each worker copies every page that holds one.
+It also finalizes, in the worker, the parent's garbage that was waiting for the parent's next
+full collection: ``__del__`` methods and ``weakref.finalize`` callbacks of objects the worker
+does not own run there (a stock loader's iterator left in a reference cycle prints
+"AssertionError: can only test a child process" from each worker that collects it).
+
+Measured here (Python 3.11, 2026-11-27, ``benchmarks/results/round21/frozen-heap.md``): the
+main process holding a million annotation dicts (2.2M tracked objects), one ``gc.collect()`` in
+a stock loader's worker made 162-163 MiB of its memory private and took 381-481 ms; in
+gpufeed's, 0.1-0.3 MiB and 10-12 ms (its own objects), and the same as stock with the freeze
+turned off. Python 3.11-3.13 run a full collection only when the objects that survived younger
+ones reach a quarter of the old generation (none in 50,000 reads of that dataset, whose
+workers' memory grew alike on every side: the reference counts), or when code calls
+``gc.collect()``; Python 3.14's incremental collector scans the old generation a slice at a
+time with the young ones, so there every worker walks what it inherited.
+
+So process workers are started between ``gc.freeze()`` and ``gc.unfreeze()`` (the fork start
+method only: spawned children inherit no objects): the children keep the parent's objects in
+the permanent generation, which their collector never scans, and the parent's collector gets
+them back as soon as the workers are started (its garbage is collected as before; both calls
+move whole lists, whatever their length). The worker's own objects are collected as usual.
+Left alone: a program that froze objects itself (``gc.get_freeze_count()`` not 0), whose
+freeze an unfreeze would undo; loaders starting workers in several threads at once take turns
+(a lock), so one's unfreeze never lands inside another's fork.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from collections.abc import Iterator
+
+__all__ = ["heap_frozen"]
+
+_turns = threading.Lock()
+
+
+@contextlib.contextmanager
+def heap_frozen(*, fork: bool) -> Iterator[None]:
+    """Around starting process workers: with ``fork``, the main process's objects are frozen
+    for the block (NOTE [ Frozen heap at fork ]), unless the program froze objects itself."""
+    if not fork:
+        yield
+        return
+    with _turns:
+        if gc.get_freeze_count():  # the program's own freeze: kept as it is
+            yield
+            return
+        gc.freeze()
+        try:
+            yield
+        finally:
+            gc.unfreeze()
