@@ -14,19 +14,22 @@ does not own run there (a stock loader's iterator left in a reference cycle prin
 
 Measured here (Python 3.11, 2026-11-27, ``benchmarks/results/round21/frozen-heap.md``): the
 main process holding a million annotation dicts (2.2M tracked objects), one ``gc.collect()`` in
-a stock loader's worker made 163 MiB of its memory private and took 369-488 ms; in
-gpufeed's, 0.1-0.3 MiB and 8-10 ms (its own objects); with the freeze turned off, as stock. Python 3.11-3.13 run a full collection only when the objects that survived younger
-ones reach a quarter of the old generation (none in 50,000 reads of that dataset, whose
-workers' memory grew alike on every side: the reference counts), or when code calls
-``gc.collect()``; Python 3.14's incremental collector scans the old generation a slice at a
-time with the young ones, so there every worker walks what it inherited.
+a stock loader's worker made 163 MiB of its memory private and took 369-488 ms; in gpufeed's,
+0.1-0.3 MiB and 8-10 ms (its own objects); with the freeze turned off, as stock. Python
+3.11-3.13 run a full collection only when the objects that survived younger ones reach a
+quarter of the old generation (none in 50,000 reads of that dataset, whose workers' memory grew
+alike on every side: the reference counts), or when code calls ``gc.collect()``; Python 3.14's
+incremental collector scans the old generation a slice at a time with the young ones, so there
+every worker walks what it inherited.
 
 So process workers are started between ``gc.freeze()`` and ``gc.unfreeze()`` (the fork start
 method only: spawned children inherit no objects): the children keep the parent's objects in
 the permanent generation, which their collector never scans, and the parent's collector gets
 them back as soon as the workers are started (its garbage is collected as before; both calls
 move whole lists, whatever their length). The worker's own objects are collected as usual.
-Left alone: a program that froze objects itself (``gc.get_freeze_count()`` not 0), whose
+Seen from a worker, the inherited objects are in no generation: ``gc.get_objects()`` and
+``gc.get_referrers()`` there list the worker's own objects only. Left alone: a program that
+froze objects itself (``gc.get_freeze_count()`` not 0), whose
 freeze an unfreeze would undo; loaders starting workers in several threads at once take turns
 (a lock), so one's unfreeze never lands inside another's fork.
 """
