@@ -25,12 +25,13 @@ every worker walks what it inherited.
 So process workers are started between ``gc.freeze()`` and ``gc.unfreeze()`` (the fork start
 method only: spawned children inherit no objects): the children keep the parent's objects in
 the permanent generation, which their collector never scans, and the parent's collector gets
-them back as soon as the workers are started (its garbage is collected as before; both calls
-move whole lists, whatever their length). The worker's own objects are collected as usual.
-Seen from a worker, the inherited objects are in no generation: ``gc.get_objects()`` and
-``gc.get_referrers()`` there list the worker's own objects only. Left alone: a program that
-froze objects itself (``gc.get_freeze_count()`` not 0), whose
-freeze an unfreeze would undo; loaders starting workers in several threads at once take turns
+them back as soon as the workers are started, all in its old generation (its young objects as
+if they had survived a collection: a young cycle dropped right after a start waits for the
+next full collection; both calls move whole lists, whatever their length). The worker's own
+objects are collected as usual. Seen from a worker, the inherited objects are in no
+generation: ``gc.get_objects()`` and ``gc.get_referrers()`` there list the worker's own objects
+only. Left alone: a program that froze objects itself (``gc.get_freeze_count()`` not 0), whose
+freeze an unfreeze would undo. Loaders starting workers in several threads at once take turns
 (a lock), so one's unfreeze never lands inside another's fork.
 """
 
