@@ -23,7 +23,7 @@ class Collecting(torch.utils.data.Dataset):
     pid and how much of its memory the collection made private (KiB; -1 without smaps)."""
 
     def __len__(self):
-        return 8
+        return 16
 
     def __getitem__(self, i):
         before = _private_dirty_kib()
@@ -104,13 +104,13 @@ def test_a_workers_full_collection_leaves_the_inherited_objects_pages_shared():
 
 def test_the_programs_collector_and_own_freeze_are_left_as_they_were():
     assert gc.get_freeze_count() == 0
-    assert len(list(gpufeed.DataLoader(Collecting(), batch_size=None, num_workers=2))) == 8
+    assert len(list(gpufeed.DataLoader(Collecting(), batch_size=None, num_workers=2))) == 16
     assert gc.get_freeze_count() == 0  # the program's objects are collectable again
     kept = [[i] for i in range(1000)]
     gc.freeze()  # the program's own freeze, e.g. for its own forks
     try:
         frozen = gc.get_freeze_count()
-        assert len(list(gpufeed.DataLoader(Collecting(), batch_size=None, num_workers=2))) == 8
+        assert len(list(gpufeed.DataLoader(Collecting(), batch_size=None, num_workers=2))) == 16
         assert gc.get_freeze_count() == frozen  # neither undone nor widened
     finally:
         gc.unfreeze()
