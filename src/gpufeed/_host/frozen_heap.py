@@ -32,7 +32,10 @@ objects are collected as usual. Seen from a worker, the inherited objects are in
 generation: ``gc.get_objects()`` and ``gc.get_referrers()`` there list the worker's own objects
 only. Left alone: a program that froze objects itself (``gc.get_freeze_count()`` not 0), whose
 freeze an unfreeze would undo. Loaders starting workers in several threads at once take turns
-(a lock), so one's unfreeze never lands inside another's fork.
+(a lock), so one's unfreeze never lands inside another's fork. A pool starts all its workers
+under one freeze: on a free-threaded build (where the collector scans every object each time,
+so a worker would copy its inherited heap at every collection) each call stops the world and
+visits every object.
 """
 
 from __future__ import annotations

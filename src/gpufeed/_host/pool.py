@@ -113,15 +113,17 @@ class ProcessPool:
         close_fds: tuple[int, ...] = ()
         if fork:  # each child closes every end but its own
             close_fds = tuple(c.fileno() for p in pipes for c in p)
-        for w in range(self.n):
-            own = pipes[w][1].fileno()
-            kwargs = dict(worker_id=w, kind="process", chan=pipes[w][1],
-                          close_fds=tuple(fd for fd in close_fds if fd != own))
-            proc = ctx.Process(target=worker_loop, args=(spec,), kwargs=kwargs, daemon=True)
-            with ctrl_c_held(hold=fork):  # NOTE [ Ctrl-C that Python drops ]: raised once kept
-                with warn_if_unpicklable(), heap_frozen(fork=fork):
-                    proc.start()  # the parent's objects frozen: NOTE [ Frozen heap at fork ]
-                self.procs.append(proc)
+        with heap_frozen(fork=fork):  # one freeze for all: NOTE [ Frozen heap at fork ]
+            for w in range(self.n):
+                own = pipes[w][1].fileno()
+                kwargs = dict(worker_id=w, kind="process", chan=pipes[w][1],
+                              close_fds=tuple(fd for fd in close_fds if fd != own))
+                proc = ctx.Process(target=worker_loop, args=(spec,), kwargs=kwargs, daemon=True)
+                # NOTE [ Ctrl-C that Python drops ]: one held in the start is raised once kept
+                with ctrl_c_held(hold=fork):
+                    with warn_if_unpicklable():
+                        proc.start()
+                    self.procs.append(proc)
 
     def _watch(self, fd: int, what: _Watch, w: int) -> None:
         self._poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
