@@ -119,7 +119,7 @@ class ProcessPool:
                 kwargs = dict(worker_id=w, kind="process", chan=pipes[w][1],
                               close_fds=tuple(fd for fd in close_fds if fd != own))
                 proc = ctx.Process(target=worker_loop, args=(spec,), kwargs=kwargs, daemon=True)
-                # NOTE [ Ctrl-C that Python drops ]: one held in the start is raised once kept
+                # a Ctrl-C held in the start is raised once kept (NOTE [ Ctrl-C that Python drops ])
                 with ctrl_c_held(hold=fork):
                     with warn_if_unpicklable():
                         proc.start()
