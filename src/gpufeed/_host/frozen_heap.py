@@ -27,15 +27,15 @@ method only: spawned children inherit no objects): the children keep the parent'
 the permanent generation, which their collector never scans, and the parent's collector gets
 them back as soon as the workers are started, all in its old generation (its young objects as
 if they had survived a collection: a young cycle dropped right after a start waits for the
-next full collection; both calls move whole lists, whatever their length). The worker's own
-objects are collected as usual. Seen from a worker, the inherited objects are in no
-generation: ``gc.get_objects()`` and ``gc.get_referrers()`` there list the worker's own objects
-only. Left alone: a program that froze objects itself (``gc.get_freeze_count()`` not 0), whose
-freeze an unfreeze would undo. Loaders starting workers in several threads at once take turns
-(a lock), so one's unfreeze never lands inside another's fork. A pool starts all its workers
-under one freeze: on a free-threaded build (where the collector scans every object each time,
-so a worker would copy its inherited heap at every collection) each call stops the world and
-visits every object.
+next full collection). The worker's own objects are collected as usual. Seen from a worker,
+the inherited objects are in no generation: ``gc.get_objects()`` and ``gc.get_referrers()``
+there list the worker's own objects only. Left alone: a program that froze objects itself
+(``gc.get_freeze_count()`` not 0), whose freeze an unfreeze would undo. Loaders starting
+workers in several threads at once take turns (a lock), so one's unfreeze never lands inside
+another's fork. Cost: on the default build both calls move whole lists, whatever their length
+(5 and 1 us with 2M objects here); on a free-threaded build (whose collector scans every object
+each time, so a worker would copy its inherited heap at every collection) each stops the world
+and visits every object, so a pool starts all its workers under one freeze.
 """
 
 from __future__ import annotations
