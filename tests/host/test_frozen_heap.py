@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import gpufeed
+from gpufeed._base.system import private_bytes
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the fork start method")
 
@@ -26,17 +27,14 @@ class Collecting(torch.utils.data.Dataset):
         return 16
 
     def __getitem__(self, i):
-        before = _private_dirty_kib()
+        before = _private_kib()
         gc.collect()
-        return torch.tensor([os.getpid(), _private_dirty_kib() - before])
+        return torch.tensor([os.getpid(), _private_kib() - before])
 
 
-def _private_dirty_kib():
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("Private_Dirty"))
-    except OSError:
-        return -1
+def _private_kib():
+    private = private_bytes(os.getpid())
+    return -1 if private is None else private // 1024
 
 
 class Finalized:
@@ -91,7 +89,7 @@ def test_a_worker_never_finalizes_the_programs_garbage(start, tmp_path):
     assert path.read_text() == f"{os.getpid()}\n"  # the program's collector, once
 
 
-@pytest.mark.skipif(_private_dirty_kib() < 0, reason="needs /proc/self/smaps_rollup")
+@pytest.mark.skipif(_private_kib() < 0, reason="needs /proc/self/smaps_rollup")
 def test_a_workers_full_collection_leaves_the_inherited_objects_pages_shared():
     rows = [{"id": i, "box": [float(i), 1.0, 2.0, 3.0]} for i in range(300_000)]  # ~75 MiB
     gc.collect()

@@ -5,9 +5,10 @@
 process workers read it: stock, gpufeed with the parent's objects frozen at the fork (NOTE
 [ Frozen heap at fork ]) and gpufeed with the freeze turned off in this process. Mode
 ``collect``: each worker's first sample runs ``gc.collect()``; reported per worker, the memory
-the collection made private (smaps' Private_Dirty) and its time. Mode ``natural``: 50,000
-samples read at random, no explicit collection; reported per worker, its full collections
-(``gc.callbacks``) and its private memory at the end. Sides alternate in each round.
+the collection made private (smaps' Private_Clean + Private_Dirty, ``private_bytes``) and its
+time. Mode ``natural``: 50,000 samples read at random, no explicit collection; reported per
+worker, its full collections (``gc.callbacks``) and its private memory at the end. Sides
+alternate in each round.
 """
 import contextlib
 import gc
@@ -21,15 +22,15 @@ import torch
 import torch.utils.data as tud
 
 import gpufeed
+from gpufeed._base.system import private_bytes
 from gpufeed._host import elastic, pool
 from gpufeed.benchmarks.environment import environment
 
 FULL = [0]
 
 
-def private_dirty_kib():
-    with open("/proc/self/smaps_rollup") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("Private_Dirty"))
+def private_kib():
+    return private_bytes(os.getpid()) // 1024  # Private_Clean + Private_Dirty
 
 
 def count_full(phase, info):
@@ -48,12 +49,12 @@ class Annotations(tud.Dataset):
 
     def __getitem__(self, i):
         if i < 0:  # a probe: this worker's figures
-            return torch.tensor([os.getpid(), FULL[0], private_dirty_kib(), -1])
+            return torch.tensor([os.getpid(), FULL[0], private_kib(), -1])
         if self.collect and not getattr(self, "_done", False):
             self._done = True
-            before, t0 = private_dirty_kib(), time.perf_counter()
+            before, t0 = private_kib(), time.perf_counter()
             gc.collect()
-            return torch.tensor([os.getpid(), private_dirty_kib() - before,
+            return torch.tensor([os.getpid(), private_kib() - before,
                                  int((time.perf_counter() - t0) * 1e6), 0])
         return torch.tensor(self.rows[i]["box"])
 
@@ -110,7 +111,7 @@ def main():
         ds = Annotations(1_000_000, collect=mode == "collect")
         gc.collect()
         results = {s: [] for s in sides}
-        doc["parent_" + mode] = {"private_mib": private_dirty_kib() / 1024,
+        doc["parent_" + mode] = {"private_mib": private_kib() / 1024,
                                  "tracked_objects": len(gc.get_objects())}
         for r in range(rounds if mode == "collect" else 1):
             for side in sides[r % 3:] + sides[: r % 3]:
