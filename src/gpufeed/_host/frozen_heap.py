@@ -14,8 +14,8 @@ does not own run there (a stock loader's iterator left in a reference cycle prin
 
 Measured here (Python 3.11, 2026-11-27, ``benchmarks/results/round21/frozen-heap.md``): the
 main process holding a million annotation dicts (2.2M tracked objects), one ``gc.collect()`` in
-a stock loader's worker made 163 MiB of its memory private and took 352-467 ms; in gpufeed's,
-0.1-0.3 MiB and 7-10 ms (its own objects); with the freeze turned off, as stock. Python
+a stock loader's worker made 163 MiB of its memory private and took 352-441 ms; in gpufeed's,
+0.1-0.3 MiB and 7-8 ms (its own objects); with the freeze turned off, as stock. Python
 3.11-3.13 run a full collection only when the objects that survived younger ones reach a
 quarter of the old generation (none in 50,000 reads of that dataset, whose workers' memory grew
 alike on every side: the reference counts), or when code calls ``gc.collect()``; Python 3.14's
