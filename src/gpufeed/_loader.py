@@ -19,7 +19,7 @@ from ._host.arguments import check_arguments, check_num_workers, warn_thread_wor
 from ._host.auto_iter import AutoIter, make_tuner
 from ._host.autotune import AutoTuner
 from ._host.config import IterConfig, WorkerType
-from ._host.frameworks import DefaultPrefetch, before_prepare
+from ._host.frameworks import AccelerateHooks, DefaultPrefetch
 from ._host.iterator import BaseIter, SingleIter
 from ._host.late_slots import LateVerdict
 from ._host.priority import check_worker_nice
@@ -35,7 +35,7 @@ from ._order.seeding import resolve_seed
 _T_co = TypeVar("_T_co", covariant=True)
 
 
-class DataLoader(_TorchDataLoader[_T_co]):
+class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` whose workers write into a recycled ring.
 
     Every argument of ``torch.utils.data.DataLoader`` has the same meaning and default; an
@@ -209,7 +209,6 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._position = LoaderPosition()
         self._keeper = RingKeeper()  # NOTE [ Slot lifetime ] (e): a pinned ring across epochs
         self._late_verdict = LateVerdict()  # NOTE [ Slots bound when a task starts ] (e)
-        self._prepared = False  # see _is_accelerate_prepared
         self._workers_warned: tuple[int, str] | None = None
         self.check_worker_number_rationality()  # torch's __init__ asked before worker_type
 
@@ -243,18 +242,6 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def world_size(self) -> int:
         """How many ranks share the dataset (1 without sharding)."""
         return self._world_size
-
-    @property
-    def _is_accelerate_prepared(self) -> bool:
-        """Read by ``accelerate.Accelerator.prepare_data_loader`` before it rebuilds a loader:
-        refused for a loader sharded by rank, else warned of (``_host/frameworks.py``)."""
-        if not self._prepared:
-            before_prepare(self._rank, self._world_size, isinstance(self.dataset, IterableDataset))
-        return self._prepared
-
-    @_is_accelerate_prepared.setter
-    def _is_accelerate_prepared(self, value: bool) -> None:
-        self._prepared = bool(value)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle / ``copy.deepcopy`` the loader's configuration, as torch's DataLoader does.

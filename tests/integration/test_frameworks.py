@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -367,6 +368,39 @@ def test_accelerate_checkpoints_a_registered_loader_mid_epoch(tmp_path):
     fresh = make(again)
     again.load_state(tmp_path / "state")
     assert [b[0].flatten().tolist() for b in fresh] == rest_of_run and len(rest_of_run) == 4
+
+
+def test_accelerate_skip_first_batches_warns_once_of_the_stock_rebuild(tmp_path):
+    """``skip_first_batches`` rebuilds a stock loader, which reads the gpufeed loader's sampler
+    (a new epoch) instead of the position ``load_state`` restored: warned at the user's line,
+    once per loader."""
+    accelerate = pytest.importorskip("accelerate")
+
+    def make(accelerator):
+        loader = gpufeed.DataLoader(Pairs(N), batch_size=BATCH, shuffle=True, seed=4,
+                                    num_workers=1, worker_type="thread")
+        accelerator.register_for_checkpointing(loader)
+        return loader
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    it = iter(make(accelerator))
+    next(it), next(it)
+    accelerator.save_state(tmp_path / "state")
+    rest_of_run = [b[0].flatten().tolist() for b in it]
+    del it
+    again = accelerate.Accelerator(cpu=True)
+    loader = make(again)
+    again.load_state(tmp_path / "state")
+    with pytest.warns(UserWarning, match=r"skip_first_batches\(loader\) rebuilds") as caught:
+        skipped = again.skip_first_batches(loader, 2)
+    assert len(caught) == 1 and caught[0].filename == __file__  # the user's line
+    assert type(skipped) is tud.DataLoader  # what it warned of
+    assert [b[0].flatten().tolist() for b in skipped] != rest_of_run  # as it warned
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again.skip_first_batches(loader, 1)  # once per loader
+        copy = pickle.loads(pickle.dumps(loader))  # other reads say nothing
+        assert copy.multiprocessing_context is None and len(list(loader)) == 6  # used up
 
 
 # -- Hugging Face datasets -------------------------------------------------------------------

@@ -4,16 +4,22 @@ Lightning rebuilds a loader from its attributes to inject a ``DistributedSampler
 every value that differs from the signature's default; Accelerate's ``prepare`` rebuilds every
 loader as a stock one. ``gpufeed.DataLoader`` answers both through this module: a
 ``prefetch_factor`` left unset reads torch's 2 and stays unset when passed back
-(:class:`DefaultPrefetch`), and ``prepare`` is refused or warned of (:func:`before_prepare`).
-Tested in ``tests/integration/test_frameworks.py``.
+(:class:`DefaultPrefetch`), and ``prepare`` is refused or warned of (:func:`before_prepare`), as
+is ``skip_first_batches``, which rebuilds a stock loader too (:class:`AccelerateHooks`). Tested
+in ``tests/integration/test_frameworks.py``.
 """
 
 from __future__ import annotations
 
 import sys
 import warnings
+from types import FrameType
+from typing import Any
 
-__all__ = ["DefaultPrefetch", "before_prepare"]
+from torch.utils.data import DataLoader as _TorchDataLoader
+from torch.utils.data import IterableDataset
+
+__all__ = ["AccelerateHooks", "DefaultPrefetch", "before_prepare"]
 
 
 class DefaultPrefetch(int):
@@ -65,3 +71,67 @@ def _user_level() -> int:
             "gpufeed", "accelerate"):
         frame, level = frame.f_back, level + 1
     return level
+
+
+_SKIP_WARNING = (
+    "accelerator.skip_first_batches(loader) rebuilds a gpufeed.DataLoader as a stock "
+    "torch.utils.data.DataLoader: gpufeed's ring, thread workers, device stage, stats and "
+    "state_dict are dropped, and the stock loader takes its order from the gpufeed loader's "
+    "sampler, which starts a new epoch: not the position that load_state restored, which it "
+    "uses up. To resume mid-epoch keep the gpufeed loader: "
+    "accelerator.register_for_checkpointing(loader) before save_state, and after load_state "
+    "iterate the loader itself (it goes on right after the saved batch)")
+
+
+def _in_skip_first_batches() -> bool:
+    """Whether an attribute read comes from ``accelerate.data_loader.skip_first_batches``
+    (directly, or from a comprehension in it): the frames above the property's."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(2):
+        if frame is None:
+            return False
+        if (frame.f_code.co_name == "skip_first_batches"
+                and frame.f_globals.get("__name__") == "accelerate.data_loader"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class AccelerateHooks:
+    """The attribute reads by which ``gpufeed.DataLoader`` learns that Accelerate is about to
+    rebuild it as a stock loader, which Accelerate offers no hook to avoid.
+
+    ``prepare`` reads ``_is_accelerate_prepared`` first (:func:`before_prepare`);
+    ``skip_first_batches`` reads every stock argument back, ``multiprocessing_context`` among
+    them, and is warned of once per loader.
+    """
+
+    _rank: int
+    _world_size: int
+    _prepared = False
+    _skip_warned = False
+    dataset: Any
+
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        """Read by ``accelerate.Accelerator.prepare_data_loader`` before it rebuilds a loader:
+        refused for a loader sharded by rank, else warned of."""
+        if not self._prepared:
+            before_prepare(self._rank, self._world_size, isinstance(self.dataset, IterableDataset))
+        return self._prepared
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        self._prepared = bool(value)
+
+    @property
+    def multiprocessing_context(self) -> Any:
+        """torch's ``multiprocessing_context`` (read back by Accelerate's rebuilds)."""
+        if not self._skip_warned and _in_skip_first_batches():
+            self._skip_warned = True
+            warnings.warn(_SKIP_WARNING, stacklevel=_user_level())
+        return _TorchDataLoader.multiprocessing_context.fget(self)  # type: ignore[attr-defined]
+
+    @multiprocessing_context.setter
+    def multiprocessing_context(self, value: Any) -> None:
+        _TorchDataLoader.multiprocessing_context.fset(self, value)  # type: ignore[attr-defined]
