@@ -31,15 +31,18 @@ classes below; the table of who sends which is in ``_host/worker.py``.
 
 from __future__ import annotations
 
+import os
 import queue
 import select
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.reduction import recvfds
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+if TYPE_CHECKING:
     from .._base.errors import RemoteError
     from .._memory.spill import SpillFile
     from .._order.datapipes import PipeSetup
@@ -105,6 +108,17 @@ class UsePlan(NamedTuple):
 
     gen: int
     plan: IndexPlan
+
+
+class SharedPerm(NamedTuple):
+    """A plan's ``perm`` in transit to a process worker: its storage's descriptor follows the
+    message (NOTE [ Plans without a sharing thread ] in ``_host/plan_fd.py``)."""
+
+    nbytes: int
+    dtype: Any
+    offset: int
+    numel: int
+    stride: int
 
 
 class ResetStream(NamedTuple):
@@ -289,7 +303,23 @@ class ProcessChannel:
     def recv(self, timeout: float) -> ToWorker:
         if not self.poller.poll(int(timeout * 1000)):
             raise TimeoutError
-        return self.conn.recv()
+        msg = self.conn.recv()
+        if type(msg) is UsePlan and isinstance(msg.plan.perm, SharedPerm):
+            msg.plan.perm = self._shared_perm(msg.plan.perm)
+        return msg
+
+    def _shared_perm(self, shared: SharedPerm) -> Any:
+        """A plan's ``perm`` rebuilt on the shared memory whose descriptor follows its message
+        on this connection (NOTE [ Plans without a sharing thread ] in ``plan_fd.py``)."""
+        with socket.fromfd(self.conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            fd = recvfds(sock, 1)[0]
+        try:
+            storage = torch.UntypedStorage._new_shared_fd_cpu(  # type: ignore[attr-defined]
+                fd, shared.nbytes)
+        finally:
+            os.close(fd)  # the storage keeps its own
+        return torch.empty(0, dtype=shared.dtype).set_(
+            storage, shared.offset, (shared.numel,), (shared.stride,))
 
     def waiting(self) -> bool:
         """Something (a message, or EOF) can be read now."""

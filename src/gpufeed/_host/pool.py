@@ -37,6 +37,7 @@ from __future__ import annotations
 import atexit
 import enum
 import logging
+import os
 import queue
 import select
 import socket
@@ -48,6 +49,7 @@ from typing import Any
 
 from .._base.errors import capture
 from .._base.interrupts import ctrl_c_held
+from . import plan_fd
 from .descriptors import receive
 from .failures import describe_exit, warn_if_unpicklable
 from .frozen_heap import heap_frozen
@@ -131,16 +133,19 @@ class ProcessPool:
         self._exited.discard(w)  # a worker (re)started at id w (a resized pool reuses ids)
 
     def send(self, w: int, msg: ToWorker) -> None:
+        msg, fd = plan_fd.detach(msg)  # NOTE [ Plans without a sharing thread ]
         payload = ForkingPickler.dumps(msg)
         if len(payload) <= INLINE_BYTES and (self._sender is None or not self._sender.busy(w)):
             try:
                 self.conns[w].send_bytes(payload)
+                if fd >= 0:
+                    plan_fd.send_descriptor(self.conns[w], fd)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the worker died: poll() reports it, with its signal or exit code
         else:  # a large task could fill the pipe while the worker is busy answering
             if self._sender is None:
                 self._sender = _Sender(self.conns)
-            self._sender.put(w, payload)
+            self._sender.put(w, payload, os.dup(fd) if fd >= 0 else -1)
 
     def poll(self, timeout: float | None) -> tuple[list[tuple[int, ToMain]], list[int]]:
         """Messages that arrived (worker, msg) and workers that exited, waiting up to timeout."""
@@ -246,7 +251,7 @@ class _Sender:
 
     def __init__(self, conns: list[Any]) -> None:
         self.conns = conns
-        self.q: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        self.q: queue.SimpleQueue[tuple[int, Any, int] | None] = queue.SimpleQueue()
         self.pending = [0] * len(conns)
         self.lock = threading.Lock()
         self.stopping = False
@@ -256,19 +261,26 @@ class _Sender:
     def busy(self, w: int) -> bool:
         return self.pending[w] > 0
 
-    def put(self, w: int, payload: Any) -> None:
+    def put(self, w: int, payload: Any, fd: int = -1) -> None:
+        """Queue ``payload`` for worker ``w``, then ``fd`` (a descriptor of the sender's own,
+        closed once sent or dropped; -1: none)."""
         with self.lock:
             self.pending[w] += 1
-        self.q.put((w, payload))
+        self.q.put((w, payload, fd))
 
     def _run(self) -> None:
         while (item := self.q.get()) is not None:
-            w, payload = item
-            if not self.stopping:
-                try:
+            w, payload, fd = item
+            try:
+                if not self.stopping:
                     self.conns[w].send_bytes(payload)
-                except (OSError, ValueError):
-                    pass  # the pool is closing, or the worker died: the iterator reports it
+                    if fd >= 0:
+                        plan_fd.send_descriptor(self.conns[w], fd)
+            except (OSError, ValueError):
+                pass  # the pool is closing, or the worker died: the iterator reports it
+            finally:
+                if fd >= 0:
+                    os.close(fd)
             with self.lock:
                 self.pending[w] -= 1
 

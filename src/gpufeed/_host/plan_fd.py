@@ -1,0 +1,62 @@
+"""An epoch's plan sent to process workers with its shared memory as a descriptor of its own.
+
+NOTE [ Plans without a sharing thread ]
+---------------------------------------
+A shuffled epoch's order (``IndexPlan.perm``, ``_order/plan.py``) is drawn into shared memory
+and sent to every process worker in ``UsePlan``. Pickled the way torch pickles a shared tensor
+(``torch.multiprocessing``'s ``file_descriptor`` strategy), its descriptor would go through
+``multiprocessing.resource_sharer``: a thread in the main process that serves descriptors on a
+socket and, once started, runs until the program exits. From then on every fork of the program
+(the next loader's workers, stock ones included, or the program's own) forks a multi-threaded
+process, which Python 3.12 and later warn of ("This process ... is multi-threaded, use of
+fork() may lead to deadlocks in the child", a ``DeprecationWarning``: an error in test suites
+that turn warnings into errors); the stock loader leaves no such thread behind.
+
+So the pool sends the plan's storage descriptor itself, right after the message, over the
+worker's own connection (a Unix socket pair: ``SCM_RIGHTS``), and the message carries a
+:class:`SharedPerm` in place of the tensor; the worker's channel takes the descriptor before it
+reads anything else and rebuilds the tensor on the same shared memory (``ProcessChannel`` in
+``messages.py``). Only with
+the ``file_descriptor`` sharing strategy (torch's default on Linux) and a plan already in
+shared memory; otherwise the plan pickles as before (``file_system`` shares by name, with no
+thread). Tested in ``tests/host/test_plan_fd.py``.
+"""
+
+from __future__ import annotations
+
+import socket
+from multiprocessing.reduction import sendfds
+from typing import Any
+
+import torch
+
+from .._order.plan import IndexPlan
+from .messages import SharedPerm, ToWorker, UsePlan
+
+__all__ = ["detach", "send_descriptor"]
+
+
+def detach(msg: ToWorker) -> tuple[ToWorker, int]:
+    """``msg`` as it is pickled, and the descriptor to send right after it (-1: none). The
+    descriptor belongs to the plan's storage: the caller neither closes nor keeps it."""
+    if type(msg) is not UsePlan or msg.plan.perm is None:
+        return msg, -1
+    perm = msg.plan.perm
+    if (not isinstance(perm, torch.Tensor) or not perm.is_shared()
+            or torch.multiprocessing.get_sharing_strategy() != "file_descriptor"):
+        return msg, -1
+    try:
+        fd, nbytes = perm.untyped_storage()._share_fd_cpu_()
+    except (AttributeError, RuntimeError):  # a torch without it, or a storage shared by name
+        return msg, -1
+    plan = msg.plan
+    stub = IndexPlan(None, plan.n, plan.batch_size, plan.drop_last, plan.single)
+    stub.perm = SharedPerm(  # type: ignore[assignment]
+        nbytes, perm.dtype, int(perm.storage_offset()), perm.numel(), perm.stride(0))
+    return UsePlan(msg.gen, stub), fd
+
+
+def send_descriptor(conn: Any, fd: int) -> None:
+    """Pass ``fd`` over ``conn`` (a Unix socket pair's end), after the message it belongs to."""
+    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sendfds(sock, [fd])
