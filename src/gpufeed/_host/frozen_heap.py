@@ -12,15 +12,16 @@ full collection: ``__del__`` methods and ``weakref.finalize`` callbacks of objec
 does not own run there (a stock loader's iterator left in a reference cycle prints
 "AssertionError: can only test a child process" from each worker that collects it).
 
-Measured here (Python 3.11, 2026-11-27, ``benchmarks/results/round21/frozen-heap.md``): the
-main process holding a million annotation dicts (2.2M tracked objects), one ``gc.collect()`` in
-a stock loader's worker made 163 MiB of its memory private and took 352-441 ms; in gpufeed's,
-0.1-0.3 MiB and 7-8 ms (its own objects); with the freeze turned off, as stock. Python
-3.11-3.13 run a full collection only when the objects that survived younger ones reach a
-quarter of the old generation (none in 50,000 reads of that dataset, whose workers' memory grew
-alike on every side: the reference counts), or when code calls ``gc.collect()``; Python 3.14's
-incremental collector scans the old generation a slice at a time with the young ones, so there
-every worker walks what it inherited.
+Measured here (2026-11-28, ``benchmarks/results/round22/frozen-heap-py3*.md``): the main
+process holding a million annotation dicts (2.2M tracked objects), one ``gc.collect()`` in a
+stock loader's worker made 163-169 MiB of its memory private and took 394-472 ms (medians on
+Python 3.11, 3.12 and 3.13); in gpufeed's, 0.2-0.3 MiB and 10-14 ms (its own objects); with the
+freeze turned off, as stock. Python 3.11-3.13 run a full
+collection only when the objects that survived younger ones reach a quarter of the old
+generation (none in 50,000 reads of that dataset, whose workers' memory grew alike on every
+side: the reference counts), or when code calls ``gc.collect()``; Python 3.14's incremental
+collector scans the old generation a slice at a time with the young ones, so there every worker
+walks what it inherited.
 
 So a worker forked by gpufeed freezes what it inherited before it runs any code of its own: a
 hook registered with ``os.register_at_fork`` calls ``gc.freeze()`` in the child while the
