@@ -16,24 +16,23 @@ Measured here (2026-11-28, ``benchmarks/results/round22/frozen-heap-py3*.md``): 
 process holding a million annotation dicts (2.2M tracked objects), one ``gc.collect()`` in a
 stock loader's worker made 163-169 MiB of its memory private and took 394-472 ms (medians on
 Python 3.11, 3.12 and 3.13); in gpufeed's, 0.2-0.3 MiB and 10-14 ms (its own objects); with the
-freeze turned off, as stock. Python 3.11-3.13 run a full
-collection only when the objects that survived younger ones reach a quarter of the old
-generation (none in 50,000 reads of that dataset, whose workers' memory grew alike on every
-side: the reference counts), or when code calls ``gc.collect()``; Python 3.14's incremental
-collector scans the old generation a slice at a time with the young ones, so there every worker
-walks what it inherited.
+freeze turned off, as stock. Python 3.11-3.13 run a full collection only when the objects that
+survived younger ones reach a quarter of the old generation (none in 50,000 reads of that
+dataset, whose workers' memory grew alike on every side: the reference counts), or when code
+calls ``gc.collect()``; Python 3.14's incremental collector scans the old generation a slice at
+a time with the young ones, so there every worker walks what it inherited.
 
 So a worker forked by gpufeed freezes what it inherited before it runs any code of its own: a
 hook registered with ``os.register_at_fork`` calls ``gc.freeze()`` in the child while the
 parent is starting workers (a count the child reads in its copy of the parent's memory; the
 program's other forks pass through, but for one made by another thread during a start, which
-freezes too, to no harm). The inherited objects go to the permanent generation,
-which the worker's collector never scans; on the default build a freeze merges the
-generations' lists, writing the headers of the few objects at their ends (so about nothing is
-copied), and the worker's own objects are collected as usual. The main process is not touched:
-its collector, its generations and any freeze of its own stay as they were (Python 3.12 starts
-with some of its own objects frozen, 375 tuples here, so "nothing frozen" cannot tell a program
-that froze objects itself). Seen from a worker, the inherited objects are in no generation:
+freezes too, to no harm). The inherited objects go to the permanent generation, which the
+worker's collector never scans; on the default build a freeze merges the generations' lists,
+writing the headers of the few objects at their ends (so about nothing is copied), and the
+worker's own objects are collected as usual. The main process is not touched: its collector,
+its generations and any freeze of its own stay as they were (Python 3.12 starts with some of
+its own objects frozen, 375 tuples here, so "nothing frozen" cannot tell a program that froze
+objects itself). Seen from a worker, the inherited objects are in no generation:
 ``gc.get_objects()`` and ``gc.get_referrers()`` there list its own objects only; a process the
 worker forks in turn freezes nothing more. Only the fork start method: spawned and forkserver
 children inherit no objects of the program.
@@ -45,7 +44,7 @@ every object it scans. So there the parent freezes instead, once around a pool's
 when the program has frozen objects itself): its workers' collectors skip the frozen objects,
 and the parent writes each object twice (not measured: no such build with torch here).
 
-(Until round 22 the parent froze on every build; that left Python 3.12, whose count of frozen
+(The parent used to freeze on every build: that left Python 3.12, whose count of frozen
 objects is never 0, with no freeze at all, and brought the parent's young objects back in its
 oldest generation after each start.)
 """

@@ -14,12 +14,11 @@ that turn warnings into errors); the stock loader leaves no such thread behind.
 
 So the pool sends the plan's storage descriptor itself, right after the message, over the
 worker's own connection (a Unix socket pair: ``SCM_RIGHTS``), and the message carries a
-:class:`SharedPerm` in place of the tensor; the worker's channel takes the descriptor before it
-reads anything else and rebuilds the tensor on the same shared memory (``ProcessChannel`` in
-``messages.py``). Only with
-the ``file_descriptor`` sharing strategy (torch's default on Linux) and a plan already in
-shared memory; otherwise the plan pickles as before (``file_system`` shares by name, with no
-thread). Tested in ``tests/host/test_plan_fd.py``.
+``SharedPerm`` (``messages.py``) in place of the tensor; the worker's ``ProcessChannel`` takes
+the descriptor before it reads anything else and rebuilds the tensor, with its offset and
+stride, on the same shared memory. Only with the ``file_descriptor`` sharing strategy (torch's
+default on Linux) and a plan already in shared memory; otherwise the plan pickles as before
+(``file_system`` shares by name, with no thread). Tested in ``tests/host/test_plan_fd.py``.
 """
 
 from __future__ import annotations
