@@ -41,14 +41,15 @@ def test_a_loader_leaves_no_descriptor_serving_thread_behind():
     assert done.stdout.strip() == "['MainThread']", done.stdout
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-@pytest.mark.parametrize("n", [1000, COMPACT_FROM + 5])  # int64 and int32 plans
+@pytest.mark.parametrize(("n", "context"), [  # int64 and int32 plans (spawn: the same socket)
+    (1000, "fork"), (1000, "spawn"), (COMPACT_FROM + 5, "fork")])
 def test_workers_read_the_order_the_stock_loader_reads(n, context):
     data = tud.TensorDataset(torch.arange(n))
-    want = tud.DataLoader(data, batch_size=512, shuffle=True, num_workers=2,
+    batch = 64 if n < COMPACT_FROM else 32768  # some 32 batches an epoch
+    want = tud.DataLoader(data, batch_size=batch, shuffle=True, num_workers=2,
                           persistent_workers=True, multiprocessing_context=context,
                           generator=torch.Generator().manual_seed(3))
-    got = gpufeed.DataLoader(data, batch_size=512, shuffle=True, num_workers=2,
+    got = gpufeed.DataLoader(data, batch_size=batch, shuffle=True, num_workers=2,
                              persistent_workers=True, multiprocessing_context=context,
                              generator=torch.Generator().manual_seed(3))
     for _ in range(2):  # a persistent pool gets each epoch's plan
