@@ -786,9 +786,10 @@ def test_spawn_with_an_unpicklable_dataset_warns_and_raises_like_stock():
     assert seen["gpufeed"] == seen["stock"] and len(seen["stock"][1]) == 1
 
 
-# Python 3.12+ warns of a fork while the process has other threads (in a whole run, tqdm's
-# monitor thread, which an earlier test's Hugging Face datasets started): the fork is this
-# test's gpufeed side's, the stock side here has no workers
+# Python 3.12+ warns of a fork while the process has other threads, as the kernel counts them
+# (torch's intra-op threads after a parallel op; in a whole run, tqdm's monitor thread that an
+# earlier test's Hugging Face datasets started): the fork is this test's gpufeed side's, the
+# stock side here has no workers
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 @pytest.mark.parametrize("workers", WORKER_CONFIGS)
 def test_pin_memory_without_accelerator_warns_like_stock(workers):

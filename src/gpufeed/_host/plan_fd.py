@@ -10,7 +10,9 @@ socket and, once started, runs until the program exits. From then on every fork 
 (the next loader's workers, stock ones included, or the program's own) forks a multi-threaded
 process, which Python 3.12 and later warn of ("This process ... is multi-threaded, use of
 fork() may lead to deadlocks in the child", a ``DeprecationWarning``: an error in test suites
-that turn warnings into errors); the stock loader leaves no such thread behind.
+that turn warnings into errors); the stock loader leaves no such thread behind. (Python counts
+the kernel's threads, so torch's own intra-op threads, once a parallel op has run, bring the
+same warning to stock and gpufeed workers alike; this thread was gpufeed's own.)
 
 So the pool sends the plan's storage descriptor itself, right after the message, over the
 worker's own connection (a Unix socket pair: ``SCM_RIGHTS``), and the message carries a
