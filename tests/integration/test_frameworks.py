@@ -347,14 +347,14 @@ def test_accelerate_prepare_warns_and_the_documented_pattern_keeps_gpufeed():
     assert loader.stats().counters["batches"] == 6 and loader.state_dict()["epoch"] == 1
 
 
-def test_accelerate_checkpoints_a_registered_loader_mid_epoch(tmp_path):
-    """With the pattern above, ``register_for_checkpointing`` puts the loader's position in
-    ``save_state``; ``load_state`` resumes it (stock users' loader: no seed=)."""
-    accelerate = pytest.importorskip("accelerate")
+def _resumed_by_accelerate(accelerate, tmp_path, *, on_device, **kwargs):
+    """A loader registered for checkpointing, ``save_state`` two batches in: the rest of that
+    run, then a fresh registered loader after ``load_state`` and its Accelerator."""
 
     def make(accelerator):
-        loader = gpufeed.DataLoader(Pairs(N), batch_size=BATCH, shuffle=True, num_workers=1,
-                                    worker_type="thread", device=accelerator.device)
+        loader = gpufeed.DataLoader(
+            Pairs(N), batch_size=BATCH, shuffle=True, num_workers=1, worker_type="thread",
+            device=accelerator.device if on_device else None, **kwargs)
         accelerator.register_for_checkpointing(loader)
         return loader
 
@@ -367,6 +367,14 @@ def test_accelerate_checkpoints_a_registered_loader_mid_epoch(tmp_path):
     again = accelerate.Accelerator(cpu=True)
     fresh = make(again)
     again.load_state(tmp_path / "state")
+    return rest_of_run, fresh, again
+
+
+def test_accelerate_checkpoints_a_registered_loader_mid_epoch(tmp_path):
+    """With the pattern above, ``register_for_checkpointing`` puts the loader's position in
+    ``save_state``; ``load_state`` resumes it (stock users' loader: no seed=)."""
+    accelerate = pytest.importorskip("accelerate")
+    rest_of_run, fresh, _ = _resumed_by_accelerate(accelerate, tmp_path, on_device=True)
     assert [b[0].flatten().tolist() for b in fresh] == rest_of_run and len(rest_of_run) == 4
 
 
@@ -375,22 +383,8 @@ def test_accelerate_skip_first_batches_warns_once_of_the_stock_rebuild(tmp_path)
     (a new epoch) instead of the position ``load_state`` restored: warned at the user's line,
     once per loader."""
     accelerate = pytest.importorskip("accelerate")
-
-    def make(accelerator):
-        loader = gpufeed.DataLoader(Pairs(N), batch_size=BATCH, shuffle=True, seed=4,
-                                    num_workers=1, worker_type="thread")
-        accelerator.register_for_checkpointing(loader)
-        return loader
-
-    accelerator = accelerate.Accelerator(cpu=True)
-    it = iter(make(accelerator))
-    next(it), next(it)
-    accelerator.save_state(tmp_path / "state")
-    rest_of_run = [b[0].flatten().tolist() for b in it]
-    del it
-    again = accelerate.Accelerator(cpu=True)
-    loader = make(again)
-    again.load_state(tmp_path / "state")
+    rest_of_run, loader, again = _resumed_by_accelerate(accelerate, tmp_path, on_device=False,
+                                                        seed=4)
     with pytest.warns(UserWarning, match=r"skip_first_batches\(loader\) rebuilds") as caught:
         skipped = again.skip_first_batches(loader, 2)
     assert len(caught) == 1 and caught[0].filename == __file__  # the user's line

@@ -53,7 +53,7 @@ from . import plan_fd
 from .descriptors import receive
 from .failures import describe_exit, warn_if_unpicklable
 from .frozen_heap import heap_frozen
-from .messages import StartFailed, ThreadChannel, ToMain, ToWorker, WorkerSpec
+from .messages import StartFailed, ThreadChannel, ToMain, ToWorker, UsePlan, WorkerSpec
 from .worker import in_thread_worker, install_thread_worker_info, worker_label, worker_loop
 
 log = logging.getLogger("gpufeed")
@@ -133,7 +133,9 @@ class ProcessPool:
         self._exited.discard(w)  # a worker (re)started at id w (a resized pool reuses ids)
 
     def send(self, w: int, msg: ToWorker) -> None:
-        msg, fd = plan_fd.detach(msg)  # NOTE [ Plans without a sharing thread ]
+        fd = -1
+        if type(msg) is UsePlan:  # once an epoch: NOTE [ Plans without a sharing thread ]
+            msg, fd = plan_fd.detach(msg)
         payload = ForkingPickler.dumps(msg)
         if len(payload) <= INLINE_BYTES and (self._sender is None or not self._sender.busy(w)):
             try:
