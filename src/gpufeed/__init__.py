@@ -33,6 +33,7 @@ from ._sources.hdf5 import HDF5Dataset
 from ._sources.images import ImageFolder
 from ._sources.packed import CopyOnWriteWarning, PackedList
 from ._sources.padded import ArrowDataset
+from ._sources.tarimages import ImageShards
 from ._tools.doctor import DoctorReport, Finding, diagnose
 from ._tools.profiler import Profiler, ProfileReport, profile
 from ._tools.trace import Trace, trace
@@ -53,6 +54,7 @@ __all__ = [
     "Finding",
     "HDF5Dataset",
     "ImageFolder",
+    "ImageShards",
     "LoaderStats",
     "Normalize",
     "PackedList",

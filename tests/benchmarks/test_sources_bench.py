@@ -42,3 +42,21 @@ def test_no_ceilings_without_workers(tmp_path):
     for nw, ceilings in ((0, 0), (1, 3)):
         sides, _ = _build("jpeg-crop", True, tmp_path, nw)
         assert sum(isinstance(f, Ceiling) for f in sides.values()) == ceilings
+
+
+def test_shards_benchmark_quick(tmp_path):
+    """``python -m gpufeed.benchmarks shards``: webdataset under the stock loader, gpufeed's
+    ImageShards and its ceiling, side by side; the dataset's build time in the report."""
+    pytest.importorskip("simplejpeg")
+    pytest.importorskip("webdataset")
+    out = tmp_path / "out"
+    assert main(["shards", "--quick", "--num-workers", "1", "--out", str(out),
+                 "--cache-dir", str(tmp_path / "cache")]) == 0
+    doc = json.loads((out / "shards.json").read_text())
+    rows = {r["side"]: r for r in doc["workloads"][0]["rows"]}
+    assert set(rows) == {"stock", "gpufeed loader, webdataset", "gpufeed ImageShards (process)",
+                         "gpufeed ImageShards (thread)", "no-loader ceiling: ImageShards' work"}
+    assert all(r["median_samples_per_s"] > 0 for r in rows.values())
+    assert doc["build"]["samples"] == 64 and doc["build"]["ImageShards_s"] > 0
+    md = (out / "shards.md").read_text()
+    assert md.startswith("# gpufeed tar-shard benchmark") and "`ImageShards` over 8 shards" in md

@@ -269,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .sources import main as sources_main
 
         return sources_main(argv[1:])
+    if argv[:1] == ["shards"]:  # JPEGs in tar shards (gpufeed.benchmarks.shards)
+        from .shards import main as shards_main
+
+        return shards_main(argv[1:])
     if argv[:1] == ["gpu"]:
         try:
             gpu = importlib.import_module("gpufeed.benchmarks.gpu")

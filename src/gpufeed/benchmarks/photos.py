@@ -11,11 +11,12 @@ sets the size: 30 gives ~110 KB at 500x375, 18 about 30 KB at 256x256.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
 
-__all__ = ["DETAIL", "mean_file_bytes", "photo_like", "photo_set"]
+__all__ = ["DETAIL", "mean_file_bytes", "photo_like", "photo_set", "pillow_sample"]
 
 #: ``detail`` per (height, width) that reaches the photo file sizes above at quality 90.
 DETAIL = {(375, 500): 30.0, (256, 256): 18.0}
@@ -58,3 +59,32 @@ def mean_file_bytes(root: Path) -> float:
     """The mean size of the JPEGs under ``root``."""
     sizes = [p.stat().st_size for p in root.rglob("*.jpg")]
     return float(np.mean(sizes)) if sizes else 0.0
+
+
+def pillow_sample(source: str | IO[bytes], size: int, resized: bool) -> torch.Tensor:
+    """What users write today, per sample, with Pillow: open and decode an image (a path or a
+    file object), crop (a random ``size`` window, or torchvision's random-resized crop with a
+    bilinear resize to ``size``), flip at random; a CHW uint8 tensor. Draws from torch's
+    generator, as torchvision's transforms do."""
+    from PIL import Image
+
+    with Image.open(source) as im:
+        im = im.convert("RGB")
+        w, h = im.size
+        s = size
+        if resized:
+            area = h * w * float(torch.empty(()).uniform_(0.08, 1.0))
+            ratio = float(torch.empty(()).uniform_(np.log(3 / 4), np.log(4 / 3)).exp())
+            cw = min(w, max(1, round((area * ratio) ** 0.5)))
+            ch = min(h, max(1, round((area / ratio) ** 0.5)))
+            top = int(torch.randint(0, h - ch + 1, ()))
+            left = int(torch.randint(0, w - cw + 1, ()))
+            im = im.resize((s, s), Image.Resampling.BILINEAR,
+                           box=(left, top, left + cw, top + ch))
+        else:
+            top, left = int(torch.randint(0, h - s + 1, ())), int(torch.randint(0, w - s + 1, ()))
+            im = im.crop((left, top, left + s, top + s))
+        arr = np.asarray(im)
+    if torch.rand(()) < 0.5:
+        arr = arr[:, ::-1]
+    return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))

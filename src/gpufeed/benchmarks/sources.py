@@ -32,7 +32,6 @@ Results: ``sources.json`` and ``sources.md`` in ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -53,9 +52,9 @@ from gpufeed._tools.measure import measure_loader, one_intra_op_thread
 from gpufeed._tools.output import directory
 
 from .ceiling import measure_no_loader
-from .environment import commit_label
+from .environment import commit_label, write_documents
 from .environment import environment as shared_environment
-from .photos import mean_file_bytes, photo_set
+from .photos import mean_file_bytes, photo_set, pillow_sample
 from .summary import paired_ratio
 
 WORKLOADS = ("jpeg-crop", "jpeg-rrc", "hf-datasets", "hdf5", "python-list")
@@ -85,29 +84,7 @@ class PillowFolder(Dataset[tuple[torch.Tensor, int]]):
         return len(self.files)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        from PIL import Image
-
-        with Image.open(self.files[i]) as im:
-            im = im.convert("RGB")
-            w, h = im.size
-            s = self.size
-            if self.resized:
-                area = h * w * float(torch.empty(()).uniform_(0.08, 1.0))
-                ratio = float(torch.empty(()).uniform_(np.log(3 / 4), np.log(4 / 3)).exp())
-                cw = min(w, max(1, round((area * ratio) ** 0.5)))
-                ch = min(h, max(1, round((area / ratio) ** 0.5)))
-                top = int(torch.randint(0, h - ch + 1, ()))
-                left = int(torch.randint(0, w - cw + 1, ()))
-                im = im.resize((s, s), Image.Resampling.BILINEAR,
-                               box=(left, top, left + cw, top + ch))
-            else:
-                top, left = int(torch.randint(0, h - s + 1, ())), int(torch.randint(0, w - s + 1,
-                                                                                    ()))
-                im = im.crop((left, top, left + s, top + s))
-            arr = np.asarray(im)
-        if torch.rand(()) < 0.5:
-            arr = arr[:, ::-1]
-        return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1))), 0
+        return pillow_sample(self.files[i], self.size, self.resized), 0
 
 
 class H5PerSample(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -268,12 +245,20 @@ def run_workload(name: str, *, repeats: int, quick: bool, cache: Path, nw: int,
         sides, target = _build(name, quick, cache, nw)
     except ImportError as exc:
         return {"name": name, "skipped": str(exc)}
+    return run_sides(name, sides, target, repeats=repeats, quick=quick,
+                     whole_epoch=name == "python-list", say=say)
+
+
+def run_sides(name: str, sides: dict[str, Factory], target: dict[str, Any], *, repeats: int,
+              quick: bool, whole_epoch: bool,
+              say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every side ``repeats`` times, alternating; medians, spreads and verdicts per side."""
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     for rep in range(repeats):  # alternating: every side once per repeat, order rotating
         order = list(sides)
         order = order[rep % len(order):] + order[:rep % len(order)]
         for side in order:
-            runs[side].append(_measure(sides[side], quick, name == "python-list"))
+            runs[side].append(_measure(sides[side], quick, whole_epoch))
             say(f"{name} [{rep + 1}/{repeats}] {side}: "
                 f"{runs[side][-1]['samples_per_s']:,.0f} samples/s")
     rows: list[dict[str, Any]] = []
@@ -362,34 +347,49 @@ def render_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gpufeed.benchmarks sources",
-                                description="data sources: gpufeed vs the stock loader")
-    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+def parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The options of the data-source benchmarks (this one and ``shards.py``)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--repeats", type=int, default=None, help="default 5 (quick: 1)")
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--out", type=directory, default=Path("benchmarks/results"))
     p.add_argument("--cache-dir", type=Path, default=None,
-                   help="where the JPEGs and HDF5 file are built once "
+                   help="where the data files are built once "
                         "(default $GPUFEED_BENCH_CACHE or <tmp>/gpufeed-bench)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for tests")
-    args = p.parse_args(argv)
+    return p
+
+
+def prepare(args: argparse.Namespace) -> tuple[Path, int]:
+    """The cache folder (made) and the repeats; one torch thread, as the loaders' workers."""
     cache = args.cache_dir or Path(os.environ.get("GPUFEED_BENCH_CACHE")
                                    or Path(tempfile.gettempdir()) / "gpufeed-bench")
     cache.mkdir(parents=True, exist_ok=True)
-    repeats = args.repeats or (1 if args.quick else 5)
     torch.set_num_threads(1)
+    return cache, args.repeats or (1 if args.quick else 5)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser("python -m gpufeed.benchmarks sources", "data sources: gpufeed vs the stock loader")
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    args = p.parse_args(argv)
+    cache, repeats = prepare(args)
     doc: dict[str, Any] = {"environment": environment(),
            "settings": {"num_workers": args.num_workers, "repeats": repeats,
                         "quick": args.quick},
            "workloads": [run_workload(w, repeats=repeats, quick=args.quick, cache=cache,
                                       nw=args.num_workers) for w in args.workloads]}
+    return finish(doc, args.out, "sources", render_markdown)
+
+
+def finish(doc: dict[str, Any], out: Path, stem: str,
+           render: Callable[[dict[str, Any]], str]) -> int:
+    """The load average at the end; ``<stem>.json`` and ``.md`` written and shown."""
     doc["environment"]["loadavg_end"] = list(os.getloadavg())
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sources.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (args.out / "sources.md").write_text(render_markdown(doc))
-    print(render_markdown(doc))
-    print(f"wrote {args.out / 'sources.json'} and {args.out / 'sources.md'}")
+    text = render(doc)
+    paths = write_documents(doc, out, stem, text)
+    print(text)
+    print(f"wrote {paths[0]} and {paths[1]}")
     return 0
 
 

@@ -1,0 +1,257 @@
+"""The decoding half of the image sources: crop, resize and flip a batch into the slot.
+
+``DecodedImages`` is what ``ImageFolder`` (a class-per-folder tree) and ``ImageShards`` (tar
+shards) share: the arguments that say what an image becomes (``size``, ``crop``, ``scale``,
+``flip``, the decoder...), and a batch's decoding from each sample's bytes, which a subclass
+reads (``_read``) and names in errors (``_name``). Decoding is ``jpeg.py``'s (NOTE [ Decoding ]:
+only the crop's region of a JPEG when libjpeg-turbo >= 3.0 is there, else the whole image by
+simplejpeg); other formats go through Pillow. Crops and flips draw from one ``numpy`` generator
+per sample seeded by the loader's ``sample_seed(seed, epoch, index)`` (NOTE [ Batch sources ] in
+``_sources/protocol.py``): batches are the same for any ``num_workers`` or ``worker_type``.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .arrays import allocate
+from .jpeg import codec, resolve_codec
+from .protocol import index_array, require, sample_seeds
+from .resample import box, center_cut_into, center_resize, random_resized, resize_into
+
+__all__ = ["DecodedImages"]
+
+_JPEG_MAGIC = b"\xff\xd8\xff"
+CROPS = ("random", "center")
+ON_ERROR = ("raise", "skip")
+_NO_TRANSFORM = (
+    "gpufeed.{cls} decodes, crops and flips itself (size=, crop=, scale=, ratio=, "
+    "flip=) into uint8 CHW tensors and takes no {name}=. Normalise on the device: "
+    "gpufeed.DataLoader(..., device='cuda', device_transform=gpufeed.Normalize(mean, std, "
+    "key=0)); for other transforms, a collate_fn or device_transform that takes the uint8 "
+    "batch. {instead}")
+
+
+class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
+    """Images decoded, cropped, resized and flipped into uint8 (3, h, w) tensors, with int
+    labels (``targets``); a subclass says where each image's bytes are. The arguments are
+    ``ImageFolder``'s (its docstring explains each)."""
+
+    #: for arbitrary PIL transforms, what to use instead (in the refusal of ``transform=``)
+    _instead = ""
+    targets: np.ndarray
+
+    def __init__(
+        self, *, size: int | tuple[int, int], crop: str = "random", flip: bool | None = None,
+        scale: tuple[float, float] | None = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3), center_fraction: float = 0.875,
+        fast: bool = False, dct_scale: bool = True, on_error: str = "raise",
+        decoder: str = "auto", memory_format: torch.memory_format = torch.contiguous_format,
+        transform: Any = None, target_transform: Any = None, loader: Any = None,
+    ) -> None:
+        for name, value in (("transform", transform), ("target_transform", target_transform),
+                            ("loader", loader)):
+            if value is not None:
+                raise TypeError(_NO_TRANSFORM.format(cls=type(self).__name__, name=name,
+                                                     instead=self._instead))
+        require("simplejpeg", f"gpufeed.{type(self).__name__}")
+        require("PIL", f"gpufeed.{type(self).__name__}")
+        if crop not in CROPS:
+            raise ValueError(f"crop={crop!r} is not one of {CROPS}")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error={on_error!r} is not one of {ON_ERROR}")
+        given: Any = size  # an int, a numpy int, or a pair of them
+        hw = (given, given) if isinstance(given, numbers.Integral) else tuple(given)
+        if len(hw) != 2 or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                                   and int(v) > 0 for v in hw):
+            raise ValueError(f"size={size!r} must be a positive int or (height, width)")
+        if scale is not None and not 0 < scale[0] <= scale[1] <= 1:
+            raise ValueError(f"scale={scale!r} must satisfy 0 < low <= high <= 1 (or be None)")
+        if not 0 < ratio[0] <= ratio[1]:
+            raise ValueError(f"ratio={ratio!r} must satisfy 0 < low <= high")
+        if not 0 < center_fraction <= 1:
+            raise ValueError(f"center_fraction={center_fraction!r} must be in (0, 1]")
+        if memory_format not in (torch.contiguous_format, torch.channels_last):
+            raise ValueError(f"memory_format={memory_format!r}: pass torch.contiguous_format "
+                             "(CHW images) or torch.channels_last (HWC memory)")
+        self.size: tuple[int, int] = (int(hw[0]), int(hw[1]))
+        self.crop, self.scale, self.ratio = crop, scale, ratio
+        self.flip = crop == "random" if flip is None else bool(flip)
+        self.center_fraction, self.fast, self.dct_scale = center_fraction, fast, dct_scale
+        self.on_error, self.memory_format = on_error, memory_format
+        self.decoder = resolve_codec(decoder)
+        self.skipped = 0
+        _pillow_ready()
+
+    # -- what a subclass says ---------------------------------------------------------------
+    def _read(self, index: int) -> bytes:
+        """The encoded bytes of image ``index``."""
+        raise NotImplementedError
+
+    def _name(self, index: int) -> str:
+        """Image ``index`` as an error names it (a path, a shard's member)."""
+        raise NotImplementedError
+
+    def _settings(self) -> list[str]:
+        """The ``repr`` lines of the output settings."""
+        if self.crop == "center":
+            crop = f"Resize({int(min(self.size) / self.center_fraction)}) + CenterCrop"
+        elif self.scale is None:
+            crop = "a random window"
+        else:
+            crop = f"random-resized, scale={self.scale}, ratio=({self.ratio[0]:.4g}, " \
+                   f"{self.ratio[1]:.4g})"
+        return [
+            f"Output: uint8 3x{self.size[0]}x{self.size[1]}, crop={self.crop!r} ({crop}), "
+            f"flip={self.flip}"
+            + (", channels_last" if self.memory_format is torch.channels_last else ""),
+            f"Decoder: {self.decoder}, dct_scale={self.dct_scale}, fast={self.fast}, "
+            f"on_error={self.on_error!r}"]
+
+    # -- reading ----------------------------------------------------------------------------
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.gpufeed_samples([index], seed=None, epoch=0)[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, int]]:
+        return self.gpufeed_samples(indices, seed=None, epoch=0)
+
+    def gpufeed_samples(
+        self, indices: Sequence[int], *, seed: int | None, epoch: int
+    ) -> list[tuple[torch.Tensor, int]]:
+        images, labels = self.gpufeed_batch(indices, seed=seed, epoch=epoch, alloc=None)
+        return list(zip(images, labels.tolist(), strict=True))
+
+    def gpufeed_batch(
+        self, indices: Sequence[int], *, seed: int | None, epoch: int, alloc: Any
+    ) -> list[torch.Tensor]:
+        """``[images (B, 3, h, w) uint8, labels (B,) int64]``, decoded into ``alloc``'s memory."""
+        idx = index_array(indices)
+        n = len(idx)
+        h, w = self.size
+        if self.memory_format is torch.channels_last:  # (B, h, w, 3) memory, seen as (B, 3, h, w)
+            images = allocate(alloc, (n, h, w, 3), torch.uint8).permute(0, 3, 1, 2)
+        else:
+            images = allocate(alloc, (n, 3, h, w), torch.uint8)
+        labels = allocate(alloc, (n,), torch.int64)
+        labels.numpy()[:] = self.targets[idx]
+        hwc = images.numpy().transpose(0, 2, 3, 1)  # HWC views of the slot, in either layout
+        for k, (i, s) in enumerate(zip(idx.tolist(), sample_seeds(idx, seed, epoch),
+                                       strict=True)):
+            try:
+                self._load(i, s, hwc[k])
+            except Exception as exc:
+                if self.on_error == "raise":
+                    raise ValueError(
+                        f"cannot read image {self._name(i)} (sample {i}): {exc}. Fix or remove "
+                        f"the file, or pass {type(self).__name__}(..., on_error='skip')") from exc
+                self.skipped += 1
+                images[k].zero_()
+                labels[k] = -1
+        return [images, labels]
+
+    def _load(self, index: int, seed: int, dst: np.ndarray) -> None:
+        """Image ``index``, cropped, resized and flipped with draws from a generator seeded
+        ``seed``, written into ``dst`` (an HWC view of its place in the batch)."""
+        data = self._read(index)
+        if data[:3] == _JPEG_MAGIC:
+            try:
+                self._jpeg(data, np.random.Generator(np.random.PCG64(seed)), dst)
+                return
+            except ValueError:  # e.g. CMYK, or damage Pillow may still get past
+                pass
+        # a fresh generator: the same crop and flip as the codec would have drawn
+        self._pillow(data, np.random.Generator(np.random.PCG64(seed)), dst)
+
+    def _region(self, height: int, width: int, rng: np.random.Generator) -> tuple[float, ...]:
+        """(top, left, h, w) of a random crop in stored pixels, and the flip (1.0 or 0.0)."""
+        oh, ow = self.size
+        if self.scale is None:  # a plain window, after scaling up an image that is too small
+            up = max(1.0, oh / height, ow / width)
+            ch, cw = oh / up, ow / up
+            top = float(rng.integers(0, int(height - ch) + 1))
+            left = float(rng.integers(0, int(width - cw) + 1))
+        else:
+            top, left, ch, cw = random_resized(height, width, self.scale, self.ratio, rng)
+        return top, left, ch, cw, self._flip(rng)
+
+    def _flip(self, rng: np.random.Generator) -> float:
+        return float(self.flip and rng.random() < 0.5)
+
+    def _factor(self, h: float, w: float, oh: int, ow: int) -> int:
+        """The DCT scale (1, 2, 4 or 8) that leaves a ``h x w`` region at least twice
+        ``oh x ow`` before the last halving (1 without ``dct_scale``)."""
+        factor = 1
+        while self.dct_scale and factor < 8 and h / (2 * factor) >= oh and w / (2 * factor) >= ow:
+            factor *= 2
+        return factor
+
+    def _jpeg(self, data: bytes, rng: np.random.Generator, dst: np.ndarray) -> None:
+        jc = codec(self.decoder)
+        height, width = jc.header(data)
+        if self.crop == "center":
+            nh, nw = center_resize(height, width, self.size, self.center_fraction)
+            img = jc.decode(data, factor=self._factor(height, width, nh, nw), box=None,
+                            fast=self.fast)
+            center_cut_into(dst, img, (nh, nw), self._flip(rng))
+            return
+        top, left, ch, cw, flip = self._region(height, width, rng)
+        factor = self._factor(ch, cw, *self.size)
+        sh, sw = math.ceil(height / factor), math.ceil(width / factor)  # the scaled image
+        sy, sx = sh / height, sw / width
+        region = box(top * sy, left * sx, ch * sy, cw * sx, sh, sw)
+        if _complete(data):
+            img = jc.decode(data, factor=factor, box=region, fast=self.fast)
+        else:  # truncated: decoded whole, so that every crop finds it (NOTE [ Decoding ])
+            t, lft, bh, bw = region
+            img = jc.decode(data, factor=factor, box=None, fast=self.fast)[
+                t:t + bh, lft:lft + bw]
+        resize_into(dst, img, flip)
+
+    def _pillow(self, data: bytes, rng: np.random.Generator, dst: np.ndarray) -> None:
+        Image = _pil()
+        try:
+            im = Image.open(io.BytesIO(data))
+        except Image.UnidentifiedImageError:  # its message names the BytesIO, not the file
+            raise ValueError("Pillow cannot identify it as an image") from None
+        with im:
+            img = np.array(im.convert("RGB"))  # writable: the resize reads it through torch
+        height, width = img.shape[:2]
+        if self.crop == "center":
+            nh, nw = center_resize(height, width, self.size, self.center_fraction)
+            center_cut_into(dst, img, (nh, nw), self._flip(rng))
+            return
+        top, left, ch, cw, flip = self._region(height, width, rng)
+        t, lft, bh, bw = box(top, left, ch, cw, height, width)
+        resize_into(dst, img[t:t + bh, lft:lft + bw], flip)
+
+
+
+def _complete(data: bytes) -> bool:
+    """Whether the JPEG ``data`` ends with its EOI marker (trailing bytes allowed in its last
+    KiB): a file cut short lacks it. In entropy-coded data 0xFF is followed by 0x00 or a
+    restart marker, so 0xFFD9 there is the end of the image."""
+    return data.endswith(b"\xff\xd9") or b"\xff\xd9" in data[max(2048, len(data) - 1024):]
+
+
+def _pillow_ready() -> None:
+    """Import now, in the thread that builds the dataset, what Pillow's ``Image.open`` would
+    import at its first file (every plugin: about 70 ms, once per process). Done by a thread
+    worker, an import in flight while another thread forks (another loader starting process
+    workers) leaves its lock held in the child for good (see ``_host/random_watch.py``)."""
+    _pil().init()
+
+
+@functools.cache
+def _pil() -> Any:
+    """``PIL.Image``, imported once, when an image source is built: the image extra is
+    optional, so the package imports without it."""
+    return require("PIL.Image", "gpufeed.ImageFolder or gpufeed.ImageShards")

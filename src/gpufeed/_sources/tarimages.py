@@ -1,0 +1,158 @@
+"""``ImageShards``: images and labels in tar shards (webdataset's layout), read at random.
+
+The shards are indexed when the dataset is built (NOTE [ Tar shards ] in ``tarindex.py``), so
+they make a map-style dataset: the loader's sampler shuffles the whole set, shards it by rank
+and resumes it exactly, and each sample is one ``pread`` of its image's bytes, decoded, cropped
+and flipped as ``ImageFolder`` does (``decoded.py``), into the slot.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .decoded import DecodedImages
+from .describe import dataset_repr
+from .packed import PackedList
+from .tarindex import Member, ShardStamp, expand, index_all, read_range, samples, stamp
+
+__all__ = ["IMAGE_EXTENSIONS", "ImageShards"]
+
+#: the members taken as a sample's image, first found first (webdataset's image extensions)
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "ppm", "pgm", "pbm", "pnm", "webp", "bmp", "tif",
+                    "tiff")
+
+
+class _Shard:
+    """One shard's samples as arrays: image offset and size, extension number, label, key."""
+
+    def __init__(self, path: str, found: list[Member], image: Sequence[str], label: str):
+        keys: list[str] = []
+        offsets: list[int] = []
+        sizes: list[int] = []
+        exts: list[int] = []
+        labels: list[int] = []
+        with open(path, "rb") as f:
+            for key, parts in samples(path, found):
+                kind = next((k for k, e in enumerate(image) if e in parts), None)
+                if kind is None or label not in parts:
+                    missing = f"image member ({', '.join(image)})" if kind is None else \
+                        f"{label!r} label member"
+                    raise ValueError(
+                        f"shard {path!r}: sample {key!r} has no {missing} (it has: "
+                        f"{', '.join(sorted(parts)) or 'none'}); give image=/label= the "
+                        "extensions your shards use, or remove the sample")
+                m, lab = parts[image[kind]], parts[label]
+                keys.append(key)
+                offsets.append(m.offset)
+                sizes.append(m.size)
+                exts.append(kind)
+                labels.append(_label(os.pread(f.fileno(), min(lab.size, 64), lab.offset),
+                                     path, key, label))
+        self.keys = keys
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.exts = np.asarray(exts, dtype=np.uint8)
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.stamp = stamp(path)
+
+
+def _label(raw: bytes, path: str, key: str, ext: str) -> int:
+    try:
+        return int(raw.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError(f"shard {path!r}: the label {key}.{ext} holds {raw[:20]!r}, not an "
+                         "integer class index") from None
+
+
+class ImageShards(DecodedImages):
+    """Images with integer labels in tar shards, as uint8 (3, h, w) tensors and int labels.
+
+    A sample is the members ``<key>.<ext>`` next to each other in a shard (webdataset's
+    layout): an image (the first of ``image`` found) and a label (``<key>.cls``, an integer in
+    text). The shards are indexed when the dataset is built, reading their headers only
+    (NOTE [ Tar shards ]), so this is a map-style dataset: ``shuffle=True`` shuffles every
+    sample, ``seed=`` makes epochs reproducible for any number or kind of workers, a resume is
+    exact and ranks share the samples out. Images decode, crop and flip as ``ImageFolder``'s
+    do (the same pixels for the same bytes and seed). Needs ``pip install 'gpufeed[image]'``.
+
+    Args:
+        shards: tar files: a list of paths, a folder (its ``*.tar``), a glob pattern, or a
+            brace range (``"train-{000000..000146}.tar"``). Plain tar: compressed shards are
+            refused, as they cannot be read at random.
+        image: the extensions taken as a sample's image, first found first.
+        label: the extension of the label member (its text is an integer).
+        size, crop, flip, scale, ratio, center_fraction, fast, dct_scale, on_error, decoder,
+            memory_format: as ``ImageFolder``'s.
+
+    Attributes: ``shards`` (the paths), ``keys`` (each sample's key), ``targets`` (int64 labels),
+    ``shard_of`` (each sample's shard number).
+    """
+
+    _instead = ("For arbitrary PIL transforms, read the shards with webdataset and pass that "
+                "dataset to gpufeed.DataLoader.")
+
+    def __init__(
+        self, shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
+        size: int | tuple[int, int], image: Sequence[str] = IMAGE_EXTENSIONS,
+        label: str = "cls", crop: str = "random", flip: bool | None = None,
+        scale: tuple[float, float] | None = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3), center_fraction: float = 0.875,
+        fast: bool = False, dct_scale: bool = True, on_error: str = "raise",
+        decoder: str = "auto", memory_format: torch.memory_format = torch.contiguous_format,
+        transform: Any = None, target_transform: Any = None,
+    ) -> None:
+        super().__init__(size=size, crop=crop, flip=flip, scale=scale, ratio=ratio,
+                         center_fraction=center_fraction, fast=fast, dct_scale=dct_scale,
+                         on_error=on_error, decoder=decoder, memory_format=memory_format,
+                         transform=transform, target_transform=target_transform)
+        exts = (image,) if isinstance(image, str) else tuple(image)
+        if not exts or not all(isinstance(e, str) and e for e in exts) or \
+                not isinstance(label, str) or not label:
+            raise ValueError(f"image={image!r} and label={label!r} must be member extensions "
+                             "such as 'jpg' and 'cls'")
+        self.image = tuple(e.lower().lstrip(".") for e in exts)
+        self.label = label.lower().lstrip(".")
+        paths = expand(shards)
+        missing = [p for p in paths if not os.path.isfile(p)]
+        if missing:
+            raise FileNotFoundError(
+                f"shard {missing[0]!r} does not exist" + (
+                    f" ({len(missing)} of the {len(paths)} shards are missing)"
+                    if len(missing) > 1 else ""))
+        parts: list[Any] = index_all(paths, lambda p, found: _Shard(p, found, self.image,
+                                                                  self.label))
+        if not sum(len(s.keys) for s in parts):
+            raise ValueError(f"the {len(paths)} shard(s) hold no sample (first: {paths[0]!r})")
+        self.shards = PackedList(paths)
+        self._stamps = [tuple(s.stamp) for s in parts]
+        self.keys = PackedList([k for s in parts for k in s.keys])
+        self.targets = np.concatenate([s.labels for s in parts])
+        self.shard_of = np.concatenate([np.full(len(s.keys), k, dtype=np.int32)
+                                        for k, s in enumerate(parts)])
+        self._offsets = np.concatenate([s.offsets for s in parts])
+        self._sizes = np.concatenate([s.sizes for s in parts])
+        self._exts = np.concatenate([s.exts for s in parts])
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __repr__(self) -> str:
+        first = self.shards[0] if len(self.shards) == 1 else \
+            f"{self.shards[0]} ... {self.shards[-1]}"
+        return dataset_repr(self, len(self), first, [
+            f"Shards: {len(self.shards)}, image={'/'.join(self.image)}, label={self.label}",
+            *self._settings()])
+
+    def _read(self, index: int) -> bytes:
+        shard = int(self.shard_of[index])
+        return read_range(self.shards[shard], int(self._offsets[index]),
+                          int(self._sizes[index]), ShardStamp(*self._stamps[shard]))
+
+    def _name(self, index: int) -> str:
+        ext = self.image[int(self._exts[index])]
+        return f"{self.keys[index]}.{ext} in shard {self.shards[int(self.shard_of[index])]!r}"
