@@ -189,6 +189,43 @@ def test_bad_shards_are_refused_naming_the_fix(tree, tmp_path):
     assert ds.targets.tolist() == [4] and ds[0][0].shape == (3, 8, 8)
 
 
+def _header_offsets(path):
+    with tarfile.open(path) as tf:
+        return [m.offset for m in tf]
+
+
+def test_a_damaged_header_is_refused_never_skipped(tree, tmp_path):
+    """A damaged header in the middle of a shard is an error naming its byte, in the header
+    parser and where tarfile lists the shard (which would end its listing there quietly, and
+    lose the samples after it); a header summed over signed bytes, as old writers did, is
+    read."""
+    _, ref, _ = tree
+    jpg = _bytes(ref.path(0))
+    entries = [(f"{k}.{e}", jpg if e == "jpg" else b"1") for k in "abc" for e in ("jpg", "cls")]
+    for fmt, prefix, match in ((tarfile.USTAR_FORMAT, "", "bad header checksum at byte"),
+                               (tarfile.PAX_FORMAT, "ü/", "no tar header at byte")):
+        path = _tar(tmp_path / f"{fmt}.tar", [(prefix + n, d) for n, d in entries], fmt)
+        assert len(gpufeed.ImageShards(path, size=8)) == 3
+        at = _header_offsets(path)[-2]  # c.jpg's header (pax: its extended header)
+        data = bytearray(_bytes(path))
+        data[at + 130] ^= 0x04  # one bit of the size field
+        with open(path, "wb") as f:
+            f.write(data)
+        with pytest.raises(ValueError, match=match):
+            gpufeed.ImageShards(path, size=8)
+    path = _tar(tmp_path / "signed.tar", [("é.jpg", jpg), ("é.cls", b"3")], tarfile.GNU_FORMAT)
+    data = bytearray(_bytes(path))
+    for at in _header_offsets(path):
+        block = data[at:at + 512]
+        block[148:156] = b" " * 8
+        signed = sum(b - 256 if b > 127 else b for b in block)
+        data[at + 148:at + 156] = b"%06o\0 " % signed
+    with open(path, "wb") as f:
+        f.write(data)
+    assert members(path)[0].name == "é.jpg"
+    assert gpufeed.ImageShards(path, size=8).targets.tolist() == [3]
+
+
 def test_a_changed_or_damaged_shard_is_named(tree, tmp_path):
     _, ref, _ = tree
     jpg = _bytes(ref.path(0))

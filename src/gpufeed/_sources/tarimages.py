@@ -51,8 +51,9 @@ class _Shard:
                 offsets.append(m.offset)
                 sizes.append(m.size)
                 exts.append(kind)
-                labels.append(_label(os.pread(f.fileno(), min(lab.size, 64), lab.offset),
-                                     path, key, label))
+                labels.append(_label(os.pread(f.fileno(), min(lab.size, 4096), lab.offset)
+                                     if lab.size <= 4096 else b"(over 4 KiB)", path, key,
+                                     label))
         self.keys = keys
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.sizes = np.asarray(sizes, dtype=np.int64)

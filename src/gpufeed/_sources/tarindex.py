@@ -15,7 +15,9 @@ members' data is skipped: about 1% of a shard of 100 KB images is read) and kept
 numpy arrays (shard, offset and size of a member per sample, no Python object per sample, so
 forked workers share them). Headers are parsed here (ustar and GNU); a shard with any other
 kind of header (pax or GNU long names, sparse files) is listed by Python's ``tarfile`` instead,
-which reads them all. Keys and extensions are webdataset's: the key is a member's path up to
+which reads them all. A damaged header (its checksum wrong, unsigned and signed) is an error
+naming its byte, never the end of the shard: ``tarfile`` ends a listing quietly there, so after
+its listing the next block must be an end-of-archive block or the file's end. Keys and extensions are webdataset's: the key is a member's path up to
 the first dot of its file name, the extension the rest, lower-cased; consecutive members with
 one key are one sample; directories, links and names without a dot are skipped. Compressed
 shards cannot be read at random and are refused, naming the fix (``gunzip``). A read opens the
@@ -129,7 +131,7 @@ def _parse(fd: int, path: str) -> list[Member]:
                              f"(a {len(hdr)}-byte header at byte {offset})")
         if hdr.count(0) == _BLOCK:  # end of archive
             return out
-        if _checksum(hdr) != _number(hdr[148:156], path, offset):
+        if not _checksum_ok(hdr, _number(hdr[148:156], path, offset)):
             raise ValueError(f"shard {path!r} is not a tar file or is damaged: bad header "
                              f"checksum at byte {offset}")
         kind = hdr[156:157]
@@ -150,8 +152,14 @@ def _parse(fd: int, path: str) -> list[Member]:
         offset = data + -(-size // _BLOCK) * _BLOCK
 
 
-def _checksum(hdr: bytes) -> int:
-    return sum(hdr[:148]) + 8 * 32 + sum(hdr[156:])
+def _checksum_ok(hdr: bytes, stored: int) -> bool:
+    """The header's sum of bytes (its checksum field as spaces), unsigned or, as some old
+    writers made it, of signed bytes."""
+    total = sum(hdr[:148]) + 8 * 32 + sum(hdr[156:])
+    if total == stored:
+        return True
+    high = sum(1 for b in hdr[:148] + hdr[156:] if b > 127)
+    return total - 256 * high == stored
 
 
 def _number(field: bytes, path: str, offset: int) -> int:
@@ -168,10 +176,19 @@ def _number(field: bytes, path: str, offset: int) -> int:
 def _with_tarfile(path: str) -> list[Member]:
     try:
         with tarfile.open(path, "r:") as tf:
-            return [Member(m.name, m.offset_data, m.size) for m in tf
-                    if m.isreg() and not m.sparse]
+            found = [Member(m.name, m.offset_data, m.size) for m in tf
+                     if m.isreg() and not m.sparse]
+            stop = tf.offset
     except tarfile.TarError as exc:
         raise ValueError(f"shard {path!r} is not a readable tar file: {exc}") from None
+    with open(path, "rb") as f:  # tarfile ends its listing quietly at a damaged header
+        rest = os.pread(f.fileno(), _BLOCK, stop)
+    if rest.count(0) != len(rest):
+        raise ValueError(f"shard {path!r} is damaged: no tar header at byte {stop}, where "
+                         "the listing stopped (members after it would be lost)")
+    if found and found[-1].offset + found[-1].size > os.path.getsize(path):
+        raise ValueError(f"shard {path!r} is cut short: its last member ends past the file")
+    return found
 
 
 def split_name(name: str) -> tuple[str, str] | None:
