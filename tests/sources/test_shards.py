@@ -113,6 +113,48 @@ def test_index_equals_webdataset_and_tarfile(tree, tmp_path):
             assert members(path) == [(m.name, m.offset_data, m.size) for m in tf if m.isreg()]
 
 
+def test_texts_and_no_labels_collate_as_the_stock_loader(tree, tmp_path):
+    """``text=`` adds each sample's caption (UTF-8 ``str``), ``label=None`` drops the label,
+    and with neither a sample is its image: batches are what the stock loader collates from
+    the same dataset's samples, under gpufeed's process and thread workers."""
+    _, ref, _ = tree
+    entries = []
+    for i in range(len(ref)):
+        entries += [(f"{i:03d}.jpg", _bytes(ref.path(i))) if ref.files[i].endswith("jpg")
+                    else (f"{i:03d}.png", _bytes(ref.path(i))),
+                    (f"{i:03d}.cls", b"%d" % ref.targets[i]),
+                    (f"{i:03d}.txt", f"caption {i} \u00e9t\u00e9".encode())]
+    path = _tar(tmp_path / "pairs.tar", entries)
+    for label, text, kinds in (("cls", "txt", (torch.Tensor, torch.Tensor, tuple)),
+                               (None, "txt", (torch.Tensor, tuple)),
+                               ("cls", None, (torch.Tensor, torch.Tensor))):
+        ds = gpufeed.ImageShards(path, size=16, crop="center", label=label, text=text)
+        assert len(ds[4]) == len(kinds)
+        want = list(torch.utils.data.DataLoader(ds, batch_size=5))
+        for nw, wt in ((0, "process"), (2, "process"), (2, "thread")):
+            got = list(gpufeed.DataLoader(ds, batch_size=5, num_workers=nw, worker_type=wt))
+            assert len(got) == len(want) == 4
+            for w, g in zip(want, got, strict=True):
+                assert type(g) is list and tuple(map(type, g)) == kinds, (label, text)
+                for a, b in zip(w, g, strict=True):
+                    assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    ds = gpufeed.ImageShards(path, size=16, crop="center", label=None, text="txt")
+    assert ds.texts[7] == "caption 7 \u00e9t\u00e9" and ds.targets.tolist() == [-1] * 18
+    first = next(iter(gpufeed.DataLoader(ds, batch_size=5, num_workers=2)))
+    assert first[1] == tuple(f"caption {i} \u00e9t\u00e9" for i in range(5))
+    bare = gpufeed.ImageShards(path, size=16, crop="center", label=None)
+    assert isinstance(bare[0], torch.Tensor) and bare.texts is None
+    batch = next(iter(gpufeed.DataLoader(bare, batch_size=4, num_workers=2)))
+    assert isinstance(batch, torch.Tensor) and batch.shape == (4, 3, 16, 16)
+    assert torch.equal(batch, next(iter(torch.utils.data.DataLoader(bare, batch_size=4))))
+    with pytest.raises(ValueError, match=r"no 'json' text member \(it has: cls, jpg, txt\)"):
+        gpufeed.ImageShards(path, size=8, text="json")
+    bad = _tar(tmp_path / "latin.tar", [("k.jpg", _bytes(ref.path(0))), ("k.cls", b"0"),
+                                        ("k.txt", "\u00e9t\u00e9".encode("latin-1"))])
+    with pytest.raises(ValueError, match=r"k\.txt is not UTF-8"):
+        gpufeed.ImageShards(bad, size=8, text="txt")
+
+
 def test_shard_specs_folder_glob_and_brace_range(tree):
     _, _, paths = tree
     root = os.path.dirname(paths[0])

@@ -18,6 +18,7 @@ import torch
 from .decoded import DecodedImages
 from .describe import dataset_repr
 from .packed import PackedList
+from .protocol import index_array
 from .tarindex import Member, ShardStamp, expand, index_all, read_range, samples, stamp
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageShards"]
@@ -28,37 +29,46 @@ IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "ppm", "pgm", "pbm", "pnm", "webp", "b
 
 
 class _Shard:
-    """One shard's samples as arrays: image offset and size, extension number, label, key."""
+    """One shard's samples: image offset and size, extension number, label, text, key."""
 
-    def __init__(self, path: str, found: list[Member], image: Sequence[str], label: str):
+    def __init__(self, path: str, found: list[Member], image: Sequence[str], label: str | None,
+                 text: str | None):
         keys: list[str] = []
         offsets: list[int] = []
         sizes: list[int] = []
         exts: list[int] = []
         labels: list[int] = []
+        self.texts: list[str] = []
         with open(path, "rb") as f:
             for key, parts in samples(path, found):
                 kind = next((k for k, e in enumerate(image) if e in parts), None)
-                if kind is None or label not in parts:
-                    missing = f"image member ({', '.join(image)})" if kind is None else \
-                        f"{label!r} label member"
+                missing = [f"image member ({', '.join(image)})"] if kind is None else []
+                missing += [f"{e!r} {what} member" for e, what in ((label, "label"),
+                                                                  (text, "text"))
+                            if e is not None and e not in parts]
+                if missing:
                     raise ValueError(
-                        f"shard {path!r}: sample {key!r} has no {missing} (it has: "
-                        f"{', '.join(sorted(parts)) or 'none'}); give image=/label= the "
-                        "extensions your shards use, or remove the sample")
-                m, lab = parts[image[kind]], parts[label]
+                        f"shard {path!r}: sample {key!r} has no {' and no '.join(missing)} "
+                        f"(it has: {', '.join(sorted(parts)) or 'none'}); give image=/label=/"
+                        "text= the extensions your shards use, or remove the sample")
+                m = parts[image[kind]]  # type: ignore[index]
                 keys.append(key)
                 offsets.append(m.offset)
                 sizes.append(m.size)
-                exts.append(kind)
-                labels.append(_label(os.pread(f.fileno(), min(lab.size, 4096), lab.offset)
-                                     if lab.size <= 4096 else b"(over 4 KiB)", path, key,
-                                     label))
+                exts.append(kind)  # type: ignore[arg-type]
+                if label is not None:
+                    lab = parts[label]
+                    labels.append(_label(os.pread(f.fileno(), lab.size, lab.offset)
+                                         if lab.size <= 4096 else b"(over 4 KiB)", path, key,
+                                         label))
+                if text is not None:
+                    self.texts.append(_text(f.fileno(), parts[text], path, key, text))
         self.keys = keys
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.exts = np.asarray(exts, dtype=np.uint8)
-        self.labels = np.asarray(labels, dtype=np.int64)
+        self.labels = np.asarray(labels, dtype=np.int64) if label is not None else \
+            np.full(len(keys), -1, dtype=np.int64)
         self.stamp = stamp(path)
 
 
@@ -70,28 +80,44 @@ def _label(raw: bytes, path: str, key: str, ext: str) -> int:
                          "integer class index") from None
 
 
+def _text(fd: int, m: Member, path: str, key: str, ext: str) -> str:
+    raw = os.pread(fd, m.size, m.offset)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"shard {path!r}: the text {key}.{ext} is not UTF-8 ({exc})") from None
+
+
 class ImageShards(DecodedImages):
-    """Images with integer labels in tar shards, as uint8 (3, h, w) tensors and int labels.
+    """Images (with integer labels, texts, or both) in tar shards, as uint8 (3, h, w) tensors.
 
     A sample is the members ``<key>.<ext>`` next to each other in a shard (webdataset's
-    layout): an image (the first of ``image`` found) and a label (``<key>.cls``, an integer in
-    text). The shards are indexed when the dataset is built, reading their headers only
+    layout): an image (the first of ``image`` found), a label (``<key>.cls``: an integer in
+    text) and, when asked, a text (``text="txt"``: a caption, UTF-8). The shards are indexed
+    when the dataset is built, reading their headers (and the labels and texts) only
     (NOTE [ Tar shards ]), so this is a map-style dataset: ``shuffle=True`` shuffles every
     sample, ``seed=`` makes epochs reproducible for any number or kind of workers, a resume is
     exact and ranks share the samples out. Images decode, crop and flip as ``ImageFolder``'s
     do (the same pixels for the same bytes and seed). Needs ``pip install 'gpufeed[image]'``.
+
+    A sample is ``(image, label)``, ``(image, label, text)`` with ``text=``, ``(image, text)``
+    with ``label=None`` too, and the image alone with neither; a batch is the list of those
+    fields collated (texts as a tuple of ``str``), as the stock loader collates them.
 
     Args:
         shards: tar files: a list of paths, a folder (its ``*.tar``), a glob pattern, or a
             brace range (``"train-{000000..000146}.tar"``). Plain tar: compressed shards are
             refused, as they cannot be read at random.
         image: the extensions taken as a sample's image, first found first.
-        label: the extension of the label member (its text is an integer).
+        label: the extension of the label member (its text is an integer), or None.
+        text: the extension of a text member (``"txt"``, ``"json"``) given as ``str``, or
+            None. Texts are read when the dataset is built and kept in one buffer.
         size, crop, flip, scale, ratio, center_fraction, fast, dct_scale, on_error, decoder,
-            memory_format: as ``ImageFolder``'s.
+            memory_format: as ``ImageFolder``'s (a skipped image's label is -1).
 
-    Attributes: ``shards`` (the paths), ``keys`` (each sample's key), ``targets`` (int64 labels),
-    ``shard_of`` (each sample's shard number).
+    Attributes: ``shards`` (the paths), ``keys`` (each sample's key), ``targets`` (int64
+    labels; -1 without ``label``), ``texts`` (with ``text``), ``shard_of`` (each sample's shard
+    number).
     """
 
     _instead = ("For arbitrary PIL transforms, read the shards with webdataset and pass that "
@@ -99,9 +125,9 @@ class ImageShards(DecodedImages):
 
     def __init__(
         self, shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
-        size: int | tuple[int, int], image: Sequence[str] = IMAGE_EXTENSIONS,
-        label: str = "cls", crop: str = "random", flip: bool | None = None,
-        scale: tuple[float, float] | None = (0.08, 1.0),
+        size: int | tuple[int, int], image: str | Sequence[str] = IMAGE_EXTENSIONS,
+        label: str | None = "cls", text: str | None = None, crop: str = "random",
+        flip: bool | None = None, scale: tuple[float, float] | None = (0.08, 1.0),
         ratio: tuple[float, float] = (3 / 4, 4 / 3), center_fraction: float = 0.875,
         fast: bool = False, dct_scale: bool = True, on_error: str = "raise",
         decoder: str = "auto", memory_format: torch.memory_format = torch.contiguous_format,
@@ -112,12 +138,14 @@ class ImageShards(DecodedImages):
                          on_error=on_error, decoder=decoder, memory_format=memory_format,
                          transform=transform, target_transform=target_transform)
         exts = (image,) if isinstance(image, str) else tuple(image)
-        if not exts or not all(isinstance(e, str) and e for e in exts) or \
-                not isinstance(label, str) or not label:
-            raise ValueError(f"image={image!r} and label={label!r} must be member extensions "
-                             "such as 'jpg' and 'cls'")
+        if not exts or not all(isinstance(e, str) and e for e in exts) or not all(
+                e is None or (isinstance(e, str) and e) for e in (label, text)):
+            raise ValueError(f"image={image!r}, label={label!r} and text={text!r} must be "
+                             "member extensions such as 'jpg', 'cls' and 'txt' (label and "
+                             "text may be None)")
         self.image = tuple(e.lower().lstrip(".") for e in exts)
-        self.label = label.lower().lstrip(".")
+        self.label, self.text = (None if e is None else e.lower().lstrip(".")
+                                 for e in (label, text))
         paths = expand(shards)
         missing = [p for p in paths if not os.path.isfile(p)]
         if missing:
@@ -125,14 +153,15 @@ class ImageShards(DecodedImages):
                 f"shard {missing[0]!r} does not exist" + (
                     f" ({len(missing)} of the {len(paths)} shards are missing)"
                     if len(missing) > 1 else ""))
-        parts: list[Any] = index_all(paths, lambda p, found: _Shard(p, found, self.image,
-                                                                  self.label))
+        parts: list[Any] = index_all(paths, lambda p, found: _Shard(
+            p, found, self.image, self.label, self.text))
         if not sum(len(s.keys) for s in parts):
             raise ValueError(f"the {len(paths)} shard(s) hold no sample (first: {paths[0]!r})")
         self.shards = PackedList(paths)
         self._stamps = [tuple(s.stamp) for s in parts]
         self.keys = PackedList([k for s in parts for k in s.keys])
         self.targets = np.concatenate([s.labels for s in parts])
+        self.texts = PackedList([t for s in parts for t in s.texts]) if text else None
         self.shard_of = np.concatenate([np.full(len(s.keys), k, dtype=np.int32)
                                         for k, s in enumerate(parts)])
         self._offsets = np.concatenate([s.offsets for s in parts])
@@ -146,9 +175,31 @@ class ImageShards(DecodedImages):
         first = self.shards[0] if len(self.shards) == 1 else \
             f"{self.shards[0]} ... {self.shards[-1]}"
         return dataset_repr(self, len(self), first, [
-            f"Shards: {len(self.shards)}, image={'/'.join(self.image)}, label={self.label}",
-            *self._settings()])
+            f"Shards: {len(self.shards)}, image={'/'.join(self.image)}, label={self.label}, "
+            f"text={self.text}", *self._settings()])
 
+    # -- the fields of a sample ---------------------------------------------------------------
+    def gpufeed_batch(self, indices: Sequence[int], *, seed: int | None, epoch: int,
+                      alloc: Any) -> Any:
+        images, labels = super().gpufeed_batch(indices, seed=seed, epoch=epoch, alloc=alloc)
+        fields = self._fields(indices, images, labels)
+        return fields if len(fields) > 1 else images
+
+    def gpufeed_samples(self, indices: Sequence[int], *, seed: int | None,
+                        epoch: int) -> list[Any]:
+        images, labels = super().gpufeed_batch(indices, seed=seed, epoch=epoch, alloc=None)
+        fields = self._fields(indices, images, labels.tolist())
+        return list(zip(*fields, strict=True)) if len(fields) > 1 else list(images)
+
+    def _fields(self, indices: Sequence[int], images: Any, labels: Any) -> list[Any]:
+        fields = [images]
+        if self.label is not None:
+            fields.append(labels)
+        if self.texts is not None:  # a tuple, as default_collate leaves a field of str
+            fields.append(tuple(self.texts[int(i)] for i in index_array(indices)))
+        return fields
+
+    # -- where an image's bytes are ---------------------------------------------------------
     def _read(self, index: int) -> bytes:
         shard = int(self.shard_of[index])
         return read_range(self.shards[shard], int(self._offsets[index]),

@@ -11,22 +11,23 @@ by rank, resumed exactly, the same for any number or kind of workers), and a wor
 range with one ``pread``.
 
 The index is built when the dataset is: each shard's headers are read (512 bytes each; the
-members' data is skipped: about 1% of a shard of 100 KB images is read) and kept in
-numpy arrays (shard, offset and size of a member per sample, no Python object per sample, so
-forked workers share them). Headers are parsed here (ustar and GNU); a shard with any other
-kind of header (pax or GNU long names, sparse files) is listed by Python's ``tarfile`` instead,
-which reads them all. A damaged header (its checksum wrong, unsigned and signed) is an error
-naming its byte, never the end of the shard: ``tarfile`` ends a listing quietly there, so after
-its listing the next block must be an end-of-archive block or the file's end. Keys and extensions are webdataset's: the key is a member's path up to
-the first dot of its file name, the extension the rest, lower-cased; consecutive members with
-one key are one sample; directories, links and names without a dot are skipped. Compressed
-shards cannot be read at random and are refused, naming the fix (``gunzip``). A read opens the
-shard, reads and closes it (no descriptor kept between batches: thread workers share nothing,
-forked workers inherit nothing, and a thousand shards need no ``ulimit -n``); a shard changed
-since it was indexed is caught by its size and mtime at the read.
+members' data is skipped: about 1% of a shard of 100 KB images is read) and kept in numpy arrays
+(shard, offset and size of a member per sample, no Python object per sample, so forked workers
+share them). Headers are parsed here (ustar and GNU); a shard with any other kind of header (pax
+or GNU long names, sparse files) is listed by Python's ``tarfile`` instead, which reads them
+all. A damaged header (its checksum wrong, unsigned and signed) is an error naming its byte,
+never the end of the shard: ``tarfile`` ends a listing quietly there, so after its listing the
+next block must be an end-of-archive block or the file's end. Keys and extensions are
+webdataset's: the key is a member's path up to the first dot of its file name, the extension the
+rest, lower-cased; consecutive members with one key are one sample; directories, links and names
+without a dot are skipped. Compressed shards cannot be read at random and are refused, naming
+the fix (``gunzip``). A read opens the shard, reads and closes it (no descriptor kept between
+batches: thread workers share nothing, forked workers inherit nothing, and a thousand shards
+need no ``ulimit -n``); a shard changed since it was indexed is caught by its size and mtime at
+the read.
 
 Building the index took 11-12 us a sample here (2,000 samples of a ``.jpg`` and a ``.cls`` in 8
-shards, page cache warm, 2026-11-28; about 15 s for ImageNet's 1.28M), half of it the header
+shards, page cache warm, 2026-11-28; about 15 s for ImageNet's 1.28M), a third of it the header
 checksums, which are kept: a damaged size field would otherwise skip members silently. Shards
 are indexed one after another: eight threads, one a shard, took twice as long (the parsing holds
 the GIL, and the reads of a warm cache are short).
