@@ -137,11 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser("python -m gpufeed.benchmarks shards",
                   "JPEGs in tar shards: gpufeed vs webdataset").parse_args(argv)
     cache, repeats = prepare(args)
+    env = environment()  # at the start, as the other benchmarks record it
     sides, goals = _build(args.quick, cache, args.num_workers)
     workload = run_sides("jpeg-rrc-shards", sides, goals, repeats=repeats, quick=args.quick,
                          whole_epoch=True)
     doc: dict[str, Any] = {
-        "environment": environment(),
+        "environment": env,
         "settings": {"num_workers": args.num_workers, "repeats": repeats, "quick": args.quick,
                      "shards": SHARDS},
         "workloads": [workload],
