@@ -6,6 +6,8 @@ import io
 import os
 import pickle
 import tarfile
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 import gpufeed
+from gpufeed._sources import tarindex
 from gpufeed._sources.tarindex import expand, members
 
 pytest.importorskip("simplejpeg")
@@ -169,6 +172,31 @@ def test_shard_specs_folder_glob_and_brace_range(tree):
         gpufeed.ImageShards(os.path.join(root, "part-{008..009}.tar"), size=8)
     with pytest.raises(ValueError, match="range"):
         expand("part-{5..2}.tar")
+
+
+def test_slow_reads_index_several_shards_at_once_in_order(tree, monkeypatch):
+    """Headers read from memory: shards one after another, in the calling thread; once a
+    shard's reads are slow (a cold cache, a network file system), the rest several at a time,
+    the index in the shards' order all the same."""
+    _, _, paths = tree
+    many = paths * 4
+    want = gpufeed.ImageShards(many, size=8)
+    seen = []
+    real = tarindex.members
+
+    def slow(path):
+        seen.append(threading.current_thread().name)
+        if len(seen) == 2:
+            time.sleep(0.05)  # 50 ms for a 12-member shard: far slower than memory
+        return real(path)
+
+    monkeypatch.setattr(tarindex, "members", slow)
+    got = gpufeed.ImageShards(many, size=8)
+    assert seen[:2] == [threading.current_thread().name] * 2
+    assert all(name.startswith("gpufeed-tar-index") for name in seen[2:]) and len(seen) == 12
+    assert list(got.keys) == list(want.keys) and got.shard_of.tolist() == want.shard_of.tolist()
+    assert got.targets.tolist() == want.targets.tolist()
+    assert [got._read(i) for i in range(len(got))] == [want._read(i) for i in range(len(want))]
 
 
 def test_resume_and_pickling_are_exact(tree):
