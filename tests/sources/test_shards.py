@@ -214,6 +214,31 @@ def test_resume_and_pickling_are_exact(tree):
     resumed = gpufeed.DataLoader(copy, **kw)
     resumed.load_state_dict(state)
     assert head + [b[1].tolist() for b in resumed] == whole
+    # two ranks share the samples out (disjoint, together every sample once), each decoded
+    # with its own seed: the batches of the indices the rank's sampler gives
+    kw = dict(batch_size=4, shuffle=True, seed=9, world_size=2, num_workers=2)
+    seen = []
+    for r in (0, 1):
+        order = [b.tolist() for b in gpufeed.DataLoader(_Indexed(ds), rank=r, **kw)]
+        got = list(gpufeed.DataLoader(ds, rank=r, **kw))
+        for idx, (images, labels) in zip(order, got, strict=True):
+            want = ds.gpufeed_batch(idx, seed=9, epoch=0, alloc=None)
+            assert torch.equal(images, want[0]) and torch.equal(labels, want[1])
+        seen.append({i for b in order for i in b})
+    assert not seen[0] & seen[1] and seen[0] | seen[1] == set(range(len(ds)))
+
+
+class _Indexed(torch.utils.data.Dataset):
+    """A sample's index (which sample each rank got)."""
+
+    def __init__(self, ds):
+        self.n = len(ds)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
 
 
 def _tar(path, entries, fmt=tarfile.USTAR_FORMAT):
