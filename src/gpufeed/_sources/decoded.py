@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 from .arrays import allocate
 from .jpeg import codec, resolve_codec
-from .protocol import index_array, require, sample_seeds
+from .protocol import SourceChanged, index_array, require, sample_seeds
 from .resample import box, center_cut_into, center_resize, random_resized, resize_into
 
 __all__ = ["DecodedImages"]
@@ -148,6 +148,8 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
                                        strict=True)):
             try:
                 self._load(i, s, hwc[k])
+            except SourceChanged:
+                raise
             except Exception as exc:
                 if self.on_error == "raise":
                     raise ValueError(

@@ -41,6 +41,11 @@ EXTRAS = {
 }
 
 
+class SourceChanged(RuntimeError):
+    """The data under a source changed since the source was built (a shard rewritten): an
+    error in every mode, never a skipped sample (``on_error="skip"`` is for bad samples)."""
+
+
 def require(module: str, what: str) -> Any:
     """Import ``module`` or raise ImportError naming the extra that installs it."""
     try:

@@ -24,7 +24,7 @@ without a dot are skipped. Compressed shards cannot be read at random and are re
 the fix (``gunzip``). A read opens the shard, reads and closes it (no descriptor kept between
 batches: thread workers share nothing, forked workers inherit nothing, and a thousand shards
 need no ``ulimit -n``); a shard changed since it was indexed is caught by its size and mtime at
-the read.
+the read, an error even with ``on_error="skip"`` (its offsets no longer hold).
 
 Building the index took 11-12 us a sample here (2,000 samples of a ``.jpg`` and a ``.cls`` in 8
 shards, page cache warm, 2026-11-28; about 15 s for ImageNet's 1.28M), a third of it the header
@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
+
+from .protocol import SourceChanged
 
 __all__ = ["Member", "ShardStamp", "expand", "members", "read_range", "samples"]
 
@@ -258,8 +260,8 @@ def read_range(path: str, offset: int, size: int, expect: ShardStamp) -> bytes:
     try:
         st = os.fstat(fd)
         if (st.st_size, st.st_mtime_ns) != expect:
-            raise ValueError(f"shard {path!r} changed since the dataset indexed it (size "
-                             f"{expect.size} -> {st.st_size} bytes); build the dataset again")
+            raise SourceChanged(f"shard {path!r} changed since the dataset indexed it (size "
+                                f"{expect.size} -> {st.st_size} bytes); build the dataset again")
         data = os.pread(fd, size, offset)
     finally:
         os.close(fd)
