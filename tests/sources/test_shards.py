@@ -172,6 +172,8 @@ def test_shard_specs_folder_glob_and_brace_range(tree):
         gpufeed.ImageShards(os.path.join(root, "part-{008..009}.tar"), size=8)
     with pytest.raises(ValueError, match="range"):
         expand("part-{5..2}.tar")
+    assert expand(os.path.join(root, "part-{000,002}.tar")) == [paths[0], paths[2]]
+    assert expand("{a,b}-{0..1}.tar") == ["a-0.tar", "a-1.tar", "b-0.tar", "b-1.tar"]
 
 
 def test_slow_reads_index_several_shards_at_once_in_order(tree, monkeypatch):
@@ -278,6 +280,9 @@ def test_bad_shards_are_refused_naming_the_fix(tree, tmp_path):
         gpufeed.ImageShards(str(tmp_path / "a.tar"), size=8, image=())
     with pytest.raises(TypeError, match="read the shards with webdataset"):
         gpufeed.ImageShards(str(tmp_path / "a.tar"), size=8, transform=lambda x: x)
+    # a plain shard whose first member's name starts like a compressed file's magic
+    named = _tar(tmp_path / "bzh.tar", [("BZh91AY.jpg", jpg), ("BZh91AY.cls", b"2")])
+    assert gpufeed.ImageShards(named, size=8).keys[0] == "BZh91AY"
     # other extensions, named
     path = _tar(tmp_path / "other.tar", [("k.webp.jpg", b""), ("k.jpeg", jpg), ("k.label", b"4")])
     ds = gpufeed.ImageShards(path, size=8, image="jpeg", label="label")

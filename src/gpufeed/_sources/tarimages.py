@@ -105,9 +105,9 @@ class ImageShards(DecodedImages):
     fields collated (texts as a tuple of ``str``), as the stock loader collates them.
 
     Args:
-        shards: tar files: a list of paths, a folder (its ``*.tar``), a glob pattern, or a
-            brace range (``"train-{000000..000146}.tar"``). Plain tar: compressed shards are
-            refused, as they cannot be read at random.
+        shards: tar files: a list of paths, a folder (its ``*.tar``), a glob pattern, or
+            brace ranges and lists (``"train-{000000..000146}.tar"``, ``"{a,b}-{0..9}.tar"``).
+            Plain tar: compressed shards are refused, as they cannot be read at random.
         image: the extensions taken as a sample's image, first found first.
         label: the extension of the label member (its text is an integer), or None.
         text: the extension of a text member (``"txt"``, ``"json"``) given as ``str``, or

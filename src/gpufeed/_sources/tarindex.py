@@ -56,8 +56,8 @@ _BLOCK = 512
 _SLOW_MEMBER_S = 25e-6
 _REGULAR = (b"0", b"\0", b"7")
 _SKIPPED = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, directories, fifos
-_COMPRESSED = {b"\x1f\x8b": "gzip (gunzip it)", b"BZ": "bzip2 (bunzip2 it)",
-               b"\xfd7": "xz (unxz it)", b"(\xb5": "zstd (unzstd it)"}
+_COMPRESSED = {b"\x1f\x8b": "gzip (gunzip it)", b"BZh": "bzip2 (bunzip2 it)",
+               b"\xfd7zXZ\0": "xz (unxz it)", b"(\xb5/\xfd": "zstd (unzstd it)"}
 
 
 class Member(NamedTuple):
@@ -81,8 +81,8 @@ class TarFormatError(ValueError):
 
 def expand(shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
     """Shard paths from a list of paths, a folder (its ``*.tar`` files, sorted), a glob
-    pattern, or a brace range such as ``train-{000000..000146}.tar`` (zero-padded by the
-    first bound's width)."""
+    pattern, brace ranges such as ``train-{000000..000146}.tar`` (zero-padded by the first
+    bound's width) and brace lists such as ``{train,extra}-{0..9}.tar``."""
     import glob
     import re
 
@@ -97,6 +97,10 @@ def expand(shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) ->
         if not paths:
             raise FileNotFoundError(f"no *.tar file in the folder {spec!r}")
         return paths
+    m = re.search(r"\{([^{}]*,[^{}]*)\}", spec)
+    if m:  # a list of alternatives: {train,extra}
+        return [p for alt in m[1].split(",")
+                for p in expand(spec[:m.start()] + alt + spec[m.end():])]
     m = re.search(r"\{(\d+)\.\.(\d+)\}", spec)
     if m:
         lo, hi, width = int(m[1]), int(m[2]), len(m[1])
@@ -121,10 +125,10 @@ def members(path: str) -> list[Member]:
     """The regular files of the tar file ``path``, in order (NOTE [ Tar shards ])."""
     with open(path, "rb") as f:
         head = f.read(_BLOCK)
-        for magic, what in _COMPRESSED.items():
-            if head.startswith(magic):
-                raise ValueError(f"shard {path!r} is compressed with {what}: tar shards are "
-                                 "read at random, which needs plain (uncompressed) tar files")
+        what = next((w for m, w in _COMPRESSED.items() if head.startswith(m)), None)
+        if what is not None and not _is_header(head):  # (a member's name may start so)
+            raise ValueError(f"shard {path!r} is compressed with {what}: tar shards are "
+                             "read at random, which needs plain (uncompressed) tar files")
         try:
             return _parse(f.fileno(), path)
         except TarFormatError:
@@ -162,6 +166,14 @@ def _parse(fd: int, path: str) -> list[Member]:
         elif kind not in _SKIPPED:
             raise TarFormatError(kind)
         offset = data + -(-size // _BLOCK) * _BLOCK
+
+
+def _is_header(block: bytes) -> bool:
+    """Whether ``block`` is a tar header (its checksum holds)."""
+    try:
+        return len(block) == _BLOCK and _checksum_ok(block, _number(block[148:156], "", 0))
+    except ValueError:
+        return False
 
 
 def _checksum_ok(hdr: bytes, stored: int) -> bool:
