@@ -1,4 +1,4 @@
-"""JPEG decoders for ``ImageFolder``: a region of the image at a DCT scale, from libjpeg-turbo.
+"""JPEG decoders of the image sources: a region of the image at a DCT scale, from libjpeg-turbo.
 
 NOTE [ Decoding ]
 -----------------
@@ -325,8 +325,8 @@ def resolve_codec(prefer: str) -> str:
         if not _announced:
             _announced = True
             logger.warning(
-                "gpufeed.ImageFolder decodes JPEGs with simplejpeg: whole images, then cut. "
-                "Decoding only each crop's region needs libjpeg-turbo >= 3.0 (%s); install it "
-                "or set GPUFEED_TURBOJPEG=/path/to/libturbojpeg.so.0 (NOTE [ Decoding ] in "
-                "gpufeed/_sources/jpeg.py)", why)
+                "gpufeed.ImageFolder and ImageShards decode JPEGs with simplejpeg: whole images, "
+                "then cut. Decoding only each crop's region needs libjpeg-turbo >= 3.0 (%s); "
+                "install it or set GPUFEED_TURBOJPEG=/path/to/libturbojpeg.so.0 "
+                "(NOTE [ Decoding ] in gpufeed/_sources/jpeg.py)", why)
     return "simplejpeg"
