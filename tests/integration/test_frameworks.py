@@ -271,22 +271,26 @@ def test_lightning_ddp_refuses_rank_0s_state_where_it_depends_on_the_rank(tmp_pa
 
 
 @pytest.mark.slow
-def test_lightning_ddp_spawn_pickles_and_rebuilds_the_loaders(tmp_path):
+def test_lightning_ddp_spawn_pickles_rebuilds_and_resumes_the_loaders(tmp_path):
     """``ddp_spawn`` on 2 processes, loaders built before ``fit``: each process gets gpufeed
     loaders (pickled, then rebuilt with Lightning's ``DistributedSampler``) whose batches are
-    the sampler's, as the stock loader's are: train shuffled per epoch, validation in order."""
+    the sampler's, as the stock loader's are: train shuffled per epoch, validation in order.
+    A second ``fit`` from the checkpoint of step 6 (mid-epoch 1, rank 0's loader state)
+    trains each rank on exactly the batches the first run had left."""
     pytest.importorskip("lightning")
     script = str(TESTS / "support" / "lightning_spawn.py")
-    done = _run([sys.executable, script, str(tmp_path), "process"], tmp_path, 150, "ddp_spawn")
+    done = _run([sys.executable, script, str(tmp_path), "process"], tmp_path, 200, "ddp_spawn")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for rank in (0, 1):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result["classes"] == ["gpufeed._loader.DataLoader"] * 2
-        assert result["worker_types"] == ["process"] * 2
-        assert result["samplers"] == ["DistributedSampler"] * 2
-
+        result, resumed = (json.loads((tmp_path / f"rank{rank}-{tag}.json").read_text())
+                           for tag in ("reference", "resumed"))
+        for run in (result, resumed):
+            assert run["classes"] == ["gpufeed._loader.DataLoader"] * 2
+            assert run["worker_types"] == ["process"] * 2
+            assert run["samplers"] == ["DistributedSampler"] * 2
         assert result["train"] == _shard(rank, True, 0) + _shard(rank, True, 1), rank
         assert result["val"] == _shard(rank, False, 0) * 2, rank
+        assert resumed["train"] == result["train"][6:], rank  # 5 batches an epoch, 6 trained
 
 
 def _shard(rank: int, shuffle: bool, epoch: int) -> list[list[int]]:

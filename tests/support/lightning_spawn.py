@@ -2,9 +2,10 @@
 ``ddp_spawn`` on two CPU processes with gpufeed loaders built before ``fit``, so Lightning
 pickles them to the processes it spawns and rebuilds them there with a ``DistributedSampler``.
 
-``python lightning_spawn.py OUT WORKER_TYPE``: 2 epochs; each rank writes the sample numbers
-of its training and validation batches, and the class and worker type of the loaders it got,
-to ``OUT/rank{r}.json``.
+``python lightning_spawn.py OUT WORKER_TYPE``: 2 epochs with a checkpoint every 2 steps; each
+rank writes the sample numbers of its training and validation batches, and the class and worker
+type of the loaders it got, to ``OUT/rank{r}-reference.json``; then a second ``fit`` from the
+checkpoint of step 6, mid-epoch 1, writes ``OUT/rank{r}-resumed.json``.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ N, BATCH = 36, 4  # 18 samples a rank: 5 batches, the last of 2
 
 
 class Recorder(pl.LightningModule):
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, tag: str) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(1, 1)
-        self.out = out
+        self.out, self.tag = out, tag
         self.seen: dict[str, list[list[int]]] = {"train": [], "val": []}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -52,21 +53,29 @@ class Recorder(pl.LightningModule):
                       classes=[type(d).__module__ + "." + type(d).__name__ for d in loaders],
                       worker_types=[getattr(d, "worker_type", None) for d in loaders],
                       samplers=[type(d.sampler).__name__ for d in loaders])
-        Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(result))
+        Path(self.out, f"rank{self.global_rank}{self.tag}.json").write_text(json.dumps(result))
 
 
 def main(out: str, worker_type: str) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     def loader(shuffle: bool) -> gpufeed.DataLoader:
         return gpufeed.DataLoader(Pairs(N), batch_size=BATCH, shuffle=shuffle, num_workers=2,
                                   worker_type=worker_type)
 
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, max_epochs=2, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-        default_root_dir=out,
-        strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo",
-                             timeout=timedelta(seconds=60)))
-    trainer.fit(Recorder(out), loader(True), loader(False))
+    def trainer(every: int | None) -> pl.Trainer:
+        checkpoints = [ModelCheckpoint(dirpath=Path(out, "ckpt"), every_n_train_steps=every,
+                                       save_top_k=-1, filename="{epoch}-{step}")] if every else []
+        return pl.Trainer(
+            accelerator="cpu", devices=2, max_epochs=2, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=bool(every), callbacks=checkpoints,
+            num_sanity_val_steps=0, default_root_dir=out,
+            strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo",
+                                 timeout=timedelta(seconds=60)))
+
+    trainer(2).fit(Recorder(out, "-reference"), loader(True), loader(False))
+    trainer(None).fit(Recorder(out, "-resumed"), loader(True), loader(False),
+                      ckpt_path=str(Path(out, "ckpt", "epoch=1-step=6.ckpt")))
 
 
 if __name__ == "__main__":
