@@ -308,8 +308,9 @@ def _shard(rank: int, shuffle: bool, epoch: int) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_accelerate_prepare_on_two_processes_shards_once(tmp_path):
-    """A stock program's loader, prepared, gives each rank the share the stock loader's does;
-    a loader that shards by rank itself (seed=) is refused by prepare() instead of being
+    """A stock program's loader, prepared, gives each rank the share the stock loader's does,
+    with Accelerate's dispatch_batches, split_batches, even_batches=False and seedable sampler
+    too; a loader that shards by rank itself (seed=) is refused by prepare() instead of being
     sharded twice (each rank a quarter of the data, half of it never seen)."""
     pytest.importorskip("accelerate")
     done = _torchrun("", tmp_path, script="accelerate_ddp.py")
@@ -322,6 +323,13 @@ def test_accelerate_prepare_on_two_processes_shards_once(tmp_path):
         parts = [r[f"{side}/shuffle=True"] for r in ranks]
         assert len(parts[0]) == len(parts[1]) == 8 and sorted(parts[0] + parts[1]) == \
             list(range(16)), (side, parts)
+    # dispatch_batches, split_batches, even_batches=False, a seedable sampler: the stock
+    # loader's batches on every rank, and every sample given out
+    for mode in ("dispatch", "split", "uneven", "seedable"):
+        for r in ranks:
+            assert r[f"gpufeed/{mode}"] == r[f"stock/{mode}"], (mode, r["rank"])
+        got = sorted(v for r in ranks for b in r[f"gpufeed/{mode}"] for v in b)
+        assert set(got) == set(range(13 if mode == "uneven" else 16)), (mode, got)
 
 
 def test_accelerate_prepare_warns_and_the_documented_pattern_keeps_gpufeed():

@@ -20,15 +20,18 @@ N = 16
 
 
 class Ids(tud.Dataset[torch.Tensor]):
+    def __init__(self, n: int = N) -> None:
+        self.n = n
+
     def __len__(self) -> int:
-        return N
+        return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.tensor([i])
 
 
 def main(out: Path) -> None:
-    from accelerate import Accelerator
+    from accelerate import Accelerator, DataLoaderConfiguration
 
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
@@ -39,6 +42,18 @@ def main(out: Path) -> None:
             prepared = accelerator.prepare(make(Ids(), batch_size=2, shuffle=shuffle,
                                                 num_workers=2))
             report[f"{name}/shuffle={shuffle}"] = [int(v) for b in prepared for v in b.flatten()]
+    # Accelerate's other ways of sharing batches out: each rebuilds the loader from its
+    # attributes, so gpufeed's must give what the stock loader's give (N = 16: 8 batches of 2;
+    # Ids(N - 3) leaves an uneven last batch)
+    for name, config in (("dispatch", dict(dispatch_batches=True)),
+                         ("split", dict(split_batches=True)),
+                         ("uneven", dict(even_batches=False)),
+                         ("seedable", dict(use_seedable_sampler=True, data_seed=5))):
+        other = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(**config))
+        for side, make in (("stock", tud.DataLoader), ("gpufeed", gpufeed.DataLoader)):
+            prepared = other.prepare(make(Ids(N - 3 if name == "uneven" else N), batch_size=2,
+                                          shuffle=name == "seedable", num_workers=2))
+            report[f"{side}/{name}"] = [[int(v) for v in b.flatten()] for b in prepared]
     try:  # a loader that shards by rank itself (seed= under torch.distributed)
         accelerator.prepare(gpufeed.DataLoader(Ids(), batch_size=2, shuffle=True, seed=3))
         report["seeded"] = "prepared"
