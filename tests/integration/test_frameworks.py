@@ -330,6 +330,12 @@ def test_accelerate_prepare_on_two_processes_shards_once(tmp_path):
             assert r[f"gpufeed/{mode}"] == r[f"stock/{mode}"], (mode, r["rank"])
         got = sorted(v for r in ranks for b in r[f"gpufeed/{mode}"] for v in b)
         assert set(got) == set(range(13 if mode == "uneven" else 16)), (mode, got)
+    # prepare(model, optimizer, train, eval), gradient accumulation, gather_for_metrics: the
+    # same weights, synchronised steps and gathered metrics (each eval sample once)
+    for r in ranks:
+        assert r["gpufeed/loop"] == r["stock/loop"], r["rank"]
+        assert r["gpufeed/loop"]["gathered"] == list(range(13))
+        assert r["gpufeed/loop"]["synced_steps"] == 2
 
 
 def test_accelerate_prepare_warns_and_the_documented_pattern_keeps_gpufeed():

@@ -30,6 +30,29 @@ class Ids(tud.Dataset[torch.Tensor]):
         return torch.tensor([i])
 
 
+def _train(make: type) -> dict[str, object]:
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    train = make(Ids(N), batch_size=2, shuffle=True, num_workers=2)
+    evaluation = make(Ids(N - 3), batch_size=2, num_workers=2)
+    model, optimizer, train, evaluation = accelerator.prepare(model, optimizer, train,
+                                                              evaluation)
+    steps = 0
+    for x in train:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x.float()).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += int(accelerator.sync_gradients)
+    gathered = [int(v) for b in evaluation for v in accelerator.gather_for_metrics(b).flatten()]
+    weights = [round(float(p), 6) for p in accelerator.unwrap_model(model).parameters()]
+    return {"weights": weights, "synced_steps": steps, "gathered": sorted(gathered)}
+
+
 def main(out: Path) -> None:
     from accelerate import Accelerator, DataLoaderConfiguration
 
@@ -54,6 +77,10 @@ def main(out: Path) -> None:
             prepared = other.prepare(make(Ids(N - 3 if name == "uneven" else N), batch_size=2,
                                           shuffle=name == "seedable", num_workers=2))
             report[f"{side}/{name}"] = [[int(v) for v in b.flatten()] for b in prepared]
+    # a training loop as Accelerate's examples write it: model, optimizer and both loaders
+    # prepared together, gradient accumulation, metrics gathered over an uneven eval set
+    for side, make in (("stock", tud.DataLoader), ("gpufeed", gpufeed.DataLoader)):
+        report[f"{side}/loop"] = _train(make)
     try:  # a loader that shards by rank itself (seed= under torch.distributed)
         accelerator.prepare(gpufeed.DataLoader(Ids(), batch_size=2, shuffle=True, seed=3))
         report["seeded"] = "prepared"
