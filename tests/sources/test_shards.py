@@ -324,6 +324,17 @@ def test_a_damaged_header_is_refused_never_skipped(tree, tmp_path):
         f.write(data)
     assert members(path)[0].name == "é.jpg"
     assert gpufeed.ImageShards(path, size=8).targets.tolist() == [3]
+    # a size in GNU's base-256 form (how sizes past 8 GiB are written), here a small one
+    path = _tar(tmp_path / "b256.tar", [("k.jpg", jpg), ("k.cls", b"5")])
+    data = bytearray(_bytes(path))
+    data[124:136] = b"\x80" + len(jpg).to_bytes(11, "big")
+    data[148:156] = b" " * 8
+    data[148:156] = b"%06o\0 " % sum(data[:512])
+    with open(path, "wb") as f:
+        f.write(data)
+    with tarfile.open(path) as tf:
+        assert members(path) == [(m.name, m.offset_data, m.size) for m in tf]
+    assert gpufeed.ImageShards(path, size=8)._read(0) == jpg
 
 
 def test_a_changed_or_damaged_shard_is_named(tree, tmp_path):

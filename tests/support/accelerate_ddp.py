@@ -6,6 +6,7 @@ the samples its prepared loaders gave (``tests/integration/test_frameworks.py``)
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import warnings
@@ -50,6 +51,12 @@ def _train(make: type) -> dict[str, object]:
             steps += int(accelerator.sync_gradients)
     gathered = [int(v) for b in evaluation for v in accelerator.gather_for_metrics(b).flatten()]
     weights = [round(float(p), 6) for p in accelerator.unwrap_model(model).parameters()]
+    # the DistributedDataParallel wrapper must go before the process group does: left to the
+    # interpreter's exit, its reducer's teardown sometimes aborted the process ("terminate
+    # called without an active exception"; 1 run in 8 on a loaded machine)
+    accelerator.free_memory(model, optimizer, train, evaluation)
+    del model, optimizer, train, evaluation
+    gc.collect()
     return {"weights": weights, "synced_steps": steps, "gathered": sorted(gathered)}
 
 
