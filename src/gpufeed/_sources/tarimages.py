@@ -19,7 +19,7 @@ from .decoded import DecodedImages
 from .describe import dataset_repr
 from .packed import PackedList
 from .protocol import index_array
-from .tarindex import Member, ShardStamp, expand, index_all, read_range, samples, stamp
+from .tarindex import Member, ShardStamp, expand, index_all, read_range, samples
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageShards"]
 
@@ -31,14 +31,15 @@ IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "ppm", "pgm", "pbm", "pnm", "webp", "b
 class _Shard:
     """One shard's samples: image offset and size, extension number, label, text, key."""
 
-    def __init__(self, path: str, found: list[Member], image: Sequence[str], label: str | None,
-                 text: str | None):
+    def __init__(self, path: str, found: list[Member], stamp: ShardStamp, image: Sequence[str],
+                 label: str | None, text: str | None):
         keys: list[str] = []
         offsets: list[int] = []
         sizes: list[int] = []
         exts: list[int] = []
         labels: list[int] = []
         self.texts: list[str] = []
+        self.stamp = stamp
         with open(path, "rb") as f:
             for key, parts in samples(path, found):
                 kind = next((k for k, e in enumerate(image) if e in parts), None)
@@ -46,16 +47,16 @@ class _Shard:
                 missing += [f"{e!r} {what} member" for e, what in ((label, "label"),
                                                                   (text, "text"))
                             if e is not None and e not in parts]
-                if missing:
+                if kind is None or missing:
                     raise ValueError(
                         f"shard {path!r}: sample {key!r} has no {' and no '.join(missing)} "
                         f"(it has: {', '.join(sorted(parts)) or 'none'}); give image=/label=/"
                         "text= the extensions your shards use, or remove the sample")
-                m = parts[image[kind]]  # type: ignore[index]
+                m = parts[image[kind]]
                 keys.append(key)
                 offsets.append(m.offset)
                 sizes.append(m.size)
-                exts.append(kind)  # type: ignore[arg-type]
+                exts.append(kind)
                 if label is not None:
                     lab = parts[label]
                     labels.append(_label(os.pread(f.fileno(), lab.size, lab.offset)
@@ -69,7 +70,6 @@ class _Shard:
         self.exts = np.asarray(exts, dtype=np.uint8)
         self.labels = np.asarray(labels, dtype=np.int64) if label is not None else \
             np.full(len(keys), -1, dtype=np.int64)
-        self.stamp = stamp(path)
 
 
 def _label(raw: bytes, path: str, key: str, ext: str) -> int:
@@ -153,8 +153,8 @@ class ImageShards(DecodedImages):
                 f"shard {missing[0]!r} does not exist" + (
                     f" ({len(missing)} of the {len(paths)} shards are missing)"
                     if len(missing) > 1 else ""))
-        parts: list[Any] = index_all(paths, lambda p, found: _Shard(
-            p, found, self.image, self.label, self.text))
+        parts: list[Any] = index_all(paths, lambda p, found, st: _Shard(
+            p, found, st, self.image, self.label, self.text))
         if not sum(len(s.keys) for s in parts):
             raise ValueError(f"the {len(paths)} shard(s) hold no sample (first: {paths[0]!r})")
         self.shards = PackedList(paths)

@@ -246,21 +246,29 @@ def samples(path: str, found: list[Member]) -> Iterator[tuple[str, dict[str, Mem
         yield key, parts
 
 
-def index_all(paths: Sequence[str], per_shard: Callable[[str, list[Member]], object],
+def index_all(paths: Sequence[str],
+              per_shard: Callable[[str, list[Member], ShardStamp], object],
               threads: int = 8) -> list[object]:
-    """``per_shard(path, members(path))`` for every shard, in order: one after another while
-    the headers come from memory, several shards at a time from the first shard whose reads
-    were slow (a cold cache, a network file system; NOTE [ Tar shards ])."""
+    """``per_shard(path, members(path), stamp)`` for every shard, in order (the stamp taken
+    before the shard is read, so a change while it is indexed is caught at a later read): one
+    after another while the headers come from memory, several shards at a time from the first
+    shard whose reads were slow (a cold cache, a network file system; NOTE [ Tar shards ])."""
+
+    def index(path: str) -> tuple[object, int]:
+        before = stamp(path)
+        found = members(path)
+        return per_shard(path, found, before), len(found)
+
     out: list[object] = []
     for k, path in enumerate(paths):
         start = time.perf_counter()
-        found = members(path)
-        out.append(per_shard(path, found))
+        done, count = index(path)
+        out.append(done)
         rest = paths[k + 1:]
-        if rest and time.perf_counter() - start > _SLOW_MEMBER_S * max(len(found), 1):
+        if rest and time.perf_counter() - start > _SLOW_MEMBER_S * max(count, 1):
             with ThreadPoolExecutor(min(threads, len(rest)),
                                     thread_name_prefix="gpufeed-tar-index") as pool:
-                out.extend(pool.map(lambda p: per_shard(p, members(p)), rest))
+                out.extend(done for done, _ in pool.map(index, rest))
             break
     return out
 
