@@ -113,7 +113,8 @@ class ImageShards(DecodedImages):
         text: the extension of a text member (``"txt"``, ``"json"``) given as ``str``, or
             None. Texts are read when the dataset is built and kept in one buffer.
         size, crop, flip, scale, ratio, center_fraction, fast, dct_scale, on_error, decoder,
-            memory_format: as ``ImageFolder``'s (a skipped image's label is -1).
+            memory_format: as ``ImageFolder``'s (a skipped image is black and its label -1;
+            with ``label=None`` only ``skipped``, per process, counts it).
 
     Attributes: ``shards`` (the paths), ``keys`` (each sample's key), ``targets`` (int64
     labels; -1 without ``label``), ``texts`` (with ``text``), ``shard_of`` (each sample's shard
@@ -150,7 +151,7 @@ class ImageShards(DecodedImages):
         missing = [p for p in paths if not os.path.isfile(p)]
         if missing:
             raise FileNotFoundError(
-                f"shard {missing[0]!r} does not exist" + (
+                f"shard {missing[0]!r} does not exist or is not a file" + (
                     f" ({len(missing)} of the {len(paths)} shards are missing)"
                     if len(missing) > 1 else ""))
         parts: list[Any] = index_all(paths, lambda p, found, st: _Shard(
