@@ -124,17 +124,29 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, int]]:
         return self.gpufeed_samples(indices, seed=None, epoch=0)
 
-    def gpufeed_samples(
-        self, indices: Sequence[int], *, seed: int | None, epoch: int
-    ) -> list[tuple[torch.Tensor, int]]:
-        images, labels = self.gpufeed_batch(indices, seed=seed, epoch=epoch, alloc=None)
-        return list(zip(images, labels.tolist(), strict=True))
-
-    def gpufeed_batch(
-        self, indices: Sequence[int], *, seed: int | None, epoch: int, alloc: Any
-    ) -> list[torch.Tensor]:
-        """``[images (B, 3, h, w) uint8, labels (B,) int64]``, decoded into ``alloc``'s memory."""
+    def gpufeed_samples(self, indices: Sequence[int], *, seed: int | None,
+                        epoch: int) -> list[Any]:
         idx = index_array(indices)
+        images, labels = self._decode(idx, seed=seed, epoch=epoch, alloc=None)
+        fields = self._fields(idx, images, labels.tolist())
+        return list(zip(*fields, strict=True)) if len(fields) > 1 else list(images)
+
+    def gpufeed_batch(self, indices: Sequence[int], *, seed: int | None, epoch: int,
+                      alloc: Any) -> Any:
+        """The batch ``default_collate`` would make of the samples (``_fields``), its images
+        and labels decoded into ``alloc``'s memory."""
+        idx = index_array(indices)
+        images, labels = self._decode(idx, seed=seed, epoch=epoch, alloc=alloc)
+        fields = self._fields(idx, images, labels)
+        return fields if len(fields) > 1 else images
+
+    def _fields(self, idx: np.ndarray, images: Any, labels: Any) -> list[Any]:
+        """A batch's fields in a sample's order: here ``[images, labels]``."""
+        return [images, labels]
+
+    def _decode(self, idx: np.ndarray, *, seed: int | None, epoch: int,
+                alloc: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``images (B, 3, h, w) uint8, labels (B,) int64`` of samples ``idx``."""
         n = len(idx)
         h, w = self.size
         if self.memory_format is torch.channels_last:  # (B, h, w, 3) memory, seen as (B, 3, h, w)
@@ -158,7 +170,7 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
                 self.skipped += 1
                 images[k].zero_()
                 labels[k] = -1
-        return [images, labels]
+        return images, labels
 
     def _load(self, index: int, seed: int, dst: np.ndarray) -> None:
         """Image ``index``, cropped, resized and flipped with draws from a generator seeded

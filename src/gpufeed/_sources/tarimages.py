@@ -18,7 +18,6 @@ import torch
 from .decoded import DecodedImages
 from .describe import dataset_repr
 from .packed import PackedList
-from .protocol import index_array
 from .tarindex import Member, ShardStamp, expand, index_all, read_range, samples
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageShards"]
@@ -159,7 +158,7 @@ class ImageShards(DecodedImages):
         if not sum(len(s.keys) for s in parts):
             raise ValueError(f"the {len(paths)} shard(s) hold no sample (first: {paths[0]!r})")
         self.shards = PackedList(paths)
-        self._stamps = [tuple(s.stamp) for s in parts]
+        self._stamps: list[ShardStamp] = [s.stamp for s in parts]
         self.keys = PackedList([k for s in parts for k in s.keys])
         self.targets = np.concatenate([s.labels for s in parts])
         self.texts = PackedList([t for s in parts for t in s.texts]) if text else None
@@ -180,31 +179,19 @@ class ImageShards(DecodedImages):
             f"text={self.text}", *self._settings()])
 
     # -- the fields of a sample ---------------------------------------------------------------
-    def gpufeed_batch(self, indices: Sequence[int], *, seed: int | None, epoch: int,
-                      alloc: Any) -> Any:
-        images, labels = super().gpufeed_batch(indices, seed=seed, epoch=epoch, alloc=alloc)
-        fields = self._fields(indices, images, labels)
-        return fields if len(fields) > 1 else images
-
-    def gpufeed_samples(self, indices: Sequence[int], *, seed: int | None,
-                        epoch: int) -> list[Any]:
-        images, labels = super().gpufeed_batch(indices, seed=seed, epoch=epoch, alloc=None)
-        fields = self._fields(indices, images, labels.tolist())
-        return list(zip(*fields, strict=True)) if len(fields) > 1 else list(images)
-
-    def _fields(self, indices: Sequence[int], images: Any, labels: Any) -> list[Any]:
+    def _fields(self, idx: np.ndarray, images: Any, labels: Any) -> list[Any]:
         fields = [images]
         if self.label is not None:
             fields.append(labels)
         if self.texts is not None:  # a tuple, as default_collate leaves a field of str
-            fields.append(tuple(self.texts[int(i)] for i in index_array(indices)))
+            fields.append(tuple(self.texts[int(i)] for i in idx))
         return fields
 
     # -- where an image's bytes are ---------------------------------------------------------
     def _read(self, index: int) -> bytes:
         shard = int(self.shard_of[index])
         return read_range(self.shards[shard], int(self._offsets[index]),
-                          int(self._sizes[index]), ShardStamp(*self._stamps[shard]))
+                          int(self._sizes[index]), self._stamps[shard])
 
     def _name(self, index: int) -> str:
         ext = self.image[int(self._exts[index])]

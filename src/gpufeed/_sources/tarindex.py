@@ -40,7 +40,9 @@ after another.
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import tarfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -83,9 +85,6 @@ def expand(shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) ->
     """Shard paths from a list of paths, a folder (its ``*.tar`` files, sorted), a glob
     pattern, brace ranges such as ``train-{000000..000146}.tar`` (zero-padded by the first
     bound's width) and brace lists such as ``{train,extra}-{0..9}.tar``."""
-    import glob
-    import re
-
     if not isinstance(shards, (str, os.PathLike)):
         paths = [os.fspath(p) for p in shards]
         if not paths:
