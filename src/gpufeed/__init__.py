@@ -41,6 +41,14 @@ from ._tools.tuner import Budget, Trial, TuneResult, tune
 
 __version__ = "0.1.0"
 
+# The documented submodules, reachable as attributes after `import gpufeed`.
+from . import errors as errors
+from . import random as random
+from . import samplers as samplers
+from . import sources as sources
+from . import stats as stats
+from . import tools as tools
+
 __all__ = [
     "ArrayDataset",
     "ArrowDataset",
