@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks that need a real GPU, in one run of about six minutes: every test marked
-# `cuda`, the GPU benchmark (benchmarks/results/gpu.md), the doctor, and the device, memory
+# `cuda`, the GPU benchmark (bench/results/gpu.md), the doctor, and the device, memory
 # and tools tests with CUDA present. Logs and results go to $OUT (default /tmp/gpu-check).
 # Runs from a checkout with `python3` holding a CUDA build of torch; gpufeed from ./src.
 set -u
@@ -19,7 +19,7 @@ echo "== tests marked cuda"
 timeout 240 "${pytest[@]}" -m cuda tests > "$OUT/cuda-tests.log" 2>&1
 echo "exit $?" >> "$OUT/cuda-tests.log"; tail -n 25 "$OUT/cuda-tests.log"
 echo "== GPU benchmark"
-timeout 200 $PY -m gpufeed.benchmarks gpu --out "$OUT" 2>&1 | tail -n 30
+timeout 200 $PY -m bench gpu --out "$OUT" 2>&1 | tail -n 30
 echo "== doctor"
 timeout 60 $PY -m gpufeed doctor --no-progress --json "$OUT/doctor.json" > "$OUT/doctor.txt" 2>&1
 echo "exit $?" >> "$OUT/doctor.txt"; cat "$OUT/doctor.txt"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "src" / "gpufeed"
-MAX_LINES = 400
+MAX_LINES = 600
 
 
 def _modules() -> dict[str, Path]:
@@ -102,7 +102,7 @@ def test_no_import_cycles():
 def test_subpackage_inits_have_no_imports():
     bad = []
     for path in sorted(PKG.rglob("__init__.py")):
-        if path.parent in (PKG, PKG / "benchmarks"):
+        if path.parent == PKG:
             continue
         body = ast.parse(path.read_text()).body
         if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
@@ -114,11 +114,14 @@ def test_subpackage_inits_have_no_imports():
 
 # The floors, from the ground up: a module imports only from its own floor or below.
 FOLDER_FLOORS = {"_base": 0, "_order": 1, "_sources": 2, "_memory": 3, "_host": 4,
-                 "_device": 5, "_tools": 7, "benchmarks": 9, "_cli": 10}
-ROOT_FLOORS = {"_loader.py": 6, "__init__.py": 8, "__main__.py": 10}
+                 "_device": 5, "_tools": 7, "_cli": 10}
+ROOT_FLOORS = {"_loader.py": 6, "__init__.py": 8, "__main__.py": 10,
+               # the public submodules, beside the package's __init__
+               "errors.py": 8, "random.py": 8, "samplers.py": 8, "sources.py": 8, "stats.py": 8,
+               "tools.py": 8}
 # (importer, imported) -> why it may point up. None is needed: __init__ (8) imports every
-# floor below it, benchmarks (9) import the public ``gpufeed`` (8) and persample the _host
-# collate/fetch (4) it profiles, and _cli (10) imports benchmarks and tools: all point down.
+# floor below it, and _cli (10) imports the tools: all point down. (The benchmark lab, ``bench/``
+# at the repository's root, is outside the package and free to import any of it.)
 UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
@@ -167,8 +170,9 @@ _BARE = re.compile(r"\bNOTE\s+(?:in|rule)\b")
 
 
 def _note_files() -> list[Path]:
+    """Where NOTEs are defined and cited (docs/ is history, not checked)."""
     files = [*(REPO / "src").rglob("*.py"), *(REPO / "tests").rglob("*.py"),
-             REPO / "README.md", PKG / "README.md"]  # docs/ is history, not checked
+             *(REPO / "bench").rglob("*.py"), REPO / "README.md", PKG / "README.md"]
     me = Path(__file__).resolve()
     return sorted(p for p in files if p.is_file() and p.resolve() != me)
 

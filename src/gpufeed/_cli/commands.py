@@ -1,7 +1,7 @@
 """The ``gpufeed`` subcommands, one function each (``cmd_bench``, ``cmd_tune``, ``cmd_profile``,
 ``cmd_doctor``: an ``argparse`` namespace in, the exit code out), and their progress bar.
 
-Each command imports the tools and benchmarks it uses when it runs (``gpu`` only with CUDA).
+Each command imports the tools it uses when it runs (``gpu`` only with CUDA).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.collate:
             raise UsageError("--collate applies to your dataset: give MODULE:FACTORY too (the "
                              "built-in workload has its own collate functions)")
-        from ..benchmarks.workloads import build
+        from .._tools.workloads import build
 
         work = build("synthetic", quick=args.quick)
         batch_size = args.batch_size or work.batch_size
@@ -85,7 +85,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     comparisons = _bench.compare(rows)
     print(_bench.render(f"{title}, batch_size={batch_size}", rows, comparisons, load,
                         args.seconds))
-    from ..benchmarks.environment import environment
+    from .._tools.environment import environment
 
     doc: dict[str, Any] = {"workload": title, "batch_size": batch_size,
                            "rows": [r.to_dict() for r in rows],
@@ -93,7 +93,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                            "machine": load.to_dict(), "seconds_per_run": args.seconds,
                            "runs": args.runs, "environment": environment()}
     if torch.cuda.is_available():
-        from ..benchmarks import gpu
+        from .._tools import bench_gpu as gpu
 
         doc["gpu"] = gpu.run_gpu_benchmark(batches=16, repeats=1)
         if "skipped" not in doc["gpu"]:

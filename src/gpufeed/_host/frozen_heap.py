@@ -12,7 +12,7 @@ full collection: ``__del__`` methods and ``weakref.finalize`` callbacks of objec
 does not own run there (a stock loader's iterator left in a reference cycle prints
 "AssertionError: can only test a child process" from each worker that collects it).
 
-Measured here (2026-11-28, ``benchmarks/results/round22/frozen-heap-py3*.md``): the main
+Measured here (2026-11-28, ``bench/results/frozen-heap-py3*.md``): the main
 process holding a million annotation dicts (2.2M tracked objects), one ``gc.collect()`` in a
 stock loader's worker made 163-169 MiB of its memory private and took 394-472 ms (medians on
 Python 3.11, 3.12 and 3.13); in gpufeed's, 0.2-0.3 MiB and 10-14 ms (its own objects); with the

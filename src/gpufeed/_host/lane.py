@@ -7,8 +7,8 @@ A batch that is nothing but a gather (``MapFetcher.gathers``: an ``ArrayDataset`
 way: the plan's slice, ``fetch``, ``gather``, a view of the slot per leaf from the writer,
 then ``pack`` describing each leaf. On tabular batches (256 rows of 64 float32 and an int64
 label) that general way cost 9.3 us of Python per batch beside 21.0 us of bare gather, in one
-thread, best of 7; the lane costs 2.1 (``python -m gpufeed.benchmarks.lane``;
-``benchmarks/results/main-process.md``, round 15). The lane does the same work in one
+thread, best of 7; the lane costs 2.1 (``python -m bench.lane``;
+``bench/results/main-process.md``, round 15). The lane does the same work in one
 function: ``index_select(out=)`` of each array straight from the plan's slice (int32 or int64:
 both are valid indices) into views of the slot, whose views and leaf descriptions are made
 once per slot and kept.

@@ -17,7 +17,7 @@ CPU per batch handed out, everything the loop does between batches included, is 
 worker's time per batch over ``num_workers + 1``, the point past which, sharing the cores
 evenly, the workers would produce batches faster than the main thread takes them. The main
 thread then runs whenever it can, and the workers take what it leaves; with that rule the
-workers lose nothing they needed. Measured on two cores (``benchmarks/results/main-process.md``,
+workers lose nothing they needed. Measured on two cores (``bench/results/main-process.md``,
 round 16): a fixed ``nice`` +5 gave tabular +14% and +24% samples/s, and cost jpeg, where the
 workers are the bottleneck, 10%, which is why it is decided from the costs and not always
 applied; the rule against ``worker_nice=0`` gave tabular 7.04M against 5.49M samples/s (6

@@ -13,7 +13,7 @@ so the longest chunk sizes the ring of cheap batches: with two workers, ``CHUNK_
 memory is allocated and zeroed page by page as a worker first writes it (2.3 us a page here),
 and each other worker that writes the slot later maps the page again (0.9 us). A new ring
 pays that in its first epoch, and a loader without persistent workers has a new ring every
-epoch. Measured on tabular (``benchmarks/results/main-process.md``, "Round 20"): with 64 a
+epoch. Measured on tabular (``bench/results/main-process.md``, "Round 20"): with 64 a
 fresh loader's workers took 9,000-10,000 page faults an epoch against 250 on a warm ring,
 and their gather 37-87 us a batch for the first 500 batches against 14. With 32, a fresh loader's
 epoch ran 1.03x the rate of 64 (median of 16 alternating rounds, 11 faster), and a warm ring's

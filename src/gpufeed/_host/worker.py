@@ -41,7 +41,7 @@ per message (python-list, 8 ms batches, two workers on two cores; every step of 
 several times what it takes on tabular, where it never sleeps: probably its caches, cold after
 the workers' turn on its core). At 10 ms of work per message that was 3.5% of the work; at
 30 ms the main process's CPU per batch fell from 354-362 to 152-167 us and the rate rose 4% and
-10% in two runs of alternating rounds (``benchmarks/results/main-process.md``, round 5).
+10% in two runs of alternating rounds (``bench/results/main-process.md``, round 5).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ have a context; at release, the same reads, a driver query (no context is create
 visible device not yet known to have a context, and one event per distinct stream (one, in a
 plain loop on one device; one per device with a context otherwise); and a query per fenced
 slot at ``acquire`` when no slot is free. No device guard, no pointer probe (``pin_batch``
-skips a batch held in a registered slot). ``python -m gpufeed.benchmarks.release`` counts
+skips a batch held in a registered slot). ``python -m bench.release`` counts
 them and times gpufeed's own part.
 
 NOTE [ Ctrl-C and slot releases ]

@@ -11,7 +11,7 @@ Two mechanisms, both from :func:`sample_seed` ``(seed, epoch, index)``:
   generators (torchvision's transforms) give the same bytes for 0, 1, 2 or 4 process workers
   and after a resume. Thread workers never touch them (NOTE [ Seeding and threads ]).
 
-Cost of the global seeding, measured with ``python -m gpufeed.benchmarks.seeding`` (median of 5
+Cost of the global seeding, measured with ``python -m bench.seeding`` (median of 5
 runs, 10,000 samples in batches of 64) on the 2-core development VM (Python 3.11, torch 2.13,
 numpy 2.4), other jobs running: 10-15 us per sample (the hash and three re-seeds) plus 0.1-0.2 ms
 per batch (saving and restoring the three global states; numpy's dominates), 13-17 us per
@@ -50,7 +50,7 @@ Draws from the global generators in thread workers are whatever the interleaving
 makes them, as in any multi-threaded PyTorch program. A dataset seen making them gets one
 ``RandomStateWarning`` per loader, naming the fix (the per-sample generators, or process
 workers): ``_host/random_watch.py`` checks sampled calls into user code while the loop waits.
-Measured (``gpufeed.benchmarks.seeding``, see the README): thread workers run as fast with
+Measured (``bench.seeding``, see the README): thread workers run as fast with
 ``seed=`` as without. The lock of ``seeded`` is re-created in a forked child.
 """
 

@@ -45,7 +45,7 @@ Descriptors in transit inside a socket are in neither.
 
 NOTE [ Measuring honestly ]
 ---------------------------
-What the figures of ``measure_loader``, ``gpufeed bench`` and ``python -m gpufeed.benchmarks``
+What the figures of ``measure_loader``, ``gpufeed bench`` and ``python -m bench``
 rest on, so that two loaders are compared and not two conditions:
 
 1. **PSS, not RSS.** PSS (proportional set size) divides every shared page (shared memory,
@@ -57,7 +57,7 @@ rest on, so that two loaders are compared and not two conditions:
    default of one thread per core oversubscribes the CPUs and collapses decode throughput on
    small machines. The CPU benchmark runs its main process with one torch thread too.
 3. **A warm page cache.** The benchmark workloads that read files read every file once before
-   any timing (``warm`` in ``benchmarks/workloads.py``): no loader pays for the first read.
+   any timing (``warm`` in ``bench/workloads.py``): no loader pays for the first read.
 4. **Interleaved repeats.** Every configuration runs several times, round-robin with the others
    (``gpufeed bench``: NOTE [ Repeated measurement ] in ``_tools/repeat.py``; the CPU benchmark
    rotates the order of its loaders from one repeat to the next), and reports the median.

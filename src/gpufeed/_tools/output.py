@@ -92,5 +92,5 @@ def directory(text: str) -> Path:
     if text == STDOUT:
         raise argparse.ArgumentTypeError(
             "'-' (stdout) cannot take a folder of result files; give a folder, e.g. "
-            "benchmarks/results")
+            "bench/results")
     return Path(text)

@@ -22,14 +22,14 @@ NOTE [ Repeated measurement ]:
    deciding. On the same four back-to-back ``gpufeed bench --runs 7`` invocations on this 2-core
    VM, the largest change of a ratio between consecutive invocations was 24%, 23% and 14% with
    the median of per-round paired ratios, and 15%, 12% and 7% with the faster halves
-   (``benchmarks/results/bench-repeat.md``). The ratio carries its own range (slowest over
+   (``bench/results/bench-repeat.md``). The ratio carries its own range (slowest over
    fastest, fastest over slowest).
    Why 21 runs for ``bench``: the ratios of 2-worker rows drift with the machine's state over
    minutes, so runs must span more of it. Shorter invocations replayed from seven 21-run ones
-   (``python -m gpufeed.benchmarks.repeatability``) had every ratio of an invocation and the
+   (``python -m bench.repeatability``) had every ratio of an invocation and the
    next within 10% in 74% of pairs with 9 runs per row, 87% with 13, 96% with 17. Real
    21-run invocations agreed so in 10 of 12 consecutive pairs, 9-run ones in 1 of 4
-   (``benchmarks/results/bench-repeat.md``).
+   (``bench/results/bench-repeat.md``).
 4. While measuring, :class:`LoadMonitor` reads the CPU time the whole machine used
    (``/proc/stat``) and subtracts what this process tree used: the rest is *other processes*.
    Steal time (a hypervisor running other guests on our CPUs) is read from the same line.

@@ -254,7 +254,7 @@ def trace(path: str | os.PathLike[str] | None = None, *, last_batches: int | Non
         last_seconds: keep only the last S seconds; None keeps everything.
 
     Cost: off, one check per batch per stage; on, two records per batch, about 2 us of the
-    main thread's CPU (``benchmarks/results/timeline.md``: 0.5-2% of the cheapest batches'
+    main thread's CPU (``bench/results/timeline.md``: 0.5-2% of the cheapest batches'
     CPU time, the tabular benchmark's).
     """
     return Trace(path, last_batches=last_batches, last_seconds=last_seconds)
