@@ -4,14 +4,16 @@ The lab lives in the repository, outside the installed package: run it from a ch
 (``python -m bench cpu``, ``python -m bench.seeding``, ...). Its current figures are in
 ``bench/results`` (one Markdown + JSON pair per benchmark; earlier rounds are in git's history),
 its tests in ``bench/tests``. What ``gpufeed bench`` itself needs stays in the package:
-``gpufeed._tools.workloads`` (the workloads, built deterministically once in a cache directory
-and warmed into the page cache before timing), ``gpufeed._tools.environment`` (date, machine,
+``gpufeed._tools.workloads`` (the in-memory synthetic workload and the types every workload is
+made of), ``gpufeed._tools.environment`` (date, machine,
 versions and commit, recorded with every result) and ``gpufeed._tools.bench_gpu`` (the
 host-to-device benchmark).
 
 The rooms:
 
 - ``__main__.py``: the command; ``cpu`` (the default) writes ``cpu.json`` and ``cpu.md``;
+- ``workloads.py``: the file-backed workloads (tabular, image-array, jpeg, python-list), built
+  deterministically once in a cache directory and warmed into the page cache before timing;
 - ``cpu.py``: stock DataLoader vs gpufeed (and torchdata.nodes) on the CPU path, at the same
   settings, alternating, medians of repeats;
 - ``ceiling.py``: the no-loader ceiling (NOTE [ No-loader ceiling ]);
@@ -42,10 +44,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gpufeed._tools.environment import environment
-from gpufeed._tools.workloads import WORKLOADS, Workload, WorkloadUnavailable, build
 
 from .cpu import LOADERS, Settings, run_cpu
 from .summary import TARGETS
+from .workloads import WORKLOADS, Workload, WorkloadUnavailable, build
 
 __all__ = [
     "LOADERS",

@@ -16,9 +16,9 @@ from typing import Any
 
 from gpufeed._tools.environment import write_documents
 from gpufeed._tools.output import directory
-from gpufeed._tools.workloads import WORKLOADS
 
 from .cpu import CEILING, EXTRA_LOADERS, LOADERS, STAND_IN, Settings, run_cpu
+from .workloads import WORKLOADS
 
 DEFAULT_WORKLOADS = ("tabular", "image-array", "jpeg", "python-list")
 
@@ -203,8 +203,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += [
             f"No-loader ceiling: {s['num_workers']} plain forked processes, one torch thread "
             "each, fetch and collate their share of the same epoch's batches (the variant's "
-            "dataset and collate_fn; gpufeed.ArrayDataset's one-op gather, as gpufeed's workers "
-            "do it) and drop them, timed from one start signal to the last "
+            "dataset and collate_fn; gpufeed.sources.ArrayDataset's one-op gather, as gpufeed's "
+            "workers do it) and drop them, timed from one start signal to the last "
             "one done, alternating with the loaders. It is what these "
             f"{env['cpu_affinity']} cores do with {s['num_workers']} workers and no loader, an "
             "upper bound for a loader with as many workers, not a target: the main process's "

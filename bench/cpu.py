@@ -52,10 +52,10 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, default_co
 from gpufeed._tools.environment import environment
 from gpufeed._tools.measure import measure_loader, one_intra_op_thread
 from gpufeed._tools.probe import descendants
-from gpufeed._tools.workloads import WORKLOADS, Variant, Workload, WorkloadUnavailable, build
 
 from .ceiling import measure_no_loader
 from .summary import PSS_TOLERANCE, TARGETS, summarize
+from .workloads import WORKLOADS, Variant, Workload, WorkloadUnavailable, build
 
 __all__ = ["CEILING", "EXTRA_LOADERS", "LOADERS", "PSS_TOLERANCE", "TARGETS", "Settings",
            "environment", "run_cpu", "summarize"]
@@ -220,10 +220,10 @@ class _Gather:
 
 def _ceiling_fetch(variant: Variant) -> tuple[str, Callable[[list[int]], Any]]:
     """(name, fetch) of the variant's fastest batch fetch: the vectorised gather where
-    gpufeed's workers use one (``gpufeed.ArrayDataset`` or a ``TensorDataset`` with the default
-    collate), else ``__getitems__`` or ``__getitem__`` per index and the collate function, as
-    the stock fetcher does. The stock path of an ArrayDataset (rows, then a stack) would put
-    the ceiling below gpufeed's own rate."""
+    gpufeed's workers use one (``gpufeed.sources.ArrayDataset`` or a ``TensorDataset`` with the
+    default collate), else ``__getitems__`` or ``__getitem__`` per index and the collate
+    function, as the stock fetcher does. The stock path of an ArrayDataset (rows, then a stack)
+    would put the ceiling below gpufeed's own rate."""
     if variant.collate_fn is None:
         try:
             datasets: Any = importlib.import_module("gpufeed._sources.arrays")
@@ -350,7 +350,7 @@ def run_cpu(workloads: Sequence[str], *, settings: Settings | None = None,
     """Run the CPU benchmark and return the results (the JSON document).
 
     Args:
-        workloads: names from ``gpufeed._tools.workloads.WORKLOADS``.
+        workloads: names from ``workloads.WORKLOADS``.
         settings: knobs (default ``Settings()``).
         loaders: subset of ``LOADERS``; ones that cannot run here are recorded as skipped.
         cache_dir: where workload files live (default: see ``default_cache_dir``).

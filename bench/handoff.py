@@ -59,10 +59,10 @@ from gpufeed._memory.region import align
 from gpufeed._memory.ring import _Lease
 from gpufeed._tools.environment import environment
 from gpufeed._tools.measure import one_intra_op_thread
-from gpufeed._tools.workloads import build
 
 from .ceiling import measure_no_loader
 from .cpu import _ceiling_fetch
+from .workloads import build
 
 __all__ = ["DUTIES", "ideal_pass", "main"]
 

@@ -37,7 +37,8 @@ from gpufeed._order.plan import make_plan
 from gpufeed._sources.arrays import ArrayDataset
 from gpufeed._tools.environment import environment
 from gpufeed._tools.measure import one_intra_op_thread
-from gpufeed._tools.workloads import _tabular_data
+
+from .workloads import tabular_data
 
 __all__ = ["main", "measure"]
 
@@ -47,7 +48,7 @@ BATCH = 256
 def measure(rows: int = 1_000_000, batches: int = 3000, slots: int = 256, repeats: int = 7
             ) -> dict[str, float]:
     """Microseconds per batch of each way, best of ``repeats`` (see the module docstring)."""
-    data = _tabular_data(rows, seed=0)
+    data = tabular_data(rows, seed=0)
     dataset = ArrayDataset(data["x"], data["y"])
     fetcher = MapFetcher(dataset, auto_collation=True, collate_fn=default_collate)
     sampler = BatchSampler(RandomSampler(range(rows), generator=torch.Generator().manual_seed(0)),

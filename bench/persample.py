@@ -40,7 +40,8 @@ from torch.utils.data import default_collate
 
 from gpufeed._tools.output import json_output
 from gpufeed._tools.probe import descendants
-from gpufeed._tools.workloads import FULL_SIZES, build
+
+from .workloads import FULL_SIZES, build
 
 __all__ = ["compare", "main", "profile_loaders", "profile_worker"]
 
@@ -52,7 +53,7 @@ def _dataset(quick: bool, count: int | None) -> Any:
     if count is None:
         work = build("image-array", quick=quick)
     else:  # the full workload's images, fewer of them (a smaller file to write and cache)
-        from gpufeed._tools.workloads import default_cache_dir, image_array
+        from .workloads import default_cache_dir, image_array
 
         work = image_array(default_cache_dir(), count=count,
                            side=FULL_SIZES["image-array"]["side"])

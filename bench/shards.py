@@ -50,7 +50,7 @@ SHARDS = 8
 
 def write_shards(root: Path, out: Path, shards: int) -> list[str]:
     """``root``'s images (ImageFolder's order) as ``shards`` webdataset shards, built once."""
-    folder = gpufeed.ImageFolder(root, size=8)
+    folder = gpufeed.sources.ImageFolder(root, size=8)
     done = out / ".done"
     paths = [str(out / f"train-{k:04d}.tar") for k in range(shards)]
     if done.exists():
@@ -85,7 +85,7 @@ def _build(quick: bool, cache: Path, nw: int) -> tuple[dict[str, Any], dict[str,
     hw, count, size, bs = ((375, 500), 2000, 224, 64) if not quick else ((48, 64), 64, 32, 8)
     root = photo_set(cache, "jpeg-rrc", count, hw)
     paths = write_shards(root, cache / f"shards-{root.name}-{SHARDS}", SHARDS)
-    ds = gpufeed.ImageShards(paths, size=size)
+    ds = gpufeed.sources.ImageShards(paths, size=size)
     kw: dict[str, Any] = dict(batch_size=bs, num_workers=nw)
     sides: dict[str, Any] = {
         "stock": lambda: StockLoader(webdataset_pipeline(paths, size), **kw),
@@ -109,8 +109,8 @@ def build_times(root: Path, paths: list[str], size: int, repeats: int) -> dict[s
     """Seconds to build ``ImageShards`` over ``paths`` and ``ImageFolder`` over ``root``."""
     times: dict[str, list[float]] = {"ImageShards": [], "ImageFolder": []}
     for _ in range(repeats):
-        for name, make in (("ImageShards", lambda: gpufeed.ImageShards(paths, size=size)),
-                           ("ImageFolder", lambda: gpufeed.ImageFolder(root, size=size))):
+        for name, make in (("ImageShards", lambda: gpufeed.sources.ImageShards(paths, size=size)),
+                           ("ImageFolder", lambda: gpufeed.sources.ImageFolder(root, size=size))):
             t = time.perf_counter()
             n = len(make())
             times[name].append(time.perf_counter() - t)

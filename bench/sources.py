@@ -78,7 +78,7 @@ class PillowFolder(Dataset[tuple[torch.Tensor, int]]):
     """A per-sample Pillow dataset: open, decode, crop (plain or random-resized), flip."""
 
     def __init__(self, files: Sequence[str], size: int, resized: bool) -> None:
-        self.files, self.size, self.resized = gpufeed.PackedList(list(files)), size, resized
+        self.files, self.size, self.resized = gpufeed.sources.PackedList(list(files)), size, resized
 
     def __len__(self) -> int:
         return len(self.files)
@@ -147,8 +147,8 @@ def _build(name: str, quick: bool, cache: Path, nw: int) -> tuple[dict[str, Fact
         hw = ((375, 500) if resized else (256, 256)) if not quick else (48, 64)
         count, size = (2000, 224) if not quick else (64, 32)
         root = photo_set(cache, name, count, hw)
-        folder = gpufeed.ImageFolder(root, size=size, crop="random",
-                                     scale=(0.08, 1.0) if resized else None)
+        folder = gpufeed.sources.ImageFolder(root, size=size, crop="random",
+                                             scale=(0.08, 1.0) if resized else None)
         files = [folder.path(i) for i in range(len(folder))]
         pil = PillowFolder(files, size, resized)
         sides: dict[str, Factory] = {
@@ -158,14 +158,15 @@ def _build(name: str, quick: bool, cache: Path, nw: int) -> tuple[dict[str, Fact
             "gpufeed ImageFolder (thread)": lambda: gpufeed.DataLoader(
                 folder, batch_size=bs(64), seed=0, worker_type="thread", **kw),
         }
-        last = gpufeed.ImageFolder(root, size=size, crop="random",
-                                   scale=(0.08, 1.0) if resized else None,
-                                   memory_format=torch.channels_last)
+        last = gpufeed.sources.ImageFolder(root, size=size, crop="random",
+                                           scale=(0.08, 1.0) if resized else None,
+                                           memory_format=torch.channels_last)
         sides["gpufeed ImageFolder (process, channels_last)"] = lambda: gpufeed.DataLoader(
             last, batch_size=bs(64), seed=0, **kw)
         if folder.decoder != "simplejpeg":  # the fallback codec, in the same rounds
-            whole = gpufeed.ImageFolder(root, size=size, crop="random", decoder="simplejpeg",
-                                        scale=(0.08, 1.0) if resized else None)
+            whole = gpufeed.sources.ImageFolder(root, size=size, crop="random",
+                                                decoder="simplejpeg",
+                                                scale=(0.08, 1.0) if resized else None)
             sides["gpufeed ImageFolder (process, simplejpeg)"] = lambda: gpufeed.DataLoader(
                 whole, batch_size=bs(64), seed=0, **kw)
         if not resized:
@@ -196,7 +197,7 @@ def _build(name: str, quick: bool, cache: Path, nw: int) -> tuple[dict[str, Fact
                 "gpufeed": lambda: gpufeed.DataLoader(ds, batch_size=bs(256), **kw)}, {"ratio": 3.0}
     if name == "hdf5":
         path = _h5(cache, 20_000 if not quick else 600, 64 if not quick else 16)
-        h5 = gpufeed.HDF5Dataset(path, ("images", "labels"))
+        h5 = gpufeed.sources.HDF5Dataset(path, ("images", "labels"))
         plain = H5PerSample(str(path))
         return {"stock": lambda: StockLoader(plain, batch_size=bs(128), **kw),
                 "gpufeed": lambda: gpufeed.DataLoader(h5, batch_size=bs(128), **kw)}, {"ratio": 3.0}
@@ -210,9 +211,10 @@ def _build(name: str, quick: bool, cache: Path, nw: int) -> tuple[dict[str, Fact
 
         def packed() -> Any:
             rows = np.random.default_rng(0).random((n_rows, 64))
-            return Rows(gpufeed.PackedList(rows),
-                        gpufeed.PackedList([f"caption {i} of the set" for i in range(n_str)]),
-                        gpufeed.PackedList(np.arange(n_rows)))
+            return Rows(gpufeed.sources.PackedList(rows),
+                        gpufeed.sources.PackedList([f"caption {i} of the set"
+                                                    for i in range(n_str)]),
+                        gpufeed.sources.PackedList(np.arange(n_rows)))
 
         return {"stock": lambda: StockLoader(lists(), batch_size=bs(256), **kw),
                 "gpufeed PackedList": lambda: gpufeed.DataLoader(

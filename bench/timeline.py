@@ -41,7 +41,8 @@ import torch
 
 from gpufeed._tools.environment import environment
 from gpufeed._tools.measure import measure_loader, one_intra_op_thread
-from gpufeed._tools.workloads import build
+
+from .workloads import build
 
 __all__ = ["MODES", "main", "recorder_cost_ns", "run"]
 

@@ -374,7 +374,7 @@ def test_worker_random_state_matches_stock(n, batch_size):
     assert_same_batches(expected[0], got[0])
 
 
-@pytest.mark.filterwarnings("ignore::gpufeed.RandomStateWarning")  # what it draws from: said
+@pytest.mark.filterwarnings("ignore::gpufeed.random.RandomStateWarning")  # what it draws from: said
 def test_thread_workers_random_samples_are_valid():
     """Threads share the process RNG: compare content, not per-worker random state."""
     got = collect(gpufeed.DataLoader, RandomDataset(12), batch_size=3, shuffle=True,

@@ -121,7 +121,7 @@ def test_every_documented_stat_is_recorded(monkeypatch):
     gpu = gpufeed.DataLoader(IndexDataset(64), batch_size=4, num_workers=2,
                              worker_type="thread", device="cuda", device_depth=1,
                              ring_bytes=0)
-    with pytest.warns(gpufeed.PageableCopyWarning):
+    with pytest.warns(gpufeed.errors.PageableCopyWarning):
         for batch in gpu:
             sim.launch(sim.consumer, lambda x: None, batch["x"], cost=8)
     sim.drain()
@@ -178,7 +178,7 @@ def test_input_bound_leaves_start_up_out():
     input-bound, as the profiler says of it too; the start-up is its own stage."""
     loader = gpufeed.DataLoader(IndexDataset(80), batch_size=4, num_workers=2, prefetch_factor=8,
                                 worker_type="thread", worker_init_fn=slow_start)
-    with gpufeed.Profiler() as prof:
+    with gpufeed.tools.Profiler() as prof:
         for _ in prof.wrap(loader):
             time.sleep(0.01)
     report, stats = prof.report(), loader.stats()

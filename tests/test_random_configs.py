@@ -35,7 +35,7 @@ def test_random_configuration_matches_stock(seed):
     assert got == expected, conf["label"]
 
 
-@pytest.mark.filterwarnings("ignore::gpufeed.RandomStateWarning")
+@pytest.mark.filterwarnings("ignore::gpufeed.random.RandomStateWarning")
 @pytest.mark.parametrize("seed", RESUME_SEEDS)
 def test_random_configuration_resumes_into_the_rest_of_its_run(seed):
     conf = config(seed, resumable=True)

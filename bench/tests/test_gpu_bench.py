@@ -42,7 +42,7 @@ def test_warm_up_is_bounded_and_at_least_settle() -> None:
 def test_warm_up_reads_a_gpufeed_loaders_ring_counter() -> None:
     """On a real loader (CPU): once warm-up ends, no slot is carved in the next batches."""
     data = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
-    loader = gpufeed.DataLoader(gpufeed.ArrayDataset(data), batch_size=2, num_workers=2,
+    loader = gpufeed.DataLoader(gpufeed.sources.ArrayDataset(data), batch_size=2, num_workers=2,
                                 worker_type="thread")
     grows = _ring_grows(loader)
     it = iter(loader)

@@ -22,6 +22,7 @@ from bench.__main__ import main, render_markdown
 from bench.ceiling import measure_no_loader
 from bench.cpu import CEILING, _run_workload, _wait_for_children, summarize
 from bench.summary import main_bound, paired_ratio
+from bench.workloads import Variant
 from gpufeed._tools.measure import batch_samples_and_bytes, measure_loader
 from gpufeed._tools.probe import (
     descendants,
@@ -29,7 +30,6 @@ from gpufeed._tools.probe import (
     process_tree_pss,
     unmapped_shared_bytes,
 )
-from gpufeed._tools.workloads import Variant
 
 MiB = 1 << 20
 
@@ -510,7 +510,7 @@ def test_memory_is_compared_round_by_round() -> None:
     assert paired_ratio([{}], stock, "peak_pss_bytes") is None
 
 
-@pytest.mark.filterwarnings("ignore::gpufeed.CopyOnWriteWarning")  # python-list: on purpose
+@pytest.mark.filterwarnings("ignore::gpufeed.errors.CopyOnWriteWarning")  # python-list: on purpose
 def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "results"
     workloads = ["tabular", "image-array", "python-list", "synthetic"]

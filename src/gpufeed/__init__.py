@@ -1,43 +1,34 @@
 """gpufeed: keep accelerators fed.
 
-This module is the public API: everything a user imports is here, in ``__all__``. The package
-is laid out by the stages a batch passes through (order, sources, memory, host, device, tools);
-``README.md`` next to this file is the map: one line per module, one batch's path through them,
-and the index of the design NOTEs.
+The top level holds what nearly every program touches: the loader (:class:`DataLoader`, a
+drop-in for torch's with ``device=``), the device stage (:func:`to_device`, :class:`Normalize`),
+the measuring tools (:func:`trace`, :func:`profile`, :func:`tune`, :func:`diagnose`), the error
+a failed worker raises (:class:`WorkerError`) and ``get_worker_info`` (torch's, re-exported so
+that a dataset written for gpufeed needs no second import). The rest lives in documented
+submodules, each behind a sorted ``__all__``:
+
+- :mod:`gpufeed.sources`: datasets with fast paths (``ImageFolder``, ``ImageShards``,
+  ``ArrayDataset``, ``ArrowDataset``, ``HDF5Dataset``, ``PackedList``, ``batch_empty``);
+- :mod:`gpufeed.samplers`: seeded, resumable, sharded samplers and ``get_shard_info``;
+- :mod:`gpufeed.random`: per-sample random state that does not depend on the workers;
+- :mod:`gpufeed.stats`: what ``loader.stats()`` returns;
+- :mod:`gpufeed.tools`: the reports and classes behind the measuring tools;
+- :mod:`gpufeed.errors`: the exceptions and warnings, to catch or filter them.
+
+The package is laid out by the stages a batch passes through (order, sources, memory, host,
+device, tools); ``README.md`` next to this file is the map.
 """
 
 from torch.utils.data import get_worker_info
 
 from ._base.errors import WorkerError
-from ._base.stats import DeviceStats, LoaderStats, StageStats
-from ._base.tuning import AutotuneStats, TuningDecision
-from ._device.pageable import PageableCopyWarning
-from ._device.prefetch import DeviceIterator
 from ._device.stage import to_device
 from ._device.transforms import Normalize
-from ._host.config import WorkerType
-from ._host.output import batch_empty
 from ._loader import DataLoader
-from ._memory.release import PinningFallbackWarning
-from ._order.sample_rng import RandomStateWarning, sample_generator, sample_random, sample_rng
-from ._order.sampler import (
-    SeededRandomSampler,
-    ShardedIterable,
-    ShardedSampler,
-    ShardInfo,
-    get_shard_info,
-)
-from ._order.seeding import sample_seed
-from ._sources.arrays import ArrayDataset
-from ._sources.hdf5 import HDF5Dataset
-from ._sources.images import ImageFolder
-from ._sources.packed import CopyOnWriteWarning, PackedList
-from ._sources.padded import ArrowDataset
-from ._sources.tarimages import ImageShards
-from ._tools.doctor import DoctorReport, Finding, diagnose
-from ._tools.profiler import Profiler, ProfileReport, profile
-from ._tools.trace import Trace, trace
-from ._tools.tuner import Budget, Trial, TuneResult, tune
+from ._tools.doctor import diagnose
+from ._tools.profiler import profile
+from ._tools.trace import trace
+from ._tools.tuner import tune
 
 __version__ = "0.1.0"
 
@@ -50,49 +41,20 @@ from . import stats as stats
 from . import tools as tools
 
 __all__ = [
-    "ArrayDataset",
-    "ArrowDataset",
-    "AutotuneStats",
-    "Budget",
-    "CopyOnWriteWarning",
     "DataLoader",
-    "DeviceIterator",
-    "DeviceStats",
-    "DoctorReport",
-    "Finding",
-    "HDF5Dataset",
-    "ImageFolder",
-    "ImageShards",
-    "LoaderStats",
     "Normalize",
-    "PackedList",
-    "PageableCopyWarning",
-    "PinningFallbackWarning",
-    "ProfileReport",
-    "Profiler",
-    "RandomStateWarning",
-    "SeededRandomSampler",
-    "ShardInfo",
-    "ShardedIterable",
-    "ShardedSampler",
-    "StageStats",
-    "Trace",
-    "Trial",
-    "TuneResult",
-    "TuningDecision",
     "WorkerError",
-    "WorkerType",
     "__version__",
-    "batch_empty",
     "diagnose",
-    "get_shard_info",
+    "errors",
     "get_worker_info",
     "profile",
-    "sample_generator",
-    "sample_random",
-    "sample_rng",
-    "sample_seed",
+    "random",
+    "samplers",
+    "sources",
+    "stats",
     "to_device",
+    "tools",
     "trace",
     "tune",
 ]

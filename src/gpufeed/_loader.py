@@ -70,16 +70,17 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
             most ``2 * device_depth + 2`` batches in a ``for`` loop (see ``gpufeed.to_device``).
         seed: base seed (an int >= 0) of the shuffle and of the random state each
             ``__getitem__`` sees (from ``(seed, epoch, index)``: the same bytes for any
-            ``num_workers`` or ``worker_type``, and after a resume): ``gpufeed.sample_generator()``
-            and its siblings everywhere; the global generators too in process workers and with
-            ``num_workers=0`` (~10-20 us per sample), never in thread workers (NOTE [ Seeding and
-            threads ] in ``_order/seeding.py``). None (default): torch's own sampler and worker
+            ``num_workers`` or ``worker_type``, and after a resume):
+            ``gpufeed.random.sample_generator()`` and its siblings everywhere; the global
+            generators too in process workers and with ``num_workers=0`` (~10-20 us per
+            sample), never in thread workers (NOTE [ Seeding and threads ] in
+            ``_order/seeding.py``). None (default): torch's own sampler and worker
             seeding.
         deterministic: per-sample random state on (``True``) or off (``False``: the stock
             per-worker seeding, for speed or stock behaviour). Default: on iff ``seed`` is given.
         rank, world_size: shard the dataset for this process (``DistributedSampler``
-            semantics, see ``gpufeed.ShardedSampler``). Default: with ``seed`` given, from an
-            initialised ``torch.distributed``; otherwise no sharding, as the stock loader
+            semantics, see ``gpufeed.samplers.ShardedSampler``). Default: with ``seed`` given,
+            from an initialised ``torch.distributed``; otherwise no sharding, as the stock loader
             (every rank reads every sample; a ``DistributedSampler``, Lightning or
             Accelerate's ``prepare`` shard it as they shard the stock loader). Iterable
             datasets learn the rank from ``get_shard_info()`` either way.

@@ -98,7 +98,7 @@ def test_explain_covers_what_the_snapshot_shows():
 def test_a_loop_that_keeps_labels_is_diagnosed(keep, prefetch):
     # 512 batches: twice the most an adaptive loader keeps in flight with 2 workers (its ring
     # grows to that), so kept labels fill the ring however fast the machine is
-    ds = gpufeed.ArrayDataset(np.zeros((8192, 16), np.float32), np.arange(8192))
+    ds = gpufeed.sources.ArrayDataset(np.zeros((8192, 16), np.float32), np.arange(8192))
     loader = gpufeed.DataLoader(ds, batch_size=16, num_workers=2, prefetch_factor=prefetch)
     kept = []
     report = profile(loader, (lambda b: kept.append(b[1])) if keep else (lambda b: None))

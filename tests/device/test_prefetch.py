@@ -474,7 +474,7 @@ def test_over_gpufeed_dataloader_on_cpu() -> None:
         pytest.skip("the core loader is not there yet")
     data = torch.arange(2000 * 4, dtype=torch.int32).view(2000, 4)
     loader = gpufeed.DataLoader(
-        gpufeed.ArrayDataset(data), batch_size=50, num_workers=2, device="cpu"
+        gpufeed.sources.ArrayDataset(data), batch_size=50, num_workers=2, device="cpu"
     )
     it = iter(loader)
     assert len(it) == 40
@@ -936,7 +936,7 @@ def test_cuda_gpufeed_dataloader_pinned_ring_end_to_end(
         return batch
 
     loader = gpufeed.DataLoader(
-        gpufeed.ArrayDataset(data), batch_size=bs, num_workers=2, pin_memory=True,
+        gpufeed.sources.ArrayDataset(data), batch_size=bs, num_workers=2, pin_memory=True,
         device="cuda", device_transform=slow if slow_transform else None,
     )
     sums = torch.empty(batches, dtype=torch.int64, device="cuda")

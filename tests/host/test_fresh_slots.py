@@ -30,7 +30,7 @@ def test_a_loaders_ring_of_cheap_batches_holds_its_chunks_slots_and_no_more(work
     """Two epochs of cheap batches, a persistent loader: every batch arrives, once, in order,
     and the ring carves only the slots of its chunks in flight and the loop's."""
     rows = np.arange(8_000 * 4, dtype=np.float32).reshape(8_000, 4)
-    loader = gpufeed.DataLoader(gpufeed.ArrayDataset(rows), batch_size=4, num_workers=2,
+    loader = gpufeed.DataLoader(gpufeed.sources.ArrayDataset(rows), batch_size=4, num_workers=2,
                                 worker_type=worker_type, persistent_workers=True)
     it = iter(loader)
     first = torch.cat([b[0] for b in it])

@@ -35,11 +35,11 @@ def _datasets(tmp_path):
     mm.flush()
     readonly = np.load(tmp_path / "m.npy", mmap_mode="r")
     return {
-        "floats-and-labels": gpufeed.ArrayDataset(
+        "floats-and-labels": gpufeed.sources.ArrayDataset(
             rng.standard_normal((N, 7)).astype(np.float32), np.arange(N)),
-        "structured-fields": gpufeed.ArrayDataset(records["x"], records["y"]),
-        "read-only-memmap": gpufeed.ArrayDataset(readonly),
-        "dtypes": gpufeed.ArrayDataset(
+        "structured-fields": gpufeed.sources.ArrayDataset(records["x"], records["y"]),
+        "read-only-memmap": gpufeed.sources.ArrayDataset(readonly),
+        "dtypes": gpufeed.sources.ArrayDataset(
             rng.integers(0, 2, N).astype(bool), rng.standard_normal(N).astype(np.float16),
             (rng.standard_normal((N, 2)) + 1j).astype(np.complex64),
             rng.integers(0, 60000, (N, 2)).astype(np.uint16)),
@@ -132,7 +132,7 @@ def test_a_loader_takes_the_lane_and_gives_stocks_batches(monkeypatch, worker_ty
     x = rng.standard_normal((4000, 6)).astype(np.float32)
     y = rng.integers(0, 10, 4000)
     kw = dict(batch_size=32, shuffle=True)
-    ours = gpufeed.DataLoader(gpufeed.ArrayDataset(x, y), num_workers=2,
+    ours = gpufeed.DataLoader(gpufeed.sources.ArrayDataset(x, y), num_workers=2,
                               worker_type=worker_type, generator=torch.Generator().manual_seed(5),
                               multiprocessing_context="fork" if worker_type == "process" else None,
                               **kw)
@@ -164,7 +164,7 @@ def test_workers_the_autotuner_adds_take_the_lane_too():
     kw = dict(batch_size=16, shuffle=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(GatherLane, "run", counted)
-        ours = gpufeed.DataLoader(gpufeed.ArrayDataset(x, y), num_workers="auto",
+        ours = gpufeed.DataLoader(gpufeed.sources.ArrayDataset(x, y), num_workers="auto",
                                   generator=torch.Generator().manual_seed(5),
                                   multiprocessing_context="fork", **kw)
         ours._autotune.schedule = lambda k: 1 if k < 40 else 3  # (the autotuner's test seam)

@@ -381,7 +381,8 @@ class StuckAfterAsking(Dataset[torch.Tensor]):
     def __getitems__(self, indices: list[int]) -> torch.Tensor:
         stuck = indices[0] >= 8
         time.sleep(0.6 if stuck else 0.04)
-        out = gpufeed.batch_empty(len(indices), 4, dtype=torch.int64)  # NeedSlot: LATE tasks
+        # NeedSlot: LATE tasks
+        out = gpufeed.sources.batch_empty(len(indices), 4, dtype=torch.int64)
         if stuck:
             time.sleep(60)
         out[:] = torch.as_tensor(indices).unsqueeze(1)

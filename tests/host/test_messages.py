@@ -195,7 +195,7 @@ class Noisy(Dataset[torch.Tensor]):
         return 4
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.rand(1, generator=gpufeed.sample_generator())
+        return torch.rand(1, generator=gpufeed.random.sample_generator())
 
 
 def test_reseed_and_epoch_reach_the_fetcher():

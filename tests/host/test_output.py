@@ -1,5 +1,5 @@
-"""gpufeed.batch_empty: user code building a whole batch builds it in its slot (NOTE [ Batches
-built in the slot ] in _host/output.py)."""
+"""gpufeed.sources.batch_empty: user code building a whole batch builds it in its slot
+(NOTE [ Batches built in the slot ] in _host/output.py)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class Crops(Dataset[Any]):
         if self.kept is not None:
             out = self.kept
         else:
-            out = gpufeed.batch_empty(len(indices), 3, 4, 4, dtype=torch.uint8)
+            out = gpufeed.sources.batch_empty(len(indices), 3, 4, 4, dtype=torch.uint8)
             if self.cache_after is not None and self.calls >= self.cache_after:
                 self.kept = out
         self.ptrs.append(out.data_ptr())
@@ -69,11 +69,11 @@ class Crops(Dataset[Any]):
 
 
 def test_outside_a_worker_it_is_torch_empty() -> None:
-    t = gpufeed.batch_empty(2, 3, dtype=torch.uint8)
+    t = gpufeed.sources.batch_empty(2, 3, dtype=torch.uint8)
     assert t.shape == (2, 3) and t.dtype == torch.uint8
-    assert gpufeed.batch_empty((4,)).dtype == torch.get_default_dtype()
-    assert gpufeed.batch_empty(torch.Size([2, 2]), dtype=torch.int64).shape == (2, 2)
-    assert gpufeed.batch_empty(np.int64(3)).shape == (3,)
+    assert gpufeed.sources.batch_empty((4,)).dtype == torch.get_default_dtype()
+    assert gpufeed.sources.batch_empty(torch.Size([2, 2]), dtype=torch.int64).shape == (2, 2)
+    assert gpufeed.sources.batch_empty(np.int64(3)).shape == (3,)
 
 
 @pytest.mark.parametrize(("args", "kw", "err", "match"), [
@@ -84,14 +84,14 @@ def test_outside_a_worker_it_is_torch_empty() -> None:
 ])
 def test_bad_arguments_name_the_value(args: Any, kw: Any, err: type, match: str) -> None:
     with pytest.raises(err, match=match):
-        gpufeed.batch_empty(*args, **kw)
+        gpufeed.sources.batch_empty(*args, **kw)
 
 
 def test_a_batch_built_in_the_slot_is_packed_where_it_lies_without_a_copy() -> None:
     writer = _writer()
     previous = building(writer)
     try:
-        out = gpufeed.batch_empty(8, 5, dtype=torch.float32)
+        out = gpufeed.sources.batch_empty(8, 5, dtype=torch.float32)
     finally:
         building(previous)
     assert _in(out, writer)
@@ -113,7 +113,7 @@ def test_a_request_the_slot_cannot_hold_gets_ordinary_memory() -> None:
     writer = _writer()
     previous = building(writer)
     try:
-        big = gpufeed.batch_empty(1 << 17, dtype=torch.uint8)  # the slot is 64 KiB
+        big = gpufeed.sources.batch_empty(1 << 17, dtype=torch.uint8)  # the slot is 64 KiB
     finally:
         building(previous)
     assert not _in(big, writer) and big.numel() == 1 << 17
@@ -128,7 +128,7 @@ def test_per_sample_getitem_of_a_collated_batch_gets_no_slot_memory() -> None:
             return 8
 
         def __getitem__(self, i: int) -> torch.Tensor:
-            t = gpufeed.batch_empty(4, dtype=torch.int64)
+            t = gpufeed.sources.batch_empty(4, dtype=torch.int64)
             seen.append(t)
             return t.fill_(i)
 
@@ -185,7 +185,7 @@ class SelfBatching(torch.utils.data.IterableDataset[Any]):
 
     def __iter__(self) -> Any:
         for b in range(self.batches):
-            out = gpufeed.batch_empty(16, 8, dtype=torch.int16)
+            out = gpufeed.sources.batch_empty(16, 8, dtype=torch.int16)
             self.ptrs.append(out.data_ptr())
             out.copy_(torch.arange(128, dtype=torch.int16).reshape(16, 8) + b)
             yield out

@@ -21,7 +21,7 @@ DRAWS = {
     "torch": lambda: torch.rand(1).item(),
     "numpy": lambda: float(np.random.rand()),
     "random": random.random,
-    "sample_generator": lambda: torch.rand(1, generator=gpufeed.sample_generator()).item(),
+    "sample_generator": lambda: torch.rand(1, generator=gpufeed.random.sample_generator()).item(),
 }
 
 
@@ -47,7 +47,8 @@ def _said(loader: gpufeed.DataLoader, epochs: int = 2, loop_draws: bool = False)
                 if loop_draws:  # a training loop that draws from every global generator
                     for draw in list(DRAWS.values())[:3]:
                         draw()
-    return [str(w.message) for w in caught if issubclass(w.category, gpufeed.RandomStateWarning)]
+    return [str(w.message) for w in caught
+            if issubclass(w.category, gpufeed.random.RandomStateWarning)]
 
 
 @pytest.mark.parametrize("how,name", [("torch", "torch's"), ("numpy", "numpy's"),
@@ -57,7 +58,7 @@ def test_global_draws_in_thread_workers_are_named_once(how, name):
     said = _said(loader)
     assert len(said) == 1, said
     assert f"drew from {name} global random generator" in said[0]
-    assert "gpufeed.sample_generator()" in said[0] and "worker_type='process'" in said[0]
+    assert "gpufeed.random.sample_generator()" in said[0] and "worker_type='process'" in said[0]
 
 
 @pytest.mark.parametrize("how,kind", [("sample_generator", "thread"), ("torch", "process")])
@@ -80,9 +81,9 @@ def test_the_fingerprint_sees_each_generator():
     scope = SampleScope()  # as in a fetch: the per-sample generators leave them alone
     scope.open(base=1, epoch=0)
     try:
-        torch.rand(1, generator=gpufeed.sample_generator())
-        gpufeed.sample_rng().random()
-        gpufeed.sample_random().random()
+        torch.rand(1, generator=gpufeed.random.sample_generator())
+        gpufeed.random.sample_rng().random()
+        gpufeed.random.sample_random().random()
     finally:
         scope.close()
     assert fingerprint() == before

@@ -45,17 +45,17 @@ PROBE = textwrap.dedent('''
     sys.addaudithook(hook)  # from here on, as in a program that imported only gpufeed
     loaders = [loader(Numbers()), loader(Numbers(), seed=3, shuffle=True),
                loader(Numbers(), device="cpu"), loader(Numbers(), prefetch_factor=1),
-               loader(gpufeed.ArrayDataset(torch.arange(64.0))),
-               loader(gpufeed.PackedList([f"s{i}" for i in range(64)]))]
+               loader(gpufeed.sources.ArrayDataset(torch.arange(64.0))),
+               loader(gpufeed.sources.PackedList([f"s{i}" for i in range(64)]))]
     if root != "-":
-        loaders += [loader(gpufeed.ImageFolder(root, size=16)),
-                    loader(gpufeed.ImageFolder(root, size=16, crop="center"))]
+        loaders += [loader(gpufeed.sources.ImageFolder(root, size=16)),
+                    loader(gpufeed.sources.ImageFolder(root, size=16, crop="center"))]
     if arrow:
         import pyarrow as pa
         table = pa.table({"ids": [[i] * (i % 5 + 1) for i in range(64)], "y": list(range(64))})
-        loaders.append(loader(gpufeed.ArrowDataset(table)))
+        loaders.append(loader(gpufeed.sources.ArrowDataset(table)))
     if h5:
-        loaders.append(loader(gpufeed.HDF5Dataset(h5, keys=["x"])))
+        loaders.append(loader(gpufeed.sources.HDF5Dataset(h5, keys=["x"])))
     for epoch in range(2):
         for each in loaders:
             for batch in each:

@@ -88,7 +88,7 @@ def _draw(*, seed: int, epoch: int, index: int) -> float:
     scope.open(seed, epoch)
     try:
         scope.at(index)
-        return float(torch.rand((), generator=gpufeed.sample_generator()))
+        return float(torch.rand((), generator=gpufeed.random.sample_generator()))
     finally:
         scope.close()
 

@@ -83,7 +83,7 @@ def test_lightning_resumes_mid_epoch_exactly_without_seed(tmp_path):
     assert sorted(_flat(early.seen[2:])) == list(range(N))
 
 
-@pytest.mark.filterwarnings("ignore::gpufeed.RandomStateWarning")  # no seed=: said too
+@pytest.mark.filterwarnings("ignore::gpufeed.random.RandomStateWarning")  # no seed=: said too
 def test_lightning_with_an_unrewindable_sampler_warns_and_restarts_the_epoch(tmp_path):
     pytest.importorskip("lightning")
 

@@ -427,7 +427,7 @@ def test_pageable_warning_still_names_the_users_line() -> None:
     sim.needs_pinned = True
     sim.is_pinned = lambda t: False  # type: ignore[method-assign]
     it = gpufeed.to_device([torch.ones(3)], "cuda", backend=sim)
-    with pytest.warns(gpufeed.PageableCopyWarning) as record:
+    with pytest.warns(gpufeed.errors.PageableCopyWarning) as record:
         next(it)
     assert record[0].filename == __file__
     it.close()

@@ -660,7 +660,7 @@ def test_stock_shuffle_without_seed_resumes_exactly(kind, tmp_path):
 
 
 @integrated
-@pytest.mark.filterwarnings("ignore::gpufeed.RandomStateWarning")  # no seed=: said too
+@pytest.mark.filterwarnings("ignore::gpufeed.random.RandomStateWarning")  # no seed=: said too
 def test_unrewindable_sampler_state_warns_once_and_restarts_the_epoch():
     order = [5, 3, 0, 4, 1, 2]
     sampler = iter(order)  # a one-shot iterable: nothing can replay it
@@ -718,7 +718,7 @@ def _random_state_warnings(call) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         call()
-    return [str(w.message) for w in caught if w.category is gpufeed.RandomStateWarning]
+    return [str(w.message) for w in caught if w.category is gpufeed.random.RandomStateWarning]
 
 
 @integrated
@@ -773,7 +773,7 @@ ORDERS = {  # each loads its own state; none loads another's (some samples would
 }
 
 
-@pytest.mark.filterwarnings("ignore::gpufeed.RandomStateWarning")
+@pytest.mark.filterwarnings("ignore::gpufeed.random.RandomStateWarning")
 @pytest.mark.parametrize("saved", ORDERS)
 def test_a_state_loads_only_under_the_order_it_was_saved_with(saved):
     def make(name):
@@ -803,7 +803,7 @@ def test_edited_state_fields_of_the_wrong_type_are_refused_by_name(key, value):
         gpufeed.DataLoader(list(range(10)), batch_size=2, seed=3).load_state_dict(state)
 
 
-@pytest.mark.filterwarnings("ignore::gpufeed.RandomStateWarning")
+@pytest.mark.filterwarnings("ignore::gpufeed.random.RandomStateWarning")
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_state_taken_before_the_first_batch_of_a_stock_shuffle_resumes_its_order(
         num_workers):

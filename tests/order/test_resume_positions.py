@@ -17,7 +17,7 @@ import torch.utils.data as tud
 
 import gpufeed
 
-pytestmark = pytest.mark.filterwarnings("ignore::gpufeed.RandomStateWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::gpufeed.random.RandomStateWarning")
 
 N = 7
 EPOCHS = 4

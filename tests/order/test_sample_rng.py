@@ -1,6 +1,7 @@
-"""Per-sample generators (``gpufeed.sample_generator``, ``sample_rng``, ``sample_random``): the
-same draws for any workers, whatever the training loop draws; seeded thread workers run in
-parallel; gpufeed's sources draw from them too (NOTE [ Seeding and threads ])."""
+"""Per-sample generators (``gpufeed.random.sample_generator``, ``sample_rng``,
+``sample_random``): the same draws for any workers, whatever the training loop draws; seeded
+thread workers run in parallel; gpufeed's sources draw from them too (NOTE [ Seeding and
+threads ])."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create 4 wo
 
 
 def _draw_all() -> list[float]:
-    return [torch.rand((), generator=gpufeed.sample_generator()).item(),
-            float(gpufeed.sample_rng().random()), gpufeed.sample_random().random()]
+    return [torch.rand((), generator=gpufeed.random.sample_generator()).item(),
+            float(gpufeed.random.sample_rng().random()), gpufeed.random.sample_random().random()]
 
 
 def test_outside_a_loader_they_follow_torch_manual_seed():
@@ -43,17 +44,19 @@ class _Probe(Dataset):
         return self.n
 
     def __getitem__(self, i):
-        g = gpufeed.sample_generator()
-        same = g is gpufeed.sample_generator() and gpufeed.sample_rng() is gpufeed.sample_rng()
+        g = gpufeed.random.sample_generator()
+        same = (g is gpufeed.random.sample_generator()
+                and gpufeed.random.sample_rng() is gpufeed.random.sample_rng())
         a = torch.rand(3, generator=g)
-        b = torch.rand(3, generator=gpufeed.sample_generator())  # the stream goes on
-        again = torch.rand(3, generator=gpufeed.sample_generator(index=i))  # a fresh one
+        b = torch.rand(3, generator=gpufeed.random.sample_generator())  # the stream goes on
+        again = torch.rand(3, generator=gpufeed.random.sample_generator(index=i))  # a fresh one
         return torch.tensor([i]), a, b, again, torch.tensor([same])
 
 
 class _BatchedProbe(_Probe):
     def __getitems__(self, indices):  # asks for each sample's generator by index
-        return [(torch.tensor([i]), torch.rand(3, generator=gpufeed.sample_generator(index=i)))
+        return [(torch.tensor([i]),
+                 torch.rand(3, generator=gpufeed.random.sample_generator(index=i)))
                 for i in indices]
 
 
@@ -79,7 +82,7 @@ def test_a_sample_index_that_is_not_an_int_is_named():
             return 2
 
         def __getitem__(self, key):
-            return float(torch.rand((), generator=gpufeed.sample_generator()))
+            return float(torch.rand((), generator=gpufeed.random.sample_generator()))
 
     for kind in (dict(), dict(num_workers=1, worker_type="thread")):
         loader = gpufeed.DataLoader(Keys(), batch_size=None, sampler=["a", "b"], seed=0, **kind)
@@ -105,7 +108,8 @@ class _Slow(Dataset):
             self.most = max(self.most, self.active)
         try:
             time.sleep(0.005)
-            x = torch.rand(2, generator=gpufeed.sample_generator()) if self.draw else torch.zeros(2)
+            x = (torch.rand(2, generator=gpufeed.random.sample_generator()) if self.draw
+                 else torch.zeros(2))
             return torch.tensor([i]), x
         finally:
             with self.lock:
@@ -156,7 +160,7 @@ class _Stream(IterableDataset):
         info = torch.utils.data.get_worker_info()
         w, n = (info.id, info.num_workers) if info is not None else (0, 1)
         for i in range(w, 12, n):
-            yield torch.tensor([i]), torch.rand(2, generator=gpufeed.sample_generator())
+            yield torch.tensor([i]), torch.rand(2, generator=gpufeed.random.sample_generator())
 
 
 def test_iterable_datasets_draw_per_worker_and_position():
@@ -244,7 +248,7 @@ def test_image_folder_crops_follow_manual_seed_not_the_loops_draws(tmp_path):
         for k in range(6):
             pixels = rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)
             image.fromarray(pixels).save(tmp_path / c / f"{k}.jpg")
-    folder = gpufeed.ImageFolder(tmp_path, size=16, crop="random")
+    folder = gpufeed.sources.ImageFolder(tmp_path, size=16, crop="random")
 
     def run(**kwargs):
         torch.manual_seed(0)

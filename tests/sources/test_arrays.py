@@ -8,7 +8,7 @@ import torch
 import torch.utils.data as tud
 
 import gpufeed
-from gpufeed import ArrayDataset
+from gpufeed.sources import ArrayDataset
 from support.compare import assert_same, assert_same_batches, collect, list_or_stop
 from support.fakes import GetitemsDataset
 

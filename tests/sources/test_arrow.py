@@ -172,7 +172,7 @@ def test_arrow_dataset_pads_lists_to_the_batch_maximum():
     tokens = [[1, 2, 3], [4, 5], [6], [], [7, 8, 9, 10], [11]]
     ds = datasets.Dataset.from_dict({"input_ids": tokens, "label": list(range(6))})
     for data in (ds.with_format("torch"), ds.data.table):
-        padded = gpufeed.ArrowDataset(data, pad={"input_ids": -1})
+        padded = gpufeed.sources.ArrowDataset(data, pad={"input_ids": -1})
         for nw, wt in ((0, "process"), (2, "process"), (2, "thread")):
             got = list(gpufeed.DataLoader(padded, batch_size=4, num_workers=nw, worker_type=wt))
             assert [list(b) for b in got] == [["label", "input_ids", "input_ids_length"]] * 2
@@ -183,9 +183,9 @@ def test_arrow_dataset_pads_lists_to_the_batch_maximum():
             assert torch.equal(got[1]["label"], torch.tensor([4, 5]))
         assert padded[1]["label"] == 1 and list(padded[1]["input_ids"]) == [4, 5]
     with pytest.raises(ValueError, match=r"lacks; it has \['input_ids', 'label'\]"):
-        gpufeed.ArrowDataset(ds, pad={"tokens": 0})
+        gpufeed.sources.ArrowDataset(ds, pad={"tokens": 0})
     with pytest.raises(TypeError, match="not a list of numbers"):
-        gpufeed.ArrowDataset(ds, pad={"label": 0})
+        gpufeed.sources.ArrowDataset(ds, pad={"label": 0})
 
 
 def test_a_table_column_keeps_one_type_in_every_batch():
@@ -209,14 +209,15 @@ def test_negative_indices_count_from_the_end():
         want = [{"x": 12}, {"x": 10}]
         got = next(iter(gpufeed.DataLoader(data, batch_sampler=[[-1, 0]])))
         assert torch.equal(torch.as_tensor(got["x"]), torch.tensor([12, 10]))
-        padded = gpufeed.ArrowDataset(data, pad={})
+        padded = gpufeed.sources.ArrowDataset(data, pad={})
         assert [dict(r, x=int(r["x"])) for r in padded.__getitems__([-1, 0])] == want
 
 
 def test_arrow_dataset_pads_a_fixed_length_list_column_too():
     features = datasets.Features({"p": datasets.Sequence(datasets.Value("int32"), length=2)})
     ds = datasets.Dataset.from_dict({"p": [[1, 2], [3, 4]]}, features=features)
-    got = next(iter(gpufeed.DataLoader(gpufeed.ArrowDataset(ds, pad={"p": 0}), batch_size=2)))
+    got = next(iter(gpufeed.DataLoader(gpufeed.sources.ArrowDataset(ds, pad={"p": 0}),
+                                       batch_size=2)))
     assert torch.equal(got["p"], torch.tensor([[1, 2], [3, 4]]))
     assert got["p_length"].tolist() == [2, 2]
 
@@ -224,13 +225,13 @@ def test_arrow_dataset_pads_a_fixed_length_list_column_too():
 def test_arrow_dataset_refuses_holes_and_pad_values_that_do_not_fit():
     table = pa.table({"ids": pa.array([[1, None, 3], [4, 5]], pa.list_(pa.int64())),
                       "small": pa.array([[1], [2, 3]], pa.list_(pa.uint8()))})
-    holes = gpufeed.ArrowDataset(table, pad={"ids": 0})
+    holes = gpufeed.sources.ArrowDataset(table, pad={"ids": 0})
     with pytest.raises(ValueError, match="row 0 of column 'ids' holds a null inside its list"):
         next(iter(gpufeed.DataLoader(holes, batch_size=2)))
     ok = next(iter(gpufeed.DataLoader(holes, batch_sampler=[[1]])))
     assert ok["ids"].dtype == torch.int64  # Arrow's own type, whatever the batch
     for pad in (-1, 0.5, "0"):
-        bad = gpufeed.ArrowDataset(table, pad={"small": pad})
+        bad = gpufeed.sources.ArrowDataset(table, pad={"small": pad})
         with pytest.raises(ValueError, match=f"pad value {pad!r} of column 'small' does not"):
             next(iter(gpufeed.DataLoader(bad, batch_size=2)))
 
@@ -260,7 +261,7 @@ def test_arrow_dataset_dtypes_are_the_formats(fmt):
     # does gpufeed; the list column stays
     scalars = [t for t in ARROW_TYPES if not (fmt == "numpy" and t == "uint64")]
     ds = ds.remove_columns([t for t in ARROW_TYPES if t not in scalars]).with_format(fmt)
-    padded = gpufeed.ArrowDataset(ds, pad={f"l_{t}": 0 for t in ARROW_TYPES})
+    padded = gpufeed.sources.ArrowDataset(ds, pad={f"l_{t}": 0 for t in ARROW_TYPES})
     rows = ds.__getitems__(list(range(4)))  # what the stock loader collates
     stock = next(iter(DataLoader(ds.remove_columns([f"l_{t}" for t in ARROW_TYPES]),
                                  batch_size=4)))
@@ -285,16 +286,17 @@ def test_missing_extra_names_it(monkeypatch):
     ds = make()
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     with pytest.raises(ImportError, match=r"pip install 'gpufeed\[arrow\]'"):
-        gpufeed.ArrowDataset(ds, pad={"x": 0})
+        gpufeed.sources.ArrowDataset(ds, pad={"x": 0})
 
 
 def test_arrow_dataset_repr_is_torchvisions_layout():
     ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]], "label": [0, 1]})
-    assert repr(gpufeed.ArrowDataset(ds.with_format("torch"), pad={"input_ids": 0})) == "\n".join(
+    ds = gpufeed.sources.ArrowDataset(ds.with_format("torch"), pad={"input_ids": 0})
+    assert repr(ds) == "\n".join(
         ["Dataset ArrowDataset", "    Number of datapoints: 2",
          "    Data: datasets.Dataset, format torch, columns ['input_ids', 'label']",
          "    Padded per batch: input_ids (pad 0)"])
-    text = repr(gpufeed.ArrowDataset(ds.data.table))
+    text = repr(gpufeed.sources.ArrowDataset(ds.data.table))
     assert "Data: pyarrow.Table, columns ['input_ids', 'label']" in text and "none" in text
 
 

@@ -46,7 +46,7 @@ class PlainH5(Dataset):
 def test_batches_equal_the_stock_loader(h5file):
     order = np.random.default_rng(1).permutation(90).tolist()
     want = list(DataLoader(PlainH5(h5file), batch_size=16, sampler=order))
-    ds = gpufeed.HDF5Dataset(h5file, ("images", "labels", "scores"))
+    ds = gpufeed.sources.HDF5Dataset(h5file, ("images", "labels", "scores"))
     runs = [list(DataLoader(ds, batch_size=16, sampler=order, num_workers=2))]
     for nw, wt in ((0, "process"), (2, "process"), (2, "thread")):
         runs.append(list(gpufeed.DataLoader(ds, batch_size=16, sampler=order, num_workers=nw,
@@ -59,7 +59,7 @@ def test_batches_equal_the_stock_loader(h5file):
 
 
 def test_repeated_negative_and_sparse_indices(h5file):
-    ds = gpufeed.HDF5Dataset(h5file, ["labels", "images"])
+    ds = gpufeed.sources.HDF5Dataset(h5file, ["labels", "images"])
     for idx in ([5, 5, 1, -1], [0, 89, 45], [3]):  # dense and sparse (point list) reads
         labels, images = ds.gpufeed_batch(idx, seed=None, epoch=0, alloc=None)
         assert labels.tolist() == [i % 90 for i in idx]
@@ -74,17 +74,17 @@ def test_big_endian_data_reads_and_other_dtypes_are_named(tmp_path):
         f["be"] = np.arange(12, dtype=">f4").reshape(6, 2)
         f["y"] = np.arange(6, dtype=">i8")
         f["s"] = np.array([b"a"] * 6, dtype=h5py.string_dtype())
-    ds = gpufeed.HDF5Dataset(path, ("be", "y"))
+    ds = gpufeed.sources.HDF5Dataset(path, ("be", "y"))
     assert ds[1][0].tolist() == [2.0, 3.0] and ds[1][1].item() == 1
     got = list(gpufeed.DataLoader(ds, batch_size=4, num_workers=1))
     assert torch.equal(torch.cat([b[0] for b in got]), torch.arange(12.0).view(6, 2))
     assert torch.cat([b[1] for b in got]).tolist() == list(range(6))
     with pytest.raises(TypeError, match=r"\['s'\] has dtype object, which no torch tensor"):
-        gpufeed.HDF5Dataset(path, ("y", "s"))
+        gpufeed.sources.HDF5Dataset(path, ("y", "s"))
 
 
 def test_one_handle_per_process_never_across_fork(h5file):
-    ds = gpufeed.HDF5Dataset(h5file, ["labels"])
+    ds = gpufeed.sources.HDF5Dataset(h5file, ["labels"])
     assert ds._file is None  # closed after validation: nothing open to fork
     ds[0]
     handle = ds._file
@@ -108,20 +108,20 @@ def test_one_handle_per_process_never_across_fork(h5file):
 
 def test_faults_are_named(h5file, tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"nothing\.h5"):
-        gpufeed.HDF5Dataset(tmp_path / "nothing.h5", ["x"])
+        gpufeed.sources.HDF5Dataset(tmp_path / "nothing.h5", ["x"])
     bad = tmp_path / "bad.h5"
     bad.write_bytes(b"not hdf5 at all" * 10)
     with pytest.raises(OSError, match=r"bad\.h5"):
-        gpufeed.HDF5Dataset(bad, ["x"])
+        gpufeed.sources.HDF5Dataset(bad, ["x"])
     with pytest.raises(KeyError, match="no dataset 'nope'"):
-        gpufeed.HDF5Dataset(h5file, ["labels", "nope"])
+        gpufeed.sources.HDF5Dataset(h5file, ["labels", "nope"])
     with h5py.File(tmp_path / "short.h5", "w") as f:
         f["a"], f["b"] = np.zeros(3), np.zeros(4)
     with pytest.raises(ValueError, match=r"differ in length \[3, 4\]"):
-        gpufeed.HDF5Dataset(tmp_path / "short.h5", ["a", "b"])
+        gpufeed.sources.HDF5Dataset(tmp_path / "short.h5", ["a", "b"])
     monkeypatch.setitem(sys.modules, "h5py", None)
     with pytest.raises(ImportError, match=r"pip install 'gpufeed\[hdf5\]'"):
-        gpufeed.HDF5Dataset(h5file, ["labels"])
+        gpufeed.sources.HDF5Dataset(h5file, ["labels"])
 
 
 def test_file_removed_after_start_is_named(tmp_path):
@@ -135,7 +135,7 @@ def test_file_removed_after_start_is_named(tmp_path):
 
 
 def test_repr_is_torchvisions_layout(h5file):
-    lines = repr(gpufeed.HDF5Dataset(h5file, ("images", "labels"))).splitlines()
+    lines = repr(gpufeed.sources.HDF5Dataset(h5file, ("images", "labels"))).splitlines()
     assert lines == ["Dataset HDF5Dataset", "    Number of datapoints: 90",
                      f"    Root location: {h5file}",
                      "    Keys: images uint8 (3, 4, 4), labels int64 ()",

@@ -45,10 +45,10 @@ def folder(tmp_path_factory):
 
 
 def test_layout_follows_torchvision(folder):
-    ds = gpufeed.ImageFolder(folder, size=32)
+    ds = gpufeed.sources.ImageFolder(folder, size=32)
     assert ds.classes == ["ant", "bee", "cat"] and ds.class_to_idx["cat"] == 2
     assert len(ds) == 18 and list(ds.targets) == [0] * 6 + [1] * 6 + [2] * 6
-    assert ds.files[0] == "ant/0.jpg" and isinstance(ds.files, gpufeed.PackedList)
+    assert ds.files[0] == "ant/0.jpg" and isinstance(ds.files, gpufeed.sources.PackedList)
     img, label = ds[7]
     assert img.dtype == torch.uint8 and img.shape == (3, 32, 32) and label == 1
 
@@ -56,14 +56,14 @@ def test_layout_follows_torchvision(folder):
 def test_accurate_decode_equals_pillow(folder):
     """No crop, no resize: the tensor is Pillow's decode of the file, pixel for pixel."""
     for name, hw in (("0.jpg", (48, 64)), ("g.jpeg", (50, 50)), ("p.png", (30, 44))):
-        ds = gpufeed.ImageFolder(folder, size=hw, crop="center", center_fraction=1.0,
-                                 flip=False)
+        ds = gpufeed.sources.ImageFolder(folder, size=hw, crop="center", center_fraction=1.0,
+                                         flip=False)
         i = [str(f) for f in ds.files].index(f"bee/{name}")
         want = np.asarray(Image.open(folder / "bee" / name).convert("RGB"))
         got = ds[i][0].permute(1, 2, 0).numpy()
         np.testing.assert_array_equal(got, want)
-    fast = gpufeed.ImageFolder(folder, size=(48, 64), crop="center", center_fraction=1.0,
-                               fast=True)
+    fast = gpufeed.sources.ImageFolder(folder, size=(48, 64), crop="center", center_fraction=1.0,
+                                       fast=True)
     diff = np.abs(fast[6][0].permute(1, 2, 0).numpy().astype(int)
                   - np.asarray(Image.open(folder / "bee/0.jpg")).astype(int))
     assert 0 < diff.mean() < 8  # fast DCT/upsampling: close (a few levels), not exact
@@ -73,8 +73,8 @@ def test_reduced_dct_scale_is_close_to_full_decode(tmp_path):
     (tmp_path / "a").mkdir()
     Image.fromarray(_photo(256, 256, 1)).save(tmp_path / "a" / "x.jpg", quality=95)
     kw = dict(size=64, crop="center", center_fraction=1.0)
-    scaled = gpufeed.ImageFolder(tmp_path, **kw)[0][0].int()
-    full = gpufeed.ImageFolder(tmp_path, dct_scale=False, **kw)[0][0].int()
+    scaled = gpufeed.sources.ImageFolder(tmp_path, **kw)[0][0].int()
+    full = gpufeed.sources.ImageFolder(tmp_path, dct_scale=False, **kw)[0][0].int()
     assert not torch.equal(scaled, full)  # the 1/4 scale decode was taken
     assert (scaled - full).abs().float().mean() < 4
 
@@ -120,7 +120,7 @@ def test_a_very_thin_image_still_gives_an_image(tmp_path, kw):
     wide, resized, never an empty cut."""
     (tmp_path / "a").mkdir()
     Image.fromarray(np.full((300, 2, 3), 128, np.uint8)).save(tmp_path / "a" / "thin.png")
-    img = gpufeed.ImageFolder(tmp_path, **kw)[0][0]
+    img = gpufeed.sources.ImageFolder(tmp_path, **kw)[0][0]
     hw = kw["size"] if isinstance(kw["size"], tuple) else (kw["size"],) * 2
     assert img.shape == (3, *hw) and int(img.min()) == int(img.max()) == 128
 
@@ -136,7 +136,7 @@ def test_random_resized_parameters_respect_scale_and_ratio():
 
 @pytest.mark.parametrize("crop", ["random", "center"])
 def test_batches_same_for_any_workers_and_batch_size(folder, crop):
-    ds = gpufeed.ImageFolder(folder, size=24, crop=crop, scale=(0.3, 1.0))
+    ds = gpufeed.sources.ImageFolder(folder, size=24, crop=crop, scale=(0.3, 1.0))
     runs = {}
     for nw, wt in ((0, "process"), (2, "process"), (2, "thread")):
         loader = gpufeed.DataLoader(ds, batch_size=4, shuffle=True, seed=5, num_workers=nw,
@@ -155,7 +155,7 @@ def test_batches_same_for_any_workers_and_batch_size(folder, crop):
 
 
 def test_equals_the_stock_loader(folder):
-    ds = gpufeed.ImageFolder(folder, size=(20, 28), crop="center")
+    ds = gpufeed.sources.ImageFolder(folder, size=(20, 28), crop="center")
     want = list(torch.utils.data.DataLoader(ds, batch_size=5))
     for nw in (0, 2):
         got = list(gpufeed.DataLoader(ds, batch_size=5, num_workers=nw))
@@ -174,8 +174,8 @@ def test_channels_last_batches_equal_channels_first(folder, kw):
     window, a center cut; flips and the Pillow path included) under gpufeed's process and
     thread workers and the stock loader; gpufeed's batches keep the HWC memory."""
     kw = {"size": (24, 28), **kw}
-    planes = gpufeed.ImageFolder(folder, **kw)
-    last = gpufeed.ImageFolder(folder, memory_format=torch.channels_last, **kw)
+    planes = gpufeed.sources.ImageFolder(folder, **kw)
+    last = gpufeed.sources.ImageFolder(folder, memory_format=torch.channels_last, **kw)
     assert "channels_last" in repr(last) and "channels_last" not in repr(planes)
     want = [b[0] for b in gpufeed.DataLoader(planes, batch_size=5, shuffle=True, seed=3)]
     assert all(b.is_contiguous() for b in want)
@@ -193,8 +193,8 @@ def test_channels_last_batches_equal_channels_first(folder, kw):
 
 
 def test_flip_mirrors(folder):
-    ds = gpufeed.ImageFolder(folder, size=(48, 64), crop="random", scale=None, flip=True)
-    plain = gpufeed.ImageFolder(folder, size=(48, 64), crop="center", center_fraction=1.0)
+    ds = gpufeed.sources.ImageFolder(folder, size=(48, 64), crop="random", scale=None, flip=True)
+    plain = gpufeed.sources.ImageFolder(folder, size=(48, 64), crop="center", center_fraction=1.0)
     flips = [torch.equal(ds.gpufeed_batch([0], seed=s, epoch=0, alloc=None)[0][0],
                          plain[0][0].flip(-1)) for s in range(12)]
     assert any(flips) and not all(flips)
@@ -209,13 +209,13 @@ def _corrupt(root):
 def test_corrupt_file_is_named_and_can_be_skipped(tmp_path):
     root = make_folder(tmp_path, sizes=((40, 40),))
     bad = _corrupt(root)
-    ds = gpufeed.ImageFolder(root, size=16)
+    ds = gpufeed.sources.ImageFolder(root, size=16)
     for nw in (0, 2):
         loader = gpufeed.DataLoader(ds, batch_size=4, num_workers=nw)
         with pytest.raises(Exception, match=str(bad.name)) as info:
             list(loader)
         assert "on_error='skip'" in str(info.value)
-    ds = gpufeed.ImageFolder(root, size=16, on_error="skip")
+    ds = gpufeed.sources.ImageFolder(root, size=16, on_error="skip")
     batches = list(gpufeed.DataLoader(ds, batch_size=4, num_workers=2))
     labels = torch.cat([b[1] for b in batches])
     k = [str(f) for f in ds.files].index("bee/9_bad.jpg")
@@ -240,7 +240,7 @@ def test_a_damaged_jpeg_is_refused_whatever_the_crop(tmp_path, decoder):
     buf.unlink()
     (tmp_path / "a" / "cut.jpg").write_bytes(data[:int(len(data) * 0.9)])
     (tmp_path / "a" / "noeoi.jpg").write_bytes(data[:-2])
-    ds = gpufeed.ImageFolder(tmp_path, size=32, decoder=decoder, on_error="skip")
+    ds = gpufeed.sources.ImageFolder(tmp_path, size=32, decoder=decoder, on_error="skip")
     labels = [ds.gpufeed_batch([0, 1], seed=0, epoch=e, alloc=None)[1] for e in range(24)]
     assert torch.stack(labels).eq(-1).all()
 
@@ -256,8 +256,9 @@ def test_a_jpeg_the_codec_refuses_gets_the_codecs_crop_from_pillow(tmp_path, dec
     with Image.open(cmyk) as im:
         im.convert("RGB").save(tmp_path / "png" / "a" / "c.png")
     for crop in ("random", "center"):
-        jpg, png = [gpufeed.ImageFolder(tmp_path / kind, size=40, crop=crop, scale=(0.2, 0.6),
-                                        decoder=decoder, flip=True) for kind in ("jpg", "png")]
+        jpg, png = [gpufeed.sources.ImageFolder(tmp_path / kind, size=40, crop=crop,
+                                                scale=(0.2, 0.6), decoder=decoder, flip=True)
+                    for kind in ("jpg", "png")]
         for seed in range(6):  # sample 0 of each: the same seed, so the same draws
             a, b = [ds.gpufeed_samples([0], seed=seed, epoch=0)[0][0] for ds in (jpg, png)]
             assert torch.equal(a, b), (crop, seed)
@@ -269,8 +270,8 @@ def test_a_subsampling_simplejpeg_cannot_name_goes_to_pillow(tmp_path):
     img = _photo(64, 64, 2)
     (tmp_path / "a" / "x.jpg").write_bytes(
         turbojpeg.compress(img, 90, turbojpeg.SAMP.Y441, pixelformat=turbojpeg.PF.RGB))
-    ds = gpufeed.ImageFolder(tmp_path, size=(64, 64), crop="center", center_fraction=1.0,
-                             decoder="simplejpeg", flip=False)
+    ds = gpufeed.sources.ImageFolder(tmp_path, size=(64, 64), crop="center", center_fraction=1.0,
+                                     decoder="simplejpeg", flip=False)
     got, label = ds[0]
     with Image.open(tmp_path / "a" / "x.jpg") as im:
         want = torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1)
@@ -279,38 +280,38 @@ def test_a_subsampling_simplejpeg_cannot_name_goes_to_pillow(tmp_path):
 
 def test_bad_arguments_and_paths(tmp_path, folder):
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        gpufeed.ImageFolder(tmp_path / "nowhere", size=8)
+        gpufeed.sources.ImageFolder(tmp_path / "nowhere", size=8)
     (tmp_path / "empty" / "a").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="Found no valid file for the classes a"):
-        gpufeed.ImageFolder(tmp_path / "empty", size=8)
+        gpufeed.sources.ImageFolder(tmp_path / "empty", size=8)
     with pytest.raises(ValueError, match="crop='middle'"):
-        gpufeed.ImageFolder(folder, size=8, crop="middle")
+        gpufeed.sources.ImageFolder(folder, size=8, crop="middle")
     with pytest.raises(ValueError, match="size=0"):
-        gpufeed.ImageFolder(folder, size=0)
+        gpufeed.sources.ImageFolder(folder, size=0)
     with pytest.raises(ValueError, match="size=True"):
-        gpufeed.ImageFolder(folder, size=True)
-    assert gpufeed.ImageFolder(folder, size=np.int64(8))[0][0].shape == (3, 8, 8)
+        gpufeed.sources.ImageFolder(folder, size=True)
+    assert gpufeed.sources.ImageFolder(folder, size=np.int64(8))[0][0].shape == (3, 8, 8)
     (folder / "ant" / "9_text.jpg").write_text("not an image at all")
     try:
-        ds = gpufeed.ImageFolder(folder, size=8)
+        ds = gpufeed.sources.ImageFolder(folder, size=8)
         k = [str(f) for f in ds.files].index("ant/9_text.jpg")
         with pytest.raises(ValueError, match=r"9_text\.jpg.*Pillow cannot identify it as an image"):
             ds[k]
     finally:
         (folder / "ant" / "9_text.jpg").unlink()
     with pytest.raises(ValueError, match=r"memory_format=torch.preserve_format.*channels_last"):
-        gpufeed.ImageFolder(folder, size=8, memory_format=torch.preserve_format)
+        gpufeed.sources.ImageFolder(folder, size=8, memory_format=torch.preserve_format)
 
 
 def test_missing_extra_names_it(folder, monkeypatch):
     monkeypatch.setitem(sys.modules, "simplejpeg", None)
     with pytest.raises(ImportError, match=r"pip install 'gpufeed\[image\]'"):
-        gpufeed.ImageFolder(folder, size=8)
+        gpufeed.sources.ImageFolder(folder, size=8)
 
 
 def test_unreadable_file_named(tmp_path):
     root = make_folder(tmp_path, sizes=((40, 40),))
-    ds = gpufeed.ImageFolder(root, size=16)
+    ds = gpufeed.sources.ImageFolder(root, size=16)
     (root / "ant" / "0.jpg").unlink()
     with pytest.raises(ValueError, match=r"ant/0\.jpg"):
         ds[0]
@@ -335,7 +336,7 @@ def _torchvision_samples(root, exts=(".jpg", ".jpeg", ".png")):
 
 
 def test_samples_imgs_and_targets_are_torchvisions(folder):
-    ds = gpufeed.ImageFolder(folder, size=16, crop="center")
+    ds = gpufeed.sources.ImageFolder(folder, size=16, crop="center")
     classes, want = _torchvision_samples(folder)
     assert ds.classes == classes and ds.class_to_idx == {c: k for k, c in enumerate(classes)}
     assert list(ds.samples) == want and ds.samples == want and ds.imgs == want
@@ -345,8 +346,8 @@ def test_samples_imgs_and_targets_are_torchvisions(folder):
     # assigning samples (torchvision users subset or relabel this way) re-packs them
     ds.samples = [s for s in want if s[0].endswith(".png")][::-1]
     assert len(ds) == 3 and list(ds.targets) == [2, 1, 0]
-    assert ds.samples[0] == want[-1] and isinstance(ds.files, gpufeed.PackedList)
-    whole = gpufeed.ImageFolder(folder, size=16, crop="center")
+    assert ds.samples[0] == want[-1] and isinstance(ds.files, gpufeed.sources.PackedList)
+    whole = gpufeed.sources.ImageFolder(folder, size=16, crop="center")
     assert torch.equal(ds[0][0], whole[len(whole) - 1][0]) and ds[0][1] == 2  # the last png
     with pytest.raises(TypeError, match="pairs"):
         ds.samples = ["a.jpg"]
@@ -357,21 +358,21 @@ def test_empty_class_and_valid_file_rules_are_torchvisions(tmp_path):
     (root / "dog").mkdir()
     (root / "dog" / "x.txt").write_text("no image")
     with pytest.raises(FileNotFoundError) as info:
-        gpufeed.ImageFolder(root, size=8)
+        gpufeed.sources.ImageFolder(root, size=8)
     assert str(info.value) == ("Found no valid file for the classes dog. Supported extensions "
                                "are: .jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp")
-    ds = gpufeed.ImageFolder(root, size=8, allow_empty=True)
+    ds = gpufeed.sources.ImageFolder(root, size=8, allow_empty=True)
     assert ds.classes == ["ant", "bee", "cat", "dog"] and len(ds) == 9
-    only = gpufeed.ImageFolder(root, size=8, is_valid_file=lambda p: p.endswith(("0.jpg",
-                                                                                 "x.txt")))
+    only = gpufeed.sources.ImageFolder(root, size=8, is_valid_file=lambda p: p.endswith(("0.jpg",
+                                                                                         "x.txt")))
     assert [os.path.basename(p) for p, _ in only.samples] == ["0.jpg"] * 3 + ["x.txt"]
     with pytest.raises(ValueError, match="Both extensions and is_valid_file cannot be None or "
                                          "not None at the same time"):
-        gpufeed.ImageFolder(root, size=8, extensions=(".jpg",), is_valid_file=bool)
+        gpufeed.sources.ImageFolder(root, size=8, extensions=(".jpg",), is_valid_file=bool)
     (tmp_path / "flat").mkdir()
     (tmp_path / "flat" / "a.jpg").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="Couldn't find any class folder in"):
-        gpufeed.ImageFolder(tmp_path / "flat", size=8)
+        gpufeed.sources.ImageFolder(tmp_path / "flat", size=8)
 
 
 def _torchvision_center(img, resize=256, crop=224):
@@ -399,7 +400,7 @@ def test_center_crop_is_torchvisions_resize_256_center_crop_224(tmp_path, kind):
                else _photo(h, w, k))
         Image.fromarray(img).save(tmp_path / "a" / f"{k}.jpg", quality=92)
         Image.fromarray(img).save(tmp_path / "a" / f"{k}.png")
-    ds = gpufeed.ImageFolder(tmp_path, size=224, crop="center")
+    ds = gpufeed.sources.ImageFolder(tmp_path, size=224, crop="center")
     assert not ds.flip
     for i in range(len(ds)):
         path = ds.path(i)
@@ -417,9 +418,9 @@ def test_center_crop_of_a_large_image_and_dct_scale(tmp_path):
     img = _photo(768, 1100, 9)
     Image.fromarray(img).save(tmp_path / "a" / "big.jpg", quality=95)
     want = _torchvision_center(np.asarray(Image.open(tmp_path / "a" / "big.jpg")))
-    exact = gpufeed.ImageFolder(tmp_path, size=224, crop="center", dct_scale=False)[0][0]
+    exact = gpufeed.sources.ImageFolder(tmp_path, size=224, crop="center", dct_scale=False)[0][0]
     assert (exact.int() - want.int()).abs().max() <= 2
-    scaled = gpufeed.ImageFolder(tmp_path, size=224, crop="center")[0][0]
+    scaled = gpufeed.sources.ImageFolder(tmp_path, size=224, crop="center")[0][0]
     diff = (scaled.int() - want.int()).abs().float()
     assert 0 < diff.mean() < 3
 
@@ -428,11 +429,11 @@ def test_transform_is_refused_naming_what_to_use(folder):
     for name in ("transform", "target_transform", "loader"):
         with pytest.raises(TypeError, match=rf"takes no {name}=.*device_transform=gpufeed"
                                             r"\.Normalize.*torchvision\.datasets\.ImageFolder"):
-            gpufeed.ImageFolder(folder, size=8, **{name: lambda x: x})
+            gpufeed.sources.ImageFolder(folder, size=8, **{name: lambda x: x})
 
 
 def test_repr_is_torchvisions_layout(folder):
-    text = repr(gpufeed.ImageFolder(folder, size=24, crop="center"))
+    text = repr(gpufeed.sources.ImageFolder(folder, size=24, crop="center"))
     lines = text.splitlines()
     assert lines[:3] == ["Dataset ImageFolder", "    Number of datapoints: 18",
                          f"    Root location: {folder}"]

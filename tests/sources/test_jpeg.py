@@ -134,14 +134,14 @@ def test_fallback_is_used_and_said_once_when_turbojpeg_is_missing(tmp_path, monk
     (when it is installed here; else the images simplejpeg gives with decoder="simplejpeg")."""
     root = _folder(tmp_path)
     kw = dict(size=48, crop="random", scale=(0.2, 1.0))
-    reference = gpufeed.ImageFolder(root, **kw)  # the preferred codec where it is installed
+    reference = gpufeed.sources.ImageFolder(root, **kw)  # the preferred codec where it is installed
     want = torch.cat([b[0] for b in gpufeed.DataLoader(reference, batch_size=2, seed=3)])
     monkeypatch.setattr(jpeg, "find_turbojpeg", lambda: (None, "simulated: none installed"))
     monkeypatch.setattr(jpeg, "_announced", False)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="gpufeed"):
-        first = gpufeed.ImageFolder(root, **kw)
-        second = gpufeed.ImageFolder(root, **kw)
+        first = gpufeed.sources.ImageFolder(root, **kw)
+        second = gpufeed.sources.ImageFolder(root, **kw)
     said = [r for r in caplog.records if "simplejpeg" in r.getMessage()]
     assert len(said) == 1 and "simulated: none installed" in said[0].getMessage()
     assert "GPUFEED_TURBOJPEG" in said[0].getMessage()
@@ -153,11 +153,11 @@ def test_fallback_is_used_and_said_once_when_turbojpeg_is_missing(tmp_path, monk
     with pytest.raises(ImportError, match=r"libjpeg-turbo >= 3\.0.*GPUFEED_TURBOJPEG"):
         jpeg.codec.cache_clear()
         try:
-            gpufeed.ImageFolder(root, decoder="turbojpeg", **kw)
+            gpufeed.sources.ImageFolder(root, decoder="turbojpeg", **kw)
         finally:
             jpeg.codec.cache_clear()
     with pytest.raises(ValueError, match="decoder='pil'"):
-        gpufeed.ImageFolder(root, decoder="pil", **kw)
+        gpufeed.sources.ImageFolder(root, decoder="pil", **kw)
 
 
 def test_a_library_without_the_turbojpeg3_api_is_not_used(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ from gpufeed._sources import packed as _packed
     [True, False, True],
 ])
 def test_scalars_round_trip(items):
-    packed = gpufeed.PackedList(items)
+    packed = gpufeed.sources.PackedList(items)
     assert len(packed) == len(items)
     got = list(packed)
     assert got == items and [type(x) for x in got] == [type(x) for x in items]
@@ -35,11 +35,11 @@ def test_scalars_round_trip(items):
 
 def test_rows_become_one_array_and_ragged_rows_keep_lengths():
     rows = [[float(i), i + 0.5, -i] for i in range(5)]
-    packed = gpufeed.PackedList(rows, dtype=np.float32)
+    packed = gpufeed.sources.PackedList(rows, dtype=np.float32)
     assert packed.kind == "row" and packed._data.shape == (5, 3)
     assert packed._data.dtype == np.float32
     np.testing.assert_array_equal(packed[2], np.float32(rows[2]))
-    ragged = gpufeed.PackedList([[1, 2], [3], [], [4, 5, 6]])
+    ragged = gpufeed.sources.PackedList([[1, 2], [3], [], [4, 5, 6]])
     assert ragged.kind == "ragged" and [list(r) for r in ragged] == [[1, 2], [3], [], [4, 5, 6]]
     packed[0][:] = 7  # a row is a copy: the shared buffer is never written
     assert packed[0][0] == 0 and not packed._data.flags.writeable
@@ -49,44 +49,44 @@ def test_an_empty_row_keeps_integer_rows_exact():
     """One empty document among token ids: the rows stay int64 (an empty list's default
     dtype is float64), values of any size come back exactly, and so does the loader's batch."""
     big = 2**60 + 1
-    packed = gpufeed.PackedList([[1, 2], [], [big]])
+    packed = gpufeed.sources.PackedList([[1, 2], [], [big]])
     assert packed.kind == "ragged" and packed._data.dtype == np.int64
     assert int(packed[2][0]) == big and packed[1].dtype == np.int64
-    rows = gpufeed.PackedList([[1, 2], [], [3, 4]])
+    rows = gpufeed.sources.PackedList([[1, 2], [], [3, 4]])
     batch = next(iter(gpufeed.DataLoader(rows, batch_size=None)))
     assert batch.dtype == torch.int64
-    assert gpufeed.PackedList([[0.5], []])._data.dtype == np.float64
+    assert gpufeed.sources.PackedList([[0.5], []])._data.dtype == np.float64
 
 
 @pytest.mark.parametrize("items", [[[1, 2], [3, 4], [5, 6]], [[1, 2], [3], [4, 5, 6]]])
 def test_rows_answer_in_index_and_count_as_a_list_does(items):
-    packed = gpufeed.PackedList(items)
+    packed = gpufeed.sources.PackedList(items)
     assert items[1] in packed and tuple(items[1]) in packed and np.array(items[1]) in packed
     assert [9, 9] not in packed and 3 not in packed and "a" not in packed
     assert packed.index(items[2]) == 2 and packed.count(items[0]) == 1
     assert packed.index(items[0], 0, 1) == 0
     with pytest.raises(ValueError, match="not in the PackedList"):
         packed.index(items[0], 1)
-    assert gpufeed.PackedList(["a", "b"]).count("b") == 1
-    assert gpufeed.PackedList(list("abc")) != "abc"  # a list never equals a str
-    assert gpufeed.PackedList(["a", "b"])[1:1].kind == "str"
+    assert gpufeed.sources.PackedList(["a", "b"]).count("b") == 1
+    assert gpufeed.sources.PackedList(list("abc")) != "abc"  # a list never equals a str
+    assert gpufeed.sources.PackedList(["a", "b"])[1:1].kind == "str"
 
 
 def test_bad_items_are_named():
     with pytest.raises(TypeError, match="mix numbers with other things"):
-        gpufeed.PackedList([1, "a"])
+        gpufeed.sources.PackedList([1, "a"])
     with pytest.raises(TypeError, match="item 1 is a int"):
-        gpufeed.PackedList(["a", 1])
+        gpufeed.sources.PackedList(["a", 1])
     with pytest.raises(TypeError, match="cannot pack dict"):
-        gpufeed.PackedList([{"a": 1}])
+        gpufeed.sources.PackedList([{"a": 1}])
     with pytest.raises(TypeError, match="indices must be ints"):
-        gpufeed.PackedList([1, 2])["a"]
+        gpufeed.sources.PackedList([1, 2])["a"]
 
 
 def test_no_per_item_objects():
     n = 200_000
     strings = [f"file_{i:07d}.jpg" for i in range(n)]
-    packed = gpufeed.PackedList(strings)
+    packed = gpufeed.sources.PackedList(strings)
     assert packed.nbytes == 16 * n + 8 * (n + 1)  # the text and the offsets, nothing per item
     assert packed.nbytes < sum(map(sys.getsizeof, strings)) / 2  # each str object: ~65 bytes
     assert packed[123_456] == strings[123_456]
@@ -110,7 +110,7 @@ def _loader_warnings(dataset, **kw):
         it = iter(loader)
         next(it)
         del it
-    return [w for w in caught if issubclass(w.category, gpufeed.CopyOnWriteWarning)]
+    return [w for w in caught if issubclass(w.category, gpufeed.errors.CopyOnWriteWarning)]
 
 
 def test_warns_once_naming_attribute_and_remedies(monkeypatch):
@@ -120,12 +120,12 @@ def test_warns_once_naming_attribute_and_remedies(monkeypatch):
     assert len(got) == 1
     msg = str(got[0].message)
     assert "ListDataset.rows is a Python list of ~2,000 objects" in msg
-    assert "gpufeed.PackedList" in msg and "worker_type='thread'" in msg
+    assert "gpufeed.sources.PackedList" in msg and "worker_type='thread'" in msg
     assert not _loader_warnings(ds)  # once per dataset
     # wrapped datasets are looked into; packed lists and thread workers are quiet
     assert "dataset.rows" in str(_loader_warnings(Subset(ListDataset(list(range(2000))),
                                                          range(10)))[0].message)
-    assert not _loader_warnings(ListDataset(gpufeed.PackedList(list(range(2000)))))
+    assert not _loader_warnings(ListDataset(gpufeed.sources.PackedList(list(range(2000)))))
     assert not _loader_warnings(ListDataset(list(range(2000))), worker_type="thread")
     assert not _loader_warnings(ListDataset(list(range(999))))
 
@@ -133,7 +133,7 @@ def test_warns_once_naming_attribute_and_remedies(monkeypatch):
 def test_packed_dataset_batches_equal_the_list_ones():
     rows = [[i, i * 2.0] for i in range(40)]
     want = list(torch.utils.data.DataLoader(ListDataset(rows), batch_size=8))
-    got = list(gpufeed.DataLoader(ListDataset(gpufeed.PackedList(rows)), batch_size=8,
+    got = list(gpufeed.DataLoader(ListDataset(gpufeed.sources.PackedList(rows)), batch_size=8,
                                   num_workers=2))
     assert len(got) == len(want)
     for w, g in zip(want, got, strict=True):
@@ -170,12 +170,12 @@ def _child_growth_kb(items) -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs Linux smaps")
 def test_forked_reader_copies_a_list_but_not_a_packed_list():
     strings = [f"caption number {i} of the set" for i in range(300_000)]
-    packed = gpufeed.PackedList(strings)
+    packed = gpufeed.sources.PackedList(strings)
     listed = _child_growth_kb(strings)
     assert listed > 8_000  # ~20 MB of str objects: their refcounts were written
     assert _child_growth_kb(packed) < listed / 10
 
 
 def test_repr_shows_items_kind_length_and_packed_bytes():
-    assert repr(gpufeed.PackedList(["a", "bb", "c", "d"])) == (
+    assert repr(gpufeed.sources.PackedList(["a", "bb", "c", "d"])) == (
         "PackedList(['a', 'bb', 'c', ...], kind='str', len=4, 45 B packed)")

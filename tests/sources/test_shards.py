@@ -39,7 +39,7 @@ def _add(tf, name, data):
 def shards_of(folder, out, splits=(7, 5), fmt=tarfile.USTAR_FORMAT, prefix=""):
     """``folder``'s images in ImageFolder's order as webdataset shards: ``<key>.<ext>`` and
     ``<key>.cls`` per sample, cut into shards after ``splits`` samples."""
-    ds = gpufeed.ImageFolder(folder, size=8)
+    ds = gpufeed.sources.ImageFolder(folder, size=8)
     out.mkdir(exist_ok=True)
     paths, start = [], 0
     for k, stop in enumerate([*np.cumsum(splits), len(ds)]):
@@ -69,9 +69,9 @@ def test_batches_equal_image_folders_for_any_workers(tree, kw):
     for bit, shuffled with one seed, under 0 workers, process and thread workers."""
     folder, _, paths = tree
     kw = {"size": 24, **kw}
-    want = list(gpufeed.DataLoader(gpufeed.ImageFolder(folder, **kw), batch_size=5,
+    want = list(gpufeed.DataLoader(gpufeed.sources.ImageFolder(folder, **kw), batch_size=5,
                                    shuffle=True, seed=4))
-    ds = gpufeed.ImageShards(paths, **kw)
+    ds = gpufeed.sources.ImageShards(paths, **kw)
     assert len(ds) == 18 and ds.keys[0] == "00000"
     for nw, wt in ((0, "process"), (2, "process"), (2, "thread")):
         got = list(gpufeed.DataLoader(ds, batch_size=5, shuffle=True, seed=4, num_workers=nw,
@@ -100,7 +100,7 @@ def test_index_equals_webdataset_and_tarfile(tree, tmp_path):
     sets["pax"] = shards_of(folder, tmp_path / "pax", fmt=tarfile.PAX_FORMAT,
                             prefix="ü/" + "p/" * 60)[1]
     for kind, shard_paths in sets.items():
-        ds = gpufeed.ImageShards(shard_paths, size=8)
+        ds = gpufeed.sources.ImageShards(shard_paths, size=8)
         with warnings.catch_warnings():  # webdataset leaves its shard files to the collector
             warnings.simplefilter("ignore", ResourceWarning)
             stream = list(wds.WebDataset(shard_paths, shardshuffle=False))
@@ -131,7 +131,7 @@ def test_texts_and_no_labels_collate_as_the_stock_loader(tree, tmp_path):
     for label, text, kinds in (("cls", "txt", (torch.Tensor, torch.Tensor, tuple)),
                                (None, "txt", (torch.Tensor, tuple)),
                                ("cls", None, (torch.Tensor, torch.Tensor))):
-        ds = gpufeed.ImageShards(path, size=16, crop="center", label=label, text=text)
+        ds = gpufeed.sources.ImageShards(path, size=16, crop="center", label=label, text=text)
         assert len(ds[4]) == len(kinds)
         want = list(torch.utils.data.DataLoader(ds, batch_size=5))
         for nw, wt in ((0, "process"), (2, "process"), (2, "thread")):
@@ -141,21 +141,21 @@ def test_texts_and_no_labels_collate_as_the_stock_loader(tree, tmp_path):
                 assert type(g) is list and tuple(map(type, g)) == kinds, (label, text)
                 for a, b in zip(w, g, strict=True):
                     assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-    ds = gpufeed.ImageShards(path, size=16, crop="center", label=None, text="txt")
+    ds = gpufeed.sources.ImageShards(path, size=16, crop="center", label=None, text="txt")
     assert ds.texts[7] == "caption 7 \u00e9t\u00e9" and ds.targets.tolist() == [-1] * 18
     first = next(iter(gpufeed.DataLoader(ds, batch_size=5, num_workers=2)))
     assert first[1] == tuple(f"caption {i} \u00e9t\u00e9" for i in range(5))
-    bare = gpufeed.ImageShards(path, size=16, crop="center", label=None)
+    bare = gpufeed.sources.ImageShards(path, size=16, crop="center", label=None)
     assert isinstance(bare[0], torch.Tensor) and bare.texts is None
     batch = next(iter(gpufeed.DataLoader(bare, batch_size=4, num_workers=2)))
     assert isinstance(batch, torch.Tensor) and batch.shape == (4, 3, 16, 16)
     assert torch.equal(batch, next(iter(torch.utils.data.DataLoader(bare, batch_size=4))))
     with pytest.raises(ValueError, match=r"no 'json' text member \(it has: cls, jpg, txt\)"):
-        gpufeed.ImageShards(path, size=8, text="json")
+        gpufeed.sources.ImageShards(path, size=8, text="json")
     bad = _tar(tmp_path / "latin.tar", [("k.jpg", _bytes(ref.path(0))), ("k.cls", b"0"),
                                         ("k.txt", "\u00e9t\u00e9".encode("latin-1"))])
     with pytest.raises(ValueError, match=r"k\.txt is not UTF-8"):
-        gpufeed.ImageShards(bad, size=8, text="txt")
+        gpufeed.sources.ImageShards(bad, size=8, text="txt")
 
 
 def test_shard_specs_folder_glob_and_brace_range(tree):
@@ -165,11 +165,11 @@ def test_shard_specs_folder_glob_and_brace_range(tree):
     assert expand(os.path.join(root, "part-*.tar")) == paths
     assert expand(os.path.join(root, "part-{000..002}.tar")) == paths
     assert expand(os.path.join(root, "part-{001..002}.tar")) == paths[1:]
-    assert len(gpufeed.ImageShards(os.path.join(root, "part-{000..002}.tar"), size=8)) == 18
+    assert len(gpufeed.sources.ImageShards(os.path.join(root, "part-{000..002}.tar"), size=8)) == 18
     with pytest.raises(FileNotFoundError, match="no file matches"):
         expand(os.path.join(root, "nothing-*.tar"))
     with pytest.raises(FileNotFoundError, match=r"part-008\.tar.*2 of the 2 shards"):
-        gpufeed.ImageShards(os.path.join(root, "part-{008..009}.tar"), size=8)
+        gpufeed.sources.ImageShards(os.path.join(root, "part-{008..009}.tar"), size=8)
     with pytest.raises(ValueError, match="range"):
         expand("part-{5..2}.tar")
     assert expand(os.path.join(root, "part-{000,002}.tar")) == [paths[0], paths[2]]
@@ -182,7 +182,7 @@ def test_slow_reads_index_several_shards_at_once_in_order(tree, monkeypatch):
     the index in the shards' order all the same."""
     _, _, paths = tree
     many = paths * 4
-    want = gpufeed.ImageShards(many, size=8)
+    want = gpufeed.sources.ImageShards(many, size=8)
     seen = []
     real = tarindex.members
 
@@ -193,7 +193,7 @@ def test_slow_reads_index_several_shards_at_once_in_order(tree, monkeypatch):
         return real(path)
 
     monkeypatch.setattr(tarindex, "members", slow)
-    got = gpufeed.ImageShards(many, size=8)
+    got = gpufeed.sources.ImageShards(many, size=8)
     assert seen[:2] == [threading.current_thread().name] * 2
     assert all(name.startswith("gpufeed-tar-index") for name in seen[2:]) and len(seen) == 12
     assert list(got.keys) == list(want.keys) and got.shard_of.tolist() == want.shard_of.tolist()
@@ -203,7 +203,7 @@ def test_slow_reads_index_several_shards_at_once_in_order(tree, monkeypatch):
 
 def test_resume_and_pickling_are_exact(tree):
     _, _, paths = tree
-    ds = gpufeed.ImageShards(paths, size=16)
+    ds = gpufeed.sources.ImageShards(paths, size=16)
     copy = pickle.loads(pickle.dumps(ds))
     assert list(copy.keys) == list(ds.keys) and torch.equal(copy[3][0], ds[3][0]) is not None
     kw = dict(batch_size=4, shuffle=True, seed=9, num_workers=2)
@@ -257,14 +257,14 @@ def test_bad_shards_are_refused_naming_the_fix(tree, tmp_path):
     plain = _tar(tmp_path / "a.tar", [("k.jpg", jpg), ("k.cls", b"1")])
     gz.write_bytes(gzip.compress(_bytes(plain)))
     with pytest.raises(ValueError, match=r"compressed with gzip \(gunzip it\).*plain"):
-        gpufeed.ImageShards(str(gz), size=8)
+        gpufeed.sources.ImageShards(str(gz), size=8)
     (tmp_path / "text.tar").write_bytes(b"hello " * 200)
     with pytest.raises(ValueError, match=r"text\.tar.*not a tar file"):
-        gpufeed.ImageShards(str(tmp_path / "text.tar"), size=8)
+        gpufeed.sources.ImageShards(str(tmp_path / "text.tar"), size=8)
     cut = tmp_path / "cut.tar"
     cut.write_bytes(_bytes(tmp_path / "a.tar")[:700])
     with pytest.raises(ValueError, match=r"cut\.tar.*cut short"):
-        gpufeed.ImageShards(str(cut), size=8)
+        gpufeed.sources.ImageShards(str(cut), size=8)
     cases = {
         "nolabel": ([("k.jpg", jpg)], r"sample 'k' has no 'cls' label member \(it has: jpg\)"),
         "noimage": ([("k.txt", b"x"), ("k.cls", b"1")],
@@ -275,17 +275,17 @@ def test_bad_shards_are_refused_naming_the_fix(tree, tmp_path):
     }
     for name, (entries, match) in cases.items():
         with pytest.raises(ValueError, match=match):
-            gpufeed.ImageShards(_tar(tmp_path / f"{name}.tar", entries), size=8)
+            gpufeed.sources.ImageShards(_tar(tmp_path / f"{name}.tar", entries), size=8)
     with pytest.raises(ValueError, match="must be member extensions"):
-        gpufeed.ImageShards(str(tmp_path / "a.tar"), size=8, image=())
+        gpufeed.sources.ImageShards(str(tmp_path / "a.tar"), size=8, image=())
     with pytest.raises(TypeError, match="read the shards with webdataset"):
-        gpufeed.ImageShards(str(tmp_path / "a.tar"), size=8, transform=lambda x: x)
+        gpufeed.sources.ImageShards(str(tmp_path / "a.tar"), size=8, transform=lambda x: x)
     # a plain shard whose first member's name starts like a compressed file's magic
     named = _tar(tmp_path / "bzh.tar", [("BZh91AY.jpg", jpg), ("BZh91AY.cls", b"2")])
-    assert gpufeed.ImageShards(named, size=8).keys[0] == "BZh91AY"
+    assert gpufeed.sources.ImageShards(named, size=8).keys[0] == "BZh91AY"
     # other extensions, named
     path = _tar(tmp_path / "other.tar", [("k.webp.jpg", b""), ("k.jpeg", jpg), ("k.label", b"4")])
-    ds = gpufeed.ImageShards(path, size=8, image="jpeg", label="label")
+    ds = gpufeed.sources.ImageShards(path, size=8, image="jpeg", label="label")
     assert ds.targets.tolist() == [4] and ds[0][0].shape == (3, 8, 8)
 
 
@@ -305,14 +305,14 @@ def test_a_damaged_header_is_refused_never_skipped(tree, tmp_path):
     for fmt, prefix, match in ((tarfile.USTAR_FORMAT, "", "bad header checksum at byte"),
                                (tarfile.PAX_FORMAT, "ü/", "no tar header at byte")):
         path = _tar(tmp_path / f"{fmt}.tar", [(prefix + n, d) for n, d in entries], fmt)
-        assert len(gpufeed.ImageShards(path, size=8)) == 3
+        assert len(gpufeed.sources.ImageShards(path, size=8)) == 3
         at = _header_offsets(path)[-2]  # c.jpg's header (pax: its extended header)
         data = bytearray(_bytes(path))
         data[at + 130] ^= 0x04  # one bit of the size field
         with open(path, "wb") as f:
             f.write(data)
         with pytest.raises(ValueError, match=match):
-            gpufeed.ImageShards(path, size=8)
+            gpufeed.sources.ImageShards(path, size=8)
     path = _tar(tmp_path / "signed.tar", [("é.jpg", jpg), ("é.cls", b"3")], tarfile.GNU_FORMAT)
     data = bytearray(_bytes(path))
     for at in _header_offsets(path):
@@ -323,7 +323,7 @@ def test_a_damaged_header_is_refused_never_skipped(tree, tmp_path):
     with open(path, "wb") as f:
         f.write(data)
     assert members(path)[0].name == "é.jpg"
-    assert gpufeed.ImageShards(path, size=8).targets.tolist() == [3]
+    assert gpufeed.sources.ImageShards(path, size=8).targets.tolist() == [3]
     # a size in GNU's base-256 form (how sizes past 8 GiB are written), here a small one
     path = _tar(tmp_path / "b256.tar", [("k.jpg", jpg), ("k.cls", b"5")])
     data = bytearray(_bytes(path))
@@ -334,7 +334,7 @@ def test_a_damaged_header_is_refused_never_skipped(tree, tmp_path):
         f.write(data)
     with tarfile.open(path) as tf:
         assert members(path) == [(m.name, m.offset_data, m.size) for m in tf]
-    assert gpufeed.ImageShards(path, size=8)._read(0) == jpg
+    assert gpufeed.sources.ImageShards(path, size=8)._read(0) == jpg
 
 
 def test_a_changed_or_damaged_shard_is_named(tree, tmp_path):
@@ -343,10 +343,10 @@ def test_a_changed_or_damaged_shard_is_named(tree, tmp_path):
     entries = [("a.jpg", jpg), ("a.cls", b"0"), ("b.jpg", b"\xff\xd8\xff" + b"junk" * 30),
                ("b.cls", b"1")]
     path = _tar(tmp_path / "s.tar", entries)
-    ds = gpufeed.ImageShards(path, size=8)
+    ds = gpufeed.sources.ImageShards(path, size=8)
     with pytest.raises(ValueError, match=r"b\.jpg in shard .*s\.tar.*on_error='skip'"):
         list(gpufeed.DataLoader(ds, batch_size=2))
-    skip = gpufeed.ImageShards(path, size=8, on_error="skip")
+    skip = gpufeed.sources.ImageShards(path, size=8, on_error="skip")
     assert gpufeed.DataLoader(skip, batch_size=2).__iter__().__next__()[1].tolist() == [0, -1]
     with open(path, "ab") as f:
         f.write(b"\0" * 1024)
@@ -362,7 +362,7 @@ def test_reads_keep_no_descriptor(tree):
     """A thousand shards need no ``ulimit -n``: no descriptor stays open between reads, in
     the main process or in thread workers."""
     _, _, paths = tree
-    ds = gpufeed.ImageShards(paths, size=8)
+    ds = gpufeed.sources.ImageShards(paths, size=8)
     before = len(os.listdir("/proc/self/fd"))
     for _ in gpufeed.DataLoader(ds, batch_size=4, num_workers=2, worker_type="thread"):
         pass
@@ -372,6 +372,6 @@ def test_reads_keep_no_descriptor(tree):
 
 def test_repr_names_the_shards(tree):
     _, _, paths = tree
-    text = repr(gpufeed.ImageShards(paths, size=8, crop="center"))
+    text = repr(gpufeed.sources.ImageShards(paths, size=8, crop="center"))
     assert text.startswith("Dataset ImageShards\n    Number of datapoints: 18\n")
     assert "part-000.tar ... " in text and "Shards: 3, image=jpg/" in text

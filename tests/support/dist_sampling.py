@@ -41,7 +41,7 @@ class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return N
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.tensor(index), torch.rand((), generator=gpufeed.sample_generator())
+        return torch.tensor(index), torch.rand((), generator=gpufeed.random.sample_generator())
 
 
 def epochs(loader: object) -> list[list[list[float]]]:

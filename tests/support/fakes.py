@@ -217,9 +217,9 @@ class SampleRandomDataset(RandomDataset):
         import gpufeed
 
         return (
-            torch.rand(2, generator=gpufeed.sample_generator()),
-            torch.from_numpy(gpufeed.sample_rng().random(2)),
-            gpufeed.sample_random().random(),
+            torch.rand(2, generator=gpufeed.random.sample_generator()),
+            torch.from_numpy(gpufeed.random.sample_rng().random(2)),
+            gpufeed.random.sample_random().random(),
             i,
         )
 

@@ -63,9 +63,9 @@ class RandomTransformDataset(Dataset[tuple[torch.Tensor, ...]]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         sample = (
             torch.tensor([index]),
-            torch.rand(2, generator=gpufeed.sample_generator()),
-            torch.from_numpy(gpufeed.sample_rng().random(2)),
-            torch.tensor([gpufeed.sample_random().random()], dtype=torch.float64),
+            torch.rand(2, generator=gpufeed.random.sample_generator()),
+            torch.from_numpy(gpufeed.random.sample_rng().random(2)),
+            torch.tensor([gpufeed.random.sample_random().random()], dtype=torch.float64),
         )
         if not self.global_draws:
             return sample

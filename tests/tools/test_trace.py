@@ -202,14 +202,14 @@ def test_a_stock_loader_shows_its_loop_through_the_profiler():
     stock = torch.utils.data.DataLoader(Sleepy(), batch_size=8, num_workers=2)
     ours = gpufeed.DataLoader(Sleepy(), batch_size=8, num_workers=2)
     with gpufeed.trace() as tr:
-        prof = gpufeed.Profiler()
+        prof = gpufeed.tools.Profiler()
         for _ in prof.wrap(stock):
             time.sleep(0.0005)
-        for _ in gpufeed.Profiler().wrap(ours):  # gpufeed's loader records itself, once
+        for _ in gpufeed.tools.Profiler().wrap(ours):  # gpufeed's loader records itself, once
             pass
     read = check_trace(tr.to_dict())
     assert sorted(read.processes.values()) == [
-        "gpufeed.DataLoader (2 process workers)", "your loop (gpufeed.Profiler)"]
+        "gpufeed.DataLoader (2 process workers)", "your loop (gpufeed.tools.Profiler)"]
     loop = read.pid("your loop")
     assert read.batches(loop, "main", WAITS) == list(range(N_BATCHES))
     assert len(read.track(loop, "main", "step")) == N_BATCHES - 1

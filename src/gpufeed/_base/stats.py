@@ -13,7 +13,7 @@ Stages the core reports (seconds per batch):
 ``transfer``  device stage: host-to-device copy (and device transform).
 
 The input-bound share has one definition, :func:`input_bound_share`, used by
-``LoaderStats.input_bound``, ``gpufeed.Profiler`` and the tuner's trials.
+``LoaderStats.input_bound``, ``gpufeed.tools.Profiler`` and the tuner's trials.
 
 A ``to_device`` iterator keeps its own counters (``DeviceIterator.stats()``: a
 :class:`DeviceStats`). Cost: :meth:`StatsRecorder.add` is one lock round trip, a dict look-up
@@ -146,7 +146,7 @@ class LoaderStats:
     def input_bound(self) -> float | None:
         """Share (0-1) of the user's loop spent waiting for data: :func:`input_bound_share` of
         the "wait" and "step" stages (the first batch's wait is the "startup" stage, left out
-        as ``gpufeed.Profiler`` leaves it out). None until both stages have been reported."""
+        as ``gpufeed.tools.Profiler`` leaves it out). None until both stages have been reported."""
         wait, step = self.stages.get("wait"), self.stages.get("step")
         if wait is None or step is None:
             return None

@@ -63,9 +63,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.collate:
             raise UsageError("--collate applies to your dataset: give MODULE:FACTORY too (the "
                              "built-in workload has its own collate functions)")
-        from .._tools.workloads import build
+        from .._tools.workloads import builtin
 
-        work = build("synthetic", quick=args.quick)
+        work = builtin(quick=args.quick)
         batch_size = args.batch_size or work.batch_size
         title = f"built-in synthetic workload: {work.description}"
         variants = {v.name: (v.dataset, v.collate_fn) for v in work.variants}

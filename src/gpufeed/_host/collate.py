@@ -240,7 +240,7 @@ def _stale_leaf() -> ValueError:
     ``_host/output.py``)."""
     return ValueError(
         "a tensor of this batch lies in the loader's ring but outside the batch's own slot: "
-        "memory from gpufeed.batch_empty() kept past the batch it was made for (a buffer "
+        "memory from gpufeed.sources.batch_empty() kept past the batch it was made for (a buffer "
         "cached and refilled for the next batch). Call batch_empty() for each batch instead: "
         "its memory belongs to that batch and is recycled once the batch is dropped"
     )

@@ -30,8 +30,9 @@ from .autotune import AutoTuner
 from .late_slots import LateVerdict
 from .random_watch import GlobalDrawWatch
 
-#: the kinds of workers: ``"process"`` (like torch's) or ``"thread"`` (``gpufeed.WorkerType``:
-#: a typo is caught by the type checker; the loader raises ``ValueError`` at run time)
+#: the kinds of workers: ``"process"`` (like torch's) or ``"thread"`` (the type of
+#: ``DataLoader``'s ``worker_type``: a type checker catches a typo; the loader raises
+#: ``ValueError`` at run time)
 WorkerType = Literal["process", "thread"]
 WORKER_TYPES: tuple[WorkerType, ...] = get_args(WorkerType)
 

@@ -1,4 +1,4 @@
-"""``gpufeed.batch_empty``: user code that builds a whole batch builds it in its slot.
+"""``gpufeed.sources.batch_empty``: user code that builds a whole batch builds it in its slot.
 
 NOTE [ Batches built in the slot ]
 ----------------------------------
@@ -65,7 +65,7 @@ def batch_empty(*size: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
     Example::
 
         def __getitems__(self, indices):
-            out = gpufeed.batch_empty(len(indices), 3, 224, 224, dtype=torch.uint8)
+            out = gpufeed.sources.batch_empty(len(indices), 3, 224, 224, dtype=torch.uint8)
             for k, i in enumerate(indices):
                 out[k] = self.crop(i)
             return out, torch.as_tensor(self.labels[indices])

@@ -115,8 +115,8 @@ class GlobalDrawWatch:
             "generator. Thread workers share the global generators with each other and with "
             "the training loop, so these draws are not reproducible (neither with seed= nor "
             "under torch.manual_seed) and differ from the stock DataLoader's. Draw from "
-            "gpufeed.sample_generator(), sample_rng() or sample_random() instead (seeded per "
-            "sample, the same for any workers), or use worker_type='process', whose workers "
+            "gpufeed.random.sample_generator(), sample_rng() or sample_random() instead (seeded "
+            "per sample, the same for any workers), or use worker_type='process', whose workers "
             "seed their own global generators",
             RandomStateWarning, stacklevel=stacklevel + 1,
         )

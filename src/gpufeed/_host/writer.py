@@ -2,7 +2,7 @@
 
 A worker writes each batch into the slot its task names (``_memory/ring.py``): ``SlotWriter``
 hands out C-contiguous tensors at the slot's next free bytes (collation, the vectorised gather,
-batch sources, ``gpufeed.batch_empty``), and memory of the batch's spill file
+batch sources, ``gpufeed.sources.batch_empty``), and memory of the batch's spill file
 (``_memory/spill.py``) for what does not fit. ``pack`` (``_host/collate.py``) then describes
 where each leaf lies.
 """

@@ -294,7 +294,7 @@ class LoaderPosition:
         message = (
             f"{what} without seed= (or with deterministic=False): {resume} replays the order "
             "of the batches exactly, but not the random transforms drawn while fetching them "
-            "(from torch's, numpy's or Python's generators, or gpufeed.sample_generator()), "
+            "(from torch's, numpy's or Python's generators, or gpufeed.random.sample_generator()), "
             "which come from the random state of the run that fetches them. Pass seed= to "
             "gpufeed.DataLoader for per-sample random state that a resume replays too"
         )

@@ -1,4 +1,5 @@
-"""Per-sample generators: ``gpufeed.sample_generator()``, ``sample_rng()``, ``sample_random()``.
+"""Per-sample generators: ``gpufeed.random.sample_generator()``, ``sample_rng()``,
+``sample_random()``.
 
 A fetcher (``_host/fetch.py``) opens a :class:`SampleScope` around every batch it fetches and
 moves it from sample to sample; the three functions read the scope of the calling thread and
@@ -175,7 +176,7 @@ def sample_rng(index: int | None = None) -> np.random.Generator:
 
 def sample_random(index: int | None = None) -> random.Random:
     """A ``random.Random`` for the sample being fetched (code written for Python's ``random``:
-    ``rnd = gpufeed.sample_random(); rnd.random()``).
+    ``rnd = gpufeed.random.sample_random(); rnd.random()``).
 
     The counterpart of :func:`sample_generator`, with the same rules; about as cheap.
     """

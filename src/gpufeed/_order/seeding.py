@@ -2,7 +2,7 @@
 
 Two mechanisms, both from :func:`sample_seed` ``(seed, epoch, index)``:
 
-- the per-sample generators (``gpufeed.sample_generator()``, ``sample_rng()``,
+- the per-sample generators (``gpufeed.random.sample_generator()``, ``sample_rng()``,
   ``sample_random()``; ``_order/sample_rng.py``), for every kind of worker and without workers,
   with or without ``seed=``; gpufeed's own sources draw from the same seeds;
 - with ``seed=``, in process workers and with ``num_workers=0``: before each
@@ -106,7 +106,7 @@ def as_index(index: Any) -> int:
     except TypeError:
         raise TypeError(
             f"per-sample seeds need an int sample index, but this sample's index is {index!r}; "
-            "pass an int one (e.g. gpufeed.sample_generator(index=...)), or turn per-sample "
+            "pass an int one (e.g. gpufeed.random.sample_generator(index=...)), or turn per-sample "
             "seeding off with deterministic=False") from None
 
 

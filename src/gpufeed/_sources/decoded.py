@@ -268,4 +268,4 @@ def _pillow_ready() -> None:
 def _pil() -> Any:
     """``PIL.Image``, imported once, when an image source is built: the image extra is
     optional, so the package imports without it."""
-    return require("PIL.Image", "gpufeed.ImageFolder or gpufeed.ImageShards")
+    return require("PIL.Image", "gpufeed.sources.ImageFolder or gpufeed.sources.ImageShards")

@@ -57,7 +57,7 @@ class HDF5Dataset(Dataset[tuple[torch.Tensor, ...]]):
 
     def __init__(self, path: str | os.PathLike[str], keys: Sequence[str], *,
                  chunk_cache_bytes: int = 64 << 20) -> None:
-        require("h5py", "gpufeed.HDF5Dataset")
+        require("h5py", "gpufeed.sources.HDF5Dataset")
         if isinstance(keys, str):
             keys = (keys,)
         if not keys:
@@ -95,7 +95,7 @@ class HDF5Dataset(Dataset[tuple[torch.Tensor, ...]]):
 
     def _open_locked(self, pid: int) -> Any:
         if self._file is None or self._pid != pid:
-            h5py = require("h5py", "gpufeed.HDF5Dataset")
+            h5py = require("h5py", "gpufeed.sources.HDF5Dataset")
             if not os.path.exists(self.path):
                 raise FileNotFoundError(f"HDF5 file {self.path!r} does not exist")
             try:

@@ -239,7 +239,7 @@ class SimpleJpeg:
     name = "simplejpeg"
 
     def __init__(self) -> None:
-        self.lib = require("simplejpeg", "gpufeed.ImageFolder")
+        self.lib = require("simplejpeg", "gpufeed.sources.ImageFolder")
 
     def header(self, data: bytes) -> tuple[int, int]:
         try:
@@ -319,14 +319,14 @@ def resolve_codec(prefer: str) -> str:
             return "turbojpeg"
         except OSError as exc:
             why = str(exc)
-    require("simplejpeg", "gpufeed.ImageFolder")
+    require("simplejpeg", "gpufeed.sources.ImageFolder")
     global _announced
     with _announce_lock:
         if not _announced:
             _announced = True
             logger.warning(
-                "gpufeed.ImageFolder and ImageShards decode JPEGs with simplejpeg: whole images, "
-                "then cut. Decoding only each crop's region needs libjpeg-turbo >= 3.0 (%s); "
-                "install it or set GPUFEED_TURBOJPEG=/path/to/libturbojpeg.so.0 "
+                "gpufeed.sources.ImageFolder and ImageShards decode JPEGs with simplejpeg: whole "
+                "images, then cut. Decoding only each crop's region needs libjpeg-turbo >= 3.0 "
+                "(%s); install it or set GPUFEED_TURBOJPEG=/path/to/libturbojpeg.so.0 "
                 "(NOTE [ Decoding ] in gpufeed/_sources/jpeg.py)", why)
     return "simplejpeg"

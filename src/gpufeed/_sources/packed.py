@@ -302,6 +302,6 @@ def check_copy_on_write(dataset: Any) -> None:
         f"{where}. Each process worker that reads it touches the objects' reference counts and "
         f"so copies the pages holding them (copy-on-write; memory grows by up to one copy per "
         f"worker over an epoch, pytorch/pytorch#13246). Remedies: store it packed, e.g. "
-        f"self.{attr.rsplit('.', 1)[-1]} = gpufeed.PackedList(...) (one buffer, no per-item "
-        f"objects), or use DataLoader(..., worker_type='thread') (one shared copy).",
+        f"self.{attr.rsplit('.', 1)[-1]} = gpufeed.sources.PackedList(...) (one buffer, no "
+        f"per-item objects), or use DataLoader(..., worker_type='thread') (one shared copy).",
         CopyOnWriteWarning, stacklevel=4)

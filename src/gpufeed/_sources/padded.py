@@ -1,4 +1,4 @@
-"""``gpufeed.ArrowDataset``: Arrow rows with variable-length list columns padded per batch
+"""``gpufeed.sources.ArrowDataset``: Arrow rows with variable-length list columns padded per batch
 (the other columns batched as NOTE [ Arrow batches ] in ``_sources/arrow.py`` says)."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class ArrowDataset(Dataset[Any]):
     """
 
     def __init__(self, data: Any, *, pad: dict[str, Any] | None = None) -> None:
-        pa = require("pyarrow", "gpufeed.ArrowDataset")
+        pa = require("pyarrow", "gpufeed.sources.ArrowDataset")
         self.data = data
         self.pad = dict(pad or {})
         hf = sys.modules.get("datasets")

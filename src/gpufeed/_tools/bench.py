@@ -5,8 +5,8 @@ object, so each ratio compares loaders, not ways of reading data:
 
 - ``per-sample``: ``dataset[i]`` per sample, then the default collate function;
 - ``getitems``: the dataset's ``__getitems__`` returns the stacked batch (pass-through collate);
-- ``array``: ``gpufeed.ArrayDataset``; gpufeed gathers each batch straight into its slot ring,
-  the stock loader reads the rows with ``__getitems__`` and stacks them.
+- ``array``: ``gpufeed.sources.ArrayDataset``; gpufeed gathers each batch straight into its slot
+  ring, the stock loader reads the rows with ``__getitems__`` and stacks them.
 
 Then the gain of the batched path is a row of its own: gpufeed on ``array`` (or ``getitems``)
 against gpufeed on ``per-sample``, the part of the speed-up that comes from changing the dataset
@@ -35,7 +35,8 @@ __all__ = ["BenchConfig", "Comparison", "compare", "configs", "plot", "render", 
 PATHS = {
     "per-sample": "dataset[i] per sample, then the default collate",
     "getitems": "__getitems__ returns the stacked batch, pass-through collate",
-    "array": "gpufeed.ArrayDataset: gpufeed gathers into its ring; stock reads rows and stacks",
+    "array": ("gpufeed.sources.ArrayDataset: gpufeed gathers into its ring; stock reads rows "
+              "and stacks"),
     "yours": "your dataset as given (its __getitems__ when it has one)",
 }
 

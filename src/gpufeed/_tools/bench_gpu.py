@@ -17,8 +17,8 @@ says so and exits with status 0, writing nothing.
 
 Steady state: the data is ``DISTINCT`` batches (8: 308 MB at the defaults, more than a CPU's
 last-level cache), every page touched before timing, and each path reads them over and over.
-The loaders (c) and (d) read the same dataset (``gpufeed.ArrayDataset`` over that tensor: one
-gather per batch for both) through a sampler that cycles through it. A worker process maps
+The loaders (c) and (d) read the same dataset (``gpufeed.sources.ArrayDataset`` over that tensor:
+one gather per batch for both) through a sampler that cycles through it. A worker process maps
 each page of the parent's data on its first read of it (a page fault per 4 KiB, which the
 parent's touch does not save it): a fresh worker's first pass runs several times slower than
 a warm one (on CPU, two process workers: 3.1 against 17.9 GB/s), so the first GPU run (the data

@@ -4,7 +4,7 @@ Wraps any iterable (gpufeed's loader, the stock ``torch.utils.data.DataLoader``,
 and times, for every step, how long ``next()`` blocked ("wait") and how long the user's code ran
 until it asked for the next batch ("compute")::
 
-    with gpufeed.Profiler() as prof:
+    with gpufeed.tools.Profiler() as prof:
         for batch in prof.wrap(loader):
             train_step(batch)
     print(prof.report())          # ... input-bound: 37% ...
@@ -176,7 +176,7 @@ class _Timed(Generic[T]):
         prof._got_batch(t1 - t0, t1)
         tl = _timeline.active
         if tl is not None and prof._stats is None:  # not gpufeed's: its loop's waits and steps
-            tl.label(prof, None, "your loop (gpufeed.Profiler)")
+            tl.label(prof, None, "your loop (gpufeed.tools.Profiler)")
             tl.handout(prof, prof._taken - 1, 0, last or 0.0, t0, t1, t1)
         return item
 

@@ -244,7 +244,7 @@ def trace(path: str | os.PathLike[str] | None = None, *, last_batches: int | Non
     index and bytes), the device stage, counters (ring slots in use / fenced / free, batches
     in flight, workers) and instants (ring fallbacks and growth, spills). A stock
     ``torch.utils.data.DataLoader`` shows its loop's waits and steps when iterated through
-    ``gpufeed.Profiler().wrap(loader)``.
+    ``gpufeed.tools.Profiler().wrap(loader)``.
 
     Args:
         path: where to write the trace when it stops; None writes nothing (use ``save``,
