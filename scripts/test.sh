@@ -4,6 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=${PYTHON:-python3}
-"$PY" -m ruff check src tests
+"$PY" -m ruff check src tests bench
 "$PY" -m mypy
 "$PY" -m pytest -q "$@"
