@@ -161,9 +161,13 @@ class DeviceIterator(Iterator[Any]):
         self._copies = _cuda.Fences()  # rule (10)
         self._source_done = False
         self._error_queued = False  # an error of the source waits in _ready, in order
-        self._taken = 0  # batches taken from the source (counted by _issue)
-        self.error_took_a_batch = False  # the last error raised was a taken batch's: see _next
-        self.error_from_source = False  # ... or the source's (a batch whose fetch failed)
+        # batches taken from the source (counted by _take)
+        self._taken = 0
+        # The error next() raised last was a taken batch's (its copy or transform failed),
+        # not the source's own: that batch will never be delivered ...
+        self.error_took_a_batch = False
+        # ... or the source's own (a batch whose fetch failed).
+        self.error_from_source = False
         self._warned = False
         self._batches = self._bytes_copied = self._bytes_held = self._peak = 0
         self._host_waits = self._pageable = self._consumer_waits = 0
@@ -226,13 +230,18 @@ class DeviceIterator(Iterator[Any]):
             self._release(_State.EXHAUSTED)
             raise StopIteration
         event, batch, nbytes = self._ready.popleft()
-        if event is None:  # the source's error, after the batches before it; as with the
-            self._error_queued = False  # stock loader, the next next() goes on after it
-            # its copy or transform failed (not the source): never delivered (Delivered, in
-            self.error_took_a_batch = bool(nbytes)  # _order/delivery.py, counts it so)
+        if event is None:
+            # The source's error, after the batches before it; as with the stock loader, the
+            # next next() goes on after it.
+            self._error_queued = False
+            # A taken batch whose copy or transform failed (not the source's error) is never
+            # delivered: Delivered, in _order/delivery.py, counts it so.
+            self.error_took_a_batch = bool(nbytes)
             self.error_from_source = not nbytes
-            try:  # the traceback holds this frame: no local may keep the error (a cycle that
-                raise batch  # kept the iterator, its workers and ring until a collection)
+            # The traceback holds this frame: no local may keep the error (a cycle that kept
+            # the iterator, its workers and ring until a collection).
+            try:
+                raise batch
             finally:
                 batch = None
         consumer = backend.current_stream()  # rule (2)
@@ -249,11 +258,18 @@ class DeviceIterator(Iterator[Any]):
     def stats(self) -> DeviceStats:
         """A snapshot of this iterator's counters (see :class:`DeviceStats`)."""
         return DeviceStats(
-            batches=self._batches, bytes_copied=self._bytes_copied, in_flight=len(self._ready),
-            bytes_held=self._bytes_held, peak_bytes_held=self._peak,
-            host_batches_held=len(self._host), host_waits=self._host_waits,
-            host_wait_s=self._host_wait_s, pageable_batches=self._pageable,
-            consumer_waits=self._consumer_waits, consumer_wait_s=self._consumer_wait_s)
+            batches=self._batches,
+            bytes_copied=self._bytes_copied,
+            in_flight=len(self._ready),
+            bytes_held=self._bytes_held,
+            peak_bytes_held=self._peak,
+            host_batches_held=len(self._host),
+            host_waits=self._host_waits,
+            host_wait_s=self._host_wait_s,
+            pageable_batches=self._pageable,
+            consumer_waits=self._consumer_waits,
+            consumer_wait_s=self._consumer_wait_s,
+        )
 
     def close(self) -> None:
         """Wait for outstanding copies, release all batches, close the source (rule 6).
@@ -291,23 +307,37 @@ class DeviceIterator(Iterator[Any]):
 
     def _fill(self) -> None:
         while not self._source_done and not self._error_queued and len(self._ready) < self.depth:
-            issued, taken = len(self._host), self._taken  # (_make_room may drop some)
+            # (again below: _make_room may drop copied batches)
+            issued = len(self._host)
+            taken = self._taken
             try:
-                waited = self._make_room()  # before next(): the source may need a free slot
+                # Before next(): the source may need a free slot.
+                waited = self._make_room()
                 issued = len(self._host)
-                self._issue(next(self._source), waited)
+                self._issue(self._take(), waited)
             except StopIteration:
                 self._source_done = True
-            except Exception as exc:  # delivered in order, after the batches before it: the
-                # loop goes on if it catches it, as with the stock loader's worker errors. Its
-                # traceback's frames would keep the host batch (a ring slot) alive.
+            except Exception as exc:
+                # Delivered in order, after the batches before it; the source is asked again
+                # only once it was: an error skips one batch, and the loop goes on if it
+                # catches it, as with the stock loader's worker errors. Its traceback's frames
+                # would keep the host batch (a ring slot) alive.
                 traceback.clear_frames(exc.__traceback__)
-                if len(self._host) > issued:  # the copy or transform failed: its host batch
-                    self._host[-1][0].synchronize()  # goes once what was queued of it is
-                    drop_copied([self._host.pop()])  # done (rule 6); no local keeps it (this
-                    # frame is in the traceback)
-                self._ready.append((None, exc, self._taken - taken))  # > 0: a taken batch's
+                if len(self._host) > issued:
+                    # The copy or transform failed: its host batch goes once what was queued
+                    # of it is done (rule 6); no local keeps it (this frame is in the
+                    # traceback).
+                    self._host[-1][0].synchronize()
+                    drop_copied([self._host.pop()])
+                # More than 0: a taken batch failed here (copy, transform), said when raised.
+                self._ready.append((None, exc, self._taken - taken))
                 self._error_queued = True
+
+    def _take(self) -> Any:
+        """The source's next batch, counted (no local of ``_fill`` may hold it)."""
+        batch = next(self._source)
+        self._taken += 1
+        return batch
 
     def _make_room(self) -> float:
         """Rules (3) and (8) before a batch is issued; returns the seconds spent waiting on
@@ -336,7 +366,7 @@ class DeviceIterator(Iterator[Any]):
         return waited
 
     def _issue(self, host: Any, waited: float) -> None:
-        start, self._taken = time.perf_counter(), self._taken + 1
+        start = time.perf_counter()
         backend, side = self._backend, self._side
         tl, marks = self._trace.begin(side)  # (None, None) unless a trace records
         sent = 0

@@ -264,9 +264,10 @@ def unpack(packed: tuple[Any, list[Leaf]], base: np.ndarray | None,
         dtype = dtypes.get(name) or _dtype(name)
         if 0 in shape:
             t = torch.empty(shape, dtype=dtype)
-        else:  # a storage of its own bytes only, as a collated tensor has: a label kept from
-            # a batch is not saved (torch.save) or shared with the whole slot. (A frombuffer
-            # per leaf costs what a view of one per dtype did, measured.)
+        else:
+            # A storage of its own bytes only, as a collated tensor has: a label kept from a
+            # batch is not saved (torch.save) or shared with the whole slot. (A frombuffer per
+            # leaf costs what a view of one per dtype did, measured.)
             buf = spilled if in_spill else base
             if stride is None:
                 t = frombuffer(buf, dtype=dtype, count=prod(shape),

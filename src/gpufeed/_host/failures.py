@@ -12,12 +12,12 @@ import pickle
 import signal
 import warnings
 from collections.abc import Iterator
-from typing import Any, NamedTuple, NoReturn
+from typing import NamedTuple, NoReturn
 
 from .._base.errors import RemoteError, WorkerError
 
-__all__ = ["Lost", "check_not_forked", "defer_lost", "describe_exit", "forked_message",
-           "lost_worker", "timed_out", "warn_if_unpicklable"]
+__all__ = ["Lost", "check_not_forked", "describe_exit", "forked_message", "lost_worker",
+           "timed_out", "warn_if_unpicklable"]
 
 #: torch's warning, word for word, when a worker process cannot be started because its
 #: arguments cannot be pickled (spawn and forkserver pickle the dataset and the functions).
@@ -74,7 +74,7 @@ def describe_exit(pid: int | None, w: int, code: int | None) -> str:
 class Lost(NamedTuple):
     """In the place of a dead worker's first batch: the error raised when the loop gets there
     (the batches before it, from the other workers, come first); a ``RemoteError`` for a
-    worker that could not start (:func:`defer_start_failed`)."""
+    worker that could not start (``WorkerIter._defer_start_failed``)."""
 
     error: WorkerError | RemoteError
 
@@ -82,32 +82,6 @@ class Lost(NamedTuple):
         if isinstance(self.error, RemoteError):
             self.error.reraise()
         raise self.error
-
-
-def defer_lost(it: Any, w: int, held: list[int], error: WorkerError | RemoteError) -> bool:
-    """Worker ``w`` of iterator ``it`` (a ``WorkerIter``, in order) died holding batches
-    ``held``: when the first is still ahead of the next the loop gets, put ``error`` in its
-    place (a :class:`Lost`), forget the tasks and send no more, so that the batches before it,
-    from the other workers, come first; True then. False: raise it now."""
-    if not held or min(held) <= it._rcvd_idx:
-        return False
-    it._ready[min(held)] = Lost(error)
-    for batch in held:
-        del it._tasks[batch]
-    it._active[w], it._sampler_done = False, True
-    return True
-
-
-def defer_start_failed(it: Any, w: int, error: RemoteError) -> bool:
-    """Worker ``w`` of iterator ``it`` could not start (``worker_init_fn`` raised). The stock
-    loader raises that error at the worker's first batch, in order: so do we, with the batches
-    before it first (:func:`defer_lost`); True then, and the worker's exit, which follows, is
-    expected (``it._exits_expected``) for the rest of the epoch. False: raise it now."""
-    held = [i for i, holder in it._tasks.items() if holder == w]
-    if not it._in_order or not defer_lost(it, w, held, error):
-        return False
-    it._exits_expected.add(w)
-    return True
 
 
 def lost_worker(desc: str, held: list[int]) -> WorkerError:

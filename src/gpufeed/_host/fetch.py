@@ -91,14 +91,17 @@ class MapFetcher:
         self.collate_fn = None if collate_fn is default_collate else collate_fn
         self.arrays = gather_arrays(dataset) if self.collate_fn is None else None
         self.source = batch_source(dataset) if auto_collation else None
-        # batches are gathered with one op per array (``gather``), no user code involved
+        # Batches are gathered with one op per array (``gather``), no user code involved.
         self.gathers = self.arrays is not None and self.source is None and auto_collation
         self.getitems = getattr(dataset, "__getitems__", None)
-        self.where = ""  # what it is doing, for error messages (see describe)
-        self.index: Any = None  # the sample being fetched, when where is _AT_SAMPLE
-        self.plan: Any = None  # an _plan.IndexPlan, when the main process sent one
+        # What it is doing, for error messages (see describe); while it is _AT_SAMPLE, the
+        # scope's index is the sample being fetched.
+        self.where = ""
+        # An _plan.IndexPlan, when the main process sent one.
+        self.plan: Any = None
         self.collate_s = 0.0
-        self.probe: TaskProbe | None = None  # set by a thread worker for a checked task
+        # Set by a thread worker for a checked task (NOTE [ Seeding and threads ]).
+        self.probe: TaskProbe | None = None
 
     def planned(self, k: int) -> Any:
         """Batch ``k`` of :attr:`plan` as this dataset takes its indices: one index unbatched,
@@ -114,12 +117,14 @@ class MapFetcher:
     def fetch(self, indices: Any, writer: SlotWriter | None, *, epoch: int = 0) -> Any:
         """The batch of ``indices``; ``epoch`` seeds per-sample random state."""
         if self.gathers:
-            self.where = "while gathering a batch"  # no user code, nothing random: no scope
+            # No user code, nothing random: no scope.
+            self.where = "while gathering a batch"
             self.collate_s = 0.0
             return gather(self.arrays, indices, _alloc_for(writer))  # type: ignore[arg-type]
         scope = self.scope
         scope.open(self.seed if self.seed is not None else self.base_seed, epoch)
-        previous = building(writer)  # NOTE [ Batches built in the slot ], _host/output.py
+        # NOTE [ Batches built in the slot ] in _host/output.py
+        previous = building(writer)
         try:
             return self._fetch(indices, writer, epoch, scope)
         finally:
@@ -128,100 +133,107 @@ class MapFetcher:
 
     def _fetch(self, indices: Any, writer: SlotWriter | None, epoch: int, scope: SampleScope
                ) -> Any:
-        globally = self.seed is not None and self.seed_globals
-        probe = self.probe  # NOTE [ Seeding and threads ]: user code checked for global draws
-        get = operator.getitem if probe is None else probe.wrap(operator.getitem)
         collate_fn = self.collate_fn
-        if collate_fn is not None and probe is not None:
-            collate_fn = probe.wrap(collate_fn)
+        if collate_fn is not None and self.probe is not None:
+            # NOTE [ Seeding and threads ]: user code is checked for global draws.
+            collate_fn = self.probe.wrap(collate_fn)
         if not self.auto_collation:
-            self.where = f"while fetching sample index {indices!r}"
-            scope.at(indices)
-            if globally:
-                with seeded(self.seed, epoch) as reseed:  # type: ignore[arg-type]
-                    reseed(indices)
-                    sample = self.dataset[indices]
-            else:
-                sample = get(self.dataset, indices)
-            self.where = "in collate_fn"
-            scope.at_batch((indices,))
-            return collate_fn(sample) if collate_fn is not None else sample
+            return self._fetch_one(indices, epoch, scope, collate_fn)
         if self.source is not None:
-            self.collate_s = 0.0
-            self.where = "while reading a batch"
-            scope.at_batch(indices)
-            if collate_fn is None:
-                return self.source.gpufeed_batch(  # its own views: user code may keep them
-                    indices, seed=self.seed, epoch=epoch, alloc=_alloc_for(writer, fresh=True))
-            samples = self.source.gpufeed_samples(indices, seed=self.seed, epoch=epoch)
-            self.where = "in collate_fn"
-            t0 = time.perf_counter()
-            out = collate_fn(samples)
-            self.collate_s = time.perf_counter() - t0
-            return out
-        if globally:
-            samples = self._fetch_seeded(
-                indices, self.seed, epoch, writer if collate_fn is None else None)  # type: ignore[arg-type]
-        elif self.getitems is not None:
-            self.where = "in __getitems__"
-            scope.at_batch(indices)
-            samples = (self.getitems if probe is None else probe.wrap(self.getitems))(indices)
+            return self._read(indices, writer, epoch, scope, collate_fn)
+        # Default collation may copy each sample into the slot as it comes.
+        stream_to = writer if collate_fn is None else None
+        if self.seed is not None and self.seed_globals:
+            with seeded(self.seed, epoch) as reseed:
+                samples = self._samples(indices, stream_to, scope, reseed)
         else:
-            samples = []  # or a StreamedBatch from the first sample on (_host/streaming.py)
-            append, dataset, at = samples.append, self.dataset, scope.at
-            stream = collate_fn is None and writer is not None
-            self.where = _AT_SAMPLE  # formatted only on error: this loop is per sample
-            building(None)  # one sample of a batch the loader collates: not the batch
-            t0 = time.perf_counter()
-            for i in indices:
-                self.index = i
-                at(i)
-                append(get(dataset, i))
-                if stream:
-                    stream = False
-                    streamed = _stream(samples, writer, indices, t0)
-                    if streamed is not None:
-                        samples, append = streamed, streamed.add
-            building(writer)
+            samples = self._samples(indices, stream_to, scope, None)
         self.where = "in collate_fn"
         scope.at_batch(indices)
         out, self.collate_s = _collated(samples, writer, collate_fn)
         return out
 
-    def _fetch_seeded(self, indices: Any, seed: int, epoch: int, stream_to: SlotWriter | None
-                      ) -> list[Any] | StreamedBatch:
-        """Samples with per-sample random state (NOTE [ Seeding and threads ] in
-        _order/seeding.py); ``stream_to``: the writer of a batch that may be collated as the
-        samples come (NOTE [ Streamed collation ] in _host/streaming.py)."""
-        scope = self.scope
-        with seeded(seed, epoch) as reseed:
-            if self.getitems is not None:
-                self.where = "in __getitems__"
-                scope.at_batch(indices)
+    def _fetch_one(self, index: Any, epoch: int, scope: SampleScope,
+                   collate_fn: Callable[[Any], Any] | None) -> Any:
+        """The "batch" of ``batch_size=None``: sample ``index``, through ``collate_fn``."""
+        self.where = f"while fetching sample index {index!r}"
+        scope.at(index)
+        if self.seed is not None and self.seed_globals:
+            with seeded(self.seed, epoch) as reseed:
+                reseed(index)
+                sample = self.dataset[index]
+        elif self.probe is not None:
+            sample = self.probe.wrap(operator.getitem)(self.dataset, index)
+        else:
+            sample = self.dataset[index]
+        self.where = "in collate_fn"
+        scope.at_batch((index,))
+        return collate_fn(sample) if collate_fn is not None else sample
+
+    def _read(self, indices: Any, writer: SlotWriter | None, epoch: int, scope: SampleScope,
+              collate_fn: Callable[[Any], Any] | None) -> Any:
+        """The batch of ``indices`` from a batch source (NOTE [ Batch sources ] in
+        ``_sources/protocol.py``)."""
+        self.collate_s = 0.0
+        self.where = "while reading a batch"
+        scope.at_batch(indices)
+        source = self.source
+        if collate_fn is None:
+            # Fresh views of the slot: user code may keep them.
+            return source.gpufeed_batch(
+                indices, seed=self.seed, epoch=epoch, alloc=_alloc_for(writer, fresh=True))
+        samples = source.gpufeed_samples(indices, seed=self.seed, epoch=epoch)
+        self.where = "in collate_fn"
+        t0 = time.perf_counter()
+        out = collate_fn(samples)
+        self.collate_s = time.perf_counter() - t0
+        return out
+
+    def _samples(self, indices: Any, stream_to: SlotWriter | None, scope: SampleScope,
+                 reseed: Any) -> Any:
+        """The samples of ``indices``: one ``__getitems__`` call, else one ``__getitem__``
+        each, in a list or, from the first sample on, in a :class:`StreamedBatch` written into
+        ``stream_to``'s slot (NOTE [ Streamed collation ] in ``_host/streaming.py``).
+
+        ``reseed``: with a per-sample seed in a process worker or the main process, the
+        ``seeded`` block's reseeding of the global generators (NOTE [ Seeding and threads ] in
+        ``_order/seeding.py``), called before each sample; else None.
+        """
+        probe = self.probe
+        if self.getitems is not None:
+            self.where = "in __getitems__"
+            scope.at_batch(indices)
+            if reseed is not None:
                 reseed.batch(indices)
+                # Drawn inside the seeded block, even from a lazy result.
                 return list(self.getitems(indices))
-            samples: Any = []
-            append = samples.append
-            stream = stream_to is not None
-            self.where = _AT_SAMPLE
-            writer = building(None)  # one sample of a batch the loader collates
-            t0 = time.perf_counter()
-            for i in indices:
-                self.index = i
-                scope.at(i)
+            return (self.getitems if probe is None else probe.wrap(self.getitems))(indices)
+        get = operator.getitem if probe is None else probe.wrap(operator.getitem)
+        samples: Any = []
+        append, dataset, at = samples.append, self.dataset, scope.at
+        stream = stream_to is not None
+        # Formatted only on error (describe): this loop is per sample.
+        self.where = _AT_SAMPLE
+        # One sample of a batch the loader collates is not the batch (NOTE [ Batches built in
+        # the slot ] in _host/output.py).
+        previous = building(None)
+        t0 = time.perf_counter()
+        for i in indices:
+            at(i)
+            if reseed is not None:
                 reseed(i)
-                append(self.dataset[i])
-                if stream:
-                    stream = False
-                    streamed = _stream(samples, stream_to, indices, t0)
-                    if streamed is not None:
-                        samples, append = streamed, streamed.add
-            building(writer)
-            return samples
+            append(get(dataset, i))
+            if stream:
+                stream = False
+                streamed = _stream(samples, stream_to, indices, t0)
+                if streamed is not None:
+                    samples, append = streamed, streamed.add
+        building(previous)
+        return samples
 
     def describe(self, indices: Any) -> str:
         if self.where is _AT_SAMPLE:
-            return f"while fetching sample index {self.index!r}"
+            return f"while fetching sample index {self.scope.index!r}"
         if self.where in ("while gathering a batch", "in __getitems__", "while reading a batch"):
             return f"{self.where} (indices {_short(indices)})"
         return self.where

@@ -74,7 +74,6 @@ from .messages import LATE, NeedSlot, Slot, SlotFor, ToWorker
 
 __all__ = ["Abandoned", "LateSlots", "LateVerdict", "late_slot", "wait_for_slot"]
 
-ENABLED = True  # off: every slot at dispatch (benchmarks/slots.py compares the two)
 LATE_ROW = (*LATE,)
 LATE_DELAYS = 8  # the answers rule (e) looks at: the last ones
 LATE_SLOW = 2  # late answers among them that turn the mode off
@@ -120,7 +119,7 @@ class LateSlots:
     def decide(self, late_bind: bool) -> None:
         """Tasks go out ``LATE`` from now on if their batches are worth it
         (``WorkAhead.late_bind``) and answers have been prompt (rule (e))."""
-        self.on = ENABLED and late_bind and not self.slow
+        self.on = late_bind and not self.slow
 
     def away(self, left: float, back: float) -> None:
         """The loop ran its step from ``left`` to ``back`` (``perf_counter``), away from the

@@ -104,8 +104,9 @@ class ProcessPool:
             worker_end.close()
         self._poller = select.poll()
         self._fd_owner: dict[int, tuple[_Watch, int]] = {}  # fd -> (what, worker)
-        self._exited: set[int] = set()  # workers poll() has reported: each once, though its
-        # pipe's end and its sentinel may fire in different polls
+        # Workers poll() has reported: each once, though its pipe's end and its sentinel may
+        # fire in different polls.
+        self._exited: set[int] = set()
         for w in range(n):
             self._watch(self.conns[w].fileno(), _Watch.CONN, w)
             self._watch(self.procs[w].sentinel, _Watch.EXIT, w)

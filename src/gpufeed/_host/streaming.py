@@ -55,9 +55,6 @@ from .writer import SlotWriter
 
 STREAM_BYTES = 32 * 1024  # a tensor of this many bytes or more is copied into its row at once
 STREAM_MIN_S = 200e-6  # and only when the batch's first sample took this long to fetch
-#: False: every batch is collated at the end (``benchmarks/streaming.py`` compares the two; read
-#: in the worker, so set it before the loader starts its workers)
-ENABLED = True
 
 
 class _Marker:
@@ -169,7 +166,7 @@ class StreamedBatch:
         """The streamed batch begun with ``sample``, which took ``fetch_s`` to fetch, or None:
         no writer, a batch of one, a sample quicker than ``STREAM_MIN_S`` or with no large
         tensor."""
-        if writer is None or n < 2 or fetch_s < STREAM_MIN_S or not ENABLED:
+        if writer is None or n < 2 or fetch_s < STREAM_MIN_S:
             return None
         found: list[tuple[torch.Tensor, bool]] = []
         skeleton = _skeleton(sample, found)
@@ -240,4 +237,4 @@ class StreamedBatch:
         return batch
 
 
-__all__ = ["ENABLED", "STREAM_BYTES", "STREAM_MIN_S", "StreamedBatch"]
+__all__ = ["STREAM_BYTES", "STREAM_MIN_S", "StreamedBatch"]

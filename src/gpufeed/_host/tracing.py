@@ -1,6 +1,6 @@
 """What the worker-pool iterator writes into a trace, besides the handovers ``BaseIter``
-records: its workers' spans as results arrive, its counters, its ring's instants (and
-counts), its tracks' names.
+records: its workers' spans as results arrive and its ring's instants (and counts); its
+counters and its tracks' names are ``WorkerIter``'s own (``_sample_counters``, ``_label``).
 
 Called by ``WorkerIter`` only while a trace records (NOTE [ Timeline ] in
 ``_base/timeline.py``); the rules of what is recorded, and on which clock, are there.
@@ -14,19 +14,7 @@ from typing import Any
 from .._base import timeline as _timeline
 from .._memory.ring import SlotRing
 
-__all__ = ["label_workers", "record_ring", "sample_counters", "trace_fetched", "trace_ring"]
-
-
-def sample_counters(it: Any, tl: _timeline.Timeline) -> None:
-    """``WorkerIter._sample_counters``: its counters at a handover, at most every
-    ``SAMPLE_EVERY_S``: ring slots in use, fenced (released, waiting for their copy's event)
-    and free (the ring may still hold), batches in flight (dispatched, not handed out),
-    workers in force."""
-    ring: SlotRing = it._ring
-    in_use, fenced = ring.in_use, ring.fenced
-    tl.sample(it._recorder, it._returned_at, in_use, fenced,
-              max(ring.capacity_slots - in_use - fenced, 0), len(it._tasks) + len(it._ready),
-              it._num_workers)
+__all__ = ["record_fetched", "record_ring", "trace_fetched", "trace_ring"]
 
 
 def record_fetched(recorder: Any, w: int, epoch: int, fetched: Sequence[Any]) -> float:
@@ -75,17 +63,3 @@ def trace_ring(owner: Hashable, ring: SlotRing, seen_grows: int, seen_fallbacks:
         tl.instant(owner, "ring fallback: fresh allocation",
                    args={"batches": ring.fallbacks - seen_fallbacks,
                          "ring_slots_in_use": ring.in_use})
-
-
-def label_workers(it: Any, tl: _timeline.Timeline) -> None:
-    """``WorkerIter._label``: name the loader and its worker tracks in ``tl``, "worker 0 (pid
-    4242)" for process workers."""
-    kind = "process" if it._shared else "thread"
-    pool = it._pool
-    procs = getattr(pool, "procs", None) or []
-    n = getattr(pool, "n", len(procs))
-    tl.label(it._recorder, None, f"gpufeed.DataLoader ({n} {kind} workers)")
-    for w in range(n):
-        pid = getattr(procs[w], "pid", None) if w < len(procs) else None
-        tl.label(it._recorder, ("worker", w),
-                 f"worker {w}" + (f" (pid {pid})" if pid else f" ({kind})"))

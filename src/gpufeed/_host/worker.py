@@ -256,8 +256,10 @@ def _serve(
             continue
         spills: list[Spill] = []
         results: list[Result] = []
-        look_at = 0.0  # look for a newer generation (a poll) before the first task, then
-        for task in msg.tasks:  # every NEWER_CHECK_S: a poll per task cost more than cheap tasks
+        # Look for a newer generation (a poll) before the first task, then every
+        # NEWER_CHECK_S: a poll per task cost more than cheap tasks.
+        look_at = 0.0
+        for task in msg.tasks:
             now = time.perf_counter()
             if gen < latest or (now >= look_at and _newer(chan, inbox, gen)):
                 # NOTE [ Messages ] in _host/messages.py: the epoch was abandoned (a restarted
@@ -366,8 +368,9 @@ def _run_task(
         return Exhausted(batch, -1 if writer is None else writer.sid)
     except BaseException as exc:
         if not isinstance(exc, Exception) and not in_thread_worker():
-            raise  # SystemExit and the like end a process worker, as stock's (its exit is
-            # reported); in a thread worker the batch raises it, in order, as num_workers=0
+            # SystemExit and the like end a process worker, as stock's (its exit is reported);
+            # in a thread worker the batch raises it, in order, as with num_workers=0.
+            raise
         sid = -1 if writer is None else writer.sid  # (a LATE task's, if it came)
         if out_of_descriptors(exc):  # anywhere: the spill's memory file, or the user's open()
             return Failed(batch, sid, worker_out_of_descriptors(
@@ -380,8 +383,10 @@ def _run_task(
     collate_s = fetcher.collate_s + (t2 - t1)
     fetch_s, sid = t2 - t0 - collate_s, -1
     if writer is not None:
-        sid, waited = writer.sid, writer.waited_s  # a LATE task's wait for its slot is
-        if waited:  # neither fetch nor collate (collation asked, else batch_empty did)
+        sid, waited = writer.sid, writer.waited_s
+        # A LATE task's wait for its slot is neither fetch nor collate (collation asked for
+        # its slot, else batch_empty did).
+        if waited:
             if collate_s >= waited:
                 collate_s -= waited
             else:

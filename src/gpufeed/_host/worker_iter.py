@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .._base import timeline as _timeline
 from .._base.errors import RemoteError, WorkerError
 from .._base.interrupts import ctrl_c_held
 from .._memory.keeper import end_ring, ring_for
@@ -45,7 +46,7 @@ from .messages import (
 from .pool import GRACE_S, Pool, ProcessPool, ThreadPool, live
 from .priority import WorkerPriority
 from .stock_names import StockNames
-from .tracing import label_workers, record_fetched, record_ring, sample_counters
+from .tracing import record_fetched, record_ring
 from .workahead import WorkAhead
 
 _STOP = object()  # an iterable dataset's worker ran dry
@@ -68,8 +69,10 @@ class WorkerIter(StockNames, BaseIter):
             super().__init__(config)
             nw = self._num_workers = config.num_workers
             self._in_order, self._persistent = config.in_order, config.persistent
-            self._timeout, self._timeout_text = config.timeout, config.timeout_text  # text: as
-            self._shared = shared = config.worker_type == "process"  # given, for the message
+            self._timeout = config.timeout
+            # the timeout as the user gave it, for the message
+            self._timeout_text = config.timeout_text
+            self._shared = shared = config.worker_type == "process"
             self._work_ahead = WorkAhead(
                 num_workers=nw, prefetch_factor=config.prefetch_factor, pin=self._pin,
                 adaptive=self._timeout <= 0 and not config.prefetch_explicit,
@@ -201,7 +204,7 @@ class WorkerIter(StockNames, BaseIter):
     # -- receiving ----------------------------------------------------------------------------
     def _handle(self, w: int, msg: ToMain) -> None:
         if isinstance(msg, StartFailed):
-            if failures.defer_start_failed(self, w, msg.error):
+            if self._defer_start_failed(w, msg.error):
                 return
             self.close()
             msg.error.reraise()
@@ -294,7 +297,7 @@ class WorkerIter(StockNames, BaseIter):
                 if not held and not self._tasks and self._sampler_done:
                     continue  # it had nothing left to do
                 error = failures.lost_worker(self._pool.exit_description(w), held)
-                if self._in_order and failures.defer_lost(self, w, held, error):
+                if self._in_order and self._defer_lost(w, held, error):
                     return  # the batches before the dead worker's first come first
                 self.close()
                 raise error
@@ -362,8 +365,55 @@ class WorkerIter(StockNames, BaseIter):
             return self._finish(data, asked_at, idx, states.pop(idx, None) if states else None,
                                 span, occupancy, gauges)
 
-    _label = label_workers  # NOTE [ Timeline ]: names of the loader and workers in a trace,
-    _sample_counters = sample_counters  # and its counters (ring slots, in flight, workers)
+    # -- a worker lost ------------------------------------------------------------------------
+    def _defer_lost(self, w: int, held: list[int], error: WorkerError | RemoteError) -> bool:
+        """Worker ``w`` died holding batches ``held`` (in order): when the first is still
+        ahead of the next the loop gets, put ``error`` in its place (a ``failures.Lost``),
+        forget the tasks and send no more, so that the batches before it, from the other
+        workers, come first; True then. False: raise it now."""
+        if not held or min(held) <= self._rcvd_idx:
+            return False
+        self._ready[min(held)] = failures.Lost(error)
+        for batch in held:
+            del self._tasks[batch]
+        self._active[w] = False
+        self._sampler_done = True
+        return True
+
+    def _defer_start_failed(self, w: int, error: RemoteError) -> bool:
+        """Worker ``w`` could not start (``worker_init_fn`` raised). The stock loader raises
+        that error at the worker's first batch, in order: so do we, with the batches before it
+        first (:meth:`_defer_lost`); True then, and the worker's exit, which follows, is
+        expected for the rest of the epoch. False: raise it now."""
+        held = [i for i, holder in self._tasks.items() if holder == w]
+        if not self._in_order or not self._defer_lost(w, held, error):
+            return False
+        self._exits_expected.add(w)
+        return True
+
+    # -- trace (NOTE [ Timeline ] in _base/timeline.py) ---------------------------------------
+    def _label(self, tl: _timeline.Timeline) -> None:
+        """Name the loader and its worker tracks in ``tl``: "worker 0 (pid 4242)" for process
+        workers, "worker 0 (thread)" for threads."""
+        kind = "process" if self._shared else "thread"
+        pool = self._pool
+        procs = getattr(pool, "procs", None) or []
+        n = getattr(pool, "n", len(procs))
+        tl.label(self._recorder, None, f"gpufeed.DataLoader ({n} {kind} workers)")
+        for w in range(n):
+            pid = getattr(procs[w], "pid", None) if w < len(procs) else None
+            tl.label(self._recorder, ("worker", w),
+                     f"worker {w}" + (f" (pid {pid})" if pid else f" ({kind})"))
+
+    def _sample_counters(self, tl: _timeline.Timeline) -> None:
+        """The counters at a handover, at most every ``SAMPLE_EVERY_S``: ring slots in use,
+        fenced (released, waiting for their copy's event) and free (the ring may still hold),
+        batches in flight (dispatched, not handed out), workers in force."""
+        ring = self._ring
+        in_use, fenced = ring.in_use, ring.fenced
+        free = max(ring.capacity_slots - in_use - fenced, 0)
+        tl.sample(self._recorder, self._returned_at, in_use, fenced, free,
+                  len(self._tasks) + len(self._ready), self._num_workers)
 
     def _end_epoch(self) -> None:
         self._tracker.host_exhausted()

@@ -52,16 +52,11 @@ MMAP_THRESHOLD_MAX = 32 << 20  # glibc's bound on its own adjustment (64-bit)
 _USER_SET = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
              "MALLOC_MMAP_MAX_")
 _PRELOADED = ("jemalloc", "tcmalloc", "mimalloc")
-#: False: workers leave the heap as glibc has it (``benchmarks/heap.py`` measures what following
-#: batches saves; read in the worker, so set it before the loader starts its workers).
-FOLLOW = True
 
 
 def left_alone() -> str | None:
     """Why this process's workers leave glibc's heap as it is (see the NOTE), or None when
     they follow their batches. ``gpufeed doctor`` prints it."""
-    if not FOLLOW:
-        return "turned off (gpufeed._memory.heap.FOLLOW)"
     if platform.system() != "Linux":
         return f"{platform.system()}: not glibc's malloc"
     if platform.libc_ver()[0] != "glibc":

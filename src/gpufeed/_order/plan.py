@@ -116,8 +116,8 @@ def make_plan(
             # draw copied there would leave its pages (8 bytes a sample) in the main process.
             out = torch.empty(n, dtype=torch.int32 if COMPACT_FROM <= n < 2**31 else torch.int64
                               ).share_memory_() if shared and not start else None
-            perm = torch.randperm(n, generator=generator, out=out)  # (the same draws and
-            # values in either dtype, tested)
+            # The same draws and values in either dtype (tested).
+            perm = torch.randperm(n, generator=generator, out=out)
         if start:
             perm = torch.arange(n) if perm is None else perm
     if perm is not None:
