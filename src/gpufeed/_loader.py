@@ -403,7 +403,8 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
     def _get_iterator(self) -> BaseIter:  # type: ignore[override]
         if isinstance(self.dataset, RayBatches):  # one thread iterates Ray's iterator
             return WorkerIter(dataclasses.replace(  # into the ring (NOTE [ Ray Data batches ])
-                self._iter_config(), num_workers=1, worker_type="thread", prefetch_factor=2))
+                self._iter_config(), num_workers=1, worker_type="thread", prefetch_factor=2,
+                prefetch_explicit=True))
         if self.num_workers == 0:
             return SingleIter(self._iter_config())
         if self._autotune is not None:  # it keeps the CPU use within budget itself
