@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, TypeVar, cast
 
@@ -22,6 +23,7 @@ from ._host.config import IterConfig, WorkerType
 from ._host.frameworks import AccelerateHooks, DefaultPrefetch
 from ._host.iterator import BaseIter, SingleIter
 from ._host.late_slots import LateVerdict
+from ._host.output import batch_empty
 from ._host.priority import check_worker_nice
 from ._host.random_watch import GlobalDrawWatch
 from ._host.worker_iter import WorkerIter
@@ -31,6 +33,7 @@ from ._memory.pinning import pin_device_index
 from ._order.resume import Delivered, LoaderPosition
 from ._order.sampler import build_sampler, resolve_world
 from ._order.seeding import resolve_seed
+from ._sources.ray import RayBatches, check_ray_arguments, is_ray_data, ray_state_error
 
 _T_co = TypeVar("_T_co", covariant=True)
 
@@ -95,6 +98,16 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
             None (default): +5 once the loop is main-bound on cores the workers and the main
             process oversubscribe, else unchanged (NOTE [ Worker priority ] in
             ``_host/priority.py``); 0: never changed (stock's workers); 1-19: from the start.
+        ray_options: with a Ray Data ``dataset``, more options of Ray's ``iter_batches``
+            (``local_shuffle_buffer_size``, ``local_shuffle_seed``, ``prefetch_batches``).
+
+    ``dataset`` may be a ``ray.data.Dataset`` or ``ray.data.DataIterator``
+    (``ds.streaming_split(n)[rank]``, ``ray.train.get_dataset_shard(name)``): preprocessing runs
+    where Ray schedules it, and each batch, ``{column: tensor}`` as ``iter_torch_batches`` gives
+    it, is written into the ring and goes through the device stage like any other (NOTE [ Ray
+    Data batches ] in ``_sources/ray.py``). Ray orders and shards the rows: a sampler,
+    ``shuffle=True``, ``seed=``, ``rank=`` or gpufeed's own workers are refused with the Ray way
+    to do the same; ``loader.dataset`` is then a wrapper whose ``source`` is yours.
 
     ``num_workers="auto"`` sizes the workers and how far they work ahead while you iterate:
     it grows them while your loop waits and the last growth paid off, shrinks them while it
@@ -148,9 +161,25 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
         max_workers: int | None = None,
         memory_budget: int | str | None = None,
         worker_nice: int | None = None,
+        ray_options: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(prefetch_factor, DefaultPrefetch):  # read back from a loader: unset
             prefetch_factor = None
+        rows_per_batch = None
+        if is_ray_data(dataset):  # NOTE [ Ray Data batches ] in _sources/ray.py
+            check_ray_arguments(
+                dataset, batch_size=batch_size, ray_options=ray_options, shuffle=shuffle,
+                sampler=sampler, batch_sampler=batch_sampler, seed=seed, generator=generator,
+                rank=rank, world_size=world_size, num_workers=num_workers,
+                worker_init_fn=worker_init_fn, persistent_workers=persistent_workers,
+                prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context)
+            dataset = RayBatches(dataset, batch_size=cast(int, batch_size), drop_last=drop_last,
+                                 options=ray_options, raw=collate_fn is not None,
+                                 alloc=_slot_memory)
+            rows_per_batch, batch_size, drop_last = batch_size, None, False  # Ray batches
+        elif ray_options is not None:
+            raise ValueError("ray_options applies to a Ray Data dataset (ray.data.Dataset or "
+                             f"DataIterator), not to {type(dataset).__name__}; drop it")
         tuner = make_tuner(num_workers, max_workers=max_workers, memory_budget=memory_budget,
                            worker_type=worker_type, prefetch_factor=prefetch_factor,
                            iterable=isinstance(dataset, IterableDataset))
@@ -212,6 +241,9 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
         self._late_verdict = LateVerdict()  # NOTE [ Slots bound when a task starts ] (e)
         self._workers_warned: tuple[int, str] | None = None
         self.check_worker_number_rationality()  # torch's __init__ asked before worker_type
+        if rows_per_batch is not None:  # what was asked (torch's checks forbid it to be set)
+            self.__dict__["batch_size"] = rows_per_batch
+            self.__dict__["drop_last"] = cast(RayBatches, dataset).drop_last
 
     _autotune: AutoTuner | None = None
     _late_verdict: LateVerdict | None = None  # (a loader pickled before it had one)
@@ -275,8 +307,18 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
 
     def state_dict(self) -> dict[str, Any]:
         """The position of the batches delivered so far, the epoch and the seed, as plain
-        Python values (``torch.save``-able, ``torch.load(weights_only=True)``-able)."""
-        return dict(self._position.state_dict(self))
+        Python values (``torch.save``-able, ``torch.load(weights_only=True)``-able).
+
+        Over Ray Data, only between epochs (RuntimeError mid-epoch): the state resumes at the
+        next epoch (NOTE [ Ray Data batches ] (4) in ``_sources/ray.py``)."""
+        if not isinstance(self.dataset, RayBatches):
+            return dict(self._position.state_dict(self))
+        with warnings.catch_warnings():  # said below, in the error, when it applies
+            warnings.simplefilter("ignore")
+            state = dict(self._position.state_dict(self))
+        if state["batches_delivered"] or state["delivered_ahead"]:
+            raise ray_state_error(cast(int, state["epoch"]), cast(int, state["batches_delivered"]))
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue, at the next ``iter(loader)``, right after the last batch ``state`` counted.
@@ -320,6 +362,7 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
             dataset=self.dataset,
             is_iterable=isinstance(self.dataset, IterableDataset),
             auto_collation=self._auto_collation,
+            whole_batches=isinstance(self.dataset, RayBatches),
             index_sampler=self._index_sampler,
             collate_fn=self.collate_fn,
             drop_last=self.drop_last,
@@ -359,6 +402,10 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
         warn_thread_workers(self.num_workers)
 
     def _get_iterator(self) -> BaseIter:  # type: ignore[override]
+        if isinstance(self.dataset, RayBatches):  # one thread iterates Ray's iterator
+            return WorkerIter(dataclasses.replace(  # into the ring (NOTE [ Ray Data batches ])
+                self._iter_config(), num_workers=1, worker_type="thread", prefetch_factor=2,
+                prefetch_explicit=True))
         if self.num_workers == 0:
             return SingleIter(self._iter_config())
         if self._autotune is not None:  # it keeps the CPU use within budget itself
@@ -385,3 +432,8 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
             it, parse_device(self.device), depth=self.device_depth, transform=self.device_transform,
             recorder=self._recorder,
         ), self._position.current())
+
+
+def _slot_memory(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Memory for a Ray batch's column: its slot's, in the loader's thread (``batch_empty``)."""
+    return batch_empty(shape, dtype=dtype)

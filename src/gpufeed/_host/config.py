@@ -45,6 +45,7 @@ class IterConfig:
     dataset: Any
     is_iterable: bool  # an ``IterableDataset``: counts, not indices, and per-worker streams
     auto_collation: bool
+    whole_batches: bool = False  # each item is a batch (Ray Data): samples counted by its rows
     index_sampler: Any  # the loader's batch sampler, or its sampler without auto-collation
     collate_fn: Callable[[Any], Any] | None
     drop_last: bool

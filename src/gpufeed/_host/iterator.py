@@ -43,6 +43,7 @@ class BaseIter:
         self._dataset = config.dataset
         self._is_iterable = config.is_iterable
         self._auto_collation = config.auto_collation
+        self._count_rows = config.auto_collation or config.whole_batches
         self._index_sampler = config.index_sampler
         self._collate_fn = config.collate_fn
         self._drop_last = config.drop_last
@@ -146,7 +147,7 @@ class BaseIter:
         now = time.perf_counter()
         last = self._returned_at
         self._recorder.handout(asked_at - last if last else None, now - asked_at,
-                               (batch_len(data) or 0) if self._auto_collation else 1,
+                               (batch_len(data) or 0) if self._count_rows else 1,
                                occupancy, gauges)
         self._num_yielded += 1
         if (
