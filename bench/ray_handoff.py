@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import statistics
 import sys
@@ -254,26 +255,33 @@ def markdown(doc: dict[str, Any]) -> str:
               f"{b['local_workers']} process workers on that core. `ray`: gpufeed over Ray "
               "Data, `map_batches` on the far node's core. `step`: CPU the loop spends per "
               "batch on core 0 (the training step's own CPU work).", "",
-              "| step ms/batch | side | samples/s median (min-max) | ray / local |",
-              "|---|---|---|---|"]
+              "| step ms/batch | side | samples/s median (min-max) | trainer CPU ms/batch "
+              "median | ray / local |",
+              "|---|---|---|---|---|"]
     for step, res in b["by_step"].items():
         for k, s in res["samples_per_s"].items():
+            cpu = statistics.median(r["cpu_ms_per_batch"] for r in res["runs"][k])
             lines.append(f"| {step} | {k} | {s['median']:,.0f} ({s['min']:,.0f}-"
-                         f"{s['max']:,.0f}) | {res['ratio_ray_over_local']:.2f}x |")
+                         f"{s['max']:,.0f}) | {cpu:.1f} | {res['ratio_ray_over_local']:.2f}x |")
     per_core = b["decode_per_core_per_s"]
     lines += [
         "", f"One core decodes and crops {per_core:,.0f} images/s here (no loader).", "",
+        "The trainer's CPU per batch counts the training process only (its threads: the "
+        "loop, gpufeed's loader thread, Ray's prefetch threads and, here, Ray Data's streaming "
+        "executor, which runs in the driver: the trainer when it is the driver; under Ray "
+        "Train it runs in the split coordinator instead). `local` workers' CPU is their own "
+        "processes', on the same core.", "",
         "## The scaling model", "",
-        "A GPU that trains at `D` images/s needs `D / r` cores of decoding at `r` images/s per "
-        "core. Its node gives it `c` cores, of which the training loop keeps some; the rest "
-        "decode locally. Ray Data takes the remainder on CPU nodes of `k` cores each: "
-        "`nodes per GPU = max(0, D / r - c_free) / k`. The trainer still receives every batch: "
-        "its cost is the hand-off's CPU per batch from (a), so one trainer core receives at "
-        "most `1 / (CPU per batch)` batches/s. With ImageNet-sized images `r` is about 390/s "
-        "with libjpeg-turbo (pytorch/vision#8496); a GPU at 3,000 images/s needs about 8 "
-        "cores of decoding; 12 cores per GPU feed it alone only if the loop needs none of "
-        "them, and 2 GPUs at 5,000 images/s each need about 26 cores: a 16-core CPU node per "
-        "GPU pair covers the gap.", ""]
+        "Each side decodes on one core, so with no step they run at about the same rate: the "
+        "offload pays when the trainer's core has work of its own (the step, the H2D copies, "
+        "the collective calls), which local decoding then competes with. Per batch, "
+        "`local ~ decode + step` and `ray ~ max(decode / nodes, step + hand-off)`. A GPU that "
+        "trains at `D` images/s needs `D / r` cores decoding at `r` images/s per core "
+        f"(`r` = {per_core:,.0f} here for {b['side']}px JPEGs to {b['crop']}px; about 390 for "
+        "ImageNet-sized images with libjpeg-turbo, pytorch/vision#8496). With `c` cores per "
+        "GPU left after the loop's own, Ray Data on CPU nodes of `k` cores takes the rest: "
+        "`CPU nodes per GPU = max(0, D / r - c) / k`; a GPU at 3,000 images/s needs about 8 "
+        "cores of decoding.", ""]
     return "\n".join(lines)
 
 
@@ -288,7 +296,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--step-ms", type=float, nargs="+", default=[0.0, 30.0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--render", type=Path, help="rewrite the Markdown from this JSON and stop")
     args = p.parse_args(argv)
+    if args.render is not None:
+        doc = json.loads(args.render.read_text())
+        args.render.with_suffix(".md").write_text(markdown(doc))
+        return
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs two usable cores (one for the trainer, one for Ray's node)")
     import ray

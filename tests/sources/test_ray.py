@@ -11,6 +11,8 @@ import gc
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -74,6 +76,12 @@ def no_loader_thread(timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_import_gpufeed_does_not_import_ray() -> None:
+    code = ("import sys, gpufeed, gpufeed.sources; "
+            "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')]")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 # -- batches ---------------------------------------------------------------------------------
