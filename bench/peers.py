@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
@@ -123,22 +124,41 @@ def _batches(side: str, dataset: RandomCrops) -> Iterator[Any]:
         raise ValueError(f"unknown side {side!r}; one of {', '.join(SIDES)}")
 
 
+def _cpu_s(me: psutil.Process) -> float:
+    """CPU seconds (user + system) of this process's threads and its live child processes."""
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            times = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def run_side(side: str, path: str, count: int, samples: int) -> dict[str, Any]:
-    """One side's run in this process: samples/s after the warm-up batches."""
+    """One side's run in this process: samples/s after the warm-up batches, and the CPU
+    seconds per sample of the process and its workers over the same window (taken at the last
+    batch, while the workers still run)."""
     torch.set_num_threads(1)
+    me = psutil.Process()
     dataset = RandomCrops(path, count, samples + WARMUP * BATCH)
-    n, start = 0, 0.0
+    last = len(dataset) // BATCH + (len(dataset) % BATCH > 0) - 1
+    n, start, cpu0, cpu1, end = 0, 0.0, 0.0, 0.0, 0.0
     total = 0
     for k, (images, _labels) in enumerate(_batches(side, dataset)):
         total += images.shape[0]
         if k == WARMUP - 1:
-            start = time.perf_counter()
+            start, cpu0 = time.perf_counter(), _cpu_s(me)
         elif k >= WARMUP:
             n += images.shape[0]
-    elapsed = time.perf_counter() - start
+        if k == last:
+            end, cpu1 = time.perf_counter(), _cpu_s(me)
     if total != len(dataset):
         raise RuntimeError(f"{side}: {total} samples delivered, {len(dataset)} expected")
-    return {"side": side, "samples": n, "seconds": elapsed, "rate": n / elapsed}
+    elapsed = end - start
+    return {"side": side, "samples": n, "seconds": elapsed, "rate": n / elapsed,
+            "cpu_us": 1e6 * (cpu1 - cpu0) / n}
 
 
 def available(side: str) -> str | None:
@@ -175,15 +195,20 @@ def markdown(doc: dict[str, Any], env_line: str) -> str:
         "rounds, ratios to the stock loader taken round by round. The machine was shared "
         "with other work while this ran.",
         "",
-        "| side | samples/s | vs stock |",
-        "| --- | ---: | ---: |",
+        "CPU us per sample: the CPU time of the process's threads and its worker processes "
+        "over the timed window, per sample (less sensitive to a shared machine than the rate).",
+        "",
+        "| side | samples/s | vs stock | CPU us per sample |",
+        "| --- | ---: | ---: | ---: |",
     ]
     for side in doc["sides"]:
         r = doc["results"][side]
-        lines.append(f"| {LABELS[side]} | {_fmt(r['rate'])} | {_fmt(r['vs_stock'], '.2f', 'x')} |")
+        lines.append(f"| {LABELS[side]} | {_fmt(r['rate'])} | {_fmt(r['vs_stock'], '.2f', 'x')} "
+                     f"| {_fmt(r['cpu_us'])} |")
     if "thread_vs_nodes" in doc:
         lines += ["", "gpufeed's thread workers over torchdata.nodes' thread ParallelMapper, "
-                  f"round by round: {_fmt(doc['thread_vs_nodes'], '.2f', 'x')}."]
+                  f"round by round: {_fmt(doc['thread_vs_nodes'], '.2f', 'x')} the samples/s, "
+                  f"{_fmt(doc['thread_cpu_vs_nodes'], '.2f', 'x')} the CPU per sample."]
     for side, why in doc["left_out"].items():
         lines += ["", f"Left out: {LABELS[side]}: {why}."]
     return "\n".join(lines) + "\n"
@@ -217,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             left_out[side] = why
     rates: dict[str, list[float]] = {side: [] for side in sides}
+    cpus: dict[str, list[float]] = {side: [] for side in sides}
     for r in range(args.rounds):
         order = sides if r % 2 == 0 else sides[::-1]
         for side in order:
@@ -224,12 +250,15 @@ def main(argv: list[str] | None = None) -> None:
                 [sys.executable, "-m", "bench.peers", "--run-side", side, "--count",
                  str(args.count), "--samples", str(args.samples), "--cache", args.cache],
                 check=True, capture_output=True, text=True)
-            rate = json.loads(out.stdout.strip().splitlines()[-1])["rate"]
-            rates[side].append(rate)
-            print(f"round {r + 1}: {side:16s} {rate:8,.0f} samples/s", flush=True)
+            run = json.loads(out.stdout.strip().splitlines()[-1])
+            rates[side].append(run["rate"])
+            cpus[side].append(run["cpu_us"])
+            print(f"round {r + 1}: {side:16s} {run['rate']:8,.0f} samples/s, "
+                  f"{run['cpu_us']:6.0f} us CPU per sample", flush=True)
     results: dict[str, Any] = {}
     for side in sides:
-        entry: dict[str, Any] = {"rates": rates[side], "rate": _summary(rates[side])}
+        entry: dict[str, Any] = {"rates": rates[side], "rate": _summary(rates[side]),
+                                 "cpus_us": cpus[side], "cpu_us": _summary(cpus[side])}
         if "stock-process" in rates:
             stock = rates["stock-process"]
             entry["vs_stock"] = _summary([a / b for a, b in zip(rates[side], stock, strict=True)])
@@ -244,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     if "gpufeed-thread" in rates and "nodes-thread" in rates:
         doc["thread_vs_nodes"] = _summary(
             [a / b for a, b in zip(rates["gpufeed-thread"], rates["nodes-thread"], strict=True)])
+        doc["thread_cpu_vs_nodes"] = _summary(
+            [a / b for a, b in zip(cpus["gpufeed-thread"], cpus["nodes-thread"], strict=True)])
     write_documents(doc, Path(args.out), "peers", markdown(doc, environment_line(env)))
 
 

@@ -28,7 +28,8 @@ from .random_watch import TaskProbe
 from .streaming import StreamedBatch
 from .writer import SlotWriter
 
-_AT_SAMPLE = "while fetching a sample"  # MapFetcher.describe() adds which one
+# What a fetcher does during its per-sample loop; MapFetcher.describe() adds which sample.
+_AT_SAMPLE = "while fetching a sample"
 
 
 def make_fetcher(
@@ -58,7 +59,8 @@ def batch_source(dataset: Any) -> Any:
     in ``_sources/protocol.py``)."""
     if hasattr(type(dataset), "gpufeed_batch"):
         return dataset
-    if "pyarrow" in sys.modules or "datasets" in sys.modules:  # never import them ourselves
+    # An Arrow table or a Hugging Face dataset: never import those libraries ourselves.
+    if "pyarrow" in sys.modules or "datasets" in sys.modules:
         return arrow_source(dataset)
     return None
 
@@ -177,7 +179,7 @@ class MapFetcher:
         self.collate_s = 0.0
         self.where = "while reading a batch"
         scope.at_batch(indices)
-        source = self.source
+        source: Any = self.source
         if collate_fn is None:
             # Fresh views of the slot: user code may keep them.
             return source.gpufeed_batch(
@@ -263,8 +265,10 @@ class IterFetcher:
         self.drop_last = drop_last
         self.where = ""
         self._it: Iterator[Any] | None = None
-        self._state: Any = None  # a dataset state to load before the next iter (resume)
-        self.probe: TaskProbe | None = None  # set by a thread worker for a checked task
+        # A dataset state to load before the next iter (resume).
+        self._state: Any = None
+        # Set by a thread worker for a checked task.
+        self.probe: TaskProbe | None = None
         self.ended = False
         self.count = 0
         self.collate_s = 0.0
@@ -287,7 +291,8 @@ class IterFetcher:
         scope = self.scope
         base = self.seed if self.seed is not None else self.base_seed
         scope.open(stream_base(base, self.worker_id), epoch)
-        previous = building(writer)  # NOTE [ Batches built in the slot ], _host/output.py
+        # NOTE [ Batches built in the slot ] in _host/output.py
+        previous = building(writer)
         try:
             return self._fetch(n, writer, scope)
         finally:
@@ -315,10 +320,12 @@ class IterFetcher:
             self.where = "in collate_fn"
             scope.at_batch((first,))
             return collate_fn(sample) if collate_fn is not None else sample
-        samples: Any = []  # or a StreamedBatch from the first sample on (_host/streaming.py)
+        # A list, or a StreamedBatch from the first sample on (_host/streaming.py).
+        samples: Any = []
         append = samples.append
         stream = collate_fn is None and writer is not None
-        building(None)  # one sample of a batch the loader collates: not the batch
+        # One sample of a batch the loader collates is not the batch.
+        building(None)
         t0 = time.perf_counter()
         for _ in range(n):
             self.where = f"while fetching sample {self.count} of this worker's stream"
@@ -380,7 +387,8 @@ def _stream(samples: list[Any], writer: SlotWriter | None, indices: Any, t0: flo
     fetch_s = time.perf_counter() - t0
     try:
         n = len(indices)
-    except TypeError:  # a batch sampler's generator: its length is not known
+    except TypeError:
+        # A batch sampler's generator: its length is not known.
         return None
     return StreamedBatch.start(samples[0], writer, n, fetch_s)
 

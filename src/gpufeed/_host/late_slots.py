@@ -75,9 +75,12 @@ from .messages import LATE, NeedSlot, Slot, SlotFor, ToWorker
 __all__ = ["Abandoned", "LateSlots", "LateVerdict", "late_slot", "wait_for_slot"]
 
 LATE_ROW = (*LATE,)
-LATE_DELAYS = 8  # the answers rule (e) looks at: the last ones
-LATE_SLOW = 2  # late answers among them that turn the mode off
-LATE_DELAY_MAX = 0.05  # of a batch's worker time: a worker's wait for its slot allowed
+# Rule (e) looks at the last LATE_DELAYS answers; LATE_SLOW late ones among them turn the
+# mode off; an answer is late when a worker waited for it more than LATE_DELAY_MAX of a
+# batch's worker time.
+LATE_DELAYS = 8
+LATE_SLOW = 2
+LATE_DELAY_MAX = 0.05
 
 
 class LateVerdict:
@@ -105,11 +108,13 @@ class LateSlots:
                  release: Callable[[int], None], verdict: LateVerdict | None = None) -> None:
         self._send, self._acquire, self._release = send, acquire, release
         self.verdict = verdict if verdict is not None else LateVerdict()
-        self.on = False  # new tasks go out LATE
+        # New tasks go out LATE.
+        self.on = False
         self._late: collections.deque[bool] = collections.deque(maxlen=LATE_DELAYS)
         self._away: collections.deque[tuple[float, float]] = collections.deque(
             maxlen=LATE_DELAYS)  # the loop's last steps (away)
-        self.sent: dict[tuple[int, int], int] = {}  # (gen, batch) -> slot id sent in a SlotFor
+        # (gen, batch) -> slot id sent in a SlotFor.
+        self.sent: dict[tuple[int, int], int] = {}
 
     @property
     def slow(self) -> bool:
@@ -130,7 +135,8 @@ class LateSlots:
         """Worker ``w``'s request for its task's slot; ``current``: of this generation (else
         rule (b)); none free: rule (d); ``batch_s``: worker seconds per batch (rule (e))."""
         if current and batch_s > 0:
-            asked = request.asked_at  # the loop's steps since then: the wait that counts
+            # The loop's steps since the request are the wait that counts.
+            asked = request.asked_at
             waited = sum(back - max(left, asked) for left, back in self._away if back > asked)
             self._late.append(waited > LATE_DELAY_MAX * batch_s)
             if sum(self._late) >= LATE_SLOW:
@@ -164,7 +170,8 @@ def wait_for_slot(chan: Any, inbox: collections.deque[ToWorker], parent: int, po
     try:
         chan.send(NeedSlot(gen, batch, time.perf_counter()))
     except (BrokenPipeError, EOFError, OSError):
-        inbox.append(None)  # the main process is gone or closing
+        # The main process is gone or closing.
+        inbox.append(None)
         raise Abandoned from None
     while True:
         for i, msg in enumerate(inbox):

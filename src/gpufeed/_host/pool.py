@@ -64,7 +64,8 @@ live: weakref.WeakSet[Any] = weakref.WeakSet()
 
 @atexit.register
 def close_all() -> None:
-    grace = GRACE_S  # a second Ctrl-C while exiting: the rest stop at once, with no traceback
+    # A second Ctrl-C while exiting: the rest stop at once, with no traceback.
+    grace = GRACE_S
     for it in list(live):
         try:
             it.close(grace)
@@ -73,7 +74,8 @@ def close_all() -> None:
 
 
 _STOP_MSG = bytes(ForkingPickler.dumps(None))
-INLINE_BYTES = 4096  # task messages up to this size are written inline (never blocks)
+# Task messages up to this size are written inline (which never blocks).
+INLINE_BYTES = 4096
 
 
 class _Watch(enum.Enum):
@@ -95,7 +97,8 @@ class ProcessPool:
                 pipes.append(ctx.Pipe(duplex=True))
                 self.conns.append(pipes[-1][0])
             self._start(ctx, spec, pipes)
-        except BaseException:  # see NOTE [ Shutdown ]: nothing outlives a failed start
+        except BaseException:
+            # See NOTE [ Shutdown ]: nothing outlives a failed start.
             for _, worker_end in pipes:
                 worker_end.close()
             self.close()
@@ -103,7 +106,8 @@ class ProcessPool:
         for _, worker_end in pipes:
             worker_end.close()
         self._poller = select.poll()
-        self._fd_owner: dict[int, tuple[_Watch, int]] = {}  # fd -> (what, worker)
+        # Descriptor -> (what it is, its worker).
+        self._fd_owner: dict[int, tuple[_Watch, int]] = {}
         # Workers poll() has reported: each once, though its pipe's end and its sentinel may
         # fire in different polls.
         self._exited: set[int] = set()
@@ -114,9 +118,11 @@ class ProcessPool:
     def _start(self, ctx: Any, spec: WorkerSpec, pipes: list[tuple[Any, Any]]) -> None:
         fork = ctx.get_start_method() == "fork"
         close_fds: tuple[int, ...] = ()
-        if fork:  # each child closes every end but its own
+        # Each child closes every end but its own.
+        if fork:
             close_fds = tuple(c.fileno() for p in pipes for c in p)
-        with heap_frozen(fork=fork):  # one freeze for all: NOTE [ Frozen heap at fork ]
+        # One freeze for all: NOTE [ Frozen heap at fork ].
+        with heap_frozen(fork=fork):
             for w in range(self.n):
                 own = pipes[w][1].fileno()
                 kwargs = dict(worker_id=w, kind="process", chan=pipes[w][1],
@@ -131,11 +137,13 @@ class ProcessPool:
     def _watch(self, fd: int, what: _Watch, w: int) -> None:
         self._poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         self._fd_owner[fd] = (what, w)
-        self._exited.discard(w)  # a worker (re)started at id w (a resized pool reuses ids)
+        # A worker (re)started at id w (a resized pool reuses ids).
+        self._exited.discard(w)
 
     def send(self, w: int, msg: ToWorker) -> None:
         fd = -1
-        if type(msg) is UsePlan:  # once an epoch: NOTE [ Plans without a sharing thread ]
+        # Once an epoch: NOTE [ Plans without a sharing thread ].
+        if type(msg) is UsePlan:
             msg, fd = plan_fd.detach(msg)
         payload = ForkingPickler.dumps(msg)
         if len(payload) <= INLINE_BYTES and (self._sender is None or not self._sender.busy(w)):
@@ -144,8 +152,10 @@ class ProcessPool:
                 if fd >= 0:
                     plan_fd.send_descriptor(self.conns[w], fd)
             except (BrokenPipeError, ConnectionResetError):
-                pass  # the worker died: poll() reports it, with its signal or exit code
-        else:  # a large task could fill the pipe while the worker is busy answering
+                # The worker died: poll() reports it, with its signal or exit code.
+                pass
+        else:
+            # A large task could fill the pipe while the worker is busy answering.
             if self._sender is None:
                 self._sender = _Sender(self.conns)
             self._sender.put(w, payload, os.dup(fd) if fd >= 0 else -1)
@@ -219,26 +229,32 @@ class ProcessPool:
                 getattr(p, stop)()
             for p in alive:
                 p.join(1.0)
-        self.stopped = not any(p.is_alive() for p in self.procs)  # none can write a slot now
+        # Stopped workers: none can write a slot now.
+        self.stopped = not any(p.is_alive() for p in self.procs)
         for p in self.procs:
             if p.is_alive():
                 log.warning("gpufeed worker pid %s did not stop", p.pid)
         # Not Process.close(): a program may hold them (``_workers``, _host/stock_names.py) and
         # join them or ask is_alive(), as with stock's. Dropped, they free their descriptors.
-        self.procs = []  # their arguments hold the ring: let it go with the last user view
+        # Their arguments hold the ring: let it go with the last user view.
+        self.procs = []
 
 
 def _hang_up(conn: Any, *, may_write: bool) -> None:
     """End the conversation on ``conn`` for good (NOTE [ Shutdown ]): the worker reads EOF,
     and every write, the worker's and ours, fails at once from now on."""
-    try:  # (fromfd works on a duplicate descriptor, which the with block closes)
+    # fromfd works on a duplicate descriptor, which the with block closes.
+    try:
         with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.shutdown(socket.SHUT_RDWR)
         return
     except OSError:
-        pass  # not a socket (or the worker is gone): an explicit stop message instead
-    if may_write:  # never from this thread while the sender may be writing to it
-        try:  # EOF alone is not enough when a later fork inherited our end
+        # Not a socket (or the worker is gone): an explicit stop message instead.
+        pass
+    # Never from this thread while the sender may be writing to it.
+    if may_write:
+        # EOF alone is not enough when a later fork inherited our end.
+        try:
             conn.send_bytes(_STOP_MSG)
         except (OSError, ValueError):
             pass
@@ -280,7 +296,8 @@ class _Sender:
                     if fd >= 0:
                         plan_fd.send_descriptor(self.conns[w], fd)
             except (OSError, ValueError):
-                pass  # the pool is closing, or the worker died: the iterator reports it
+                # The pool is closing, or the worker died: the iterator reports it.
+                pass
             finally:
                 if fd >= 0:
                     os.close(fd)
@@ -315,7 +332,8 @@ class ThreadPool:
                 )
                 t.start()
                 self.threads.append(t)
-        except BaseException:  # e.g. "can't start new thread": stop those that started
+        except BaseException:
+            # E.g. "can't start new thread": stop those that started.
             self.close()
             raise
 

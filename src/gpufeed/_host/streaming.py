@@ -53,8 +53,10 @@ from torch.utils.data._utils.collate import collate, np_str_obj_array_pattern
 from .collate import collate_into, collate_rules, ringable
 from .writer import SlotWriter
 
-STREAM_BYTES = 32 * 1024  # a tensor of this many bytes or more is copied into its row at once
-STREAM_MIN_S = 200e-6  # and only when the batch's first sample took this long to fetch
+# A tensor of STREAM_BYTES or more is copied into its row at once, when the batch's first
+# sample took STREAM_MIN_S or more to fetch.
+STREAM_BYTES = 32 * 1024
+STREAM_MIN_S = 200e-6
 
 
 class _Marker:
@@ -96,7 +98,8 @@ def _large(x: Any) -> tuple[torch.Tensor, bool] | None:
         if (x.nbytes < STREAM_BYTES or not x.dtype.isnative or x.dtype.kind not in "biufc"
                 or np_str_obj_array_pattern.search(x.dtype.str) is not None):
             return None
-        return torch.as_tensor(x), True  # as default_collate converts it
+        # Converted as default_collate converts it.
+        return torch.as_tensor(x), True
     return None
 
 
@@ -156,7 +159,8 @@ class StreamedBatch:
         self.outs = [writer.alloc_any((n, *t.shape), t.dtype) for t, _ in found]
         self.rows = [out.unbind(0) for out in self.outs]
         self.skeletons: list[Any] = []
-        self.pending: list[Any] = []  # samples taken after a mismatch, as they are
+        # Samples taken after a mismatch, as they are.
+        self.pending: list[Any] = []
         self.copy_s = 0.0
         self._copy(found, skeleton)
 
@@ -216,7 +220,8 @@ class StreamedBatch:
         if self.pending:
             return collate_into(self.samples(), self.writer)
         outs = self.outs if m == self.n else [out[:m] for out in self.outs]
-        seen = []  # the markers whose columns were answered
+        # The markers whose columns were answered.
+        seen = []
 
         def column(batch: list[Any], *, collate_fn_map: Any = None) -> torch.Tensor:
             first = batch[0]
@@ -230,9 +235,11 @@ class StreamedBatch:
         rules[_Marker] = column
         try:
             batch = collate(self.skeletons, collate_fn_map=rules)
-            if len(seen) != len(outs):  # a marker's column was never reached
+            # A marker's column was never reached.
+            if len(seen) != len(outs):
                 raise _Mismatch
-        except Exception:  # the ordinary way gives default_collate's own result or error
+        except Exception:
+            # The ordinary way gives default_collate's own result or error.
             return collate_into(self.samples(), self.writer)
         return batch
 

@@ -95,8 +95,10 @@ from .priority import lower_priority
 from .random_watch import GlobalDrawWatch
 from .writer import SlotWriter
 
-POLL_S = 0.5  # how often an idle worker checks that the main process is alive
-NEWER_CHECK_S = 0.001  # how often a busy worker looks for a newer generation or a stop
+# How often an idle worker checks that the main process is alive.
+POLL_S = 0.5
+# How often a busy worker looks for a newer generation or a stop.
+NEWER_CHECK_S = 0.001
 
 
 _thread_local = threading.local()
@@ -154,13 +156,16 @@ def worker_loop(
     region = spec.region
     if is_process:
         chan = ProcessChannel(chan)
-        region = region.tensor_here() if region is not None else None  # a _memory Region
-        for fd in close_fds:  # the main's ends of other workers' pipes, inherited by fork
+        # A _memory Region, mapped here.
+        region = region.tensor_here() if region is not None else None
+        # The main's ends of other workers' pipes, inherited by fork.
+        for fd in close_fds:
             try:
                 os.close(fd)
             except OSError:
                 pass
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+        # Ctrl-C is the main process's to handle.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         torch.set_num_threads(1)
         random.seed(seed)
         torch.manual_seed(seed)
@@ -180,7 +185,8 @@ def worker_loop(
         parent = -1
     set_shard_info(ShardInfo(spec.rank, spec.world_size, worker_id, spec.num_workers))
     try:
-        if spec.datapipe is not None:  # torch's seed and sharding, before worker_init_fn
+        # torch's seed and sharding of DataPipes, before worker_init_fn.
+        if spec.datapipe is not None:
             set_up_in_worker(dataset, spec.datapipe, spec.num_workers, worker_id)
         if spec.init_fn is not None:
             spec.init_fn(worker_id)
@@ -196,10 +202,13 @@ def worker_loop(
         try:
             chan.send(StartFailed(capture(f"in {label} (gpufeed: during start-up)")))
         except (BrokenPipeError, EOFError, OSError):
-            pass  # the main process already stopped (another worker's error, or close())
+            # The main process already stopped (another worker's error, or close()).
+            pass
         return
-    heap = HeapFollower() if is_process else None  # NOTE [ Worker heap ] in _memory/heap.py
-    lane = GatherLane.of(fetcher) if writer is not None else None  # NOTE [ Gather lane ]
+    # NOTE [ Worker heap ] in _memory/heap.py
+    heap = HeapFollower() if is_process else None
+    # NOTE [ Gather lane ]
+    lane = GatherLane.of(fetcher) if writer is not None else None
     _serve(worker_id, label, chan, fetcher, writer, parent,
            None if is_process else spec.random_watch,
            heap if heap is not None and heap.active else None, lane)
@@ -211,9 +220,12 @@ def _serve(
     parent: int, watch: GlobalDrawWatch | None, heap: HeapFollower | None,
     lane: GatherLane | None,
 ) -> None:
-    inbox: collections.deque[ToWorker] = collections.deque()  # read ahead by _newer
-    late = functools.partial(wait_for_slot, chan, inbox, parent, POLL_S)  # LATE tasks' slots
-    latest = 0  # the newest generation seen: tasks of older ones are dropped, not run
+    # Messages read ahead by _newer.
+    inbox: collections.deque[ToWorker] = collections.deque()
+    # How LATE tasks get their slots.
+    late = functools.partial(wait_for_slot, chan, inbox, parent, POLL_S)
+    # The newest generation seen: tasks of older ones are dropped, not run.
+    latest = 0
     while True:
         msg: ToWorker
         if inbox:
@@ -223,10 +235,12 @@ def _serve(
                 msg = chan.recv(POLL_S)
             except (queue.Empty, TimeoutError):
                 if parent != -1 and os.getppid() != parent:
-                    return  # the main process died without closing us
+                    # The main process died without closing us.
+                    return
                 continue
             except Exception as exc:
-                if out_of_descriptors(exc):  # a message with a descriptor (the epoch's plan)
+                # A message with a descriptor (the epoch's plan) found no free descriptor.
+                if out_of_descriptors(exc):
                     _say(chan, StartFailed(worker_out_of_descriptors(
                         worker_id, "receiving a message from the main process")))
                     return
@@ -236,12 +250,14 @@ def _serve(
         if msg is None:
             return
         if isinstance(msg, SlotFor):
-            continue  # its task ended without asking (NOTE [ Slots bound when a task starts ])
+            # Its task ended without asking (NOTE [ Slots bound when a task starts ]).
+            continue
         gen = msg.gen
         latest = max(latest, gen)
         if isinstance(msg, ResetStream):
             if isinstance(fetcher, IterFetcher):
-                reseed_in_worker(fetcher.dataset, msg.pipe_seed)  # NOTE [ DataPipes ]
+                # NOTE [ DataPipes ]
+                reseed_in_worker(fetcher.dataset, msg.pipe_seed)
                 fetcher.reset(msg.state)
             continue
         if isinstance(msg, UsePlan):
@@ -251,7 +267,8 @@ def _serve(
         if isinstance(msg, Reseed):
             fetcher.seed = msg.seed
             continue
-        if isinstance(msg, Nice):  # (sent to process workers only)
+        # Sent to process workers only.
+        if isinstance(msg, Nice):
             lower_priority(msg.step)
             continue
         spills: list[Spill] = []
@@ -268,17 +285,21 @@ def _serve(
                 results.append(Dropped(task.batch, task.slot.id if task.slot is not None else -1))
                 continue
             look_at = now + NEWER_CHECK_S
-            if watch is not None:  # NOTE [ Seeding and threads ]: global draws
+            # NOTE [ Seeding and threads ]: a thread worker's task may be checked for draws
+            # from the global generators.
+            if watch is not None:
                 fetcher.probe = watch.task_probe()
             result: Result | None = None
-            if lane is not None and lane.on:  # (a lane comes with a writer)
+            # A lane comes with a writer.
+            if lane is not None and lane.on:
                 result = lane.take(fetcher, task, writer, heap)  # type: ignore[arg-type]
             if result is None:
                 result = _run_task(worker_id, label, fetcher, writer, task, gen, msg.epoch,
                                    spills, heap, late)
             if watch is not None:
                 fetcher.probe = None
-            if type(result) is Dropped:  # it stopped waiting for its slot: the rest go unrun
+            # It stopped waiting for its slot: the rest go unrun.
+            if type(result) is Dropped:
                 latest = max(latest, gen + 1)
             results.append(result)
         try:
@@ -286,7 +307,8 @@ def _serve(
         except (BrokenPipeError, EOFError, OSError):
             return
         finally:
-            for spill in spills:  # the main process has the descriptors now (or never will)
+            # The main process has the descriptors now (or never will).
+            for spill in spills:
                 spill.release()
         del results
 
@@ -295,7 +317,8 @@ def _say(chan: Any, msg: ToMain) -> None:
     try:
         chan.send(msg)
     except (BrokenPipeError, EOFError, OSError):
-        pass  # the main process is gone or closing
+        # The main process is gone or closing.
+        pass
 
 
 def _newer(chan: Any, inbox: collections.deque[ToWorker], gen: int) -> bool:
@@ -318,7 +341,8 @@ def _send_results(worker_id: int, label: str, chan: Any, gen: int, results: list
     try:
         chan.send(Done(gen, results))
     except Exception as exc:
-        if out_of_descriptors(exc):  # passing a batch's descriptor: the pipe is still whole
+        # Out of descriptors while passing a batch's: the pipe is still whole.
+        if out_of_descriptors(exc):
             err = worker_out_of_descriptors(worker_id, f"sending batch {results[0].batch}")
             chan.send(Done(gen, [Failed(r.batch, r.slot_id, err) for r in results]))
             return
@@ -343,7 +367,8 @@ def _run_task(
     if writer is not None:
         if slot is None:
             writer.begin(0, 0)
-        elif slot.id < 0:  # LATE: NOTE [ Slots bound when a task starts ] (late_slots.py)
+        elif slot.id < 0:
+            # LATE: NOTE [ Slots bound when a task starts ] in late_slots.py
             writer.begin_late(functools.partial(late, gen, batch))
         else:
             writer.begin(slot.offset, slot.size, slot.id)
@@ -354,7 +379,8 @@ def _run_task(
         data = fetcher.fetch(indices, writer, epoch=epoch)
         t1 = time.perf_counter()
         packed = pack(data, writer)
-        if heap is not None:  # before the samples are freed: glibc keeps them for the next
+        # Before the samples are freed, so that glibc keeps their memory for the next batch.
+        if heap is not None:
             heap.follow_batch(packed.need)
         del data
         spill = writer.take_spill() if writer is not None else None
@@ -362,7 +388,8 @@ def _run_task(
         if spill is not None:
             spills.append(spill)
             sealed = spill.seal()
-    except Abandoned:  # a stop or a newer generation while waiting for its slot
+    except Abandoned:
+        # A stop or a newer generation while waiting for its slot.
         return Dropped(batch, -1)
     except StopIteration:
         return Exhausted(batch, -1 if writer is None else writer.sid)
@@ -371,11 +398,14 @@ def _run_task(
             # SystemExit and the like end a process worker, as stock's (its exit is reported);
             # in a thread worker the batch raises it, in order, as with num_workers=0.
             raise
-        sid = -1 if writer is None else writer.sid  # (a LATE task's, if it came)
-        if out_of_descriptors(exc):  # anywhere: the spill's memory file, or the user's open()
+        # A LATE task's slot, if it came.
+        sid = -1 if writer is None else writer.sid
+        # Out of descriptors anywhere: the spill's memory file, or the user's open().
+        if out_of_descriptors(exc):
             return Failed(batch, sid, worker_out_of_descriptors(
                 worker_id, f"{fetcher.describe(indices)} (batch {batch})"))
-        if isinstance(exc, SharedMemoryError):  # gpufeed's own allocation, not the user's
+        # gpufeed's own allocation failed, not the user's code.
+        if isinstance(exc, SharedMemoryError):
             return Failed(batch, sid, capture(f"in {label} (gpufeed: batch {batch})"))
         where = f"in {label} (gpufeed: {fetcher.describe(indices)}, batch {batch})"
         return Failed(batch, sid, capture(where))
@@ -393,7 +423,8 @@ def _run_task(
                 fetch_s = max(fetch_s - waited, 0.0)
     state = None
     try:
-        if type(fetcher) is IterFetcher:  # map-style datasets have no stream state
+        # Map-style datasets have no stream state.
+        if type(fetcher) is IterFetcher:
             state = capture_state(fetcher.dataset)
     except Exception:
         where = f"in {label} (gpufeed: saving the dataset's state after batch {batch})"

@@ -49,8 +49,10 @@ from .stock_names import StockNames
 from .tracing import record_fetched, record_ring
 from .workahead import WorkAhead
 
-_STOP = object()  # an iterable dataset's worker ran dry
-WAIT_SLICE_S = 1.0  # how often a waiting main process re-checks worker health
+# An iterable dataset's worker ran dry.
+_STOP = object()
+# How often a waiting main process re-checks worker health.
+WAIT_SLICE_S = 1.0
 
 
 class WorkerIter(StockNames, BaseIter):
@@ -63,8 +65,10 @@ class WorkerIter(StockNames, BaseIter):
     keeps_region_fd = False
 
     def __init__(self, config: IterConfig) -> None:
-        self._closed = False  # first: close() below must work on a half-built iterator
-        self._pid = os.getpid()  # a forked child inherits this object: it must not close it
+        # First: close() below must work on a half-built iterator.
+        self._closed = False
+        # A forked child inherits this object: it must not close it.
+        self._pid = os.getpid()
         try:
             super().__init__(config)
             nw = self._num_workers = config.num_workers
@@ -77,11 +81,13 @@ class WorkerIter(StockNames, BaseIter):
                 num_workers=nw, prefetch_factor=config.prefetch_factor, pin=self._pin,
                 adaptive=self._timeout <= 0 and not config.prefetch_explicit,
                 device_depth=config.device_depth)
-            self._keeper = config.keeper if self._pin else None  # NOTE [ Slot lifetime ] (e)
+            # NOTE [ Slot lifetime ] (e)
+            self._keeper = config.keeper if self._pin else None
             self._ring = ring_for(self._keeper, budget=config.ring_bytes, shared=shared,
                                   pin=self._pin, device=self._pin_device,
                                   slots_hint=self._work_ahead.slots_hint)
-            self._seen = (self._ring.grows, self._ring.fallbacks)  # counted in stats so far
+            # Counted in stats so far.
+            self._seen = (self._ring.grows, self._ring.fallbacks)
             spec = WorkerSpec(
                 num_workers=nw, dataset=self._dataset, is_iterable=self._is_iterable,
                 auto_collation=self._auto_collation, collate_fn=self._collate_fn,
@@ -95,10 +101,12 @@ class WorkerIter(StockNames, BaseIter):
             self._watch = None if shared else config.random_watch
             self._pool: Pool
             if shared:
-                check_copy_on_write(self._dataset)  # NOTE [ Copy-on-write and Python objects ]
+                # NOTE [ Copy-on-write and Python objects ]
+                check_copy_on_write(self._dataset)
                 ctx = config.multiprocessing_context or torch.multiprocessing
                 self._pool = self.process_pool(spec, ctx)
-                if self._keeper is None and not self.keeps_region_fd:  # else: later workers
+                # Without a keeper, no later worker needs the region's descriptor.
+                if self._keeper is None and not self.keeps_region_fd:
                     self._ring.region.close_fd()
             else:
                 self._pool = self.thread_pool(spec)
@@ -109,28 +117,37 @@ class WorkerIter(StockNames, BaseIter):
             self._late = LateSlots(self._pool.send, self._ring.acquire, self._ring.release,
                                    config.late_verdict)
             self._late.decide(self._work_ahead.late_bind)
-            self._gen = 0  # the epoch's generation (NOTE [ Messages ])
+            # The epoch's generation (NOTE [ Messages ]).
+            self._gen = 0
             self._restart(config, first_iter=True)
         except BaseException:
-            self.close()  # a failed start leaves no worker, thread or descriptor behind
+            # A failed start leaves no worker, thread or descriptor behind.
+            self.close()
             raise
 
     # -- epoch bookkeeping ------------------------------------------------------------------
     def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
         if self._closed:
             raise RuntimeError("this gpufeed iterator was closed; iterate the DataLoader again")
-        failures.check_not_forked(self._pid)  # a persistent loader or iterator, forked
+        # A persistent loader or iterator may have been forked.
+        failures.check_not_forked(self._pid)
         self._gen, self._config = self._gen + 1, config
         if not first_iter:
             self._begin_epoch()
         self._num_yielded = 0
-        self._send_idx, self._rcvd_idx = 0, 0  # next batch number to dispatch, to deliver
-        self._tasks: dict[int, int] = {}  # dispatched, not answered: batch -> worker
-        self._ready: dict[int, Any] = {}  # answered, not delivered
-        self._slot_of: dict[int, int] = {}  # answered batches in pinned slots: batch -> slot
-        self._dataset_states: dict[int, WorkerState] = {}  # iterable datasets, per batch
+        # Next batch number to dispatch, to deliver.
+        self._send_idx, self._rcvd_idx = 0, 0
+        # Dispatched, not answered: batch -> worker.
+        self._tasks: dict[int, int] = {}
+        # Answered, not delivered.
+        self._ready: dict[int, Any] = {}
+        # Answered batches in pinned slots: batch -> slot.
+        self._slot_of: dict[int, int] = {}
+        # Iterable datasets, per batch.
+        self._dataset_states: dict[int, WorkerState] = {}
         self._active = [True] * self._num_workers
-        self._exits_expected: set[int] = set()  # workers that could not start (deferred)
+        # Workers that could not start (their errors deferred).
+        self._exits_expected: set[int] = set()
         self._sampler_done = False
         # NOTE [ Iterable resume ] in _order/delivery.py: states and turns as last delivered
         resumed = self._position.take_dataset_states() if self._is_iterable else None
@@ -143,7 +160,8 @@ class WorkerIter(StockNames, BaseIter):
                 state = resumed.states[w] if resumed is not None else None
                 self._pool.send(w, ResetStream(self._gen, state, None if first_iter else pipe_seed))
         seed = config.sample_seed
-        if seed != self._sample_seed:  # load_state_dict brought another seed: re-seed workers
+        # load_state_dict brought another seed: re-seed the workers.
+        if seed != self._sample_seed:
             self._sample_seed = seed
             for w in range(self._num_workers):
                 self._pool.send(w, Reseed(self._gen, seed))
@@ -167,7 +185,8 @@ class WorkerIter(StockNames, BaseIter):
         num_workers`` batches, each worker's share in one message (cheap batches: chunk > 1).
         """
         acquire, new, plan, late = self._ring.acquire, tuple.__new__, self._plan, self._late
-        if late.on:  # slots when the tasks start (NOTE [ Slots bound when a task starts ])
+        # Slots bound when the tasks start (NOTE [ Slots bound when a task starts ]).
+        if late.on:
             acquire = late_slot
         while not self._sampler_done:
             first = self._send_idx < self._num_workers
@@ -181,9 +200,11 @@ class WorkerIter(StockNames, BaseIter):
                     if self._active[w]:
                         break
                 else:
-                    self._sampler_done = True  # every iterable worker ran dry
+                    # Every iterable worker ran dry.
+                    self._sampler_done = True
                     break
-                try:  # planned: the worker slices the plan (indices None)
+                # With a plan, the worker slices it (indices None).
+                try:
                     indices = self._next_indices() if plan is None else None
                 except StopIteration:
                     self._sampler_done = True
@@ -210,17 +231,20 @@ class WorkerIter(StockNames, BaseIter):
             msg.error.reraise()
         if isinstance(msg, NeedSlot):
             self._late.answer(w, msg, msg.gen == self._gen, self._work_ahead.batch_s)
-            if (self._ring.grows, self._ring.fallbacks) != self._seen:  # as _dispatch
+            # The ring may have grown for the answer, as in _dispatch.
+            if (self._ring.grows, self._ring.fallbacks) != self._seen:
                 self._seen = record_ring(self._recorder, self._ring, self._seen)
             return
         fetched = [r for r in msg.results if type(r) is Fetched]
-        if fetched:  # epoch -1: an abandoned one's
+        # Results of an abandoned epoch are recorded under epoch -1.
+        if fetched:
             busy_s = record_fetched(self._recorder, w, self._tracker.epoch
                                     if msg.gen == self._gen else -1, fetched)
             self._worked(len(fetched), busy_s)
         for result in msg.results:
             self._result(w, msg.gen, result)
-        if fetched:  # the batches' cost, which decides the chunk and the slots' binding
+        # The batches' cost, which decides the chunk and the slots' binding.
+        if fetched:
             if self._work_ahead.adapt(busy_s / len(fetched), self._ring.slot_bytes):
                 self._ring.set_slots_hint(self._work_ahead.slots_hint)
             self._late.decide(self._work_ahead.late_bind)
@@ -233,7 +257,8 @@ class WorkerIter(StockNames, BaseIter):
         batch, slot_id = result.batch, result.slot_id
         if self._late.sent:
             self._late.settle(gen, batch, slot_id)
-        if gen != self._gen:  # an answer to an abandoned epoch
+        # An answer to an abandoned epoch.
+        if gen != self._gen:
             if slot_id >= 0:
                 self._ring.release(slot_id)
             return
@@ -259,7 +284,8 @@ class WorkerIter(StockNames, BaseIter):
                 self._ready[batch] = _STOP
             case Failed():
                 self._ready[batch] = result.error
-            case Dropped():  # the slot went back above; nothing is stored
+            case Dropped():
+                # The slot went back above; nothing is stored.
                 # Workers drop the current epoch's tasks only when the pool is closing (a stop
                 # waiting on their channel): anything else would lose a batch silently.
                 if not self._closed:
@@ -268,9 +294,11 @@ class WorkerIter(StockNames, BaseIter):
 
     def _wait(self) -> None:
         """Wait for a task's answer, or raise (dead worker, timeout: NeedSlots do not stop it)."""
-        if self._watch is not None:  # the loop draws nothing until the batch is popped
+        # The loop draws nothing until the batch is popped.
+        if self._watch is not None:
             self._watch.wait_begins()
-        failures.check_not_forked(self._pid)  # a persistent loader or iterator, forked
+        # A persistent loader or iterator may have been forked.
+        failures.check_not_forked(self._pid)
         start = time.monotonic()
         while True:
             slice_s = WAIT_SLICE_S
@@ -278,12 +306,14 @@ class WorkerIter(StockNames, BaseIter):
                 left = self._timeout - (time.monotonic() - start)
                 if left <= 0:
                     error = failures.timed_out(self._timeout_text, self._tasks)
-                    self.close(grace_s=0.0)  # as stock: raised at the timeout, not after a grace
+                    # As stock: raised at the timeout, not after a grace period.
+                    self.close(grace_s=0.0)
                     raise error
                 slice_s = min(slice_s, left)
             try:
                 msgs, dead = self._pool.poll(slice_s)
-            except WorkerError:  # out of file descriptors: nothing more can arrive
+            except WorkerError:
+                # Out of file descriptors: nothing more can arrive.
                 self.close()
                 raise
             for w, msg in msgs:
@@ -295,10 +325,12 @@ class WorkerIter(StockNames, BaseIter):
                     continue
                 held = [i for i, holder in self._tasks.items() if holder == w]
                 if not held and not self._tasks and self._sampler_done:
-                    continue  # it had nothing left to do
+                    # It had nothing left to do.
+                    continue
                 error = failures.lost_worker(self._pool.exit_description(w), held)
                 if self._in_order and self._defer_lost(w, held, error):
-                    return  # the batches before the dead worker's first come first
+                    # The batches before the dead worker's first come first.
+                    return
                 self.close()
                 raise error
             if any(type(msg) is not NeedSlot for _, msg in msgs):
@@ -307,7 +339,8 @@ class WorkerIter(StockNames, BaseIter):
     def _next(self) -> Any:
         if (watch := self._watch) is None:
             return self._next_batch()
-        watch.report(stacklevel=3)  # here: a warning turned error loses no batch
+        # Reported here, before a batch is taken: a warning turned error loses no batch.
+        watch.report(stacklevel=3)
         try:
             return self._next_batch()
         finally:
@@ -318,7 +351,8 @@ class WorkerIter(StockNames, BaseIter):
             self._check_capture()
         self._begin_again_if_set_late()
         asked_at = time.perf_counter()
-        if self._late.on and self._returned_at:  # the loop's step: late slots' rule (e)
+        # The loop's step counts for late slots' rule (e).
+        if self._late.on and self._returned_at:
             self._late.away(self._returned_at, asked_at)
         while True:
             if self._closed:
@@ -326,7 +360,8 @@ class WorkerIter(StockNames, BaseIter):
             if self._in_order:
                 idx = self._rcvd_idx
                 while idx not in self._ready:
-                    if idx not in self._tasks:  # nothing dispatched at idx: the epoch is over
+                    # Nothing dispatched at idx: the epoch is over.
+                    if idx not in self._tasks:
                         self._end_epoch()
                     self._wait()
                 self._rcvd_idx += 1
@@ -338,27 +373,32 @@ class WorkerIter(StockNames, BaseIter):
                     continue
                 idx = next(iter(self._ready))
             data = self._ready.pop(idx)
-            if self._watch is not None:  # the sampler, asked for more below, may draw
+            # The sampler, asked for more below, may draw.
+            if self._watch is not None:
                 self._watch.wait_ends()
             ahead = self._work_ahead
             in_flight = len(self._ready) + len(self._tasks)
             if not self._sampler_done and (in_flight <= ahead.refill_at or in_flight == 0
                                            or self._send_idx < self._num_workers):
-                self._dispatch()  # (else no window would open: WorkAhead.refill_at)
+                # Else no window would open (WorkAhead.refill_at).
+                self._dispatch()
                 in_flight = len(self._ready) + len(self._tasks)
             if data is _STOP:
                 continue
-            if type(data) is failures.Lost:  # a dead worker's first batch: the epoch stops here
+            # A dead worker's first batch: the epoch stops here.
+            if type(data) is failures.Lost:
                 self.close()
                 data.raise_it()
             if isinstance(data, RemoteError):
-                if self._direct:  # (else the device stage's Delivered counts it)
+                # Else the device stage's Delivered counts it.
+                if self._direct:
                     self._tracker.fetch_failed()
                 data.reraise()
             occupancy, gauges = (ring := self._ring).levels()
             occupancy.append(("prefetch", in_flight, ahead.in_flight_bound))
             span = None
-            if self._slot_of:  # batches in pinned slots (a device stage orders their copies)
+            # Batches in pinned slots: a device stage orders their copies.
+            if self._slot_of:
                 sid = self._slot_of.pop(idx, None)
                 span = ring.hand_out(sid, streams=self._direct) if sid is not None else None
             states = self._dataset_states
@@ -422,7 +462,8 @@ class WorkerIter(StockNames, BaseIter):
         raise StopIteration
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def ring_info(self) -> dict[str, int]:  # (tests)
+    def ring_info(self) -> dict[str, int]:
+        """The ring's counters (for tests)."""
         return self._ring.info()
 
     def close(self, grace_s: float = GRACE_S) -> None:
@@ -446,5 +487,7 @@ class WorkerIter(StockNames, BaseIter):
                          workers_stopped=getattr(pool, "stopped", False))
 
     def __del__(self) -> None:
-        with ctrl_c_held(in_finalizer=True):  # NOTE [ Ctrl-C that Python drops ]
-            self.close()  # idempotent, and a no-op in a forked child
+        # NOTE [ Ctrl-C that Python drops ]
+        with ctrl_c_held(in_finalizer=True):
+            # close() is idempotent, and a no-op in a forked child.
+            self.close()
