@@ -2,8 +2,8 @@
 
 This module is the public API: everything a user imports is here, in ``__all__``. The package
 is laid out by the stages a batch passes through (order, sources, memory, host, device, tools);
-``README.md`` next to this file is the map: one line per module, one batch's path through them,
-and the index of the design NOTEs.
+``docs/how-it-works/module-map.md`` is the map: one line per module, one batch's path through
+them, and the index of the design NOTEs.
 """
 
 from torch.utils.data import get_worker_info
