@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Set up, then run the main job: `gpufeed bench` on its built-in synthetic workload.
+# The main job: install what `gpufeed bench` needs (torch if absent, gpufeed with its `cli`
+# extra: progress bars and tables), then run it on its built-in synthetic workload (no files,
+# no GPU; about 1.5 minutes). Arguments go to `gpufeed bench` (e.g. --quick, --json FILE).
+# Honours PYTHON=/path/to/python: it installs into, and runs with, that Python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-exec gpufeed bench "$@"
+PY=${PYTHON:-python3}
+bash scripts/setup.sh cli
+echo "[run $(date +%H:%M:%S)] $PY -m gpufeed bench $* (about 1.5 min on an idle machine; the tables print at the end)"
+exec "$PY" -m gpufeed bench "$@"

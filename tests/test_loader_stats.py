@@ -1,4 +1,4 @@
-"""``loader.stats()``: every figure the README documents is recorded by a real loader, with
+"""``loader.stats()``: every figure the docs document is recorded by a real loader, with
 the value it documents; the input-bound share leaves start-up out."""
 
 import re
@@ -13,13 +13,13 @@ import gpufeed
 from support.fakes import IndexDataset, SleepDataset
 from support.sim_cuda import SimCuda
 
-README = Path(__file__).parents[1] / "README.md"
-#: columns and derived figures the README explains next to the stages and counters
+README = Path(__file__).parents[1] / "docs" / "guides" / "stats.md"
+#: columns and derived figures the stats guide explains next to the stages and counters
 COLUMNS = {"busy s", "blocked s", "p50/p90/p99 ms", "occupancy", "input-bound"}
 
 
 def documented() -> list[str]:
-    """The stage and counter names under the README's "Reading `loader.stats()`"."""
+    """The stage and counter names under the stats guide's "Reading `loader.stats()`"."""
     text = README.read_text().split("## Reading `loader.stats()`", 1)[1].split("\n## ", 1)[0]
     names = re.findall(r"^- `([^`]+)`: ", text, flags=re.M)
     assert len(names) > 15, names
@@ -63,7 +63,7 @@ def run_epochs(loader, epochs=1, keep=False, step_s=0.0):
 
 
 def test_every_documented_stat_is_recorded(monkeypatch):
-    """Each figure in the README's list shows up, with a value that is not trivially zero, in
+    """Each figure in the stats guide's list shows up, with a value that is not trivially zero, in
     the stats of a loader that does what the figure counts (an epoch on workers; batches
     kept past a small ring; a sparse leaf; a device stage on the simulated GPU)."""
     seen: dict[str, float] = {}

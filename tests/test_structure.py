@@ -7,7 +7,7 @@ Nothing here imports gpufeed; every check reads the files under ``src/gpufeed``,
 - a stage folder's ``__init__.py`` holds only its docstring, and every import points down the
   floors of ``FOLDER_FLOORS``/``ROOT_FLOORS`` (stage folders, the loader, tools, the public API);
 - every ``NOTE [ Name ]`` reference names exactly one NOTE definition, in the file it says;
-- ``src/gpufeed/README.md`` maps every module with its role;
+- ``docs/how-it-works/module-map.md`` maps every module with its role;
 - no module is longer than ``MAX_LINES``.
 """
 
@@ -20,6 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "src" / "gpufeed"
+MAP = REPO / "docs" / "how-it-works" / "module-map.md"  # the module map and the NOTE index
 MAX_LINES = 600
 
 
@@ -170,9 +171,9 @@ _BARE = re.compile(r"\bNOTE\s+(?:in|rule)\b")
 
 
 def _note_files() -> list[Path]:
-    """Where NOTEs are defined and cited (docs/ is history, not checked)."""
+    """Where NOTEs are defined and cited: the code, the tests, the lab and the docs."""
     files = [*(REPO / "src").rglob("*.py"), *(REPO / "tests").rglob("*.py"),
-             *(REPO / "bench").rglob("*.py"), REPO / "README.md", PKG / "README.md"]
+             *(REPO / "bench").rglob("*.py"), REPO / "README.md", *(REPO / "docs").rglob("*.md")]
     me = Path(__file__).resolve()
     return sorted(p for p in files if p.is_file() and p.resolve() != me)
 
@@ -258,8 +259,8 @@ def test_note_references():
 
 
 # --- the module map -----------------------------------------------------------------------------
-# src/gpufeed/README.md holds the map: a fenced code block whose first line is ``src/gpufeed/``,
-# then one line per file or folder, indented two spaces a level:
+# docs/how-it-works/module-map.md holds the map: a fenced code block whose first line is
+# ``src/gpufeed/``, then one line per file or folder, indented two spaces a level:
 #     _base/             floor 0: what every stage uses
 #       errors.py        WorkerError, RemoteError, capture
 # A folder's name ends with ``/``; every ``.py`` file has a role after its name (a role may go on
@@ -295,7 +296,7 @@ def _map(readme: Path) -> dict[str, str]:
 
 
 def test_module_map():
-    readme = PKG / "README.md"
+    readme = MAP
     assert readme.is_file(), (f"{_rel(readme)} does not exist: it holds the map of the "
                               "package, one line per module with its role")
     roles = _map(readme)
@@ -314,7 +315,7 @@ def test_module_size():
 
 def test_note_index():
     """The map's index lists every NOTE defined in the package, with the file that holds it."""
-    readme = (PKG / "README.md").read_text()
+    readme = MAP.read_text()
     rows = dict(re.findall(r"^\| ([^|]+?) \| `([^`]+)` \|", readme, flags=re.M))
     defined = {name: _rel(where[0][0]).removeprefix("src/gpufeed/")
                for name, where in _definitions(_note_files()).items()
@@ -323,4 +324,4 @@ def test_note_index():
     bad += [f"NOTE [ {n} ] is indexed in {rows[n]} but defined in {f}"
             for n, f in defined.items() if n in rows and rows[n] != f]
     bad += [f"NOTE [ {n} ] is indexed but defined nowhere" for n in rows if n not in defined]
-    assert not bad, "src/gpufeed/README.md's NOTE index is out of date:\n" + "\n".join(bad)
+    assert not bad, f"{_rel(MAP)}'s NOTE index is out of date:\n" + "\n".join(bad)

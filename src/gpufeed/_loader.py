@@ -335,7 +335,7 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
 
     def stats(self) -> LoaderStats:
         """Per-stage timings, ring and prefetch occupancy, and counters since construction
-        (never reset; the README's "Reading loader.stats()" explains every figure).
+        (never reset; docs/guides/stats.md explains every figure).
 
         Stages: ``fetch`` and ``collate`` (worker side), ``startup`` (your loop blocked on the
         first batch of an ``iter()``), ``wait`` (blocked on each later one), ``step`` (your

@@ -10,7 +10,7 @@ from gpufeed._base.stats import LoaderStats, StageStats
 from gpufeed._tools.profiler import profile
 
 SRC = Path(gpufeed.__file__).parent
-README = SRC.parents[1] / "README.md"
+README = SRC.parents[1] / "docs" / "guides" / "stats.md"  # "Reading loader.stats()"
 
 
 def test_every_stat_the_core_reports_has_a_meaning():

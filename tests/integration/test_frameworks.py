@@ -164,7 +164,7 @@ def test_lightning_checkpoints_an_iterable_dataset_without_state(tmp_path, num_w
 def test_lightning_resumes_a_sized_iterable_dataset_exactly(tmp_path):
     """With ``__len__``, Lightning fetches no batch ahead, so the checkpointed position is the
     last trained batch (without it Lightning's fetcher holds one batch, which a resume skips:
-    documented in the README)."""
+    documented in docs/compatibility.md)."""
     pytest.importorskip("lightning")
 
     class SizedStream(PairStream):

@@ -148,8 +148,9 @@ def test_the_usual_resume_loop_that_sets_each_epoch_continues_the_run(kind, work
 @pytest.mark.parametrize("workers", ["main", "threads-persistent"])
 @pytest.mark.parametrize("kind", SET_EPOCH)
 def test_a_state_taken_once_the_epoch_ran_out_belongs_to_the_next_epoch(kind, workers):
-    """The README's rule for a state taken after ``for batch in loader`` is over: restarting at
-    the next epoch continues the run; setting the saved epoch again replays it whole."""
+    """The documented rule (docs/guides/distributed.md) for a state taken after
+    ``for batch in loader`` is over: restarting at the next epoch continues the run; setting the
+    saved epoch again replays it whole."""
     options, set_epoch = SET_EPOCH[kind]
 
     def make():
@@ -181,7 +182,7 @@ def test_a_state_between_epochs_of_a_stock_shuffle_leaves_the_order_to_the_globa
     when the epoch starts, as torch does. A state taken before the first epoch or between two
     draws nothing (taking a checkpoint does not change the run that takes it), and the epoch
     after its load draws from the resumed run's global generator, as a new loader would
-    (README, "Resume without seed=")."""
+    (docs/guides/distributed.md, "Resume mid-epoch")."""
     def make():
         return gpufeed.DataLoader(list(range(N)), batch_size=3, shuffle=True,
                                   **WORKERS[workers])

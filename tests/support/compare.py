@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-#: how to get a torchvision that loads (README, "torchvision next to a CPU-only torch")
+#: how to get a torchvision that loads (docs/getting-started.md, "torchvision next to a
+#: CPU-only torch")
 TORCHVISION_HINT = ("install torchvision together with torch, from the same index and release "
                     "line, e.g. pip install torch==X torchvision==Y --index-url "
                     "https://download.pytorch.org/whl/cpu")

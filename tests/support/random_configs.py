@@ -304,7 +304,8 @@ def resume_matches(conf: dict[str, Any], cut_seed: int, epochs: int = 3) -> tupl
             epoch_end = next(s for s in (sum(lengths[: e + 1]) for e in range(epochs))
                              if s >= cut)
             # a state between epochs (before the first included) leaves the next epoch's
-            # order to the resumed run's global generator (README, "Resume without seed=")
+            # order to the resumed run's global generator (docs/guides/distributed.md,
+            # "Resume mid-epoch")
             want = want[: epoch_end - cut] if cut else []
         got: list[Any] = []
         for _ in range(epochs + 1):

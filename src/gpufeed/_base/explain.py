@@ -1,7 +1,7 @@
 """What every loader statistic means, and why the ring fell back when it did.
 
 ``MEANINGS`` has one line per stage, counter and column of :class:`~gpufeed.stats.LoaderStats`
-(the README's "Reading loader.stats()" lists the same lines; a test keeps them in step).
+(docs/guides/stats.md, "Reading loader.stats()", lists the same lines; a test keeps them in step).
 :func:`ring_findings` reads a snapshot and, when a large share of batches missed the slot ring
 (``ring_fallback``), names the cause it sees and the fix:
 

@@ -146,7 +146,7 @@ def sample_generator(index: int | None = None) -> torch.Generator:
     generator seeded by one draw from torch's global generator, so the same dataset code runs
     anywhere. Cost: making and seeding the generator, a few microseconds per sample that asks
     for it, less than seeding the three global generators; nothing for one that does not
-    (``python -m bench.seeding``; figures in the README).
+    (``python -m bench.seeding``; figures in docs/guides/randomness.md).
     """
     seed, scope = _seed(index, _TORCH)
     if scope is not None and scope._torch is not None:

@@ -50,8 +50,8 @@ Draws from the global generators in thread workers are whatever the interleaving
 makes them, as in any multi-threaded PyTorch program. A dataset seen making them gets one
 ``RandomStateWarning`` per loader, naming the fix (the per-sample generators, or process
 workers): ``_host/random_watch.py`` checks sampled calls into user code while the loop waits.
-Measured (``bench.seeding``, see the README): thread workers run as fast with
-``seed=`` as without. The lock of ``seeded`` is re-created in a forked child.
+Measured (``bench.seeding``; figures in docs/guides/randomness.md): thread workers
+run as fast with ``seed=`` as without. The lock of ``seeded`` is re-created in a forked child.
 """
 
 from __future__ import annotations
