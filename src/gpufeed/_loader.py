@@ -9,11 +9,12 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
-from torch.utils.data import Dataset, IterableDataset, Sampler
+from torch.utils.data import Dataset, IterableDataset, Sampler, default_collate
 
 from ._base import timeline as _timeline
 from ._base.stats import LoaderStats, StatsRecorder
-from ._device.stage import to_device
+from ._device.decode import DecodePlan, decode_plan
+from ._device.prefetch import DeviceIterator
 from ._device.streams import parse_device
 from ._host.arguments import check_arguments, check_num_workers, warn_thread_workers
 from ._host.auto_iter import AutoIter, make_tuner
@@ -315,8 +316,9 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
         # A CUDA device stage needs page-locked batches to copy asynchronously: pin then too.
         on_cuda = self.device is not None and self.device.type == "cuda"
         pin = (self.pin_memory or on_cuda) and _pinning.cuda_usable()
+        plan = self.__dict__.get("_decode_plan")  # the workers ship encoded images
         return IterConfig(
-            dataset=self.dataset,
+            dataset=self.dataset if plan is None else plan.source,
             is_iterable=isinstance(self.dataset, IterableDataset),
             auto_collation=self._auto_collation,
             index_sampler=self._index_sampler,
@@ -377,10 +379,23 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
         iterator = self._iterator
         if isinstance(iterator, BaseIter) and iterator.closed:  # closed by the user: afresh
             self._iterator = None
+        device = parse_device(self.device) if self.device is not None else None
+        self._decode_plan = self._gpu_decode(device)
         it = super().__iter__()
-        if self.device is None:
+        if device is None:
             return it
-        return Delivered(to_device(
-            it, parse_device(self.device), depth=self.device_depth, transform=self.device_transform,
-            recorder=self._recorder,
+        plan = self._decode_plan
+        return Delivered(DeviceIterator(
+            it, device, depth=self.device_depth, transform=self.device_transform,
+            recorder=self._recorder, decode=None if plan is None else plan.stage,
         ), self._position.current())
+
+    def _gpu_decode(self, device: torch.device | None) -> DecodePlan | None:
+        """The GPU decode of an image source with ``decode="gpu"``/``"auto"`` (made once per
+        loader and device: ``_device/decode.py``), or None."""
+        key = (id(self.dataset), device)
+        made = self.__dict__.get("_decode_made")
+        if made is None or made[0] != key:
+            batched = self._auto_collation and self.collate_fn is default_collate
+            made = self._decode_made = (key, decode_plan(self.dataset, device, batched=batched))
+        return made[1]

@@ -75,6 +75,20 @@ NOTE [ Device stage: streams, events and slots ]
     rule (4) issues fewer), and the next next() goes on with the batches after it, as the
     stock loader goes on after a worker's error. A failed copy's or transform's host batch
     is dropped once its E_copy was waited for (rule 6's guarantee, for one batch).
+(14) GPU decode (``_device/decode.py``). A batch whose images the workers left encoded is
+    placed by the decode step instead of copied: (a) the decode, crops and resizes are
+    queued on S into a batch allocated from S's pool, before E_copy and E_ready, so the
+    consumer reads them after C waits on E_ready (rule 2), as any transform's output;
+    (b) the decoder reads the encoded bytes from the host batch (the slot) when its queued
+    work runs, so E_copy is recorded after the decode is queued and the host batch, with the
+    host images it uploads, is held until E_copy has completed (rule 3); (c) before the
+    decode, S is idle: an event recorded on S after the batch is allocated is waited for on
+    the host (idle_waits), because nvJPEG's batched hardware decode writes its outputs
+    before the work already queued on its stream has run. Memory that queued work still
+    reads (freed on S, reused at once by the caching allocator) would be overwritten: seen on
+    H100s, not on A100s, with torchvision's and torchcodec's decoders (pytorch/vision#9606,
+    meta-pytorch/torchcodec#1634, which waits the same way). Each part has a test that breaks
+    it (tests/device/test_decode_sim.py).
 """
 
 from __future__ import annotations
@@ -129,6 +143,7 @@ class DeviceIterator(Iterator[Any]):
         transform: Callable[[Any], Any] | None = None,
         recorder: Any | None = None,
         backend: SyncBackend | None = None,
+        decode: Any | None = None,
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int):
             raise TypeError(f"depth must be an int, got {type(depth).__name__} ({depth!r})")
@@ -149,6 +164,7 @@ class DeviceIterator(Iterator[Any]):
         self.depth = depth
         self._iterable = iterable
         self._transform = transform
+        self._decode = decode  # a DeviceDecode (rule 14), or None
         self._recorder = recorder
         self._backend = backend if backend is not None else backend_for(self.device)
         self._trace = DeviceTrace(self._backend, recorder)  # NOTE [ Timeline ]
@@ -362,11 +378,15 @@ class DeviceIterator(Iterator[Any]):
             return backend.copy(t)
 
         with backend.use_stream(side):  # rule (1)
+            held = host
             try:
-                batch = map_tensors(copy, host)
+                if self._decode is None:
+                    batch = map_tensors(copy, host)
+                else:  # rule (14)
+                    batch, held = self._decode.place(host, copy, backend, side)
             finally:  # even after a failed copy: the leaves before it may be in flight
                 copied = backend.record_event(side)
-                self._host.append((copied, host, tuple(addresses)))
+                self._host.append((copied, held, tuple(addresses)))
                 self._copies.add(copied)
             copied_at = self._trace.mark(marks, side)
             self._bytes_copied += sent
