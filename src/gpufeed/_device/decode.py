@@ -99,11 +99,7 @@ class DeviceDecode:
         else:
             images = dec.empty((n, 3, oh, ow), torch.uint8)
         hwc = images.permute(0, 2, 3, 1)
-        # rule (14c): nothing queued on S before the decode may still run when it writes
-        idle = backend.record_event(side)
-        if not idle.query():
-            self.idle_waits += 1
-            idle.synchronize()
+        self._wait_idle(backend, side)
         plans = enc.plans.numpy()
         kinds = plans[:, KIND]
         jpegs = [k for k in range(n) if kinds[k] == JPEG]
@@ -128,6 +124,15 @@ class DeviceDecode:
         self.batches += 1
         self.images_on_cpu += len(rest)
         return images
+
+
+    def _wait_idle(self, backend: Any, side: Any) -> None:
+        """Rule (14c): nothing queued on S before the decode (the batch's allocation
+        included) may still run when the decoder writes."""
+        idle = backend.record_event(side)
+        if not idle.query():
+            self.idle_waits += 1
+            idle.synchronize()
 
 
 def _available() -> str | None:

@@ -86,8 +86,7 @@ class JpegFrame(NamedTuple):
 def jpeg_frame(data: bytes | np.ndarray | memoryview) -> JpegFrame | None:
     """The frame header of the JPEG ``data``, or None if none is found before the scan (not a
     JPEG, or damaged). Reads only the markers, a few hundred bytes at most past the EXIF."""
-    buf: Any = data if isinstance(data, bytes) else memoryview(np.ascontiguousarray(data)).cast(
-        "B")
+    buf = data if isinstance(data, bytes) else np.asarray(data, np.uint8).tobytes()
     n = len(buf)
     if n < 4 or bytes(buf[:3]) != _JPEG_MAGIC:
         return None
