@@ -192,9 +192,9 @@ def encoded_batch(src: Any, idx: np.ndarray, *, seed: int | None, epoch: int,
                                  np.random.Generator(np.random.PCG64(s)))
                 parts.append(data)
                 continue
-            cpu += 1
             pixels = np.empty((oh, ow, 3), np.uint8)
             src._load(i, s, pixels)  # the CPU path, as today (its own generator of seed s)
+            cpu += 1
         except SourceChanged:
             raise
         except Exception as exc:
