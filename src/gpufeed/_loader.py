@@ -13,7 +13,7 @@ from torch.utils.data import Dataset, IterableDataset, Sampler, default_collate
 
 from ._base import timeline as _timeline
 from ._base.stats import LoaderStats, StatsRecorder
-from ._device.decode import DecodePlan, decode_plan
+from ._device.decode import decode_plan
 from ._device.prefetch import DeviceIterator
 from ._device.streams import parse_device
 from ._host.arguments import check_arguments, check_num_workers, warn_thread_workers
@@ -380,22 +380,12 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
         if isinstance(iterator, BaseIter) and iterator.closed:  # closed by the user: afresh
             self._iterator = None
         device = parse_device(self.device) if self.device is not None else None
-        self._decode_plan = self._gpu_decode(device)
-        it = super().__iter__()
+        batched = self._auto_collation and self.collate_fn is default_collate
+        plan = self._decode_plan = decode_plan(self.dataset, device, batched=batched)
+        it = super().__iter__()  # (its workers read plan.source: NOTE [ Decoding ])
         if device is None:
             return it
-        plan = self._decode_plan
         return Delivered(DeviceIterator(
             it, device, depth=self.device_depth, transform=self.device_transform,
             recorder=self._recorder, decode=None if plan is None else plan.stage,
         ), self._position.current())
-
-    def _gpu_decode(self, device: torch.device | None) -> DecodePlan | None:
-        """The GPU decode of an image source with ``decode="gpu"``/``"auto"`` (made once per
-        loader and device: ``_device/decode.py``), or None."""
-        key = (id(self.dataset), device)
-        made = self.__dict__.get("_decode_made")
-        if made is None or made[0] != key:
-            batched = self._auto_collation and self.collate_fn is default_collate
-            made = self._decode_made = (key, decode_plan(self.dataset, device, batched=batched))
-        return made[1]

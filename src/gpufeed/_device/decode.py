@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy as _copy
 import importlib.util
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -155,13 +156,28 @@ def make_decoder(device: torch.device) -> GpuJpegDecoder:
     return NvImageCodec(device)
 
 
+#: plans made, per dataset: (device, batched) -> plan (one decoder per dataset and device)
+_plans: weakref.WeakKeyDictionary[Any, dict[tuple[Any, bool], DecodePlan | None]] = \
+    weakref.WeakKeyDictionary()
+
+
 def decode_plan(dataset: Any, device: torch.device | None, *, batched: bool) -> DecodePlan | None:
     """The GPU decode of ``dataset`` under a loader delivering to ``device``, or None (the CPU
-    path). ``batched``: the loader collates with the default collate function (the only case
-    where the source writes whole batches: NOTE [ Batch sources ])."""
+    path); made once per dataset, device and ``batched`` (the loader collates with the default
+    collate function, the only case where a source writes whole batches: NOTE [ Batch
+    sources ]). ``decode="gpu"`` says once why it is not taken."""
     mode = getattr(dataset, "decode", "cpu") if isinstance(dataset, DecodedImages) else "cpu"
     if mode == "cpu":
         return None
+    made = _plans.setdefault(dataset, {})
+    key = (device, batched)
+    if key not in made:
+        made[key] = _make_plan(dataset, mode, device, batched)
+    return made[key]
+
+
+def _make_plan(dataset: Any, mode: str, device: torch.device | None,
+               batched: bool) -> DecodePlan | None:
     if device is None or device.type != "cuda":
         why = "the loader has no CUDA device stage (device='cuda')"
     elif not batched:

@@ -107,10 +107,10 @@ import torch
 from .._base import cuda as _cuda
 from .._base import timeline as _timeline
 from .._base.stats import DeviceStats
-from .._base.tree import tree_leaves
 from .._memory import pinning as _pinning
+from .copier import Copier
 from .held import drop_copied, map_tensors, pop_completed, tensor_bytes
-from .pageable import staged_reason, warn_staged
+from .pageable import warn_staged
 from .streams import Event, SyncBackend, backend_for, parse_device
 from .timing import DeviceTrace
 
@@ -355,28 +355,7 @@ class DeviceIterator(Iterator[Any]):
         start, self._taken = time.perf_counter(), self._taken + 1
         backend, side = self._backend, self._side
         tl, marks = self._trace.begin(side)  # (None, None) unless a trace records
-        sent = 0
-        addresses: list[int] = []
-        staged: tuple[torch.Tensor, str] | None = None
-        resident = {id(t): t for t in tree_leaves(host)
-                    if isinstance(t, torch.Tensor) and backend.on_device(t)}
-        if resident:  # rule (9)
-            backend.wait_event(side, backend.record_event(backend.current_stream()))
-            for t in resident.values():
-                backend.record_stream(t, side)
-
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            nonlocal sent, staged
-            if id(t) in resident:
-                return t  # what .to(device) would return: the tensor itself
-            sent += t.numel() * t.element_size()
-            addresses.append(t.data_ptr())
-            if backend.needs_pinned and t.device.type == "cpu" and staged is None:
-                reason = staged_reason(t, backend.is_pinned(t))
-                if reason is not None:
-                    staged = (t, reason)
-            return backend.copy(t)
-
+        copy = Copier(backend, side, host)  # rules (7) and (9)
         with backend.use_stream(side):  # rule (1)
             held = host
             try:
@@ -386,10 +365,10 @@ class DeviceIterator(Iterator[Any]):
                     batch, held = self._decode.place(host, copy, backend, side)
             finally:  # even after a failed copy: the leaves before it may be in flight
                 copied = backend.record_event(side)
-                self._host.append((copied, held, tuple(addresses)))
+                self._host.append((copied, held, tuple(copy.addresses)))
                 self._copies.add(copied)
             copied_at = self._trace.mark(marks, side)
-            self._bytes_copied += sent
+            self._bytes_copied += copy.sent
             ready = copied
             if self._transform is not None:
                 batch = self._transform(batch)
@@ -399,15 +378,15 @@ class DeviceIterator(Iterator[Any]):
         self._ready.append((ready, batch, nbytes))
         self._bytes_held += nbytes
         self._peak = max(self._peak, self._bytes_held)
-        if staged is not None:
-            self._on_staged(*staged)
+        if copy.staged is not None:
+            self._on_staged(*copy.staged)
         end = time.perf_counter()
         if self._recorder is not None:
             self._recorder.add("transfer", busy_s=end - start, blocked_s=waited)
             self._recorder.occupancy("transfer", len(self._ready), self.depth)
         if tl is not None:  # the times of "transfer" (NOTE [ Timeline ] (3))
             self._trace.issued(tl, self._batches + len(self._ready) - 1, start, copied_at, end,
-                               sent, self._transform is not None, marks)
+                               copy.sent, self._transform is not None, marks)
 
     def _on_staged(self, t: torch.Tensor, reason: str) -> None:  # rule (7)
         self._pageable += 1
