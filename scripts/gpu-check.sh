@@ -6,8 +6,9 @@
 # Runs from a checkout with `python3` holding a CUDA build of torch; gpufeed from ./src.
 # Without CUDA it says so and exits 0 (GPU_CHECK_FORCE=1 runs the steps anyway: each one
 # skips its GPU parts). STEPS="..." runs only the steps named (see `want` below).
-# The GPU decode needs nvImageCodec: when it is not installed, a wheel found in
-# $GPUFEED_WHEELS (default ./wheels; the machine may have no network) is installed from there.
+# The GPU decode needs nvImageCodec and nvJPEG: when they are not installed, the wheels found in
+# $GPUFEED_WHEELS (default ./wheels; the machine may have no network) are installed from there:
+#   pip download --no-deps -d wheels nvidia-nvimgcodec-cu12 nvidia-nvjpeg-cu12   (or -cu13)
 set -u
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
@@ -35,7 +36,7 @@ if want decode-lib; then
             wheels=${GPUFEED_WHEELS:-wheels}
             if [ -d "$wheels" ]; then
                 timeout 120 $PY -m pip install -q --no-index --find-links "$wheels" \
-                    "nvidia-nvimgcodec-cu$major" || echo "install from $wheels failed"
+                    "nvidia-nvimgcodec-cu$major[nvjpeg]" || echo "install from $wheels failed"
             else
                 echo "nvImageCodec is not installed and $wheels holds no wheel: the GPU decode" \
                      "tests and benchmark will skip"

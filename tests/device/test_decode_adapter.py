@@ -33,7 +33,10 @@ def fake_nvimgcodec(mode: str, refuse: bytes = b"") -> types.ModuleType:
     calls: dict[str, Any] = {"decode": []}
 
     class ColorSpec:
-        RGB = "rgb"
+        SRGB = "srgb"
+
+    class SampleFormat:
+        I_RGB = "interleaved rgb"
 
     class DecodeParams:
         def __init__(self, **kw: Any) -> None:
@@ -66,8 +69,8 @@ def fake_nvimgcodec(mode: str, refuse: bytes = b"") -> types.ModuleType:
             return self.t.__dlpack_device__()
 
     class Decoder:
-        def __init__(self, device_id: int = 0) -> None:
-            calls["device_id"] = device_id
+        def __init__(self, device_id: int = -1, options: str = "") -> None:
+            calls["device_id"], calls["options"] = device_id, options
 
         def decode(self, sources: list[Any], params: Any = None, cuda_stream: int = 0) -> Any:
             calls["decode"].append((len(sources), cuda_stream))
@@ -78,7 +81,8 @@ def fake_nvimgcodec(mode: str, refuse: bytes = b"") -> types.ModuleType:
                 if refuse and refuse in stream.data:
                     out.append(None)
                     continue
-                gray = simplejpeg.decode_jpeg_header(stream.data)[2] == "Gray"
+                rgb = calls["params"].get("sample_format") == SampleFormat.I_RGB
+                gray = simplejpeg.decode_jpeg_header(stream.data)[2] == "Gray" and not rgb
                 img = simplejpeg.decode_jpeg(stream.data, colorspace="GRAY" if gray else "RGB")
                 if region is not None:
                     (t, lft), (b, r) = region.start, region.end
@@ -87,6 +91,7 @@ def fake_nvimgcodec(mode: str, refuse: bytes = b"") -> types.ModuleType:
             return out
 
     nv.ColorSpec, nv.DecodeParams, nv.Region = ColorSpec, DecodeParams, Region  # type: ignore[attr-defined]
+    nv.SampleFormat = SampleFormat  # type: ignore[attr-defined]
     nv.CodeStream, nv.Decoder = CodeStream, Decoder  # type: ignore[attr-defined]
     if mode == "source":
         class DecodeSource:
@@ -148,6 +153,7 @@ def test_adapter_renders_the_cpu_paths_pixels(monkeypatch: pytest.MonkeyPatch, f
     assert dec.decode_into(images, list(range(n)), out, _Stream()) == []
     assert nv.calls["decode"] == [(n, 1234)]  # type: ignore[attr-defined]
     assert nv.calls["params"]["apply_exif_orientation"] is False  # type: ignore[attr-defined]
+    assert nv.calls["options"] == ":fancy_upsampling=1"  # type: ignore[attr-defined]
     for k in range(n):
         data = images.item(k).tobytes()
         whole = simplejpeg.decode_jpeg(data, colorspace="RGB")
@@ -176,3 +182,21 @@ def test_make_decoder_without_the_library_names_the_extra(monkeypatch: pytest.Mo
     monkeypatch.setattr(_decode.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ImportError, match=r"gpufeed\[gpu-decode\]"):
         _decode.make_decoder(torch.device("cuda", 0))
+
+
+def test_the_installed_librarys_surface_takes_the_adapters_calls(folder: Any) -> None:
+    """With nvImageCodec importable (no GPU needed), the objects the adapter makes are made:
+    its decode parameters, and a code stream of a slot's bytes cut to a region."""
+    nv = pytest.importorskip("nvidia.nvimgcodec")
+    params = dict(apply_exif_orientation=False, allow_any_depth=False,
+                  color_spec=getattr(nv.ColorSpec, "SRGB", None) or nv.ColorSpec.RGB)
+    if hasattr(getattr(nv, "SampleFormat", None), "I_RGB"):
+        params["sample_format"] = nv.SampleFormat.I_RGB
+    nv.DecodeParams(**params)
+    data = np.frombuffer((folder / "a" / "0.jpg").read_bytes(), np.uint8)
+    stream = nv.CodeStream(data)
+    assert (stream.height, stream.width) == (60, 80) and stream.codec_name == "jpeg"
+    region = nv.Region(start=(2, 3), end=(20, 30))
+    assert hasattr(nv.CodeStream, "get_sub_code_stream") or hasattr(nv, "DecodeSource")
+    if hasattr(nv.CodeStream, "get_sub_code_stream"):
+        stream.get_sub_code_stream(region=region)

@@ -141,7 +141,7 @@ def _available() -> str | None:
     if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec(
             "nvidia.nvimgcodec") is None:
         return ("nvImageCodec is not installed (pip install 'gpufeed[gpu-decode]', which "
-                "installs nvidia-nvimgcodec-cu12; use -cu13 for a CUDA 13 build of torch)")
+                "installs nvidia-nvimgcodec-cu12[nvjpeg]; -cu13 for a CUDA 13 build of torch)")
     return None
 
 

@@ -34,15 +34,21 @@ class NvImageCodec:
             raise RuntimeError("CUDA is not available to torch")
         nv: Any = importlib.import_module("nvidia.nvimgcodec")
         self.nv, self.device = nv, device
-        self.decoder = nv.Decoder(device_id=device.index or 0)
-        self.params = nv.DecodeParams(apply_exif_orientation=False,
-                                      color_spec=nv.ColorSpec.RGB, allow_any_depth=False)
-        # region decoding: DecodeSource(code_stream, region) (0.6 and later), or a code
-        # stream's sub-stream of a region (0.5); else the whole image, cut on the device
-        if hasattr(nv, "DecodeSource"):
-            self.regions = "source"
-        elif hasattr(nv.CodeStream, "get_sub_code_stream"):
+        # smooth chroma upsampling, as libjpeg-turbo's default (the CPU path's)
+        self.decoder = nv.Decoder(device_id=device.index or 0, options=":fancy_upsampling=1")
+        params: dict[str, Any] = dict(apply_exif_orientation=False, allow_any_depth=False,
+                                      color_spec=getattr(nv.ColorSpec, "SRGB", None)
+                                      or nv.ColorSpec.RGB)
+        formats = getattr(nv, "SampleFormat", None)
+        if formats is not None and hasattr(formats, "I_RGB"):  # grayscale JPEGs as RGB too
+            params["sample_format"] = formats.I_RGB
+        self.params = nv.DecodeParams(**params)
+        # region decoding: a code stream's sub-stream of a Region (0.9), or DecodeSource(code
+        # stream, region) where a version has it; else the whole image, cut on the device
+        if hasattr(nv.CodeStream, "get_sub_code_stream"):
             self.regions = "sub"
+        elif hasattr(nv, "DecodeSource"):
+            self.regions = "source"
         else:
             self.regions = ""
         self.version = getattr(nv, "__version__", "?")

@@ -109,10 +109,14 @@ lent, so none was run here):
   in, but a large wheel with its own executor, thread pool and memory pools beside torch's, for
   the same nvImageCodec underneath.
 
-Chosen: nvImageCodec, behind the optional extra ``gpufeed[gpu-decode]`` (the CUDA 12 wheel;
-``nvidia-nvimgcodec-cu13`` for a CUDA 13 torch). ``_device/nvimgcodec.py`` adapts it: EXIF
-orientation off (the CPU path ignores it), RGB out, the plan's region where the installed
-version takes one (else the whole image, cut on the device), then per image torch's
+Chosen: nvImageCodec, behind the optional extra ``gpufeed[gpu-decode]``
+(``nvidia-nvimgcodec-cu12[nvjpeg]``: nvJPEG comes in its own wheel; ``-cu13`` for a CUDA 13
+torch). Its 0.9 wheel imports without a GPU (its Decoder then raises RuntimeError, and the CPU
+decodes), so its Python surface is checked here. ``_device/nvimgcodec.py`` adapts it: EXIF
+orientation off (the CPU path ignores it), sRGB interleaved RGB out (grayscale too), smooth
+chroma upsampling (``:fancy_upsampling=1``, libjpeg-turbo's default), the plan's region
+(``CodeStream.get_sub_code_stream(region=Region(...))``; else the whole image, cut on the
+device), then per image torch's
 antialiased bilinear resize in float32, rounded (within one level of the CPU path's uint8
 kernel on the CPU, tests/device/test_decode_adapter.py), the cut and the flip. Files the GPU
 path does not take are decoded by the workers as before and travel as pixels: not a JPEG, not
