@@ -167,6 +167,7 @@ def test_skipped_images_are_black_with_label_minus_one(monkeypatch: pytest.Monke
     (x, y), = list(gpufeed.DataLoader(ds, batch_size=2, device="cuda"))
     sim.drain()
     assert y.tolist() == [0, -1] and int(x[1].sum()) == 0 and int(x[0].sum()) > 0
+    assert ds.skipped == 1  # counted on the user's dataset (the workers read a copy)
 
 
 def test_image_shards_keep_their_fields(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:

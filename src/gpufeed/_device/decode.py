@@ -189,7 +189,7 @@ def _make_plan(dataset: Any, mode: str, device: torch.device | None,
             why = str(exc)
         else:
             shipped = _copy.copy(dataset)
-            shipped._encoded = True
+            shipped._encoded, shipped._origin = True, dataset  # skipped counts the user's
             return DecodePlan(shipped, DeviceDecode(decoder, dataset.decoder))
     if mode == "gpu":
         say_once(f"gpu-decode-off:{why}", "%s(decode='gpu') decodes on the CPU: %s (NOTE "

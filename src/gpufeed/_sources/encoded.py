@@ -202,7 +202,7 @@ def encoded_batch(src: Any, idx: np.ndarray, *, seed: int | None, epoch: int,
                 raise ValueError(
                     f"cannot read image {src._name(i)} (sample {i}): {exc}. Fix or remove "
                     f"the file, or pass {type(src).__name__}(..., on_error='skip')") from exc
-            src.skipped += 1
+            getattr(src, "_origin", src).skipped += 1  # the user's dataset (a copy reads)
             labels[k] = -1
             plans[k, KIND] = SKIP
             parts.append(b"")
