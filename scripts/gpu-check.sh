@@ -55,7 +55,7 @@ if want cuda-tests; then
 fi
 if want decode-tests; then
     echo "== GPU decode tests (pixels against the CPU path: the measured differences printed)"
-    timeout 150 "${pytest[@]}" -s -m cuda tests/device/test_decode_cuda.py \
+    timeout 120 "${pytest[@]}" -s -m cuda tests/device/test_decode_cuda.py \
         > "$OUT/decode-tests.log" 2>&1
     echo "exit $?" >> "$OUT/decode-tests.log"
     grep -E "GPU vs CPU path" "$OUT/decode-tests.log"; tail -n 15 "$OUT/decode-tests.log"
@@ -66,7 +66,7 @@ if want gpu-bench; then
 fi
 if want decode-bench; then
     echo "== GPU decode benchmark"
-    timeout 110 $PY -m bench.gpu_decode --images 768 --rounds 3 --out "$OUT" \
+    timeout 100 $PY -m bench.gpu_decode --images 512 --rounds 3 --out "$OUT" \
         --cache "$OUT/cache" > "$OUT/decode-bench.log" 2>&1
     echo "exit $?" >> "$OUT/decode-bench.log"; tail -n 25 "$OUT/decode-bench.log"
 fi
