@@ -262,6 +262,7 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
                     "torch's DataLoader; copy it before the first iter(), or build a new one"
                 )
             state["_iterator"] = None
+        state.pop("_decode_plan", None)  # its GPU decoder: made again at the next iter()
         return state
 
     def __copy__(self) -> DataLoader:

@@ -155,6 +155,23 @@ def test_a_file_the_decoder_refuses_is_decoded_on_the_cpu(monkeypatch: pytest.Mo
     assert len(said) <= 1  # once per process (an earlier test may have said it already)
 
 
+def test_a_loader_that_decoded_on_the_gpu_still_pickles(monkeypatch: pytest.MonkeyPatch,
+                                                        folder: Any) -> None:
+    import copy
+    import pickle
+
+    sim = SimCuda(0)
+    sim.install(monkeypatch)
+    monkeypatch.setattr(_decode, "make_decoder", lambda device: SimJpeg(sim))
+    ds = gpufeed.sources.ImageFolder(folder, size=SIZE, decode="gpu")
+    loader = gpufeed.DataLoader(ds, batch_size=BATCH, device="cuda")
+    next(iter(loader))
+    sim.drain()
+    assert loader._decode_plan is not None
+    again = pickle.loads(pickle.dumps(loader))
+    assert copy.deepcopy(loader).dataset.decode == again.dataset.decode == "gpu"
+
+
 def test_skipped_images_are_black_with_label_minus_one(monkeypatch: pytest.MonkeyPatch,
                                                        tmp_path: Any) -> None:
     (tmp_path / "a").mkdir()
