@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 import gpufeed
-from gpufeed.benchmarks.environment import environment, environment_line, write_documents
+from gpufeed._tools.environment import environment, environment_line, write_documents
 
 OUT = 112  # side of a crop, pixels
 

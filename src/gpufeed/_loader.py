@@ -10,11 +10,12 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
-from torch.utils.data import Dataset, IterableDataset, Sampler
+from torch.utils.data import Dataset, IterableDataset, Sampler, default_collate
 
 from ._base import timeline as _timeline
 from ._base.stats import LoaderStats, StatsRecorder
-from ._device.stage import to_device
+from ._device.decode import decode_plan
+from ._device.prefetch import DeviceIterator
 from ._device.streams import parse_device
 from ._host.arguments import check_arguments, check_num_workers, warn_thread_workers
 from ._host.auto_iter import AutoIter, make_tuner
@@ -294,6 +295,7 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
                     "torch's DataLoader; copy it before the first iter(), or build a new one"
                 )
             state["_iterator"] = None
+        state.pop("_decode_plan", None)  # its GPU decoder: made again at the next iter()
         return state
 
     def __copy__(self) -> DataLoader:
@@ -358,8 +360,9 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
         # A CUDA device stage needs page-locked batches to copy asynchronously: pin then too.
         on_cuda = self.device is not None and self.device.type == "cuda"
         pin = (self.pin_memory or on_cuda) and _pinning.cuda_usable()
+        plan = self.__dict__.get("_decode_plan")  # the workers ship encoded images
         return IterConfig(
-            dataset=self.dataset,
+            dataset=self.dataset if plan is None else plan.source,
             is_iterable=isinstance(self.dataset, IterableDataset),
             auto_collation=self._auto_collation,
             whole_batches=isinstance(self.dataset, RayBatches),
@@ -425,12 +428,15 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
         iterator = self._iterator
         if isinstance(iterator, BaseIter) and iterator.closed:  # closed by the user: afresh
             self._iterator = None
-        it = super().__iter__()
-        if self.device is None:
+        device = parse_device(self.device) if self.device is not None else None
+        batched = self._auto_collation and self.collate_fn is default_collate
+        plan = self._decode_plan = decode_plan(self.dataset, device, batched=batched)
+        it = super().__iter__()  # (its workers read plan.source: NOTE [ Decoding ])
+        if device is None:
             return it
-        return Delivered(to_device(
-            it, parse_device(self.device), depth=self.device_depth, transform=self.device_transform,
-            recorder=self._recorder,
+        return Delivered(DeviceIterator(
+            it, device, depth=self.device_depth, transform=self.device_transform,
+            recorder=self._recorder, decode=None if plan is None else plan.stage,
         ), self._position.current())
 
 

@@ -75,6 +75,20 @@ NOTE [ Device stage: streams, events and slots ]
     rule (4) issues fewer), and the next next() goes on with the batches after it, as the
     stock loader goes on after a worker's error. A failed copy's or transform's host batch
     is dropped once its E_copy was waited for (rule 6's guarantee, for one batch).
+(14) GPU decode (``_device/decode.py``). A batch whose images the workers left encoded is
+    placed by the decode step instead of copied: (a) the decode, crops and resizes are
+    queued on S into a batch allocated from S's pool, before E_copy and E_ready, so the
+    consumer reads them after C waits on E_ready (rule 2), as any transform's output;
+    (b) the decoder reads the encoded bytes from the host batch (the slot) when its queued
+    work runs, so E_copy is recorded after the decode is queued and the host batch, with the
+    host images it uploads, is held until E_copy has completed (rule 3); (c) before the
+    decode, S is idle: an event recorded on S after the batch is allocated is waited for on
+    the host (idle_waits), because nvJPEG's batched hardware decode writes its outputs
+    before the work already queued on its stream has run. Memory that queued work still
+    reads (freed on S, reused at once by the caching allocator) would be overwritten: seen on
+    H100s, not on A100s, with torchvision's and torchcodec's decoders (pytorch/vision#9606,
+    meta-pytorch/torchcodec#1634, which waits the same way). Each part has a test that breaks
+    it (tests/device/test_decode_sim.py).
 """
 
 from __future__ import annotations
@@ -93,10 +107,10 @@ import torch
 from .._base import cuda as _cuda
 from .._base import timeline as _timeline
 from .._base.stats import DeviceStats
-from .._base.tree import tree_leaves
 from .._memory import pinning as _pinning
+from .copier import Copier
 from .held import drop_copied, map_tensors, pop_completed, tensor_bytes
-from .pageable import staged_reason, warn_staged
+from .pageable import warn_staged
 from .streams import Event, SyncBackend, backend_for, parse_device
 from .timing import DeviceTrace
 
@@ -129,6 +143,7 @@ class DeviceIterator(Iterator[Any]):
         transform: Callable[[Any], Any] | None = None,
         recorder: Any | None = None,
         backend: SyncBackend | None = None,
+        decode: Any | None = None,
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int):
             raise TypeError(f"depth must be an int, got {type(depth).__name__} ({depth!r})")
@@ -149,6 +164,7 @@ class DeviceIterator(Iterator[Any]):
         self.depth = depth
         self._iterable = iterable
         self._transform = transform
+        self._decode = decode  # a DeviceDecode (rule 14), or None
         self._recorder = recorder
         self._backend = backend if backend is not None else backend_for(self.device)
         self._trace = DeviceTrace(self._backend, recorder)  # NOTE [ Timeline ]
@@ -369,37 +385,20 @@ class DeviceIterator(Iterator[Any]):
         start = time.perf_counter()
         backend, side = self._backend, self._side
         tl, marks = self._trace.begin(side)  # (None, None) unless a trace records
-        sent = 0
-        addresses: list[int] = []
-        staged: tuple[torch.Tensor, str] | None = None
-        resident = {id(t): t for t in tree_leaves(host)
-                    if isinstance(t, torch.Tensor) and backend.on_device(t)}
-        if resident:  # rule (9)
-            backend.wait_event(side, backend.record_event(backend.current_stream()))
-            for t in resident.values():
-                backend.record_stream(t, side)
-
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            nonlocal sent, staged
-            if id(t) in resident:
-                return t  # what .to(device) would return: the tensor itself
-            sent += t.numel() * t.element_size()
-            addresses.append(t.data_ptr())
-            if backend.needs_pinned and t.device.type == "cpu" and staged is None:
-                reason = staged_reason(t, backend.is_pinned(t))
-                if reason is not None:
-                    staged = (t, reason)
-            return backend.copy(t)
-
+        copy = Copier(backend, side, host)  # rules (7) and (9)
         with backend.use_stream(side):  # rule (1)
+            held = host
             try:
-                batch = map_tensors(copy, host)
+                if self._decode is None:
+                    batch = map_tensors(copy, host)
+                else:  # rule (14)
+                    batch, held = self._decode.place(host, copy, backend, side)
             finally:  # even after a failed copy: the leaves before it may be in flight
                 copied = backend.record_event(side)
-                self._host.append((copied, host, tuple(addresses)))
+                self._host.append((copied, held, tuple(copy.addresses)))
                 self._copies.add(copied)
             copied_at = self._trace.mark(marks, side)
-            self._bytes_copied += sent
+            self._bytes_copied += copy.sent
             ready = copied
             if self._transform is not None:
                 batch = self._transform(batch)
@@ -409,15 +408,15 @@ class DeviceIterator(Iterator[Any]):
         self._ready.append((ready, batch, nbytes))
         self._bytes_held += nbytes
         self._peak = max(self._peak, self._bytes_held)
-        if staged is not None:
-            self._on_staged(*staged)
+        if copy.staged is not None:
+            self._on_staged(*copy.staged)
         end = time.perf_counter()
         if self._recorder is not None:
             self._recorder.add("transfer", busy_s=end - start, blocked_s=waited)
             self._recorder.occupancy("transfer", len(self._ready), self.depth)
         if tl is not None:  # the times of "transfer" (NOTE [ Timeline ] (3))
             self._trace.issued(tl, self._batches + len(self._ready) - 1, start, copied_at, end,
-                               sent, self._transform is not None, marks)
+                               copy.sent, self._transform is not None, marks)
 
     def _on_staged(self, t: torch.Tensor, reason: str) -> None:  # rule (7)
         self._pageable += 1

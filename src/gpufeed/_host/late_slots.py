@@ -31,7 +31,7 @@ its workers' messages only while it waits for a batch, so while the loop runs a 
 (a consumer slower than the workers) a request waits up to a step: a worker then idles, with
 its batch unfinished (a batch source's request comes first, before any decoding). Rule (e)
 turns the mode off for such a loop, after a few batches' waits: up to 5% of a 40-batch first
-epoch with steps of 12-20 ms, nothing after (``python -m gpufeed.benchmarks.slots``, which
+epoch with steps of 12-20 ms, nothing after (``python -m bench.slots``, which
 also has the figures above). Cheap batches never use it.
 
 Rules (each has a test in tests/host/test_late_slots.py):

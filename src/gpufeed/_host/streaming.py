@@ -14,7 +14,7 @@ worker then holds at most one sample besides the batch. On the CPU benchmark's j
 and the data-source benchmark's Pillow ``Dataset`` (two workers, batches of 64 3x224x224
 images), the process tree's peak PSS was 1.03x and 1.04x the stock loader's, against 1.12x and
 1.10x collated at the end, each worker's heap about 9 MiB smaller, at the same rate
-(``python -m gpufeed.benchmarks.streaming``).
+(``python -m bench.streaming``).
 
 The batch is the one ``default_collate`` makes (values, dtypes, shapes, strides, container
 types, error messages): the skeletons are collated by torch's own ``collate`` with the

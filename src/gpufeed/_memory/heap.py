@@ -17,9 +17,9 @@ bound, they are handed back to the kernel after every batch and fault in again, 
 for the next (about 4 us a page on a 2-core VM); samples over the mapping bound are fresh
 mappings each time. Measured in new interpreters, image-array ``per-sample`` (64 crops of 108
 KiB, 2 process workers): a worker's median fetch 9.8-10.4 ms against 5.0-5.7 ms for the same
-batch in a bare process (``python -m gpufeed.benchmarks.workers --variant per-sample``), and
+batch in a bare process (``python -m bench.workers --variant per-sample``), and
 1,641 page faults per batch in the workers against 205 with what follows
-(``python -m gpufeed.benchmarks.heap``: 1.75x the samples/s). Whether glibc hands a given
+(``python -m bench.heap``: 1.75x the samples/s). Whether glibc hands a given
 batch back depends on what was allocated above it, so the effect varies with the dataset;
 what following costs is the free heap a worker then keeps, bounded below.
 

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .arrays import allocate
+from .encoded import DECODE_MODES, encoded_batch
 from .jpeg import codec, resolve_codec
 from .protocol import SourceChanged, index_array, require, sample_seeds
 from .resample import box, center_cut_into, center_resize, random_resized, resize_into
@@ -49,6 +50,8 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
     #: for arbitrary PIL transforms, what to use instead (in the refusal of ``transform=``)
     _instead = ""
     targets: np.ndarray
+    #: the workers' copy under a GPU decode ships encoded images (``_device/decode.py``)
+    _encoded = False
 
     def __init__(
         self, *, size: int | tuple[int, int], crop: str = "random", flip: bool | None = None,
@@ -57,7 +60,12 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
         fast: bool = False, dct_scale: bool = True, on_error: str = "raise",
         decoder: str = "auto", memory_format: torch.memory_format = torch.contiguous_format,
         transform: Any = None, target_transform: Any = None, loader: Any = None,
+        decode: str = "cpu",
     ) -> None:
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode={decode!r} is not one of {DECODE_MODES}: 'cpu' (the "
+                             "workers decode), 'gpu' (the device stage decodes JPEGs: needs "
+                             "device='cuda' and nvImageCodec) or 'auto' (the GPU when it can)")
         for name, value in (("transform", transform), ("target_transform", target_transform),
                             ("loader", loader)):
             if value is not None:
@@ -89,6 +97,7 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
         self.center_fraction, self.fast, self.dct_scale = center_fraction, fast, dct_scale
         self.on_error, self.memory_format = on_error, memory_format
         self.decoder = resolve_codec(decoder)
+        self.decode = decode
         self.skipped = 0
         _pillow_ready()
 
@@ -115,7 +124,8 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
             f"flip={self.flip}"
             + (", channels_last" if self.memory_format is torch.channels_last else ""),
             f"Decoder: {self.decoder}, dct_scale={self.dct_scale}, fast={self.fast}, "
-            f"on_error={self.on_error!r}"]
+            f"on_error={self.on_error!r}" + (f", decode={self.decode!r}"
+                                             if self.decode != "cpu" else "")]
 
     # -- reading ----------------------------------------------------------------------------
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
@@ -136,6 +146,9 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
         """The batch ``default_collate`` would make of the samples (``_fields``), its images
         and labels decoded into ``alloc``'s memory."""
         idx = index_array(indices)
+        if self._encoded:  # for the device stage's decode (_sources/encoded.py)
+            fields = encoded_batch(self, idx, seed=seed, epoch=epoch, alloc=alloc)
+            return fields if len(fields) > 1 else fields[0]
         images, labels = self._decode(idx, seed=seed, epoch=epoch, alloc=alloc)
         fields = self._fields(idx, images, labels)
         return fields if len(fields) > 1 else images

@@ -71,6 +71,14 @@ class ImageFolder(DecodedImages):
             workers, about a tenth of a 224 crop's cost; the layout channels-last models take
             on the GPU). Values are equal; ``view`` on a channels-last batch needs
             ``.contiguous()`` first (NOTE [ Resampling ] in ``resample.py``).
+        decode: ``"cpu"`` (default: the workers decode), ``"gpu"`` (under
+            ``gpufeed.DataLoader(device="cuda")``, the workers ship each JPEG's bytes and crop
+            box and the device stage decodes, crops and resizes the batch on the GPU with
+            nvImageCodec, ``pip install 'gpufeed[gpu-decode]'``; without the library, CUDA or a
+            device stage, the CPU decodes, said once) or ``"auto"`` (the GPU when it can, else
+            the CPU, quietly). Same batch structure; pixels within a few levels of the CPU
+            path's with ``dct_scale=False`` (docs/guides/gpu-decode.md). ``dataset[i]`` and
+            other loaders always decode on the CPU.
         transform, target_transform, loader: refused with a TypeError that names what to use
             instead (``device_transform=gpufeed.Normalize(...)``, a ``collate_fn``, or
             torchvision's own ``ImageFolder`` in ``gpufeed.DataLoader``).
@@ -90,11 +98,13 @@ class ImageFolder(DecodedImages):
         is_valid_file: Callable[[str], bool] | None = None, allow_empty: bool = False,
         decoder: str = "auto", memory_format: torch.memory_format = torch.contiguous_format,
         transform: Any = None, target_transform: Any = None, loader: Any = None,
+        decode: str = "cpu",
     ) -> None:
         super().__init__(size=size, crop=crop, flip=flip, scale=scale, ratio=ratio,
                          center_fraction=center_fraction, fast=fast, dct_scale=dct_scale,
                          on_error=on_error, decoder=decoder, memory_format=memory_format,
-                         transform=transform, target_transform=target_transform, loader=loader)
+                         transform=transform, target_transform=target_transform, loader=loader,
+                         decode=decode)
         if is_valid_file is not None and not callable(is_valid_file):
             raise TypeError(f"is_valid_file must be a callable path -> bool, got "
                             f"{is_valid_file!r}")

@@ -57,9 +57,7 @@ What else was tried (November 2026, Debian 12, x86-64):
   declined region decoding, opencv#20009).
 - NVIDIA nvImageCodec (0.9, CUDA 12 wheel) decodes regions on the CPU (libjpeg-turbo) and the
   GPU (nvJPEG), but its CPU-only decoder fails without a CUDA driver ("CUDA Runtime failure:
-  '#35'"), so it cannot be the CPU path; a GPU decode would also change the data path (workers
-  write pixels into host slots; decoding on the device needs the compressed bytes as the batch
-  and a crop on the device), so it is not used here.
+  '#35'"), so it cannot be the CPU path. It is the GPU path's decoder (below).
 - Scaling factors between 1/2 and 1 (TurboJPEG's 7/8, 3/4, 5/8: the smallest leaving the
   region at least the output's size), so that more random-resized crops decode smaller: on 300
   of the benchmark's 500x375 photos (random-resized regions, one process, 5 interleaved
@@ -83,6 +81,53 @@ fault or a spurious "Corrupt JPEG data: premature end of data segment" in 5 of 6
 failure in a cropped decode with merged upsampling (none in the same runs' whole-image decodes
 with it, none in 3 runs with it off). So a region is always decoded with smooth upsampling. Other
 formats, and JPEGs a codec refuses (CMYK, 12-bit, recoverable damage), go through Pillow.
+
+On the GPU (``decode="gpu"``: ``_sources/encoded.py``, ``_device/decode.py``, the device stage's
+rule (14) in ``_device/prefetch.py``). The workers read each image's bytes and draw its crop box
+from the per-sample generator as the CPU path does at full scale (the GPU path never scales in
+the DCT: the boxes are those of ``dct_scale=False``), and write both into the slot; the device
+stage decodes the batch on its side stream, crops, resizes and flips there. The libraries
+compared (December 2026, from their documentation, release notes and issue threads; no GPU was
+lent, so none was run here):
+
+- nvImageCodec (``nvidia-nvimgcodec-cu12`` / ``-cu13``, NVIDIA, Apache-2.0): wheels per CUDA
+  major version that install beside any CUDA build of torch (no torch pin); one
+  ``Decoder.decode(list, params, cuda_stream=...)`` decodes a batch on the caller's stream over
+  nvJPEG's hardware engine (A100, H100, ...), its CUDA and hybrid backends, choosing per
+  image; a region per image (a ``Region`` through a code stream or ``DecodeSource``); an image it
+  cannot decode comes back as None, not as a failed batch; outputs export by DLPack. DALI's
+  image decoders run on it since DALI 2.2.
+- torchvision's ``decode_jpeg(list, device="cuda")``: batched (pytorch/vision#8496: 1,000
+  images of 551x676 in 128 ms on an A100), but no region and no stream argument; it decodes on
+  a private stream never ordered against the caller's, which corrupted output even on nvJPEG's
+  software path (pytorch/vision#9606); one bad image fails the whole batch; its wheel is built
+  for exactly one torch version.
+- torchcodec's nvJPEG decoders (meta-pytorch/torchcodec#1547): batched, on the caller's current
+  stream, EXIF rotation; no region in what we read; its wheel also pins torch, and its
+  hardware path needed a host wait before decoding (meta-pytorch/torchcodec#1634, below).
+- DALI's decoders as functions (``nvidia-dali-cuda12x``): random-crop and region decode built
+  in, but a large wheel with its own executor, thread pool and memory pools beside torch's, for
+  the same nvImageCodec underneath.
+
+Chosen: nvImageCodec, behind the optional extra ``gpufeed[gpu-decode]``
+(``nvidia-nvimgcodec-cu12[nvjpeg]``: nvJPEG comes in its own wheel; ``-cu13`` for a CUDA 13
+torch). Its 0.9 wheel imports without a GPU (its Decoder then raises RuntimeError, and the CPU
+decodes), so its Python surface is checked here. ``_device/nvimgcodec.py`` adapts it: EXIF
+orientation off (the CPU path ignores it), sRGB interleaved RGB out (grayscale too), smooth
+chroma upsampling (``:fancy_upsampling=1``, libjpeg-turbo's default), the plan's region
+(``CodeStream.get_sub_code_stream(region=Region(...))``; else the whole image, cut on the
+device), then per image torch's
+antialiased bilinear resize in float32, rounded (within one level of the CPU path's uint8
+kernel on the CPU, tests/device/test_decode_adapter.py), the cut and the flip. Files the GPU
+path does not take are decoded by the workers as before and travel as pixels: not a JPEG, not
+8-bit baseline, extended or progressive Huffman (lossless and arithmetic-coded frames), not 1 or
+3 components (CMYK), Adobe-marked RGB, or without their end marker (the damaged-file rule
+above). An image the library refuses is rendered on the CPU in the main process from its bytes
+and plan, and uploaded. Each case is said once per process. Ordering (rule (14)): the decode is
+queued on the side stream, the slot is held until it has read the bytes, and the side stream is
+idle before each batched decode, because nvJPEG's hardware engine writes its outputs before the
+work queued on its stream has run (H100, meta-pytorch/torchcodec#1634). What is and is not
+verified on a GPU: docs/guides/gpu-decode.md.
 """
 
 from __future__ import annotations

@@ -111,9 +111,9 @@ class ImageShards(DecodedImages):
         label: the extension of the label member (its text is an integer), or None.
         text: the extension of a text member (``"txt"``, ``"json"``) given as ``str``, or
             None. Texts are read when the dataset is built and kept in one buffer.
-        size, crop, flip, scale, ratio, center_fraction, fast, dct_scale, on_error: as
-            ``ImageFolder``'s, and so are ``decoder`` and ``memory_format`` (a skipped image is
-            black and its label -1; with ``label=None`` only ``skipped``, per process, counts it).
+        size, crop, flip, scale, ratio, center_fraction, fast, dct_scale, on_error, decoder,
+            memory_format, decode: as ``ImageFolder``'s (a skipped image is black and its label -1;
+            with ``label=None`` only ``skipped``, per process, counts it).
 
     Attributes: ``shards`` (the paths), ``keys`` (each sample's key), ``targets`` (int64
     labels; -1 without ``label``), ``texts`` (with ``text``), ``shard_of`` (each sample's shard
@@ -131,12 +131,12 @@ class ImageShards(DecodedImages):
         ratio: tuple[float, float] = (3 / 4, 4 / 3), center_fraction: float = 0.875,
         fast: bool = False, dct_scale: bool = True, on_error: str = "raise",
         decoder: str = "auto", memory_format: torch.memory_format = torch.contiguous_format,
-        transform: Any = None, target_transform: Any = None,
+        transform: Any = None, target_transform: Any = None, decode: str = "cpu",
     ) -> None:
         super().__init__(size=size, crop=crop, flip=flip, scale=scale, ratio=ratio,
                          center_fraction=center_fraction, fast=fast, dct_scale=dct_scale,
                          on_error=on_error, decoder=decoder, memory_format=memory_format,
-                         transform=transform, target_transform=target_transform)
+                         transform=transform, target_transform=target_transform, decode=decode)
         exts = (image,) if isinstance(image, str) else tuple(image)
         if not exts or not all(isinstance(e, str) and e for e in exts) or not all(
                 e is None or (isinstance(e, str) and e) for e in (label, text)):
