@@ -51,21 +51,30 @@ def accuracy(prediction: Any) -> dict[str, float]:
 
 def recording(base: type) -> type:
     """``base`` (a Trainer class) recording each training step's loss (exact, not the logged
-    rounding) and the rows of each training batch (the sum of its token ids per row)."""
+    rounding) and the rows of each training batch (each row's token ids, padding dropped)."""
 
     class Recording(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.losses: list[float] = []
-            self.rows: list[list[int]] = []
+            self.rows: list[list[list[int]]] = []
             self.resumed_loader: Any = None
+            self.eval_loaders: list[Any] = []
 
         def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             loss = super().compute_loss(model, inputs, *args, **kwargs)
             if model.training:
                 self.losses.append(float((loss[0] if isinstance(loss, tuple) else loss).item()))
-                self.rows.append(inputs["input_ids"].sum(1).tolist())
+                self.rows.append([[int(t) for t in row if t] for row in inputs["input_ids"]])
             return loss
+
+        def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+            self.eval_loaders.append(super().get_eval_dataloader(eval_dataset))
+            return self.eval_loaders[-1]
+
+        def get_test_dataloader(self, test_dataset: Any) -> Any:
+            self.eval_loaders.append(super().get_test_dataloader(test_dataset))
+            return self.eval_loaders[-1]
 
         def get_resumed_dataloader(self, dataloader: Any, num_batches: int) -> Any:
             self.resumed_loader = super().get_resumed_dataloader(dataloader, num_batches)
@@ -78,11 +87,14 @@ def trainer(kind: type, out: str, train: Any, evaluation: Any = None, **argument
     """A recording ``kind`` Trainer on a fresh tiny BERT (seeded as the Trainer seeds it)."""
     import transformers
 
+    extra = {"gpufeed_options": arguments.pop("gpufeed_options")} if (
+        "gpufeed_options" in arguments) else {}
     transformers.set_seed(42)
-    args = transformers.TrainingArguments(
+    settings: dict[str, Any] = dict(
         output_dir=out, per_device_train_batch_size=4, per_device_eval_batch_size=8,
         learning_rate=1e-3, seed=42, report_to=[], use_cpu=True, disable_tqdm=True,
-        logging_strategy="no", save_strategy="no", **arguments)
+        logging_strategy="no", save_strategy="no")
+    args = transformers.TrainingArguments(**{**settings, **arguments})
     return recording(kind)(model=tiny_bert(), args=args, train_dataset=train,
                            eval_dataset=evaluation, data_collator=pad,
-                           compute_metrics=accuracy)
+                           compute_metrics=accuracy, **extra)
