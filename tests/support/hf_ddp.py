@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -37,14 +38,14 @@ def _trainer(kind: type, out: Path) -> dict[str, Any]:
     from support.hf_tiny import text_set, trainer
 
     t = trainer(kind, str(out), text_set(32, seed=1), text_set(13, seed=2),
-                dataloader_pin_memory=False)
+                dataloader_pin_memory=False, num_train_epochs=1)
     t.train()
     metrics = t.evaluate()
     predicted = t.predict(text_set(13, seed=2))
     report = {"losses": t.losses, "rows": t.rows,
               "eval": [metrics["eval_loss"], metrics["eval_accuracy"]],
               "predictions": predicted.predictions.tolist()}
-    loader = t.get_train_dataloader()
+    loader = t.train_loaders[0]
     base = loader.base_dataloader
     extra = {"base": type(base).__name__,
              "read": base.stats().counters["batches"] if isinstance(base, gpufeed.DataLoader)
@@ -61,7 +62,7 @@ def main(out: Path) -> None:
 
     import gpufeed.hf as hf
 
-    rank = accelerate.PartialState().process_index
+    rank = int(os.environ["RANK"])
     report: dict[str, Any] = {"rank": rank}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

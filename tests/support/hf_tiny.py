@@ -60,6 +60,7 @@ def recording(base: type) -> type:
             self.rows: list[list[list[int]]] = []
             self.resumed_loader: Any = None
             self.eval_loaders: list[Any] = []
+            self.train_loaders: list[Any] = []
 
         def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             loss = super().compute_loss(model, inputs, *args, **kwargs)
@@ -67,6 +68,10 @@ def recording(base: type) -> type:
                 self.losses.append(float((loss[0] if isinstance(loss, tuple) else loss).item()))
                 self.rows.append([[int(t) for t in row if t] for row in inputs["input_ids"]])
             return loss
+
+        def get_train_dataloader(self) -> Any:
+            self.train_loaders.append(super().get_train_dataloader())
+            return self.train_loaders[-1]
 
         def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
             self.eval_loaders.append(super().get_eval_dataloader(eval_dataset))
