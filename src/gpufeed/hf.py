@@ -10,8 +10,7 @@ names here keep gpufeed's loader in that place:
 - :class:`Trainer` (and :class:`TrainerMixin` for a ``Trainer`` subclass of your own), whose
   training, evaluation and test loaders, and the loader it resumes mid-epoch, are gpufeed's.
 
-NOTE [ Adopting Accelerate's wrapper ]
-Accelerate does everything around the loader in its wrapper, and the wrapper reads batches from
+NOTE [ Adopting Accelerate's wrapper ]: Accelerate does everything around the loader in its wrapper, and the wrapper reads batches from
 one attribute, ``base_dataloader``: (1) the wrapper is Accelerate's own, built by Accelerate from
 the loader it was given, so sharding by process (``BatchSamplerShard``, ``IterableDatasetShard``),
 the seedable sampler, ``split_batches``, ``even_batches``, ``dispatch_batches``, device placement,
@@ -57,7 +56,7 @@ __all__ = ["Accelerator", "Trainer", "TrainerMixin"]
 # gpufeed's own DataLoader options a Trainer may be given (``gpufeed_options``). Not seed=,
 # rank= or world_size=: under Accelerate the order and the shard are Accelerate's (the
 # Trainer's seed, data_seed and use_seedable_sampler), and gpufeed must not shard again.
-TRAINER_OPTIONS = frozenset({
+_TRAINER_OPTIONS = frozenset({
     "worker_type", "ring_bytes", "device_transform", "device_depth", "max_workers",
     "memory_budget", "worker_nice", "num_workers", "deterministic",
 })
@@ -211,11 +210,11 @@ class TrainerMixin:
     def __init__(self, *args: Any, gpufeed_options: Mapping[str, Any] | None = None,
                  **kwargs: Any) -> None:
         options = dict(gpufeed_options or {})
-        unknown = sorted(set(options) - TRAINER_OPTIONS)
+        unknown = sorted(set(options) - _TRAINER_OPTIONS)
         if unknown:
             raise ValueError(
                 f"gpufeed_options {unknown} cannot be given to the Trainer's loaders; it takes "
-                f"{sorted(TRAINER_OPTIONS)} (the Trainer's seed, data_seed and Accelerate's "
+                f"{sorted(_TRAINER_OPTIONS)} (the Trainer's seed, data_seed and Accelerate's "
                 "use_seedable_sampler order and shard its batches)")
         if "num_workers" in options and options["num_workers"] != "auto":
             raise ValueError(
