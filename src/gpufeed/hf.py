@@ -10,20 +10,25 @@ names here keep gpufeed's loader in that place:
 - :class:`Trainer` (and :class:`TrainerMixin` for a ``Trainer`` subclass of your own), whose
   training, evaluation and test loaders, and the loader it resumes mid-epoch, are gpufeed's.
 
-NOTE [ Adopting Accelerate's wrapper ]: Accelerate does everything around the loader in its wrapper, and the wrapper reads batches from
-one attribute, ``base_dataloader``: (1) the wrapper is Accelerate's own, built by Accelerate from
-the loader it was given, so sharding by process (``BatchSamplerShard``, ``IterableDatasetShard``),
-the seedable sampler, ``split_batches``, ``even_batches``, ``dispatch_batches``, device placement,
-the end-of-loader flag and the remainder that ``gather_for_metrics`` drops (``GradientState``),
-``set_epoch`` and ``skip_first_batches`` keep their meanings and code; (2) only
-``base_dataloader`` is replaced, by a ``gpufeed.DataLoader`` built from the stock arguments that
-Accelerate gave its stock one (the batch sampler it built among them) and from the gpufeed
-options of the loader it was given (or the Trainer's ``gpufeed_options``); (3) so the batches
-are the stock wrapper's, sample for sample, and pass through gpufeed's workers, ring and
-device stage; (4) the wrapper snapshots ``base_dataloader.state_dict()`` before each batch for
-``use_stateful_dataloader``: without it nothing reads the snapshot, and it is not taken
-(gpufeed's ``state_dict`` would say, once per loader, what it cannot replay, for a checkpoint
-nobody makes); (5) adopting is idempotent: a wrapper whose base is gpufeed's is left as it is.
+NOTE [ Adopting Accelerate's wrapper ]: Accelerate does everything around the loader in its
+wrapper, which reads its batches from one attribute, ``base_dataloader``.
+
+(1) The wrapper stays Accelerate's own, built by Accelerate from the loader it was given: sharding
+    by process (``BatchSamplerShard``, ``IterableDatasetShard``), the seedable sampler,
+    ``split_batches``, ``even_batches``, ``dispatch_batches``, device placement, the
+    end-of-loader flag and the remainder that ``gather_for_metrics`` drops (``GradientState``),
+    ``set_epoch`` and ``skip_first_batches`` keep their meanings and their code.
+(2) Only ``base_dataloader`` is replaced, by a ``gpufeed.DataLoader`` built from the stock
+    arguments Accelerate gave its stock one (the batch sampler it built among them) and the
+    gpufeed options of the loader it was given (or the Trainer's ``gpufeed_options``).
+(3) So the batches are the stock wrapper's, sample for sample, read through gpufeed's workers,
+    ring and device stage.
+(4) The wrapper snapshots ``base_dataloader.state_dict()`` before each batch, for
+    ``use_stateful_dataloader``; without it nothing reads the snapshot, and none is taken
+    (gpufeed's ``state_dict`` would say, once per loader, what it cannot replay, for a
+    checkpoint nobody makes).
+(5) Adopting is idempotent: a wrapper whose base is gpufeed's is left as it is.
+
 The wrapper's ``__class__`` reads its base's, so ``isinstance(prepared, gpufeed.DataLoader)``
 holds, as ``isinstance(prepared, torch.utils.data.DataLoader)`` held before.
 """
@@ -63,7 +68,8 @@ _TRAINER_OPTIONS = frozenset({
 
 
 def _options_of(loader: DataLoader[Any]) -> dict[str, Any]:
-    """The gpufeed options of a user's loader, to build its replacement alike (rule (2))."""
+    """The gpufeed options of a user's loader, to build its replacement alike (NOTE
+    [ Adopting Accelerate's wrapper ], rule (2))."""
     options: dict[str, Any] = {
         "worker_type": loader.worker_type, "ring_bytes": loader.ring_bytes,
         "device_depth": loader.device_depth, "max_workers": loader.max_workers,
@@ -95,7 +101,8 @@ def _sampling(base: _TorchDataLoader[Any]) -> dict[str, Any]:
 
 def _rebuild(base: _TorchDataLoader[Any], options: Mapping[str, Any],
              device: torch.device | None) -> DataLoader[Any]:
-    """A ``gpufeed.DataLoader`` giving the batches of the stock loader ``base`` (rule (2))."""
+    """A ``gpufeed.DataLoader`` giving the batches of the stock loader ``base`` (NOTE
+    [ Adopting Accelerate's wrapper ], rule (2))."""
     kwargs: dict[str, Any] = {
         "num_workers": base.num_workers, "collate_fn": base.collate_fn,
         "pin_memory": base.pin_memory, "timeout": base.timeout,
@@ -112,7 +119,8 @@ def _rebuild(base: _TorchDataLoader[Any], options: Mapping[str, Any],
 
 
 def _no_snapshot() -> None:
-    """Rule (4): no ``state_dict`` snapshot per batch without ``use_stateful_dataloader``."""
+    """No ``state_dict`` snapshot per batch without ``use_stateful_dataloader`` (NOTE
+    [ Adopting Accelerate's wrapper ], rule (4))."""
 
 
 def _adopt(prepared: Any, options: Mapping[str, Any]) -> Any:
