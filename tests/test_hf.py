@@ -97,6 +97,35 @@ def test_trainer_evaluate_and_predict_with_a_short_last_batch_equal_the_stock_tr
     assert ours_predicted.metrics["test_loss"] == stock_predicted.metrics["test_loss"]
 
 
+@pytest.mark.parametrize("arguments", [
+    dict(train_sampling_strategy="group_by_length", dataloader_drop_last=True),
+    dict(train_sampling_strategy="sequential", dataloader_num_workers=1,
+         dataloader_prefetch_factor=3, dataloader_persistent_workers=True),
+    dict(remove_unused_columns=False, train_sampling_strategy="batch_rebalance"),
+], ids=["group_by_length+drop_last", "sequential+workers", "batch_rebalance"])
+def test_trainer_loader_arguments_keep_their_meanings(tmp_path, arguments):
+    """The loaders' batches over two epochs, as the stock Trainer builds them (no training)."""
+    seen = {}
+    for name, kind in (("stock", transformers.Trainer), ("gpufeed", hf.Trainer)):
+        t = trainer(kind, str(tmp_path / name), text_set(22, seed=3),
+                    dataloader_pin_memory=False, **arguments)
+        loader = t.get_train_dataloader()
+        torch.manual_seed(0)
+        epochs = []
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            epochs.append([{k: v.tolist() for k, v in b.items()} for b in loader])
+        seen[name] = epochs, loader
+    (stock, _), (ours, loader) = seen["stock"], seen["gpufeed"]
+    assert type(loader.base_dataloader) is gpufeed.DataLoader
+    assert ours == stock and len(ours[0]) in (5, 6)
+    if arguments.get("train_sampling_strategy") != "sequential":
+        assert stock[0] != stock[1]  # a new order each epoch, the same on both sides
+    if "dataloader_prefetch_factor" in arguments:
+        base = loader.base_dataloader
+        assert base.prefetch_factor == 3 and base.persistent_workers and base.num_workers == 1
+
+
 def test_trainer_gpufeed_options_reach_the_loaders_and_bad_ones_are_refused(tmp_path):
     t = trainer(hf.Trainer, str(tmp_path), text_set(8, seed=1), dataloader_pin_memory=False,
                 dataloader_num_workers=1, gpufeed_options={"worker_type": "thread"})
