@@ -41,7 +41,7 @@ def _quiet_train(t, **kwargs):
 
 
 def test_trainer_steps_and_a_mid_epoch_resume_equal_the_stock_trainers(tmp_path):
-    """Per-step losses and batches over 2 epochs (2 process workers, the Trainer's
+    """Per-step losses and batches over 2 epochs (2 persistent process workers, the Trainer's
     seed_worker, column removal, a padding collator), and a resume from a checkpoint at batch
     2 of epoch 1: equal to the stock Trainer's, the resumed steps read through gpufeed, and no
     warning said. (The resumed runs read in the main process: the skip is the batch sampler's,
@@ -50,8 +50,8 @@ def test_trainer_steps_and_a_mid_epoch_resume_equal_the_stock_trainers(tmp_path)
     runs = {}
     for name, kind in (("stock", transformers.Trainer), ("gpufeed", hf.Trainer)):
         whole = trainer(kind, str(tmp_path / name), train, num_train_epochs=2,
-                        dataloader_num_workers=2, dataloader_pin_memory=False,
-                        save_strategy="steps", save_steps=8)
+                        dataloader_num_workers=2, dataloader_persistent_workers=True,
+                        dataloader_pin_memory=False, save_strategy="steps", save_steps=8)
         assert _quiet_train(whole) == []
         resumed = trainer(kind, str(tmp_path / f"{name}-again"), train, num_train_epochs=2,
                           dataloader_pin_memory=False, save_strategy="steps", save_steps=8)
