@@ -131,6 +131,12 @@ def test_trainer_gpufeed_options_reach_the_loaders_and_bad_ones_are_refused(tmp_
                 dataloader_num_workers=1, gpufeed_options={"worker_type": "thread"})
     base = t.get_train_dataloader().base_dataloader
     assert base.worker_type == "thread" and base.num_workers == 1
+    # the Trainer's seed_worker would reseed the training loop's generators from a thread
+    assert base.worker_init_fn is None
+    processes = trainer(hf.Trainer, str(tmp_path), text_set(8, seed=1),
+                        dataloader_pin_memory=False, dataloader_num_workers=1)
+    assert processes.get_train_dataloader().base_dataloader.worker_init_fn.func.__name__ == (
+        "seed_worker")
     with pytest.raises(ValueError, match=r"gpufeed_options \['seed'\] cannot be given"):
         trainer(hf.Trainer, str(tmp_path), text_set(8, seed=1), gpufeed_options={"seed": 1})
     with pytest.raises(ValueError, match="only 'auto' is taken here"):

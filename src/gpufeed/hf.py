@@ -113,9 +113,21 @@ def _rebuild(base: _TorchDataLoader[Any], options: Mapping[str, Any],
     }
     if kwargs.get("worker_type", "process") == "process":
         kwargs["multiprocessing_context"] = base.multiprocessing_context
+    elif _is_seed_worker(base.worker_init_fn):
+        kwargs["worker_init_fn"] = None
     if "device" not in kwargs and device is not None and device.type == "cuda":
         kwargs["device"] = device  # the device stage copies ahead; the wrapper's move is a no-op
     return DataLoader(base.dataset, **kwargs)
+
+
+def _is_seed_worker(fn: Any) -> bool:
+    """Whether ``fn`` is the Trainer's ``seed_worker`` (a ``functools.partial`` of it). It seeds
+    a process worker's global generators; in a thread worker it would reseed the generators the
+    training loop draws from (dropout) at every epoch's start, so thread workers do without it:
+    they share the loop's generators, as ``num_workers=0`` does."""
+    inner = getattr(fn, "func", fn)
+    return (getattr(inner, "__name__", "") == "seed_worker"
+            and getattr(inner, "__module__", "").startswith("transformers."))
 
 
 def _no_snapshot() -> None:
@@ -263,7 +275,7 @@ def _make_trainer() -> type:
         __doc__ = (f"``transformers.Trainer`` reading its loaders through ``gpufeed.DataLoader``"
                    f" (see :class:`TrainerMixin`).\n\n{TrainerMixin.__doc__}")
 
-    Trainer.__module__ = __name__
+    Trainer.__module__, Trainer.__qualname__ = __name__, "Trainer"
     return Trainer
 
 
