@@ -119,7 +119,7 @@ FOLDER_FLOORS = {"_base": 0, "_order": 1, "_sources": 2, "_memory": 3, "_host": 
 ROOT_FLOORS = {"_loader.py": 6, "__init__.py": 8, "__main__.py": 10,
                # the public submodules, beside the package's __init__
                "errors.py": 8, "random.py": 8, "samplers.py": 8, "sources.py": 8, "stats.py": 8,
-               "tools.py": 8}
+               "tools.py": 8, "hf.py": 8}
 # (importer, imported) -> why it may point up. None is needed: __init__ (8) imports every
 # floor below it, and _cli (10) imports the tools: all point down. (The benchmark lab, ``bench/``
 # at the repository's root, is outside the package and free to import any of it.)

@@ -865,3 +865,31 @@ def test_set_epoch_after_iter_of_a_resumed_loader(workers, sampler):
         it = iter(resumed)
         resumed.sampler.set_epoch(chosen)
         assert [b.tolist() for b in it] == want, chosen
+
+
+class _EveryOther(BatchSampler):
+    """A ``BatchSampler`` subclass that keeps no ``sampler`` (as Accelerate's
+    ``SkipBatchSampler``): torch never reads it, so gpufeed must not either."""
+
+    def __init__(self, n: int) -> None:  # no super().__init__: no .sampler
+        self.n = n
+
+    def __iter__(self):
+        return iter([[i, i + 1] for i in range(0, self.n, 4)])
+
+    def __len__(self) -> int:
+        return len(range(0, self.n, 4))
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_batch_sampler_without_a_sampler_gives_stock_batches_and_a_state(num_workers):
+    data = list(range(10))
+    stock = torch.utils.data.DataLoader(data, batch_sampler=_EveryOther(10))
+    loader = gpufeed.DataLoader(data, batch_sampler=_EveryOther(10), num_workers=num_workers,
+                                worker_type="thread", seed=3)
+    it = iter(loader)
+    first = next(it)
+    with pytest.warns(UserWarning, match="its sampler _EveryOther has no state_dict"):
+        state = loader.state_dict()  # an order nobody can replay: said, as for any sampler
+    assert [b.tolist() for b in [first, *it]] == [b.tolist() for b in stock]
+    assert state["batches_delivered"] == 1

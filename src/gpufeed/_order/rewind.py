@@ -75,8 +75,12 @@ _FIXED_ORDER = (SequentialSampler, DistributedSampler, range, Sequence)
 
 
 def inner_sampler(index_sampler: Any) -> Any:
-    """The sampler that orders an epoch: a ``BatchSampler``'s sampler, else the object itself."""
-    return index_sampler.sampler if isinstance(index_sampler, BatchSampler) else index_sampler
+    """The sampler that orders an epoch: a ``BatchSampler``'s sampler, else the object itself
+    (also a ``BatchSampler`` subclass that keeps no ``sampler``, as Accelerate's
+    ``SkipBatchSampler``: torch never reads it)."""
+    if isinstance(index_sampler, BatchSampler):
+        return getattr(index_sampler, "sampler", index_sampler)
+    return index_sampler
 
 
 def is_ours(sampler: Any) -> bool:
