@@ -36,7 +36,8 @@ PAGES = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
 #: the public modules and their reference pages (``::: module`` on each)
 REFERENCE = {"gpufeed": "gpufeed", "gpufeed.sources": "sources",
              "gpufeed.samplers": "samplers", "gpufeed.random": "random",
-             "gpufeed.stats": "stats", "gpufeed.tools": "tools", "gpufeed.errors": "errors"}
+             "gpufeed.stats": "stats", "gpufeed.tools": "tools", "gpufeed.errors": "errors",
+             "gpufeed.hf": "hf"}
 #: optional packages a docs example may need; without one, that page's examples skip
 OPTIONAL = {"PIL", "simplejpeg", "datasets", "pyarrow", "h5py", "matplotlib"}
 PAGE_TIMEOUT_S = 240

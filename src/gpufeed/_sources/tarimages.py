@@ -111,9 +111,10 @@ class ImageShards(DecodedImages):
         label: the extension of the label member (its text is an integer), or None.
         text: the extension of a text member (``"txt"``, ``"json"``) given as ``str``, or
             None. Texts are read when the dataset is built and kept in one buffer.
-        size, crop, flip, scale, ratio, center_fraction, fast, dct_scale, on_error, decoder,
-            memory_format, decode: as ``ImageFolder``'s (a skipped image is black and its label -1;
-            with ``label=None`` only ``skipped``, per process, counts it).
+        size, crop, flip, scale, ratio, center_fraction, fast, dct_scale, on_error: as
+            ``ImageFolder``'s, and so are ``decoder``, ``memory_format`` and ``decode`` (a
+            skipped image is black and its label -1; with ``label=None`` only ``skipped``, per
+            process, counts it).
 
     Attributes: ``shards`` (the paths), ``keys`` (each sample's key), ``targets`` (int64
     labels; -1 without ``label``), ``texts`` (with ``text``), ``shard_of`` (each sample's shard
