@@ -172,3 +172,17 @@ def test_a_library_without_the_turbojpeg3_api_is_not_used(tmp_path, monkeypatch)
     finally:
         jpeg.find_turbojpeg.cache_clear()
     assert path is None and "nowhere.so does not exist" in why
+
+
+@needs_turbo
+def test_a_damaged_jpeg_leaves_the_next_ones_to_turbojpeg():
+    """A failed call spoils its TurboJPEG handle: the thread gets a fresh one, so the valid
+    JPEGs after a damaged one are still decoded (not all sent to Pillow)."""
+    turbo = jpeg.codec("turbojpeg")
+    data = _jpeg(40, 56, 2, "4:2:0")
+    want = turbo.decode(data, factor=1, box=None, fast=True)
+    for bad in (b"\xff\xd8\xff not really", data[:len(data) // 3]):
+        with pytest.raises(ValueError):
+            turbo.decode(bad, factor=1, box=None, fast=False)
+        assert turbo.header(data) == (40, 56)
+        np.testing.assert_array_equal(turbo.decode(data, factor=1, box=None, fast=True), want)

@@ -191,7 +191,13 @@ class TurboJpeg:
         return handle.ptr
 
     def _fail(self, h: Any, what: str) -> ValueError:
-        return ValueError(f"{what}: {(self.lib.tj3GetErrorStr(h) or b'').decode(errors='replace')}")
+        """The error of handle ``h``, which is then dropped: after a failed call a handle
+        refuses every later header, valid or not, so each JPEG after a damaged one went to
+        Pillow (seen with libjpeg-turbo 2.1.92)."""
+        error = ValueError(f"{what}: "
+                           f"{(self.lib.tj3GetErrorStr(h) or b'').decode(errors='replace')}")
+        self._local.handle = None  # destroyed; the thread's next call makes a fresh one
+        return error
 
     def _read_header(self, h: Any, data: bytes) -> tuple[int, int]:
         if self.lib.tj3DecompressHeader(h, data, len(data)) != 0:
