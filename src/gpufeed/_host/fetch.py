@@ -86,7 +86,7 @@ class MapFetcher:
         self.seed = seed
         self.base_seed = base_seed
         self.seed_globals = seed_globals
-        self.scope = SampleScope()
+        self.scope = SampleScope(seed_globals=seed_globals)
         self.auto_collation = auto_collation
         self.collate_fn = None if collate_fn is default_collate else collate_fn
         self.arrays = gather_arrays(dataset) if self.collate_fn is None else None
@@ -129,7 +129,7 @@ class MapFetcher:
     def _fetch(self, indices: Any, writer: SlotWriter | None, epoch: int, scope: SampleScope
                ) -> Any:
         globally = self.seed is not None and self.seed_globals
-        probe = self.probe  # NOTE [ Seeding and threads ]: user code checked for global draws
+        probe = scope.probe = self.probe  # global draws checked: NOTE [ Seeding and threads ]
         get = operator.getitem if probe is None else probe.wrap(operator.getitem)
         collate_fn = self.collate_fn
         if collate_fn is not None and probe is not None:

@@ -11,7 +11,9 @@ Workloads (issue 13's targets; ``--quick`` shrinks every size for tests):
   224, batch 64. Target 2.2x. Both JPEG workloads: peak PSS at most 1.05x the stock loader's.
   The JPEG codec ``ImageFolder`` used (NOTE [ Decoding ]) is written in the environment; when
   it is libjpeg-turbo 3's region decode, the process loader also runs with simplejpeg's whole
-  decode in the same rounds.
+  decode in the same rounds. The ``transform=`` rows: ``ImageFolder(transform=flip_to_float)``
+  (a flip and a conversion to float32 in [0, 1], written in torch: NOTE [ Image transforms ]),
+  process and thread workers, beside the same loaders without it.
 - ``hf-datasets``: Hugging Face ``datasets``, 200k rows x 64 float32 + label, format torch,
   batch 256; the same dataset under both loaders. Target 3x.
 - ``hdf5``: 20k x 3x64x64 uint8 + label, shuffled, batch 128. Stock: a per-sample h5py
@@ -74,6 +76,11 @@ Factory = Callable[[], Any] | Ceiling
 
 
 # -- what users write today ------------------------------------------------------------------
+def flip_to_float(img: torch.Tensor) -> torch.Tensor:
+    """The ``transform=`` rows' per-sample transform: a flip and a dtype conversion."""
+    return img.flip(-1).to(torch.float32).div_(255)
+
+
 class PillowFolder(Dataset[tuple[torch.Tensor, int]]):
     """A per-sample Pillow dataset: open, decode, crop (plain or random-resized), flip."""
 
@@ -168,6 +175,13 @@ def _build(name: str, quick: bool, cache: Path, nw: int) -> tuple[dict[str, Fact
                                         scale=(0.08, 1.0) if resized else None)
             sides["gpufeed ImageFolder (process, simplejpeg)"] = lambda: gpufeed.DataLoader(
                 whole, batch_size=bs(64), seed=0, **kw)
+        transformed = gpufeed.ImageFolder(root, size=size, crop="random",
+                                          scale=(0.08, 1.0) if resized else None,
+                                          transform=flip_to_float)
+        for kind in ("process", "thread"):
+            sides[f"gpufeed ImageFolder ({kind}, transform=)"] = partial(
+                gpufeed.DataLoader, transformed, batch_size=bs(64), seed=0, worker_type=kind,
+                **kw)
         if not resized:
             sides["gpufeed loader, Pillow Dataset"] = lambda: gpufeed.DataLoader(
                 pil, batch_size=bs(64), **kw)
