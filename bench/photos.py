@@ -88,3 +88,9 @@ def pillow_sample(source: str | IO[bytes], size: int, resized: bool) -> torch.Te
     if torch.rand(()) < 0.5:
         arr = arr[:, ::-1]
     return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
+
+
+def flip_to_float(img: torch.Tensor) -> torch.Tensor:
+    """The sources benchmark's ``transform=``: a flip and a conversion to float32 in [0, 1],
+    written in torch, as a torchvision user's ``RandomHorizontalFlip(p=1)`` + ``ToDtype``."""
+    return img.flip(-1).to(torch.float32).div_(255)

@@ -11,7 +11,8 @@ Workloads (issue 13's targets; ``--quick`` shrinks every size for tests):
   224, batch 64. Target 2.2x. Both JPEG workloads: peak PSS at most 1.05x the stock loader's.
   The JPEG codec ``ImageFolder`` used (NOTE [ Decoding ]) is written in the environment; when
   it is libjpeg-turbo 3's region decode, the process loader also runs with simplejpeg's whole
-  decode in the same rounds.
+  decode in the same rounds. The ``transform=`` rows add ``photos.flip_to_float`` to it (per
+  sample: NOTE [ Image transforms ]).
 - ``hf-datasets``: Hugging Face ``datasets``, 200k rows x 64 float32 + label, format torch,
   batch 256; the same dataset under both loaders. Target 3x.
 - ``hdf5``: 20k x 3x64x64 uint8 + label, shuffled, batch 128. Stock: a per-sample h5py
@@ -54,7 +55,7 @@ from gpufeed._tools.measure import measure_loader, one_intra_op_thread
 from gpufeed._tools.output import directory
 
 from .ceiling import measure_no_loader
-from .photos import mean_file_bytes, photo_set, pillow_sample
+from .photos import flip_to_float, mean_file_bytes, photo_set, pillow_sample
 from .summary import paired_ratio
 
 WORKLOADS = ("jpeg-crop", "jpeg-rrc", "hf-datasets", "hdf5", "python-list")
@@ -147,8 +148,9 @@ def _build(name: str, quick: bool, cache: Path, nw: int) -> tuple[dict[str, Fact
         hw = ((375, 500) if resized else (256, 256)) if not quick else (48, 64)
         count, size = (2000, 224) if not quick else (64, 32)
         root = photo_set(cache, name, count, hw)
-        folder = gpufeed.sources.ImageFolder(root, size=size, crop="random",
-                                             scale=(0.08, 1.0) if resized else None)
+        crops: dict[str, Any] = dict(size=size, crop="random",
+                                     scale=(0.08, 1.0) if resized else None)
+        folder = gpufeed.sources.ImageFolder(root, **crops)
         files = [folder.path(i) for i in range(len(folder))]
         pil = PillowFolder(files, size, resized)
         sides: dict[str, Factory] = {
@@ -158,17 +160,17 @@ def _build(name: str, quick: bool, cache: Path, nw: int) -> tuple[dict[str, Fact
             "gpufeed ImageFolder (thread)": lambda: gpufeed.DataLoader(
                 folder, batch_size=bs(64), seed=0, worker_type="thread", **kw),
         }
-        last = gpufeed.sources.ImageFolder(root, size=size, crop="random",
-                                           scale=(0.08, 1.0) if resized else None,
-                                           memory_format=torch.channels_last)
+        last = gpufeed.sources.ImageFolder(root, **crops, memory_format=torch.channels_last)
         sides["gpufeed ImageFolder (process, channels_last)"] = lambda: gpufeed.DataLoader(
             last, batch_size=bs(64), seed=0, **kw)
         if folder.decoder != "simplejpeg":  # the fallback codec, in the same rounds
-            whole = gpufeed.sources.ImageFolder(root, size=size, crop="random",
-                                                decoder="simplejpeg",
-                                                scale=(0.08, 1.0) if resized else None)
+            whole = gpufeed.sources.ImageFolder(root, **crops, decoder="simplejpeg")
             sides["gpufeed ImageFolder (process, simplejpeg)"] = lambda: gpufeed.DataLoader(
                 whole, batch_size=bs(64), seed=0, **kw)
+        transformed = gpufeed.ImageFolder(root, **crops, transform=flip_to_float)
+        for kind in ("process", "thread"):
+            sides[f"gpufeed ImageFolder ({kind}, transform=)"] = partial(
+                gpufeed.DataLoader, transformed, batch_size=bs(64), seed=0, worker_type=kind, **kw)
         if not resized:
             sides["gpufeed loader, Pillow Dataset"] = lambda: gpufeed.DataLoader(
                 pil, batch_size=bs(64), **kw)

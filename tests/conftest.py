@@ -30,28 +30,6 @@ from support.leaks import assert_no_leaks, snapshot
 WORKER_TYPES = ["process", "thread"]
 
 
-def _turbojpeg_for_tests() -> None:
-    """Point gpufeed at a libjpeg-turbo 3 library for the region-decode tests when the system
-    has none: the ``turbojpeg`` wheel (a test dependency, scripts/setup.sh) bundles one;
-    gpufeed itself never imports that package (NOTE [ Decoding ])."""
-    import glob
-    import importlib.util
-    import os
-
-    if os.environ.get("GPUFEED_TURBOJPEG"):
-        return
-    spec = importlib.util.find_spec("turbojpeg")
-    if spec is None or spec.origin is None:
-        return
-    found = sorted(glob.glob(os.path.join(os.path.dirname(spec.origin), "turbojpeg.libs",
-                                          "libturbojpeg*.so*")))
-    if found:
-        os.environ["GPUFEED_TURBOJPEG"] = found[0]
-
-
-_turbojpeg_for_tests()
-
-
 def _ctrl_c_as_a_terminal_gives_it() -> None:
     """Let Ctrl-C raise KeyboardInterrupt in this process and the scripts it starts, as in a
     terminal, when the suite was launched with SIGINT ignored (``cmd &`` in a script or under

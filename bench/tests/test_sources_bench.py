@@ -28,6 +28,8 @@ def test_sources_benchmark_quick(tmp_path):
     assert len(ceilings) == 3 and all(r["ceiling"] and r["pass"] is None for r in ceilings)
     assert not jpeg["stock"]["ceiling"]
     assert not jpeg["gpufeed ImageFolder (process, channels_last)"]["ceiling"]
+    for kind in ("process", "thread"):  # the cost of a per-sample transform=
+        assert jpeg[f"gpufeed ImageFolder ({kind}, transform=)"]["median_samples_per_s"] > 0
     md = (out / "sources.md").read_text()
     assert "Quick mode" in md and "| hdf5 | gpufeed |" in md
     assert "| jpeg-crop | no-loader ceiling: ImageFolder's work |" in md

@@ -425,8 +425,8 @@ def test_center_crop_of_a_large_image_and_dct_scale(tmp_path):
     assert 0 < diff.mean() < 3
 
 
-def test_transform_is_refused_naming_what_to_use(folder):
-    for name in ("transform", "target_transform", "loader"):
+def test_target_transform_is_refused_naming_what_to_use(folder):
+    for name in ("target_transform", "loader"):
         with pytest.raises(TypeError, match=rf"takes no {name}=.*device_transform=gpufeed"
                                             r"\.Normalize.*torchvision\.datasets\.ImageFolder"):
             gpufeed.sources.ImageFolder(folder, size=8, **{name: lambda x: x})

@@ -3,6 +3,10 @@ and said once when libjpeg-turbo >= 3.0 is missing (NOTE [ Decoding ])."""
 
 import io
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -166,9 +170,68 @@ def test_a_library_without_the_turbojpeg3_api_is_not_used(tmp_path, monkeypatch)
     monkeypatch.setenv("GPUFEED_TURBOJPEG", str(tmp_path / "nowhere.so"))
     monkeypatch.setattr(jpeg, "_LIB_PATHS", ())
     monkeypatch.setattr(jpeg.ctypes.util, "find_library", lambda name: None)
+    monkeypatch.setattr(jpeg, "bundled_turbojpeg", lambda: [])
     jpeg.find_turbojpeg.cache_clear()
     try:
         path, why = jpeg.find_turbojpeg()
     finally:
         jpeg.find_turbojpeg.cache_clear()
     assert path is None and "nowhere.so does not exist" in why
+
+
+@needs_turbo
+def test_a_damaged_jpeg_leaves_the_next_ones_to_turbojpeg():
+    """A failed call spoils its TurboJPEG handle: the thread gets a fresh one, so the valid
+    JPEGs after a damaged one are still decoded (not all sent to Pillow)."""
+    turbo = jpeg.codec("turbojpeg")
+    data = _jpeg(40, 56, 2, "4:2:0")
+    want = turbo.decode(data, factor=1, box=None, fast=True)
+    for bad in (b"\xff\xd8\xff not really", data[:len(data) // 3]):
+        with pytest.raises(ValueError):
+            turbo.decode(bad, factor=1, box=None, fast=False)
+        assert turbo.header(data) == (40, 56)
+        np.testing.assert_array_equal(turbo.decode(data, factor=1, box=None, fast=True), want)
+
+
+def test_pip_install_alone_finds_a_turbojpeg3_library():
+    """With the ``image`` extra installed and nothing set (no GPUFEED_TURBOJPEG, no system
+    libjpeg-turbo 3), the library bundled in the turbojpeg wheel is found and loaded."""
+    bundled = jpeg.bundled_turbojpeg()
+    if not bundled:
+        pytest.skip("the turbojpeg wheel (gpufeed[image] on this platform) is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "GPUFEED_TURBOJPEG"}
+    code = ("from gpufeed._sources import jpeg; print(jpeg.find_turbojpeg()[0]); "
+            "print(jpeg.resolve_codec('auto'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    system = [p for p in (jpeg.ctypes.util.find_library("turbojpeg"), *jpeg._LIB_PATHS)
+              if p and hasattr(_load(p), "tj3Init")]
+    assert out[1] == "turbojpeg"
+    assert out[0] in (system or bundled)
+
+
+def _load(path):
+    try:
+        return jpeg.ctypes.CDLL(path)
+    except OSError:
+        return None
+
+
+def test_the_image_extra_brings_turbojpeg_where_its_wheels_exist():
+    tomllib = pytest.importorskip("tomllib")
+    requirements = pytest.importorskip("packaging.requirements")
+    meta = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    extras = meta["project"]["optional-dependencies"]
+    for extra in ("image", "images"):
+        req = next(requirements.Requirement(r) for r in extras[extra]
+                   if r.startswith("turbojpeg"))
+        assert str(req.specifier) == "==0.0.2"
+        for (platform, machine, version), wheel in {
+                ("linux", "x86_64", "3.11"): True, ("linux", "x86_64", "3.13"): True,
+                ("win32", "AMD64", "3.12"): True, ("win32", "x86", "3.10"): True,
+                ("darwin", "arm64", "3.12"): True, ("darwin", "x86_64", "3.13"): True,
+                ("darwin", "arm64", "3.13"): False, ("linux", "aarch64", "3.11"): False,
+                ("linux", "x86_64", "3.14"): False}.items():
+            env = {"sys_platform": platform, "platform_machine": machine,
+                   "python_version": version}
+            assert req.marker.evaluate(env) is wheel, (extra, env)

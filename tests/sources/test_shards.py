@@ -279,7 +279,7 @@ def test_bad_shards_are_refused_naming_the_fix(tree, tmp_path):
     with pytest.raises(ValueError, match="must be member extensions"):
         gpufeed.sources.ImageShards(str(tmp_path / "a.tar"), size=8, image=())
     with pytest.raises(TypeError, match="read the shards with webdataset"):
-        gpufeed.sources.ImageShards(str(tmp_path / "a.tar"), size=8, transform=lambda x: x)
+        gpufeed.sources.ImageShards(str(tmp_path / "a.tar"), size=8, target_transform=lambda x: x)
     # a plain shard whose first member's name starts like a compressed file's magic
     named = _tar(tmp_path / "bzh.tar", [("BZh91AY.jpg", jpg), ("BZh91AY.cls", b"2")])
     assert gpufeed.sources.ImageShards(named, size=8).keys[0] == "BZh91AY"

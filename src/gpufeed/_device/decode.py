@@ -182,6 +182,8 @@ def _make_plan(dataset: Any, mode: str, device: torch.device | None,
         why = "the loader has no CUDA device stage (device='cuda')"
     elif not batched:
         why = "the loader has a collate_fn of its own (the GPU path needs the default one)"
+    elif getattr(dataset, "transform", None) is not None:
+        why = "the dataset has a transform= (it runs in the workers, on decoded pixels)"
     else:
         try:
             decoder = make_decoder(device)

@@ -88,7 +88,7 @@ class MapFetcher:
         self.seed = seed
         self.base_seed = base_seed
         self.seed_globals = seed_globals
-        self.scope = SampleScope()
+        self.scope = SampleScope(seed_globals=seed_globals)
         self.auto_collation = auto_collation
         self.collate_fn = None if collate_fn is default_collate else collate_fn
         self.arrays = gather_arrays(dataset) if self.collate_fn is None else None
@@ -135,9 +135,11 @@ class MapFetcher:
 
     def _fetch(self, indices: Any, writer: SlotWriter | None, epoch: int, scope: SampleScope
                ) -> Any:
+        # The check for global draws, also for user code a source calls itself (transform=).
+        scope.probe = self.probe
         collate_fn = self.collate_fn
         if collate_fn is not None and self.probe is not None:
-            # NOTE [ Seeding and threads ]: user code is checked for global draws.
+            # User code is checked for global draws (NOTE [ Seeding and threads ]).
             collate_fn = self.probe.wrap(collate_fn)
         if not self.auto_collation:
             return self._fetch_one(indices, epoch, scope, collate_fn)

@@ -57,12 +57,17 @@ class SampleScope:
 
     One per fetcher (a worker, or the main process with ``num_workers=0``); ``open`` makes it
     the calling thread's scope for one batch, ``at``/``at_batch`` move it, ``close`` restores
-    whatever scope was open before (a dataset may itself iterate a loader).
+    whatever scope was open before (a dataset may itself iterate a loader). ``seed_globals``
+    and ``probe`` say how the fetcher runs user code that a source calls itself (an image
+    source's ``transform=``): whether it may seed the global generators per sample, given a
+    per-sample seed (never in thread workers: NOTE [ Seeding and threads ]), and the check
+    of the task for global draws (``_host/random_watch.py``), if any.
     """
 
-    __slots__ = ("_numpy", "_prev", "_random", "_torch", "base", "batch", "epoch", "index")
+    __slots__ = ("_numpy", "_prev", "_random", "_torch", "base", "batch", "epoch", "index",
+                 "probe", "seed_globals")
 
-    def __init__(self) -> None:
+    def __init__(self, *, seed_globals: bool = False) -> None:
         self.base = self.epoch = 0
         self.index: Any = None
         self.batch: Sequence[Any] | None = None
@@ -70,6 +75,8 @@ class SampleScope:
         self._numpy: np.random.Generator | None = None
         self._random: random.Random | None = None
         self._prev: SampleScope | None = None
+        self.seed_globals = seed_globals
+        self.probe: Any = None
 
     def open(self, base: int, epoch: int) -> None:
         self._prev = getattr(_local, "scope", None)

@@ -7,7 +7,9 @@ reads (``_read``) and names in errors (``_name``). Decoding is ``jpeg.py``'s (NO
 only the crop's region of a JPEG when libjpeg-turbo >= 3.0 is there, else the whole image by
 simplejpeg); other formats go through Pillow. Crops and flips draw from one ``numpy`` generator
 per sample seeded by the loader's ``sample_seed(seed, epoch, index)`` (NOTE [ Batch sources ] in
-``_sources/protocol.py``): batches are the same for any ``num_workers`` or ``worker_type``.
+``_sources/protocol.py``): batches are the same for any ``num_workers`` or ``worker_type``. A
+user's ``transform=`` then runs on each image (NOTE [ Image transforms ] in
+``image_transform.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.utils.data import Dataset
 
 from .arrays import allocate
 from .encoded import DECODE_MODES, encoded_batch
+from .image_transform import check_transform, stack_outputs, transform_calls
 from .jpeg import codec, resolve_codec
 from .protocol import SourceChanged, index_array, require, sample_seeds
 from .resample import box, center_cut_into, center_resize, random_resized, resize_into
@@ -36,10 +39,10 @@ CROPS = ("random", "center")
 ON_ERROR = ("raise", "skip")
 _NO_TRANSFORM = (
     "gpufeed.{cls} decodes, crops and flips itself (size=, crop=, scale=, ratio=, "
-    "flip=) into uint8 CHW tensors and takes no {name}=. Normalise on the device: "
-    "gpufeed.DataLoader(..., device='cuda', device_transform=gpufeed.Normalize(mean, std, "
-    "key=0)); for other transforms, a collate_fn or device_transform that takes the uint8 "
-    "batch. {instead}")
+    "flip=) into uint8 CHW tensors and takes no {name}=. A function of each image goes in "
+    "transform=; normalise on the device: gpufeed.DataLoader(..., device='cuda', "
+    "device_transform=gpufeed.Normalize(mean, std, key=0)); a function of the labels, in a "
+    "collate_fn. {instead}")
 
 
 class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
@@ -66,8 +69,7 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
             raise ValueError(f"decode={decode!r} is not one of {DECODE_MODES}: 'cpu' (the "
                              "workers decode), 'gpu' (the device stage decodes JPEGs: needs "
                              "device='cuda' and nvImageCodec) or 'auto' (the GPU when it can)")
-        for name, value in (("transform", transform), ("target_transform", target_transform),
-                            ("loader", loader)):
+        for name, value in (("target_transform", target_transform), ("loader", loader)):
             if value is not None:
                 raise TypeError(_NO_TRANSFORM.format(cls=type(self).__name__, name=name,
                                                      instead=self._instead))
@@ -96,6 +98,13 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
         self.flip = crop == "random" if flip is None else bool(flip)
         self.center_fraction, self.fast, self.dct_scale = center_fraction, fast, dct_scale
         self.on_error, self.memory_format = on_error, memory_format
+        self.transform = check_transform(transform, f"gpufeed.{type(self).__name__}")
+        if decode == "gpu" and transform is not None:
+            raise ValueError(
+                f"decode='gpu' with transform={transform!r}: the transform runs in the workers "
+                "on decoded pixels, which a GPU decode does not make there. Pass decode='cpu' "
+                "(or 'auto', which then decodes on the CPU), or apply the transform on the "
+                "device with gpufeed.DataLoader(device_transform=...)")
         self.decoder = resolve_codec(decoder)
         self.decode = decode
         self.skipped = 0
@@ -125,7 +134,8 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
             + (", channels_last" if self.memory_format is torch.channels_last else ""),
             f"Decoder: {self.decoder}, dct_scale={self.dct_scale}, fast={self.fast}, "
             f"on_error={self.on_error!r}" + (f", decode={self.decode!r}"
-                                             if self.decode != "cpu" else "")]
+                                             if self.decode != "cpu" else ""),
+            *([f"Transform: {self.transform!r}"] if self.transform is not None else [])]
 
     # -- reading ----------------------------------------------------------------------------
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
@@ -137,9 +147,15 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
     def gpufeed_samples(self, indices: Sequence[int], *, seed: int | None,
                         epoch: int) -> list[Any]:
         idx = index_array(indices)
-        images, labels = self._decode(idx, seed=seed, epoch=epoch, alloc=None)
+        images: list[Any]
+        labels: np.ndarray | torch.Tensor
+        if self.transform is not None:  # its outputs as they are (NOTE [ Image transforms ])
+            images, labels = self._transformed(idx, seed=seed, epoch=epoch)
+        else:
+            batch, labels = self._decode(idx, seed=seed, epoch=epoch, alloc=None)
+            images = list(batch)
         fields = self._fields(idx, images, labels.tolist())
-        return list(zip(*fields, strict=True)) if len(fields) > 1 else list(images)
+        return list(zip(*fields, strict=True)) if len(fields) > 1 else images
 
     def gpufeed_batch(self, indices: Sequence[int], *, seed: int | None, epoch: int,
                       alloc: Any) -> Any:
@@ -149,7 +165,14 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
         if self._encoded:  # for the device stage's decode (_sources/encoded.py)
             fields = encoded_batch(self, idx, seed=seed, epoch=epoch, alloc=alloc)
             return fields if len(fields) > 1 else fields[0]
-        images, labels = self._decode(idx, seed=seed, epoch=epoch, alloc=alloc)
+        if self.transform is not None:
+            outputs, found = self._transformed(idx, seed=seed, epoch=epoch, reuse=True)
+            images = stack_outputs(outputs, idx, alloc, owner=f"gpufeed.{type(self).__name__}",
+                                   channels_last=self.memory_format is torch.channels_last)
+            labels = allocate(alloc, (len(idx),), torch.int64)
+            labels.numpy()[:] = found
+        else:
+            images, labels = self._decode(idx, seed=seed, epoch=epoch, alloc=alloc)
         fields = self._fields(idx, images, labels)
         return fields if len(fields) > 1 else images
 
@@ -171,19 +194,51 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
         hwc = images.numpy().transpose(0, 2, 3, 1)  # HWC views of the slot, in either layout
         for k, (i, s) in enumerate(zip(idx.tolist(), sample_seeds(idx, seed, epoch),
                                        strict=True)):
-            try:
-                self._load(i, s, hwc[k])
-            except SourceChanged:
-                raise
-            except Exception as exc:
-                if self.on_error == "raise":
-                    raise ValueError(
-                        f"cannot read image {self._name(i)} (sample {i}): {exc}. Fix or remove "
-                        f"the file, or pass {type(self).__name__}(..., on_error='skip')") from exc
-                self.skipped += 1
+            if not self._load_or_skip(i, s, hwc[k]):
                 images[k].zero_()
                 labels[k] = -1
         return images, labels
+
+    def _transformed(self, idx: np.ndarray, *, seed: int | None, epoch: int,
+                     reuse: bool = False) -> tuple[list[Any], np.ndarray]:
+        """The transform's output of each image of ``idx``, and the labels (-1 where skipped);
+        ``reuse``: decode the images into one buffer while no output shares its memory."""
+        h, w = self.size
+        labels = self.targets[idx].copy()
+        outputs: list[Any] = []
+        buffer: torch.Tensor | None = None
+        transform: Any = self.transform
+        with transform_calls(transform, seed=seed, epoch=epoch) as call:
+            for k, (i, s) in enumerate(zip(idx.tolist(), sample_seeds(idx, seed, epoch),
+                                           strict=True)):
+                if buffer is None or not reuse:
+                    buffer = _image_buffer(h, w, self.memory_format)
+                hwc = buffer.numpy().transpose(1, 2, 0)
+                if not self._load_or_skip(i, s, hwc):
+                    buffer.zero_()
+                    labels[k] = -1
+                out = call(i, buffer)
+                outputs.append(out)
+                if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() == \
+                        buffer.untyped_storage().data_ptr():  # the image, or a view of it
+                    buffer = None
+        return outputs, labels
+
+    def _load_or_skip(self, index: int, seed: int, dst: np.ndarray) -> bool:
+        """:meth:`_load`; False for an image that ``on_error="skip"`` skips."""
+        try:
+            self._load(index, seed, dst)
+            return True
+        except SourceChanged:
+            raise
+        except Exception as exc:
+            if self.on_error == "raise":
+                raise ValueError(
+                    f"cannot read image {self._name(index)} (sample {index}): {exc}. Fix or "
+                    f"remove the file, or pass {type(self).__name__}(..., on_error='skip')"
+                ) from exc
+            self.skipped += 1
+            return False
 
     def _load(self, index: int, seed: int, dst: np.ndarray) -> None:
         """Image ``index``, cropped, resized and flipped with draws from a generator seeded
@@ -260,6 +315,13 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
         t, lft, bh, bw = box(top, left, ch, cw, height, width)
         resize_into(dst, img[t:t + bh, lft:lft + bw], flip)
 
+
+
+def _image_buffer(h: int, w: int, memory_format: torch.memory_format) -> torch.Tensor:
+    """A uint8 (3, h, w) image to decode into, in ``memory_format``."""
+    if memory_format is torch.channels_last:
+        return torch.empty((h, w, 3), dtype=torch.uint8).permute(2, 0, 1)
+    return torch.empty((3, h, w), dtype=torch.uint8)
 
 
 def _complete(data: bytes) -> bool:

@@ -79,9 +79,17 @@ class ImageFolder(DecodedImages):
             the CPU, quietly). Same batch structure; pixels within a few levels of the CPU
             path's with ``dct_scale=False`` (docs/guides/gpu-decode.md). ``dataset[i]`` and
             other loaders always decode on the CPU.
-        transform, target_transform, loader: refused with a TypeError that names what to use
-            instead (``device_transform=gpufeed.Normalize(...)``, a ``collate_fn``, or
-            torchvision's own ``ImageFolder`` in ``gpufeed.DataLoader``).
+        transform: a callable applied in the worker to each image after the crop, resize
+            and flip: it takes the uint8 ``(3, h, w)`` tensor (as
+            ``torchvision.transforms.v2`` takes it) and returns the sample's image (another
+            shape or dtype is fine, one per batch with the default collation). Its random
+            draws are per sample: ``gpufeed.random.sample_generator()`` inside it always;
+            torch's global generator (torchvision's random transforms) with process workers
+            or ``num_workers=0`` and ``seed=``; thread workers warn (``RandomStateWarning``)
+            instead (NOTE [ Image transforms ]). Normalising is cheaper on the device
+            (``device_transform=gpufeed.Normalize(...)``).
+        target_transform, loader: refused with a TypeError that names what to use instead
+            (a ``collate_fn``, or torchvision's own ``ImageFolder`` in ``gpufeed.DataLoader``).
     """
 
     _instead = ("For arbitrary PIL transforms keep torchvision.datasets.ImageFolder(root, "

@@ -15,7 +15,9 @@ codecs give the same pixels for the same box (tested):
   left and by ``_MARGIN`` pixels on both sides (chroma upsampling treats a region's edge
   columns as image edges, which changed them by up to 30 levels when decoded flush), decoded,
   and cut. The library comes from ``$GPUFEED_TURBOJPEG`` (a path), else the system's
-  ``libturbojpeg``; one without ``tj3Init`` (libjpeg-turbo 2.x) is not used. Measured here on
+  ``libturbojpeg``, else the one bundled in the ``turbojpeg`` wheel, which
+  ``pip install 'gpufeed[image]'`` brings where that wheel exists (below); one without
+  ``tj3Init`` (libjpeg-turbo 2.x) is not used. Measured here on
   photo-like 500x375 JPEGs (110 KB, quality 90): a half-area region in 0.75-1.2 ms against
   1.6 ms for the whole image; a 224 window of a 256x256 image gains nothing (0.46-0.53 ms
   against 0.49 ms). Where a region's time goes (2026-11-27, 200 of those photos, one process,
@@ -39,6 +41,30 @@ complete file is found when it lies above or inside the region (those rows are d
 it, it is not read, the region's pixels are intact, and the stock path would refuse the file.
 A failed decode's Pillow fallback draws its crop from a fresh generator of the same seed, so it
 cuts the box the codec would have cut.
+
+Where ``pip install`` finds libjpeg-turbo >= 3 (December 2026: each wheel downloaded with
+``pip download --no-deps``, unpacked, its libraries' exported symbols listed):
+
+- ``turbojpeg`` 0.0.2 (pybind11 bindings, last release May 2025): bundles ``libturbojpeg``
+  2.1.92 (libjpeg-turbo 3.0 beta 1, build 2023-08-06) with the TurboJPEG 3 API exported
+  (``turbojpeg.libs/libturbojpeg-*.so.0.3.0`` on Linux, ``turbojpeg.dylibs/libturbojpeg.0.3.0
+  .dylib`` on macOS, ``turbojpeg-*.dll`` beside the packages on Windows). Wheels: CPython
+  3.10-3.13 on Linux x86-64 (glibc and musl), Windows x86-64 and x86, macOS x86-64, macOS
+  arm64 up to 3.12; none for Linux aarch64 or 3.14. Its own API decodes whole images only
+  (no scale, no region), so gpufeed never imports it: it finds the library among the
+  distribution's files and loads it by ``ctypes``, as any other TurboJPEG 3 library. It is
+  the ``image`` extra's only way to the region decode, pinned to 0.0.2 and limited by
+  markers to the platforms above (elsewhere pip would try its source, which needs a
+  libjpeg-turbo build). Two faults of this beta are worked around: merged upsampling with a
+  region (below), and a handle that refuses every later header after one failed call (the
+  handle is dropped after a failure).
+- Pillow 13.0 (libjpeg-turbo 3.2.0) and imagecodecs 2026.3.6 (3.1.3): only the libjpeg API
+  (``libjpeg.so.62``/``.so.8``: ``jpeg_crop_scanline``, ``jpeg_skip_scanlines``), whose errors
+  ``longjmp`` (see below: not from ``ctypes``); neither's Python API decodes a region.
+- simplejpeg 1.9.0: libjpeg-turbo linked into its extension, nothing exported; DCT scaling
+  (``min_factor``), no region. jpeglib 1.0.2: libjpeg-turbo up to 2.1.0 (libjpeg API).
+  PyTurboJPEG 2.6.1: pure Python, loads a system libturbojpeg >= 3.0 and bundles none.
+  opencv-python-headless: libjpeg-turbo linked in, no region (below).
 
 What else was tried (November 2026, Debian 12, x86-64):
 - PyTurboJPEG 2.x needs libjpeg-turbo >= 3.0 (it refuses to load without ``tj3Init``), and its
@@ -135,6 +161,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import importlib.metadata
 import logging
 import math
 import os
@@ -166,6 +193,13 @@ _LIB_PATHS = (
     "/opt/homebrew/opt/jpeg-turbo/lib/libturbojpeg.dylib",
     "/usr/local/opt/jpeg-turbo/lib/libturbojpeg.dylib",
 )
+
+
+_INSTALL = (
+    "pip install 'gpufeed[image]' brings one (in the turbojpeg wheel) on Linux x86-64, macOS "
+    "and Windows, CPython 3.10-3.13; elsewhere install libjpeg-turbo >= 3.0 (its own "
+    "packages, Homebrew jpeg-turbo, conda-forge libjpeg-turbo; Debian 12/13's libturbojpeg0 "
+    "is 2.1.5) and set GPUFEED_TURBOJPEG=/path/to/libturbojpeg.so.0")
 
 
 class JpegCodec(Protocol):
@@ -236,7 +270,13 @@ class TurboJpeg:
         return handle.ptr
 
     def _fail(self, h: Any, what: str) -> ValueError:
-        return ValueError(f"{what}: {(self.lib.tj3GetErrorStr(h) or b'').decode(errors='replace')}")
+        """The error of handle ``h``, which is then dropped: after a failed call a handle
+        refuses every later header, valid or not, so each JPEG after a damaged one went to
+        Pillow (seen with libjpeg-turbo 2.1.92)."""
+        error = ValueError(f"{what}: "
+                           f"{(self.lib.tj3GetErrorStr(h) or b'').decode(errors='replace')}")
+        self._local.handle = None  # destroyed; the thread's next call makes a fresh one
+        return error
 
     def _read_header(self, h: Any, data: bytes) -> tuple[int, int]:
         if self.lib.tj3DecompressHeader(h, data, len(data)) != 0:
@@ -308,13 +348,29 @@ class SimpleJpeg:
         return img[top:top + bh, left:left + bw]
 
 
+def bundled_turbojpeg() -> list[str]:
+    """The libturbojpeg files inside the installed ``turbojpeg`` distribution (NOTE
+    [ Decoding ]), found among its recorded files: the package is never imported."""
+    try:
+        files = importlib.metadata.files("turbojpeg") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    found = []
+    for f in files:
+        name = f.name.lower()
+        if name.startswith("libturbojpeg") or (name.startswith("turbojpeg-")
+                                                and name.endswith(".dll")):
+            found.append(str(f.locate()))
+    return sorted(found)
+
+
 @functools.cache
 def find_turbojpeg() -> tuple[str | None, str]:
     """(path of a libturbojpeg with the TurboJPEG 3 API, or None; what was found instead)."""
     seen: list[str] = []
     env = os.environ.get("GPUFEED_TURBOJPEG")
     found = ctypes.util.find_library("turbojpeg")
-    for path in (env, found, *_LIB_PATHS):
+    for path in (env, found, *_LIB_PATHS, *bundled_turbojpeg()):
         if not path or path in seen or (os.sep in path and not os.path.exists(path)):
             if path == env and env and not os.path.exists(env):
                 seen.append(f"GPUFEED_TURBOJPEG={env} does not exist")
@@ -339,9 +395,7 @@ def codec(name: str) -> JpegCodec:
     if path is None:
         raise ImportError(
             f"decoder='turbojpeg' needs libjpeg-turbo >= 3.0 (the TurboJPEG 3 API): {why}. "
-            "Install it (libjpeg-turbo's packages, Homebrew jpeg-turbo, conda-forge "
-            "libjpeg-turbo; Debian 12/13's libturbojpeg0 is 2.1.5) and set "
-            "GPUFEED_TURBOJPEG=/path/to/libturbojpeg.so.0, or use decoder='auto'")
+            f"{_INSTALL}, or use decoder='auto'")
     return TurboJpeg(path)
 
 
@@ -371,7 +425,6 @@ def resolve_codec(prefer: str) -> str:
             _announced = True
             logger.warning(
                 "gpufeed.sources.ImageFolder and ImageShards decode JPEGs with simplejpeg: whole "
-                "images, then cut. Decoding only each crop's region needs libjpeg-turbo >= 3.0 "
-                "(%s); install it or set GPUFEED_TURBOJPEG=/path/to/libturbojpeg.so.0 "
-                "(NOTE [ Decoding ] in gpufeed/_sources/jpeg.py)", why)
+                "images, then cut. Decoding only each crop's region needs libjpeg-turbo >= 3.0 (%s). "
+                "%s (NOTE [ Decoding ] in gpufeed/_sources/jpeg.py)", why, _INSTALL)
     return "simplejpeg"

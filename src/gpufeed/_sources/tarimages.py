@@ -112,9 +112,10 @@ class ImageShards(DecodedImages):
         text: the extension of a text member (``"txt"``, ``"json"``) given as ``str``, or
             None. Texts are read when the dataset is built and kept in one buffer.
         size, crop, flip, scale, ratio, center_fraction, fast, dct_scale, on_error: as
-            ``ImageFolder``'s, and so are ``decoder``, ``memory_format`` and ``decode`` (a
-            skipped image is black and its label -1; with ``label=None`` only ``skipped``, per
-            process, counts it).
+            ``ImageFolder``'s, and so are ``decoder``, ``memory_format``, ``decode`` and
+            ``transform`` (a skipped image is black, before the transform, and its label -1;
+            with ``label=None`` only ``skipped``, per process, counts it).
+            ``target_transform`` is refused.
 
     Attributes: ``shards`` (the paths), ``keys`` (each sample's key), ``targets`` (int64
     labels; -1 without ``label``), ``texts`` (with ``text``), ``shard_of`` (each sample's shard
