@@ -174,8 +174,6 @@ def test_target_transform_and_loader_are_still_refused(folder):
 
 def test_a_gpu_decode_with_a_transform_is_refused_naming_the_fix(tmp_path):
     """The transform runs on decoded pixels in the workers: decode='gpu' cannot give it any."""
-    import gpufeed
-
     root = tmp_path / "set"
     (root / "a").mkdir(parents=True)
     with pytest.raises(ValueError, match="decode='cpu'.*device_transform"):
