@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ def jpegs(count: int, side: int, seed: int = 0) -> list[bytes]:
     out = []
     for _ in range(count):
         small = rng.integers(0, 256, (side // 8, side // 8, 3), dtype=np.uint8)
-        img = Image.fromarray(small).resize((side, side), Image.BILINEAR)
+        img = Image.fromarray(small).resize((side, side), Image.Resampling.BILINEAR)
         buf = io.BytesIO()
         img.save(buf, format="JPEG", quality=90)
         out.append(buf.getvalue())
@@ -65,7 +66,7 @@ def decode_crop(data: bytes, seed: int) -> np.ndarray:
     s = rng.uniform(0.25, 1.0)
     ch, cw = max(1, int(h * s ** 0.5)), max(1, int(w * s ** 0.5))
     y, x = int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1))
-    crop = Image.fromarray(img[y:y + ch, x:x + cw]).resize((OUT, OUT), Image.BILINEAR)
+    crop = Image.fromarray(img[y:y + ch, x:x + cw]).resize((OUT, OUT), Image.Resampling.BILINEAR)
     return np.asarray(crop)
 
 
@@ -214,8 +215,8 @@ def offload(args: argparse.Namespace) -> dict[str, Any]:
             print(f"(b) offload: {len(data)} JPEGs {args.side}px, step {step} ms/batch",
                   flush=True)
             runs = alternate({
-                "gpufeed workers on the trainer's core": lambda s=step: local(s),
-                "gpufeed over Ray Data (far node's core)": lambda s=step: remote(s),
+                "gpufeed workers on the trainer's core": partial(local, step),
+                "gpufeed over Ray Data (far node's core)": partial(remote, step),
             }, args.repeats)
             rates = {k: summary(v, "samples_per_s") for k, v in runs.items()}
             a, b = (v["median"] for v in rates.values())

@@ -167,7 +167,7 @@ def _build(name: str, quick: bool, cache: Path, nw: int) -> tuple[dict[str, Fact
             whole = gpufeed.sources.ImageFolder(root, **crops, decoder="simplejpeg")
             sides["gpufeed ImageFolder (process, simplejpeg)"] = lambda: gpufeed.DataLoader(
                 whole, batch_size=bs(64), seed=0, **kw)
-        transformed = gpufeed.ImageFolder(root, **crops, transform=flip_to_float)
+        transformed = gpufeed.sources.ImageFolder(root, **crops, transform=flip_to_float)
         for kind in ("process", "thread"):
             sides[f"gpufeed ImageFolder ({kind}, transform=)"] = partial(
                 gpufeed.DataLoader, transformed, batch_size=bs(64), seed=0, worker_type=kind, **kw)

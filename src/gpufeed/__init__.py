@@ -16,8 +16,8 @@ submodules, each behind a sorted ``__all__``:
 - :mod:`gpufeed.errors`: the exceptions and warnings, to catch or filter them.
 
 The package is laid out by the stages a batch passes through (order, sources, memory, host,
-device, tools); ``docs/how-it-works/module-map.md`` is the map: one line per module, one batch's path through
-them, and the index of the design NOTEs.
+device, tools); ``docs/how-it-works/module-map.md`` is the map: one line per module, one
+batch's path through them, and the index of the design NOTEs.
 """
 
 from torch.utils.data import get_worker_info

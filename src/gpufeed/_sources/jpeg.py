@@ -425,6 +425,6 @@ def resolve_codec(prefer: str) -> str:
             _announced = True
             logger.warning(
                 "gpufeed.sources.ImageFolder and ImageShards decode JPEGs with simplejpeg: whole "
-                "images, then cut. Decoding only each crop's region needs libjpeg-turbo >= 3.0 (%s). "
-                "%s (NOTE [ Decoding ] in gpufeed/_sources/jpeg.py)", why, _INSTALL)
+                "images, then cut. Decoding only each crop's region needs libjpeg-turbo >= 3.0 "
+                "(%s). %s (NOTE [ Decoding ] in gpufeed/_sources/jpeg.py)", why, _INSTALL)
     return "simplejpeg"
