@@ -269,12 +269,12 @@ class JpegBatches(JpegFiles):
 
 def jpeg(cache: Path, *, count: int, side: int, out: int, seed: int = 0) -> Workload:
     """``count`` JPEGs of about side x side (smooth colour fields plus noise, quality 90),
-    decoded with Pillow and resized to ``out``, batch 64. Needs Pillow (``gpufeed[images]``)."""
+    decoded with Pillow and resized to ``out``, batch 64. Needs Pillow (``gpufeed[image]``)."""
     try:
         from PIL import Image
     except ImportError as exc:
         raise WorkloadUnavailable(
-            "the jpeg workload needs Pillow: pip install 'gpufeed[images]' (or pip install Pillow)"
+            "the jpeg workload needs Pillow: pip install 'gpufeed[image]' (or pip install Pillow)"
         ) from exc
     folder = cache / f"jpeg-{count}-{side}-s{seed}"
 
