@@ -98,7 +98,7 @@ def _batches(side: str, dataset: RandomCrops) -> Iterator[Any]:
     elif side.startswith("gpufeed"):
         import gpufeed
 
-        worker_type = side.split("-")[1]
+        worker_type: Any = side.split("-")[1]
         yield from gpufeed.DataLoader(dataset, batch_size=BATCH, sampler=sampler,
                                       num_workers=WORKERS, worker_type=worker_type)
     elif side == "nodes-thread":
@@ -114,7 +114,8 @@ def _batches(side: str, dataset: RandomCrops) -> Iterator[Any]:
     elif side == "spdl-thread":
         from spdl.pipeline import PipelineBuilder
 
-        pipeline = (PipelineBuilder().add_source(iter(sampler))
+        builder: Any = PipelineBuilder()
+        pipeline = (builder.add_source(iter(sampler))
                     .pipe(dataset.__getitem__, concurrency=WORKERS, output_order="input")
                     .aggregate(BATCH).pipe(default_collate).add_sink(2 * WORKERS)
                     .build(num_threads=WORKERS))
