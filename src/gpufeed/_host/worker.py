@@ -285,8 +285,8 @@ def _serve(
                 results.append(Dropped(task.batch, task.slot.id if task.slot is not None else -1))
                 continue
             look_at = now + NEWER_CHECK_S
-            # NOTE [ Seeding and threads ]: a thread worker's task may be checked for draws
-            # from the global generators.
+            # A thread worker's task may be checked for draws from the global generators
+            # (NOTE [ Seeding and threads ] in _order/seeding.py).
             if watch is not None:
                 fetcher.probe = watch.task_probe()
             result: Result | None = None
