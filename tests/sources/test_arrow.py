@@ -291,8 +291,8 @@ def test_missing_extra_names_it(monkeypatch):
 
 def test_arrow_dataset_repr_is_torchvisions_layout():
     ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]], "label": [0, 1]})
-    ds = gpufeed.sources.ArrowDataset(ds.with_format("torch"), pad={"input_ids": 0})
-    assert repr(ds) == "\n".join(
+    padded = gpufeed.sources.ArrowDataset(ds.with_format("torch"), pad={"input_ids": 0})
+    assert repr(padded) == "\n".join(
         ["Dataset ArrowDataset", "    Number of datapoints: 2",
          "    Data: datasets.Dataset, format torch, columns ['input_ids', 'label']",
          "    Padded per batch: input_ids (pad 0)"])
