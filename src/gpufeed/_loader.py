@@ -383,4 +383,4 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
         return Delivered(to_device(
             it, parse_device(self.device), depth=self.device_depth, transform=self.device_transform,
             recorder=self._recorder,
-        ), self._position.current())
+        ), self._position.current(), recorder=self._recorder, count_samples=self._auto_collation)

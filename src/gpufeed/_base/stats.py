@@ -332,6 +332,19 @@ class StatsRecorder:
             for name, value in gauges:
                 counters[name] = value
 
+    def passed_on(self, occupancy: Sequence[tuple[str, int, int]] = (),
+                  gauges: Sequence[tuple[str, int]] = ()) -> None:
+        """One batch handed to a stage between the loader and the user (the device stage),
+        not to the user: only the ``occupancy`` samples and ``gauges`` of :meth:`handout`, in
+        one lock round trip. The stage calls :meth:`handout` when the user receives it, so
+        "batches", "samples" and the loop's waits and steps count what the loop received."""
+        with self._lock:
+            stages = self._stages
+            for name, used, capacity in occupancy:
+                self._occupy(stages.get(name) or self._stage(name), used, capacity)
+            for name, value in gauges:
+                self._counters[name] = value
+
     def occupancy(self, stage: str, used: int, capacity: int) -> None:
         """Sample how many of ``capacity`` queue or ring slots of ``stage`` are in use now."""
         with self._lock:
