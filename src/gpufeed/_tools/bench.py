@@ -27,8 +27,15 @@ from .._base.stats import format_table, human_bytes
 from .._host.config import WorkerType
 from .._loader import DataLoader
 from .measure import measure_loader, one_intra_op_thread
-from .repeat import (BOOTSTRAP_RESAMPLES, VERDICT_RUNS, LoadMonitor, MachineLoad, Ratio, Spread,
-                     spreads_text)
+from .repeat import (
+    BOOTSTRAP_RESAMPLES,
+    VERDICT_RUNS,
+    LoadMonitor,
+    MachineLoad,
+    Ratio,
+    Spread,
+    spreads_text,
+)
 from .tuner import require_matplotlib
 
 __all__ = ["BenchConfig", "Comparison", "compare", "configs", "plot", "render", "run_bench"]
