@@ -849,7 +849,7 @@ def test_getitems_used_like_stock():
     "kwargs,exc,needle",
     [
         (dict(worker_type="gpu"), ValueError, "'gpu'"),
-        (dict(worker_type=None), ValueError, "None"),
+        (dict(worker_type=None), TypeError, "None"),  # a wrong type: TypeError
         (dict(ring_bytes=-1), ValueError, "-1"),
         (dict(ring_bytes="1GB"), TypeError, "'1GB'"),
         (dict(ring_bytes=1.5), TypeError, "1.5"),

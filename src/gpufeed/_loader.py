@@ -150,6 +150,7 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
     ) -> None:
         if isinstance(prefetch_factor, DefaultPrefetch):  # read back from a loader: unset
             prefetch_factor = None
+        check_num_workers(num_workers, auto=True)  # stock's TypeError for 2.0, at once
         tuner = make_tuner(num_workers, max_workers=max_workers, memory_budget=memory_budget,
                            worker_type=worker_type, prefetch_factor=prefetch_factor,
                            iterable=isinstance(dataset, IterableDataset))

@@ -290,10 +290,7 @@ def test_a_real_ctrl_c_while_growing_stops_promptly(worker_type):
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(num_workers="Auto"), r"num_workers='Auto' is not supported; use an int >= 0, or 'auto'"),
     (dict(num_workers="auto", max_workers=0), r"max_workers=0 is not supported: .* int >= 1"),
-    (dict(num_workers="auto", max_workers=True), r"max_workers=True is not supported"),
-    (dict(num_workers="auto", max_workers="8"), r"max_workers='8' is not supported"),
     (dict(num_workers=2, max_workers=4), r"max_workers=4 only applies to num_workers='auto'"),
     (dict(num_workers=0, memory_budget="1GiB"), r"memory_budget='1GiB' only applies to"),
     (dict(num_workers="auto", memory_budget="lots"),
@@ -302,6 +299,16 @@ def test_a_real_ctrl_c_while_growing_stops_promptly(worker_type):
 ])
 def test_argument_errors_name_the_value_and_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
+        gpufeed.DataLoader(dataset(8), **kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(num_workers="Auto"), r"num_workers='Auto' is not supported; use an int >= 0, or 'auto'"),
+    (dict(num_workers="auto", max_workers=True), r"max_workers=True is not supported"),
+    (dict(num_workers="auto", max_workers="8"), r"max_workers='8' is not supported"),
+])
+def test_argument_type_errors_are_type_errors(kwargs, match):
+    with pytest.raises(TypeError, match=match):
         gpufeed.DataLoader(dataset(8), **kwargs)
 
 

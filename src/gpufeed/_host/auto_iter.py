@@ -214,7 +214,7 @@ def make_tuner(num_workers: Any, *, max_workers: Any, memory_budget: Any, worker
     """The loader's autotuner for ``num_workers="auto"`` (None for an int), after checking the
     arguments that go with it; ``ValueError`` naming the value and the fix otherwise."""
     if isinstance(num_workers, str) and num_workers != "auto":
-        raise ValueError(f"num_workers={num_workers!r} is not supported; use an int >= 0, or "
+        raise TypeError(f"num_workers={num_workers!r} is not supported; use an int >= 0, or "
                          "'auto' to let gpufeed size the workers while it runs")
     auto = num_workers == "auto"
     for name, value in (("max_workers", max_workers), ("memory_budget", memory_budget)):
@@ -232,7 +232,9 @@ def make_tuner(num_workers: Any, *, max_workers: Any, memory_budget: Any, worker
             "num_workers (`gpufeed tune` measures the best one)")
     if max_workers is not None and (isinstance(max_workers, bool)
                                     or not isinstance(max_workers, int) or max_workers < 1):
-        raise ValueError(f"max_workers={max_workers!r} is not supported: it is the most workers "
+        kind = TypeError if not isinstance(max_workers, int) or isinstance(max_workers, bool) \
+            else ValueError
+        raise kind(f"max_workers={max_workers!r} is not supported: it is the most workers "
                          "num_workers='auto' may run, an int >= 1 (None: 8 per usable CPU, at "
                          "most 64)")
     budget = None
