@@ -351,3 +351,19 @@ def test_decisions_are_instants_of_the_trace(worker_type):
     assert moves and len(moves) == len(decisions)
     assert [e["args"]["workers"] for e in moves] == [
         f"{d.workers[0]} -> {d.workers[1]}" for d in decisions]
+
+
+def test_the_tuners_advice_is_warned_once_at_the_loop():
+    """NOTE [ Autotuning decisions ] rule (6): the iterator warns with the tuner's advice
+    once, pointing at the loop, and never again for that loader."""
+    from gpufeed.errors import ThreadWorkersWarning
+
+    loader = gpufeed.DataLoader(dataset(64), batch_size=4, num_workers="auto",
+                                worker_type="thread")
+    loader._autotune.advice = "use worker_type='process'"
+    with pytest.warns(ThreadWorkersWarning, match="worker_type='process'") as caught:
+        for _ in loader:
+            pass
+    said = [w for w in caught if issubclass(w.category, ThreadWorkersWarning)]
+    assert len(said) == 1 and said[0].filename == __file__
+    assert loader._autotune.advice == ""

@@ -265,3 +265,36 @@ def test_a_small_gain_is_judged_on_two_windows_against_the_better_of_two_before(
     assert t.snapshot().last.kind == "grow"  # 1.2x: not yet
     move = t.decide(token, window(t, rate=98, bound=0.2, step_ms=2, batch_ms=40))
     assert move == Move(4, 2) and t.snapshot().last.kind == "revert"  # the gain was noise
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_thread_workers_the_gil_holds_back_are_told_about_once(kind):
+    """NOTE [ Autotuning decisions ] rule (6): the loop waits, 4 thread workers gave nothing
+    over 2, and the process used one core of two: the work holds the GIL, and the advice
+    names worker_type="process" once. Process workers that do not scale get no such advice."""
+    t = make(workers=2)
+    t.worker_type = kind
+    token, move = start(t, window(t, rate=100, bound=0.5, step_ms=2, batch_ms=20, cpu_cores=1.0))
+    assert move == Move(4, 2)
+    t.decide(token, window(t, rate=101, bound=0.5, step_ms=2, batch_ms=40, cpu_cores=1.0))
+    move = t.decide(token, window(t, rate=101, bound=0.5, step_ms=2, batch_ms=40, cpu_cores=1.0))
+    assert move == Move(2, 2) and t.snapshot().last.kind == "revert"
+    if kind == "process":
+        assert t.advice is None
+        return
+    assert t.advice is not None and "worker_type='process'" in t.advice
+    assert "4 workers gave no gain over 2" in t.advice and "1.0 of the 2 cores" in t.advice
+    t.advice = ""  # taken by the iterator: never said again
+    t.decide(token, window(t, rate=100, bound=0.5, step_ms=2, batch_ms=20, cpu_cores=1.0))
+    t.decide(token, window(t, rate=100, bound=0.5, step_ms=2, batch_ms=20, cpu_cores=1.0))
+    assert t.advice == ""
+
+
+def test_thread_workers_that_use_the_cores_get_no_advice():
+    """Threads waiting on I/O or in GIL-free code (the process uses both cores): no advice."""
+    t = make(workers=2)
+    t.worker_type = "thread"
+    token, _ = start(t, window(t, rate=100, bound=0.5, step_ms=2, batch_ms=20, cpu_cores=1.9))
+    for _ in range(6):  # held by the CPU budget, or reverted: never the GIL's advice
+        t.decide(token, window(t, rate=101, bound=0.5, step_ms=2, batch_ms=40, cpu_cores=1.9))
+    assert {d.kind for d in t.snapshot().decisions} & {"hold", "revert"} and t.advice is None

@@ -23,11 +23,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any, cast
 
 from .._base.system import CpuTimes, TreeCpu, private_bytes
-from .autotune import AutoTuner
+from .autotune import AutoTuner, ThreadWorkersWarning
 from .config import IterConfig
 from .cost import Budgets, default_max_workers, parse_bytes
 from .elastic import ElasticProcessPool, ElasticThreadPool
@@ -125,6 +126,10 @@ class AutoIter(WorkerIter):
             move = tuner.decide(self._token, self._close_window(now))
         if move is not None:
             self._apply(move.workers, move.depth)
+        if tuner.advice:  # NOTE [ Autotuning decisions ] rule (6), once per loader
+            advice, tuner.advice = tuner.advice, ""
+            # _finish <- WorkerIter._next_batch <- its _next <- BaseIter.__next__ <- the loop
+            warnings.warn(advice, ThreadWorkersWarning, stacklevel=5)
         return super()._finish(data, asked_at, k, worker_state, registered, occupancy, gauges)
 
     def _gauges(self) -> Gauges:
