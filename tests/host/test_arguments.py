@@ -66,7 +66,7 @@ def _error(make, kwargs):
         except Exception as exc:
             found = (type(exc), str(exc))
             del exc
-        gc.collect()
+        gc.collect(1)  # the young generations: a half-built iterator is new
     return found
 
 
