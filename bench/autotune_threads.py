@@ -1,6 +1,6 @@
 """``num_workers="auto"`` on thread workers the GIL holds back: what is lost, and when it says so.
 
-NOTE [ Autotuning decisions ] rule (6) in ``_host/autotune.py``: auto never changes the worker
+``_host/thread_advice.py`` (and NOTE [ Autotuning decisions ]): auto never changes the worker
 type; on thread workers that cannot scale it warns once (``ThreadWorkersWarning``), naming
 ``worker_type="process"``. This measures, on a GIL-bound dataset (pure-Python work per
 sample), the rate of ``num_workers="auto"`` on threads and on processes and of a static count
@@ -24,8 +24,8 @@ import torch
 from torch.utils.data import Dataset
 
 import gpufeed
-from gpufeed._host.autotune import ThreadWorkersWarning
 from gpufeed.benchmarks.environment import environment, environment_line, write_documents
+from gpufeed.errors import ThreadWorkersWarning
 
 LOOPS = 4000  # pure-Python iterations per sample: about 0.3 ms here, holding the GIL
 BATCH = 8

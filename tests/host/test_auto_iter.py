@@ -353,17 +353,24 @@ def test_decisions_are_instants_of_the_trace(worker_type):
         f"{d.workers[0]} -> {d.workers[1]}" for d in decisions]
 
 
-def test_the_tuners_advice_is_warned_once_at_the_loop():
-    """NOTE [ Autotuning decisions ] rule (6): the iterator warns with the tuner's advice
-    once, pointing at the loop, and never again for that loader."""
+def test_the_advice_on_thread_workers_is_warned_at_the_loop(monkeypatch):
+    """_host/thread_advice.py: the iterator asks after each window and warns with the advice
+    it gets, pointing at the loop."""
+    from gpufeed._host import auto_iter as _auto_iter
     from gpufeed.errors import ThreadWorkersWarning
 
-    loader = gpufeed.DataLoader(dataset(64), batch_size=4, num_workers="auto",
+    calls = []
+
+    def advise(tuner, win, decided):  # every window: "held back" at the second
+        calls.append(decided)
+        return "use worker_type='process'" if len(calls) == 2 else None
+
+    monkeypatch.setattr(_auto_iter, "held_back", advise)
+    loader = gpufeed.DataLoader(dataset(400), batch_size=2, num_workers="auto",
                                 worker_type="thread")
-    loader._autotune.advice = "use worker_type='process'"
+    loader._autotune.window_batches, loader._autotune.window_s = 4, 0.0
     with pytest.warns(ThreadWorkersWarning, match="worker_type='process'") as caught:
         for _ in loader:
             pass
     said = [w for w in caught if issubclass(w.category, ThreadWorkersWarning)]
-    assert len(said) == 1 and said[0].filename == __file__
-    assert loader._autotune.advice == ""
+    assert len(calls) > 2 and len(said) == 1 and said[0].filename == __file__

@@ -246,12 +246,6 @@ class DeviceIterator(Iterator[Any]):
         self._trace.flush(_timeline.active)  # GPU spans of copies that completed
         return batch
 
-    @property
-    def ahead(self) -> int:
-        """Batches issued to the device and not yet handed over (rule (4): ``depth`` after a
-        handover until the source runs out); an error waiting in their place is not one."""
-        return len(self._ready) - self._error_queued
-
     def stats(self) -> DeviceStats:
         """A snapshot of this iterator's counters (see :class:`DeviceStats`)."""
         return DeviceStats(

@@ -28,11 +28,12 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from .._base.system import CpuTimes, TreeCpu, private_bytes
-from .autotune import AutoTuner, ThreadWorkersWarning
+from .autotune import AutoTuner
 from .config import IterConfig
 from .cost import Budgets, default_max_workers, parse_bytes
 from .elastic import ElasticProcessPool, ElasticThreadPool
 from .messages import Reseed, ToMain, UsePlan
+from .thread_advice import ThreadWorkersWarning, held_back
 from .window import Gauges, Window
 from .worker_iter import WorkerIter
 
@@ -123,13 +124,14 @@ class AutoIter(WorkerIter):
         tuner.delivered_one()
         move = tuner.scheduled(self._gauges()) if tuner.schedule is not None else None
         if move is None and m.batches >= tuner.window_batches and now - m.t0 >= tuner.window_s:
-            move = tuner.decide(self._token, self._close_window(now))
+            win, decided = self._close_window(now), tuner.snapshot().decided
+            move = tuner.decide(self._token, win)
+            advice = held_back(tuner, win, decided)  # once per loader (_host/thread_advice.py)
+            if advice is not None:
+                # _finish <- WorkerIter._next_batch <- its _next <- BaseIter.__next__ <- the loop
+                warnings.warn(advice, ThreadWorkersWarning, stacklevel=5)
         if move is not None:
             self._apply(move.workers, move.depth)
-        if tuner.advice:  # NOTE [ Autotuning decisions ] rule (6), once per loader
-            advice, tuner.advice = tuner.advice, ""
-            # _finish <- WorkerIter._next_batch <- its _next <- BaseIter.__next__ <- the loop
-            warnings.warn(advice, ThreadWorkersWarning, stacklevel=5)
         return super()._finish(data, asked_at, k, worker_state, registered, occupancy, gauges)
 
     def _gauges(self) -> Gauges:

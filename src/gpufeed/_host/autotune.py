@@ -34,28 +34,7 @@ which the iterator applies without restarting the epoch (NOTE [ Resizing the poo
    Over a budget (memory, or CPU by more than ``TOLERANCE``), shrink to fit.
 5. **Hold** otherwise, and say why once: a budget, ``max_workers``, a count that gave no gain,
    or a machine too noisy to decide (the rate varies by more than ``NOISY`` between windows at
-   unchanged settings and step).
-
-6. **Thread workers that cannot scale.** Auto never changes the worker type. With
-   ``worker_type="thread"``, when the loop waits (``input_bound >= GROW_AT``) and more
-   workers are held back or gave no gain while the whole process used less than
-   ``GIL_CORES`` cores of a budget of two or more, the work holds the GIL: threads run one
-   core of Python at a time, and process workers would use the others. The tuner says so
-   once (:attr:`AutoTuner.advice`, which the iterator warns with, a ``ThreadWorkersWarning``
-   naming ``worker_type="process"``). It does not switch the type at an epoch boundary:
-   process workers pickle the dataset (a thread-only dataset may not pickle), start in
-   another process (``worker_init_fn``, ``get_worker_info()`` and the global random state
-   differ there) and take /dev/shm and private memory the budgets were not sized for; a
-   drop-in loader cannot do that behind the program's back. Measured with
-   ``bench/autotune_threads.py`` (pure-Python samples, batch 8, a 1 ms step, 2 cores shared
-   with other jobs, load average 3-10; 3 alternating rounds of 4 s): the warning came once
-   in every thread run, at batch 146-245 (about a second in); the rates, ranges overlapping
-   on that busy machine, were auto on threads 0.84x of the best median, auto on processes
-   1.00x, 2 threads 0.89x, 2 processes 0.56x: the gap a switch would win did not stand out
-   of the noise there (the lab's quieter run measured auto on threads at 0.55x of the best
-   static setting), which is no case for the risks above. The process's CPU is the tell:
-   on a machine whose cores other programs keep busy, the advice may name cores that
-   process workers would not get either.
+   unchanged settings and step). The worker type never changes: ``_host/thread_advice.py``.
 
 Every decision, forced ones included (the test seam :attr:`AutoTuner.schedule`), goes through
 :meth:`AutoTuner._record`: one ``TuningDecision`` (``_base/tuning.py``), logged at INFO on the
@@ -77,7 +56,7 @@ from .._base.tuning import AutotuneStats, TuningDecision
 from .cost import Budgets, pays_off
 from .window import Change, Gauges, Memo, Move, Window, ms, pct, ratio
 
-__all__ = ["AutoTuner", "ThreadWorkersWarning"]
+__all__ = ["AutoTuner"]
 
 log = logging.getLogger("gpufeed")
 
@@ -95,13 +74,6 @@ MAX_DEPTH = 8
 MEMO_S = 60.0
 PHASE = 2.0  # a step per batch this many times longer or shorter than a memo's: a new phase
 STEADY = 1.5  # windows whose steps differ less than this judge the noise
-GIL_CORES = 1.5  # a process using less than this many cores while its threads are held back
-
-
-class ThreadWorkersWarning(UserWarning):
-    """``num_workers="auto"`` with ``worker_type="thread"`` saw the loop wait while more thread
-    workers could not help: the work holds the GIL (rule (6) of NOTE [ Autotuning
-    decisions ]); ``worker_type="process"`` would run it on the other cores."""
 
 
 class AutoTuner:
@@ -148,8 +120,6 @@ class AutoTuner:
         self._holding: str | None = None  # the reason last recorded for holding
         self._held = False  # the last window held
         self._baseline = 0.0  # the rate a growth decided now must beat
-        #: rule (6): what to tell the user once, taken (and set to "") by the iterator
-        self.advice: str | None = None
 
     # -- the iterator's side ----------------------------------------------------------------
     def begin(self) -> int:
@@ -234,8 +204,6 @@ class AutoTuner:
             else:
                 self._deep_ceiling = Memo(d1, step, until)
             what = f"{n1} workers" if n0 != n1 else f"{d1} batches ahead"
-            if trial.kind == "grow":
-                self._gil_bound(win, f"{n1} workers gave no gain over {n0}")
             return self._move("revert", win, n0, d0, f"{what} gave no gain: "
                               f"{base:,.0f} -> {win.rate:,.0f} batches/s (noise "
                               f"±{noise:.0%})", before=before)
@@ -370,28 +338,8 @@ class AutoTuner:
     def _fits(self, g: Gauges, depth: int) -> int:
         return self.budgets.most_workers(lambda k: g.memory(k, depth), self.max_workers)
 
-    def _gil_bound(self, win: Window | None, why: str) -> None:
-        """Rule (6): thread workers held back or without gain while the loop waits and the
-        process uses under ``GIL_CORES`` cores of a budget of two or more: advise once."""
-        if self.worker_type != "thread" or self.advice is not None or win is None:
-            return
-        cores = win.cpu_cores
-        if (win.input_bound < GROW_AT or cores is None or cores >= GIL_CORES
-                or self.budgets.cpu_cores < 2):
-            return
-        self.advice = (
-            f"num_workers='auto' with worker_type='thread': your loop waits for data "
-            f"(input-bound {pct(win.input_bound)}) and more thread workers cannot help "
-            f"({why}): the whole process used {cores:.1f} of the {self.budgets.cpu_cores:g} "
-            "cores it may use, so the dataset's work holds the GIL (pure Python) and threads "
-            "run it one core at a time. worker_type='process' would run it on the other cores "
-            "(gpufeed.DataLoader(..., num_workers='auto', worker_type='process')); auto never "
-            "changes the worker type itself")
-
     def _hold(self, win: Window | None, key: str, reason: str) -> None:
         """Say once why nothing changes (again after a change, or for another reason)."""
-        if key in ("cpu", "crowded", "ceiling"):
-            self._gil_bound(win, reason)
         self._held = True
         if self._holding != key:
             self._holding = key

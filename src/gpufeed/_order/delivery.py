@@ -266,7 +266,7 @@ class Delivered(Iterator[T]):
     the same times as a handout in the active trace (NOTE [ Timeline ] (3)). The host
     iterator behind a device stage records none of these (``StatsRecorder.passed_on``): the
     stage takes batches ahead of the loop, and "batches" counts what the loop received. The
-    gauge "device_ahead" is how many the stage holds ahead at each handover (its ``ahead``).
+    gauge "device_ahead" is how many the stage holds ahead at each handover (``in_flight``).
 
     Forwards ``len()``, ``close()`` and any other attribute to the wrapped iterator.
     """
@@ -302,7 +302,8 @@ class Delivered(Iterator[T]):
         now = time.perf_counter()
         last = self._returned_at
         samples = (batch_len(item) or 0) if self._count_samples else 1
-        ahead = getattr(self.inner, "ahead", None)
+        stats = getattr(self.inner, "stats", None)  # the device stage's: DeviceStats
+        ahead = getattr(stats(), "in_flight", None) if callable(stats) else None
         recorder.handout(asked_at - last if last else None, now - asked_at, samples,
                          gauges=(("device_ahead", ahead),) if ahead is not None else ())
         self._returned_at = end = time.perf_counter()
