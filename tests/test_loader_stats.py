@@ -12,6 +12,7 @@ import torch
 import gpufeed
 from support.fakes import IndexDataset, SleepDataset
 from support.sim_cuda import SimCuda
+from support.trace_format import check_trace
 
 README = Path(__file__).parents[1] / "docs" / "guides" / "stats.md"
 #: columns and derived figures the stats guide explains next to the stages and counters
@@ -184,3 +185,48 @@ def test_input_bound_leaves_start_up_out():
     report, stats = prof.report(), loader.stats()
     assert stats.input_bound < 0.5 and report.input_bound < 0.5, (stats, report)
     assert stats.stages["startup"].blocked_s > 0.4 and stats.stages["wait"].batches == 19
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_device_stage_counts_the_batches_the_loop_received(monkeypatch, device, num_workers):
+    """With ``device=``, "batches", "samples" and the loop's waits count what the loop
+    received, not what the device stage took ahead of it (``device_ahead`` says that); the
+    trace's handovers and its "batches delivered" counter agree (the simulated GPU for
+    "cuda")."""
+    if device == "cuda":
+        sim = SimCuda(0, max_steps=1, copy_cost=(1, 2))
+        sim.install(monkeypatch)
+    loader = gpufeed.DataLoader(IndexDataset(64), batch_size=4, num_workers=num_workers,
+                                worker_type="thread", device=device, device_depth=4)
+    with gpufeed.trace() as tr:
+        it = iter(loader)
+        next(it)
+        first = loader.stats()
+        for _ in range(5):
+            next(it)
+    taken = loader.stats()
+    assert (first.counters["batches"], first.counters["samples"]) == (1, 4)
+    assert first.counters["device_ahead"] == 4  # device_depth, held apart
+    assert first.stages["startup"].batches == 1 and "wait" not in first.stages
+    assert first.stages["transfer"].batches == 5  # the stage did copy five
+    assert (taken.counters["batches"], taken.counters["samples"]) == (6, 24)
+    assert taken.stages["wait"].batches == taken.stages["step"].batches == 5
+    read = check_trace(tr.to_dict())
+    pid = read.pid("gpufeed.DataLoader")
+    assert read.batches(pid, "main", ("startup", "wait")) == list(range(6))
+    delivered = [e["args"]["delivered"] for e in read.counters[(pid, "batches delivered")]]
+    assert delivered == list(range(1, 7))
+    rest = sum(1 for _ in it)
+    end = loader.stats()
+    assert rest == 10 and end.counters["batches"] == 16 and end.counters["samples"] == 64
+    assert end.counters["device_ahead"] == 0 and end.stages["wait"].batches == 15
+    if device == "cuda":
+        sim.drain()
+        assert not sim.violations
+
+
+def test_a_device_stage_counts_items_without_batching():
+    loader = gpufeed.DataLoader(IndexDataset(5), batch_size=None, device="cpu")
+    assert len(list(loader)) == 5
+    assert loader.stats().counters["samples"] == 5 == loader.stats().counters["batches"]

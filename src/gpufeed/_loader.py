@@ -166,6 +166,7 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
     ) -> None:
         if isinstance(prefetch_factor, DefaultPrefetch):  # read back from a loader: unset
             prefetch_factor = None
+        check_num_workers(num_workers, auto=True)  # stock's TypeError for 2.0, at once
         rows_per_batch = None
         if is_ray_data(dataset):  # NOTE [ Ray Data batches ] in _sources/ray.py
             check_ray_arguments(
@@ -437,7 +438,8 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
         return Delivered(DeviceIterator(
             it, device, depth=self.device_depth, transform=self.device_transform,
             recorder=self._recorder, decode=None if plan is None else plan.stage,
-        ), self._position.current())
+        ), self._position.current(), recorder=self._recorder,
+            count_samples=self._auto_collation or isinstance(self.dataset, RayBatches))
 
 
 def _slot_memory(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

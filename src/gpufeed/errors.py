@@ -8,11 +8,13 @@
      ├── RandomStateWarning     a transform draws from a global generator under thread workers
      ├── CopyOnWriteWarning     a Python list in the dataset grows every process worker's memory
      ├── PageableCopyWarning    a non-blocking copy from pageable memory is not asynchronous
-     └── PinningFallbackWarning the ring could not be page-locked; copies are synchronous
+     ├── PinningFallbackWarning the ring could not be page-locked; copies are synchronous
+     └── ThreadWorkersWarning   num_workers="auto" on thread workers the GIL holds back
 """
 
 from ._base.errors import WorkerError
 from ._device.pageable import PageableCopyWarning
+from ._host.thread_advice import ThreadWorkersWarning
 from ._memory.release import PinningFallbackWarning
 from ._order.sample_rng import RandomStateWarning
 from ._sources.packed import CopyOnWriteWarning
@@ -22,5 +24,6 @@ __all__ = [
     "PageableCopyWarning",
     "PinningFallbackWarning",
     "RandomStateWarning",
+    "ThreadWorkersWarning",
     "WorkerError",
 ]

@@ -290,10 +290,7 @@ def test_a_real_ctrl_c_while_growing_stops_promptly(worker_type):
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(num_workers="Auto"), r"num_workers='Auto' is not supported; use an int >= 0, or 'auto'"),
     (dict(num_workers="auto", max_workers=0), r"max_workers=0 is not supported: .* int >= 1"),
-    (dict(num_workers="auto", max_workers=True), r"max_workers=True is not supported"),
-    (dict(num_workers="auto", max_workers="8"), r"max_workers='8' is not supported"),
     (dict(num_workers=2, max_workers=4), r"max_workers=4 only applies to num_workers='auto'"),
     (dict(num_workers=0, memory_budget="1GiB"), r"memory_budget='1GiB' only applies to"),
     (dict(num_workers="auto", memory_budget="lots"),
@@ -302,6 +299,16 @@ def test_a_real_ctrl_c_while_growing_stops_promptly(worker_type):
 ])
 def test_argument_errors_name_the_value_and_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
+        gpufeed.DataLoader(dataset(8), **kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(num_workers="Auto"), r"num_workers='Auto' is not supported; use an int >= 0, or 'auto'"),
+    (dict(num_workers="auto", max_workers=True), r"max_workers=True is not supported"),
+    (dict(num_workers="auto", max_workers="8"), r"max_workers='8' is not supported"),
+])
+def test_argument_type_errors_are_type_errors(kwargs, match):
+    with pytest.raises(TypeError, match=match):
         gpufeed.DataLoader(dataset(8), **kwargs)
 
 
@@ -344,3 +351,26 @@ def test_decisions_are_instants_of_the_trace(worker_type):
     assert moves and len(moves) == len(decisions)
     assert [e["args"]["workers"] for e in moves] == [
         f"{d.workers[0]} -> {d.workers[1]}" for d in decisions]
+
+
+def test_the_advice_on_thread_workers_is_warned_at_the_loop(monkeypatch):
+    """_host/thread_advice.py: the iterator asks after each window and warns with the advice
+    it gets, pointing at the loop."""
+    from gpufeed._host import auto_iter as _auto_iter
+    from gpufeed.errors import ThreadWorkersWarning
+
+    calls = []
+
+    def advise(tuner, win, decided):  # every window: "held back" at the second
+        calls.append(decided)
+        return "use worker_type='process'" if len(calls) == 2 else None
+
+    monkeypatch.setattr(_auto_iter, "held_back", advise)
+    loader = gpufeed.DataLoader(dataset(400), batch_size=2, num_workers="auto",
+                                worker_type="thread")
+    loader._autotune.window_batches, loader._autotune.window_s = 4, 0.0
+    with pytest.warns(ThreadWorkersWarning, match="worker_type='process'") as caught:
+        for _ in loader:
+            pass
+    said = [w for w in caught if issubclass(w.category, ThreadWorkersWarning)]
+    assert len(calls) > 2 and len(said) == 1 and said[0].filename == __file__

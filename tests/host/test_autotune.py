@@ -265,3 +265,45 @@ def test_a_small_gain_is_judged_on_two_windows_against_the_better_of_two_before(
     assert t.snapshot().last.kind == "grow"  # 1.2x: not yet
     move = t.decide(token, window(t, rate=98, bound=0.2, step_ms=2, batch_ms=40))
     assert move == Move(4, 2) and t.snapshot().last.kind == "revert"  # the gain was noise
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_thread_workers_the_gil_holds_back_are_told_about_once(kind):
+    """_host/thread_advice.py: the loop waits, 4 thread workers gave nothing over 2, and the
+    process used one core of two: the work holds the GIL, and the advice names
+    worker_type="process", once per loader. Process workers that do not scale get none."""
+    from gpufeed._host.thread_advice import held_back
+
+    t = make(workers=2)
+    t.worker_type = kind
+    token, move = start(t, window(t, rate=100, bound=0.5, step_ms=2, batch_ms=20, cpu_cores=1.0))
+    assert move == Move(4, 2)
+    win = window(t, rate=101, bound=0.5, step_ms=2, batch_ms=40, cpu_cores=1.0)
+    t.decide(token, win)
+    decided = t.snapshot().decided
+    assert t.decide(token, win) == Move(2, 2) and t.snapshot().last.kind == "revert"
+    advice = held_back(t, win, decided)
+    if kind == "process":
+        assert advice is None
+        return
+    assert advice is not None and "worker_type='process'" in advice
+    assert "4 workers gave no gain" in advice and "1.0 of the 2 cores" in advice
+    assert held_back(t, win, decided) is None  # said once per loader
+
+
+def test_thread_workers_that_use_the_cores_get_no_advice():
+    """Threads waiting on I/O or in GIL-free code (the process uses both cores): no advice,
+    held back or reverted as they may be."""
+    from gpufeed._host.thread_advice import held_back
+
+    t = make(workers=2)
+    t.worker_type = "thread"
+    token, _ = start(t, window(t, rate=100, bound=0.5, step_ms=2, batch_ms=20, cpu_cores=1.9))
+    said = []
+    for _ in range(6):
+        win = window(t, rate=101, bound=0.5, step_ms=2, batch_ms=40, cpu_cores=1.9)
+        decided = t.snapshot().decided
+        t.decide(token, win)
+        said.append(held_back(t, win, decided))
+    assert {d.kind for d in t.snapshot().decisions} & {"hold", "revert"}
+    assert said == [None] * 6

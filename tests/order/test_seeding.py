@@ -149,8 +149,8 @@ def test_resolve_seed():
     drawn = resolve_seed(None, None, distributed=False)
     torch.manual_seed(1)
     assert resolve_seed(None, None, distributed=False) == drawn
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="seed must be an int >= 0"):
+    for bad, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="seed must be an int >= 0"):
             resolve_seed(bad, None, distributed=False)  # type: ignore[arg-type]
 
 

@@ -69,10 +69,26 @@ def test_shm_advice_names_a_size_that_covers_the_need():
     docker = re.search(r"--shm-size=(\d+)g", f.advice)
     mount = re.search(r"remount,size=(\d+)G /dev/shm", f.advice)
     assert docker and mount, f.advice
-    # what is in use, plus the free space the check asks for (twice the batches in flight)
-    assert int(docker.group(1)) == int(mount.group(1)) == math.ceil((GiB + 2 * in_flight) / GiB)
+    # what is in use, plus the free space the check asks for: the batches in flight and the
+    # two the loop holds
+    need = in_flight + 2 * (954 << 20)
+    assert int(docker.group(1)) == int(mount.group(1)) == math.ceil((GiB + need) / GiB)
     missing = by_name(diagnose(probe=healthy(shm=lambda: None), workload=work))["/dev/shm"]
-    assert f"--shm-size={math.ceil(2 * in_flight / GiB)}g" in missing.advice
+    assert f"--shm-size={math.ceil(need / GiB)}g" in missing.advice
+
+
+def test_shm_advice_says_what_its_size_is_made_of():
+    """The issue's case: 64 workers, 512 MiB batches, prefetch 2. It showed 64.0 GiB in flight
+    and asked for 128.0 GiB and --shm-size=129g without a word of why; the stock loader holds
+    at most the 128 batches in flight plus the 2 the loop holds, and the advice says so."""
+    probe = healthy(shm=lambda: (16 * GiB, 16 * GiB - (8 << 20)))  # 8 MiB in use
+    work = Workload(num_workers=64, batch_bytes=512 << 20)
+    f = by_name(diagnose(probe=probe, workload=work))["/dev/shm"]
+    assert "batches in flight: 64.0 GiB" in f.value
+    assert ("give it 65.0 GiB free (64.0 GiB of batches in flight plus 1.0 GiB for the 2 your "
+            "loop holds): docker run --shm-size=66g (8.0 MiB in use now plus those, in whole "
+            "GiB)") in f.advice, f.advice
+    assert "remount,size=66G" in f.advice
     assert "size=8G" in by_name(diagnose(probe=healthy(shm=lambda: None)))["/dev/shm"].advice
 
 

@@ -286,3 +286,59 @@ def test_the_default_ladder_follows_the_cpu_the_trials_use(monkeypatch, cores_pe
     tune(object(), batch_size=8, worker_types=("process",), pin_memory=(False,),
          prefetch_factors=(None,), budget=ROOMY)
     assert sorted(set(tried) - {0}) == ladder
+
+
+class GlobalDraws(torch.utils.data.Dataset):
+    """Draws from torch's global generator per sample: what thread workers cannot seed."""
+
+    def __len__(self):
+        return 512
+
+    def __getitem__(self, i):
+        time.sleep(0.0002)  # the loop waits for workers, where the draw is watched
+        return torch.full((4,), float(i)) + torch.rand(4)
+
+
+def test_a_dataset_drawing_globally_is_warned_about_once_in_the_tools_words(tmp_path):
+    """Every thread-worker run builds a loader, and each loader warns once: the tuner says it
+    once, attributed to the dataset's __getitem__, and puts it in the JSON; the recommended
+    line names the batch size the trials ran with."""
+    import warnings
+
+    from gpufeed.random import RandomStateWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = tune(GlobalDraws(), batch_size=16, num_workers=[1, 2], worker_types=("thread",),
+                      prefetch_factors=(None,), trial_seconds=0.1, budget=Budget(), runs=3)
+    said = [w for w in caught if issubclass(w.category, RandomStateWarning)]
+    assert len(said) == 1, [str(w.message)[:80] for w in said]
+    text = str(said[0].message)
+    assert text.startswith("gpufeed tune: your dataset draws from torch's global random")
+    assert "worker_type='process'" in text and "sample_generator()" in text
+    assert said[0].filename == __file__
+    assert said[0].lineno == GlobalDraws.__getitem__.__code__.co_firstlineno
+    doc = result.to_dict()
+    assert [w["message"] for w in doc["warnings"]] == [text]
+    assert doc["warnings"][0]["generators"] == ["torch's"]
+    assert all(t.endswith("worker_type='thread'") for t in doc["warnings"][0]["trials"])
+    json.dumps(doc)
+    assert "DataLoader(dataset, batch_size=16, num_workers=" in str(result)
+
+
+def test_other_warnings_of_the_trials_pass_as_they_were():
+    import warnings
+
+    from gpufeed._tools.caught import TrialWarnings
+
+    caught_here = TrialWarnings("gpufeed tune")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with caught_here.trial("num_workers=0"):
+            warnings.warn("a user's own warning", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["a user's own warning"]
+    assert seen[0].filename == __file__ and caught_here.message is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="raised at once"), caught_here.trial("0"):
+            warnings.warn("raised at once", UserWarning, stacklevel=1)

@@ -99,6 +99,9 @@ MEANINGS: dict[str, str] = {
     "worker_nice": "how much lower than the main process's the process workers' CPU priority "
                    "is (nice; worker_nice=None lowers it by 5 once the loop is main-bound on "
                    "oversubscribed cores)",
+    "device_ahead": "device stage: batches copied ahead of your loop (taken from the loader, "
+                    "not yet handed to you; device_depth once it is full), at the last batch "
+                    "handed over; not counted in batches or samples",
     "consumer_waits": "device stage: times your loop waited for a batch on the device",
     "pageable_batches": "device stage: batches copied from unpinned memory (slower copies)",
     # columns

@@ -301,10 +301,9 @@ class StatsRecorder:
         ``add("step", busy_s=step_s)`` and ``add("wait", blocked_s=wait_s)`` (``step_s`` None:
         the first batch, whose wait is worker start-up, ``add("startup", blocked_s=wait_s)``,
         left out of the input-bound share), ``count("batches")``, ``count("samples", samples)``,
-        ``occupancy(*o)`` for each ``o`` of ``occupancy`` and ``gauge(*g)`` for each ``g`` of
-        ``gauges``."""
+        and the ``occupancy`` samples and ``gauges`` (as :meth:`passed_on`)."""
         window = self._window
-        with self._lock:  # _add and _occupy written out: this runs once per batch
+        with self._lock:  # _add written out: this runs once per batch
             stages, counters = self._stages, self._counters
             if step_s is not None:
                 st = stages.get("step") or self._stage("step")
@@ -322,28 +321,29 @@ class StatsRecorder:
             counters["batches"] = counters.get("batches", 0) + 1
             if samples is not None:
                 counters["samples"] = counters.get("samples", 0) + samples
-            for name, used, capacity in occupancy:
-                st = stages.get(name) or self._stage(name)
-                st.occ_sum += used
-                st.occ_n += 1
-                if used > st.occ_max:
-                    st.occ_max = used
-                st.cap = capacity
-            for name, value in gauges:
-                counters[name] = value
+            self._sample(occupancy, gauges)
+
+    def passed_on(self, occupancy: Sequence[tuple[str, int, int]] = (),
+                  gauges: Sequence[tuple[str, int]] = ()) -> None:
+        """:meth:`handout`'s ``occupancy`` and ``gauges`` alone, for a batch handed to the
+        device stage: its handover to the loop records the rest (``_order/delivery.py``)."""
+        with self._lock:
+            self._sample(occupancy, gauges)
+
+    def _sample(self, occupancy: Sequence[tuple[str, int, int]],
+                gauges: Sequence[tuple[str, int]]) -> None:  # lock held
+        for name, used, capacity in occupancy:
+            st = self._stages.get(name) or self._stage(name)
+            st.occ_sum += used
+            st.occ_n += 1
+            st.occ_max = max(st.occ_max, used)
+            st.cap = capacity
+        self._counters.update(gauges)
 
     def occupancy(self, stage: str, used: int, capacity: int) -> None:
         """Sample how many of ``capacity`` queue or ring slots of ``stage`` are in use now."""
         with self._lock:
-            self._occupy(self._stages.get(stage) or self._stage(stage), used, capacity)
-
-    @staticmethod
-    def _occupy(st: _Stage, used: int, capacity: int) -> None:  # lock held
-        st.occ_sum += used
-        st.occ_n += 1
-        if used > st.occ_max:
-            st.occ_max = used
-        st.cap = capacity
+            self._sample(((stage, used, capacity),), ())
 
     def count(self, name: str, k: int = 1) -> None:
         """Add ``k`` to the counter ``name`` (e.g. "ring_fallback")."""

@@ -19,7 +19,9 @@ NOTE [ Timeline ]
     CUDA events placed on this clock through an anchor event (``_device/timing.py``).
 (3) The stats are spans. The times a stage gives ``StatsRecorder`` are the very numbers it
     records here: ``fetch``/``collate`` (worker spans from ``Fetched``), ``wait``/``step``
-    (main-thread spans from ``BaseIter._finish``), ``transfer`` (device-stage spans), so
+    (main-thread spans from ``BaseIter._finish``, or, with a device stage, from the
+    ``Delivered`` wrapped around it: the loop's handovers, not the stage's pulls, so the
+    batches the stage holds ahead count in neither), ``transfer`` (device-stage spans), so
     ``loader.stats()`` and the timeline never disagree (a test sums both).
 (4) Owners and tracks. A record names its *owner* (a loader's ``StatsRecorder``, a
     ``DeviceIterator`` without a loader, a ``Profiler``): one process group in the viewer.

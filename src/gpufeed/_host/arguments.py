@@ -34,6 +34,8 @@ def check_arguments(
 ) -> None:
     """Raise for an argument gpufeed cannot take (``num_workers`` is an int here: "auto" was
     resolved to the count the autotuner starts with)."""
+    if not isinstance(worker_type, str):
+        raise TypeError(f"worker_type must be 'process' or 'thread', got {worker_type!r}")
     if worker_type not in WORKER_TYPES:
         raise ValueError(
             f"worker_type={worker_type!r} is not supported; use 'process' or 'thread'"
@@ -51,12 +53,20 @@ def check_arguments(
             "worker_type='process'"
         )
     if workers and prefetch_factor is not None and not _whole_positive(prefetch_factor):
-        # stock takes these at construction and fails at iter(); gpufeed says so at once
-        raise ValueError(
-            f"prefetch_factor={prefetch_factor!r} is not supported with workers: it is the "
-            "whole number of batches each worker loads ahead, an int >= 1 (None: the "
-            "default, 2 in torch)"
-        )
+        # stock takes some of these at construction and fails at iter() (a TypeError from
+        # range(), an assert for 0); gpufeed says so at once, with stock's class and words
+        fix = ("prefetch_factor is the whole number of batches each worker loads ahead, an int "
+               f">= 1 (None: the default, 2 in torch); got {prefetch_factor!r}")
+        try:
+            whole = operator.index(prefetch_factor)
+        except TypeError:
+            raise TypeError(f"'{type(prefetch_factor).__name__}' object cannot be interpreted "
+                            f"as an integer: {fix}") from None
+        if whole < 0:
+            raise ValueError(f"prefetch_factor option should be non-negative: {fix}")
+        # stock: AssertionError at iter(), which python -O strips; a ValueError here
+        raise ValueError("prefetch_factor must be greater than 0 for "
+                         f"MultiProcessingDataLoaderIter: {fix}")
     if ring_bytes is not None:
         if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, int):
             raise TypeError(
@@ -64,7 +74,9 @@ def check_arguments(
             )
         if ring_bytes < 0:
             raise ValueError(f"ring_bytes={ring_bytes} is negative; use 0 to disable the ring")
-    if isinstance(device_depth, bool) or not isinstance(device_depth, int) or device_depth < 1:
+    if isinstance(device_depth, bool) or not isinstance(device_depth, int):
+        raise TypeError(f"device_depth={device_depth!r} must be an int >= 1 (2 is typical)")
+    if device_depth < 1:
         raise ValueError(f"device_depth={device_depth!r} must be an int >= 1 (2 is typical)")
     if device_transform is not None and not callable(device_transform):
         raise TypeError(f"device_transform must be callable, got {device_transform!r}")
@@ -74,12 +86,24 @@ def check_arguments(
         raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
 
 
-def check_num_workers(value: Any) -> None:
-    """torch's error for a worker count set on a built loader (its constructor's words; torch
-    itself only fails at the next ``iter()``, or gives no batch)."""
-    if not isinstance(value, int) or value < 0:
-        raise ValueError(f"num_workers option should be non-negative; use num_workers=0 to "
-                         f"disable multiprocessing (got {value!r})")
+def check_num_workers(value: Any, *, auto: bool = False) -> None:
+    """torch's errors for a worker count, its class and words, given at once (torch raises a
+    ``TypeError`` for a float or a string only at ``iter()``, from ``range()``, and for a count
+    set on a built loader gives no error before the next ``iter()``); ``auto``: "auto" is
+    taken (the constructor's). A bool is an int, as in torch."""
+    if isinstance(value, str):
+        if auto and value == "auto":
+            return
+        raise TypeError(f"num_workers={value!r} is not supported; use an int >= 0, or 'auto' to "
+                        "let gpufeed size the workers while it runs (0: load in the main "
+                        "process)")
+    if not isinstance(value, int):
+        raise TypeError(f"'{type(value).__name__}' object cannot be interpreted as an integer: "
+                        f"num_workers={value!r}; use an int >= 0 (0: load in the main "
+                        "process), or 'auto'")
+    if value < 0:
+        raise ValueError("num_workers option should be non-negative; use num_workers=0 to "
+                         "disable multiprocessing.")  # stock's words, exactly
 
 
 def warn_thread_workers(num_workers: int) -> None:

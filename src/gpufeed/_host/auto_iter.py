@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -32,6 +33,7 @@ from .config import IterConfig
 from .cost import Budgets, default_max_workers, parse_bytes
 from .elastic import ElasticProcessPool, ElasticThreadPool
 from .messages import Reseed, ToMain, UsePlan
+from .thread_advice import ThreadWorkersWarning, held_back
 from .window import Gauges, Window
 from .worker_iter import WorkerIter
 
@@ -122,7 +124,12 @@ class AutoIter(WorkerIter):
         tuner.delivered_one()
         move = tuner.scheduled(self._gauges()) if tuner.schedule is not None else None
         if move is None and m.batches >= tuner.window_batches and now - m.t0 >= tuner.window_s:
-            move = tuner.decide(self._token, self._close_window(now))
+            win, decided = self._close_window(now), tuner.snapshot().decided
+            move = tuner.decide(self._token, win)
+            advice = held_back(tuner, win, decided)  # once per loader (_host/thread_advice.py)
+            if advice is not None:
+                # _finish <- WorkerIter._next_batch <- its _next <- BaseIter.__next__ <- the loop
+                warnings.warn(advice, ThreadWorkersWarning, stacklevel=5)
         if move is not None:
             self._apply(move.workers, move.depth)
         return super()._finish(data, asked_at, k, worker_state, registered, occupancy, gauges)
@@ -214,7 +221,7 @@ def make_tuner(num_workers: Any, *, max_workers: Any, memory_budget: Any, worker
     """The loader's autotuner for ``num_workers="auto"`` (None for an int), after checking the
     arguments that go with it; ``ValueError`` naming the value and the fix otherwise."""
     if isinstance(num_workers, str) and num_workers != "auto":
-        raise ValueError(f"num_workers={num_workers!r} is not supported; use an int >= 0, or "
+        raise TypeError(f"num_workers={num_workers!r} is not supported; use an int >= 0, or "
                          "'auto' to let gpufeed size the workers while it runs")
     auto = num_workers == "auto"
     for name, value in (("max_workers", max_workers), ("memory_budget", memory_budget)):
@@ -232,7 +239,9 @@ def make_tuner(num_workers: Any, *, max_workers: Any, memory_budget: Any, worker
             "num_workers (`gpufeed tune` measures the best one)")
     if max_workers is not None and (isinstance(max_workers, bool)
                                     or not isinstance(max_workers, int) or max_workers < 1):
-        raise ValueError(f"max_workers={max_workers!r} is not supported: it is the most workers "
+        kind = TypeError if not isinstance(max_workers, int) or isinstance(max_workers, bool) \
+            else ValueError
+        raise kind(f"max_workers={max_workers!r} is not supported: it is the most workers "
                          "num_workers='auto' may run, an int >= 1 (None: 8 per usable CPU, at "
                          "most 64)")
     budget = None

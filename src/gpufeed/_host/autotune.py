@@ -34,7 +34,7 @@ which the iterator applies without restarting the epoch (NOTE [ Resizing the poo
    Over a budget (memory, or CPU by more than ``TOLERANCE``), shrink to fit.
 5. **Hold** otherwise, and say why once: a budget, ``max_workers``, a count that gave no gain,
    or a machine too noisy to decide (the rate varies by more than ``NOISY`` between windows at
-   unchanged settings and step).
+   unchanged settings and step). The worker type never changes: ``_host/thread_advice.py``.
 
 Every decision, forced ones included (the test seam :attr:`AutoTuner.schedule`), goes through
 :meth:`AutoTuner._record`: one ``TuningDecision`` (``_base/tuning.py``), logged at INFO on the

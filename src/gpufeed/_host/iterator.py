@@ -140,15 +140,19 @@ class BaseIter:
         occupancy: Sequence[tuple[str, int, int]] = (),
         gauges: Sequence[tuple[str, int]] = (),
     ) -> Any:
-        """Hand batch ``k`` of this epoch (the iterator's count) to the user; ``registered``:
+        """Hand batch ``k`` of this epoch (the iterator's count) to the user, or to the device
+        stage in front of the user (which records the handover the loop sees); ``registered``:
         the page-locked slot it was written into, whose leaves need no pinning check;
         ``occupancy``, ``gauges``: (stage, used, capacity) samples and (counter, level) values
         to record with it."""
         now = time.perf_counter()
         last = self._returned_at
-        self._recorder.handout(asked_at - last if last else None, now - asked_at,
-                               (batch_len(data) or 0) if self._count_rows else 1,
-                               occupancy, gauges)
+        if self._direct:
+            self._recorder.handout(asked_at - last if last else None, now - asked_at,
+                                   (batch_len(data) or 0) if self._count_rows else 1,
+                                   occupancy, gauges)
+        else:  # the device stage's Delivered records the loop's handover (_order/delivery.py)
+            self._recorder.passed_on(occupancy, gauges)
         self._num_yielded += 1
         if (
             self._is_iterable
@@ -170,7 +174,8 @@ class BaseIter:
         tl = _timeline.active
         if tl is not None:  # the same times as the stats (NOTE [ Timeline ] (3))
             end = self._returned_at
-            tl.handout(self._recorder, k, self._tracker.epoch, last, asked_at, now, end)
+            if self._direct:
+                tl.handout(self._recorder, k, self._tracker.epoch, last, asked_at, now, end)
             if end >= self._sample_due or self._traced_by != tl.serial:
                 self._trace_now_and_then(tl, end)
         return data

@@ -25,9 +25,16 @@ numbering them.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+from .._base import timeline as _timeline
+from .._base.tree import batch_len
+
+if TYPE_CHECKING:
+    from .._base.stats import StatsRecorder
 
 __all__ = [
     "Delivered",
@@ -253,14 +260,29 @@ class DeliveryTracker:
 class Delivered(Iterator[T]):
     """Wrap the outermost iterator (e.g. the device stage) to report deliveries to a tracker.
 
+    With ``recorder`` (the loader's ``StatsRecorder``), it also records each handover the way
+    the host iterator records its own when it is outermost: the loop's step since the last
+    batch, its wait in ``next()`` (the first batch's as "startup"), the batch and its samples
+    (``batch_len``, or 1 per item when ``count_samples`` is false: ``batch_size=None``), and
+    the same times as a handout in the active trace (NOTE [ Timeline ] (3)). The host
+    iterator behind a device stage records none of these (``StatsRecorder.passed_on``): the
+    stage takes batches ahead of the loop, and "batches" counts what the loop received. The
+    gauge "device_ahead" is how many the stage holds ahead at each handover (``in_flight``).
+
     Forwards ``len()``, ``close()`` and any other attribute to the wrapped iterator.
     """
 
-    def __init__(self, inner: Iterator[T], tracker: DeliveryTracker) -> None:
+    def __init__(self, inner: Iterator[T], tracker: DeliveryTracker, *,
+                 recorder: StatsRecorder | None = None, count_samples: bool = True) -> None:
         self.inner = inner
         self.tracker = tracker
+        self._recorder = recorder
+        self._count_samples = count_samples
+        self._returned_at = 0.0  # when the last batch was handed over (0: none yet)
+        self._handed = 0  # batches handed over by this iterator (the trace's batch numbers)
 
     def __next__(self) -> T:
+        asked_at = time.perf_counter()
         try:
             item = next(self.inner)
         except StopIteration:
@@ -273,7 +295,23 @@ class Delivered(Iterator[T]):
                 self.tracker.fetch_failed()
             raise
         self.tracker.delivered()
+        if self._recorder is not None:
+            self._record(self._recorder, item, asked_at)
         return item
+
+    def _record(self, recorder: StatsRecorder, item: Any, asked_at: float) -> None:
+        now = time.perf_counter()
+        last = self._returned_at
+        samples = (batch_len(item) or 0) if self._count_samples else 1
+        stats = getattr(self.inner, "stats", None)  # the device stage's: DeviceStats
+        ahead = getattr(stats(), "in_flight", None) if callable(stats) else None
+        recorder.handout(asked_at - last if last else None, now - asked_at, samples,
+                         gauges=(("device_ahead", ahead),) if ahead is not None else ())
+        self._returned_at = end = time.perf_counter()
+        tl = _timeline.active
+        if tl is not None:
+            tl.handout(recorder, self._handed, self.tracker.epoch, last, asked_at, now, end)
+        self._handed += 1
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]

@@ -206,7 +206,9 @@ def resolve_seed(seed: int | None, generator: torch.Generator | None, *, distrib
     generator (so ``torch.manual_seed`` governs it). The loader records it in its state.
     """
     if seed is not None:
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"seed must be an int >= 0 (or None), got {seed!r}")
+        if seed < 0:
             raise ValueError(f"seed must be an int >= 0 (or None), got {seed!r}")
         return seed
     if generator is not None:

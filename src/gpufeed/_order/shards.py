@@ -68,9 +68,14 @@ def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int, b
                 "initialised; pass rank too (or call torch.distributed.init_process_group)"
             )
         rank = dist.get_rank()
-    if not isinstance(world_size, int) or world_size < 1:
+    # a wrong type is a TypeError, a wrong int a ValueError (as torch's own checks)
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int >= 1, got {world_size!r}")
+    if world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"rank must be an int in [0, {world_size - 1}], got {rank!r}")
+    if not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size - 1}], got {rank!r}")
     return rank, world_size, True
 

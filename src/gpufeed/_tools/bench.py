@@ -15,6 +15,7 @@ rather than the loader. Runs follow NOTE [ Repeated measurement ] in ``_tools/re
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -26,7 +27,15 @@ from .._base.stats import format_table, human_bytes
 from .._host.config import WorkerType
 from .._loader import DataLoader
 from .measure import measure_loader, one_intra_op_thread
-from .repeat import LoadMonitor, MachineLoad, Spread, spreads_text
+from .repeat import (
+    BOOTSTRAP_RESAMPLES,
+    VERDICT_RUNS,
+    LoadMonitor,
+    MachineLoad,
+    Ratio,
+    Spread,
+    spreads_text,
+)
 from .tuner import require_matplotlib
 
 __all__ = ["BenchConfig", "Comparison", "compare", "configs", "plot", "render", "run_bench"]
@@ -76,17 +85,16 @@ class Comparison:
     b: BenchConfig
 
     @property
-    def ratio(self) -> tuple[float, float, float]:
+    def ratio(self) -> Ratio:
+        """``a / b`` with its 95% interval and verdict (NOTE [ Repeated measurement ] (3))."""
         return self.a.spread.ratio(self.b.spread)
 
     @property
     def verdict(self) -> str:
-        return self.a.spread.verdict(self.b.spread)
+        return self.ratio.verdict
 
     def to_dict(self) -> dict[str, Any]:
-        mid, lo, hi = self.ratio
-        return {"what": self.what, "num_workers": self.a.num_workers, "ratio": mid,
-                "ratio_lo": lo, "ratio_hi": hi, "verdict": self.verdict}
+        return {"what": self.what, "num_workers": self.a.num_workers, **self.ratio.to_dict()}
 
 
 def configs(variants: dict[str, tuple[Any, Any]], workers: Sequence[int], batch_size: int,
@@ -157,19 +165,31 @@ def render(title: str, rows: Sequence[BenchConfig], comparisons: Sequence[Compar
           human_bytes(r.peak_pss_bytes), human_bytes(r.peak_held_bytes),
           f"{r.to_dict()['first_batch_s'] * 1e3:.0f} ms"]
          for r in rows], left=2)
+    ratios = [c.ratio for c in comparisons]
     cmp = format_table(
-        ["comparison", "workers", "ratio (range)", "verdict"],
-        [[c.what, c.a.num_workers, f"{c.ratio[0]:.2f}x ({c.ratio[1]:.2f}-{c.ratio[2]:.2f})",
-          c.verdict] for c in comparisons], left=1)
+        ["comparison", "workers", "ratio (95% interval)", "verdict"],
+        [[c.what, c.a.num_workers, r.text(), f"{r.verdict}: {r.why}"]
+         for c, r in zip(comparisons, ratios, strict=True)], left=1)
     legend = "\n".join(f"  {p}: {PATHS[p]}" for p in dict.fromkeys(r.path for r in rows)
                        if p in PATHS)
-    notes = ["two rows differ only when their ranges do not overlap; otherwise the verdict "
-             "is 'same within noise'", "peak held: peak PSS plus shared memory the loader "
+    notes = ["samples/s: the median of a row's runs, and in brackets its slowest and fastest "
+             "run; spread: (fastest - slowest) / median, how much the runs of one row "
+             "disagree (the machine's noise)",
+             "ratio: the first row's samples/s over the second's, taken between their faster "
+             "halves of runs (a busy machine only ever slows a run down); in brackets its 95% "
+             f"interval, from {BOOTSTRAP_RESAMPLES} bootstrap resamples of the runs: other "
+             "draws of the same noise give a ratio in it 19 times in 20",
+             "verdict: faster when the whole interval is above 1x, slower when it is below "
+             "1x, cannot tell when it holds 1x (the rows may differ, but not by more than "
+             f"the noise shows; more --runs narrow it) or a row has fewer than {VERDICT_RUNS} "
+             "runs",
+             "peak held: peak PSS plus shared memory the loader "
              "holds but no process maps (the stock loader's queued batches, in no PSS)",
              load.summary]
     if not torch.cuda.is_available():
         notes.append("pin_memory=True and the device-stage transfer figures need CUDA: "
                      "not measured")
+    notes = [textwrap.fill(n, width=100, subsequent_indent="  ") for n in notes]
     return "\n".join([head, table, "fetch paths:", legend, "", cmp, "", *notes])
 
 

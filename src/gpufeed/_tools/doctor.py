@@ -11,8 +11,9 @@ Thresholds (``fail`` makes ``gpufeed doctor`` exit 1, ``warn`` does not):
 =================  =====================================  =======================================
 check              fail                                   warn
 =================  =====================================  =======================================
-/dev/shm           missing (multiprocessing's locks and   free < twice the batches in flight (or
-(process workers)  torch's tensor sharing live there)     < 4 GiB without --batch-bytes): only
+/dev/shm           missing (multiprocessing's locks and   free < the batches in flight plus the
+(process workers)  torch's tensor sharing live there)     2 the loop holds (or < 4 GiB without
+                                                          --batch-bytes; :func:`shm_need`): only
                                                           tensors gpufeed's ring cannot hold, and
                                                           the stock loader, pass through it
 ulimit -n (soft)   < the fds the workload needs (see      < 4x that, or < 4096: batches the loop
@@ -43,7 +44,7 @@ from .._host.config import WorkerType
 from .probe import GpuInfo, Probe, cpulist, query_gpus
 
 __all__ = ["DoctorReport", "Finding", "GpuInfo", "Probe", "Workload", "diagnose", "fds_needed",
-           "shm_size_gib"]
+           "shm_need", "shm_size_gib"]
 
 Status = Literal["ok", "warn", "fail"]
 GiB = 1 << 30
@@ -138,26 +139,49 @@ def shm_size_gib(need: int) -> int:
     return max(SHM_ASK_MIN_GIB, -(-need // GiB))
 
 
-def check_shm(probe: Probe, in_flight: int | None = None) -> Finding:
-    """``in_flight``: bytes of the batches the workers keep in flight, when known. The size
-    advised covers what is in use now plus the free space the check asks for."""
+#: batches of the stock loader in /dev/shm besides those in flight: the one the loop uses and
+#: the one ``next()`` hands over meanwhile (a ``for`` loop's variable holds the last)
+SHM_HELD_BATCHES = 2
+
+
+def shm_need(in_flight: int, batch_bytes: int) -> int:
+    """Free /dev/shm the stock loader's batches need, in bytes: each batch a worker sends is
+    a /dev/shm file until the loop drops it, so at most ``num_workers * prefetch_factor``
+    batches in flight (``in_flight`` bytes; a batch being collated is one of them) plus
+    ``SHM_HELD_BATCHES`` the loop holds. The check once asked for twice ``in_flight``, which
+    is that for one worker at prefetch 2 and almost twice too much for many workers."""
+    return in_flight + SHM_HELD_BATCHES * batch_bytes
+
+
+def check_shm(probe: Probe, in_flight: int | None = None,
+              batch_bytes: int | None = None) -> Finding:
+    """``in_flight``: bytes of the batches the workers keep in flight, ``batch_bytes``: of one
+    batch, when known. The size advised covers what is in use now plus the free space the
+    check asks for (:func:`shm_need`), and says both parts."""
     usage = probe.shm()
-    warn_at = SHM_WARN_FREE if in_flight is None else 2 * in_flight
+    warn_at = (SHM_WARN_FREE if in_flight is None
+               else shm_need(in_flight, batch_bytes if batch_bytes is not None else 0))
+    need = ("" if in_flight is None else
+            f" ({human_bytes(in_flight)} of batches in flight plus "
+            f"{human_bytes(warn_at - in_flight)} for the {SHM_HELD_BATCHES} your loop holds)")
     if usage is None:
         size = shm_size_gib(warn_at)
         return Finding("/dev/shm", "fail", "missing",
                        f"mount a tmpfs at /dev/shm (mount -t tmpfs -o size={size}G tmpfs "
-                       f"/dev/shm); in Docker: docker run --shm-size={size}g (or --ipc=host)")
+                       f"/dev/shm){need}; in Docker: docker run --shm-size={size}g (or "
+                       "--ipc=host)")
     total, free = usage
     value = f"{human_bytes(free)} free of {human_bytes(total)}"
     if in_flight is not None:
         value += f" (batches in flight: {human_bytes(in_flight)})"
     size = shm_size_gib(total - free + warn_at)
+    in_use = (f" ({human_bytes(total - free)} in use now plus those, in whole GiB)"
+              if total - free > 0 else "")
     advice = ("gpufeed's process workers pass batches through memory files of their own "
               "(memfd), not /dev/shm; tensors its ring cannot hold (nested, sparse, quantized, "
               "subclasses) and the stock torch DataLoader go through /dev/shm: for those, give "
-              f"it {human_bytes(warn_at)} free: docker run --shm-size={size}g (or --ipc=host); "
-              f"on a host: sudo mount -o remount,size={size}G /dev/shm; or use "
+              f"it {human_bytes(warn_at)} free{need}: docker run --shm-size={size}g{in_use} "
+              f"(or --ipc=host); on a host: sudo mount -o remount,size={size}G /dev/shm; or use "
               "worker_type='thread'")
     # A warning at most: only those batches need the room (see NOTE [ Spill ] in _memory/spill.py).
     if free < warn_at:
@@ -286,7 +310,7 @@ def diagnose(*, probe: Probe | None = None, workload: Workload | None = None) ->
                  else max(workers, 1) * work.prefetch_factor * work.batch_bytes)
     findings = []
     if workers and work.worker_type == "process":
-        findings += [check_shm(probe, in_flight), check_heap(probe)]
+        findings += [check_shm(probe, in_flight, work.batch_bytes), check_heap(probe)]
     findings.append(check_nofile(probe, workers, work.prefetch_factor))
     gpus = query_gpus(probe)
     pinning = work.pin_memory if work.pin_memory is not None else bool(gpus)

@@ -14,16 +14,27 @@ NOTE [ Repeated measurement ]:
    machine hits all of them, not one.
 2. A configuration is reported as the **median** of its runs and its **spread**, the range
    from the slowest to the fastest run.
-3. Two configurations are called different only when their spreads do not overlap; otherwise
-   they are "the same within noise". A ratio of two configurations is taken between their
+3. A ratio of two configurations is taken between their
    *faster halves*: the median of every ratio of one of ``a``'s faster half of runs to one of
    ``b``'s. Interference on a shared machine only ever slows a run down, so the faster runs are
    the least disturbed ones, and half of them (not the single fastest) keeps one lucky run from
    deciding. On the same four back-to-back ``gpufeed bench --runs 7`` invocations on this 2-core
    VM, the largest change of a ratio between consecutive invocations was 24%, 23% and 14% with
    the median of per-round paired ratios, and 15%, 12% and 7% with the faster halves
-   (``bench/results/bench-repeat.md``). The ratio carries its own range (slowest over
-   fastest, fastest over slowest).
+   (``bench/results/bench-repeat.md``).
+   The ratio carries a 95% interval: the 2.5th and 97.5th percentiles of the same ratio over
+   ``BOOTSTRAP_RESAMPLES`` bootstrap resamples (each row's runs drawn again with replacement,
+   the faster halves and the median ratio taken again), seeded, so the same runs give the
+   same interval. It says how far the ratio could move with other draws of the same noise.
+   The verdict follows from it alone: *faster* when the whole interval lies above 1x,
+   *slower* when it lies below, *cannot tell* when it holds 1x or a row has fewer than
+   ``VERDICT_RUNS`` (7) runs. A percentile bootstrap is too narrow on few runs: on simulated
+   pairs of equal rows (each run slowed at random by an exponential share of 8%, one run in
+   ten to 30%, 250 pairs), the interval left 1x out in 17% of pairs with 3 runs a row, 11%
+   with 5, 6% with 7, 4% with 21; with a 15% gain it found "faster" in 84% of pairs at 7
+   runs and all at 21. The range that was printed before, slowest over fastest to fastest
+   over slowest, is no interval of anything: one run slowed by the machine stretched it to
+   "3.10x (0.86-10.04)" and its overlap test called a threefold gain "same within noise".
    Why 21 runs for ``bench``: the ratios of 2-worker rows drift with the machine's state over
    minutes, so runs must span more of it. Shorter invocations replayed from seven 21-run ones
    (``python -m bench.repeatability``) had every ratio of an invocation and the
@@ -40,6 +51,7 @@ NOTE [ Repeated measurement ]:
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 from collections.abc import Sequence
@@ -50,9 +62,16 @@ import psutil
 
 from .probe import descendants
 
-__all__ = ["MIN_RUNS", "LoadMonitor", "MachineLoad", "Spread", "min_runs_to_stop", "spreads_text"]
+__all__ = ["BOOTSTRAP_RESAMPLES", "MIN_RUNS", "VERDICT_RUNS", "LoadMonitor", "MachineLoad",
+           "Ratio", "Spread", "min_runs_to_stop", "spreads_text"]
 
 MIN_RUNS = 3
+#: runs each row needs before a ratio's verdict may say faster or slower (rule (3))
+VERDICT_RUNS = 7
+#: bootstrap resamples behind a ratio's 95% interval (rule (3)): the interval's ends move by
+#: about 1% between seeds at 2000 (tests/tools/test_repeat.py)
+BOOTSTRAP_RESAMPLES = 2000
+_LEVEL = 0.95
 #: other processes using at least this many CPUs on average (or this share of all CPUs) make
 #: the machine busy; background daemons of a quiet machine use a few hundredths of one.
 BUSY_OTHER_CPUS = 0.25
@@ -98,25 +117,20 @@ class Spread:
         """The faster half of the runs (the faster ``ceil(n / 2)``), the least disturbed."""
         return tuple(sorted(self.runs)[len(self.runs) // 2:])
 
-    def ratio(self, other: Spread) -> tuple[float, float, float]:
-        """``self / other`` as (ratio of the faster halves, lowest, highest) (NOTE [ Repeated
-        measurement ] rule (3)).
-
-        The middle figure is the median of ``x / y`` over every ``x`` of this spread's faster
-        half and every ``y`` of the other's; the range stays the conservative one of the two
-        spreads.
-        """
-        if not self.runs or other.median <= 0 or other.lo <= 0:
-            return (0.0, 0.0, 0.0)
-        mid = float(statistics.median(x / y for x in self.fastest_half()
-                                      for y in other.fastest_half()))
-        return (mid, self.lo / other.hi, self.hi / other.lo)
+    def ratio(self, other: Spread) -> Ratio:
+        """``self / other`` with its 95% bootstrap interval and verdict (NOTE [ Repeated
+        measurement ] rule (3)): the median of ``x / y`` over every ``x`` of this spread's
+        faster half and every ``y`` of the other's. All zeros when either side has no run
+        (or a run of no speed)."""
+        if not self.runs or not other.runs or min(self.runs) <= 0 or other.lo <= 0:
+            return Ratio(0.0, 0.0, 0.0, len(self.runs), len(other.runs))
+        mid = _faster_half_ratio(self.runs, other.runs)
+        lo, hi = _bootstrap_interval(self.runs, other.runs)
+        return Ratio(mid, min(lo, mid), max(hi, mid), len(self.runs), len(other.runs))
 
     def verdict(self, other: Spread) -> str:
-        """"faster", "slower" or "same within noise" (see NOTE [ Repeated measurement ])."""
-        if self.overlaps(other):
-            return "same within noise"
-        return "faster" if self.lo > other.hi else "slower"
+        """"faster", "slower" or "cannot tell": :attr:`Ratio.verdict` of :meth:`ratio`."""
+        return self.ratio(other).verdict
 
     def done(self, runs: int, target_spread: float) -> bool:
         """Whether a configuration measured so far needs no more runs (``runs`` at most; see
@@ -131,6 +145,73 @@ class Spread:
     def to_dict(self) -> dict[str, Any]:
         return {"median": self.median, "lo": self.lo, "hi": self.hi,
                 "rel_spread": self.rel_spread, "runs": list(self.runs)}
+
+
+def _faster_half_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    """The median of ``x / y`` over the faster halves of ``a`` and ``b`` (rule (3))."""
+    fa, fb = sorted(a)[len(a) // 2:], sorted(b)[len(b) // 2:]
+    return float(statistics.median([x / y for x in fa for y in fb]))
+
+
+def _bootstrap_interval(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    """The 95% percentile-bootstrap interval of :func:`_faster_half_ratio` (rule (3)), with a
+    fixed seed: the same runs always give the same interval."""
+    rng = random.Random(0)
+    draws = sorted(_faster_half_ratio(rng.choices(a, k=len(a)), rng.choices(b, k=len(b)))
+                   for _ in range(BOOTSTRAP_RESAMPLES))
+    tail = (1.0 - _LEVEL) / 2
+    return draws[int(tail * (len(draws) - 1))], draws[int((1.0 - tail) * (len(draws) - 1))]
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """``a / b`` of two measured rates (NOTE [ Repeated measurement ] rule (3)).
+
+    Fields:
+        mid: the median of every ratio of one of ``a``'s faster half of runs to one of
+            ``b``'s: the figure reported.
+        lo, hi: its 95% bootstrap interval: the ratio of other draws of the same noise lies in
+            it 19 times in 20.
+        runs_a, runs_b: the runs behind each side.
+    """
+
+    mid: float
+    lo: float
+    hi: float
+    runs_a: int
+    runs_b: int
+
+    def __iter__(self) -> Any:  # ``mid, lo, hi = spread.ratio(other)``
+        return iter((self.mid, self.lo, self.hi))
+
+    def __getitem__(self, i: int) -> float:
+        return (self.mid, self.lo, self.hi)[i]
+
+    @property
+    def verdict(self) -> str:
+        """"faster" (the whole interval above 1x), "slower" (below 1x) or "cannot tell"."""
+        if min(self.runs_a, self.runs_b) < VERDICT_RUNS or self.lo <= 1.0 <= self.hi:
+            return "cannot tell"
+        return "faster" if self.lo > 1.0 else "slower"
+
+    @property
+    def why(self) -> str:
+        """The verdict's reason, in words: "the 95% interval lies above 1x"."""
+        runs = min(self.runs_a, self.runs_b)
+        if runs < VERDICT_RUNS:
+            return (f"{runs} run{'s' if runs != 1 else ''} of a row: a verdict needs "
+                    f"{VERDICT_RUNS} (--runs {VERDICT_RUNS} or more)")
+        where = ("lies above 1x" if self.lo > 1.0 else "lies below 1x" if self.hi < 1.0
+                 else "holds 1x")
+        return f"the 95% interval {where}"
+
+    def text(self) -> str:
+        """``3.02x (2.71-3.32)`` for tables."""
+        return f"{self.mid:.2f}x ({self.lo:.2f}-{self.hi:.2f})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ratio": self.mid, "ratio_lo": self.lo, "ratio_hi": self.hi,
+                "interval": "95% bootstrap", "verdict": self.verdict, "why": self.why}
 
 
 @dataclass(frozen=True)

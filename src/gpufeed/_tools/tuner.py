@@ -45,6 +45,7 @@ from .._base.system import usable_cpus
 from .._host.config import WORKER_TYPES, WorkerType
 from .._host.cost import HARD_MAX_WORKERS, WorkerCost, pays_off
 from .._loader import DataLoader
+from .caught import TrialWarnings
 from .output import write_json
 from .repeat import LoadMonitor, MachineLoad, spreads_text
 from .trial import COLLATE_FIX, Budget, Trial, kwargs_text, parse_bytes, ragged, run_trial
@@ -82,6 +83,9 @@ class TuneResult:
         elapsed_s: wall time of the whole search.
         out_of_time: True when ``time_budget_s`` cut the search short.
         machine: what other processes did meanwhile (``machine.busy``: the figures are noisy).
+        batch_size: the batch size the trials ran with (in the recommended line).
+        warnings: what the trials' loaders warned about, each said once (``_tools/caught.py``):
+            {"category", "message", "generators", "trials"}.
     """
 
     trials: tuple[Trial, ...]
@@ -93,6 +97,8 @@ class TuneResult:
     elapsed_s: float
     out_of_time: bool = False
     machine: MachineLoad | None = None
+    batch_size: int | None = None
+    warnings: tuple[dict[str, Any], ...] = ()
 
     @property
     def kwargs_text(self) -> str:
@@ -107,7 +113,8 @@ class TuneResult:
                 "budget": asdict(self.budget), "elapsed_s": self.elapsed_s,
                 "out_of_time": self.out_of_time,
                 "machine": self.machine.to_dict() if self.machine else None,
-                "machine_busy": bool(self.machine and self.machine.busy)}
+                "machine_busy": bool(self.machine and self.machine.busy),
+                "batch_size": self.batch_size, "warnings": [dict(w) for w in self.warnings]}
 
     def write_json(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`to_dict` as JSON to ``path`` (``"-"``: to stdout)."""
@@ -142,7 +149,8 @@ class TuneResult:
         if self.machine is not None:
             lines.append(self.machine.summary)
         lines.append(f"recommended (* above; {why}): "
-                     f"DataLoader(dataset, batch_size=..., {self.kwargs_text})")
+                     f"DataLoader(dataset, batch_size={self.batch_size or '...'}, "
+                     f"{self.kwargs_text})")
         return "\n".join(lines)
 
     def plot(self, path: str | os.PathLike[str]) -> None:
@@ -240,6 +248,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
     trials: list[Trial] = []
     done: dict[tuple[Any, ...], Trial] = {}
     skipped: list[tuple[Any, ...]] = []
+    caught = TrialWarnings("gpufeed tune")  # said once, after the trials (_tools/caught.py)
 
     def run(n: int, kind: WorkerType | None, pf: int | None, pin: bool) -> Trial | None:
         key = (n, kind if n else None, pf if n else None, pin)
@@ -248,8 +257,10 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
         if trials and time.perf_counter() - t_start > time_budget_s:
             skipped.append(key)
             return None
-        trial = run_trial(dataset, loader_factory, batch_size, collate_fn, step, budget,
-                          trial_seconds, *key, runs=runs, target_spread=target_spread)
+        with caught.trial(kwargs_text({"num_workers": n, "worker_type": kind} if n
+                                      else {"num_workers": 0})):
+            trial = run_trial(dataset, loader_factory, batch_size, collate_fn, step, budget,
+                              trial_seconds, *key, runs=runs, target_spread=target_spread)
         done[key] = trial
         trials.append(trial)
         if progress is not None:
@@ -285,8 +296,9 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
                 run(top.num_workers, top.worker_type, pf, pin)
     if skipped:
         log.warning("time_budget_s=%s reached: %d trial(s) not run", time_budget_s, len(skipped))
+    caught.report(dataset)
     return _result(trials, tolerance, budget, time.perf_counter() - t_start, bool(skipped),
-                   monitor.stop())
+                   monitor.stop(), batch_size=batch_size, warnings=caught.to_list())
 
 
 def within_noise(t: Trial, best: Trial, tolerance: float) -> bool:
@@ -323,7 +335,10 @@ def _nothing_worked(trials: Sequence[Trial]) -> str:
 
 
 def _result(trials: list[Trial], tolerance: float, budget: Budget, elapsed: float,
-            out_of_time: bool, machine: MachineLoad | None = None) -> TuneResult:
+            out_of_time: bool, machine: MachineLoad | None = None, *,
+            batch_size: int | None = None,
+            warnings: Sequence[dict[str, Any]] = ()) -> TuneResult:
     chosen, best = choose(trials, tolerance)
     return TuneResult(tuple(trials), chosen.kwargs, chosen, best, tolerance, budget, elapsed,
-                      out_of_time=out_of_time, machine=machine)
+                      out_of_time=out_of_time, machine=machine, batch_size=batch_size,
+                      warnings=tuple(warnings))
