@@ -37,7 +37,10 @@ def test_all_is_sorted_importable_and_exactly_the_public_names(name):
     module = importlib.import_module(name)
     names = list(module.__all__)
     assert names == sorted(names) and len(set(names)) == len(names), names
-    public = {n for n in vars(module) if not n.startswith("_")}
+    # gpufeed.hf needs Accelerate, so the top level does not import it: once anything has,
+    # Python binds it on the package too.
+    optional = {"hf"} if name == "gpufeed" else set()
+    public = {n for n in vars(module) if not n.startswith("_")} - optional
     assert public == set(names) - {"__version__"}, (
         f"public but not in __all__: {sorted(public - set(names))}; in __all__ but not "
         f"defined: {sorted(set(names) - public - {'__version__'})}")

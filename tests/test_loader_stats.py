@@ -123,8 +123,10 @@ def test_every_documented_stat_is_recorded(monkeypatch):
                              worker_type="thread", device="cuda", device_depth=1,
                              ring_bytes=0)
     with pytest.warns(gpufeed.errors.PageableCopyWarning):
-        for batch in gpu:
+        for i, batch in enumerate(gpu):
             sim.launch(sim.consumer, lambda x: None, batch["x"], cost=8)
+            if i == 3:  # mid-epoch: the stage holds a batch ahead ("device_ahead")
+                collect(gpu.stats())
     sim.drain()
     collect(gpu.stats())
     # a pinned ring under the user's own copies, the GPU behind: slots wait for their fences

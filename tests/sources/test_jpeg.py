@@ -222,7 +222,7 @@ def test_the_image_extra_brings_turbojpeg_where_its_wheels_exist():
     requirements = pytest.importorskip("packaging.requirements")
     meta = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     extras = meta["project"]["optional-dependencies"]
-    for extra in ("image", "images"):
+    for extra in ("image",):
         req = next(requirements.Requirement(r) for r in extras[extra]
                    if r.startswith("turbojpeg"))
         assert str(req.specifier) == "==0.0.2"

@@ -38,15 +38,24 @@ def helper_pids() -> set[int]:
 
 
 def descendants(root: psutil.Process | None = None) -> list[psutil.Process]:
-    """Live descendants of ``root`` (default: this process), less :func:`helper_pids`: the
-    processes a loader or a benchmark started. Empty when ``root`` is gone."""
+    """Live descendants of ``root`` (default: this process), less :func:`helper_pids` and
+    torch's shared-memory manager: the processes a loader or a benchmark started. Empty when ``root`` is gone."""
     root = root or psutil.Process()
     try:
         kids = root.children(recursive=True)
     except _GONE:
         return []
     helpers = helper_pids()
-    return [p for p in kids if p.pid not in helpers]
+    return [p for p in kids if p.pid not in helpers and not _is_torch_shm_manager(p)]
+
+
+def _is_torch_shm_manager(proc: psutil.Process) -> bool:
+    """torch's shared-memory manager: started once by the ``file_system`` sharing strategy and
+    kept to the end, like multiprocessing's helpers; no worker either."""
+    try:
+        return proc.name() == "torch_shm_manager"
+    except _GONE:
+        return False
 
 
 def shm_usage() -> tuple[int, int] | None:
