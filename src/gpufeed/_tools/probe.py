@@ -39,7 +39,8 @@ def helper_pids() -> set[int]:
 
 def descendants(root: psutil.Process | None = None) -> list[psutil.Process]:
     """Live descendants of ``root`` (default: this process), less :func:`helper_pids` and
-    torch's shared-memory manager: the processes a loader or a benchmark started. Empty when ``root`` is gone."""
+    torch's shared-memory manager: the processes a loader or a benchmark started. Empty when
+    ``root`` is gone."""
     root = root or psutil.Process()
     try:
         kids = root.children(recursive=True)
