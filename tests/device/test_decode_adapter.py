@@ -21,6 +21,7 @@ import torch
 import gpufeed
 from gpufeed._device import nvimgcodec as _adapter
 from gpufeed._sources.encoded import JPEG, KIND, plan_hwc, region_of
+from support.fakes import photo_array
 
 simplejpeg = pytest.importorskip("simplejpeg")
 Image = pytest.importorskip("PIL.Image")
@@ -107,12 +108,6 @@ class _Stream:
     cuda_stream = 1234
 
 
-def _photo(h: int, w: int, seed: int) -> np.ndarray:
-    y, x = np.mgrid[0:h, 0:w]
-    rng = np.random.default_rng(seed)
-    chans = [(127 + 100 * np.sin(x / (5 + 3 * c) + y / (7 + c) + seed)).astype(np.uint8)
-             for c in range(3)]
-    return np.stack(chans, -1) + rng.integers(0, 20, (h, w, 3), dtype=np.uint8)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +115,7 @@ def folder(tmp_path_factory: Any) -> Any:
     root = tmp_path_factory.mktemp("adapter")
     (root / "a").mkdir()
     for k in range(7):
-        img = Image.fromarray(_photo(60 + 9 * k, 80 - 4 * k, k))
+        img = Image.fromarray(photo_array(60 + 9 * k, 80 - 4 * k, k))
         if k == 3:
             img = img.convert("L")
         img.save(root / "a" / f"{k}.jpg", quality=92)

@@ -21,6 +21,7 @@ import gpufeed
 from gpufeed._device import decode as _decode
 from gpufeed._device.decode import DeviceDecode
 from gpufeed._sources import encoded as _encoded
+from support.fakes import photo_array
 from support.procs import deadline
 from support.sim_cuda import SimCuda
 from support.sim_decode import SimJpeg
@@ -32,12 +33,6 @@ SIZE = 24
 BATCH = 4
 
 
-def _photo(h: int, w: int, seed: int) -> np.ndarray:
-    y, x = np.mgrid[0:h, 0:w]
-    rng = np.random.default_rng(seed)
-    chans = [(127 + 100 * np.sin(x / (5 + 3 * c) + y / (7 + c) + seed)).astype(np.uint8)
-             for c in range(3)]
-    return np.stack(chans, -1) + rng.integers(0, 20, (h, w, 3), dtype=np.uint8)
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +45,11 @@ def folder(tmp_path_factory: Any) -> Any:
         (root / c).mkdir()
         for j in range(9):
             h, w = 40 + 7 * (j % 4), 36 + 5 * (j % 5)
-            Image.fromarray(_photo(h, w, k)).save(root / c / f"{j}.jpg", quality=90,
+            Image.fromarray(photo_array(h, w, k)).save(root / c / f"{j}.jpg", quality=90,
                                                    progressive=j % 3 == 0)
             k += 1
-    Image.fromarray(_photo(30, 44, 99)).save(root / "a" / "p.png")
-    Image.fromarray(_photo(33, 41, 98)).convert("CMYK").save(root / "b" / "cmyk.jpg")
+    Image.fromarray(photo_array(30, 44, 99)).save(root / "a" / "p.png")
+    Image.fromarray(photo_array(33, 41, 98)).convert("CMYK").save(root / "b" / "cmyk.jpg")
     return root
 
 
@@ -175,7 +170,7 @@ def test_a_loader_that_decoded_on_the_gpu_still_pickles(monkeypatch: pytest.Monk
 def test_skipped_images_are_black_with_label_minus_one(monkeypatch: pytest.MonkeyPatch,
                                                        tmp_path: Any) -> None:
     (tmp_path / "a").mkdir()
-    Image.fromarray(_photo(40, 40, 1)).save(tmp_path / "a" / "0.jpg")
+    Image.fromarray(photo_array(40, 40, 1)).save(tmp_path / "a" / "0.jpg")
     (tmp_path / "a" / "1.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     sim = SimCuda(0)
     sim.install(monkeypatch)
@@ -194,7 +189,7 @@ def test_image_shards_keep_their_fields(monkeypatch: pytest.MonkeyPatch, tmp_pat
     with tarfile.open(tmp_path / "s.tar", "w") as tar:
         for k in range(6):
             buf = io.BytesIO()
-            Image.fromarray(_photo(40, 44, k)).save(buf, format="JPEG")
+            Image.fromarray(photo_array(40, 44, k)).save(buf, format="JPEG")
             for ext, payload in (("jpg", buf.getvalue()), ("cls", str(k % 2).encode()),
                                  ("txt", f"caption {k}".encode())):
                 info = tarfile.TarInfo(f"{k:04d}.{ext}")

@@ -13,6 +13,7 @@ import torch
 import gpufeed
 from gpufeed._sources import encoded as E
 from gpufeed._sources.encoded import gpu_takes, jpeg_frame, plan_hwc
+from support.fakes import photo_array
 
 pytest.importorskip("simplejpeg")
 Image = pytest.importorskip("PIL.Image")
@@ -24,16 +25,10 @@ def _jpeg(img: Image.Image, **kw: Any) -> bytes:
     return buf.getvalue()
 
 
-def _photo(h: int, w: int, seed: int) -> np.ndarray:
-    y, x = np.mgrid[0:h, 0:w]
-    rng = np.random.default_rng(seed)
-    chans = [(127 + 100 * np.sin(x / (5 + 3 * c) + y / (7 + c) + seed)).astype(np.uint8)
-             for c in range(3)]
-    return np.stack(chans, -1) + rng.integers(0, 20, (h, w, 3), dtype=np.uint8)
 
 
 def test_frames_the_gpu_path_takes() -> None:
-    rgb = Image.fromarray(_photo(37, 53, 0))
+    rgb = Image.fromarray(photo_array(37, 53, 0))
     base = _jpeg(rgb, quality=90)
     frame = jpeg_frame(base)
     assert frame is not None and (frame.height, frame.width, frame.components) == (37, 53, 3)
@@ -56,7 +51,7 @@ def test_frames_the_gpu_path_takes() -> None:
 
 
 def test_lossless_and_arithmetic_frames_are_left_to_the_cpu() -> None:
-    base = bytearray(_jpeg(Image.fromarray(_photo(20, 20, 1))))
+    base = bytearray(_jpeg(Image.fromarray(photo_array(20, 20, 1))))
     at = base.find(b"\xff\xc0")
     for marker in (0xC3, 0xC9):
         base[at + 1] = marker
@@ -69,8 +64,8 @@ def folder(tmp_path_factory: Any) -> Any:
     root = tmp_path_factory.mktemp("enc")
     (root / "a").mkdir()
     for k in range(5):
-        Image.fromarray(_photo(40 + 5 * k, 60 - 3 * k, k)).save(root / "a" / f"{k}.jpg")
-    Image.fromarray(_photo(30, 30, 9)).save(root / "a" / "5.png")
+        Image.fromarray(photo_array(40 + 5 * k, 60 - 3 * k, k)).save(root / "a" / f"{k}.jpg")
+    Image.fromarray(photo_array(30, 30, 9)).save(root / "a" / "5.png")
     (root / "a" / "6.jpg").write_bytes(b"\xff\xd8\xff\xe0 broken")
     return root
 

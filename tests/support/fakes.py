@@ -481,3 +481,12 @@ class IndexDataset(Dataset[dict[str, Any]]):
     def __getitem__(self, i: int) -> dict[str, Any]:
         return {"x": torch.arange(self.width, dtype=torch.float32) + i * self.width, "y": i}
 
+
+def photo_array(h: int, w: int, seed: int) -> np.ndarray:
+    """A photo-like (h, w, 3) uint8 image: smooth waves per channel plus a little noise, so
+    that JPEG and resampling behave as on photos (the GPU decode tests' images)."""
+    y, x = np.mgrid[0:h, 0:w]
+    rng = np.random.default_rng(seed)
+    chans = [(127 + 100 * np.sin(x / (5 + 3 * c) + y / (7 + c) + seed)).astype(np.uint8)
+             for c in range(3)]
+    return np.stack(chans, -1) + rng.integers(0, 20, (h, w, 3), dtype=np.uint8)
