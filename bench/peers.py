@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
+
+from gpufeed._tools.repeat import _tree_cpu_s
 
 SIDE, CROP, BATCH, WORKERS, WARMUP = 256, 224, 64, 2, 3
 SIDES = ("stock-process", "gpufeed-process", "gpufeed-thread", "nodes-thread", "spdl-thread")
@@ -125,24 +126,11 @@ def _batches(side: str, dataset: RandomCrops) -> Iterator[Any]:
         raise ValueError(f"unknown side {side!r}; one of {', '.join(SIDES)}")
 
 
-def _cpu_s(me: psutil.Process) -> float:
-    """CPU seconds (user + system) of this process's threads and its live child processes."""
-    total = 0.0
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            times = p.cpu_times()
-        except psutil.Error:
-            continue
-        total += times.user + times.system
-    return total
-
-
 def run_side(side: str, path: str, count: int, samples: int) -> dict[str, Any]:
     """One side's run in this process: samples/s after the warm-up batches, and the CPU
     seconds per sample of the process and its workers over the same window (taken at the last
     batch, while the workers still run)."""
     torch.set_num_threads(1)
-    me = psutil.Process()
     dataset = RandomCrops(path, count, samples + WARMUP * BATCH)
     last = len(dataset) // BATCH + (len(dataset) % BATCH > 0) - 1
     n, start, cpu0, cpu1, end = 0, 0.0, 0.0, 0.0, 0.0
@@ -150,11 +138,11 @@ def run_side(side: str, path: str, count: int, samples: int) -> dict[str, Any]:
     for k, (images, _labels) in enumerate(_batches(side, dataset)):
         total += images.shape[0]
         if k == WARMUP - 1:
-            start, cpu0 = time.perf_counter(), _cpu_s(me)
+            start, cpu0 = time.perf_counter(), _tree_cpu_s()
         elif k >= WARMUP:
             n += images.shape[0]
         if k == last:
-            end, cpu1 = time.perf_counter(), _cpu_s(me)
+            end, cpu1 = time.perf_counter(), _tree_cpu_s()
     if total != len(dataset):
         raise RuntimeError(f"{side}: {total} samples delivered, {len(dataset)} expected")
     elapsed = end - start
