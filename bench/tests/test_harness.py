@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import statistics
 import subprocess
@@ -22,6 +21,7 @@ from bench.__main__ import main, render_markdown
 from bench.ceiling import measure_no_loader
 from bench.cpu import CEILING, _run_workload, _wait_for_children, summarize
 from bench.summary import main_bound, paired_ratio
+from bench.tests.fresh import in_a_fresh_interpreter
 from bench.workloads import Variant
 from gpufeed._tools.measure import batch_samples_and_bytes, measure_loader
 from gpufeed._tools.probe import (
@@ -147,6 +147,7 @@ def test_batch_samples_and_bytes_walks_nested_batches() -> None:
     assert batch_samples_and_bytes([1, 2, 3]) == (3, 0)
 
 
+@in_a_fresh_interpreter
 def test_sampler_catches_a_short_peak() -> None:
     def spike() -> Iterator[torch.Tensor]:
         for k in range(6):
@@ -156,9 +157,6 @@ def test_sampler_catches_a_short_peak() -> None:
                 del block
             yield torch.zeros(2)
 
-    # Earlier tests' garbage freed during the measurement lowers the peak against the baseline
-    # (seen once in CI: 84 of 128 MiB): collect it first, and leave room for what remains.
-    gc.collect()
     m = measure_loader(spike, warmup_batches=1)
     assert m.memory_samples >= 4
     assert m.pss_growth_bytes >= 128 * MiB, m
@@ -183,6 +181,7 @@ class _Growing:
         self.blocks.clear()
 
 
+@in_a_fresh_interpreter
 def test_peak_includes_the_end_of_the_pass() -> None:
     """The sampler may be asleep when the last batch arrives: the end-of-pass sample is not."""
     m = measure_loader(lambda: _Growing(4), warmup_batches=1, sample_interval_s=60.0)
@@ -204,6 +203,7 @@ def test_process_tree_pss_counts_a_child() -> None:
             child.kill()
 
 
+@in_a_fresh_interpreter
 def test_process_tree_memory_splits_by_kind(tmp_path: Path) -> None:
     import mmap
     import os
@@ -268,20 +268,24 @@ def test_shared_memory_held_but_mapped_nowhere_is_counted() -> None:
 
 class _Big(torch.utils.data.Dataset[torch.Tensor]):
     def __len__(self) -> int:
-        return 40
+        return 400
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.full((2 << 20,), i, dtype=torch.uint8)  # 2 MiB: 8 MiB batches of 4
 
 
+@in_a_fresh_interpreter
 def test_stock_loader_queued_batches_count_as_held() -> None:
     """The stock loader's workers pass collated batches as /dev/shm descriptors: while a slow
     loop lets them queue, they are in no PSS but in ``peak_held_bytes``."""
     from torch.utils.data import DataLoader
 
+    # The pass is cut at 10 of its 100 batches, so the workers always have batches to queue: at
+    # the end of a whole pass they queue none, and the workers' heaps, grown by then, may put
+    # the tree's PSS peak there.
     m = measure_loader(lambda: DataLoader(_Big(), batch_size=4, num_workers=2,
                                           prefetch_factor=2),
-                       warmup_batches=1, consume=lambda b: time.sleep(0.25),
+                       max_batches=10, warmup_batches=1, consume=lambda b: time.sleep(0.25),
                        sample_interval_s=0.02)
     # two workers, two batches each in flight, one in the loop: about 3 queued (24 MiB)
     assert m.peak_held_bytes >= m.peak_pss_bytes + 8 * MiB, m
