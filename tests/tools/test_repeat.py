@@ -54,7 +54,7 @@ def test_a_ratio_is_taken_between_the_faster_halves():
     stock = Spread((100.0, 100.0, 50.0, 50.0, 100.0))
     gpufeed = Spread((220.0, 200.0, 100.0, 90.0, 180.0))
     assert gpufeed.ratio(stock)[0] == pytest.approx(2.0)
-    assert Spread((5.0, 1.0, 3.0)).fastest_half() == (3.0, 5.0)
+    assert Spread((5.0, 1.0, 3.0)).ratio(Spread((1.0,)))[0] == 4.0  # the faster ceil(n / 2)
     assert tuple(Spread(()).ratio(stock)) == (0.0, 0.0, 0.0)  # nothing measured: no ratio
 
 

@@ -113,10 +113,6 @@ class Spread:
         """True when the two ranges share a value: not distinguishable from noise."""
         return self.lo <= other.hi and other.lo <= self.hi
 
-    def fastest_half(self) -> tuple[float, ...]:
-        """The faster half of the runs (the faster ``ceil(n / 2)``), the least disturbed."""
-        return tuple(sorted(self.runs)[len(self.runs) // 2:])
-
     def ratio(self, other: Spread) -> Ratio:
         """``self / other`` with its 95% bootstrap interval and verdict (NOTE [ Repeated
         measurement ] rule (3)): the median of ``x / y`` over every ``x`` of this spread's
