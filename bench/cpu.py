@@ -58,7 +58,8 @@ from .summary import PSS_TOLERANCE, TARGETS, summarize
 from .workloads import WORKLOADS, Variant, Workload, WorkloadUnavailable, build
 
 __all__ = ["CEILING", "EXTRA_LOADERS", "LOADERS", "PSS_TOLERANCE", "TARGETS", "Settings",
-           "environment", "main_cpu_s_per_batch", "pss_growth_bytes", "run_cpu", "summarize"]
+           "directory", "environment", "main_cpu_s_per_batch", "pss_growth_bytes", "run_cpu",
+           "summarize"]
 
 LOADERS = ("torch", "gpufeed", "gpufeed-thread", "torchdata.nodes")
 #: By name only: gpufeed's process workers at the main process's priority (``worker_nice=0``)
@@ -291,6 +292,16 @@ def workload_variant(workload: str, variant: str, *, quick: bool = False
         names = ", ".join(x.name for x in work.variants)
         raise ValueError(f"workload {workload!r} has no variant {variant!r}; choose from {names}")
     return work, v
+
+
+def directory(text: str) -> Path:
+    """An ``argparse`` type for a folder of result files (``--out``): ``-`` (stdout, as for
+    ``--json``) is refused, naming the fix, instead of making a folder named ``-``."""
+    if text == "-":
+        raise argparse.ArgumentTypeError(
+            "'-' (stdout) cannot take a folder of result files; give a folder, e.g. "
+            "bench/results")
+    return Path(text)
 
 
 def add_workload_options(p: argparse.ArgumentParser, *, workload: str, variant: str) -> None:

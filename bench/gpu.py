@@ -14,7 +14,8 @@ from pathlib import Path
 from gpufeed._memory import pinning as _pinning
 from gpufeed._tools.bench_gpu import SKIPPED, render_markdown, run_gpu_benchmark
 from gpufeed._tools.environment import write_documents
-from gpufeed._tools.output import directory
+
+from .cpu import directory
 
 __all__ = ["main"]
 

@@ -52,10 +52,9 @@ import gpufeed
 from gpufeed._tools.environment import commit_label, write_documents
 from gpufeed._tools.environment import environment as shared_environment
 from gpufeed._tools.measure import measure_loader, one_intra_op_thread
-from gpufeed._tools.output import directory
 
 from .ceiling import measure_no_loader
-from .cpu import pss_growth_bytes
+from .cpu import directory, pss_growth_bytes
 from .photos import flip_to_float, mean_file_bytes, photo_set, pillow_sample
 from .summary import paired_ratio
 
