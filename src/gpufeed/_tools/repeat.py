@@ -124,10 +124,6 @@ class Spread:
         lo, hi = _bootstrap_interval(self.runs, other.runs)
         return Ratio(mid, min(lo, mid), max(hi, mid), len(self.runs), len(other.runs))
 
-    def verdict(self, other: Spread) -> str:
-        """"faster", "slower" or "cannot tell": :attr:`Ratio.verdict` of :meth:`ratio`."""
-        return self.ratio(other).verdict
-
     def done(self, runs: int, target_spread: float) -> bool:
         """Whether a configuration measured so far needs no more runs (``runs`` at most; see
         NOTE [ Repeated measurement ] rule (1) for when it may stop early)."""
