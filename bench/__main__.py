@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from gpufeed._tools.environment import write_documents
-from gpufeed._tools.output import directory
 
-from .cpu import CEILING, EXTRA_LOADERS, LOADERS, STAND_IN, Settings, run_cpu
+from .cpu import CEILING, EXTRA_LOADERS, LOADERS, STAND_IN, Settings, directory, run_cpu
 from .workloads import WORKLOADS
 
 DEFAULT_WORKLOADS = ("tabular", "image-array", "jpeg", "python-list")

@@ -50,7 +50,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, default_collate
 
 from gpufeed._tools.environment import environment
-from gpufeed._tools.measure import measure_loader, one_intra_op_thread
+from gpufeed._tools.measure import Measurement, measure_loader, one_intra_op_thread
 from gpufeed._tools.probe import descendants
 
 from .ceiling import measure_no_loader
@@ -58,7 +58,8 @@ from .summary import PSS_TOLERANCE, TARGETS, summarize
 from .workloads import WORKLOADS, Variant, Workload, WorkloadUnavailable, build
 
 __all__ = ["CEILING", "EXTRA_LOADERS", "LOADERS", "PSS_TOLERANCE", "TARGETS", "Settings",
-           "environment", "run_cpu", "summarize"]
+           "directory", "environment", "main_cpu_s_per_batch", "pss_growth_bytes", "run_cpu",
+           "summarize"]
 
 LOADERS = ("torch", "gpufeed", "gpufeed-thread", "torchdata.nodes")
 #: By name only: gpufeed's process workers at the main process's priority (``worker_nice=0``)
@@ -265,6 +266,17 @@ _MEDIAN_KEYS = ("samples_per_s", "bytes_per_s", "peak_pss_bytes", "pss_growth_by
 _CEILING_MEDIAN_KEYS = ("samples_per_s", "bytes_per_s", "samples", "seconds")
 
 
+def pss_growth_bytes(m: Measurement) -> int:
+    """Peak PSS minus the PSS before ``iter()``: the memory the iteration itself cost."""
+    return max(0, m.peak_pss_bytes - m.start_pss_bytes)
+
+
+def main_cpu_s_per_batch(m: Measurement) -> tuple[float, float]:
+    """``(main_thread_cpu_s, main_process_cpu_s)`` per counted batch."""
+    n = max(m.batches, 1)
+    return m.main_thread_cpu_s / n, m.main_process_cpu_s / n
+
+
 def _median_row(runs: list[dict[str, Any]],
                 keys: Sequence[str] = _MEDIAN_KEYS) -> dict[str, float]:
     return {k: float(statistics.median(r[k] for r in runs)) for k in keys}
@@ -280,6 +292,16 @@ def workload_variant(workload: str, variant: str, *, quick: bool = False
         names = ", ".join(x.name for x in work.variants)
         raise ValueError(f"workload {workload!r} has no variant {variant!r}; choose from {names}")
     return work, v
+
+
+def directory(text: str) -> Path:
+    """An ``argparse`` type for a folder of result files (``--out``): ``-`` (stdout, as for
+    ``--json``) is refused, naming the fix, instead of making a folder named ``-``."""
+    if text == "-":
+        raise argparse.ArgumentTypeError(
+            "'-' (stdout) cannot take a folder of result files; give a folder, e.g. "
+            "bench/results")
+    return Path(text)
 
 
 def add_workload_options(p: argparse.ArgumentParser, *, workload: str, variant: str) -> None:
@@ -325,9 +347,10 @@ def _run_workload(work: Workload, loaders: Sequence[str], s: Settings,
                     _factory(loader, _fresh(variant), work, s), warmup_batches=s.warmup_batches,
                     max_seconds=None if work.full_epoch else s.max_seconds,
                     max_batches=None if work.full_epoch else s.max_batches)
-                row = {**asdict(m), "pss_growth_bytes": m.pss_growth_bytes, "repeat": rep,
-                       "main_thread_cpu_s_per_batch": m.main_cpu_s_per_batch[0],
-                       "main_process_cpu_s_per_batch": m.main_cpu_s_per_batch[1],
+                thread_s, process_s = main_cpu_s_per_batch(m)
+                row = {**asdict(m), "pss_growth_bytes": pss_growth_bytes(m), "repeat": rep,
+                       "main_thread_cpu_s_per_batch": thread_s,
+                       "main_process_cpu_s_per_batch": process_s,
                        "children_left_before": left}
                 runs.setdefault((loader, variant.name), []).append(row)
                 say(f"{work.name:12} {variant.name:10} {loader:17} rep {rep}: "
@@ -336,7 +359,7 @@ def _run_workload(work: Workload, loaders: Sequence[str], s: Settings,
                     f"{m.peak_pss_anon_bytes / 2**20:,.0f}/{m.peak_pss_file_bytes / 2**20:,.0f}/"
                     f"{m.peak_pss_shmem_bytes / 2**20:,.0f})  first batch "
                     f"{m.first_batch_s * 1e3:6.0f} ms  main CPU "
-                    f"{m.main_cpu_s_per_batch[0] * 1e6:,.0f} us/batch")
+                    f"{thread_s * 1e6:,.0f} us/batch")
     rows = [{"loader": lo, "variant": va, "median": _median_row(rs), "runs": rs}
             for (lo, va), rs in runs.items()]
     return rows, [{"loader": CEILING, "variant": va, "fetch": cs[0]["fetch"],

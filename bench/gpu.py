@@ -13,7 +13,9 @@ from pathlib import Path
 
 from gpufeed._memory import pinning as _pinning
 from gpufeed._tools.bench_gpu import SKIPPED, render_markdown, run_gpu_benchmark
-from gpufeed._tools.output import directory
+from gpufeed._tools.environment import write_documents
+
+from .cpu import directory
 
 __all__ = ["main"]
 
@@ -33,11 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not _pinning.cuda_usable():
         sys.stdout.write(SKIPPED + "\n")
         return 0
-    doc = run_gpu_benchmark(args.out / "gpu.json", batch_size=args.batch_size,
-                            batches=args.batches, repeats=args.repeats,
-                            num_workers=args.num_workers, step_ms=args.step_ms)
+    doc = run_gpu_benchmark(batch_size=args.batch_size, batches=args.batches,
+                            repeats=args.repeats, num_workers=args.num_workers,
+                            step_ms=args.step_ms)
     report = render_markdown(doc)
-    (args.out / "gpu.md").write_text(report)
-    sys.stdout.write(report + f"\nwrote {args.out / 'gpu.json'} and {args.out / 'gpu.md'}\n")
+    json_path, md_path = write_documents(doc, args.out, "gpu", report)
+    sys.stdout.write(report + f"\nwrote {json_path} and {md_path}\n")
     return 0
 

@@ -52,9 +52,9 @@ import gpufeed
 from gpufeed._tools.environment import commit_label, write_documents
 from gpufeed._tools.environment import environment as shared_environment
 from gpufeed._tools.measure import measure_loader, one_intra_op_thread
-from gpufeed._tools.output import directory
 
 from .ceiling import measure_no_loader
+from .cpu import directory, pss_growth_bytes
 from .photos import flip_to_float, mean_file_bytes, photo_set, pillow_sample
 from .summary import paired_ratio
 
@@ -238,7 +238,7 @@ def _measure(factory: Factory, quick: bool, whole_epoch: bool) -> dict[str, Any]
                        max_seconds=None if whole_epoch or quick else 20.0)
     return {"samples_per_s": m.samples_per_s, "first_batch_s": m.first_batch_s,
             "peak_pss_bytes": m.peak_pss_bytes, "start_pss_bytes": m.start_pss_bytes,
-            "pss_growth_bytes": m.pss_growth_bytes, "peak_pss_anon_bytes": m.peak_pss_anon_bytes,
+            "pss_growth_bytes": pss_growth_bytes(m), "peak_pss_anon_bytes": m.peak_pss_anon_bytes,
             "peak_pss_file_bytes": m.peak_pss_file_bytes,
             "peak_pss_shmem_bytes": m.peak_pss_shmem_bytes, "peak_held_bytes": m.peak_held_bytes}
 

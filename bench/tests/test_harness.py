@@ -19,7 +19,14 @@ import torch
 from bench import Settings, Workload, build
 from bench.__main__ import main, render_markdown
 from bench.ceiling import measure_no_loader
-from bench.cpu import CEILING, _run_workload, _wait_for_children, summarize
+from bench.cpu import (
+    CEILING,
+    _run_workload,
+    _wait_for_children,
+    main_cpu_s_per_batch,
+    pss_growth_bytes,
+    summarize,
+)
 from bench.summary import main_bound, paired_ratio
 from bench.tests.fresh import in_a_fresh_interpreter
 from bench.workloads import Variant
@@ -98,7 +105,7 @@ def test_measure_loader_reads_the_main_process_cpu() -> None:
     assert m.batches == 8
     # CPU, not wall time (0.16 s): the sleeps are not in it, nor the warm-up's 0.2 s
     assert 0.08 <= m.main_thread_cpu_s < 0.08 + 0.05
-    assert m.main_cpu_s_per_batch[0] == pytest.approx(m.main_thread_cpu_s / 8)
+    assert main_cpu_s_per_batch(m)[0] == pytest.approx(m.main_thread_cpu_s / 8)
     # the process figure leaves the PSS sampler's thread out; a helper thread counts
     assert m.main_thread_cpu_s <= m.main_process_cpu_s + 0.005 < 0.08 + 0.06
 
@@ -159,7 +166,7 @@ def test_sampler_catches_a_short_peak() -> None:
 
     m = measure_loader(spike, warmup_batches=1)
     assert m.memory_samples >= 4
-    assert m.pss_growth_bytes >= 128 * MiB, m
+    assert pss_growth_bytes(m) >= 128 * MiB, m
 
 
 class _Growing:
@@ -185,7 +192,7 @@ class _Growing:
 def test_peak_includes_the_end_of_the_pass() -> None:
     """The sampler may be asleep when the last batch arrives: the end-of-pass sample is not."""
     m = measure_loader(lambda: _Growing(4), warmup_batches=1, sample_interval_s=60.0)
-    assert m.pss_growth_bytes >= 90 * MiB
+    assert pss_growth_bytes(m) >= 90 * MiB
     assert m.memory_samples == 3  # start, end of the pass, stop
 
 

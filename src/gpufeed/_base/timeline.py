@@ -233,11 +233,6 @@ class Timeline:
         return len(self.records) + sum(len(c) // WIDTH[k] - self._skip[k]
                                        for k, c in self.columns.items())
 
-    @property
-    def bounded(self) -> bool:
-        """Whether records were (or may have been) dropped to keep within the bounds."""
-        return self.cut > self.started
-
 
 def start(timeline: Timeline) -> None:
     """Make ``timeline`` the active one; a RuntimeError if another one records."""

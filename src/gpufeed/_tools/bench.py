@@ -89,10 +89,6 @@ class Comparison:
         """``a / b`` with its 95% interval and verdict (NOTE [ Repeated measurement ] (3))."""
         return self.a.spread.ratio(self.b.spread)
 
-    @property
-    def verdict(self) -> str:
-        return self.ratio.verdict
-
     def to_dict(self) -> dict[str, Any]:
         return {"what": self.what, "num_workers": self.a.num_workers, **self.ratio.to_dict()}
 

@@ -13,7 +13,7 @@ and the overlap of a synthetic step (``torch.cuda._sleep`` calibrated to T, the 
 of one copy) with that copy: a naive loop pays about 2T per step, ``to_device`` should pay T
 (target <= 1.05 T, start-up included). Targets for bandwidth: d >= 0.9 e (for the loader only
 when its workers gather faster than PCIe copies). Medians of ``repeats`` runs. Without CUDA it
-says so and exits with status 0, writing nothing.
+says so and measures nothing (the lab's command then exits with status 0, writing nothing).
 
 Steady state: the data is ``DISTINCT`` batches (8: 308 MB at the defaults, more than a CPU's
 last-level cache), every page touched before timing, and each path reads them over and over.
@@ -33,12 +33,10 @@ as many warm-up batches. A ring that still grew inside the window is reported in
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -285,7 +283,6 @@ def _overlap(dev: torch.device, raw_gbps: float, s: dict[str, Any]) -> dict[str,
 
 
 def run_gpu_benchmark(
-    out_path: str | Path | None = None,
     *,
     batch_size: int = 256,
     batches: int = 48,
@@ -295,10 +292,9 @@ def run_gpu_benchmark(
     step_ms: float = 4.0,
     overlap_steps: int = 200,
 ) -> dict[str, Any]:
-    """Run the GPU benchmark; return the results and write them as JSON to ``out_path``.
+    """Run the GPU benchmark; return the results (a JSON-ready dict).
 
     Args:
-        out_path: JSON file to write (None: do not write). Nothing is written when skipped.
         batch_size: uint8 3x224x224 images per batch (256: 38.5 MB per batch).
         batches: timed batches per run; host memory used is ``DISTINCT`` (8) batches, plus
             the loaders' rings and pinned copies.
@@ -342,9 +338,6 @@ def run_gpu_benchmark(
             "to_device_over_T<=1.05": overlap["to_device_over_T"] <= TARGET_OVERLAP,
         },
     }
-    if out_path is not None:
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_path).write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 
 

@@ -131,17 +131,6 @@ class Measurement:
     main_process_cpu_s: float = 0.0
     worker_nice: int = 0  # a gpufeed loader's workers' priority at the end (its stats gauge)
 
-    @property
-    def pss_growth_bytes(self) -> int:
-        """Peak PSS minus the PSS before ``iter()``: the memory the iteration itself cost."""
-        return max(0, self.peak_pss_bytes - self.start_pss_bytes)
-
-    @property
-    def main_cpu_s_per_batch(self) -> tuple[float, float]:
-        """``(main_thread_cpu_s, main_process_cpu_s)`` per counted batch."""
-        n = max(self.batches, 1)
-        return self.main_thread_cpu_s / n, self.main_process_cpu_s / n
-
 
 def batch_samples_and_bytes(batch: Any) -> tuple[int, int]:
     """Return ``(samples, bytes)`` of a batch: the first dimension of its first tensor or array

@@ -1,11 +1,9 @@
-"""Where the tools' results go: JSON to a file or to stdout (``-``), plots and result folders
-to real paths.
+"""Where the tools' results go: JSON to a file or to stdout (``-``), plots to real paths.
 
 ``-`` means stdout, as for most command-line tools: ``gpufeed doctor --json - | jq .`` gets
 nothing but the JSON on stdout, so while it is written there the tables and messages the
-command prints go to stderr instead (:func:`json_output`). A plot is an image and a result
-folder holds several files, so ``-`` is refused there with the fix (:func:`file_path`,
-:func:`directory`), instead of writing a file or folder literally named ``-``.
+command prints go to stderr instead (:func:`json_output`). A plot is an image, so ``-`` is
+refused there with the fix (:func:`file_path`), instead of writing a file literally named ``-``.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STDOUT", "directory", "file_path", "is_stdout", "json_output", "output_path",
-           "write_json"]
+__all__ = ["STDOUT", "file_path", "is_stdout", "json_output", "output_path", "write_json"]
 
 #: the file name that means stdout
 STDOUT = "-"
@@ -85,12 +82,3 @@ def output_path(text: str) -> str:
             f"folder {folder!r} of {text!r} does not exist; create it first (mkdir -p)")
     return text
 
-
-def directory(text: str) -> Path:
-    """An ``argparse`` type for a folder of result files (``--out``): ``-`` is refused, naming
-    the fix."""
-    if text == STDOUT:
-        raise argparse.ArgumentTypeError(
-            "'-' (stdout) cannot take a folder of result files; give a folder, e.g. "
-            "bench/results")
-    return Path(text)

@@ -113,10 +113,6 @@ class Spread:
         """True when the two ranges share a value: not distinguishable from noise."""
         return self.lo <= other.hi and other.lo <= self.hi
 
-    def fastest_half(self) -> tuple[float, ...]:
-        """The faster half of the runs (the faster ``ceil(n / 2)``), the least disturbed."""
-        return tuple(sorted(self.runs)[len(self.runs) // 2:])
-
     def ratio(self, other: Spread) -> Ratio:
         """``self / other`` with its 95% bootstrap interval and verdict (NOTE [ Repeated
         measurement ] rule (3)): the median of ``x / y`` over every ``x`` of this spread's
@@ -127,10 +123,6 @@ class Spread:
         mid = _faster_half_ratio(self.runs, other.runs)
         lo, hi = _bootstrap_interval(self.runs, other.runs)
         return Ratio(mid, min(lo, mid), max(hi, mid), len(self.runs), len(other.runs))
-
-    def verdict(self, other: Spread) -> str:
-        """"faster", "slower" or "cannot tell": :attr:`Ratio.verdict` of :meth:`ratio`."""
-        return self.ratio(other).verdict
 
     def done(self, runs: int, target_spread: float) -> bool:
         """Whether a configuration measured so far needs no more runs (``runs`` at most; see
