@@ -28,12 +28,15 @@ items are whole batches (the loader runs it with ``batch_size=None``):
    batch that spans two blocks before gpufeed copies it again. Each number column of a batch is
    copied once, from the block's read-only object-store views, into memory of the batch's own:
    page-locked (torch's caching host allocator) when a CUDA device stage copies it ahead,
-   ordinary otherwise; Ray's views are never handed out nor kept past the block. On the
-   hand-off benchmark (1.5 MB batches, a loaded 2-core machine) the loader thread and Ray's
-   cutting took the trainer's CPU per batch from about 0.7 ms (cut here, in the loop's thread)
-   to 1.4-2.4 ms, against 0.8-1.6 ms for Ray's ``iter_torch_batches``, which copies nothing
-   (``bench/results/ray.md``). With Ray's local shuffle buffer (``local_shuffle_buffer_size``) or
-   a ``collate_fn``, Ray cuts the batches (``iter_batches(batch_size=N)``). ``stats()`` counts
+   ordinary otherwise; Ray's views are never handed out nor kept past the block. Trainer CPU
+   per 1.5 MB batch of 128 rows, materialized, on a loaded 2-core machine (profiled side by
+   side): Ray's ``iter_batches(batch_size=128)`` alone 0.45-0.55 ms, its ``iter_torch_batches``
+   (no copy) 0.7-0.9; Ray cutting, a loader thread and the ring, as before, 1.4-2.0; Ray cutting
+   and the copy in the loop's thread 0.7-1.1 (so the thread cost 0.3-0.4); whole blocks cut
+   here, the copy included, 0.4-0.5 (the benchmark's medians: ``bench/results/ray.md``). Ray's
+   ``prefetch_batches`` then counts blocks: raise it where a block holds fewer rows than a
+   batch. With Ray's local shuffle buffer (``local_shuffle_buffer_size``) or a ``collate_fn``,
+   Ray cuts the batches (``iter_batches(batch_size=N)``). ``stats()`` counts
    each batch (``fetch``: Ray's wait and the copy; ``collate``: a ``collate_fn``) and
    ``gpufeed.trace`` draws them on the loop thread's "fetching" track, as without workers; the
    device stage copies ahead as for any batch. A block is held until its last rows are copied,
