@@ -8,7 +8,8 @@ machine's second core.
 (a) The hand-off alone: a materialized dataset (blocks already in the object store, no Ray
     task runs), read by ``gpufeed.DataLoader(ds, batch_size=...)`` and by Ray's own
     ``ds.iter_torch_batches(batch_size=...)``: samples/s, and the trainer process's CPU time
-    per batch (every thread of it: Ray's prefetch threads and gpufeed's loader thread count).
+    per batch (every thread of it: the loop, which copies gpufeed's batches, and Ray's
+    prefetch threads count).
 (b) Offload: JPEG decode + random-resized crop, the training process confined to one core
     (``os.sched_setaffinity``), as a GPU node's share of cores would be. ``local``: gpufeed's
     own process workers decode on that core (they inherit the affinity). ``ray``: gpufeed over
@@ -268,10 +269,10 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += [
         "", f"One core decodes and crops {per_core:,.0f} images/s here (no loader).", "",
         "The trainer's CPU per batch counts the training process only (its threads: the "
-        "loop, gpufeed's loader thread, Ray's prefetch threads and, here, Ray Data's streaming "
-        "executor, which runs in the driver: the trainer when it is the driver; under Ray "
-        "Train it runs in the split coordinator instead). `local` workers' CPU is their own "
-        "processes', on the same core.", "",
+        "loop, which copies gpufeed's batches, Ray's prefetch threads and, here, Ray Data's "
+        "streaming executor, which runs in the driver: the trainer when it is the driver; "
+        "under Ray Train it runs in the split coordinator instead). `local` workers' CPU is "
+        "their own processes', on the same core.", "",
         "## The scaling model", "",
         "Each side decodes on one core, so with no step they run at about the same rate: the "
         "offload pays when the trainer's core has work of its own (the step, the H2D copies, "

@@ -24,9 +24,9 @@ from ._host.config import IterConfig, WorkerType
 from ._host.frameworks import AccelerateHooks, DefaultPrefetch
 from ._host.iterator import BaseIter, SingleIter
 from ._host.late_slots import LateVerdict
-from ._host.output import batch_empty
 from ._host.priority import check_worker_nice
 from ._host.random_watch import GlobalDrawWatch
+from ._host.ray_iter import RayIter
 from ._host.worker_iter import WorkerIter
 from ._memory import pinning as _pinning
 from ._memory.keeper import RingKeeper
@@ -105,8 +105,9 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
     ``dataset`` may be a ``ray.data.Dataset`` or ``ray.data.DataIterator``
     (``ds.streaming_split(n)[rank]``, ``ray.train.get_dataset_shard(name)``): preprocessing runs
     where Ray schedules it, and each batch, ``{column: tensor}`` as ``iter_torch_batches`` gives
-    it, is written into the ring and goes through the device stage like any other (NOTE [ Ray
-    Data batches ] in ``_sources/ray.py``). Ray orders and shards the rows: a sampler,
+    it, is copied once out of Ray's blocks, in your loop's thread (page-locked with a CUDA
+    device stage), and goes through the device stage like any other (NOTE [ Ray Data batches ]
+    in ``_sources/ray.py``). Ray orders and shards the rows: a sampler,
     ``shuffle=True``, ``seed=``, ``rank=`` or gpufeed's own workers are refused with the Ray way
     to do the same; ``loader.dataset`` is then a wrapper whose ``source`` is yours.
 
@@ -176,8 +177,7 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
                 worker_init_fn=worker_init_fn, persistent_workers=persistent_workers,
                 prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context)
             dataset = RayBatches(dataset, batch_size=cast(int, batch_size), drop_last=drop_last,
-                                 options=ray_options, raw=collate_fn is not None,
-                                 alloc=_slot_memory)
+                                 options=ray_options, raw=collate_fn is not None)
             rows_per_batch, batch_size, drop_last = batch_size, None, False  # Ray batches
         elif ray_options is not None:
             raise ValueError("ray_options applies to a Ray Data dataset (ray.data.Dataset or "
@@ -406,10 +406,8 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
         warn_thread_workers(self.num_workers)
 
     def _get_iterator(self) -> BaseIter:  # type: ignore[override]
-        if isinstance(self.dataset, RayBatches):  # one thread iterates Ray's iterator
-            return WorkerIter(dataclasses.replace(  # into the ring (NOTE [ Ray Data batches ])
-                self._iter_config(), num_workers=1, worker_type="thread", prefetch_factor=2,
-                prefetch_explicit=True))
+        if isinstance(self.dataset, RayBatches):  # Ray's iterator, in the loop's thread
+            return RayIter(self._iter_config())  # (NOTE [ Ray Data batches ] (2))
         if self.num_workers == 0:
             return SingleIter(self._iter_config())
         if self._autotune is not None:  # it keeps the CPU use within budget itself
@@ -441,7 +439,3 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
         ), self._position.current(), recorder=self._recorder,
             count_samples=self._auto_collation or isinstance(self.dataset, RayBatches))
 
-
-def _slot_memory(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Memory for a Ray batch's column: its slot's, in the loader's thread (``batch_empty``)."""
-    return batch_empty(shape, dtype=dtype)

@@ -373,6 +373,7 @@ class SimCuda(SyncBackend):
         monkeypatch.setattr(_cuda, "_with_context", set(), raising=False)  # this run's devices
         for name, fn in {
             "cuda_usable": lambda: True, "_pinned_ptr": self.pinned_ptr, "pin": self.pin,
+            "pinned_empty": self.pinned_empty,
         }.items():
             monkeypatch.setattr(_pinning, name, fn)
         monkeypatch.setattr(_prefetch, "backend_for", lambda device: self)
@@ -438,6 +439,14 @@ class SimCuda(SyncBackend):
         with self.lock:
             self.log("pin_memory")
             out = t.clone()
+            self._pinned.append(out)
+            return out
+
+    def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """``torch.empty(..., pin_memory=True)``: logged as a pinning, on the current device."""
+        with self.lock:
+            self.log("pin_memory")
+            out = torch.empty(shape, dtype=dtype)
             self._pinned.append(out)
             return out
 

@@ -191,6 +191,13 @@ def pin(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory()
 
 
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised page-locked tensor from torch's caching host allocator (the memory
+    ``pin`` copies into): a batch built in it needs no second copy to be pinned. Call it under
+    the loader's device guard (rule 5)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
 def is_pinned(t: torch.Tensor) -> bool:
     """Whether ``t``'s bytes are page-locked host memory (its first and last byte, not its
     storage's: NOTE [ Registered memory lifetime ] rule (1)). False (never an error) without

@@ -1,4 +1,4 @@
-"""Ray Data as a source: batches from Ray's streaming executor, written into the ring.
+"""Ray Data as a source: batches from Ray's streaming executor, copied once out of its blocks.
 
 NOTE [ Ray Data batches ]
 -------------------------
@@ -10,37 +10,54 @@ items are whole batches (the loader runs it with ``batch_size=None``):
 
 ::
 
-    Ray's streaming executor  ->  iter_batches(batch_format="numpy")  ->  RayBatches  ->  ring
-    (map_batches on any node;     (Ray's prefetch thread pulls blocks     one copy per      slot
-     blocks in the object store)   to this node, slices batches)          column into it
+    Ray's streaming executor  ->  iter_batches(batch_size=None)  ->  cut_batches    ->  the loop
+    (map_batches on any node;     (Ray's threads pull blocks to       (the loop's thread: one
+     blocks in the object store)   this node, numpy views of them)     copy per column)
 
 1. Ray orders, shuffles and shards the rows; gpufeed draws no index. A sampler, ``shuffle=True``,
    ``seed=``, ``rank=``/``world_size=`` and gpufeed's own workers are refused with the Ray way to
    do the same (``check_ray_arguments``); Ray's own iteration options come through
    ``ray_options=`` (``RAY_OPTIONS``).
-2. One thread of the loader (a thread worker, ``DataLoader._get_iterator``) iterates Ray's
-   iterator and writes each numeric column of a batch into the batch's slot (``alloc``: the
-   slot's memory, page-locked with CUDA), so the loop gets tensors that the device stage copies
-   ahead like any other batch, and ``stats()`` and ``gpufeed.trace`` see the fetches as any
-   thread worker's. The numpy views Ray hands over (read-only, in the object store) are copied
-   once, into the slot, and never kept. The thread works a strict two batches ahead (Ray's
-   ``prefetch_batches`` fetches ahead too): left to size its own work-ahead it carved some 26
-   slots of a 1.5 MB batch every epoch, whose first writes cost more trainer CPU than the copy
-   (2.5 against 1.0 ms a batch).
+2. The loop's own thread iterates Ray's iterator (``RayIter``, ``_host/ray_iter.py``); no gpufeed
+   thread runs. Ray's iterator already fetches blocks ahead and formats them in threads of its
+   own (``prefetch_batches``, 1 by default); a loader thread in front of it added a second
+   hand-over per batch (a queue, a thread switch) and cost the trainer more CPU than it
+   overlapped. Ray hands over whole blocks (``iter_batches(batch_size=None)``) and the batches
+   are cut here (``_sources/ray_batcher.py``): Ray's own cutting (``iter_batches(batch_size=N)``)
+   spends about as much trainer CPU per batch as the copy gpufeed must make anyway, and copies a
+   batch that spans two blocks before gpufeed copies it again. Each number column of a batch is
+   copied once, from the block's read-only object-store views, into memory of the batch's own:
+   page-locked (torch's caching host allocator) when a CUDA device stage copies it ahead,
+   ordinary otherwise; Ray's views are never handed out nor kept past the block. Trainer CPU
+   per 1.5 MB batch of 128 rows, materialized, on a loaded 2-core machine (profiled side by
+   side): Ray's ``iter_batches(batch_size=128)`` alone 0.45-0.55 ms, its ``iter_torch_batches``
+   (no copy) 0.7-0.9; Ray cutting, a loader thread and the ring, as before, 1.4-2.0; Ray cutting
+   and the copy in the loop's thread 0.7-1.1 (so the thread cost 0.3-0.4); whole blocks cut
+   here, the copy included, 0.4-0.5 (the benchmark's medians: ``bench/results/ray.md``). Ray's
+   ``prefetch_batches`` then counts blocks: raise it where a block holds fewer rows than a
+   batch. With Ray's local shuffle buffer (``local_shuffle_buffer_size``) or a ``collate_fn``,
+   Ray cuts the batches (``iter_batches(batch_size=N)``). ``stats()`` counts
+   each batch (``fetch``: Ray's wait and the copy; ``collate``: a ``collate_fn``) and
+   ``gpufeed.trace`` draws them on the loop thread's "fetching" track, as without workers; the
+   device stage copies ahead as for any batch. A block is held until its last rows are copied,
+   as Ray's own iterator holds it.
 3. A batch is ``{column: tensor}`` as ``iter_torch_batches`` gives it; a column numpy cannot
-   make a number array of (strings, ragged rows) stays the numpy array Ray gives. With a
-   ``collate_fn``, the function gets Ray's numpy batch (as ``iter_torch_batches(collate_fn=)``
-   does) and its result is the batch.
+   make a number array of (strings, objects, ragged rows) is a numpy array of the batch's rows
+   (a copy; an object array of one array per row where the batch spans blocks whose rows differ
+   in shape). With a ``collate_fn``, the function gets Ray's numpy batch (as
+   ``iter_torch_batches(collate_fn=)`` does) and its result is the batch.
 4. Each ``iter()`` is one pass of Ray's iterator. Ray's iterator cannot start mid-pass, so a
    loader state taken mid-epoch is refused; one taken between epochs resumes at the next epoch.
 5. An error in Ray (a ``map_batches`` function that raised, a task Ray gave up on) reaches the
-   loop as Ray raised it: its type (``RayTaskError``, whose text is Ray's), the operator, the
-   worker process and node it ran in, the function's own traceback and message.
-6. The iterator is closed in the thread that iterates it, as soon as the epoch ends, fails or is
-   dropped (the ``finally`` below): Ray then shuts its executor down (or tells the split
-   coordinator), so no Ray task keeps running for a loop that stopped. A loop that stops
-   (Ctrl-C, ``break``) while the thread waits in Ray's ``next`` is left at once; the thread
-   closes Ray's iterator when that batch comes.
+   loop as Ray raised it, from Ray's ``next`` in the loop's thread: its type (``RayTaskError``,
+   whose text is Ray's), the operator, the worker process and node it ran in, the function's own
+   traceback and message.
+6. Ray's iterator is closed in the thread that iterates it, the loop's, as soon as the epoch
+   ends, fails, or the loader's iterator is closed or dropped (the ``finally`` below,
+   ``RayIter.close``): Ray then shuts its executor down (or tells the split coordinator), so no
+   Ray task keeps running for a loop that stopped. Ctrl-C while the loop waits in Ray's ``next``
+   interrupts that wait; the ``KeyboardInterrupt`` passes through Ray's iterator, which shuts
+   its executor down on the way out.
 """
 
 from __future__ import annotations
@@ -49,14 +66,13 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import numpy as np
 from torch.utils.data import IterableDataset
 
-from .arrays import Alloc, allocate, torch_dtype
+from .arrays import Alloc
+from .ray_batcher import column, cut_batches
 
 #: the options of Ray's ``iter_batches`` the loader passes on (``ray_options=``)
 RAY_OPTIONS = ("local_shuffle_buffer_size", "local_shuffle_seed", "prefetch_batches")
-_NUMERIC = "biufc"
 
 
 def is_ray_data(obj: Any) -> bool:
@@ -134,7 +150,8 @@ class RayBatches(IterableDataset[Any]):
         batch_size, drop_last: the loader's, passed to Ray's ``iter_batches``.
         options: more ``iter_batches`` options (``RAY_OPTIONS``).
         raw: hand over Ray's numpy batch as it is (a user's ``collate_fn`` makes the batch).
-        alloc: memory for a column (the slot's, from the loader), else ``torch.empty``.
+        alloc: memory for a column when iterated as a dataset, else ``torch.empty`` (the
+            loader's iterator gives ``batches`` its own: page-locked for a CUDA device stage).
     """
 
     def __init__(self, source: Any, *, batch_size: int, drop_last: bool,
@@ -151,15 +168,26 @@ class RayBatches(IterableDataset[Any]):
         return f"RayBatches({type(self.source).__name__}, batch_size={self.batch_size})"
 
     def __iter__(self) -> Iterator[Any]:
-        batches = iter(self.source.iter_batches(
-            batch_size=self.batch_size, batch_format="numpy", drop_last=self.drop_last,
-            **self.options))
+        return self.batches(self.alloc)
+
+    def batches(self, alloc: Alloc | None) -> Iterator[Any]:
+        """One pass of Ray's iterator: the batches, each numeric column copied once into
+        ``alloc``'s memory (rule (2)); Ray's numpy batches as they are with ``raw``."""
+        cut = not self.raw and self.options.get("local_shuffle_buffer_size") is None
+        stream = iter(self.source.iter_batches(
+            batch_size=None if cut else self.batch_size, batch_format="numpy",
+            drop_last=False if cut else self.drop_last, **self.options))
         try:
-            for batch in batches:
-                yield batch if self.raw else self.to_tensors(batch)
+            if cut:  # whole blocks from Ray, batches cut here (rule (2))
+                yield from cut_batches(stream, self.batch_size, self.drop_last, alloc)
+            elif self.raw:
+                yield from stream
+            else:  # Ray's local shuffle buffer makes the batches
+                for batch in stream:
+                    yield {name: column([col], alloc) for name, col in batch.items()}
         finally:
             # rule (6): Ray's generator is closed here, in the thread that runs it
-            close: Callable[[], None] | None = getattr(batches, "close", None)
+            close: Callable[[], None] | None = getattr(stream, "close", None)
             if close is not None:
                 close()
 
@@ -169,18 +197,6 @@ class RayBatches(IterableDataset[Any]):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Nothing to load: the loader resumes Ray Data only at an epoch's start (rule (4))."""
-
-    def to_tensors(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """``{column: tensor}``, each numeric column copied once into ``alloc``'s memory."""
-        return {name: self._column(col) for name, col in batch.items()}
-
-    def _column(self, col: Any) -> Any:
-        if not isinstance(col, np.ndarray) or col.dtype.kind not in _NUMERIC:
-            return col  # rule (3): strings, objects, ragged rows stay as Ray gives them
-        out = allocate(self.alloc, col.shape, torch_dtype(col.dtype))
-        if col.size:
-            np.copyto(out.numpy(), col, casting="no" if col.dtype.isnative else "equiv")
-        return out
 
 
 def ray_state_error(epoch: int, done: int) -> RuntimeError:
