@@ -26,7 +26,7 @@ if [ "${SKIP_SETUP:-0}" != 1 ]; then
         || say "litdata could not be installed: its tests will skip"
 fi
 say "ruff"
-"$PY" -m ruff check src tests bench
+"$PY" -m ruff check src tests bench conftest.py
 say "mypy"
 "$PY" -m mypy
 say "pytest"

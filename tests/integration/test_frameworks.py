@@ -281,7 +281,7 @@ def test_lightning_ddp_spawn_pickles_rebuilds_and_resumes_the_loaders(tmp_path):
     script = str(TESTS / "support" / "lightning_spawn.py")
     # Each spawned process imports Lightning afresh (10-20 s here once torchmetrics finds
     # transformers installed), twice over for the two fits: the limit leaves room for that.
-    done = _run([sys.executable, script, str(tmp_path), "process"], tmp_path, 420, "ddp_spawn")
+    done = _run([sys.executable, script, str(tmp_path), "process"], tmp_path, 240, "ddp_spawn")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for rank in (0, 1):
         result, resumed = (json.loads((tmp_path / f"rank{rank}-{tag}.json").read_text())
@@ -289,6 +289,7 @@ def test_lightning_ddp_spawn_pickles_rebuilds_and_resumes_the_loaders(tmp_path):
         for run in (result, resumed):
             assert run["classes"] == ["gpufeed._loader.DataLoader"] * 2
             assert run["worker_types"] == ["process"] * 2
+            assert run["contexts"] == ["fork"] * 2
             assert run["samplers"] == ["DistributedSampler"] * 2
         assert result["train"] == _shard(rank, True, 0) + _shard(rank, True, 1), rank
         assert result["val"] == _shard(rank, False, 0) * 2, rank

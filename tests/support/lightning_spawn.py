@@ -52,16 +52,26 @@ class Recorder(pl.LightningModule):
         result = dict(self.seen, rank=self.global_rank,
                       classes=[type(d).__module__ + "." + type(d).__name__ for d in loaders],
                       worker_types=[getattr(d, "worker_type", None) for d in loaders],
+                      contexts=[_start_method(d) for d in loaders],
                       samplers=[type(d.sampler).__name__ for d in loaders])
         Path(self.out, f"rank{self.global_rank}{self.tag}.json").write_text(json.dumps(result))
+
+
+def _start_method(loader: Any) -> str | None:
+    context = loader.multiprocessing_context
+    return None if context is None else context.get_start_method()
 
 
 def main(out: str, worker_type: str) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def loader(shuffle: bool) -> gpufeed.DataLoader:
+        # A process Lightning spawned starts its workers by spawn too, unless told: each would
+        # import this script, so Lightning, anew (10 s of CPU; 36 such starts made this test
+        # take minutes). Forked workers keep it short, and the rebuilt loaders must keep the
+        # context they were given.
         return gpufeed.DataLoader(Pairs(N), batch_size=BATCH, shuffle=shuffle, num_workers=2,
-                                  worker_type=worker_type)
+                                  worker_type=worker_type, multiprocessing_context="fork")
 
     def trainer(every: int | None) -> pl.Trainer:
         checkpoints = [ModelCheckpoint(dirpath=Path(out, "ckpt"), every_n_train_steps=every,
