@@ -36,6 +36,8 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from gpufeed._tools.repeat import _tree_cpu_s
 
+from .summary import paragraph, shared_machine_note
+
 SIDE, CROP, BATCH, WORKERS, WARMUP = 256, 224, 64, 2, 3
 SIDES = ("stock-process", "gpufeed-process", "gpufeed-thread", "nodes-thread", "spdl-thread")
 LABELS = {
@@ -181,9 +183,9 @@ def markdown(doc: dict[str, Any], env_line: str) -> str:
         f"a per-sample `__getitem__`, batch {BATCH}, {WORKERS} workers, {doc['samples']:,} "
         f"samples timed after {WARMUP} warm-up batches; every run in a new interpreter, the "
         f"sides alternating in each of {doc['rounds']} rounds; medians (min-max) over the "
-        "rounds, ratios to the stock loader taken round by round. The machine was shared "
-        "with other work while this ran.",
+        "rounds, ratios to the stock loader taken round by round.",
         "",
+        *paragraph(shared_machine_note(doc["environment"])),
         "CPU us per sample: the CPU time of the process's threads and its worker processes "
         "over the timed window, per sample (less sensitive to a shared machine than the rate).",
         "",
@@ -192,8 +194,8 @@ def markdown(doc: dict[str, Any], env_line: str) -> str:
     ]
     for side in doc["sides"]:
         r = doc["results"][side]
-        lines.append(f"| {LABELS[side]} | {_fmt(r['rate'])} | {_fmt(r['vs_stock'], '.2f', 'x')} "
-                     f"| {_fmt(r['cpu_us'])} |")
+        vs_stock = _fmt(r["vs_stock"], ".2f", "x") if "vs_stock" in r else "-"
+        lines.append(f"| {LABELS[side]} | {_fmt(r['rate'])} | {vs_stock} | {_fmt(r['cpu_us'])} |")
     if "thread_vs_nodes" in doc:
         lines += ["", "gpufeed's thread workers over torchdata.nodes' thread ParallelMapper, "
                   f"round by round: {_fmt(doc['thread_vs_nodes'], '.2f', 'x')} the samples/s, "

@@ -38,6 +38,8 @@ import torch
 import gpufeed
 from gpufeed._tools.environment import environment, environment_line, write_documents
 
+from .summary import paragraph, shared_machine_note
+
 OUT = 112  # side of a crop, pixels
 
 
@@ -232,9 +234,7 @@ def markdown(doc: dict[str, Any]) -> str:
     env, a, b = doc["environment"], doc["handoff"], doc["offload"]
     lines = [
         "# gpufeed over Ray Data", "", environment_line(env) + f" Ray {doc['ray']}.", "",
-        "**The machine was shared with other work while this ran** (2 cores, several jobs): "
-        "sides alternate within each round and the spread over rounds is given; compare sides "
-        "within a row, not with other files.", "",
+        *paragraph(shared_machine_note(env)),
         "Command: `python -m bench.ray_handoff` " + " ".join(doc["argv"]), "",
         "Ray runs as a simulated two-node cluster: the trainer's node gives Ray no CPU, the "
         "other node has one CPU, its raylet and workers confined to core 1.", "",

@@ -195,3 +195,20 @@ def main_bound(run: dict[str, Any], ceiling_run: dict[str, Any], cores: int,
     c = sum(each) / batches  # the ceiling's core-seconds per batch
     rate = min(cores / (c + m), 1 / m, len(each) / c)
     return min(rate / (batches / seconds), 1.0)
+
+
+def shared_machine_note(env: dict[str, Any]) -> str:
+    """A sentence for a results file taken while other work ran (the load average over the
+    last minute, read at the start, at 1 or more), else an empty string."""
+    load = env["loadavg_start"][0]
+    if load < 1.0:
+        return ""
+    return (f"**The machine was shared with other work while this ran** (load average "
+            f"{load:.2f} at start on {env['cpu_count']} cores): sides alternate within each "
+            "round and the spread over rounds is given; compare sides within a row, not with "
+            "other files.")
+
+
+def paragraph(text: str) -> list[str]:
+    """A markdown paragraph's lines: the text and a blank line, or none for no text."""
+    return [text, ""] if text else []
