@@ -255,3 +255,36 @@ def test_image_folder_crops_follow_manual_seed_not_the_loops_draws(tmp_path):
         return _run_with_loop_draws(gpufeed.DataLoader(folder, batch_size=3, **kwargs), 4)
 
     assert run(num_workers=2, worker_type="thread") == run()
+
+
+def test_a_reseeded_generator_draws_what_a_fresh_one_of_its_sample_would():
+    """NOTE in ``SampleScope``: the torch and Python generators are the scope's own, re-seeded
+    per sample; what a sample draws must not depend on what the previous sample drew (normal
+    draws leave a cached value behind in both)."""
+    from gpufeed._order.sample_rng import SampleScope
+
+    def draws(scope: SampleScope, index: int) -> list[float]:
+        scope.at(index)
+        gen, rnd = gpufeed.random.sample_generator(), gpufeed.random.sample_random()
+        return [*torch.randn(3, generator=gen).tolist(), rnd.gauss(0, 1), rnd.random()]
+
+    reused = SampleScope()
+    reused.open(11, 2)
+    try:
+        # Sample 4 after 3, whose odd normal draws left each generator a cached one.
+        draws(reused, 3)
+        after = draws(reused, 4)
+    finally:
+        reused.close()
+    fresh = SampleScope()
+    fresh.open(11, 2)
+    try:
+        alone = draws(fresh, 4)
+    finally:
+        fresh.close()
+    assert after == alone
+    # and the seed is the documented one
+    scope = SampleScope()
+    scope.open(11, 2)
+    scope.close()
+    assert scope.seed_of(4) == gpufeed.random.sample_seed(11, 2, 4)

@@ -30,6 +30,8 @@ from .writer import SlotWriter
 
 # What a fetcher does during its per-sample loop; MapFetcher.describe() adds which sample.
 _AT_SAMPLE = "while fetching a sample"
+# The same for IterFetcher's stream, whose describe() adds the sample's number.
+_AT_STREAM = "while fetching a sample of this worker's stream"
 
 
 def make_fetcher(
@@ -160,7 +162,8 @@ class MapFetcher:
     def _fetch_one(self, index: Any, epoch: int, scope: SampleScope,
                    collate_fn: Callable[[Any], Any] | None) -> Any:
         """The "batch" of ``batch_size=None``: sample ``index``, through ``collate_fn``."""
-        self.where = f"while fetching sample index {index!r}"
+        # Formatted only on error (describe), from the scope's index.
+        self.where = _AT_SAMPLE
         scope.at(index)
         if self.seed is not None and self.seed_globals:
             with seeded(self.seed, epoch) as reseed:
@@ -278,6 +281,8 @@ class IterFetcher:
         self.gathers = False
 
     def describe(self, indices: Any) -> str:
+        if self.where is _AT_STREAM:
+            return f"while fetching sample {self.scope.index} of this worker's stream"
         return self.where
 
     def reset(self, state: Any = None) -> None:
@@ -315,7 +320,8 @@ class IterFetcher:
                 self._state = None
             self.where = "in the dataset's __iter__"
             self._it = iter(self.dataset)
-        self.where = f"while fetching sample {self.count} of this worker's stream"
+        # Formatted only on error (describe): the scope's index is the sample's number.
+        self.where = _AT_STREAM
         if n is None:
             sample = step(self._it)
             self.count += 1
@@ -330,7 +336,6 @@ class IterFetcher:
         building(None)
         t0 = time.perf_counter()
         for _ in range(n):
-            self.where = f"while fetching sample {self.count} of this worker's stream"
             scope.at(self.count)
             try:
                 append(step(self._it))

@@ -23,6 +23,21 @@ message's results are unpickled at once, and the tracked objects of 64 batches i
 crossed the youngest generation's threshold (700) every 3 messages, of 32 every 49: over 20
 epochs of a persistent loader (78,140 batches) 64 made about 430 young collections and one
 full one (90 ms on this heap), 32 made 44-56 and none: 115 against 4 ms of the loop's time.
+
+NOTE [ Balanced dispatch ]
+--------------------------
+Thread workers on a map-style dataset fetch any batch alike: no worker has a stream or random
+state of its own (the global generators are shared, the per-sample ones follow the sample:
+NOTE [ Seeding and threads ] in ``_order/seeding.py``), so which worker fetches a batch
+changes nothing in it. There (``balanced``), while batches go one per message (``chunk`` 1),
+a batch is dispatched as soon as one fits under the bound, not once ``num_workers`` fit, and
+to the active worker holding the fewest tasks, the turn's worker first among equals
+(``WorkerIter._dispatch``). Dealt in turn and in windows of ``num_workers``, a worker that
+fell behind (a core taken by another process, a slow sample) kept its queued batch while the
+other, done with both of its own, waited for the in-order head: with two thread workers on
+per-sample crops (``bench/peers.py``) on a loaded 2-core machine, one worker waited for a task
+0-13% of the time, runs apart. Process workers, iterable datasets (each worker its own
+stream) and chunked cheap batches keep the turn, as the stock loader deals them.
 """
 
 from __future__ import annotations
@@ -45,14 +60,16 @@ class WorkAhead:
             (a worker answers once per message, and the timeout is per batch).
         device_depth: the device stage's depth; None: batches are delivered on host.
         pin: the ring is page-locked (its slots wait for release fences).
+        balanced: thread workers on a map-style dataset (NOTE [ Balanced dispatch ]).
     """
 
     def __init__(
         self, *, num_workers: int, prefetch_factor: int | None, adaptive: bool,
-        device_depth: int | None, pin: bool,
+        device_depth: int | None, pin: bool, balanced: bool = False,
     ) -> None:
         self.num_workers = num_workers
         self.adaptive = adaptive
+        self.balanced = balanced
         # batches the consumer holds besides those in flight (see slots_hint)
         if device_depth is not None:
             self.held = 2 + device_depth + 1
@@ -63,21 +80,29 @@ class WorkAhead:
         self.depth = prefetch_factor or 2  # batches in flight per worker, unchunked
         self.in_flight_bound = self.stock_in_flight
         self.chunk = 1  # batches per worker per task message
-        self.refill_at = self.in_flight_bound - num_workers  # see window()
+        self.refill_at = self.in_flight_bound - self.share  # see window()
         self._batch_s = 0.0  # moving average of worker seconds per batch
 
     def window(self, first: bool, in_flight: int) -> int:
         """How many batches to hand out now, with ``in_flight`` dispatched and not delivered:
-        a chunk per worker, once that many fit under the bound (else 0), or whatever fits
-        when nothing is in flight. An epoch's ``first`` window is one batch per worker: its
-        first batch then waits for one batch of work, not for a whole chunk (a persistent
-        iterator restarted). Past the first window a window opens only while ``in_flight`` is
-        at most ``refill_at`` or 0: callers skip the call otherwise."""
-        full = (1 if first else self.chunk) * self.num_workers
+        :attr:`share` (a chunk per worker), once that many fit under the bound (else 0), or
+        whatever fits when nothing is in flight. An epoch's ``first`` window is one batch per
+        worker: its first batch then waits for one batch of work, not for a whole chunk (a
+        persistent iterator restarted). Past the first window a window opens only while
+        ``in_flight`` is at most ``refill_at`` or 0: callers skip the call otherwise."""
+        full = self.num_workers if first else self.share
         window = min(full, self.in_flight_bound - in_flight)
         if window <= 0 or (window < full and in_flight):
             return 0
         return window
+
+    @property
+    def share(self) -> int:
+        """Batches per window past an epoch's first: a chunk per worker; one while a balanced
+        pool's batches go one per message (NOTE [ Balanced dispatch ])."""
+        if self.balanced and self.chunk == 1:
+            return 1
+        return self.chunk * self.num_workers
 
     @property
     def slots_hint(self) -> int:
@@ -130,4 +155,4 @@ class WorkAhead:
     def _bound(self) -> None:
         chunked = 2 * self.chunk if self.chunk > 1 else 0
         self.in_flight_bound = max(self.depth, chunked) * self.num_workers
-        self.refill_at = self.in_flight_bound - self.chunk * self.num_workers
+        self.refill_at = self.in_flight_bound - self.share

@@ -80,7 +80,8 @@ class WorkerIter(StockNames, BaseIter):
             self._work_ahead = WorkAhead(
                 num_workers=nw, prefetch_factor=config.prefetch_factor, pin=self._pin,
                 adaptive=self._timeout <= 0 and not config.prefetch_explicit,
-                device_depth=config.device_depth)
+                device_depth=config.device_depth,
+                balanced=not shared and not self._is_iterable)
             # NOTE [ Slot lifetime ] (e)
             self._keeper = config.keeper if self._pin else None
             self._ring = ring_for(self._keeper, budget=config.ring_bytes, shared=shared,
@@ -182,9 +183,12 @@ class WorkerIter(StockNames, BaseIter):
 
         Batch k goes to the next active worker in turn, as with torch's loader (so iterable
         datasets and per-worker random state give the same batches), in windows of ``chunk *
-        num_workers`` batches, each worker's share in one message (cheap batches: chunk > 1).
+        num_workers`` batches, each worker's share in one message (cheap batches: chunk > 1);
+        thread workers on a map-style dataset take batches one by one, to the one holding the
+        fewest (NOTE [ Balanced dispatch ] in ``_host/workahead.py``).
         """
         acquire, new, plan, late = self._ring.acquire, tuple.__new__, self._plan, self._late
+        balance = self._work_ahead.share == 1 and self._work_ahead.balanced
         # Slots bound when the tasks start (NOTE [ Slots bound when a task starts ]).
         if late.on:
             acquire = late_slot
@@ -212,6 +216,8 @@ class WorkerIter(StockNames, BaseIter):
                 if plan is not None and self._send_idx >= plan.n_batches:
                     self._sampler_done = True
                     break
+                if balance:
+                    w = self._least_held(w)
                 idx, self._send_idx = self._send_idx, self._send_idx + 1
                 self._tasks[idx] = w
                 slot = acquire()
@@ -221,6 +227,21 @@ class WorkerIter(StockNames, BaseIter):
                 self._pool.send(w, Tasks(self._gen, tasks, self._tracker.epoch))
         if (self._ring.grows, self._ring.fallbacks) != self._seen:
             self._seen = record_ring(self._recorder, self._ring, self._seen)
+
+    def _least_held(self, turn: int) -> int:
+        """The active worker holding the fewest tasks, ``turn`` first among equals (NOTE
+        [ Balanced dispatch ] in ``_host/workahead.py``)."""
+        n = self._num_workers
+        held = [0] * n
+        for holder in self._tasks.values():
+            # (a retiring worker's, past n, gets no more)
+            if holder < n:
+                held[holder] += 1
+        best = turn
+        for w in range(n):
+            if self._active[w] and held[w] < held[best]:
+                best = w
+        return best
 
     # -- receiving ----------------------------------------------------------------------------
     def _handle(self, w: int, msg: ToMain) -> None:

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from .seeding import _mix, batch_seed, sample_seed
+from .seeding import _mix, batch_seed, epoch_key, seed_in
 
 __all__ = [
     "RandomStateWarning",
@@ -40,6 +40,7 @@ __all__ = [
     "stream_base",
 ]
 
+G = TypeVar("G")
 _local = threading.local()
 # A different hash of the sample's seed per library: torch and numpy's legacy generator are both
 # MT19937, and the global generators are seeded from the sample's seed itself.
@@ -62,18 +63,26 @@ class SampleScope:
     source's ``transform=``): whether it may seed the global generators per sample, given a
     per-sample seed (never in thread workers: NOTE [ Seeding and threads ]), and the check
     of the task for global draws (``_host/random_watch.py``), if any.
+
+    What is the same for every sample is made once: the epoch's share of the samples' seeds
+    (``epoch_key``, in ``open``), and the torch and Python generator objects (at their first
+    request; numpy's ``PCG64`` cannot be re-seeded in place, so it is made per sample). Per
+    sample, ``at`` only names the sample; its seed is hashed and each generator it asks for
+    re-seeded at its first request (:meth:`made`), and a sample that asks for none costs
+    nothing more. Re-seeding gives the state a new generator of that seed would have.
     """
 
-    __slots__ = ("_numpy", "_prev", "_random", "_torch", "base", "batch", "epoch", "index",
-                 "probe", "seed_globals")
+    __slots__ = ("_made", "_own", "_prev", "base", "batch", "epoch", "index", "key", "probe",
+                 "seed_globals")
 
     def __init__(self, *, seed_globals: bool = False) -> None:
         self.base = self.epoch = 0
+        self.key = epoch_key(0, 0)
         self.index: Any = None
         self.batch: Sequence[Any] | None = None
-        self._torch: torch.Generator | None = None
-        self._numpy: np.random.Generator | None = None
-        self._random: random.Random | None = None
+        self._made: _Made | None = None
+        # The torch and Python generators, re-seeded per sample (by library tag).
+        self._own: dict[int, Any] = {}
         self._prev: SampleScope | None = None
         self.seed_globals = seed_globals
         self.probe: Any = None
@@ -81,7 +90,9 @@ class SampleScope:
     def open(self, base: int, epoch: int) -> None:
         self._prev = getattr(_local, "scope", None)
         _local.scope = self
-        self.base, self.epoch = base, epoch
+        if base != self.base or epoch != self.epoch:
+            self.base, self.epoch = base, epoch
+            self.key = epoch_key(base, epoch)
         self.at_batch(None)
 
     def close(self) -> None:
@@ -90,21 +101,53 @@ class SampleScope:
     def at(self, index: Any) -> None:
         """Sample ``index`` is being fetched now (its generators are made when first asked)."""
         self.index = index
-        self._torch = self._numpy = self._random = None
+        self._made = None
 
     def at_batch(self, indices: Sequence[Any] | None) -> None:
         """A whole batch is being fetched or collated (``__getitems__``, a batch source,
         ``collate_fn``): generators asked for without an index come from ``batch_seed``."""
         self.batch = indices
-        self.at(None)
+        self.index = None
+        self._made = None
 
     def seed_of(self, index: Any) -> int:
-        return sample_seed(self.base, self.epoch, index)
+        return seed_in(self.key, index)
 
     def current_seed(self) -> int:
         if self.index is not None:
-            return self.seed_of(self.index)
+            return seed_in(self.key, self.index)
         return batch_seed(self.base, self.epoch, self.batch if self.batch is not None else ())
+
+    def made(self) -> _Made:
+        """The current sample's (or batch's) seed and the generators made from it so far."""
+        made = self._made
+        if made is None:
+            made = self._made = _Made(self.current_seed())
+        return made
+
+    def reseeded(self, tag: int, make: Callable[[], G], reseed: Callable[[G, int], Any]) -> G:
+        """The current sample's generator of the library ``tag`` names: the scope's own (made
+        once by ``make``), re-seeded for the sample by ``reseed(gen, seed)`` at its first
+        request."""
+        made = self.made()
+        gen = made.gens.get(tag)
+        if gen is None:
+            gen = self._own.get(tag)
+            if gen is None:
+                gen = self._own[tag] = make()
+            reseed(gen, _mix(made.seed ^ tag))
+            made.gens[tag] = gen
+        return gen
+
+
+class _Made:
+    """One sample's seed and its generators (by library tag), each made at its first request."""
+
+    __slots__ = ("gens", "seed")
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.gens: dict[int, Any] = {}
 
 
 def stream_base(base: int, worker_id: int) -> int:
@@ -123,13 +166,13 @@ def _global_seed() -> int:
     return int(torch.empty((), dtype=torch.int64).random_().item())
 
 
-def _seed(index: int | None, tag: int) -> tuple[int, SampleScope | None]:
+def _fresh_seed(index: int | None, tag: int) -> int:
+    """The seed of a generator that is not the current sample's: outside a fetch, or another
+    sample's (``index``)."""
     scope = current_scope()
     if scope is None:
-        return _mix(_global_seed() ^ tag), None
-    if index is not None:
-        return _mix(scope.seed_of(index) ^ tag), None
-    return _mix(scope.current_seed() ^ tag), scope
+        return _mix(_global_seed() ^ tag)
+    return _mix(scope.seed_of(index) ^ tag)
 
 
 def sample_generator(index: int | None = None) -> torch.Generator:
@@ -141,7 +184,8 @@ def sample_generator(index: int | None = None) -> torch.Generator:
     a resume (with ``seed=``), and whatever the training loop draws meanwhile; they follow
     ``torch.manual_seed`` without ``seed=``. Thread workers draw from it in parallel, without a
     lock. Within one sample every call returns the same generator, so successive draws continue
-    one stream; the next sample gets a fresh one. Do not keep it past the sample.
+    one stream; the next sample's starts from that sample's seed (the same object, re-seeded:
+    do not keep it past the sample).
 
     Args:
         index: the dataset index of another sample of the batch being fetched, e.g. in
@@ -151,18 +195,16 @@ def sample_generator(index: int | None = None) -> torch.Generator:
 
     Outside a gpufeed fetch (the stock DataLoader, ``dataset[i]`` by hand) it returns a fresh
     generator seeded by one draw from torch's global generator, so the same dataset code runs
-    anywhere. Cost: making and seeding the generator, a few microseconds per sample that asks
-    for it, less than seeding the three global generators; nothing for one that does not
+    anywhere. Cost: seeding the generator, a few microseconds per sample that asks for it,
+    less than seeding the three global generators; nothing for one that does not
     (``python -m bench.seeding``; figures in docs/guides/randomness.md).
     """
-    seed, scope = _seed(index, _TORCH)
-    if scope is not None and scope._torch is not None:
-        return scope._torch
-    gen = torch.Generator()
-    gen.manual_seed(seed)
-    if scope is not None:
-        scope._torch = gen
-    return gen
+    scope = current_scope()
+    if scope is None or index is not None:
+        gen = torch.Generator()
+        gen.manual_seed(_fresh_seed(index, _TORCH))
+        return gen
+    return scope.reseeded(_TORCH, torch.Generator, torch.Generator.manual_seed)
 
 
 def sample_rng(index: int | None = None) -> np.random.Generator:
@@ -172,12 +214,14 @@ def sample_rng(index: int | None = None) -> np.random.Generator:
     generator per sample, the fallback outside a gpufeed fetch): ``numpy.random.default_rng``
     of the sample's seed. Cost: numpy's seeding, about three times torch's.
     """
-    seed, scope = _seed(index, _NUMPY)
-    if scope is not None and scope._numpy is not None:
-        return scope._numpy
-    gen = np.random.default_rng(seed)
-    if scope is not None:
-        scope._numpy = gen
+    scope = current_scope()
+    if scope is None or index is not None:
+        return np.random.default_rng(_fresh_seed(index, _NUMPY))
+    # Made per sample: a PCG64 cannot be re-seeded in place.
+    made = scope.made()
+    gen = made.gens.get(_NUMPY)
+    if gen is None:
+        gen = made.gens[_NUMPY] = np.random.default_rng(_mix(made.seed ^ _NUMPY))
     return gen
 
 
@@ -187,10 +231,7 @@ def sample_random(index: int | None = None) -> random.Random:
 
     The counterpart of :func:`sample_generator`, with the same rules; about as cheap.
     """
-    seed, scope = _seed(index, _RANDOM)
-    if scope is not None and scope._random is not None:
-        return scope._random
-    gen = random.Random(seed)
-    if scope is not None:
-        scope._random = gen
-    return gen
+    scope = current_scope()
+    if scope is None or index is not None:
+        return random.Random(_fresh_seed(index, _RANDOM))
+    return scope.reseeded(_RANDOM, random.Random, random.Random.seed)

@@ -70,10 +70,12 @@ import torch
 __all__ = [
     "as_index",
     "batch_seed",
+    "epoch_key",
     "fetch_seeded",
     "resolve_seed",
     "sample_seed",
     "seed_globals",
+    "seed_in",
     "seeded",
 ]
 
@@ -116,9 +118,20 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     Neighbouring inputs give unrelated outputs (``(0, 1, 0)`` and ``(1, 0, 0)`` differ), unlike
     the ``seed + epoch`` sum the samplers use for their permutations.
     """
+    return seed_in(epoch_key(seed, epoch), index)
+
+
+def epoch_key(seed: int, epoch: int) -> int:
+    """The part of :func:`sample_seed` that every sample of an epoch shares: made once per
+    batch, then :func:`seed_in` per sample."""
+    return _mix(_mix(seed & _M64) ^ (epoch & _M64))
+
+
+def seed_in(key: int, index: int) -> int:
+    """``sample_seed(seed, epoch, index)`` from ``key = epoch_key(seed, epoch)``: one hash."""
     if type(index) is not int:
         index = as_index(index)
-    return _mix(_mix(_mix(seed & _M64) ^ (epoch & _M64)) ^ (index & _M64))
+    return _mix(key ^ (index & _M64))
 
 
 def batch_seed(seed: int, epoch: int, indices: Sequence[int]) -> int:
@@ -140,16 +153,18 @@ def seed_globals(value: int) -> None:
 
 
 class _Reseed:
-    """Callable handed out by :func:`seeded`: ``reseed(index)`` before each ``__getitem__``."""
+    """Callable handed out by :func:`seeded`: ``reseed(index)`` before each ``__getitem__``
+    (the epoch's share of the seed made once, when the block opens)."""
 
-    __slots__ = ("epoch", "seed")
+    __slots__ = ("epoch", "key", "seed")
 
     def __init__(self, seed: int, epoch: int) -> None:
         self.seed = seed
         self.epoch = epoch
+        self.key = epoch_key(seed, epoch)
 
     def __call__(self, index: int) -> None:
-        seed_globals(sample_seed(self.seed, self.epoch, index))
+        seed_globals(seed_in(self.key, index))
 
     def batch(self, indices: Sequence[int]) -> None:
         """Seed once for a batched fetch (``__getitems__``)."""
