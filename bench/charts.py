@@ -1,7 +1,7 @@
 """The documentation's benchmark charts and headline table, drawn from the committed results.
 
     python -m bench.charts                 # writes docs/assets/charts/*.png
-    python -m bench.charts --table         # prints the README's headline table (Markdown)
+    python -m bench.charts --table         # prints the pages' tables (Markdown)
 
 Nothing is measured here: every figure comes from the results JSON the benchmarks wrote
 (``cpu.json``: stock vs gpufeed vs the no-loader ceiling per workload; ``autotune.json``: the
@@ -87,6 +87,49 @@ def headline_table(cpu: dict[str, Any]) -> str:
     for r in headline(cpu):
         lines.append(f"| {r['workload']} | {r['stock']:,.0f} | {r['gpufeed']:,.0f} "
                      f"| {r['ratio']:.2f}x | {r['gpufeed_of_ceiling']:.0%} |")
+    return "\n".join(lines)
+
+
+def _spread(s: dict[str, float], spec: str = ",.0f", unit: str = "") -> str:
+    return f"{s['median']:{spec}}{unit} ({s['min']:{spec}}-{s['max']:{spec}}{unit})"
+
+
+#: peers.json's sides, as the benchmarks page names them
+PEER_SIDES = {
+    "stock-process": "stock loader, process workers",
+    "gpufeed-process": "gpufeed, process workers",
+    "gpufeed-thread": "gpufeed, thread workers",
+    "nodes-thread": "torchdata.nodes, thread `ParallelMapper`",
+    "spdl-thread": "SPDL pipeline, threads",
+}
+
+
+def peers_table(peers: dict[str, Any]) -> str:
+    """The per-sample side-by-side run (``peers.json``) as the benchmarks page shows it: each
+    side's samples/s and CPU per sample, medians (min-max) over the rounds, and the thread
+    workers over torchdata.nodes' threads, round by round."""
+    lines = ["| side | samples/s | CPU us per sample |", "| --- | ---: | ---: |"]
+    for side in peers["sides"]:
+        r = peers["results"][side]
+        lines.append(f"| {PEER_SIDES[side]} | {_spread(r['rate'])} | {_spread(r['cpu_us'])} |")
+    if "thread_vs_nodes" in peers:
+        lines += ["", "gpufeed's thread workers over torchdata.nodes' thread pipeline, round by "
+                  f"round: {_spread(peers['thread_vs_nodes'], '.2f', 'x')} the samples/s, "
+                  f"{_spread(peers['thread_cpu_vs_nodes'], '.2f', 'x')} the CPU per sample."]
+    return "\n".join(lines)
+
+
+def ray_table(ray: dict[str, Any]) -> str:
+    """The Ray Data hand-off (``ray.json``'s part (a)) as the benchmarks page shows it: gpufeed
+    against Ray's ``iter_torch_batches`` on the same materialized dataset, medians (min-max)
+    over the rounds."""
+    a = ray["handoff"]
+    names = {"gpufeed": "gpufeed.DataLoader over the dataset",
+             "ray iter_torch_batches": "Ray's `iter_torch_batches`"}
+    lines = ["| side | samples/s | trainer CPU ms per batch |", "| --- | ---: | ---: |"]
+    for side, name in names.items():
+        lines.append(f"| {name} | {_spread(a['samples_per_s'][side])} "
+                     f"| {_spread(a['cpu_ms_per_batch'][side], '.2f')} |")
     return "\n".join(lines)
 
 
@@ -192,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     cpu = json.loads((folder / "cpu.json").read_text())
     if args.table:
         print(headline_table(cpu))
+        for name, table in (("peers", peers_table), ("ray", ray_table)):
+            path = folder / f"{name}.json"
+            if path.is_file():
+                print(f"\n{name}.json:\n" + table(json.loads(path.read_text())))
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     throughput_chart(cpu, args.out / "throughput.png")

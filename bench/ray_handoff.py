@@ -38,7 +38,7 @@ import torch
 import gpufeed
 from gpufeed._tools.environment import environment, environment_line, write_documents
 
-from .summary import paragraph, shared_machine_note
+from .summary import machine_shared, paragraph, shared_machine_note
 
 OUT = 112  # side of a crop, pixels
 
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         doc = {"environment": env, "ray": ray.__version__,
                "argv": argv if argv is not None else sys.argv[1:],
                "handoff": handoff(args), "offload": offload(args),
-               "machine_shared": True}
+               "machine_shared": machine_shared(env)}
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -197,11 +197,17 @@ def main_bound(run: dict[str, Any], ceiling_run: dict[str, Any], cores: int,
     return min(rate / (batches / seconds), 1.0)
 
 
+def machine_shared(env: dict[str, Any]) -> bool:
+    """Whether other work ran as a benchmark started: the load average over the last minute,
+    read at the start, at 1 or more."""
+    return bool(env["loadavg_start"][0] >= 1.0)
+
+
 def shared_machine_note(env: dict[str, Any]) -> str:
-    """A sentence for a results file taken while other work ran (the load average over the
-    last minute, read at the start, at 1 or more), else an empty string."""
+    """A sentence for a results file taken while other work ran (``machine_shared``), else an
+    empty string."""
     load = env["loadavg_start"][0]
-    if load < 1.0:
+    if not machine_shared(env):
         return ""
     return (f"**The machine was shared with other work while this ran** (load average "
             f"{load:.2f} at start on {env['cpu_count']} cores): sides alternate within each "

@@ -266,3 +266,13 @@ def test_readme_table_is_the_committed_results():
     table = charts.headline_table(json.loads((charts.results_dir() / "cpu.json").read_text()))
     for page in (REPO / "README.md", DOCS / "benchmarks.md"):
         assert table in page.read_text(), f"{page.relative_to(REPO)}: the table is not\n{table}"
+
+
+def test_peers_and_ray_tables_are_the_committed_results():
+    """The benchmarks page's side-by-side tables are what ``bench/charts.py`` makes of the
+    committed results of ``bench.peers`` and ``bench.ray_handoff``."""
+    charts = _charts()
+    page = (DOCS / "benchmarks.md").read_text()
+    for name, table in (("peers", charts.peers_table), ("ray", charts.ray_table)):
+        expected = table(json.loads((charts.results_dir() / f"{name}.json").read_text()))
+        assert expected in page, f"docs/benchmarks.md: the {name} table is not\n{expected}"

@@ -258,7 +258,7 @@ def test_image_folder_crops_follow_manual_seed_not_the_loops_draws(tmp_path):
 
 
 def test_a_reseeded_generator_draws_what_a_fresh_one_of_its_sample_would():
-    """NOTE in ``SampleScope``: the torch and Python generators are the scope's own, re-seeded
+    """``SampleScope``'s docstring: the torch and Python generators are the scope's own, re-seeded
     per sample; what a sample draws must not depend on what the previous sample drew (normal
     draws leave a cached value behind in both)."""
     from gpufeed._order.sample_rng import SampleScope
