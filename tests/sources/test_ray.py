@@ -198,6 +198,22 @@ def test_simulated_cuda_builds_pinned_batches_and_copies_ahead(
     assert [c for c in sim.calls if c[0] == "pin_memory"] == [("pin_memory", 0)] * (8 * 3)
 
 
+@pytest.mark.cuda
+def test_cuda_device_stage_delivers_ray_batches_intact_under_a_busy_consumer() -> None:
+    """On a real GPU: each column copied once into page-locked memory, copied ahead on the side
+    stream, and every batch on the device equal to Ray's rows while the consumer's stream is
+    kept busy (a copy racing the consumer would show as a wrong row)."""
+    loader = gpufeed.DataLoader(table(512), batch_size=32, device="cuda", device_depth=3)
+    seen = []
+    for batch in loader:
+        assert batch["x"].is_cuda and batch["img"].is_cuda
+        torch.cuda._sleep(2_000_000)  # the step's kernels: the consumer stream stays busy
+        seen.append(batch["x"][:, 0].cpu())
+        assert torch.equal(batch["img"][:, 0, 0, 0].cpu(),
+                           (batch["id"].cpu() % 251).to(torch.uint8))
+    assert torch.equal(torch.cat(seen), torch.arange(512.0))
+
+
 # -- refused, with the Ray way ------------------------------------------------------------------
 @pytest.mark.parametrize(("kwargs", "fix"), [
     ({"shuffle": True}, "random_shuffle"),
