@@ -136,8 +136,13 @@ def test_a_killed_rank_ends_the_other_with_an_error_and_no_orphan(launch):
     said = "\n".join(node.stderr for node in done)
     assert "Signal 9 (SIGKILL)" in said or "exitcode  : -9" in said, said[-3000:]
     assert "ChildFailedError" in said and "dist_nodes.py FAILED" in said, said[-3000:]
-    # rank 0 fails in its collective (gloo: the peer's connection reset), not by a timeout
-    assert "[rank0]: RuntimeError" in said and "exitcode  : 1" in said, said[-3000:]
+    # Rank 0 stops on the failure, not by a timeout, one of two ways: its collective fails
+    # (gloo: the peer's connection reset), or the killed rank's agent, which may host the
+    # rendezvous store, exits first, and rank 0's agent, cut off from the store, stops rank 0
+    # itself (seen once in a full suite run)
+    by_collective = "[rank0]: RuntimeError" in said and "exitcode  : 1" in said
+    by_agent = "RendezvousConnectionError" in said
+    assert by_collective or by_agent, said[-3000:]
     assert wall < DEADLINE_S, f"the nodes took {wall:.1f} s to stop"
     deadline = time.monotonic() + 10
     while (left := _left_behind(str(out))) and time.monotonic() < deadline:
