@@ -69,7 +69,7 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from .arrays import Alloc
-from .ray_batcher import column, cut_batches
+from .ray_batcher import assemble, cut_batches
 
 #: the options of Ray's ``iter_batches`` the loader passes on (``ray_options=``)
 RAY_OPTIONS = ("local_shuffle_buffer_size", "local_shuffle_seed", "prefetch_batches")
@@ -184,7 +184,7 @@ class RayBatches(IterableDataset[Any]):
                 yield from stream
             else:  # Ray's local shuffle buffer makes the batches
                 for batch in stream:
-                    yield {name: column([col], alloc) for name, col in batch.items()}
+                    yield assemble([batch], alloc)
         finally:
             # rule (6): Ray's generator is closed here, in the thread that runs it
             close: Callable[[], None] | None = getattr(stream, "close", None)
