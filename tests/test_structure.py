@@ -325,3 +325,46 @@ def test_note_index():
             for n, f in defined.items() if n in rows and rows[n] != f]
     bad += [f"NOTE [ {n} ] is indexed but defined nowhere" for n in rows if n not in defined]
     assert not bad, f"{_rel(MAP)}'s NOTE index is out of date:\n" + "\n".join(bad)
+
+
+# --- measurement addresses --------------------------------------------------------------------
+# A design note keeps its rule and reason in the code and the figures that decided it on a page
+# of docs/how-it-works/measurements/, cited by address: measurements/<page>.md#<section>.
+
+MEASUREMENTS = REPO / "docs" / "how-it-works" / "measurements"
+_ADDRESS = re.compile(r"measurements/(?P<page>[\w-]+)\.md#(?P<anchor>[\w-]+)")
+
+
+def _slug(heading: str) -> str:
+    """The anchor the docs site gives a heading (Python-Markdown's toc slugify)."""
+    text = re.sub(r"[^\w\s-]", "", heading).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def _anchors(page: Path) -> set[str]:
+    headings = re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", page.read_text(), flags=re.M)
+    return {_slug(h) for h in headings}
+
+
+def test_slug_matches_the_docs_site():
+    assert _slug("Fresh slots") == "fresh-slots"
+    assert _slug("Ctrl-C that Python drops") == "ctrl-c-that-python-drops"
+    assert _slug("Seeding and threads (thread workers)") == "seeding-and-threads-thread-workers"
+
+
+def test_measurement_addresses_resolve():
+    """Every address of a measurements section, in the code, the tests, the lab and the docs,
+    names a page that exists and a heading on it."""
+    files = [*PKG.rglob("*.py"), *(REPO / "docs").rglob("*.md"), *(REPO / "bench").rglob("*.py")]
+    bad, count = [], 0
+    for path in files:
+        text = path.read_text()
+        for m in _ADDRESS.finditer(re.sub(r"\n\s*(#\s*)?", " ", text)):
+            count += 1
+            page = MEASUREMENTS / f"{m['page']}.md"
+            if not page.is_file():
+                bad.append(f"{_rel(path)}: {m.group()}: no page {_rel(page)}")
+            elif m["anchor"] not in _anchors(page):
+                bad.append(f"{_rel(path)}: {m.group()}: no heading with anchor "
+                           f"#{m['anchor']} on {_rel(page)}")
+    assert not bad, f"{len(bad)} measurement address(es) name nothing:\n" + "\n".join(bad)
