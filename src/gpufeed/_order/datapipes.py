@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 
+from .shards import resolve_world
+
 
 class PipeSetup(NamedTuple):
     """What a worker applies to its copy of a datapipe graph (NOTE [ DataPipes ]): the shared
@@ -49,12 +51,6 @@ class PipeSetup(NamedTuple):
 
 def is_datapipe(dataset: Any) -> bool:
     return isinstance(dataset, (IterDataPipe, MapDataPipe))
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
 
 
 def _seed_graph(dataset: Any, seed: int) -> None:
@@ -92,13 +88,14 @@ class PipeSeeds:
         datapipe."""
         if not is_datapipe(self._dataset):
             return None
-        return PipeSetup(self.seed, *_world())
+        rank, world_size, _ = resolve_world(None, None)
+        return PipeSetup(self.seed, world_size, rank)
 
 
 def shard_here(dataset: Any) -> None:
     """Without workers: shard a datapipe graph by the process group's rank (NOTE (2))."""
     if is_datapipe(dataset):
-        world_size, rank = _world()
+        rank, world_size, _ = resolve_world(None, None)
         graph_settings.apply_sharding(dataset, world_size, rank)
 
 

@@ -74,13 +74,10 @@ def prepare_resume(
                         sampler_state=sampler_state,
                         replay=rolled and sampler_state is not None and not is_ours(sampler),
                         rolled=rolled)
-    if is_ours(sampler):
-        if index_sampler is sampler:
-            sampler.seek(epoch, done)
-            return point._replace(seeked=True)
-        if type(index_sampler) is BatchSampler:
-            sampler.seek(epoch, done * index_sampler.batch_size)
-            return point._replace(seeked=True)
+    if is_ours(sampler) and (index_sampler is sampler or type(index_sampler) is BatchSampler):
+        per_batch = 1 if index_sampler is sampler else index_sampler.batch_size
+        sampler.seek(epoch, done * per_batch)
+        return point._replace(seeked=True)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
     return point

@@ -18,10 +18,9 @@ docs/how-it-works/measurements/order.md#seeding-the-global-generators.
 
 Not covered: CUDA generators (``__getitem__`` should not use the GPU), generators the dataset
 owns (seed them from :func:`sample_seed`, or use the per-sample ones), and batched fetches
-(``__getitems__``), which see one global state per batch, from :func:`batch_seed`: still
-independent of workers, because the batch plan is (``sample_generator(index=i)`` gives each
-sample its own). Iterable datasets have no sample index: the
-global generators keep the stock per-worker seeding.
+(``__getitems__``), which see one global state per batch, from :func:`batch_seed` (still
+independent of workers, because the batch plan is). Iterable datasets have no sample index:
+the global generators keep the stock per-worker seeding.
 
 NOTE [ Seeding and threads ]
 ----------------------------
@@ -32,18 +31,16 @@ other threads, restoring the caller's states on exit, so its own random stream i
 Thread workers share them with each other and with the training loop, and no lock makes a draw
 there reproducible: the loop draws (CPU dropout, a ``torch.rand``) without taking it, between a
 worker's re-seed and the sample's draw, and the lock serialises the workers. So thread workers
-never seed, save, restore or lock the global generators, with or without ``seed=``; they run as
-fast with ``seed=`` as without. Measurements:
-docs/how-it-works/measurements/order.md#seeding-and-threads.
+never seed, save, restore or lock the global generators, with or without ``seed=``. Under
+threads, the per-sample generators and gpufeed's sources (``sample_seeds`` in
+``_sources/protocol.py``: ``ImageFolder``'s crops and flips) are reproducible, and parallel.
+Measurements: docs/how-it-works/measurements/order.md#seeding-and-threads.
 
-What is reproducible under threads, and parallel: the per-sample generators (seeded from the
-sample alone: no lock, no global state, and the loop's draws do not reach them), and gpufeed's
-sources (``sample_seeds`` in ``_sources/protocol.py``), which draw from the same per-sample seeds
-(``ImageFolder``'s crops and flips). Draws from the global generators in thread workers are
-whatever the interleaving of threads makes them, as in any multi-threaded PyTorch program; a
-dataset seen making them gets one ``RandomStateWarning`` per loader, naming the fix (the
-per-sample generators, or process workers): ``_host/random_watch.py`` checks sampled calls into
-user code while the loop waits. The lock of :func:`seeded` is re-created in a forked child.
+Draws from the global generators in thread workers are whatever the interleaving of threads
+makes them, as in any multi-threaded PyTorch program; a dataset seen making them gets one
+``RandomStateWarning`` per loader, naming the fix (the per-sample generators, or process
+workers): ``_host/random_watch.py`` checks sampled calls into user code while the loop waits.
+The lock of :func:`seeded` is re-created in a forked child.
 """
 
 from __future__ import annotations
