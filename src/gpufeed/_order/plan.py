@@ -144,8 +144,7 @@ def pull_as_stock(plan: IndexPlan, index_sampler: Any, pulled: int) -> None:
 
 def follow_stock(plan: IndexPlan, index_sampler: Any, pulled: int, tracker: Any) -> None:
     """At an epoch's start: the stock loader's ``pulled`` pulls at ``iter()``, then one per
-    batch that reaches the user, counted by ``tracker`` (a ``DeliveryTracker``, on the user's
-    side of a device stage, whose batches taken ahead do not count before the user has them)."""
+    batch that reaches the user, as ``tracker`` counts them (``DeliveryTracker.follow_stock``)."""
     pull_as_stock(plan, index_sampler, pulled)
     tracker.follow_stock(plan.closing_pull - pulled, functools.partial(
         pull_as_stock, plan, index_sampler, plan.closing_pull))
