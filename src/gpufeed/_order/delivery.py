@@ -139,8 +139,8 @@ class DeliveryTracker:
         self.ahead = set() if iterable else {n for n in point.ahead if n >= point.done}
         self.direct = direct
         self.finished = False
-        # An ``_rewind.EpochSeed`` for loaders that slice the order themselves
-        # (``_plan.make_plan``), set by whoever builds the tracker.
+        # A ``rewind.EpochSeed`` for loaders that slice the order themselves
+        # (``plan.make_plan``), set by whoever builds the tracker.
         self.epoch_seed: Any = None
         self.worker_states: dict[int, Any] = {}
         self.next_worker = 0

@@ -66,10 +66,8 @@ def prepare_resume(
                 )
             epoch_seed = int(sampler_state[EPOCH_SEED])
         sampler_state = None
-    # The sampler is put back when the epoch starts (LoaderPosition.begin_epoch), after the
-    # new iterator's base seed: the state was taken there too, right before the epoch's
-    # first draw. A saved epoch delivered whole is drawn once more there (else the next
-    # epoch would repeat its order).
+    # The sampler is put back, and a saved epoch delivered whole replayed (else the next epoch
+    # would repeat its order), when the epoch starts: NOTE [ Rewinding samplers ].
     point = ResumePoint(epoch, done, tuple(ahead), epoch_seed=epoch_seed,
                         sampler_state=sampler_state,
                         replay=rolled and sampler_state is not None and not is_ours(sampler),
