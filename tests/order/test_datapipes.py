@@ -73,7 +73,7 @@ def test_the_loader_generator_seeds_the_pipe():
 def test_ranks_shard_first_then_workers(monkeypatch, num_workers):
     # rank 1 of 2: with two workers the pipe is cut in four, and this rank's workers keep the
     # shards 1 and 3 (worker_id * world_size + rank): the odd samples, as with none
-    monkeypatch.setattr(_datapipes, "_world", lambda: (2, 1))
+    monkeypatch.setattr(_datapipes, "resolve_world", lambda rank, world_size: (1, 2, True))
     got = _items(gpufeed.DataLoader(_sharded(20), num_workers=num_workers,
                                     multiprocessing_context="fork" if num_workers else None))
     assert sorted(got) == list(range(1, 20, 2))

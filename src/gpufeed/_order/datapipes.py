@@ -4,10 +4,10 @@ NOTE [ DataPipes ]
 ------------------
 ``torch.utils.data.IterDataPipe`` and ``MapDataPipe`` graphs carry their own order: a
 ``shuffle()`` datapipe draws from a generator the loader seeds, and a ``sharding_filter()``
-keeps the part of the stream the loader says is this process's. The stock loader sets both,
-and a graph left alone reads its whole stream in every worker (each sample once per worker,
-silently) and shuffles from its own default generator. gpufeed keeps torch's rules, so that a
-program gets the same samples, in the same order, from the same ``torch.manual_seed``:
+keeps the part of the stream the loader says is this process's. Left alone, a graph reads its
+whole stream in every worker (each sample once per worker, silently) and shuffles from its own
+default generator. gpufeed sets both by torch's rules, so that a program gets the same
+samples, in the same order, from the same ``torch.manual_seed``:
 
 1. Seeds (``IterDataPipe`` only). Each iterator draws a *shared seed*, one int64 from the
    loader's ``generator`` (the global generator when None), before its base seed; under an
@@ -37,14 +37,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 
-__all__ = ["PipeSeeds", "PipeSetup", "is_datapipe", "reseed_in_worker", "set_up_in_worker",
-           "shard_here"]
+from .shards import resolve_world
 
 
 class PipeSetup(NamedTuple):
-    """What a worker applies to its copy of a datapipe graph (NOTE [ DataPipes ]): the
-    iterator's shared seed (None for a ``MapDataPipe``) and the process group's size and
-    rank."""
+    """What a worker applies to its copy of a datapipe graph (NOTE [ DataPipes ]): the shared
+    seed (None for a ``MapDataPipe``) and the process group's size and rank."""
 
     seed: int | None
     world_size: int
@@ -53,12 +51,6 @@ class PipeSetup(NamedTuple):
 
 def is_datapipe(dataset: Any) -> bool:
     return isinstance(dataset, (IterDataPipe, MapDataPipe))
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
 
 
 def _seed_graph(dataset: Any, seed: int) -> None:
@@ -92,17 +84,18 @@ class PipeSeeds:
         return self.seed
 
     def setup(self) -> PipeSetup | None:
-        """What the workers apply to their graphs, with the seed drawn last; None for a
-        dataset that is not a datapipe."""
+        """What the workers apply to their graphs, with the seed drawn last; None if not a
+        datapipe."""
         if not is_datapipe(self._dataset):
             return None
-        return PipeSetup(self.seed, *_world())
+        rank, world_size, _ = resolve_world(None, None)
+        return PipeSetup(self.seed, world_size, rank)
 
 
 def shard_here(dataset: Any) -> None:
     """Without workers: shard a datapipe graph by the process group's rank (NOTE (2))."""
     if is_datapipe(dataset):
-        world_size, rank = _world()
+        rank, world_size, _ = resolve_world(None, None)
         graph_settings.apply_sharding(dataset, world_size, rank)
 
 

@@ -1,26 +1,25 @@
 """Where an epoch starts, and which of its batches have reached the user.
 
-NOTE [ Delivery tracking ]: the host iterator numbers the batches of an epoch by their position in
-the batch plan and calls :meth:`DeliveryTracker.produced` as it hands each one on; whatever is
-outermost (the host iterator itself, or the device stage wrapped in :class:`Delivered`) calls
-:meth:`DeliveryTracker.delivered` when the user receives one. Stages between the two are FIFO, so
+NOTE [ Delivery tracking ]: the host iterator numbers an epoch's batches by their position in the
+batch plan and calls :meth:`DeliveryTracker.produced` as it hands each one on; whatever is
+outermost (the host iterator, or the device stage wrapped in :class:`Delivered`) calls
+:meth:`DeliveryTracker.delivered` when the user receives one. The stages between are FIFO, so
 the oldest produced batch is the one delivered.
 
 NOTE [ Iterable resume ]: an iterable dataset has no batch plan. Each worker reads its own
 stream, and the next batch goes to the next worker in turn (torch's round robin: batch ``k`` to
 worker ``k % num_workers`` while all have data); a worker that runs dry answers "stop" for the
 batch it was given, which is skipped, and drops out of the turn. The delivered sequence is thus
-a function of the workers' streams alone, and a resume needs exactly two things:
+a function of the workers' streams alone, and a resume needs exactly:
 
 1. each worker's ``dataset.state_dict()`` as of its *last delivered* batch (batches it had
    fetched ahead are fetched again), and
 2. whose turn is next: the worker after the one that delivered the last batch.
 
-The resumed iterator restarts each worker from its state and starts the turn at that worker. A
-worker that had run dry is restored at the end of its stream and answers "stop" at once, which
-drops it from the turn just as in the uninterrupted run. "stop" answers use batch numbers but
-never reach the user, so for iterable datasets the tracker counts delivered batches instead of
-numbering them.
+The resumed iterator restarts each worker from its state and starts the turn at that worker; a
+worker that had run dry answers "stop" at once, dropping out of the turn as in the
+uninterrupted run. "stop" answers use batch numbers but never reach the user, so for iterable
+datasets the tracker counts delivered batches instead of numbering them.
 """
 
 from __future__ import annotations
@@ -36,19 +35,12 @@ from .._base.tree import batch_len
 if TYPE_CHECKING:
     from .._base.stats import StatsRecorder
 
-__all__ = [
-    "Delivered",
-    "DeliveryTracker",
-    "ResumePoint",
-    "WorkerStates",
-    "numbered",
-]
 
 T = TypeVar("T")
 
 
 class ResumePoint(NamedTuple):
-    """Where the next ``__iter__`` starts: ``_resume.prepare_resume``, or ``ResumePoint(epoch)``.
+    """Where the next ``__iter__`` starts: ``points.prepare_resume``, or ``ResumePoint(epoch)``.
 
     Attributes:
         epoch: the epoch to run (seeds per-sample random state; the loader's epoch counter).
@@ -57,12 +49,12 @@ class ResumePoint(NamedTuple):
         seeked: the sampler itself starts at batch ``done`` (nothing to drop from the plan).
         epoch_seed: the seed a ``RandomSampler`` on the global generator shuffles this epoch
             with (NOTE [ Rewinding samplers ] in ``_order/rewind.py``); ``None``: drawn afresh.
-        sampler_state: what puts the sampler back where the saved epoch started
-            (``rewind.restore_sampler``), applied when the epoch starts; ``None``: nothing.
+        sampler_state: what puts the sampler back where the saved epoch started, applied when
+            the epoch starts (``rewind.restore_sampler``); ``None``: nothing.
         replay: the saved epoch (``epoch - 1``) was delivered whole but not ended: after the
             restore, the sampler draws it once more and drops it, as the run that saved it did.
-        rolled: the state was taken after the last batch of epoch ``epoch - 1`` (the iterator
-            not yet run out), so this point is the next epoch's start.
+        rolled: the state was taken after epoch ``epoch - 1``'s last batch (the iterator not
+            yet run out), so this point is the next epoch's start.
     """
 
     epoch: int
@@ -93,8 +85,7 @@ def numbered(plan: Iterable[T], point: ResumePoint) -> Iterator[tuple[int, T]]:
 
     Unless the sampler seeked, the first ``point.done`` items of ``plan`` are drawn and dropped
     (indices only: no data is fetched); numbers in ``point.ahead`` are dropped too. Numbers are
-    positions in the whole epoch. Raises ``ValueError`` when the plan is too short (the state
-    belongs to a different configuration).
+    positions in the whole epoch. A plan too short raises ``ValueError``.
     """
     iterator = iter(plan)
     skip = 0 if point.seeked else point.done
@@ -124,15 +115,14 @@ class DeliveryTracker:
     """Which batches of one epoch the user has received (NOTE [ Delivery tracking ]).
 
     Args:
-        point: where the epoch starts.
         plan: the loader's index sampler; :attr:`indices` draws from it what is still to fetch
-            (see :func:`numbered`). Loaders that slice an order themselves start at
-            ``point.done`` and skip ``point.ahead``.
+            (:func:`numbered`). Loaders that slice an order themselves start at ``point.done``
+            and skip ``point.ahead``.
         direct: the host iterator is outermost, so a produced batch is delivered at once;
             ``False`` when a device stage wrapped in :class:`Delivered` sits in between.
         iterable: an iterable dataset's epoch: delivered batches are counted, whatever their
             numbers, and the workers' positions are kept (NOTE [ Iterable resume ]).
-        resumed: the positions the epoch resumes from (iterable datasets).
+        resumed: the workers' positions the epoch resumes from (iterable datasets).
 
     Every call is O(1) amortised; out-of-order numbers (``in_order=False``) wait in a set until
     the contiguous prefix reaches them.
@@ -149,8 +139,8 @@ class DeliveryTracker:
         self.ahead = set() if iterable else {n for n in point.ahead if n >= point.done}
         self.direct = direct
         self.finished = False
-        # An ``_rewind.EpochSeed`` for loaders that slice the order themselves
-        # (``_plan.make_plan``), set by whoever builds the tracker.
+        # A ``rewind.EpochSeed`` for loaders that slice the order themselves
+        # (``plan.make_plan``), set by whoever builds the tracker.
         self.epoch_seed: Any = None
         self.worker_states: dict[int, Any] = {}
         self.next_worker = 0
@@ -169,9 +159,8 @@ class DeliveryTracker:
 
     def follow_stock(self, close_at: int, close: Callable[[], None]) -> None:
         """Run ``close`` once ``close_at`` batches reached the user (or failed on the way):
-        where the stock loader's sampler pulls, which follow the user's batches, run out
-        (``_order/plan.py``'s ``pull_as_stock``). Counted here, on the user's side, so that a
-        device stage's batches taken ahead do not count before the user has them."""
+        where the stock loader's sampler pulls run out (``plan.pull_as_stock``). Counted on the
+        user's side, so that a device stage's batches taken ahead do not count yet."""
         self._close_at, self._close = close_at, close
 
     def _count_reached(self) -> None:
@@ -181,8 +170,8 @@ class DeliveryTracker:
 
     def produced_nth(self, k: int, worker_state: tuple[int, Any] | None = None) -> None:
         """:meth:`produced` for the iterator's ``k``-th batch of the epoch (0-based): the
-        ``k``-th drawn from :attr:`indices`, or, for a loader that slices an order itself
-        without drawing, batch ``point.done + k``."""
+        ``k``-th drawn from :attr:`indices`, or batch ``point.done + k`` for a loader that
+        slices an order itself."""
         number = self._numbers[k] if k < len(self._numbers) else self.point.done + k
         if number == self.prefix and self.direct and not self.ahead and worker_state is None:
             self.prefix += 1  # the common case of produced() and delivered(), in one call
@@ -212,15 +201,14 @@ class DeliveryTracker:
 
     def failed(self) -> None:
         """User side: the oldest produced batch failed on its way (a device stage's copy or
-        ``device_transform`` raised): never delivered, it is retried by a resume, as a batch
-        whose fetch failed is; later ones count as delivered ahead of it."""
+        ``device_transform`` raised): a resume retries it; later ones are delivered ahead."""
         self._in_flight.popleft()
         self._count_reached()
 
     def fetch_failed(self) -> None:
-        """User side: a batch whose fetch failed reached the user as its error. Never produced,
-        it is retried by a resume; the stock loader pulled its indices all the same, so it
-        counts towards the sampler's closing draw (:meth:`follow_stock`)."""
+        """User side: a batch whose fetch failed reached the user as its error. A resume retries
+        it; the stock loader pulled its indices all the same, so it counts towards the
+        sampler's closing draw (:meth:`follow_stock`)."""
         self._count_reached()
 
     def host_exhausted(self) -> None:
@@ -229,9 +217,9 @@ class DeliveryTracker:
             self.user_exhausted()
 
     def user_exhausted(self) -> None:
-        """The user saw ``StopIteration``: the epoch is over. The ``next()`` that raised it is
-        a pull of the stock loader's sampler too, where none is ahead of the user (no
-        workers): with a full last batch, the one that makes its closing draw."""
+        """The user saw ``StopIteration``: the epoch is over. Without workers, the ``next()``
+        that raised it is a pull of the stock loader's sampler too: after a full last batch,
+        the one that makes its closing draw."""
         self.finished = True
         if self._close_at is not None and self._reached + 1 == self._close_at:
             self._count_reached()
@@ -260,16 +248,14 @@ class DeliveryTracker:
 class Delivered(Iterator[T]):
     """Wrap the outermost iterator (e.g. the device stage) to report deliveries to a tracker.
 
-    With ``recorder`` (the loader's ``StatsRecorder``), it also records each handover the way
-    the host iterator records its own when it is outermost: the loop's step since the last
-    batch, its wait in ``next()`` (the first batch's as "startup"), the batch and its samples
-    (``batch_len``, or 1 per item when ``count_samples`` is false: ``batch_size=None``), and
-    the same times as a handout in the active trace (NOTE [ Timeline ] (3)). The host
-    iterator behind a device stage records none of these (``StatsRecorder.passed_on``): the
-    stage takes batches ahead of the loop, and "batches" counts what the loop received. The
-    gauge "device_ahead" is how many the stage holds ahead at each handover (``in_flight``).
-
-    Forwards ``len()``, ``close()`` and any other attribute to the wrapped iterator.
+    With ``recorder`` (the loader's ``StatsRecorder``), it also records each handover as the
+    host iterator does when outermost: the loop's step since the last batch, its wait in
+    ``next()`` (the first batch's as "startup"), the batch and its samples (``batch_len``, or
+    1 per item when ``count_samples`` is false: ``batch_size=None``), the gauge "device_ahead"
+    (the stage's ``in_flight``), and the same times as a handout in the active trace
+    (NOTE [ Timeline ] (3)). The host iterator behind it records none of these
+    (``StatsRecorder.passed_on``): the stage takes batches ahead, and "batches" counts what
+    the loop received. Forwards ``len()``, ``close()`` and any other attribute.
     """
 
     def __init__(self, inner: Iterator[T], tracker: DeliveryTracker, *,

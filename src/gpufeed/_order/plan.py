@@ -3,10 +3,9 @@
 With ``BatchSampler(SequentialSampler | RandomSampler)`` (what ``batch_size``/``shuffle``
 build), the main process draws the epoch's permutation once, exactly as torch's
 ``RandomSampler`` would (same generator, same calls, same order), and workers slice it: no
-Python list of indices is built per batch in the main process and none crosses a pipe.
-Without batching (``batch_size=None``) the sampler itself is planned the same way, one index
-per "batch": its closing draw then comes when stock's would, too.
-gpufeed's own samplers (``_order/sampler.py``) hand over their order through ``take_epoch()``. Any
+list of indices is built per batch in the main process, and none crosses a pipe. Without
+batching the sampler itself is planned alike, one index per "batch" (its closing draw comes when
+stock's would, too). gpufeed's own samplers hand over their order through ``take_epoch()``. Any
 other sampler goes through the generic path, one list of indices per batch.
 """
 
@@ -63,9 +62,9 @@ class IndexPlan:
         return flat
 
     def batch_array(self, k: int) -> np.ndarray:
-        """Batch ``k`` as a numpy view of the plan, for the vectorised gather: the same
-        indices as :meth:`batch`, a slice of a numpy view of ``perm`` made once (slicing the
-        tensor and converting it cost some 5 us a batch)."""
+        """Batch ``k`` as numpy, for the vectorised gather: the same indices as :meth:`batch`,
+        a slice of a numpy view of ``perm`` made once, cheaper than converting each batch's
+        tensor. Measurements: docs/how-it-works/measurements/order.md#index-plans."""
         lo = k * self.batch_size
         hi = min(lo + self.batch_size, self.n)
         if self.perm is None:
@@ -95,10 +94,10 @@ def make_plan(
 ) -> IndexPlan:
     """Draw the epoch's order as the stock sampler would at its first ``next()``.
 
-    ``skip``: batches to leave out at the start (a resume; ``resume.prepare_resume``). gpufeed's
-    samplers know it themselves, from their ``seek``. ``epoch_seed``: the tracker's
-    ``rewind.EpochSeed``, which every ``RandomSampler`` on the global generator has: it draws
-    (and records) or replays the epoch's seed (NOTE [ Rewinding samplers ], case 4).
+    ``skip``: batches to leave out at the start (a resume; gpufeed's samplers know it from
+    their ``seek``). ``epoch_seed``: the tracker's ``rewind.EpochSeed``, which every
+    ``RandomSampler`` on the global generator has: it draws (and records) or replays the
+    epoch's seed (NOTE [ Rewinding samplers ], case 4).
     """
     batched = type(index_sampler) is BatchSampler
     s = inner_sampler(index_sampler)
@@ -133,11 +132,10 @@ def pull_as_stock(plan: IndexPlan, index_sampler: Any, pulled: int) -> None:
     """Advance the user's generator as the stock loader would have once it ``pulled``
     batches of indices from its sampler.
 
-    Stock pulls ``prefetch_factor * num_workers`` batches of indices from the sampler at
-    ``iter()`` and one more per delivered batch; the pull that exhausts the sampler makes
-    ``RandomSampler`` draw a closing permutation (``IndexPlan.closing_pull``). gpufeed
-    dispatches further ahead, so it makes that draw when stock would: breaking out early
-    leaves the generator as stock does.
+    Stock pulls ``prefetch_factor * num_workers`` batches of indices at ``iter()`` and one more
+    per delivered batch; the pull that exhausts the sampler makes ``RandomSampler`` draw a
+    closing permutation (``IndexPlan.closing_pull``). gpufeed dispatches further ahead, so it
+    makes that draw when stock would: breaking out early leaves the generator as stock does.
     """
     if not plan.finished and pulled >= plan.closing_pull:
         plan.finished = True
@@ -146,8 +144,7 @@ def pull_as_stock(plan: IndexPlan, index_sampler: Any, pulled: int) -> None:
 
 def follow_stock(plan: IndexPlan, index_sampler: Any, pulled: int, tracker: Any) -> None:
     """At an epoch's start: the stock loader's ``pulled`` pulls at ``iter()``, then one per
-    batch that reaches the user, counted by ``tracker`` (a ``DeliveryTracker``, on the user's
-    side of a device stage, whose batches taken ahead do not count before the user has them)."""
+    batch that reaches the user, as ``tracker`` counts them (``DeliveryTracker.follow_stock``)."""
     pull_as_stock(plan, index_sampler, pulled)
     tracker.follow_stock(plan.closing_pull - pulled, functools.partial(
         pull_as_stock, plan, index_sampler, plan.closing_pull))
@@ -170,9 +167,10 @@ _same_draws: bool | None = None  # does _draw_32bit leave the state randperm lea
 def advance_as_randperm(generator: torch.Generator, n: int) -> None:
     """Leave ``generator`` in the state ``torch.randperm(n, generator=generator)`` leaves it,
     without the permutation: the stock sampler's closing draw is thrown away, and shuffling
-    ``n`` indices costs several times more than drawing ``n - 1`` numbers (1M: 50-170 ms
-    against 12 ms on a loaded 2-core VM). Checked once per process against ``randperm``
-    itself; where they differ (another torch), or for a CUDA generator, it is ``randperm``."""
+    ``n`` indices costs several times more than drawing ``n - 1`` numbers (measurements:
+    docs/how-it-works/measurements/order.md#index-plans). Checked once per process against
+    ``randperm`` itself; where they differ (another torch), or for a CUDA generator, it is
+    ``randperm``."""
     global _same_draws
     if _same_draws is None:
         a, b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
@@ -187,7 +185,7 @@ def advance_as_randperm(generator: torch.Generator, n: int) -> None:
 
 def _draw_32bit(generator: torch.Generator, count: int) -> None:
     """Draw ``count`` 32-bit numbers from ``generator`` (a range below 2**32 takes one draw
-    per element), into a buffer of at most ``_CHUNK`` elements."""
+    each), through a buffer of at most ``_CHUNK`` elements."""
     buf = torch.empty(min(max(count, 0), _CHUNK), dtype=torch.int32)
     while count > 0:
         part = buf if count >= len(buf) else buf[:count]
@@ -196,8 +194,8 @@ def _draw_32bit(generator: torch.Generator, count: int) -> None:
 
 
 def _generator(s: RandomSampler) -> torch.Generator:
-    """The user's generator of a ``RandomSampler``; one on the global generator always comes
-    with the tracker's ``EpochSeed`` (``LoaderPosition.begin_epoch``), so none reaches here."""
+    """The user's generator of a ``RandomSampler``; one on the global generator comes with the
+    tracker's ``EpochSeed`` (``LoaderPosition.begin_epoch``), so none reaches here."""
     if s.generator is None:
         raise RuntimeError(
             "gpufeed internal error: an epoch plan of a RandomSampler on torch's global "

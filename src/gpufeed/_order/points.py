@@ -1,9 +1,6 @@
-"""Where a loaded state resumes: a ``ResumePoint`` for the next ``__iter__`` and the sampler
-set up for it (gpufeed's own samplers seek; others get their epoch-start state back, or their
-epoch replayed), and what a later ``set_epoch`` makes of it.
-
-``_order/resume.py``'s ``LoaderPosition`` calls these; the state's format and checks are
-``_order/state.py``'s, the kinds of sampler ``_order/rewind.py``'s (NOTE [ Rewinding samplers ]).
+"""Where a loaded state resumes, for ``_order/resume.py``'s ``LoaderPosition``: a
+``ResumePoint`` for the next ``__iter__`` with the sampler set up for it (NOTE [ Rewinding
+samplers ] in ``_order/rewind.py``), and what a later ``set_epoch`` makes of it.
 """
 
 from __future__ import annotations
@@ -18,22 +15,18 @@ from .plan import advance_as_randperm, finish_plan, plannable
 from .rewind import EPOCH_SEED, UNREWINDABLE, draws_epoch_seed, inner_sampler, is_ours
 from .state import LoaderState
 
-__all__ = ["after_set_epoch", "chosen_epoch", "length_or_none", "prepare_resume",
-           "replay_epoch", "set_epoch_mark"]
-
 
 def prepare_resume(
     state: LoaderState, *, index_sampler: Any, num_batches: int | None, iterable: bool = False
 ) -> ResumePoint:
-    """Set the sampler up for ``state`` and say where the next ``__iter__`` starts.
+    """Set the loader's ``_index_sampler`` up for ``state`` and say where the next
+    ``__iter__`` starts.
 
-    ``index_sampler`` is the loader's ``_index_sampler`` (its batch sampler, or its sampler
-    without automatic batching). gpufeed's own samplers seek directly (the permutation is
-    regenerated, nothing is fetched). Other samplers get their epoch-start state back
-    (:func:`sampler_state_of`) and ``set_epoch`` if they have it, and the iterator draws and
-    drops ``done`` batches of indices (:func:`numbered`). Iterable datasets resume through
-    their own state (``iterable=True``). A state taken after the epoch's last batch
-    (``num_batches`` known and reached) rolls over to the start of the next epoch.
+    gpufeed's own samplers seek (the permutation is regenerated, nothing is fetched). Others
+    get their epoch-start state back when the epoch starts and ``set_epoch`` if they have it,
+    and the iterator draws and drops ``done`` batches of indices (``delivery.numbered``).
+    Iterable datasets resume through their own state. A state taken after the epoch's last
+    batch (``num_batches`` known and reached) rolls over to the start of the next epoch.
     """
     epoch, done, ahead = state["epoch"], state["batches_delivered"], state["delivered_ahead"]
     rolled = False
@@ -49,7 +42,7 @@ def prepare_resume(
             epoch, done, ahead = epoch + 1, 0, []
     sampler_state, epoch_seed = state["sampler_state"], None
     if isinstance(sampler_state, dict) and UNREWINDABLE in sampler_state:
-        # an unrewindable sampler, or an iterable dataset without a state of its own
+        # An unrewindable sampler, or an iterable dataset without a state of its own.
         if done or ahead:
             warnings.warn(
                 f"cannot resume epoch {epoch} at batch {done}: {sampler_state[UNREWINDABLE]}. "
@@ -73,30 +66,24 @@ def prepare_resume(
                 )
             epoch_seed = int(sampler_state[EPOCH_SEED])
         sampler_state = None
-    # The sampler is put back when the epoch starts (LoaderPosition.begin_epoch), after the
-    # new iterator's base seed: the state was taken there too, right before the epoch's
-    # first draw. A saved epoch delivered whole is drawn once more there (else the next
-    # epoch would repeat its order).
+    # The sampler is put back, and a saved epoch delivered whole replayed (else the next epoch
+    # would repeat its order), when the epoch starts: NOTE [ Rewinding samplers ].
     point = ResumePoint(epoch, done, tuple(ahead), epoch_seed=epoch_seed,
                         sampler_state=sampler_state,
                         replay=rolled and sampler_state is not None and not is_ours(sampler),
                         rolled=rolled)
-    if is_ours(sampler):
-        if index_sampler is sampler:
-            sampler.seek(epoch, done)
-            return point._replace(seeked=True)
-        if type(index_sampler) is BatchSampler:
-            sampler.seek(epoch, done * index_sampler.batch_size)
-            return point._replace(seeked=True)
+    if is_ours(sampler) and (index_sampler is sampler or type(index_sampler) is BatchSampler):
+        per_batch = 1 if index_sampler is sampler else index_sampler.batch_size
+        sampler.seek(epoch, done * per_batch)
+        return point._replace(seeked=True)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
     return point
 
 
 def replay_epoch(index_sampler: Any, epoch: int) -> None:
-    """Draw epoch ``epoch`` of ``index_sampler`` whole and drop it: what the run that saved
-    it consumed of the sampler's generator or state by the epoch's end (torch's
-    ``RandomSampler``: the epoch's permutation and the closing one, without shuffling)."""
+    """Draw epoch ``epoch`` of ``index_sampler`` whole and drop it, as the run that saved it did
+    (torch's ``RandomSampler``: the epoch's permutation and the closing one, unshuffled)."""
     sampler = inner_sampler(index_sampler)
     set_epoch = getattr(sampler, "set_epoch", None)
     if callable(set_epoch):
@@ -130,10 +117,10 @@ def chosen_epoch(sampler: Any) -> int | None:
 
 
 def set_epoch_mark(sampler: Any) -> int | None:
-    """What changes when ``sampler.set_epoch`` runs, where that can be told apart from the
-    sampler advancing by itself: gpufeed's samplers count the calls (they also advance their
-    epoch when iterated); torch's ``DistributedSampler`` changes its ``epoch`` only there.
-    None for other samplers, which may advance their epoch when iterated."""
+    """What changes when ``sampler.set_epoch`` runs, where that can be told from the sampler
+    advancing by itself: gpufeed's samplers count the calls (they also advance when
+    iterated); torch's ``DistributedSampler`` changes its ``epoch`` only there. None for
+    others."""
     if is_ours(sampler):
         return int(sampler.set_epoch_calls)
     kind = type(sampler)
@@ -146,8 +133,7 @@ def set_epoch_mark(sampler: Any) -> int | None:
 def after_set_epoch(point: ResumePoint, chosen: int, index_sampler: Any) -> ResumePoint | None:
     """A loaded ``point`` once ``set_epoch(chosen)`` ran after the load: kept for its own
     epoch; for the epoch it rolled over from (the usual resume loop restarts at the epoch it
-    saved), that epoch's rest, which is empty; for any other, None (that epoch starts afresh).
-    """
+    saved), that epoch's empty rest; for any other, None (that epoch starts afresh)."""
     if chosen == point.epoch:
         return point
     if not (point.rolled and chosen == point.epoch - 1):

@@ -1,18 +1,8 @@
-"""Exact mid-epoch resume: the loader's bookkeeping, and setting its sampler up for a state.
+"""Exact mid-epoch resume: :class:`LoaderPosition`, the loader's bookkeeping.
 
-The pieces (each module's docstring has the details):
-
-- ``_order/state.py``: the ``state_dict()`` format, its checks, and what an iterable dataset
-provides;
-- ``_order/delivery.py``: where an epoch starts and which batches reached the user
-  (NOTE [ Delivery tracking ], NOTE [ Iterable resume ]);
-- ``_order/rewind.py``: what replays each kind of sampler's epoch (NOTE [ Rewinding samplers ]);
-- this module: :class:`LoaderPosition` (the loader's ``state_dict``/``load_state_dict``/
-  ``set_epoch`` and each epoch's start delegate to it; what it reads of the loader is
-  :class:`LoaderView`);
-- ``_order/points.py``: :func:`prepare_resume` (seek or replay the sampler) and what a later
-  ``set_epoch`` makes of a loaded state.
-
+Its parts: ``_order/state.py`` (the ``state_dict()`` format and its checks),
+``_order/delivery.py`` (which batches reached the user), ``_order/rewind.py`` (what replays each
+kind of sampler's epoch) and ``_order/points.py`` (setting the sampler up for a loaded state).
 The names of ``_order/state.py`` and ``_order/delivery.py`` are re-exported here.
 """
 
@@ -106,8 +96,8 @@ class LoaderView(Protocol):
 
 class LoaderPosition:
     """Where one loader stands: the epoch, a loaded state waiting for the next ``__iter__``, and
-    the epoch in progress's delivered batches. The loader's ``state_dict``/``load_state_dict``/
-    ``set_epoch`` and each epoch's start (by the host iterator) delegate here."""
+    the delivered batches of the epoch in progress. The loader's ``state_dict``,
+    ``load_state_dict`` and ``set_epoch`` and each epoch's start delegate here."""
 
     def __init__(self) -> None:
         self.epoch = 0  # next epoch, for samplers that do not count their own
@@ -149,12 +139,10 @@ class LoaderPosition:
         self, index_sampler: Any, *, iterable: bool, direct: bool,
         base_seed_of: Callable[[], Any] | None = None,
     ) -> DeliveryTracker:
-        """Called once per epoch by the iterator with the loader's ``_index_sampler``, after
-        the iterator drew its base seed; draw indices from ``tracker.indices``. ``iterable``:
-        the dataset is an ``IterableDataset`` (no order: its stream resumes); ``direct``: no
-        device stage follows the iterator; ``base_seed_of``: draws a base seed as a new
-        iterator does (the loader's generator), where each epoch gets a new iterator (no
-        persistent workers): a replayed epoch is followed by that draw."""
+        """Called once per epoch by the iterator, after it drew its base seed; draw indices
+        from ``tracker.indices``. ``direct``: no device stage follows the iterator;
+        ``base_seed_of``: where each epoch gets a new iterator (no persistent workers), draws
+        a base seed as one does, to follow a replayed epoch."""
         point, self.pending = self.pending, None
         sampler = inner_sampler(index_sampler)
         chosen = chosen_epoch(sampler)  # the sampler's set_epoch() after the load
@@ -184,11 +172,10 @@ class LoaderPosition:
 
     def set_epoch_came_late(self, index_sampler: Any) -> bool:
         """Whether this epoch began from a loaded state and its sampler's ``set_epoch`` ran
-        since, to another epoch (known where its calls can be told from its own advancing:
-        ``set_epoch_mark``). Lightning's fit loop resumes that way: ``load_state_dict``,
-        ``iter()``, then ``set_epoch`` (after an epoch cut short by ``limit_train_batches``,
-        to the next epoch). An iterator that prepared its epoch at ``iter()`` and has
-        delivered nothing starts it again (:meth:`reload`), as one made after the call would."""
+        since, to another epoch (where ``set_epoch_mark`` tells). Lightning's fit loop resumes
+        that way: ``load_state_dict``, ``iter()``, then ``set_epoch`` (to the next epoch after
+        one cut short by ``limit_train_batches``). An iterator that has delivered nothing then
+        starts its epoch again (:meth:`reload`), as one made after the call would."""
         if self.loaded is None:
             return False
         sampler = inner_sampler(index_sampler)
@@ -210,27 +197,27 @@ class LoaderPosition:
         return self.tracker
 
     def take_dataset_states(self) -> WorkerStates | None:
-        """Where an iterable dataset's workers resume this epoch (once; after
-        :meth:`begin_epoch`): each worker's state to load, and whose turn is first."""
+        """Where an iterable dataset's workers resume this epoch (once, after
+        :meth:`begin_epoch`)."""
         states, self.pending_dataset = self.pending_dataset, None
         return states
 
     def state_dict(self, loader: LoaderView) -> LoaderState:
         pending, tracker, sampler_state = self.pending, self.tracker, self.sampler_state
+        iterable = isinstance(loader.dataset, IterableDataset)
         if pending is not None:
             epoch, done, ahead = pending.epoch, pending.done, list(pending.ahead)
         elif tracker is not None and not tracker.finished:
             epoch, done, ahead = tracker.position()
-            if tracker.epoch_seed is not None:  # the epoch began but has not drawn its seed
-                tracker.epoch_seed.draw_now()  # yet (no batch asked): draw it, to keep it
+            # An epoch that began without drawing its seed yet (no batch asked) draws it now.
+            if tracker.epoch_seed is not None:
+                tracker.epoch_seed.draw_now()
                 sampler_state = self.sampler_state
         else:  # at the start of an epoch: the sampler as it stands now starts it
             epoch, done, ahead = tracker.position() if tracker else (
                 self.next_epoch(loader._index_sampler), 0, []
             )
-            sampler_state = None if isinstance(loader.dataset, IterableDataset) else (
-                self._next_start(loader)
-            )
+            sampler_state = None if iterable else self._next_start(loader)
         if loader.seed is None or not loader.deterministic:
             self._random_not_replayed(loader, "loader.state_dict() was taken", "resuming from it")
         dataset_state, stream_lost = None, unresumable(loader.dataset)
@@ -245,7 +232,7 @@ class LoaderPosition:
                 "epoch from its first batch",
                 stacklevel=3,
             )
-        if isinstance(loader.dataset, IterableDataset) and stream_lost is None:
+        if iterable and stream_lost is None:
             workers = max(loader.num_workers, 1)
             position = WorkerStates([None] * workers)
             if pending is not None and self.pending_dataset is not None:
@@ -259,20 +246,17 @@ class LoaderPosition:
         return make_state(
             epoch=epoch, batches_delivered=done, delivered_ahead=ahead,
             batch_size=loader.batch_size, seed=loader.seed,
-            dataset_len=None if isinstance(loader.dataset, IterableDataset)
-            else length_or_none(loader.dataset),
+            dataset_len=None if iterable else length_or_none(loader.dataset),
             world_size=loader.world_size, rank=loader.rank, num_workers=loader.num_workers,
             sampler_state=sampler_state, dataset_state=dataset_state,
-            order=None if isinstance(loader.dataset, IterableDataset)
-            else order_of(loader._index_sampler),
+            order=None if iterable else order_of(loader._index_sampler),
         )
 
     @staticmethod
     def _next_start(loader: LoaderView) -> Any:
-        """The sampler's state where the next epoch's first draw will find it. States taken in
-        an epoch hold it at that draw, after the new iterator's base seed (``begin_epoch``);
-        between epochs a sampler sharing the loader's generator is not there yet, when the
-        next ``iter()`` makes a new iterator, whose base seed comes first."""
+        """The sampler's state where the next epoch's first draw will find it: a sampler sharing
+        the loader's generator is not there yet between epochs, when the next ``iter()`` makes
+        a new iterator, whose base seed comes first (NOTE [ Rewinding samplers ])."""
         sampler = inner_sampler(loader._index_sampler)
         state = sampler_state_of(sampler)
         generator = loader._next_base_seed_generator()
@@ -283,11 +267,11 @@ class LoaderPosition:
         return state
 
     def _random_not_replayed(self, loader: LoaderView, what: str, resume: str) -> None:
-        """Say once per loader that a resume without per-sample seeds replays the batches'
-        order, not their random transforms (map-style data: seed= does not cover iterable
-        datasets). A ``RandomStateWarning``; where warnings are errors (pytest's
-        ``filterwarnings = error``), a log record instead: frameworks take and load states
-        inside their checkpointing, which must not fail for advice."""
+        """Say once per loader (map-style data: seed= does not cover iterable datasets) that a
+        resume without per-sample seeds replays the batches' order, not their random
+        transforms. Where warnings are errors (pytest's ``filterwarnings = error``), a log
+        record instead: frameworks checkpoint inside their loops, which must not fail for
+        advice."""
         if self.warned_random or isinstance(loader.dataset, IterableDataset):
             return
         self.warned_random = True
@@ -305,8 +289,8 @@ class LoaderPosition:
 
     def load_state_dict(self, loader: LoaderView, state: Mapping[str, Any]) -> int | None:
         """Check ``state`` against ``loader`` and set the sampler up for it; the next
-        :meth:`begin_epoch` resumes there. Returns the state's seed, which the loader takes (its
-        ``seed``), or ``None`` when the state has none."""
+        :meth:`begin_epoch` resumes there. Returns the state's seed (or ``None``), which the
+        loader takes as its ``seed``."""
         iterable = isinstance(loader.dataset, IterableDataset)
         checked = check_state(
             state, dataset_len=None if iterable else length_or_none(loader.dataset),

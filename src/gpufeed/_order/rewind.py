@@ -1,4 +1,4 @@
-"""Bringing a sampler back to a point of its epoch: what is recorded when the epoch starts, and
+"""Bringing a sampler back to a point of its epoch: what is recorded as the epoch starts, and
 how a resume replays it.
 
 NOTE [ Rewinding samplers ]: a resume must give the rest of the epoch exactly, so the state
@@ -7,33 +7,31 @@ holds what reproduces the epoch's order (``sampler_state``), taken as the epoch 
 1. gpufeed's samplers: nothing; their order is a function of ``(seed, epoch)`` and they seek.
 2. A sampler with ``state_dict()``/``load_state_dict()``: its own state.
 3. torch's random samplers with a ``generator``: the generator's state (a list of ints).
-4. torch's ``RandomSampler`` on torch's global generator (``shuffle=True`` without ``seed=``,
-   the stock user's loader): it draws one seed per epoch from the global generator, at its
-   first index, and shuffles with a fresh generator seeded by it. gpufeed makes that draw
-   itself, with the same call at the same moment (so the order stays the stock one, bit for
-   bit), hands the sampler a generator seeded by it, and records ``{"epoch_seed": seed}``; a
-   resume shuffles from that seed again (:class:`EpochSeed`). Later epochs draw afresh, as in
-   torch: the resumed run's global generator decides them.
+4. torch's ``RandomSampler`` on torch's global generator (``shuffle=True`` without ``seed=``):
+   it draws one seed per epoch from the global generator, at its first index, and shuffles with
+   a fresh generator seeded by it. gpufeed makes that draw itself, with the same call at the
+   same moment (so the order stays the stock one, bit for bit), hands the sampler a generator
+   seeded by it, and records ``{"epoch_seed": seed}``, which a resume shuffles from again
+   (:class:`EpochSeed`). Later epochs draw afresh from the resumed run's generator, as in torch.
 5. Samplers whose order is fixed or a function of the epoch (``SequentialSampler``, a list or
    range of indices, ``DistributedSampler``, anything with ``set_epoch``): nothing; the resume
    calls ``set_epoch`` and draws and drops the delivered batches' indices.
-6. Anything else cannot be rewound: a user sampler of unknown order, ``SubsetRandomSampler`` or
-   ``WeightedRandomSampler`` drawing straight from the global generator. ``state_dict()`` still
-   succeeds (a loader that iterates can always be checkpointed): ``sampler_state`` is
-   ``{"unrewindable": reason}``, and the loader warns once. Loading such a mid-epoch state
-   restarts that epoch from its first batch, with a warning that says so and why.
+6. Anything else cannot be rewound (a user sampler of unknown order, ``SubsetRandomSampler`` or
+   ``WeightedRandomSampler`` on the global generator). ``state_dict()`` still succeeds (a
+   loader that iterates can always be checkpointed), with ``{"unrewindable": reason}``, and
+   warns once; loading such a mid-epoch state restarts that epoch, with a warning saying why.
 
 Where the state stands (cases 2 and 3): right before the epoch's first draw, after the base
 seed a new iterator draws for its workers (torch's order: base seed, then the sampler; with
-``shuffle=True, generator=g`` both come from ``g``). A resume puts it back at that same point,
-when the resumed epoch starts (``LoaderPosition.begin_epoch``), not at ``load_state_dict``:
-the new iterator's base seed comes first, whether or not the saved epoch had one (a persistent
+``shuffle=True, generator=g`` both come from ``g``). A resume puts it back there when the
+resumed epoch starts (``LoaderPosition.begin_epoch``), not at ``load_state_dict``: the new
+iterator's base seed comes first, whether or not the saved epoch had one (a persistent
 iterator's later epochs draw none). A state taken between epochs holds where the next epoch's
 first draw will find the generator (past the next iterator's base seed, drawn from a copy). A
-state taken after an epoch's last batch, its iterator not run out, rolls over to the next
-epoch: the restored sampler then draws the saved epoch whole once more (torch's
-``RandomSampler``: its permutation and the closing one) and, where each epoch gets a new
-iterator, one base seed, which is where the run that saved it went on from.
+state taken after an epoch's last batch, its iterator not run out, rolls over to the next epoch:
+the restored sampler draws the saved epoch whole once more (torch's ``RandomSampler``: its
+permutation and the closing one) and, where each epoch gets a new iterator, one base seed, as
+the run that saved it did.
 """
 
 from __future__ import annotations
@@ -55,19 +53,6 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .sampler import SeededRandomSampler, ShardedSampler
 
-__all__ = [
-    "EPOCH_SEED",
-    "UNREWINDABLE",
-    "EpochSeed",
-    "draws_epoch_seed",
-    "inner_sampler",
-    "is_ours",
-    "rank_bound",
-    "restore_sampler",
-    "sampler_state_of",
-    "unrewindable_reason",
-]
-
 EPOCH_SEED = "epoch_seed"
 UNREWINDABLE = "unrewindable"
 _STOCK_RANDOM = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
@@ -76,8 +61,7 @@ _FIXED_ORDER = (SequentialSampler, DistributedSampler, range, Sequence)
 
 def inner_sampler(index_sampler: Any) -> Any:
     """The sampler that orders an epoch: a ``BatchSampler``'s sampler, else the object itself
-    (also a ``BatchSampler`` subclass that keeps no ``sampler``, as Accelerate's
-    ``SkipBatchSampler``: torch never reads it)."""
+    (also a ``BatchSampler`` subclass without one, as Accelerate's ``SkipBatchSampler``)."""
     if isinstance(index_sampler, BatchSampler):
         return getattr(index_sampler, "sampler", index_sampler)
     return index_sampler
@@ -89,8 +73,8 @@ def is_ours(sampler: Any) -> bool:
 
 def order_of(index_sampler: Any) -> str:
     """What orders a map-style loader's epochs, in a few words a state keeps: loaded under
-    another order, its count of delivered batches would pick the wrong samples (some twice,
-    others never). Seeds a state holds otherwise (``seed=``, a generator's) are not repeated."""
+    another order, its count of delivered batches would pick the wrong samples. Seeds the state
+    holds otherwise (``seed=``, a generator's) are not repeated."""
     sampler = inner_sampler(index_sampler)
     # a plain iterable of indices (a list, an iterator) says nothing of its order
     name = type(sampler).__name__ if isinstance(sampler, Sampler) else "indices"
@@ -142,12 +126,9 @@ def unrewindable_reason(sampler: Any) -> str | None:
 
 
 def sampler_state_of(sampler: Any) -> Any:
-    """What restores ``sampler`` to the start of an epoch; take it when the epoch starts.
-
-    ``None`` for cases 1, 4 (its seed is recorded at its first draw) and 5 of NOTE [ Rewinding
-    samplers ]; the sampler's own state (2); ``{"generator_state": [...]}`` (3);
-    ``{"unrewindable": reason}`` (6).
-    """
+    """What restores ``sampler`` to the start of an epoch, taken when the epoch starts: ``None``
+    for cases 1, 4 (its seed is recorded at its first draw) and 5 of NOTE [ Rewinding samplers ];
+    its own state (2); ``{"generator_state": [...]}`` (3); ``{"unrewindable": reason}`` (6)."""
     if is_ours(sampler):
         return None
     state_dict = getattr(sampler, "state_dict", None)
@@ -160,14 +141,14 @@ def sampler_state_of(sampler: Any) -> Any:
 
 
 def draw_base_seed(generator: torch.Generator | None) -> int:
-    """A new iterator's base seed for its workers, drawn as torch's iterators draw it (from
-    the loader's ``generator``, else torch's global one), before the epoch's first index."""
+    """A new iterator's base seed, drawn as torch's iterators draw it (from the loader's
+    ``generator``, else torch's global one), before the epoch's first index."""
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 def state_after_base_seed(generator: torch.Generator) -> list[int]:
-    """The state ``generator`` will have once the next new iterator drew its base seed from
-    it (drawn from a copy: ``generator`` is left as it is)."""
+    """The state ``generator`` will have once the next new iterator drew its base seed from it
+    (drawn from a copy)."""
     copy = torch.Generator(device=generator.device)
     copy.set_state(generator.get_state())
     draw_base_seed(copy)
@@ -193,12 +174,10 @@ def _marker(state: Any) -> bool:
 
 
 def rank_bound(state: Any) -> str | None:
-    """Why a loader state saved on one rank cannot be loaded on another, or ``None``.
-
-    A map-style loader whose order is a function of ``(seed, epoch)`` (gpufeed's samplers,
-    ``DistributedSampler``) is at the same batch count on every rank of a DDP job, so one
-    rank's state serves all (frameworks save rank 0's only).
-    """
+    """Why a loader state saved on one rank cannot be loaded on another, or ``None``: a
+    map-style loader ordered by ``(seed, epoch)`` (gpufeed's samplers, ``DistributedSampler``)
+    is at the same batch count on every rank, so one rank's state serves all (frameworks save
+    rank 0's only)."""
     if state.get("dataset_state") is not None:
         return "it holds an iterable dataset's per-worker stream positions, which differ per rank"
     if state.get("delivered_ahead"):
@@ -221,10 +200,10 @@ class EpochSeed:
 
     Args:
         replay: the seed to shuffle with (a resume), or ``None`` to draw it as torch would.
-        record: a bound method, called with the seed, once, when it is drawn or replayed,
-            while its object lives. Held weakly: the epoch's draw holds this object, and the
-            recorder (a loader's position) holds the draw; a strong reference would make a
-            cycle that keeps the sampler and the dataset alive until a cyclic collection.
+        record: a bound method, called with the seed when it is drawn or replayed. Held
+            weakly: the epoch's draw holds this object and the recorder (a loader's position)
+            holds the draw, a cycle that would keep the sampler and dataset alive until a
+            cyclic collection.
     """
 
     def __init__(self, replay: int | None, record: Callable[[int], None]) -> None:
@@ -236,9 +215,8 @@ class EpochSeed:
             bound(seed)
 
     def draw_now(self) -> None:
-        """Draw the seed now if it is not drawn yet (a state taken before the epoch's first
-        batch keeps it); the epoch then shuffles with it. The global generator gives the same
-        one draw, earlier."""
+        """Draw the seed now if not drawn yet (a state taken before the epoch's first batch
+        keeps it); the epoch then shuffles with it: the same one draw, earlier."""
         if self.replay is None:
             self._seed()
 

@@ -1,21 +1,19 @@
 """Per-sample generators: ``gpufeed.random.sample_generator()``, ``sample_rng()``,
 ``sample_random()``.
 
-A fetcher (``_host/fetch.py``) opens a :class:`SampleScope` around every batch it fetches and
-moves it from sample to sample; the three functions read the scope of the calling thread and
-return a generator seeded from the sample being fetched, so a random transform drawn from them
-gives the same values whoever fetches the sample: 0, 1 or 8 workers, threads or processes, after
-a resume. They take no lock and touch no global state: thread workers draw from them in
-parallel, and the training loop's own draws cannot change them (NOTE [ Seeding and threads ] in
-``_order/seeding.py`` says why the global generators cannot offer this under threads).
+A fetcher (``_host/fetch.py``) opens a :class:`SampleScope` around every batch and moves it from
+sample to sample; the three functions read the calling thread's scope and return a generator
+seeded from the sample being fetched, so a random transform drawn from them gives the same
+values whoever fetches the sample (0, 1 or 8 workers, threads or processes) and after a resume.
+They take no lock and touch no global state: thread workers draw in parallel, and the loop's
+draws cannot change them (NOTE [ Seeding and threads ] in ``_order/seeding.py``).
 
-What a sample's seed is (:meth:`SampleScope.seed_of`): ``sample_seed(base, epoch, index)``, where
-``base`` is the loader's ``seed=`` or, without one, a seed drawn when iteration starts from the
-loader's ``generator`` (else torch's global generator), as torch draws its workers' base seed:
-``torch.manual_seed`` then governs it. Each library's generator gets its own hash of that seed,
-so the three streams are unrelated to one another and to the global generators' per-sample
-seeding. Iterable datasets have no index: the scope numbers each worker's samples in the order
-the worker fetches them, and mixes the worker's id into ``base``.
+A sample's seed is ``sample_seed(base, epoch, index)``: ``base`` is the loader's ``seed=`` or,
+without one, drawn when iteration starts from the loader's ``generator`` (else torch's global
+one), as torch draws its workers' base seed, so ``torch.manual_seed`` governs it. Each library
+gets its own hash of that seed: the three streams are unrelated to one another and to the
+global generators' per-sample seeding. Iterable datasets have no index: each worker numbers its
+samples in the order it fetches them and mixes its id into ``base`` (:func:`stream_base`).
 """
 
 from __future__ import annotations
@@ -29,16 +27,6 @@ import numpy as np
 import torch
 
 from .seeding import _mix, batch_seed, epoch_key, seed_in
-
-__all__ = [
-    "RandomStateWarning",
-    "SampleScope",
-    "current_scope",
-    "sample_generator",
-    "sample_random",
-    "sample_rng",
-    "stream_base",
-]
 
 G = TypeVar("G")
 _local = threading.local()
@@ -56,20 +44,19 @@ class RandomStateWarning(UserWarning):
 class SampleScope:
     """The sample a thread is fetching, which the per-sample generators are seeded from.
 
-    One per fetcher (a worker, or the main process with ``num_workers=0``); ``open`` makes it
+    One per fetcher (a worker, or the main process with ``num_workers=0``): ``open`` makes it
     the calling thread's scope for one batch, ``at``/``at_batch`` move it, ``close`` restores
-    whatever scope was open before (a dataset may itself iterate a loader). ``seed_globals``
-    and ``probe`` say how the fetcher runs user code that a source calls itself (an image
-    source's ``transform=``): whether it may seed the global generators per sample, given a
-    per-sample seed (never in thread workers: NOTE [ Seeding and threads ]), and the check
-    of the task for global draws (``_host/random_watch.py``), if any.
+    the scope open before (a dataset may itself iterate a loader). ``seed_globals`` and
+    ``probe`` say how the fetcher runs user code a source calls itself (an image source's
+    ``transform=``): whether it may seed the global generators per sample (never in thread
+    workers: NOTE [ Seeding and threads ]), and its check for global draws
+    (``_host/random_watch.py``), if any.
 
-    What is the same for every sample is made once: the epoch's share of the samples' seeds
-    (``epoch_key``, in ``open``), and the torch and Python generator objects (at their first
-    request; numpy's ``PCG64`` cannot be re-seeded in place, so it is made per sample). Per
-    sample, ``at`` only names the sample; its seed is hashed and each generator it asks for
-    re-seeded at its first request (:meth:`made`), and a sample that asks for none costs
-    nothing more. Re-seeding gives the state a new generator of that seed would have.
+    What every sample shares is made once: the epoch's ``epoch_key`` (in ``open``) and the torch
+    and Python generator objects (at their first request; numpy's is made per sample). ``at``
+    only names the sample; each generator is re-seeded at its first request (:meth:`made`),
+    which gives the state a new generator of that seed would have, and a sample that asks for
+    none costs nothing.
     """
 
     __slots__ = ("_made", "_own", "_prev", "base", "batch", "epoch", "index", "key", "probe",
@@ -126,9 +113,8 @@ class SampleScope:
         return made
 
     def reseeded(self, tag: int, make: Callable[[], G], reseed: Callable[[G, int], Any]) -> G:
-        """The current sample's generator of the library ``tag`` names: the scope's own (made
-        once by ``make``), re-seeded for the sample by ``reseed(gen, seed)`` at its first
-        request."""
+        """The current sample's generator of library ``tag``: the scope's own (made once by
+        ``make``), re-seeded by ``reseed(gen, seed)`` at the sample's first request."""
         made = self.made()
         gen = made.gens.get(tag)
         if gen is None:
@@ -161,17 +147,13 @@ def current_scope() -> SampleScope | None:
     return getattr(_local, "scope", None)
 
 
-def _global_seed() -> int:
-    """Outside a fetch: one draw from torch's global generator (a stock worker seeds it)."""
-    return int(torch.empty((), dtype=torch.int64).random_().item())
-
-
 def _fresh_seed(index: int | None, tag: int) -> int:
     """The seed of a generator that is not the current sample's: outside a fetch, or another
     sample's (``index``)."""
     scope = current_scope()
     if scope is None:
-        return _mix(_global_seed() ^ tag)
+        # One draw from torch's global generator (a stock worker seeds it).
+        return _mix(int(torch.empty((), dtype=torch.int64).random_().item()) ^ tag)
     return _mix(scope.seed_of(index) ^ tag)
 
 

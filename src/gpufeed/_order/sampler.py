@@ -12,14 +12,7 @@ idiom, called before each epoch) still pins epoch ``e`` exactly, so both styles 
 always names the epoch the *next* ``__iter__`` will use.
 
 Iterable datasets are sharded by ``(rank, worker)`` in ``_order/shards.py`` (re-exported here).
-
-Multi-GPU recipe. DDP: ``torchrun --nproc_per_node=N train.py``; in each process call
-``torch.distributed.init_process_group()`` (nccl on GPUs, gloo on CPU) *before* building
-``gpufeed.DataLoader(..., shuffle=True, seed=S, device=f"cuda:{local_rank}")``: it shards by
-rank itself (same ``seed`` on every rank), and epochs advance on their own (``set_epoch`` still
-works). Multi-node is the same through torchrun's rendezvous. Legacy ``nn.DataParallel`` runs
-one process: no sharding; give it one loader with ``device="cuda:0"`` (DataParallel scatters
-from there) and a batch size of the per-GPU batch times the number of GPUs.
+The multi-GPU recipe (torchrun, DDP, ``nn.DataParallel``) is in docs/guides/distributed.md.
 """
 
 from __future__ import annotations
@@ -55,7 +48,7 @@ __all__ = [
 
 
 class _Cursor(Iterator[int]):
-    """Iterator over one epoch's indices that counts how many it has handed out."""
+    """One epoch's indices, counting how many it has handed out."""
 
     def __init__(self, indices: list[int], position: int) -> None:
         self.indices = indices
@@ -98,12 +91,9 @@ class _Resumable:
         return self._cursor
 
     def take_epoch(self) -> tuple[int, torch.Tensor, int]:
-        """What ``__iter__`` does, for loaders that slice the order themselves.
-
-        Returns ``(epoch, order, start)``: this rank's whole index order for the epoch as an
-        int64 tensor, and the position to start from (non-zero after :meth:`seek`). Advances
-        the epoch counter exactly like ``__iter__``.
-        """
+        """What ``__iter__`` does (advancing the epoch alike), for loaders that slice the order
+        themselves: ``(epoch, order, start)``, this rank's whole order for the epoch as an int64
+        tensor and the position to start from (non-zero after :meth:`seek`)."""
         epoch = self.epoch
         start = 0
         if self._seek is not None and self._seek[0] == epoch:
@@ -117,8 +107,7 @@ class _Resumable:
         """Make the next ``__iter__`` yield epoch ``epoch`` skipping its first ``position`` indices.
 
         Nothing is fetched: the permutation is regenerated from ``(seed, epoch)`` and sliced.
-        ``position`` may equal the epoch's length (an exhausted epoch yields nothing).
-        """
+        ``position`` may equal the epoch's length (an exhausted epoch yields nothing)."""
         self.set_epoch(epoch)
         size = len(self)  # type: ignore[arg-type]
         if not isinstance(position, int) or not 0 <= position <= size:
@@ -132,8 +121,7 @@ class _Resumable:
         """Plain-Python state: the epoch in progress and the indices it has handed out so far.
 
         The count is of indices *drawn from the sampler*; a loader that prefetches is ahead of the
-        user, which is why the loader records delivered batches itself and calls :meth:`seek`.
-        """
+        user, which is why the loader records delivered batches itself and calls :meth:`seek`."""
         if self._cursor is not None and self._cursor.position < len(self._cursor.indices):
             epoch, position = self._cursor_epoch, self._cursor.position
         elif self._seek is not None:
@@ -261,11 +249,11 @@ def build_sampler(
     """Choose the loader's sampler; ``None`` means "let torch build its stock default".
 
     - a user ``sampler`` is kept as is, and a user ``batch_sampler`` gives ``None`` (with explicit
-      ``rank``/``world_size`` either is an error: shard it yourself or drop it);
-    - iterable datasets get ``None`` (they are sharded inside the workers, see :func:`shard_for`);
-    - with ``shard`` (the loader's: explicit ``rank``/``world_size``, or a ``seed`` and an
-      initialised ``torch.distributed``): a :class:`ShardedSampler` (``shuffle`` defaults to
-      false as in the stock loader; ``seed`` None means 0, as in ``DistributedSampler``);
+      ``rank``/``world_size`` either is an error);
+    - iterable datasets get ``None`` (they are sharded inside the workers: :func:`shard_for`);
+    - with ``shard`` (explicit ``rank``/``world_size``, or a ``seed`` and an initialised
+      ``torch.distributed``): a :class:`ShardedSampler` (``shuffle`` defaults to false as in
+      the stock loader; ``seed`` None means 0, as in ``DistributedSampler``);
     - otherwise, with ``shuffle`` and a ``seed``: a :class:`SeededRandomSampler`; without a
       seed, torch's own ``RandomSampler``/``SequentialSampler`` (the stock order, bit for bit).
     """

@@ -2,56 +2,45 @@
 
 Two mechanisms, both from :func:`sample_seed` ``(seed, epoch, index)``:
 
-- the per-sample generators (``gpufeed.random.sample_generator()``, ``sample_rng()``,
-  ``sample_random()``; ``_order/sample_rng.py``), for every kind of worker and without workers,
-  with or without ``seed=``; gpufeed's own sources draw from the same seeds;
+- the per-sample generators (``gpufeed.random``; ``_order/sample_rng.py``), for every kind of
+  worker and without workers, with or without ``seed=``; gpufeed's own sources draw from the
+  same seeds;
 - with ``seed=``, in process workers and with ``num_workers=0``: before each
   ``__getitem__(index)`` the loader seeds torch's CPU generator, numpy's global (legacy)
   ``RandomState`` and Python's ``random``, so that datasets written against the global
   generators (torchvision's transforms) give the same bytes for 0, 1, 2 or 4 process workers
   and after a resume. Thread workers never touch them (NOTE [ Seeding and threads ]).
 
-Cost of the global seeding, measured with ``python -m bench.seeding`` (median of 5
-runs, 10,000 samples in batches of 64) on the 2-core development VM (Python 3.11, torch 2.13,
-numpy 2.4), other jobs running: 10-15 us per sample (the hash and three re-seeds) plus 0.1-0.2 ms
-per batch (saving and restoring the three global states; numpy's dominates), 13-17 us per
-sample in all. A ``__getitem__`` that decodes an image costs milliseconds, so this is noise
-there; for tiny samples read one by one it can be a visible share. Opt out with the loader's
-``deterministic=False`` (the stock behaviour: each worker seeded once).
+The global seeding costs 13-17 us a sample: noise beside a ``__getitem__`` that decodes an
+image, a visible share for tiny samples read one by one. The loader's ``deterministic=False``
+opts out (the stock behaviour: each worker seeded once). Measurements:
+docs/how-it-works/measurements/order.md#seeding-the-global-generators.
 
-What is *not* covered: CUDA generators (``__getitem__`` should not use the GPU), explicit
-generators the dataset owns (seed them from :func:`sample_seed`, or use the per-sample ones),
-and batched fetches (``__getitems__``): those see one global state per batch, from
-:func:`batch_seed`, which is still independent of workers because the batch plan is (and
-``sample_generator(index=i)`` gives each sample its own). Iterable datasets have no sample
-index: the global generators keep the stock per-worker seeding.
+Not covered: CUDA generators (``__getitem__`` should not use the GPU), generators the dataset
+owns (seed them from :func:`sample_seed`, or use the per-sample ones), and batched fetches
+(``__getitems__``), which see one global state per batch, from :func:`batch_seed` (still
+independent of workers, because the batch plan is). Iterable datasets have no sample index:
+the global generators keep the stock per-worker seeding.
 
 NOTE [ Seeding and threads ]
 ----------------------------
 torch's, numpy's and Python's global generators are one per process. A process worker owns
 its process, and with ``num_workers=0`` the loader fetches in the caller's thread, so there a
-seeded fetch seeds them before each sample (``seeded``: under a lock against the program's other
-threads, restoring the caller's states on exit, so its own random stream is untouched). Thread
-workers share them with each other and with the training loop, and no lock can make a draw there
-reproducible: the loop draws (CPU dropout, a ``torch.rand``) without taking it, between a
-worker's re-seed and the sample's draw. The earlier design did take one, around every seeded
-batch: 502 of 1,000 samples still differed from process workers' when the loop drew, and 4
-thread workers on a 5 ms sample ran at 192 samples/s instead of 766 (``__getitem__`` one at a
-time). So thread workers never seed, save, restore or lock the global generators, with or
-without ``seed=``. What is reproducible under threads, and parallel:
-
-- the per-sample generators, seeded from the sample alone, no lock, no global state; without
-  ``seed=`` their base is drawn when iteration starts, as torch draws its workers' base seed,
-  so ``torch.manual_seed`` governs them and the loop's draws do not;
-- gpufeed's sources (``sample_seeds`` in ``_sources/protocol.py``), which draw from the same
-  per-sample seeds (``ImageFolder``'s crops and flips).
+seeded fetch seeds them before each sample (:func:`seeded`: under a lock against the program's
+other threads, restoring the caller's states on exit, so its own random stream is untouched).
+Thread workers share them with each other and with the training loop, and no lock makes a draw
+there reproducible: the loop draws (CPU dropout, a ``torch.rand``) without taking it, between a
+worker's re-seed and the sample's draw, and the lock serialises the workers. So thread workers
+never seed, save, restore or lock the global generators, with or without ``seed=``. Under
+threads, the per-sample generators and gpufeed's sources (``sample_seeds`` in
+``_sources/protocol.py``: ``ImageFolder``'s crops and flips) are reproducible, and parallel.
+Measurements: docs/how-it-works/measurements/order.md#seeding-and-threads.
 
 Draws from the global generators in thread workers are whatever the interleaving of threads
-makes them, as in any multi-threaded PyTorch program. A dataset seen making them gets one
+makes them, as in any multi-threaded PyTorch program; a dataset seen making them gets one
 ``RandomStateWarning`` per loader, naming the fix (the per-sample generators, or process
 workers): ``_host/random_watch.py`` checks sampled calls into user code while the loop waits.
-Measured (``bench.seeding``; figures in docs/guides/randomness.md): thread workers
-run as fast with ``seed=`` as without. The lock of ``seeded`` is re-created in a forked child.
+The lock of :func:`seeded` is re-created in a forked child.
 """
 
 from __future__ import annotations
@@ -66,18 +55,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-
-__all__ = [
-    "as_index",
-    "batch_seed",
-    "epoch_key",
-    "fetch_seeded",
-    "resolve_seed",
-    "sample_seed",
-    "seed_globals",
-    "seed_in",
-    "seeded",
-]
 
 T = TypeVar("T")
 _M64 = (1 << 64) - 1
@@ -144,9 +121,8 @@ def seed_globals(value: int) -> None:
     """Seed torch's CPU generator, numpy's global ``RandomState`` and ``random`` from ``value``.
 
     Each library gets different bits, so their streams are not copies of one another (torch and
-    numpy both use MT19937). Callers that share the process with other threads should hold the
-    seeding lock, as :func:`seeded` does.
-    """
+    numpy both use MT19937). Callers sharing the process with other threads hold the seeding
+    lock, as :func:`seeded` does."""
     torch.default_generator.manual_seed(value & _M64)
     np.random.seed(value >> 32)
     random.seed(_mix(value))
@@ -197,14 +173,9 @@ def seeded(seed: int, epoch: int) -> Iterator[_Reseed]:
 def fetch_seeded(
     get: Callable[[int], T], indices: Sequence[int], *, seed: int, epoch: int
 ) -> list[T]:
-    """``[get(i) for i in indices]`` with each call seeded from ``(seed, epoch, i)``.
-
-    Args:
-        get: usually ``dataset.__getitem__``.
-        indices: the dataset indices of one batch (what the sampler produced, not positions).
-        seed: the loader's base seed (an int >= 0).
-        epoch: the epoch the batch belongs to, as counted by the loader's sampler.
-    """
+    """``[get(i) for i in indices]`` with each call seeded from ``(seed, epoch, i)``: ``get`` is
+    usually ``dataset.__getitem__``, ``indices`` one batch's dataset indices (not positions),
+    ``epoch`` the batch's as the loader's sampler counts it."""
     out: list[T] = []
     with seeded(seed, epoch) as reseed:
         for index in indices:

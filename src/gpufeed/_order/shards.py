@@ -9,18 +9,17 @@ samplers in ``_order/sampler.py``.
 NOTE [ Sharding by rank ]
 -------------------------
 The stock loader never shards by itself: under ``torch.distributed`` every rank reads every
-sample unless a ``DistributedSampler`` says otherwise, and the frameworks rely on that. Lightning
-injects its own sampler (or, with ``use_distributed_sampler=False``, leaves each rank the whole
-dataset), Accelerate's ``prepare`` splits the batches among the processes, and evaluation code
-reads the whole set on every rank. A map-style loader that sharded whenever a process group
-was up broke each of them: under ``prepare`` every rank read a quarter of a 2-rank dataset and
-half the samples were never seen, silently. So ``gpufeed.DataLoader`` shards a map-style
+sample unless a ``DistributedSampler`` says otherwise, and the frameworks rely on that:
+Lightning injects its own sampler (or, with ``use_distributed_sampler=False``, leaves each rank
+the whole dataset), Accelerate's ``prepare`` splits the batches among the processes, evaluation
+code reads the whole set on every rank. Sharding whenever a process group is up breaks each of
+them, silently: some samples are never seen. So ``gpufeed.DataLoader`` shards a map-style
 dataset by rank only when asked: ``rank=``/``world_size=``, or ``seed=`` with an initialised
-process group (a shared seed is what gives every rank the same permutation to split; a program
-written for the stock loader passes none of them). A loader that shards itself refuses
-``accelerator.prepare`` (which would shard it again) with an error that names both ways out.
-Iterable datasets shard themselves, through :func:`get_shard_info`, which always reports the
-process group's rank.
+process group (a shared seed gives every rank the same permutation to split; a program written
+for the stock loader passes none of them). A loader that shards itself refuses
+``accelerator.prepare`` with an error that names both ways out. Iterable datasets shard
+themselves, through :func:`get_shard_info`, which always reports the process group's rank.
+Measurements: docs/how-it-works/measurements/order.md#sharding-by-rank.
 """
 
 from __future__ import annotations
@@ -35,22 +34,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
-__all__ = [
-    "ShardInfo",
-    "ShardedIterable",
-    "get_shard_info",
-    "resolve_world",
-    "set_shard_info",
-    "shard_for",
-]
-
 
 def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int, bool]:
-    """Return ``(rank, world_size, distributed)``.
-
-    Explicit values win; missing ones come from an initialised ``torch.distributed`` process
-    group; with neither, ``(0, 1, False)``. ``distributed`` is true when either source was used.
-    """
+    """``(rank, world_size, distributed)``: explicit values win; missing ones come from an
+    initialised ``torch.distributed`` process group; with neither, ``(0, 1, False)``.
+    ``distributed`` is true when either source was used."""
     initialised = dist.is_available() and dist.is_initialized()
     if rank is None and world_size is None and not initialised:
         return 0, 1, False

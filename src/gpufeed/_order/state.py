@@ -1,10 +1,10 @@
 """The loader's ``state_dict()``: its format, its checks against the loader that loads it, and
 what an iterable dataset must provide to be resumed.
 
-The state counts batches *delivered to the user*, never those fetched or prefetched, so a resume
+The state counts batches *delivered to the user*, never those fetched ahead, so a resume
 continues with exactly the next batch the user would have seen, whatever ``num_workers``,
-``worker_type`` or prefetch depth either run used. It is a dict of plain Python values, so
-``torch.save`` / ``torch.load(weights_only=True)`` round-trip it::
+``worker_type`` or prefetch depth either run used. Its plain Python values round-trip through
+``torch.save`` / ``torch.load(weights_only=True)``::
 
     {"version": 1,
      "epoch": 3,                 # epoch in progress (the next one if the last was exhausted)
@@ -26,10 +26,7 @@ continues with exactly the next batch the user would have seen, whatever ``num_w
                                  # state loads only under the same (absent in older states)
 
 ``dataset_state`` of an iterable dataset: ``{"num_workers": W, "workers": [state | None] * W,
-"next_worker": w}``; ``workers[i]`` is worker ``i``'s ``dataset.state_dict()`` as of its last
-delivered batch (``None``: it delivered none this epoch and starts its stream afresh), and
-``next_worker`` is the worker the next batch goes to (NOTE [ Iterable resume ] in
-``_order/delivery.py``).
+"next_worker": w}``, its ``WorkerStates`` (NOTE [ Iterable resume ] in ``_order/delivery.py``).
 """
 
 from __future__ import annotations
@@ -41,15 +38,6 @@ from typing import Any, TypedDict
 from torch.utils.data import IterableDataset
 
 from .rewind import rank_bound
-
-__all__ = [
-    "STATE_VERSION",
-    "LoaderState",
-    "capture_state",
-    "check_state",
-    "make_state",
-    "unresumable",
-]
 
 STATE_VERSION = 1
 
@@ -130,11 +118,9 @@ def check_state(
     """Validate a state against the loader that loads it; return it as a :class:`LoaderState`.
 
     Raises ``ValueError`` naming the saved and the current value when the version, dataset
-    length, world size or batch size differ (and ``num_workers`` for iterable datasets,
+    length, world size, batch size or order differ (and ``num_workers`` for iterable datasets,
     whose shards depend on it): resuming across those would silently mix up samples. Another
-    rank's state loads when it does not depend on the rank (``_rewind.rank_bound``: a map-style
-    loader ordered by ``(seed, epoch)``, as frameworks save rank 0's state only); otherwise
-    the error names why it does.
+    rank's state loads when it does not depend on the rank (``rewind.rank_bound``).
     """
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict from loader.state_dict(), got {type(state)!r}")
@@ -207,9 +193,9 @@ def _check_dataset_state(dataset_state: Any) -> None:
 
 def unresumable(dataset: Any) -> str | None:
     """Why gpufeed cannot know where an iterable dataset's stream stood (it lacks its own
-    ``state_dict`` and ``load_state_dict``), naming the class and the fix; None when it can (or
-    the dataset is map-style). The state then says so, as for a sampler gpufeed cannot rewind:
-    frameworks checkpoint every loader that has a ``state_dict``, and training must go on."""
+    ``state_dict`` and ``load_state_dict``), or None. The state then says so, as for a sampler
+    gpufeed cannot rewind: frameworks checkpoint every loader that has a ``state_dict``, and
+    training must go on."""
     if isinstance(dataset, IterableDataset) and not (
         stateful(dataset) and hasattr(dataset, "load_state_dict")
     ):
@@ -225,12 +211,12 @@ def unresumable(dataset: Any) -> str | None:
 def capture_state(dataset: Any) -> Any:
     """Worker side, after each batch: the iterable dataset's ``state_dict()``, else ``None``.
 
-    It runs once per batch, so a dataset's ``state_dict`` must be cheap (a few counters). Thread
-    workers each iterate a shallow copy of the dataset (NOTE [ Iterable datasets in thread
-    workers ] in ``_host/fetch.py``): state kept in attributes rebound per worker is the worker's
-    own; state kept in a nested object mutated in place is shared and must be kept per worker (keyed
-    by ``get_worker_info().id``), with ``load_state_dict`` (called in each worker with that
-    worker's state) setting only the calling worker's. Process workers have their own copy.
+    Once per batch, so a dataset's ``state_dict`` must be cheap (a few counters). Thread workers
+    each iterate a shallow copy of the dataset (NOTE [ Iterable datasets in thread workers ] in
+    ``_host/fetch.py``): state in attributes rebound per worker is the worker's own; state in a
+    nested object mutated in place is shared, so must be kept per worker (keyed by
+    ``get_worker_info().id``), and ``load_state_dict`` (called in each worker with its state)
+    sets only the calling worker's.
     """
     if isinstance(dataset, IterableDataset) and stateful(dataset):
         return dataset.state_dict()  # type: ignore[attr-defined]
