@@ -4,10 +4,7 @@
 
     SyncBackend   blocking copies, no streams, events complete at once ("cpu": a pass-through)
     CudaBackend   torch.cuda streams and events, ``non_blocking`` copies
-    (tests)       a fake whose events the test completes by hand
-
-``parse_device`` turns the user's ``device=`` into a ``torch.device`` with its index, and
-``backend_for`` picks the backend that suits it.
+    (tests)       a simulated CUDA backend (``tests/support/sim_cuda.py``)
 """
 
 from __future__ import annotations
@@ -42,12 +39,8 @@ DONE = _Done()
 
 
 class SyncBackend:
-    """The backend interface, implemented synchronously.
-
-    ``copy`` blocks, events are complete at once, there are no streams; for "cpu" ``copy``
-    returns the tensor itself, so the stage is a pass-through. ``CudaBackend`` and test
-    fakes override every method.
-    """
+    """The backend interface, implemented synchronously (see the module's table); for "cpu"
+    ``copy`` returns the tensor itself. ``CudaBackend`` and test fakes override every method."""
 
     needs_pinned = False  # True when copies overlap only from pinned host memory
     gpu_clock = False  # True when timed_event / elapsed_ms give the stream's own times
