@@ -106,7 +106,7 @@ from .pageable import warn_staged
 from .streams import Event, SyncBackend, backend_for, parse_device
 from .timing import DeviceTrace
 
-__all__ = ["DeviceIterator", "map_tensors"]
+__all__ = ["DeviceIterator"]
 
 logger = logging.getLogger(__name__)
 

@@ -148,11 +148,10 @@ def backend_for(device: torch.device) -> SyncBackend:
 
 
 def parse_device(device: Any, *, injected: bool = False, resolve: bool = True) -> torch.device:
-    """``device`` as a ``torch.device`` (CUDA: with its index), or a ValueError/TypeError/
-    RuntimeError that names the value and the fix. ``injected``: a custom backend is given,
-    so CUDA need not be available. ``resolve=False`` leaves a bare "cuda" without index: a
-    loader resolves it to the current device when iteration starts (users call
-    ``torch.cuda.set_device(local_rank)`` after building their loaders)."""
+    """``device`` as a ``torch.device`` (CUDA: with its index), or an error that names the value
+    and the fix. ``injected``: a custom backend is given, so CUDA need not be available.
+    ``resolve=False`` leaves a bare "cuda" without index, for a loader to resolve when
+    iteration starts (users call ``torch.cuda.set_device(local_rank)`` after building it)."""
     if isinstance(device, bool) or not isinstance(device, str | int | torch.device):
         raise TypeError(
             f"device must be a str, int or torch.device, got {type(device).__name__} "
