@@ -14,12 +14,12 @@ is an event recorded once on the side stream and ``g_A`` is when the GPU ran it,
 clock. A ran after the host recorded it and before ``A.synchronize()`` returned (``t_after``),
 and every later X ran after the host recorded it (``h_X``), so ``g_A >= h_X - elapsed(A, X)``.
 The estimate is the largest of these lower bounds, capped at ``t_after``: never later than the
-truth, exact to the launch latency whenever the stream was idle when A or a later event was
-recorded (a new stream, or copies that keep up), and a span never starts before its copy was
-issued. Add the drift between the GPU's
-timer and the host clock over the run (parts per million). Spans are resolved once their last
-event has completed, at a later ``next()`` (never blocking) or at close. Tested with a
-simulated GPU clock, not yet against a real GPU's profile.
+truth, exact to the launch latency (microseconds) whenever the stream was idle when A or a
+later event was recorded (a new stream, or copies that keep up), and a span never starts before
+its copy was issued. Add the drift between the GPU's timer and the host clock over the run
+(parts per million). Spans are resolved once their last event has completed, at a later
+``next()`` (never blocking) or at close. Tested with a simulated GPU clock, not yet against a
+real GPU's profile.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Transforms that run on the device, after the host-to-device copy (``to_device(transform=)``).
 
 Ship images as uint8 and convert on the GPU: a uint8 batch is 4x fewer bytes over PCIe than in
-float32, and the conversion costs the GPU microseconds, on the side stream, overlapping the
-step like the copy. Any callable ``batch -> batch`` will do; :class:`Normalize` is the common
-one, and works on CPU tensors too, with the same results.
+float32, and the conversion costs the GPU microseconds; ``to_device`` runs it on its side
+stream, overlapping the step like the copy. Any callable ``batch -> batch`` will do;
+:class:`Normalize`, the common one, works on CPU tensors too, with the same results.
 """
 
 from __future__ import annotations
