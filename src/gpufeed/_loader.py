@@ -43,49 +43,47 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` whose workers write into a recycled ring.
 
     Every argument of ``torch.utils.data.DataLoader`` has the same meaning and default; an
-    instance *is* a ``torch.utils.data.DataLoader``. Changing the import is enough. The
+    instance *is* a ``torch.utils.data.DataLoader``, so changing the import is enough. The
     keyword-only knobs below are gpufeed's own.
 
-    One default differs in what it does, not in what you get: with ``prefetch_factor`` left
-    unset and batches that take under ~10 ms of worker time, workers get several batches per
-    message and work up to ``2 * chunk * num_workers`` batches ahead (never more than 64 MB
-    of extra ring slots), which hides the 0.1-0.4 ms a process wake-up costs. An explicit
-    ``prefetch_factor`` (or ``timeout``) is a strict bound, as in torch. Left unset, it reads
-    2 (torch's), and a loader rebuilt with that value (Lightning's sampler injection) keeps it
-    unset.
+    One default differs in what it does, not in what you get: with ``prefetch_factor`` unset
+    and batches that take under ~10 ms of worker time, workers get several batches per message
+    and work up to ``2 * chunk * num_workers`` batches ahead (never more than 64 MB of extra
+    ring slots), hiding the 0.1-0.4 ms a process wake-up costs. An explicit ``prefetch_factor``
+    (or ``timeout``) is a strict bound, as in torch. Unset, it reads 2 (torch's), and a loader
+    rebuilt with that value (Lightning's sampler injection) keeps it unset.
 
     Args:
         worker_type: ``"process"`` (default; like torch) or ``"thread"``. Threads share the
             dataset without copy-on-write growth and need no shared memory; they scale when
             the per-sample work releases the GIL (numpy, torch ops, Pillow decode, file I/O),
-            and not for pure-Python work.
-        ring_bytes: the most bytes of (shared) memory the slot ring may hold. Default:
-            room for the batches in flight (``prefetch_factor * num_workers``, more when
-            batches are tiny) plus 2 held by your loop (plus ``device_depth + 1`` with a
-            device stage), sized from the first batch. More keeps more batches held by the
-            user in recycled memory; less falls back sooner to a fresh allocation per batch
-            (the stock loader's path).
+            not for pure-Python work.
+        ring_bytes: the most bytes of (shared) memory the slot ring may hold. Default: room
+            for the batches in flight (``prefetch_factor * num_workers``, more when batches
+            are tiny) plus 2 held by your loop (plus ``device_depth + 1`` with a device
+            stage), sized from the first batch. More keeps more batches held by the user in
+            recycled memory; less falls back sooner to a fresh allocation per batch (the
+            stock loader's path).
         device: a device to deliver batches on (e.g. ``"cuda"``): copies run ahead on a side
-            stream (see ``gpufeed.to_device``), from a page-locked ring (implied, whatever
+            stream (see ``gpufeed.to_device``), from a page-locked ring (whatever
             ``pin_memory`` says). None (default) delivers host batches.
         device_transform: a callable applied to each batch on the device, after the copy
             (e.g. ``gpufeed.Normalize``). Needs ``device``.
         device_depth: batches copied ahead of the one in use; the stage's GPU memory is at
             most ``2 * device_depth + 2`` batches in a ``for`` loop (see ``gpufeed.to_device``).
         seed: base seed (an int >= 0) of the shuffle and of the random state each
-            ``__getitem__`` sees (from ``(seed, epoch, index)``: the same bytes for any
-            ``num_workers`` or ``worker_type``, and after a resume):
-            ``gpufeed.random.sample_generator()`` and its siblings everywhere; the global
-            generators too in process workers and with ``num_workers=0`` (~10-20 us per
-            sample), never in thread workers (NOTE [ Seeding and threads ] in
-            ``_order/seeding.py``). None (default): torch's own sampler and worker
-            seeding.
+            ``__getitem__`` sees, from ``(seed, epoch, index)``: the same bytes for any
+            ``num_workers`` or ``worker_type``, and after a resume. It seeds
+            ``gpufeed.random.sample_generator()`` and its siblings everywhere, and the global
+            generators in process workers and with ``num_workers=0`` (~10-20 us per sample),
+            never in thread workers (NOTE [ Seeding and threads ] in ``_order/seeding.py``).
+            None (default): torch's own sampler and worker seeding.
         deterministic: per-sample random state on (``True``) or off (``False``: the stock
             per-worker seeding, for speed or stock behaviour). Default: on iff ``seed`` is given.
         rank, world_size: shard the dataset for this process (``DistributedSampler``
             semantics, see ``gpufeed.samplers.ShardedSampler``). Default: with ``seed`` given,
-            from an initialised ``torch.distributed``; otherwise no sharding, as the stock loader
-            (every rank reads every sample; a ``DistributedSampler``, Lightning or
+            from an initialised ``torch.distributed``; otherwise no sharding, as the stock
+            loader (every rank reads every sample; a ``DistributedSampler``, Lightning or
             Accelerate's ``prepare`` shard it as they shard the stock loader). Iterable
             datasets learn the rank from ``get_shard_info()`` either way.
         max_workers: with ``num_workers="auto"``, the most workers it may run. Default: 8 per
@@ -105,23 +103,23 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
     ``dataset`` may be a ``ray.data.Dataset`` or ``ray.data.DataIterator``
     (``ds.streaming_split(n)[rank]``, ``ray.train.get_dataset_shard(name)``): preprocessing runs
     where Ray schedules it, and each batch, ``{column: tensor}`` as ``iter_torch_batches`` gives
-    it, is copied once out of Ray's blocks, in your loop's thread (page-locked with a CUDA
-    device stage), and goes through the device stage like any other (NOTE [ Ray Data batches ]
-    in ``_sources/ray.py``). Ray orders and shards the rows: a sampler,
-    ``shuffle=True``, ``seed=``, ``rank=`` or gpufeed's own workers are refused with the Ray way
-    to do the same; ``loader.dataset`` is then a wrapper whose ``source`` is yours.
+    it, is copied once out of Ray's blocks in your loop's thread (page-locked with a CUDA
+    device stage) and goes through the device stage like any other (NOTE [ Ray Data batches ]
+    in ``_sources/ray.py``). Ray orders and shards the rows: a sampler, ``shuffle=True``,
+    ``seed=``, ``rank=`` or gpufeed's own workers are refused with the Ray way to do the same;
+    ``loader.dataset`` is then a wrapper whose ``source`` is yours.
 
     ``num_workers="auto"`` sizes the workers and how far they work ahead while you iterate:
     it grows them while your loop waits and the last growth paid off, shrinks them while it
-    does not wait, within ``max_workers``, the CPU budget (the CPU the process tree *uses*,
-    so workers waiting on I/O may outnumber the cores) and ``memory_budget``, and holds when
-    the machine is too noisy to tell. Changes never restart the epoch, nor drop, repeat or
-    reorder a batch; ``loader.num_workers`` stays an int (the count in force), and
-    ``loader.stats().autotune`` lists the decisions, which are also logged at INFO. It needs
-    a map-style dataset: an ``IterableDataset``'s data depends on the worker count. With
-    ``seed=`` the batches are the same bytes whatever it decides; without, random transforms
-    draw from each worker's own generator as in torch (each worker started gets a seed of its
-    own), so which worker ran a batch, and so its random draws, depends on timing.
+    does not wait, within ``max_workers``, the CPU budget (the CPU the process tree *uses*, so
+    workers waiting on I/O may outnumber the cores) and ``memory_budget``, and holds when the
+    machine is too noisy to tell. Changes never restart the epoch, nor drop, repeat or reorder
+    a batch; ``loader.num_workers`` stays an int (the count in force), and
+    ``loader.stats().autotune`` lists the decisions, also logged at INFO. It needs a map-style
+    dataset: an ``IterableDataset``'s data depends on the worker count. With ``seed=`` the
+    batches are the same bytes whatever it decides; without, random transforms draw from each
+    worker's own generator as in torch (each started worker gets its own seed), so a batch's
+    random draws depend on which worker ran it, and so on timing.
 
     ``state_dict()`` / ``load_state_dict()`` save and restore the position of the batches
     delivered to you (not those prefetched), the epoch and the seed: a resumed loader yields
@@ -197,10 +195,8 @@ class DataLoader(AccelerateHooks, _TorchDataLoader[_T_co]):
         # attributes (Lightning's distributed sampler injection) must not pin the rank and
         # world size resolved before torch.distributed was initialised.
         self._rank, self._world_size, in_world = resolve_world(rank, world_size)
-        # A program written for the stock loader (no seed=, rank= or world_size=) keeps its
-        # order under torch.distributed: every rank reads every sample, and whoever shards
-        # does it as with the stock loader (a DistributedSampler, Lightning, Accelerate's
-        # prepare). gpufeed shards by rank itself only when asked (NOTE [ Sharding by rank ]).
+        # gpufeed shards by rank itself only when asked (seed=, rank= or world_size=); else
+        # every rank reads every sample, as with the stock loader (NOTE [ Sharding by rank ]).
         distributed = in_world and (seed is not None or rank is not None
                                     or world_size is not None)
         if not distributed and not isinstance(dataset, IterableDataset):

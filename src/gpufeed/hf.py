@@ -2,13 +2,9 @@
 
 ``accelerate.Accelerator.prepare(loader)`` rebuilds every loader as its own wrapper
 (``DataLoaderShard``, or ``DataLoaderDispatcher`` with ``dispatch_batches``) around a new stock
-``torch.utils.data.DataLoader``, and ``transformers.Trainer`` builds its loaders through it. Two
-names here keep gpufeed's loader in that place:
-
-- :class:`Accelerator`, an ``accelerate.Accelerator`` whose ``prepare`` and
-  ``skip_first_batches`` keep a ``gpufeed.DataLoader`` a gpufeed loader;
-- :class:`Trainer` (and :class:`TrainerMixin` for a ``Trainer`` subclass of your own), whose
-  training, evaluation and test loaders, and the loader it resumes mid-epoch, are gpufeed's.
+``torch.utils.data.DataLoader``, and ``transformers.Trainer`` builds its loaders through it.
+:class:`Accelerator` (its ``prepare`` and ``skip_first_batches``), :class:`Trainer` and
+:class:`TrainerMixin` (for a ``Trainer`` subclass of your own) keep gpufeed's loader there.
 
 NOTE [ Adopting Accelerate's wrapper ]: Accelerate does everything around the loader in its
 wrapper, which reads its batches from one attribute, ``base_dataloader``.
@@ -58,9 +54,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Accelerator", "Trainer", "TrainerMixin"]
 
-# gpufeed's own DataLoader options a Trainer may be given (``gpufeed_options``). Not seed=,
-# rank= or world_size=: under Accelerate the order and the shard are Accelerate's (the
-# Trainer's seed, data_seed and use_seedable_sampler), and gpufeed must not shard again.
+# The gpufeed_options a Trainer takes: not seed=, rank= or world_size=, as under Accelerate
+# the order and the shard are Accelerate's, and gpufeed must not shard again.
 _TRAINER_OPTIONS = frozenset({
     "worker_type", "ring_bytes", "device_transform", "device_depth", "max_workers",
     "memory_budget", "worker_nice", "num_workers", "deterministic",
@@ -121,10 +116,9 @@ def _rebuild(base: _TorchDataLoader[Any], options: Mapping[str, Any],
 
 
 def _is_seed_worker(fn: Any) -> bool:
-    """Whether ``fn`` is the Trainer's ``seed_worker`` (a ``functools.partial`` of it). It seeds
-    a process worker's global generators; in a thread worker it would reseed the generators the
-    training loop draws from (dropout) at every epoch's start, so thread workers do without it:
-    they share the loop's generators, as ``num_workers=0`` does."""
+    """Whether ``fn`` is (a ``functools.partial`` of) the Trainer's ``seed_worker``, which seeds
+    the global generators: in a thread worker, those of the training loop (dropout), at every
+    epoch's start. Thread workers share the loop's generators, as ``num_workers=0`` does."""
     inner = getattr(fn, "func", fn)
     return (getattr(inner, "__name__", "") == "seed_worker"
             and getattr(inner, "__module__", "").startswith("transformers."))
@@ -197,8 +191,7 @@ class Accelerator(_accelerate.Accelerator):
 
 
 def _skip(dataloader: Any, num_batches: int, options: Mapping[str, Any] | None) -> Any:
-    """``accelerate.skip_first_batches`` keeping a gpufeed loader (``options`` None: those of
-    the gpufeed loader it reads)."""
+    """``accelerate.skip_first_batches`` keeping a gpufeed loader (``options`` None: its own)."""
     mine = _gpufeed_base(dataloader)
     if mine is None:
         if options is None:

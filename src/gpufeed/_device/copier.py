@@ -16,9 +16,8 @@ __all__ = ["Copier"]
 
 
 class Copier:
-    """``copier(t)``: ``t`` copied by ``backend`` (on the current stream: the side stream), or
-    ``t`` itself when it already lives on the device; made once per batch, before its copies
-    (the side stream then waits for the consumer's, rule (9))."""
+    """``copier(t)``: ``t`` copied by ``backend`` on the current (side) stream, or ``t`` itself
+    when it already lives on the device; made once per batch, before its copies (rule (9))."""
 
     def __init__(self, backend: Any, side: Any, host: Any) -> None:
         self.backend = backend

@@ -2,20 +2,17 @@
 
 With ``ImageFolder(..., decode="gpu")`` (or ``"auto"``) under ``gpufeed.DataLoader(device=
 "cuda")``, the workers write each image's encoded bytes and plan (``_sources/encoded.py``) into
-the ring, and the device stage, on its side stream, decodes them on the GPU, crops, resizes and
-flips them into a batch of the CPU path's shape, layout and dtype (NOTE [ Device stage: streams,
-events and slots ] rule (14) in ``prefetch.py``; the library's choice: NOTE [ Decoding ] in
-``_sources/jpeg.py``).
+the ring, and the device stage decodes, crops, resizes and flips them on the GPU into a batch of
+the CPU path's shape, layout and dtype (NOTE [ Device stage: streams, events and slots ] rule
+(14) in ``prefetch.py``; the library's choice: NOTE [ Decoding ] in ``_sources/jpeg.py``).
 
-    _loader.py   decode_plan(dataset, device, ...) -> DecodePlan | None  (what workers read,
-                 and the stage), or None: the CPU path as before, said once
-    DeviceIterator._issue  ->  DeviceDecode.place(host batch, copy, backend, side)
-                 allocate the batch on S; wait until S is idle (rule 14c); decoder.decode_into
-                 (JPEGs, on S); decoder.upload_into (RAW, SKIP and the decoder's failures,
-                 rendered on the CPU); the other fields copied as usual
+    _loader.py             decode_plan(dataset, device, ...) -> DecodePlan, or None (CPU path)
+    DeviceIterator._issue  DeviceDecode.place(host batch, copy, backend, side): allocate on S,
+                           wait until S is idle (rule 14c), decode the JPEGs on S, upload the
+                           rest rendered on the CPU, copy the other fields as usual
 
-The decoder is an adapter (:class:`GpuJpegDecoder`): ``_device/nvimgcodec.py`` for the GPU,
-and a stand-in on the simulated backend in the tests (``tests/support/sim_decode.py``).
+The decoder is an adapter (:class:`GpuJpegDecoder`): ``_device/nvimgcodec.py`` on the GPU, a
+stand-in on the simulated backend in the tests (``tests/support/sim_decode.py``).
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ from .._sources.decoded import DecodedImages
 from .._sources.encoded import JPEG, KIND, RAW, SKIP, EncodedImages, render_cpu, say_once
 from .held import map_tensors
 
-__all__ = ["DecodePlan", "DeviceDecode", "GpuJpegDecoder", "decode_plan",
-           "make_decoder"]
+__all__ = ["DecodePlan", "DeviceDecode", "GpuJpegDecoder", "decode_plan", "make_decoder"]
 
 logger = logging.getLogger("gpufeed")
 
@@ -126,7 +122,6 @@ class DeviceDecode:
         self.images_on_cpu += len(rest)
         return images
 
-
     def _wait_idle(self, backend: Any, side: Any) -> None:
         """Rule (14c): nothing queued on S before the decode (the batch's allocation
         included) may still run when the decoder writes."""
@@ -136,21 +131,14 @@ class DeviceDecode:
             idle.synchronize()
 
 
-def _available() -> str | None:
-    """Why the GPU decoder cannot be used here, or None."""
-    if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec(
-            "nvidia.nvimgcodec") is None:
-        return ("nvImageCodec is not installed (pip install 'gpufeed[gpu-decode]', which "
-                "installs nvidia-nvimgcodec-cu12[nvjpeg]; -cu13 for a CUDA 13 build of torch)")
-    return None
-
-
 def make_decoder(device: torch.device) -> GpuJpegDecoder:
     """The GPU JPEG decoder for ``device`` (raises ImportError or RuntimeError when it cannot
     be made). The tests replace this function by their stand-in."""
-    why = _available()
-    if why is not None:
-        raise ImportError(why)
+    if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec(
+            "nvidia.nvimgcodec") is None:
+        raise ImportError(
+            "nvImageCodec is not installed (pip install 'gpufeed[gpu-decode]', which installs "
+            "nvidia-nvimgcodec-cu12[nvjpeg]; -cu13 for a CUDA 13 build of torch)")
     from .nvimgcodec import NvImageCodec
 
     return NvImageCodec(device)

@@ -1,15 +1,12 @@
 """Copies that cannot overlap: detecting a ``non_blocking`` copy that is really synchronous.
 
 ``t.to("cuda", non_blocking=True)`` overlaps with compute only when the DMA engine can read
-``t``'s bytes where they are. Two cases make the CUDA runtime (or torch) stage the copy
-through host memory, so the call returns only after the host bytes have been read, and
-nothing overlaps (CUDA runtime API, "API synchronization behavior": for transfers from
-pageable host memory to device memory the function returns once the pageable buffer has been
-copied to the staging memory):
+``t``'s bytes where they are. Otherwise the copy is staged through host memory and the call
+returns only once the host bytes are read (CUDA runtime API, "API synchronization behavior"):
 
 * pageable: ``t``'s bytes are not page-locked (no ``pin_memory()``, not in a registered ring);
-* layout: ``t`` is not dense (e.g. ``x[:, ::2]``): torch's copy first makes a contiguous
-  temporary on the CPU, which is pageable (``copy_requires_temporaries`` in ATen's Copy.cu).
+* layout: ``t`` is not dense (e.g. ``x[:, ::2]``): torch's copy first makes a contiguous, and
+  pageable, temporary on the CPU (``copy_requires_temporaries`` in ATen's Copy.cu).
 
 ``to_device`` counts such batches (``DeviceStats.pageable_batches``) and warns once per
 iterator with :class:`PageableCopyWarning`.

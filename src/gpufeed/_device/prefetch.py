@@ -1,8 +1,7 @@
 """DeviceIterator: the device stage's prefetch engine (``gpufeed.to_device`` returns one).
 
-It keeps batch i+1..i+depth in flight to the device while the training step works on batch
-i. Streams, events and copies come from a backend (``_device/streams.py``); copies that cannot
-overlap are detected in ``_device/pageable.py``.
+It keeps batches i+1..i+depth in flight while the step works on batch i, through a backend
+(``_device/streams.py``); copies that cannot overlap are detected in ``_device/pageable.py``.
 
 NOTE [ Device stage: streams, events and slots ]
 ------------------------------------------------
@@ -17,78 +16,71 @@ NOTE [ Device stage: streams, events and slots ]
     _ready: (E_ready, device batch) FIFO ── at most `depth` entries when next() returns (rule 4)
     _marks: M FIFO ── at most `depth` unfinished when a batch is issued (rule 8)
 
-(1) Issue. Every copy, the transform and both events of batch i are enqueued on S, so
-    the copy overlaps the work the user queued on C. Device tensors, the transform's
-    outputs included, are allocated from S's pool of the caching allocator.
-(2) Handover. C waits on E_ready: a wait on the GPU, the CPU does not block. Each device
-    leaf gets ``record_stream(C)``, so when the user frees it the allocator does not hand
-    its memory to a new tensor until C's queued work on it has finished.
-(3) Slot release. The host batch may be a view into a pinned ring slot; the ring recycles
-    the slot when the last reference to the batch goes. We keep the batch referenced
-    until E_copy has completed (a non-blocking query() at every next()), then drop it.
-    At most depth + 1 host batches are held: if one more would be needed, we wait for the
-    oldest E_copy, a copy issued at least depth batches earlier (counted in host_waits).
-(4) Depth. When next() returns batch i, batches i+1..i+depth have been issued. Device
+(1) Issue. Every copy, the transform and both events of batch i are enqueued on S, so the
+    copy overlaps the work the user queued on C. Device tensors, the transform's outputs
+    included, come from S's pool of the caching allocator.
+(2) Handover. C waits on E_ready on the GPU; the CPU does not block. Each device leaf gets
+    ``record_stream(C)``, so memory the user frees is not handed to a new tensor until C's
+    queued work on it has finished.
+(3) Slot release. The host batch may be a view into a pinned ring slot, recycled when the last
+    reference to the batch goes. We keep it until E_copy has completed (a non-blocking query()
+    at every next()). At most depth + 1 host batches are held: one more waits for the oldest
+    E_copy, issued at least depth batches earlier (host_waits).
+(4) Depth. When next() returns batch i, batches i+1..i+depth have been issued; the device
     memory they hold is DeviceStats.bytes_held (and its peak).
-(5) No synchronize(). The only host-side waits are on one event each: rule (3), rule (8)
-    and close (6), and only when the GPU is behind.
-(6) Close. Wait for every outstanding E_copy (a DMA must never read a recycled slot) and
-    drop all references. An explicit close() also calls the source iterator's close(), if
-    it has one; exhaustion and garbage collection do not (a loader with persistent workers
-    reuses its iterator). In a forked child, collecting its copy of the iterator does nothing.
+(5) No synchronize(). The only host-side waits are on one event each, rules (3), (8) and (6),
+    and only when the GPU is behind.
+(6) Close. Wait for every outstanding E_copy (a DMA must never read a recycled slot) and drop
+    all references. An explicit close() also closes the source iterator, if it can; exhaustion
+    and garbage collection do not (a loader with persistent workers reuses its iterator). In a
+    forked child, collecting its copy of the iterator does nothing.
 (7) Pageable memory. A non_blocking copy from pageable memory, or of a non-dense tensor, is
-    staged through host memory and returns only once the host data is read: nothing
-    overlaps. Such batches are counted (pageable_batches) and warned about once.
-(8) Consumer lag. Memory the user frees returns to S's pool only once C has finished the
-    work queued before the free (rule 2), so a CPU running many steps ahead of the GPU would
-    need fresh device memory for every new batch. Each next() records M on C (all the user
-    has queued so far); before a batch is issued, at most `depth` of them may be unfinished,
-    else we wait for the oldest (consumer_waits). Device memory this stage uses is thus at
-    most 2 * depth + 1 batches: depth issued ahead, the one in use, and depth that C has not
-    finished with (plus any the user keeps). A plain ``for`` loop keeps one: its variable
-    holds batch i-1 while next() issues i+depth, and its free is queued on C after the
-    marks recorded so far, so such a loop may use 2 * depth + 2
-    (tests/device/test_prefetch_sim.py measures both).
+    staged through host memory and returns once the host data is read: nothing overlaps. Such
+    batches are counted (pageable_batches) and warned about once.
+(8) Consumer lag. Memory the user frees returns to S's pool only once C has finished the work
+    queued before the free (rule 2), so a CPU running many steps ahead of the GPU would need
+    fresh device memory for every batch. Each next() records M on C; before a batch is issued,
+    at most `depth` of them may be unfinished, else we wait for the oldest (consumer_waits).
+    The stage thus uses at most 2 * depth + 1 batches of device memory (depth ahead, the one
+    in use, depth that C has not finished with; plus any the user keeps), and a ``for`` loop
+    2 * depth + 2: its variable holds batch i-1 while next() issues i+depth, and its free is
+    queued on C after the marks so far (tests/device/test_prefetch_sim.py measures both).
 (9) Device-resident leaves (a source that yields tensors already on the device) are not
     copied: S waits for C before the transform may read them (they may be produced there),
     and they get ``record_stream(S)``, so freeing them cannot recycle memory S still reads.
-(10) Unregistering. Every E_copy also goes into the iterator's ``_cuda.Fences``, tracked
-    (held strongly) by ``_pinning`` from the first next() to close: unregistering pinned
-    memory (a ring slot retired, a ring closed first after a worker error, or collected
-    before this iterator in a garbage cycle) waits for the copies in flight here before
-    ``cudaHostUnregister``; a close whose wait is interrupted (Ctrl-C) leaves them tracked.
-    Host batches are dropped under ``_cuda.copies_complete(addresses of their leaves)``:
-    their copy has completed, so the ring needs no release fence for their slots (NOTE [ Slot
-    lifetime ] (b)) and recycles them at once; another loader's batch dropped meanwhile (by a
-    collection) is fenced as usual.
-(11) Device and capture. Every backend call runs under ``backend.guard()`` (the target
-    device made current: no context on another GPU). next() during CUDA graph capture
-    raises: its copies, events and waits would be recorded into the graph.
-(12) Current stream. The consumer stream C is the current stream of the target device at
-    each next(), read afresh each time: batch i is ordered before the work queued on the
-    stream current when batch i was handed over, and protected (record_stream) against
-    reuse until that stream's work is done. Using a batch on another stream is the user's
-    to order (``s.wait_stream(C)``, ``t.record_stream(s)``), as with any CUDA tensor; the
-    marks of rule (8) are then taken on whichever stream was current at each next().
+(10) Unregistering. Every E_copy also goes into the iterator's ``_cuda.Fences``, which
+    ``_pinning`` tracks (holds strongly) from the first next() to close: unregistering pinned
+    memory (a slot retired, a ring closed first after a worker error or collected first in a
+    garbage cycle) waits for these copies; a close whose wait is interrupted (Ctrl-C) leaves
+    them tracked. Host batches are dropped under ``_cuda.copies_complete(addresses of their
+    leaves)``: their copy has completed, so the ring recycles their slots at once, with no
+    release fence (NOTE [ Slot lifetime ] (b)); another loader's batch dropped meanwhile is
+    fenced as usual.
+(11) Device and capture. Every backend call runs under ``backend.guard()`` (the target device
+    current: no context on another GPU). next() during CUDA graph capture raises: its copies,
+    events and waits would be recorded into the graph.
+(12) Current stream. C is the target device's current stream, read afresh at each next():
+    batch i is ordered before, and protected (record_stream) until, the work queued on the
+    stream current when it was handed over. Using a batch on another stream is the user's to
+    order (``s.wait_stream(C)``, ``t.record_stream(s)``), as with any CUDA tensor; rule (8)'s
+    marks are taken on whichever stream was current at each next().
 (13) Errors. An error of the source (a worker's), of a copy or of the transform takes its
     batch's place: raised after the batches before it, nothing pulled past it until then (so
-    rule (4) issues fewer), and the next next() goes on with the batches after it, as the
-    stock loader goes on after a worker's error. A failed copy's or transform's host batch
-    is dropped once its E_copy was waited for (rule 6's guarantee, for one batch).
+    rule (4) issues fewer), and the next next() goes on after it, as the stock loader does
+    after a worker's error. A failed copy's or transform's host batch is dropped once its
+    E_copy was waited for (rule 6, for one batch).
 (14) GPU decode (``_device/decode.py``). A batch whose images the workers left encoded is
-    placed by the decode step instead of copied: (a) the decode, crops and resizes are
-    queued on S into a batch allocated from S's pool, before E_copy and E_ready, so the
-    consumer reads them after C waits on E_ready (rule 2), as any transform's output;
-    (b) the decoder reads the encoded bytes from the host batch (the slot) when its queued
-    work runs, so E_copy is recorded after the decode is queued and the host batch, with the
-    host images it uploads, is held until E_copy has completed (rule 3); (c) before the
-    decode, S is idle: an event recorded on S after the batch is allocated is waited for on
-    the host (idle_waits), because nvJPEG's batched hardware decode writes its outputs
-    before the work already queued on its stream has run. Memory that queued work still
-    reads (freed on S, reused at once by the caching allocator) would be overwritten: seen on
-    H100s, not on A100s, with torchvision's and torchcodec's decoders (pytorch/vision#9606,
-    meta-pytorch/torchcodec#1634, which waits the same way). Each part has a test that breaks
-    it (tests/device/test_decode_sim.py).
+    placed by the decode step instead of copied: (a) the decode, crops and resizes are queued
+    on S into a batch from S's pool, before E_copy and E_ready, so C reads them after waiting
+    on E_ready (rule 2); (b) the decoder reads the encoded bytes from the host batch when its
+    queued work runs, so E_copy is recorded after the decode is queued, and the host batch,
+    with the host images it uploads, is held until E_copy has completed (rule 3); (c) S is
+    idle before the decode: an event recorded on S after the batch is allocated is waited for
+    on the host (idle_waits), because nvJPEG's batched hardware decode writes its outputs
+    before the work already queued on its stream has run: memory that queued work still
+    reads (freed on S, reused at once by the caching allocator) would be overwritten. Each
+    part has a test that breaks it (tests/device/test_decode_sim.py).
+    Measurements: docs/how-it-works/measurements/device.md#gpu-decode-on-an-idle-stream.
 """
 
 from __future__ import annotations
@@ -114,7 +106,7 @@ from .pageable import warn_staged
 from .streams import Event, SyncBackend, backend_for, parse_device
 from .timing import DeviceTrace
 
-__all__ = ["DeviceIterator", "map_tensors"]
+__all__ = ["DeviceIterator"]
 
 logger = logging.getLogger(__name__)
 
@@ -176,13 +168,11 @@ class DeviceIterator(Iterator[Any]):
         self._marks: deque[Event] = deque()
         self._copies = _cuda.Fences()  # rule (10)
         self._source_done = False
-        self._error_queued = False  # an error of the source waits in _ready, in order
-        # batches taken from the source (counted by _take)
-        self._taken = 0
-        # The error next() raised last was a taken batch's (its copy or transform failed),
-        # not the source's own: that batch will never be delivered ...
+        self._error_queued = False  # an error waits in _ready, in order (rule 13)
+        self._taken = 0  # batches taken from the source (counted by _take)
+        # Which error next() raised last (read by _order/delivery.py): a taken batch's, whose
+        # copy or transform failed and which is never delivered, or the source's own.
         self.error_took_a_batch = False
-        # ... or the source's own (a batch whose fetch failed).
         self.error_from_source = False
         self._warned = False
         self._batches = self._bytes_copied = self._bytes_held = self._peak = 0
@@ -247,15 +237,12 @@ class DeviceIterator(Iterator[Any]):
             raise StopIteration
         event, batch, nbytes = self._ready.popleft()
         if event is None:
-            # The source's error, after the batches before it; as with the stock loader, the
-            # next next() goes on after it.
+            # An error in its batch's place (rule 13); its nbytes counts the batches it took.
             self._error_queued = False
-            # A taken batch whose copy or transform failed (not the source's error) is never
-            # delivered: Delivered, in _order/delivery.py, counts it so.
             self.error_took_a_batch = bool(nbytes)
             self.error_from_source = not nbytes
-            # The traceback holds this frame: no local may keep the error (a cycle that kept
-            # the iterator, its workers and ring until a collection).
+            # The traceback holds this frame: a local keeping the error would make a cycle
+            # that keeps the iterator, its workers and ring until a collection.
             try:
                 raise batch
             finally:
@@ -323,29 +310,25 @@ class DeviceIterator(Iterator[Any]):
 
     def _fill(self) -> None:
         while not self._source_done and not self._error_queued and len(self._ready) < self.depth:
-            # (again below: _make_room may drop copied batches)
             issued = len(self._host)
             taken = self._taken
             try:
-                # Before next(): the source may need a free slot.
+                # Before next(): the source may need a free slot (and copied batches go).
                 waited = self._make_room()
                 issued = len(self._host)
                 self._issue(self._take(), waited)
             except StopIteration:
                 self._source_done = True
             except Exception as exc:
-                # Delivered in order, after the batches before it; the source is asked again
-                # only once it was: an error skips one batch, and the loop goes on if it
-                # catches it, as with the stock loader's worker errors. Its traceback's frames
-                # would keep the host batch (a ring slot) alive.
+                # Delivered in order (rule 13). Its traceback's frames would keep the host
+                # batch (a ring slot) alive.
                 traceback.clear_frames(exc.__traceback__)
                 if len(self._host) > issued:
                     # The copy or transform failed: its host batch goes once what was queued
-                    # of it is done (rule 6); no local keeps it (this frame is in the
-                    # traceback).
+                    # of it is done (rule 6), kept by no local (this frame is in the traceback).
                     self._host[-1][0].synchronize()
                     drop_copied([self._host.pop()])
-                # More than 0: a taken batch failed here (copy, transform), said when raised.
+                # More than 0: a taken batch failed here (copy, transform).
                 self._ready.append((None, exc, self._taken - taken))
                 self._error_queued = True
 
@@ -357,7 +340,7 @@ class DeviceIterator(Iterator[Any]):
 
     def _make_room(self) -> float:
         """Rules (3) and (8) before a batch is issued; returns the seconds spent waiting on
-        copies (consumer waits are counted apart: they are not the input's fault)."""
+        copies (consumer waits are not the input's fault: counted apart)."""
         drop_copied(pop_completed(self._host))
         pop_completed(self._marks)
         waited = 0.0

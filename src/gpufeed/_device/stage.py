@@ -2,16 +2,9 @@
 
 ``to_device(iterable, device, depth=2, transform=None)`` copies batch i+1..i+depth to the
 device while the training step works on batch i. It is what ``gpufeed.DataLoader(device=...)``
-returns, and it works just as well over a stock ``torch.utils.data.DataLoader``.
-
-The stage, one concept per module:
-
-    _device/stage.py      to_device(): the public entry (this file)
-    _device/prefetch.py   DeviceIterator: NOTE [ Device stage: streams, events and slots ]
-    _device/streams.py    backends (streams, events, copies): SyncBackend, CudaBackend; parse_device
-    _device/pageable.py   PageableCopyWarning: copies that cannot overlap, detected and reported
-    _memory/pinning.py    cudaHostRegister of ring slots; NOTE [ Registered memory lifetime ]
-    _base/stats.py        DeviceStats: the iterator's counters, next to the loader's
+returns, and it works just as well over a stock ``torch.utils.data.DataLoader``. The stage's
+modules, one concept each, are listed in docs/how-it-works/module-map.md; its protocol is NOTE
+[ Device stage: streams, events and slots ] in ``prefetch.py``.
 """
 
 from __future__ import annotations

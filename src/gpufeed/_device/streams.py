@@ -4,10 +4,7 @@
 
     SyncBackend   blocking copies, no streams, events complete at once ("cpu": a pass-through)
     CudaBackend   torch.cuda streams and events, ``non_blocking`` copies
-    (tests)       a fake whose events the test completes by hand
-
-``parse_device`` turns the user's ``device=`` into a ``torch.device`` with its index, and
-``backend_for`` picks the backend that suits it.
+    (tests)       a simulated CUDA backend (``tests/support/sim_cuda.py``)
 """
 
 from __future__ import annotations
@@ -42,12 +39,8 @@ DONE = _Done()
 
 
 class SyncBackend:
-    """The backend interface, implemented synchronously.
-
-    ``copy`` blocks, events are complete at once, there are no streams; for "cpu" ``copy``
-    returns the tensor itself, so the stage is a pass-through. ``CudaBackend`` and test
-    fakes override every method.
-    """
+    """The backend interface, implemented synchronously (see the module's table); for "cpu"
+    ``copy`` returns the tensor itself. ``CudaBackend`` and test fakes override every method."""
 
     needs_pinned = False  # True when copies overlap only from pinned host memory
     gpu_clock = False  # True when timed_event / elapsed_ms give the stream's own times
@@ -155,11 +148,10 @@ def backend_for(device: torch.device) -> SyncBackend:
 
 
 def parse_device(device: Any, *, injected: bool = False, resolve: bool = True) -> torch.device:
-    """``device`` as a ``torch.device`` (CUDA: with its index), or a ValueError/TypeError/
-    RuntimeError that names the value and the fix. ``injected``: a custom backend is given,
-    so CUDA need not be available. ``resolve=False`` leaves a bare "cuda" without index: a
-    loader resolves it to the current device when iteration starts (users call
-    ``torch.cuda.set_device(local_rank)`` after building their loaders)."""
+    """``device`` as a ``torch.device`` (CUDA: with its index), or an error that names the value
+    and the fix. ``injected``: a custom backend is given, so CUDA need not be available.
+    ``resolve=False`` leaves a bare "cuda" without index, for a loader to resolve when
+    iteration starts (users call ``torch.cuda.set_device(local_rank)`` after building it)."""
     if isinstance(device, bool) or not isinstance(device, str | int | torch.device):
         raise TypeError(
             f"device must be a str, int or torch.device, got {type(device).__name__} "

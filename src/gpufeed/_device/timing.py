@@ -2,27 +2,24 @@
 
 Recorded only while a trace records (NOTE [ Timeline ] in ``_base/timeline.py``).
 
-Host side (every backend), track "device": "copy" (issuing each leaf's copy; on the CPU and
-with the synchronous backend, the copy itself), "transform" (the device transform, issued),
-"wait for a copy" (``next()`` blocked until an older copy's event completed, rule (3) of
-NOTE [ Device stage: streams, events and slots ]). Their sum per batch is the "transfer"
-figure of ``loader.stats()``.
+Host side (every backend), track "device": "copy" (issuing each leaf's copy; with the
+synchronous backend, the copy itself), "transform" (issued), "wait for a copy" (``next()``
+blocked on an older copy's event, rule (3) of NOTE [ Device stage: streams, events and
+slots ]). Their sum per batch is the "transfer" figure of ``loader.stats()``.
 
 GPU side (a backend with a GPU clock: CUDA), track "gpu": "copy" and "transform" as the copy
-stream ran them, from timed CUDA events recorded around them. CUDA events measure time
-between events, not clock time, so each event X is placed at ``g_A + elapsed(A, X)``, where
-A, the *anchor*, is an event recorded once (on the side stream, when the trace first sees
-it) and ``g_A`` is when the GPU ran it, on the host clock. ``g_A`` is estimated from what
-the host knows for sure: A ran after the host recorded it (``t_before``) and before
-``A.synchronize()`` returned (``t_after``), and every later event X ran after the host
-recorded it (``h_X``), so ``g_A >= h_X - elapsed(A, X)``. The estimate is the largest of
-these lower bounds, capped at ``t_after``: exact to the launch latency (microseconds)
-whenever the stream was idle when A or any later event was recorded (the stream is new, or
-the copies keep up), never later than the truth, and a span never starts before its copy
-was issued. Add the drift between the GPU's timer and the host clock over the run (parts per
-million). Spans are resolved when their last event has completed, at a later ``next()``
-(never blocking), or at close. Written for CUDA and tested with a simulated GPU clock; not
-yet checked against a real GPU's profile.
+stream ran them, from timed CUDA events around them. CUDA events measure time between events,
+not clock time, so each event X is placed at ``g_A + elapsed(A, X)``, where A, the *anchor*,
+is an event recorded once on the side stream and ``g_A`` is when the GPU ran it, on the host
+clock. A ran after the host recorded it and before ``A.synchronize()`` returned (``t_after``),
+and every later X ran after the host recorded it (``h_X``), so ``g_A >= h_X - elapsed(A, X)``.
+The estimate is the largest of these lower bounds, capped at ``t_after``: never later than the
+truth, exact to the launch latency (microseconds) whenever the stream was idle when A or a
+later event was recorded (a new stream, or copies that keep up), and a span never starts before
+its copy was issued. Add the drift between the GPU's timer and the host clock over the run
+(parts per million). Spans are resolved once their last event has completed, at a later
+``next()`` (never blocking) or at close. Tested with a simulated GPU clock, not yet against a
+real GPU's profile.
 """
 
 from __future__ import annotations
@@ -46,7 +43,6 @@ class DeviceTrace:
         self.owner: Hashable = recorder if recorder is not None else self
         self.gpu = GpuSpans(backend)
         self._labelled = 0  # the serial of the trace last labelled for
-        self._gpu_label = "device stage (host side: issuing copies)"
 
     def begin(self, side: Any
               ) -> tuple[_timeline.Timeline | None, list[tuple[Any, float] | None] | None]:
@@ -70,7 +66,7 @@ class DeviceTrace:
         if self._labelled != tl.serial:
             self._labelled = tl.serial
             if self.gpu.enabled:
-                tl.label(self.owner, "device", self._gpu_label)
+                tl.label(self.owner, "device", "device stage (host side: issuing copies)")
             if self.owner is self:
                 tl.label(self, None, "gpufeed.to_device")
         args = {"batch": batch, "bytes": nbytes}
@@ -80,7 +76,8 @@ class DeviceTrace:
         else:
             tl.span(self.owner, "device", "copy", start, end, args)
         if marks is not None:
-            self.gpu.add(self.owner, batch, nbytes, marks)
+            # Its GPU events: before its copies, after them, after its transform (if any).
+            self.gpu.pending.append((self.owner, batch, nbytes, marks))
 
     def waited(self, start: float, seconds: float) -> None:
         """``next()`` waited ``seconds`` from ``start`` for an older copy (rule (3))."""
@@ -89,8 +86,7 @@ class DeviceTrace:
             tl.span(self.owner, "device", "wait for a copy", start, start + seconds)
 
     def flush(self, tl: _timeline.Timeline | None, *, wait: bool = False) -> None:
-        if self.gpu.pending:
-            self.gpu.flush(tl, wait=wait)
+        self.gpu.flush(tl, wait=wait)
 
 
 class GpuSpans:
@@ -115,12 +111,6 @@ class GpuSpans:
             self._hi = time.perf_counter()
         host = time.perf_counter()
         return self._backend.timed_event(stream), host
-
-    def add(self, owner: Hashable, batch: int, nbytes: int,
-            marks: list[tuple[Any, float]]) -> None:
-        """Batch ``batch``'s events: before its copies, after them, after its transform
-        (absent without one)."""
-        self.pending.append((owner, batch, nbytes, marks))
 
     def flush(self, tl: _timeline.Timeline | None, *, wait: bool = False) -> None:
         """Record the spans whose events have completed (all of them with ``wait``, waiting);

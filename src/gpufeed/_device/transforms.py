@@ -1,11 +1,9 @@
 """Transforms that run on the device, after the host-to-device copy (``to_device(transform=)``).
 
-Ship images as uint8 and convert on the GPU: a uint8 batch is 4x fewer bytes over PCIe than
-the same batch in float32, and the conversion costs the GPU microseconds. ``to_device`` runs
-the transform on its side stream, so it overlaps the training step like the copy does.
-
-Any callable ``batch -> batch`` is accepted by ``to_device``; :class:`Normalize` is the
-common one. It works on CPU tensors too, with the same results.
+Ship images as uint8 and convert on the GPU: a uint8 batch is 4x fewer bytes over PCIe than in
+float32, and the conversion costs the GPU microseconds; ``to_device`` runs it on its side
+stream, overlapping the step like the copy. Any callable ``batch -> batch`` will do;
+:class:`Normalize`, the common one, works on CPU tensors too, with the same results.
 """
 
 from __future__ import annotations
@@ -129,13 +127,10 @@ class Normalize:
     def _stats_for(
         self, device: torch.device, dtype: torch.dtype, ndim: int
     ) -> tuple[torch.Tensor, ...]:
-        """mean and std shaped for broadcasting, cached per (device, dtype, ndim).
-
-        The cached device tensors are allocated from the pool of whichever stream made them
-        (``to_device``'s side stream, or the caller's) and may be read later on another;
-        ``apply`` gives them ``record_stream`` for the stream it runs on, so freeing this
-        object never recycles their memory under a kernel still reading it.
-        """
+        """mean and std shaped for broadcasting, cached per (device, dtype, ndim). They come
+        from the pool of the stream that made them and may be read later on another: ``apply``
+        gives them ``record_stream`` for its stream, so freeing this object never recycles
+        their memory under a kernel still reading it."""
         key = (device, dtype, ndim)
         if key not in self._stats:
             shape = (1, len(self.mean)) + (1,) * (ndim - 2)
@@ -175,12 +170,8 @@ def _replace(batch: Any, key: int | str, value: Any) -> Any:
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         field = key if isinstance(key, str) else batch._fields[key]
         return batch._replace(**{field: value})  # type: ignore[attr-defined]
-    if isinstance(batch, tuple):
+    if isinstance(batch, tuple | list):
         items = list(batch)
         items[int(key)] = value
-        return tuple(items)
-    if isinstance(batch, list):
-        items = list(batch)
-        items[int(key)] = value
-        return items
+        return tuple(items) if isinstance(batch, tuple) else items
     raise TypeError(f"Normalize(key={key!r}) cannot rebuild a {type(batch).__name__} batch")
