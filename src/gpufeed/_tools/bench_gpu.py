@@ -326,7 +326,7 @@ def run_gpu_benchmark(
     def meets(ratio: float | None) -> bool | None:
         return None if ratio is None else ratio >= TARGET_D_OVER_E
 
-    doc = {
+    return {
         "schema": SCHEMA, "environment": env, "settings": settings, "bandwidth": bw,
         "overlap": overlap,
         "targets": {
@@ -335,7 +335,6 @@ def run_gpu_benchmark(
             "to_device_over_T<=1.05": overlap["to_device_over_T"] <= TARGET_OVERLAP,
         },
     }
-    return doc
 
 
 def render_markdown(doc: dict[str, Any]) -> str:

@@ -250,9 +250,7 @@ def measure_loader(
             if sampler is not None and ending:
                 sampler.sample()  # the end of the pass, workers still running (see the top)
             del batch
-            if max_batches is not None and seen >= max_batches:
-                break
-            if timed_out:
+            if timed_out or (max_batches is not None and seen >= max_batches):
                 break
         if cpu_end is None:
             cpu_end = _cpu_now(sampler)
