@@ -9,12 +9,13 @@
   the last of them has been delivered;
 - the **memory** figure is the peak PSS of this process plus all its descendants, summed (NOTE
   [ Measuring honestly ] (1)), sampled by a daemon thread every ``sample_interval_s``. Reading
-  PSS makes the kernel walk every page table of the tree (about 40 us per resident MiB), so the
-  interval is stretched to ten times the cost of a sample when that is longer: the sampler
-  takes at most about 10% of one core. One more sample is taken, untimed, when the pass is
-  about to end (the last batch of a ``len()``-known pass, or the batch that hits
-  ``max_batches``/``max_seconds``) while the workers still run: memory that only grows during a
-  pass (mapped file pages) peaks there, and sparse samples would miss it by a varying amount;
+  PSS makes the kernel walk every page table of the tree (about 40 us per resident MiB on the
+  VMs we measure on), so the interval is stretched to ten times the cost of a sample when that
+  is longer: the sampler takes at most about 10% of one core. One more sample is taken,
+  untimed, when the pass is about to end (the last batch of a ``len()``-known pass, or the
+  batch that hits ``max_batches``/``max_seconds``) while the workers still run: memory that
+  only grows during a pass (mapped file pages) peaks there, and sparse samples would miss it by
+  a varying amount;
 - the **main process's CPU** over the counted batches (``main_thread_cpu_s``: the iterating
   thread; ``main_process_cpu_s``: all its threads but the sampler's) is what the loader costs
   the process that trains, which competes with its own workers for the cores.
