@@ -55,14 +55,18 @@ def _worker_counts(text: str) -> list[int]:
     return counts
 
 
-def _nonnegative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
-    return value
+def _nonnegative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    what = "an int" if kind is int else "a number"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = -1
+        if not value >= 0:  # nan too
+            raise argparse.ArgumentTypeError(f"expected {what} >= 0, got {text!r}")
+        return value
+    return parse
 
 
 def _size(text: str) -> int:
@@ -164,14 +168,14 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("target", metavar="MODULE:FUNCTION")
     pr.add_argument("--steps", type=_positive(int), help="stop after N steps (default: all)")
     pr.add_argument("--warmup", type=_positive(int), default=1, help="first steps left out (1)")
-    add_trace_options(pr, _positive)
+    add_trace_options(pr, _positive, _nonnegative)
     pr.set_defaults(func=cmd_profile_traced)
 
     d = sub.add_parser("doctor", parents=[common], help="check this machine's limits",
                        description="Check /dev/shm, ulimit -n, RLIMIT_MEMLOCK, CPUs, memory and "
                        "GPUs against the loader you will run; exit 1 when something will "
                        "break it.")
-    d.add_argument("--workers", type=_nonnegative, help="num_workers (default: usable CPUs)")
+    d.add_argument("--workers", type=_nonnegative(int), help="num_workers (default: usable CPUs)")
     d.add_argument("--prefetch-factor", type=_positive(int),
                    help="batches in flight per worker (2)")
     d.add_argument("--worker-type", choices=("process", "thread"), default="process",

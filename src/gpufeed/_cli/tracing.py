@@ -18,20 +18,11 @@ from .targets import UsageError
 __all__ = ["add_trace_options", "cmd_profile_traced"]
 
 
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
 def add_trace_options(p: argparse.ArgumentParser,
-                      positive: Callable[[Callable[[str], Any]], Callable[[str], Any]]) -> None:
-    """``--trace``, ``--timeline`` and their bounds, on ``profile``'s parser (``positive``:
-    the parser's type for positive numbers)."""
+                      positive: Callable[[Callable[[str], Any]], Callable[[str], Any]],
+                      nonnegative: Callable[[Callable[[str], Any]], Callable[[str], Any]]) -> None:
+    """``--trace``, ``--timeline`` and their bounds, on ``profile``'s parser (``positive`` and
+    ``nonnegative``: the parser's types for numbers > 0 and >= 0)."""
     g = p.add_argument_group("timeline")
     g.add_argument("--trace", metavar="FILE", type=file_path,
                    help="write a timeline of every batch through every stage as Chrome Trace "
@@ -42,10 +33,10 @@ def add_trace_options(p: argparse.ArgumentParser,
                    "stalls marked (needs matplotlib)")
     g.add_argument("--timeline-seconds", type=positive(float), metavar="S",
                    help="seconds of the run the picture shows (1.0)")
-    g.add_argument("--timeline-start", type=_nonnegative_float, metavar="S",
+    g.add_argument("--timeline-start", type=nonnegative(float), metavar="S",
                    help="where the picture starts, in seconds from the start (0: worker "
                    "start-up included)")
-    g.add_argument("--stall-ms", type=_nonnegative_float, metavar="MS",
+    g.add_argument("--stall-ms", type=nonnegative(float), metavar="MS",
                    help="a wait of the loop this long or longer is a stall in the picture (1)")
     g.add_argument("--trace-last", type=positive(int), metavar="N",
                    help="keep only the last N batches in the trace (a long run)")

@@ -1,16 +1,10 @@
 """``gpufeed bench``: the stock DataLoader and gpufeed's, like for like, measured repeatedly.
 
-Every *fetch path* (how a batch's samples are read) is run by both loaders on the same dataset
-object, so each ratio compares loaders, not ways of reading data:
-
-- ``per-sample``: ``dataset[i]`` per sample, then the default collate function;
-- ``getitems``: the dataset's ``__getitems__`` returns the stacked batch (pass-through collate);
-- ``array``: ``gpufeed.sources.ArrayDataset``; gpufeed gathers each batch straight into its slot
-  ring, the stock loader reads the rows with ``__getitems__`` and stacks them.
-
-Then the gain of the batched path is a row of its own: gpufeed on ``array`` (or ``getitems``)
-against gpufeed on ``per-sample``, the part of the speed-up that comes from changing the dataset
-rather than the loader. Runs follow NOTE [ Repeated measurement ] in ``_tools/repeat.py``.
+Every *fetch path* (how a batch's samples are read: ``PATHS``) is run by both loaders on the
+same dataset object, so each ratio compares loaders, not ways of reading data. Then the gain of
+the batched path is a row of its own: gpufeed on ``array`` (or ``getitems``) against gpufeed on
+``per-sample``, the part of the speed-up that comes from changing the dataset rather than the
+loader. Runs follow NOTE [ Repeated measurement ] in ``_tools/repeat.py``.
 """
 
 from __future__ import annotations

@@ -15,19 +15,19 @@ of one copy) with that copy: a naive loop pays about 2T per step, ``to_device`` 
 when its workers gather faster than PCIe copies). Medians of ``repeats`` runs. Without CUDA it
 says so and measures nothing (the lab's command then exits with status 0, writing nothing).
 
-Steady state: the data is ``DISTINCT`` batches (8: 308 MB at the defaults, more than a CPU's
-last-level cache), every page touched before timing, and each path reads them over and over.
-The loaders (c) and (d) read the same dataset (``gpufeed.sources.ArrayDataset`` over that tensor:
-one gather per batch for both) through a sampler that cycles through it. A worker process maps
-each page of the parent's data on its first read of it (a page fault per 4 KiB, which the
-parent's touch does not save it): a fresh worker's first pass runs several times slower than
-a warm one (on CPU, two process workers: 3.1 against 17.9 GB/s), so the first GPU run (the data
-read once, 4 to 16 warm-up batches) measured that, not the copy path. Each run now warms up
-until every worker has had the chance to read every distinct batch (``DISTINCT`` batches per
-worker) and gpufeed's ring has stopped growing (no slot carved, so nothing registered with
-``cudaHostRegister``, for ``warmup_batches`` batches in a row; at most 4x the least), so page
-faults, registration and worker start-up stay outside the timed window; the stock loader gets
-as many warm-up batches. A ring that still grew inside the window is reported in ``notes``.
+Steady state: the data is ``DISTINCT`` batches (more than a CPU's last-level cache), every page
+touched before timing, read over and over; the loaders (c) and (d) read the same
+``ArrayDataset`` over it (one gather per batch for both) through a sampler that cycles through
+it. A worker process still page-faults on its first read of each page of the parent's data, so
+a fresh worker runs several times slower than a warm one. Each run therefore warms up until
+every worker has had the chance to read every distinct batch (``DISTINCT`` batches per worker)
+and gpufeed's ring has stopped growing (no slot carved, so nothing registered with
+``cudaHostRegister``, for ``warmup_batches`` batches in a row; at most ``WARMUP_CAP`` times the
+least): page faults, registration and worker start-up stay outside the timed window. The stock
+loader gets as many warm-up batches; a ring that still grew inside the window is reported in
+``notes``.
+
+Measurements: docs/how-it-works/measurements/tools.md#gpu-benchmark-warm-up.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ TARGET_D_OVER_E = 0.9
 TARGET_OVERLAP = 1.05
 PREFETCH_DEPTH = 2  # to_device depth in (d)
 WARMUP_CAP = 4  # warm-up runs until the ring stops growing, at most this x its least length
-DISTINCT = 8  # distinct batches in the data, read over and over
+DISTINCT = 8  # distinct batches in the data (308 MB at the defaults), read over and over
 
 
 def _median_s(run: Callable[[], float], repeats: int) -> float:
@@ -103,13 +103,12 @@ def _loader_seconds(
 ) -> float:
     """Seconds for ``n`` batches of an iterable, after untimed warm-up batches.
 
-    ``warmup``: a count, or ``(settle, cap, least)`` for :func:`warm_up` (until a gpufeed
-    loader's ring stops growing). ``log`` receives the warm-up batches and the slots carved
-    inside the timed window. A prefetching iterable has copied ``PREFETCH_DEPTH`` batches ahead
-    when the clock starts (finished by the synchronize, so free) and copies as many beyond the
-    last timed batch before the clock stops: the source must hold ``cap + n + PREFETCH_DEPTH``
-    batches. The iterator is closed afterwards, so a gpufeed loader's page-locked ring and
-    workers do not outlive their run.
+    ``warmup``: a count, or ``(settle, cap, least)`` for :func:`warm_up`. ``log`` receives the
+    warm-up batches and the slots carved inside the timed window. A prefetching iterable's
+    copies ahead finish in the synchronize before the clock starts, and it copies
+    ``PREFETCH_DEPTH`` batches beyond the last timed one: the source must hold
+    ``cap + n + PREFETCH_DEPTH`` batches. The iterator is closed afterwards, so a gpufeed
+    loader's page-locked ring and workers do not outlive their run.
     """
     grows = _ring_grows(loader)
     settle, cap, least = (warmup, warmup, 0) if isinstance(warmup, int) else warmup
@@ -191,9 +190,8 @@ def loader_rates(
     data: torch.Tensor, bs: int, dev: torch.device, s: dict[str, Any], notes: list[str],
     rate: Callable[[float], float],
 ) -> dict[str, float | None]:
-    """Rows (c) and (d): the stock loader and gpufeed's, each over ``data`` through a sampler
-    that cycles through it, warmed up as the module docstring says. Runs on CPU too
-    (``dev`` "cpu", where ``torch.cuda.synchronize`` is replaced): the tests do."""
+    """Rows (c) and (d), warmed up as the module docstring says. Runs on CPU too (``dev``
+    "cpu", ``torch.cuda.synchronize`` replaced): the tests do."""
     from torch.utils.data import DataLoader
 
     from .._loader import DataLoader as FeedLoader
@@ -299,9 +297,8 @@ def run_gpu_benchmark(
         batches: timed batches per run; host memory used is ``DISTINCT`` (8) batches, plus
             the loaders' rings and pinned copies.
         warmup_batches: the gpufeed loader warms up until its ring has not grown for this
-            many batches, after at least ``DISTINCT`` batches per worker (worker start-up,
-            each worker's first page faults) and at most 4x that; the stock loader gets as
-            many. ``to_device`` over the registered region warms up this many batches.
+            many batches (see the module docstring); ``to_device`` over the registered region
+            warms up this many batches.
         repeats: runs per figure; medians are reported. More is steadier, slower.
         num_workers: workers of the loaders (c) and (d); too few and the gather, not the
             copy, is measured.
@@ -329,7 +326,7 @@ def run_gpu_benchmark(
     def meets(ratio: float | None) -> bool | None:
         return None if ratio is None else ratio >= TARGET_D_OVER_E
 
-    doc = {
+    return {
         "schema": SCHEMA, "environment": env, "settings": settings, "bandwidth": bw,
         "overlap": overlap,
         "targets": {
@@ -338,7 +335,6 @@ def run_gpu_benchmark(
             "to_device_over_T<=1.05": overlap["to_device_over_T"] <= TARGET_OVERLAP,
         },
     }
-    return doc
 
 
 def render_markdown(doc: dict[str, Any]) -> str:

@@ -1,13 +1,12 @@
 """What the loaders of a tool's trials warn about, said once, in the tool's words.
 
-``gpufeed tune`` builds a loader per run of every trial, and a loader warns once in its life:
-a dataset that draws from a global random generator in thread workers made every thread-worker
-run print gpufeed's ``RandomStateWarning`` (about 600 characters, attributed to the line of
-``_tools/measure.py`` that iterates), a dozen of them above the table the tool exists to show.
-:class:`TrialWarnings` catches those around each trial, lets every other warning through as
-it would have gone, and :meth:`TrialWarnings.report` says each kind once, attributed to the
-dataset's own source (its ``__getitem__``), with the trials that saw it; the tool puts the same
-words in its JSON.
+``gpufeed tune`` builds a loader per run of every trial, and a loader warns once in its life, so
+a dataset that draws from a global random generator in thread workers would print a long
+``RandomStateWarning`` per thread-worker run, attributed to ``_tools/measure.py``, above the
+table the tool exists to show. :class:`TrialWarnings` catches those around each trial, lets
+every other warning through, and says each kind once, attributed to the dataset's own source,
+with the trials that saw it; the tool puts the same words in its JSON. Measurements:
+docs/how-it-works/measurements/tools.md#one-warning-per-tool.
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ class TrialWarnings:
     @contextmanager
     def trial(self, what: str) -> Iterator[None]:
         """Catch the random-state warnings of one trial (``what``: its keyword arguments);
-        any other warning is shown after it as it would have been (the filters in force
-        applied, an ``error`` filter raising at once)."""
+        show any other warning after it as it would have been (an ``error`` filter raises)."""
         with warnings.catch_warnings(record=True) as caught:
             try:
                 yield

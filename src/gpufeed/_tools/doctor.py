@@ -25,9 +25,8 @@ CPUs               never                                  fewer usable than onli
                                                           more workers than usable CPUs
 free memory        < 1 GiB available (or < the batches    < 4 GiB available (or < twice that)
                    in flight)
-worker heap        never                                  never: says whether process workers
-(process workers)                                         raise glibc's malloc thresholds to their
-                                                          batches (NOTE [ Worker heap ]), or why not
+worker heap        never                                  never: whether process workers raise
+(process workers)                                         malloc's thresholds (NOTE [ Worker heap ])
 GPU PCIe link      never                                  width or generation below the maximum
 GPU NUMA node      never                                  this process may run on CPUs outside it
 =================  =====================================  =======================================
@@ -148,16 +147,14 @@ def shm_need(in_flight: int, batch_bytes: int) -> int:
     """Free /dev/shm the stock loader's batches need, in bytes: each batch a worker sends is
     a /dev/shm file until the loop drops it, so at most ``num_workers * prefetch_factor``
     batches in flight (``in_flight`` bytes; a batch being collated is one of them) plus
-    ``SHM_HELD_BATCHES`` the loop holds. The check once asked for twice ``in_flight``, which
-    is that for one worker at prefetch 2 and almost twice too much for many workers."""
+    ``SHM_HELD_BATCHES`` the loop holds."""
     return in_flight + SHM_HELD_BATCHES * batch_bytes
 
 
 def check_shm(probe: Probe, in_flight: int | None = None,
               batch_bytes: int | None = None) -> Finding:
-    """``in_flight``: bytes of the batches the workers keep in flight, ``batch_bytes``: of one
-    batch, when known. The size advised covers what is in use now plus the free space the
-    check asks for (:func:`shm_need`), and says both parts."""
+    """The size advised covers what is in use now plus the free space :func:`shm_need` asks
+    for, and says both parts."""
     usage = probe.shm()
     warn_at = (SHM_WARN_FREE if in_flight is None
                else shm_need(in_flight, batch_bytes if batch_bytes is not None else 0))
@@ -269,33 +266,29 @@ def check_memory(probe: Probe, in_flight: int | None = None) -> Finding:
 
 def check_gpu(gpu: GpuInfo, probe: Probe) -> list[Finding]:
     name = f"GPU {gpu.index}"
-    link = (f"PCIe gen {gpu.gen or '?'}/{gpu.max_gen or '?'}, "
+    link = (f"{gpu.name}, PCIe gen {gpu.gen or '?'}/{gpu.max_gen or '?'}, "
             f"x{gpu.width or '?'}/x{gpu.max_width or '?'}")
-    out = []
     if gpu.width and gpu.max_width and gpu.width < gpu.max_width:
-        out.append(Finding(f"{name} PCIe", "warn", link,
-                           f"the link runs at x{gpu.width} of x{gpu.max_width}: host-to-device "
-                           "copies are slower; reseat the card or use a full-width slot"))
+        pcie = Finding(f"{name} PCIe", "warn", link,
+                       f"the link runs at x{gpu.width} of x{gpu.max_width}: host-to-device "
+                       "copies are slower; reseat the card or use a full-width slot")
     elif gpu.gen and gpu.max_gen and gpu.gen < gpu.max_gen:
-        out.append(Finding(f"{name} PCIe", "warn", link,
-                           "the link runs below its top generation; idle GPUs step down, so "
-                           "re-check under load (nvidia-smi -q -d PCI) before changing anything"))
+        pcie = Finding(f"{name} PCIe", "warn", link,
+                       "the link runs below its top generation; idle GPUs step down, so "
+                       "re-check under load (nvidia-smi -q -d PCI) before changing anything")
     else:
-        out.append(Finding(f"{name} PCIe", "ok", link))
-    out[0] = Finding(out[0].name, out[0].status, f"{gpu.name}, {out[0].value}", out[0].advice)
+        pcie = Finding(f"{name} PCIe", "ok", link)
     if gpu.numa_node is None or gpu.numa_node < 0:
-        out.append(Finding(f"{name} NUMA", "ok", "no NUMA node reported"))
-        return out
+        return [pcie, Finding(f"{name} NUMA", "ok", "no NUMA node reported")]
     node_cpus = cpulist(probe.read_text(f"/sys/devices/system/node/node{gpu.numa_node}/cpulist"))
     affinity = probe.affinity()
     value = f"node {gpu.numa_node}"
     if node_cpus and affinity and not affinity <= node_cpus:
-        out.append(Finding(f"{name} NUMA", "warn", value,
-                           f"this process may run on CPUs outside the GPU's node; bind it: "
-                           f"numactl --cpunodebind={gpu.numa_node} --membind={gpu.numa_node}"))
-    else:
-        out.append(Finding(f"{name} NUMA", "ok", value))
-    return out
+        return [pcie, Finding(f"{name} NUMA", "warn", value,
+                              f"this process may run on CPUs outside the GPU's node; bind it: "
+                              f"numactl --cpunodebind={gpu.numa_node} "
+                              f"--membind={gpu.numa_node}")]
+    return [pcie, Finding(f"{name} NUMA", "ok", value)]
 
 
 def diagnose(*, probe: Probe | None = None, workload: Workload | None = None) -> DoctorReport:

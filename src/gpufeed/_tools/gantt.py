@@ -129,11 +129,9 @@ def render(doc: Mapping[str, Any], path: str | os.PathLike[str], *,
         label = names.get(key, f"tid {key[1]}")
         labels.append(f"{procs.get(key[0], key[0])} · {label}" if multi else label)
     for s in stalled:
-        gantt.axvspan(ms(max(s["ts"], lo)), ms(min(s["ts"] + s["dur"], hi)),
-                      color=COLORS["stall"], alpha=0.12, linewidth=0, zorder=0)
-        if low is not None:
-            low.axvspan(ms(max(s["ts"], lo)), ms(min(s["ts"] + s["dur"], hi)),
-                        color=COLORS["stall"], alpha=0.12, linewidth=0, zorder=0)
+        for ax in (gantt,) if low is None else (gantt, low):
+            ax.axvspan(ms(max(s["ts"], lo)), ms(min(s["ts"] + s["dur"], hi)),
+                       color=COLORS["stall"], alpha=0.12, linewidth=0, zorder=0)
     for e in instants:
         key = (e["pid"], e.get("tid", 1))
         if key in spans:
@@ -170,9 +168,7 @@ def render(doc: Mapping[str, Any], path: str | os.PathLike[str], *,
         low.set_ylabel("count", fontsize=9)
         low.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
         low.grid(alpha=0.3)
-        low.set_xlabel(f"ms from {start_s:.3f} s into the trace")
-    else:
-        gantt.set_xlabel(f"ms from {start_s:.3f} s into the trace")
+    (gantt if low is None else low).set_xlabel(f"ms from {start_s:.3f} s into the trace")
     out = Path(path)
     fig.savefig(out)
     return out

@@ -1,47 +1,42 @@
 """Measuring a loader honestly: throughput, first-batch latency and process-tree memory.
 
 ``measure_loader`` times any iterable of batches (a ``gpufeed.DataLoader``, the stock
-``torch.utils.data.DataLoader``, a ``torchdata.nodes.Loader``, a plain generator) the same way:
+``torch.utils.data.DataLoader``, a ``torchdata.nodes.Loader``, a generator) the same way:
 
-- the clock for the **first-batch latency** starts just before ``iter()`` is called (so it
-  includes starting workers) and stops when the first batch arrives;
-- the first ``warmup_batches`` batches are **excluded from the rate**: the rate clock starts when
-  the last warm-up batch has been delivered;
-- the **memory** figure is the PSS of this process plus all its descendants, summed (NOTE
-  [ Measuring honestly ] (1)). A daemon thread samples the sum every ``sample_interval_s`` and
-  keeps the peak. Reading PSS makes the kernel walk every page table of every process (about
-  40 us per resident MiB on the VMs we measure on), so when one sample costs more than a tenth
-  of the interval the interval is stretched to ten times the cost: the sampler never takes more
-  than about 10% of one core, at the price of sparser samples for large processes. One more
-  sample is taken, outside the timed span, when the pass is about to end (the last batch of a
-  ``len()``-known pass, or the batch that hits ``max_batches``/``max_seconds``), while the
-  workers still run: memory that only grows during a pass (mapped file pages) peaks there, and
-  sparse samples would otherwise miss it by a varying amount.
+- the **first-batch latency** runs from just before ``iter()`` (worker start-up included) to
+  the first batch;
+- the first ``warmup_batches`` batches are **excluded from the rate**, whose clock starts when
+  the last of them has been delivered;
+- the **memory** figure is the peak PSS of this process plus all its descendants, summed (NOTE
+  [ Measuring honestly ] (1)), sampled by a daemon thread every ``sample_interval_s``. Reading
+  PSS makes the kernel walk every page table of the tree (about 40 us per resident MiB on the
+  VMs we measure on), so the interval is stretched to ten times the cost of a sample when that
+  is longer: the sampler takes at most about 10% of one core. One more sample is taken,
+  untimed, when the pass is about to end (the last batch of a ``len()``-known pass, or the
+  batch that hits ``max_batches``/``max_seconds``) while the workers still run: memory that
+  only grows during a pass (mapped file pages) peaks there, and sparse samples would miss it by
+  a varying amount;
+- the **main process's CPU** over the counted batches (``main_thread_cpu_s``: the iterating
+  thread; ``main_process_cpu_s``: all its threads but the sampler's) is what the loader costs
+  the process that trains, which competes with its own workers for the cores.
 
-The **main process's CPU** over the counted batches is read too (``main_thread_cpu_s``: the
-iterating thread; ``main_process_cpu_s``: all its threads, the sampler's left out): what the
-loader costs the process that trains, which competes with its own workers for the cores.
-
-The peak is also split by kind of memory (``Pss_Anon``, ``Pss_File`` and ``Pss_Shmem`` of
-``/proc/<pid>/smaps_rollup``, summed over the tree at the peak sample), because the kinds behave
-differently when two loaders are compared:
+The peak is also split by kind (``Pss_Anon``, ``Pss_File`` and ``Pss_Shmem`` of
+``/proc/<pid>/smaps_rollup``, summed over the tree at the peak sample), because the kinds
+behave differently when two loaders are compared:
 
 - **anon**: heaps, decoded samples, copy-on-write copies of the dataset in forked workers,
   thread workers' batches;
-- **file**: mapped file pages. Shared libraries (whose PSS also falls when *other* processes on
-  the machine map the same libraries) and memory-mapped data, such as a ``numpy.memmap``
-  dataset: its pages count once a process of the tree has touched them, so this part grows with
-  the samples read, and two loaders compare fairly only when they read the same samples;
+- **file**: mapped file pages: shared libraries (whose PSS also falls when *other* processes
+  map them) and memory-mapped data such as a ``numpy.memmap`` dataset, which grows with the
+  samples read, so two loaders compare fairly only when they read the same samples;
 - **shmem**: shared memory that some process of the tree maps (the stock loader's per-batch
   segments once received, gpufeed's slot ring).
 
-Shared memory that a process of the tree holds open but that none maps is in no PSS: the stock
-loader's queued batches are such memory (a worker collates into a /dev/shm segment and passes
-its descriptor on; the pages are mapped only when the main process takes the batch). So the
-sampler also reads that (``probe.unmapped_shared_bytes``: shared-memory files behind the tree's
-descriptors that no process of it maps; ``sample_held``, on by default) and keeps the peak of
-PSS plus it, ``peak_held_bytes``: the memory the loader holds, queued batches included.
-Descriptors in transit inside a socket are in neither.
+Shared memory that the tree holds open but no process maps is in no PSS: the stock loader's
+queued batches are such memory (a worker collates into a /dev/shm segment and passes its
+descriptor on; the main process maps it when it takes the batch). So the sampler also reads it
+(``probe.unmapped_shared_bytes``; ``sample_held``, on by default) and keeps the peak of PSS plus
+it, ``peak_held_bytes``. Descriptors in transit inside a socket are in neither.
 
 NOTE [ Measuring honestly ]
 ---------------------------
@@ -89,28 +84,26 @@ class Measurement:
     """What one pass of ``measure_loader`` saw.
 
     Attributes:
-        samples: samples delivered after the warm-up (the ones the rate counts).
-        batches: batches delivered after the warm-up.
+        samples, batches: delivered after the warm-up (the ones the rate counts).
         seconds: wall time from the end of the warm-up to the last counted batch.
         samples_per_s: ``samples / seconds``.
-        bytes_per_s: bytes of tensor/array leaves delivered per second (after the warm-up).
+        bytes_per_s: bytes of tensor/array leaves delivered per second after the warm-up.
         first_batch_s: seconds from just before ``iter()`` to the first batch.
-        peak_pss_bytes: highest PSS of this process and all its descendants seen while the
-            iterator was alive (0 when ``sample_memory=False``).
-        start_pss_bytes: PSS of the process tree just before ``iter()`` (0 when not sampled);
-            ``peak_pss_bytes - start_pss_bytes`` is the growth caused by iterating.
+        peak_pss_bytes: the tree's highest PSS while the iterator was alive (0 unsampled).
+        start_pss_bytes: the tree's PSS just before ``iter()`` (0 unsampled); the peak less
+            this is the growth caused by iterating.
         warmup_batches: batches delivered before the rate clock started.
-        memory_samples: how many PSS samples the sampler took.
-        peak_pss_anon_bytes, peak_pss_file_bytes, peak_pss_shmem_bytes: the peak sample split
-            by kind (see the module docstring); they add up to ``peak_pss_bytes`` within
-            rounding. 0 when not sampled, or where the kernel gives no split.
-        peak_held_bytes: the highest PSS plus shared memory held open but mapped by no
-            process of the tree, in one sample (see the module docstring); at least
-            ``peak_pss_bytes`` when sampled.
+        memory_samples: PSS samples taken.
+        peak_pss_anon_bytes, peak_pss_file_bytes, peak_pss_shmem_bytes: the peak sample by
+            kind, adding up to ``peak_pss_bytes`` within rounding (0 unsampled, or where the
+            kernel gives no split).
+        peak_held_bytes: the highest PSS plus shared memory mapped by no process of the tree,
+            in one sample; at least ``peak_pss_bytes`` when sampled.
         main_thread_cpu_s: CPU seconds of the iterating thread over the counted batches: the
             loader's work in the main thread (receiving, unpacking, releasing) and this loop's.
         main_process_cpu_s: the same for every thread of this process but the PSS sampler's
             (a loader's helper threads, thread workers); worker processes are not in it.
+        worker_nice: a gpufeed loader's workers' priority at the end (its stats gauge).
     """
 
     samples: int
@@ -129,15 +122,13 @@ class Measurement:
     peak_held_bytes: int = 0
     main_thread_cpu_s: float = 0.0
     main_process_cpu_s: float = 0.0
-    worker_nice: int = 0  # a gpufeed loader's workers' priority at the end (its stats gauge)
+    worker_nice: int = 0
 
 
 def batch_samples_and_bytes(batch: Any) -> tuple[int, int]:
-    """Return ``(samples, bytes)`` of a batch: the first dimension of its first tensor or array
-    leaf, and the bytes of all tensor and array leaves. Walks tuples, lists, dicts and namedtuples;
-    other leaves (ints, strings) count no bytes. A batch with no array
-    leaf (a list of samples) counts ``len(batch)`` samples.
-    """
+    """``(samples, bytes)`` of a batch: the first dimension of its first tensor or array leaf
+    (``len(batch)`` when there is none), and the bytes of all tensor and array leaves, walking
+    tuples, lists, dicts and namedtuples."""
     samples: int | None = None
     nbytes = 0
     stack: list[Any] = [batch]
@@ -182,28 +173,25 @@ def measure_loader(
     """Iterate one pass over ``make_iterable()`` and measure it.
 
     Args:
-        make_iterable: builds the loader (or any iterable of batches). Building it is not timed;
-            ``iter()`` on it is (first-batch latency).
+        make_iterable: builds the loader (or any iterable of batches), untimed; ``iter()`` on
+            it is timed (first-batch latency).
         max_batches: stop after this many batches in all, warm-up included (``None``: the whole
-            pass). Bounds the run time on large data sets.
-        max_seconds: stop once this many seconds have passed since the warm-up ended (``None``:
-            no limit). Another bound on run time; the rate stays exact since it divides the
-            batches counted by the time they took.
+            pass).
+        max_seconds: stop this many seconds after the warm-up ended (``None``: no limit); the
+            rate stays exact, the batches counted over the time they took.
         warmup_batches: batches delivered before the rate clock starts (worker start-up, first
-            page faults, allocator growth). More gives steadier rates on short runs; must leave at
-            least one batch to time.
-        consume: called on every batch (e.g. to touch its bytes, as a training step would); its
-            time counts in the rate. ``None``: the batch is dropped at once.
-        sample_memory: sample the PSS of the process tree in a thread, plus once when the pass
-            is about to end (untimed). Costs up to about 10% of one core; turn it off for
-            timing-only runs or where PSS is not available.
+            page faults, allocator growth); must leave at least one batch to time.
+        consume: called on every batch (as a training step would be); its time counts in the
+            rate. ``None``: the batch is dropped at once.
+        sample_memory: sample the tree's PSS in a thread, plus once, untimed, as the pass ends.
+            Costs up to about 10% of one core; turn it off where PSS is not available.
         sample_held: also read the shared memory the tree holds but maps nowhere
             (``peak_held_bytes``): each process's descriptors and, when one is shared
             memory, its ``/proc/<pid>/maps`` (a few ms, mostly the kernel's, per sample).
         sample_interval_s: seconds between PSS samples (stretched to ten times the cost of a
             sample when that is longer). Shorter catches briefer peaks and costs more CPU.
-        count: returns ``(samples, bytes)`` of a batch; the default handles tensors, numpy
-            arrays and nested tuples/lists/dicts of them.
+        count: returns ``(samples, bytes)`` of a batch (default:
+            :func:`batch_samples_and_bytes`).
 
     Raises:
         ValueError: bad knobs, or fewer batches than ``warmup_batches + 1``.
@@ -263,9 +251,7 @@ def measure_loader(
             if sampler is not None and ending:
                 sampler.sample()  # the end of the pass, workers still running (see the top)
             del batch
-            if max_batches is not None and seen >= max_batches:
-                break
-            if timed_out:
+            if timed_out or (max_batches is not None and seen >= max_batches):
                 break
         if cpu_end is None:
             cpu_end = _cpu_now(sampler)

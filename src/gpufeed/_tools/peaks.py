@@ -30,14 +30,11 @@ def _shm_used() -> int:
 class PeakSampler:
     """Peaks of this process tree's memory, sampled on demand or by a daemon thread.
 
-    ``sample()`` reads the tree's PSS (``process_tree_memory``) and keeps the highest sample as
-    ``peak``; with ``held=True`` it also reads the shared memory the tree holds but maps
-    nowhere, and keeps the highest PSS plus it as ``held`` (else ``held`` follows the PSS);
-    ``start`` is the first sample, ``count`` how many were taken. ``start_thread``
-    samples every ``interval_s`` until ``stop()``; a per-batch hook calls ``maybe_sample`` to
-    sample at most every ``every_s``. With ``gauges=True``, ``sample_gauges()`` also keeps the
-    peaks of two cheap reads: ``shm_used``, bytes used on /dev/shm (machine-wide: other programs
-    count too; ``shm_start`` when built), and ``pinned``, :func:`pinned_bytes` (CUDA only).
+    ``peak``: the sample (``process_tree_memory``) with the highest PSS; ``start``: the first;
+    ``count``: how many. ``held``: the highest PSS plus the shared memory the tree holds but
+    maps nowhere (read only with ``held=True``, else it follows the PSS). With ``gauges=True``,
+    :meth:`sample_gauges` keeps ``shm_used`` (bytes used on /dev/shm, machine-wide; ``shm_start``
+    when built) and ``pinned`` (:func:`pinned_bytes`, CUDA only).
     """
 
     def __init__(self, *, gauges: bool = False, held: bool = False) -> None:

@@ -60,8 +60,8 @@ def _is_torch_shm_manager(proc: psutil.Process) -> bool:
 
 
 def shm_usage() -> tuple[int, int] | None:
-    """(total, free) bytes of /dev/shm, None where it cannot be read: gpufeed's one reader of
-    /dev/shm (the doctor, the tuner's budget and its trials' gauge)."""
+    """(total, free) bytes of /dev/shm, None where it cannot be read (the doctor, the tuner's
+    budget and its trials' gauge all read it here)."""
     try:
         usage = shutil.disk_usage("/dev/shm")
     except OSError:
@@ -238,12 +238,9 @@ def _psutil_pss(proc: psutil.Process) -> int:
 
 def process_tree_memory(pid: int | None = None, *, unmapped: bool = False) -> TreeMemory:
     """PSS of process ``pid`` (default: this one) plus its :func:`descendants`, whole and by
-    kind.
-
-    Reads ``/proc/<pid>/smaps_rollup``, or psutil's ``memory_full_info().pss`` where that file
-    is missing (no split then). Processes that exit while being read are skipped. Raises
-    ``RuntimeError`` where the platform has no PSS (psutil exposes it on Linux only).
-    """
+    kind, from ``/proc/<pid>/smaps_rollup`` (psutil's ``memory_full_info().pss`` where that is
+    missing: no split then). Processes that exit while being read are skipped. Raises
+    ``RuntimeError`` where the platform has no PSS (psutil exposes it on Linux only)."""
     root = psutil.Process(pid)
     tree = [root, *descendants(root)]
     total = {"pss": 0, "anon": 0, "file": 0, "shmem": 0}
@@ -268,14 +265,12 @@ def _shared_file(target: str) -> bool:
 
 def unmapped_shared_bytes(pids: list[int]) -> int:
     """Bytes of shared memory (memfds, /dev/shm files) that processes ``pids`` hold open by a
-    file descriptor while none of them maps the file: real memory that is in no PSS.
+    file descriptor while none of them maps the file: real memory that is in no PSS (the stock
+    loader's queued batches, see ``_tools/measure.py``).
 
-    The stock loader's queued batches are such memory: a worker collates a batch into a
-    /dev/shm segment and passes its descriptor on; until the main process maps it, the pages
-    live in the kernel, held by a descriptor in the worker. Counted by pages allocated
-    (``st_blocks``), each file once; a file any of ``pids`` maps is left out whole (its
-    mapped pages are in the PSS of whoever maps them). Processes that exit while being read
-    are skipped; 0 without ``/proc``."""
+    Counted by pages allocated (``st_blocks``), each file once; a file any of ``pids`` maps is
+    left out whole (its mapped pages are in the PSS of whoever maps them). Processes that exit
+    while being read are skipped; 0 without ``/proc``."""
     held: dict[tuple[int, int], int] = {}
     for pid in pids:
         fds = f"/proc/{pid}/fd"
@@ -288,9 +283,9 @@ def unmapped_shared_bytes(pids: list[int]) -> int:
             except OSError:  # closed meanwhile
                 continue
             held[(st.st_dev, st.st_ino)] = st.st_blocks * 512
-    # a maps line: "start-end perms offset MAJOR:MINOR INODE   path", the device in hex: one
-    # scan per device and process finds the inodes mapped (a search per file took 10 ms for
-    # 50 files in a process of 1,500 mappings, holding the GIL)
+    # A maps line is "start-end perms offset MAJOR:MINOR INODE   path", the device in hex. One
+    # scan per device and process finds the inodes mapped; a search per file is slower and holds
+    # the GIL (docs/how-it-works/measurements/tools.md#mapped-shared-memory).
     devices = {dev: re.compile(rf" {os.major(dev):02x}:{os.minor(dev):02x} (\d+) ")
                for dev, _ in held}
     mapped: set[tuple[int, int]] = set()
@@ -302,6 +297,5 @@ def unmapped_shared_bytes(pids: list[int]) -> int:
 
 
 def process_tree_pss(pid: int | None = None) -> int:
-    """Return the PSS in bytes of process ``pid`` (default: this one) plus all its descendants
-    (``process_tree_memory(pid).pss``)."""
+    """``process_tree_memory(pid).pss``: the PSS in bytes of a process tree."""
     return process_tree_memory(pid).pss

@@ -6,46 +6,31 @@ cache, CPU frequency), so ``gpufeed bench`` and ``gpufeed tune`` never trust one
 NOTE [ Repeated measurement ]:
 1. Every configuration runs ``runs`` times (21 for ``bench``, 5 for ``tune`` by default); it
    may stop early when the spread of its first ``min_runs_to_stop(runs)`` runs or more (a
-   third of ``runs``, at least ``MIN_RUNS`` = 3) is already below ``target_spread``. Three
-   runs were not enough to stop on: in four ``bench`` invocations, 4 of the 24 2-worker rows
-   (whose runs spread 20-40%) stopped after three runs within 5% of each other, and two of
-   the three ratios that then moved by more than 10% between invocations rested on them.
-   Runs of different configurations are interleaved (round-robin), so a slow patch of the
-   machine hits all of them, not one.
+   third of ``runs``, at least ``MIN_RUNS`` = 3) is already below ``target_spread``: three
+   runs that happen to agree are too few to stop on. Runs of different configurations are
+   interleaved (round-robin), so a slow patch of the machine hits all of them, not one.
+   ``bench`` runs 21 times because the ratios of 2-worker rows drift with the machine's state
+   over minutes, so runs must span more of it.
 2. A configuration is reported as the **median** of its runs and its **spread**, the range
    from the slowest to the fastest run.
 3. A ratio of two configurations is taken between their
    *faster halves*: the median of every ratio of one of ``a``'s faster half of runs to one of
    ``b``'s. Interference on a shared machine only ever slows a run down, so the faster runs are
    the least disturbed ones, and half of them (not the single fastest) keeps one lucky run from
-   deciding. On the same four back-to-back ``gpufeed bench --runs 7`` invocations on this 2-core
-   VM, the largest change of a ratio between consecutive invocations was 24%, 23% and 14% with
-   the median of per-round paired ratios, and 15%, 12% and 7% with the faster halves
-   (``bench/results/bench-repeat.md``).
-   The ratio carries a 95% interval: the 2.5th and 97.5th percentiles of the same ratio over
-   ``BOOTSTRAP_RESAMPLES`` bootstrap resamples (each row's runs drawn again with replacement,
-   the faster halves and the median ratio taken again), seeded, so the same runs give the
-   same interval. It says how far the ratio could move with other draws of the same noise.
-   The verdict follows from it alone: *faster* when the whole interval lies above 1x,
-   *slower* when it lies below, *cannot tell* when it holds 1x or a row has fewer than
-   ``VERDICT_RUNS`` (7) runs. A percentile bootstrap is too narrow on few runs: on simulated
-   pairs of equal rows (each run slowed at random by an exponential share of 8%, one run in
-   ten to 30%, 250 pairs), the interval left 1x out in 17% of pairs with 3 runs a row, 11%
-   with 5, 6% with 7, 4% with 21; with a 15% gain it found "faster" in 84% of pairs at 7
-   runs and all at 21. The range that was printed before, slowest over fastest to fastest
-   over slowest, is no interval of anything: one run slowed by the machine stretched it to
-   "3.10x (0.86-10.04)" and its overlap test called a threefold gain "same within noise".
-   Why 21 runs for ``bench``: the ratios of 2-worker rows drift with the machine's state over
-   minutes, so runs must span more of it. Shorter invocations replayed from seven 21-run ones
-   (``python -m bench.repeatability``) had every ratio of an invocation and the
-   next within 10% in 74% of pairs with 9 runs per row, 87% with 13, 96% with 17. Real
-   21-run invocations agreed so in 10 of 12 consecutive pairs, 9-run ones in 1 of 4
-   (``bench/results/bench-repeat.md``).
+   deciding. The ratio carries a 95% interval: the 2.5th and 97.5th percentiles of the same
+   ratio over ``BOOTSTRAP_RESAMPLES`` bootstrap resamples (each row's runs drawn again with
+   replacement, the faster halves and the median ratio taken again), seeded, so the same runs
+   give the same interval. The verdict follows from it alone: *faster* when the whole interval
+   lies above 1x, *slower* when it lies below, *cannot tell* when it holds 1x or a row has
+   fewer than ``VERDICT_RUNS`` (7) runs, because a percentile bootstrap is too narrow on few
+   runs.
 4. While measuring, :class:`LoadMonitor` reads the CPU time the whole machine used
    (``/proc/stat``) and subtracts what this process tree used: the rest is *other processes*.
    Steal time (a hypervisor running other guests on our CPUs) is read from the same line.
    When either is high the result says "machine busy" (output and JSON) instead of quietly
    recommending from noisy figures.
+
+Measurements: docs/how-it-works/measurements/tools.md#repeated-measurement.
 """
 
 from __future__ import annotations
@@ -115,9 +100,7 @@ class Spread:
 
     def ratio(self, other: Spread) -> Ratio:
         """``self / other`` with its 95% bootstrap interval and verdict (NOTE [ Repeated
-        measurement ] rule (3)): the median of ``x / y`` over every ``x`` of this spread's
-        faster half and every ``y`` of the other's. All zeros when either side has no run
-        (or a run of no speed)."""
+        measurement ] rule (3)); all zeros when either side has no run (or a run of no speed)."""
         if not self.runs or not other.runs or min(self.runs) <= 0 or other.lo <= 0:
             return Ratio(0.0, 0.0, 0.0, len(self.runs), len(other.runs))
         mid = _faster_half_ratio(self.runs, other.runs)
@@ -160,10 +143,8 @@ class Ratio:
     """``a / b`` of two measured rates (NOTE [ Repeated measurement ] rule (3)).
 
     Fields:
-        mid: the median of every ratio of one of ``a``'s faster half of runs to one of
-            ``b``'s: the figure reported.
-        lo, hi: its 95% bootstrap interval: the ratio of other draws of the same noise lies in
-            it 19 times in 20.
+        mid: the figure reported, the median ratio of the faster halves.
+        lo, hi: its 95% bootstrap interval.
         runs_a, runs_b: the runs behind each side.
     """
 
@@ -274,10 +255,9 @@ def _tree_cpu_s() -> float:
 
 
 class LoadMonitor:
-    """Watches the machine between :meth:`start` and :meth:`stop` (see point 4 of NOTE
-    [ Repeated measurement ]). Workers that exit in between and are reaped count as ours;
-    a worker that started before ``start`` and was reaped after counts whole, which can only
-    understate the others."""
+    """Watches the machine between :meth:`start` and :meth:`stop` (NOTE [ Repeated
+    measurement ] (4)). A worker reaped in between counts as ours, whole even if it started
+    before ``start``: that can only understate the others."""
 
     def __init__(self, cpus: int | None = None) -> None:
         self.cpus = cpus or os.cpu_count() or 1

@@ -10,11 +10,9 @@ Every gpufeed loader (and ``to_device`` iterator) iterated inside the block is r
 any thread; the recorder and its rules are NOTE [ Timeline ] in ``_base/timeline.py``. This
 module is the one writer: it expands the records into Trace Event Format events
 (https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU): per loader
-one process group (``pid`` 1, 2, ... in order of appearance, named by ``process_name``), per
-track one thread (``tid``: 1 the main thread, 2 the device stage, 3 the GPU copy stream, 4
-the main thread's own fetches without workers, 100 + w worker w), complete events (``ph``
-"X", ``ts``/``dur`` in microseconds from the start of the trace), counters (``ph`` "C") and
-instants (``ph`` "i").
+one process group (``pid`` 1, 2, ... in order of appearance), per track one thread (``tid``:
+``_TRACKS``, ``WORKER_TID + w`` for worker w), complete events (``ph`` "X", ``ts``/``dur`` in
+microseconds from the start of the trace), counters (``ph`` "C") and instants (``ph`` "i").
 """
 
 from __future__ import annotations
@@ -40,22 +38,15 @@ _TRACKS: dict[Hashable, tuple[int, str]] = {
 WORKER_TID = 100
 
 
-def _tid(track: Hashable, others: dict[Hashable, int]) -> int:
+def _track(track: Hashable, others: dict[Hashable, int]) -> tuple[int, str]:
+    """(tid, name) of a track; a track neither known nor a worker's gets the next tid from
+    1000 in ``others``."""
     known = _TRACKS.get(track)
     if known is not None:
-        return known[0]
+        return known
     if isinstance(track, tuple) and len(track) == 2 and track[0] == "worker":
-        return WORKER_TID + int(track[1])
-    return others.setdefault(track, 1000 + len(others))
-
-
-def _track_name(track: Hashable) -> str:
-    known = _TRACKS.get(track)
-    if known is not None:
-        return known[1]
-    if isinstance(track, tuple) and len(track) == 2 and track[0] == "worker":
-        return f"worker {track[1]}"
-    return str(track)
+        return WORKER_TID + int(track[1]), f"worker {track[1]}"
+    return others.setdefault(track, 1000 + len(others)), str(track)
 
 
 def _expand(rec: tuple[Any, ...], delivered: int
@@ -128,10 +119,9 @@ def chrome_trace(timeline: Timeline) -> dict[str, Any]:
                 continue
             ev: dict[str, Any] = {"ph": ph, "name": name, "pid": pid, "ts": us(start)}
             if ph != "C":
-                tid = _tid(track, others)
+                tid, track_name = _track(track, others)
                 ev["tid"] = tid
-                tids.setdefault((pid, tid), timeline.labels.get((owner, track))
-                                or _track_name(track))
+                tids.setdefault((pid, tid), timeline.labels.get((owner, track)) or track_name)
             if ph == "X":
                 ev["dur"] = round(us(end) - ev["ts"], 3)
                 ev["cat"] = "worker" if tid >= WORKER_TID else "main" if tid == 1 else "device"

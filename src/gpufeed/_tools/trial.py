@@ -1,14 +1,12 @@
 """One tuner trial: a loader configuration measured repeatedly, with its memory peaks and the
 share of a training step's loop it spends waiting for data.
 
-Runs of a trial follow NOTE [ Repeated measurement ] (``_tools/repeat.py``): ``runs`` passes of
-about ``seconds`` each (fewer, at least 3, when they already agree within ``target_spread``);
-the trial reports their median rate and range.
-
-With a ``step`` (the user's training step, or a sleep of ``--step-ms``) every batch is handed to
-it as a training loop would; the time between the end of one step and the next batch is the
-loop's *wait*, and ``input_bound = wait / (wait + step)`` over the timed batches. A loader that
-keeps up with the step has an input-bound share near 0, whatever its raw throughput.
+Runs of a trial follow NOTE [ Repeated measurement ] (``_tools/repeat.py``); the trial reports
+their median rate and range. With a ``step`` (the user's training step, or a sleep of
+``--step-ms``) every batch is handed to it as a training loop would; the time between the end
+of one step and the next batch is the loop's *wait*, and ``input_bound = wait / (wait + step)``
+over the timed batches: near 0 for a loader that keeps up with the step, whatever its raw
+throughput.
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ COLLATE_FIX = ("samples of different sizes need a collate_fn that pads them "
 
 
 def ragged(text: str) -> bool:
-    """Whether an error message says that the default collate could not stack samples of
-    different sizes."""
+    """Whether an error says the default collate could not stack samples of different sizes."""
     return any(s in text for s in RAGGED_ERRORS)
 
 
@@ -126,9 +123,8 @@ class Trial:
 
 
 class _StepTimer:
-    """Times a run's training loop: runs the user's step on each batch and, after the warm-up,
-    adds the step's time and the loop's wait for the batch (from the end of the previous step,
-    :meth:`ready`, to the batch's arrival)."""
+    """Runs the user's step on each batch and, after the warm-up, adds up the step's time and
+    the loop's wait for the batch (from the previous step's :meth:`ready` to its arrival)."""
 
     def __init__(self, step: Callable[[Any], object] | None, warmup: int) -> None:
         self.step, self.warmup = step, warmup
@@ -177,10 +173,10 @@ class _CpuClock:
 
 def _consume(timer: _StepTimer, peaks: _peaks.PeakSampler,
              cpu: _CpuClock) -> Callable[[Any], None]:
-    """``consume`` hook of a run: the step and its timing, then the memory gauges every batch
-    and the process tree's PSS once the warm-up is over and then every ``PSS_EVERY_S`` (a
-    sample costs a few ms: about 2% of a run's time), and its CPU time likewise. This
-    complements ``measure_loader``'s sampler thread, which can miss the peak of a short run."""
+    """``consume`` hook of a run: the step and its timing, the memory gauges every batch, and
+    after the warm-up the tree's PSS every ``PSS_EVERY_S`` (a sample costs a few ms: about 2%
+    of a run's time) and its CPU time likewise: ``measure_loader``'s sampler thread can miss
+    the peak of a short run."""
 
     def consume(batch: Any) -> None:
         timer(batch)

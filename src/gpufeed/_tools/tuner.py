@@ -14,9 +14,8 @@ Search (each trial is ``runs`` passes of about ``trial_seconds``, see ``_tools/t
    in gpufeed adapts to cheap batches), and ``pin_memory=True`` when CUDA is
    available (without a GPU pinning only costs).
 
-Memory per trial: peak PSS of the process tree (shared and pinned pages that are mapped count
-once, proportionally), growth of /dev/shm use, and pinned host bytes (CUDA only). A trial over
-any part of the :class:`Budget` is rejected.
+A trial over any part of the :class:`Budget` (peak PSS of the process tree, growth of /dev/shm
+use, pinned host bytes) is rejected.
 
 NOTE [ The recommendation ]: the fastest accepted trial (highest median) is the *best*; a trial
 is *within the noise* of it when their ranges of runs overlap or its median is within

@@ -1,10 +1,6 @@
 """The built-in workload of ``gpufeed bench``: in-memory random features and labels (no files),
-fetched three ways, so that both loaders are measured on each fetch path:
-
-- ``per-sample``: ``__getitem__`` per sample, then the default collate function;
-- ``getitems``: ``__getitems__`` returns the whole batch already stacked, paired with a
-  pass-through ``collate_fn`` (the fastest legitimate set-up of the stock loader);
-- ``array``: ``gpufeed.sources.ArrayDataset`` over the same arrays.
+fetched the three ways of ``_tools/bench.py`` (its ``getitems`` paired with a pass-through
+``collate_fn``: the fastest legitimate set-up of the stock loader).
 
 The benchmark lab (``bench/workloads.py`` in the repository) builds its file-backed workloads
 (tabular, image-array, jpeg, python-list) on these same types.
@@ -48,17 +44,10 @@ class Variant:
 
 @dataclass(frozen=True)
 class Workload:
-    """A benchmark workload.
-
-    Attributes:
-        name: the workload's name (``synthetic``, or one of the lab's).
-        description: one line for the results table.
-        batch_size: samples per batch.
-        samples: samples in one epoch.
-        variants: the datasets to measure, per fetch style.
-        full_epoch: measure a whole epoch (memory growth) instead of a time-capped slice.
-        meta: sizes, files and page-cache warm-up figures, recorded in the results.
-    """
+    """A benchmark workload: ``name`` (``synthetic``, or one of the lab's), a one-line
+    ``description`` for the results table, ``samples`` in one epoch, the ``variants`` to measure
+    per fetch path; ``full_epoch`` measures a whole epoch (memory growth) instead of a
+    time-capped slice; ``meta``: sizes, files and page-cache warm-up figures for the results."""
 
     name: str
     description: str
