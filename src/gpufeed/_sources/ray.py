@@ -28,19 +28,14 @@ items are whole batches (the loader runs it with ``batch_size=None``):
    batch that spans two blocks before gpufeed copies it again. Each number column of a batch is
    copied once, from the block's read-only object-store views, into memory of the batch's own:
    page-locked (torch's caching host allocator) when a CUDA device stage copies it ahead,
-   ordinary otherwise; Ray's views are never handed out nor kept past the block. Trainer CPU
-   per 1.5 MB batch of 128 rows, materialized, on a loaded 2-core machine (profiled side by
-   side): Ray's ``iter_batches(batch_size=128)`` alone 0.45-0.55 ms, its ``iter_torch_batches``
-   (no copy) 0.7-0.9; Ray cutting, a loader thread and the ring, as before, 1.4-2.0; Ray cutting
-   and the copy in the loop's thread 0.7-1.1 (so the thread cost 0.3-0.4); whole blocks cut
-   here, the copy included, 0.4-0.5 (the benchmark's medians: ``bench/results/ray.md``). Ray's
-   ``prefetch_batches`` then counts blocks: raise it where a block holds fewer rows than a
-   batch. With Ray's local shuffle buffer (``local_shuffle_buffer_size``) or a ``collate_fn``,
-   Ray cuts the batches (``iter_batches(batch_size=N)``). ``stats()`` counts
-   each batch (``fetch``: Ray's wait and the copy; ``collate``: a ``collate_fn``) and
-   ``gpufeed.trace`` draws them on the loop thread's "fetching" track, as without workers; the
-   device stage copies ahead as for any batch. A block is held until its last rows are copied,
-   as Ray's own iterator holds it.
+   ordinary otherwise; Ray's views are never handed out nor kept past the block (measurements:
+   docs/how-it-works/measurements/sources.md#ray-data-batches). Ray's ``prefetch_batches`` then
+   counts blocks: raise it where a block holds fewer rows than a batch. With Ray's local shuffle
+   buffer (``local_shuffle_buffer_size``) or a ``collate_fn``, Ray cuts the batches
+   (``iter_batches(batch_size=N)``). ``stats()`` counts each batch (``fetch``: Ray's wait and
+   the copy; ``collate``: a ``collate_fn``) and ``gpufeed.trace`` draws them on the loop
+   thread's "fetching" track, as without workers; the device stage copies ahead as for any
+   batch. A block is held until its last rows are copied, as Ray's own iterator holds it.
 3. A batch is ``{column: tensor}`` as ``iter_torch_batches`` gives it; a column numpy cannot
    make a number array of (strings, objects, ragged rows) is a numpy array of the batch's rows
    (a copy; an object array of one array per row where the batch spans blocks whose rows differ

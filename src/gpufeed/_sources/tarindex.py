@@ -26,16 +26,12 @@ batches: thread workers share nothing, forked workers inherit nothing, and a tho
 need no ``ulimit -n``); a shard changed since it was indexed is caught by its size and mtime at
 the read, an error even with ``on_error="skip"`` (its offsets no longer hold).
 
-Building the index took 11-12 us a sample here (2,000 samples of a ``.jpg`` and a ``.cls`` in 8
-shards, page cache warm, 2026-11-28; about 15 s for ImageNet's 1.28M), a third of it the header
-checksums, which are kept: a damaged size field would otherwise skip members silently. From a
-cold cache (the shards evicted with ``posix_fadvise``) it took 8x longer, the reads waiting on
-the disk. Threads help there and hurt from memory: eight threads, one a shard, took 47-55 ms
-warm against 24 ms one after another (the parsing holds the GIL, and the GIL changes hands at
-every short read; two threads did no better), and 96-133 ms cold against 184-214 ms. So shards
-are indexed one after another until one is slow (over 25 us a member), and the rest then eight
-at a time: 24.2 ms warm and 94 ms cold (medians of 7 rounds) against 24.2 and 158 ms for one
-after another.
+Checking the header checksums costs about a third of the indexing, and is kept: a damaged size
+field would otherwise skip members silently. Threads help when the headers come from disk and
+hurt when they come from memory (the parsing holds the GIL, which changes hands at every short
+read), so shards are indexed one after another until one is slow (over 25 us a member), and
+the rest then eight at a time.
+Measurements: docs/how-it-works/measurements/sources.md#tar-shard-index.
 """
 
 from __future__ import annotations
