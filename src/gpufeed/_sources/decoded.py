@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .arrays import allocate
-from .encoded import DECODE_MODES, encoded_batch
+from .encoded import DECODE_MODES, JPEG_MAGIC, complete, encoded_batch
 from .image_transform import check_transform, stack_outputs, transform_calls
 from .jpeg import codec, resolve_codec
 from .protocol import SourceChanged, index_array, require, sample_seeds
@@ -34,7 +34,6 @@ from .resample import box, center_cut_into, center_resize, random_resized, resiz
 
 __all__ = ["DecodedImages"]
 
-_JPEG_MAGIC = b"\xff\xd8\xff"
 CROPS = ("random", "center")
 ON_ERROR = ("raise", "skip")
 _NO_TRANSFORM = (
@@ -233,18 +232,20 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
             raise
         except Exception as exc:
             if self.on_error == "raise":
-                raise ValueError(
-                    f"cannot read image {self._name(index)} (sample {index}): {exc}. Fix or "
-                    f"remove the file, or pass {type(self).__name__}(..., on_error='skip')"
-                ) from exc
+                raise self._unreadable(index, exc) from exc
             self.skipped += 1
             return False
+
+    def _unreadable(self, index: int, exc: Exception) -> ValueError:
+        return ValueError(f"cannot read image {self._name(index)} (sample {index}): {exc}. Fix "
+                          f"or remove the file, or pass {type(self).__name__}(..., "
+                          "on_error='skip')")
 
     def _load(self, index: int, seed: int, dst: np.ndarray) -> None:
         """Image ``index``, cropped, resized and flipped with draws from a generator seeded
         ``seed``, written into ``dst`` (an HWC view of its place in the batch)."""
         data = self._read(index)
-        if data[:3] == _JPEG_MAGIC:
+        if data[:3] == JPEG_MAGIC:
             try:
                 self._jpeg(data, np.random.Generator(np.random.PCG64(seed)), dst)
                 return
@@ -290,7 +291,7 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
         sh, sw = math.ceil(height / factor), math.ceil(width / factor)  # the scaled image
         sy, sx = sh / height, sw / width
         region = box(top * sy, left * sx, ch * sy, cw * sx, sh, sw)
-        if _complete(data):
+        if complete(data):
             img = jc.decode(data, factor=factor, box=region, fast=self.fast)
         else:  # truncated: decoded whole, so that every crop finds it (NOTE [ Decoding ])
             t, lft, bh, bw = region
@@ -316,19 +317,11 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
         resize_into(dst, img[t:t + bh, lft:lft + bw], flip)
 
 
-
 def _image_buffer(h: int, w: int, memory_format: torch.memory_format) -> torch.Tensor:
     """A uint8 (3, h, w) image to decode into, in ``memory_format``."""
     if memory_format is torch.channels_last:
         return torch.empty((h, w, 3), dtype=torch.uint8).permute(2, 0, 1)
     return torch.empty((3, h, w), dtype=torch.uint8)
-
-
-def _complete(data: bytes) -> bool:
-    """Whether the JPEG ``data`` ends with its EOI marker (trailing bytes allowed in its last
-    KiB): a file cut short lacks it. In entropy-coded data 0xFF is followed by 0x00 or a
-    restart marker, so 0xFFD9 there is the end of the image."""
-    return data.endswith(b"\xff\xd9") or b"\xff\xd9" in data[max(2048, len(data) - 1024):]
 
 
 def _pillow_ready() -> None:

@@ -16,19 +16,17 @@ saving comes mostly from the rows below). Two codecs give the same pixels for th
   left and by ``_MARGIN`` pixels on both sides (chroma upsampling treats a region's edge
   columns as image edges, which changed them by up to 30 levels when decoded flush), decoded,
   and cut. The library comes from ``$GPUFEED_TURBOJPEG`` (a path), else the system's
-  ``libturbojpeg``, else the one bundled in the ``turbojpeg`` wheel, which
-  ``pip install 'gpufeed[image]'`` brings where that wheel exists (the extra pins it to 0.0.2,
-  limited by markers to the platforms with a wheel); one without ``tj3Init`` (libjpeg-turbo
-  2.x) is not used. That wheel's own API decodes whole images only, so gpufeed never imports
-  it: it loads the library found among the distribution's files by ``ctypes``. Its library (a
-  3.0 beta) has two faults worked around: merged upsampling with a region (below), and a handle
-  that refuses every later header after one failed call (the handle is dropped after a failure).
+  ``libturbojpeg``, else the one bundled in the ``turbojpeg`` wheel (pinned to 0.0.2 by the
+  ``image`` extra, on the platforms it has wheels for); one without ``tj3Init`` (libjpeg-turbo
+  2.x) is not used. That wheel's own API decodes whole images only, so it is never imported:
+  its library is found among the distribution's files. That library (a 3.0 beta) has two
+  faults worked around: merged upsampling with a region (below), and a handle that refuses
+  every later header after one failed call (the handle is dropped after a failure).
 - ``simplejpeg`` (fallback, always installed with ``gpufeed[image]``): libjpeg-turbo in its
   wheel, GIL released, DCT scaling but no region: the whole image is decoded, then cut. Used,
-  and announced once per process by a warning on the ``gpufeed`` logger, when no TurboJPEG 3
-  library is found.
+  and said once per process on the ``gpufeed`` logger, when no TurboJPEG 3 library is found.
 
-Other decoders were measured and not chosen, and the libjpeg API reports fatal errors by
+Other decoders were measured and not chosen; the libjpeg API reports fatal errors by
 ``longjmp``, which ``ctypes`` cannot catch. Measurements (and the wheels surveyed):
 docs/how-it-works/measurements/sources.md#region-decoding and the sections after it.
 
@@ -37,44 +35,33 @@ file cut short only when the crop reached its end: the same file refused in one 
 in the next. A JPEG that does not end with its EOI marker (0xFFD9, trailing bytes allowed in its
 last KiB) is therefore decoded whole and then cut, so it fails, and goes to Pillow (which
 refuses it as the stock path does) whatever the crop. Damage inside the entropy-coded data of a
-complete file is found when it lies above or inside the region (those rows are decoded); below
-it, it is not read, the region's pixels are intact, and the stock path would refuse the file.
-A failed decode's Pillow fallback draws its crop from a fresh generator of the same seed, so it
-cuts the box the codec would have cut.
+complete file is found when it lies above or inside the region; below it, it is not read (the
+region's pixels are intact; the stock path would refuse the file). A failed decode's Pillow
+fallback draws its crop from a fresh generator of the same seed: the box the codec would cut.
 
 Exactness: with ``fast=False`` a full-scale decode equals Pillow's
 ``Image.open(f).convert("RGB")`` pixel for pixel (accurate integer DCT, smooth chroma
 upsampling; tested); ``fast=True`` trades a few levels for a few percent of speed: the fast
-integer DCT always, and the fast (merged) chroma upsampling only for a whole image. Merged
-upsampling with a cropping region crashes libjpeg-turbo (fixed release after release, and
-still failing in the ``turbojpeg`` wheel's library), so a region is always decoded with smooth
-upsampling. Measurements: docs/how-it-works/measurements/sources.md#merged-upsampling-with-a-region.
+integer DCT always, and the fast (merged) chroma upsampling only for a whole image, because
+merged upsampling with a cropping region crashes libjpeg-turbo (the wheel's library included).
+Measurements: docs/how-it-works/measurements/sources.md#merged-upsampling-with-a-region.
 Other formats, and JPEGs a codec refuses (CMYK, 12-bit, recoverable damage), go through Pillow.
 
-On the GPU (``decode="gpu"``: ``_sources/encoded.py``, ``_device/decode.py``, the device stage's
-rule (14) in ``_device/prefetch.py``). The workers read each image's bytes and draw its crop box
-from the per-sample generator as the CPU path does at full scale (the GPU path never scales in
-the DCT: the boxes are those of ``dct_scale=False``), and write both into the slot; the device
-stage decodes the batch on its side stream, crops, resizes and flips there. The decoder is
-nvImageCodec, behind the optional extra ``gpufeed[gpu-decode]``
-(``nvidia-nvimgcodec-cu12[nvjpeg]``: nvJPEG comes in its own wheel; ``-cu13`` for a CUDA 13
-torch): it decodes a batch on the caller's stream, a region per image, returns None for an
-image it cannot decode instead of failing the batch, and pins no torch version (the libraries
-compared: docs/how-it-works/measurements/sources.md#gpu-decoder). Its 0.9 wheel imports without
-a GPU (its Decoder then raises RuntimeError, and the CPU decodes), so its Python surface is
-checked here. ``_device/nvimgcodec.py`` adapts it: EXIF orientation off (the CPU path ignores
-it), sRGB interleaved RGB out (grayscale too), smooth chroma upsampling
-(``:fancy_upsampling=1``, libjpeg-turbo's default), the plan's region
-(``CodeStream.get_sub_code_stream(region=Region(...))``; else the whole image, cut on the
-device), then per image torch's antialiased bilinear resize in float32, rounded (within one
-level of the CPU path's uint8 kernel on the CPU, tests/device/test_decode_adapter.py), the cut
-and the flip. Files the GPU path does not take are decoded by the workers and travel as pixels
-(``gpu_takes`` in ``encoded.py`` says which). An image the library refuses is rendered on the
-CPU in the main process from its bytes and plan, and uploaded. Each case is said once per
-process. Ordering (rule (14)): the decode is queued on the side stream, the slot is held until
-it has read the bytes, and the side stream is idle before each batched decode, because nvJPEG's
-hardware engine writes its outputs before the work queued on its stream has run (H100,
-meta-pytorch/torchcodec#1634). What is and is not verified on a GPU: docs/guides/gpu-decode.md.
+On the GPU (``decode="gpu"``: ``_sources/encoded.py``, ``_device/decode.py``). The workers read
+each image's bytes and draw its crop box from the per-sample generator as the CPU path does at
+full scale (the boxes of ``dct_scale=False``), and write both into the slot; the device stage
+decodes the batch on its side stream, crops, resizes and flips there, ordered as its rule (14)
+in ``_device/prefetch.py`` says. The decoder is nvImageCodec, behind the optional extra
+``gpufeed[gpu-decode]`` (``nvidia-nvimgcodec-cu12[nvjpeg]``: nvJPEG comes in its own wheel;
+``-cu13`` for a CUDA 13 torch): it decodes a batch on the caller's stream, a region per image,
+returns None for an image it cannot decode instead of failing the batch, and pins no torch
+version (the libraries compared: docs/how-it-works/measurements/sources.md#gpu-decoder). Its
+0.9 wheel imports without a GPU (its Decoder then raises RuntimeError, and the CPU decodes), so
+its Python surface is checked here. ``_device/nvimgcodec.py`` adapts it to the CPU path's pixels
+(within one level, tests/device/test_decode_adapter.py). Files the GPU path does not take
+(``gpu_takes`` in ``encoded.py``) are decoded by the workers and travel as pixels; an image the
+library refuses is rendered on the CPU in the main process and uploaded; each case is said once
+per process. What is and is not verified on a GPU: docs/guides/gpu-decode.md.
 """
 
 from __future__ import annotations
@@ -114,7 +101,6 @@ _LIB_PATHS = (
     "/opt/homebrew/opt/jpeg-turbo/lib/libturbojpeg.dylib",
     "/usr/local/opt/jpeg-turbo/lib/libturbojpeg.dylib",
 )
-
 
 _INSTALL = (
     "pip install 'gpufeed[image]' brings one (in the turbojpeg wheel) on Linux x86-64, macOS "
@@ -192,8 +178,7 @@ class TurboJpeg:
 
     def _fail(self, h: Any, what: str) -> ValueError:
         """The error of handle ``h``, which is then dropped: after a failed call a handle
-        refuses every later header, valid or not, so each JPEG after a damaged one went to
-        Pillow (seen with libjpeg-turbo 2.1.92)."""
+        refuses every later header, valid or not (libjpeg-turbo 2.1.92, NOTE [ Decoding ])."""
         error = ValueError(f"{what}: "
                            f"{(self.lib.tj3GetErrorStr(h) or b'').decode(errors='replace')}")
         self._local.handle = None  # destroyed; the thread's next call makes a fresh one
