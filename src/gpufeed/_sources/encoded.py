@@ -1,15 +1,14 @@
 """What the workers write for a JPEG decoded on the GPU: the files' bytes and each one's plan.
 
 With ``decode="gpu"`` (NOTE [ Decoding ] in ``jpeg.py``) a batch's image field is an
-:class:`EncodedImages` instead of the pixels: the encoded files, back to back in one uint8
-tensor of the slot (as small as the files), and per image a plan of int32s that says which
-stored pixels to decode (the crop box, drawn from the per-sample generator exactly as the CPU
-path draws it), what to resize them to, what to cut and whether to flip. The device stage
-(``_device/decode.py``) turns it into the batch the CPU path gives, on its side stream.
+:class:`EncodedImages`: the encoded files back to back in one uint8 tensor of the slot, and per
+image a plan of int32s: which stored pixels to decode (the crop box, drawn from the per-sample
+generator as the CPU path draws it), what to resize them to, what to cut and whether to flip.
+The device stage (``_device/decode.py``) turns it into the CPU path's batch on its side stream.
 
-A file the GPU path does not take (not a JPEG; a JPEG that is not 8-bit baseline, extended or
-progressive Huffman with 1 or 3 components; one without its end marker) is decoded by the
-worker as today, and its final pixels (HWC, the output's size) take its place in the bytes
+A file the GPU path does not take (:func:`gpu_takes`: not a JPEG; not 8-bit baseline, extended
+or progressive Huffman with 1 or 3 components; Adobe-marked RGB; without its end marker) is
+decoded by the worker, and its final pixels (HWC, the output's size) take its place in the bytes
 (``RAW``); a file that fails with ``on_error="skip"`` is ``SKIP`` (black, label -1). Which files
 went to the CPU is said once per process (a warning on the ``gpufeed`` logger).
 """
@@ -138,7 +137,7 @@ def gpu_takes(data: bytes) -> JpegFrame | None:
     if frame.components == 3 and _adobe_rgb(data):
         return None
     if not complete(data):
-        return None  # cut short: the CPU path decodes it whole (or refuses it), as today
+        return None  # cut short: the CPU path decodes it whole (or refuses it)
     return frame
 
 
@@ -200,7 +199,7 @@ def encoded_batch(src: Any, idx: np.ndarray, *, seed: int | None, epoch: int,
                 parts.append(data)
                 continue
             pixels = np.empty((oh, ow, 3), np.uint8)
-            src._load(i, s, pixels)  # the CPU path, as today (its own generator of seed s)
+            src._load(i, s, pixels)  # the CPU path (its own generator of seed s)
             cpu += 1
         except SourceChanged:
             raise

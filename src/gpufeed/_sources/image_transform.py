@@ -64,19 +64,14 @@ def transform_calls(transform: Callable[[torch.Tensor], Any], *, seed: int | Non
     fn = transform if scope.probe is None else scope.probe.wrap(transform)
     at = scope.at
     try:
-        if seed is not None and scope.seed_globals:
-            with seeded(seed, epoch) as reseed:
-
-                def seeded_call(index: int, image: torch.Tensor) -> Any:
-                    at(index)
-                    reseed(index)
-                    return fn(image)
-
-                yield seeded_call
-        else:
+        # the global generators reseeded per sample where the fetch may seed them (rule (1))
+        with (seeded(seed, epoch) if seed is not None and scope.seed_globals
+              else contextlib.nullcontext()) as reseed:
 
             def call(index: int, image: torch.Tensor) -> Any:
                 at(index)
+                if reseed is not None:
+                    reseed(index)
                 return fn(image)
 
             yield call

@@ -42,15 +42,13 @@ items are whole batches (the loader runs it with ``batch_size=None``):
 4. Each ``iter()`` is one pass of Ray's iterator. Ray's iterator cannot start mid-pass, so a
    loader state taken mid-epoch is refused; one taken between epochs resumes at the next epoch.
 5. An error in Ray (a ``map_batches`` function that raised, a task Ray gave up on) reaches the
-   loop as Ray raised it, from Ray's ``next`` in the loop's thread: its type (``RayTaskError``,
-   whose text is Ray's), the operator, the worker process and node it ran in, the function's own
-   traceback and message.
+   loop as Ray raised it, from Ray's ``next`` in the loop's thread: a ``RayTaskError`` whose
+   text is Ray's (the operator, the worker process and node, the function's own traceback).
 6. Ray's iterator is closed in the thread that iterates it, the loop's, as soon as the epoch
    ends, fails, or the loader's iterator is closed or dropped (the ``finally`` below,
    ``RayIter.close``): Ray then shuts its executor down (or tells the split coordinator), so no
-   Ray task keeps running for a loop that stopped. Ctrl-C while the loop waits in Ray's ``next``
-   interrupts that wait; the ``KeyboardInterrupt`` passes through Ray's iterator, which shuts
-   its executor down on the way out.
+   Ray task runs on for a loop that stopped. Ctrl-C in Ray's ``next`` interrupts the wait and
+   passes through Ray's iterator, which shuts its executor down on the way out.
 """
 
 from __future__ import annotations
