@@ -1,24 +1,23 @@
 """Hugging Face ``datasets.Dataset`` and ``pyarrow.Table``: a batch from one ``take``.
 
-NOTE [ Arrow batches ]: the stock loader turns each row into Python objects (a dict of lists,
-ints and strings), then ``default_collate`` turns them back into tensors. Here a batch is one
-``take`` of its rows from the Arrow table; each numeric column (and each list column whose rows
-have one length) becomes one numpy array written straight into the slot, strings a list of
-``str`` (``numpy.str_`` where the format gives those: ``"numpy"``). What the stock path makes
-of a column depends on the dataset's format (``None``: a list column becomes a *list* of
-per-position tensors, float64; ``"numpy"``: float64 scalars become float32; ...), so for a
-``datasets.Dataset`` the first batch is also fetched the stock way on two rows and each
-column's fast result is checked against it, dtype and layout included; a column that does not
-match exactly (nested features, images, nulls, a custom transform) sends every batch down the
-stock path. A batch whose integers the column's dtype cannot hold (uint64 above int64's range)
-goes the stock way too, rather than being wrapped by a cast; so does one with an index out of
-range, for the dataset's own IndexError. A batch whose list rows differ in length also goes the
-stock way (which raises as the stock loader does). A ``pyarrow.Table`` has no stock meaning:
-its batch is ``{column: tensor}`` in Arrow's own dtypes (lists of one length: ``(B, L)``),
-strings and other columns as lists of Python values, each column's form decided once on the
-whole table (a null anywhere in a column, or list rows of different lengths anywhere, make it
-Python values in every batch), so that no column is a tensor in one batch and a list in the
-next. Negative indices count from the end, as ``dataset[i]`` counts them.
+NOTE [ Arrow batches ]: the stock loader turns each row into Python objects, then
+``default_collate`` turns them back into tensors. Here a batch is one ``take`` of its rows from
+the Arrow table; each numeric column (and each list column whose rows have one length) becomes
+one numpy array written straight into the slot, strings a list of ``str`` (``numpy.str_``
+where the format gives those). For a ``datasets.Dataset`` what the stock path makes of a
+column depends on the format (``None``: a list column becomes a *list* of per-position float64
+tensors; ``"numpy"``: float64 scalars become float32; ...), so the first batch is also fetched
+the stock way on two rows and each column's fast result is checked against it, dtype and
+layout included; a column that does not match exactly (nested features, images, nulls, a
+custom transform) sends every batch down the stock path. One batch goes the stock way when the
+column's dtype cannot hold its integers (uint64 above int64's range: never wrapped by a cast),
+an index is out of range (for the dataset's own IndexError) or its list rows differ in length
+(which raises as the stock loader does). A ``pyarrow.Table`` has no stock meaning: its batch is
+``{column: tensor}`` in Arrow's own dtypes (lists of one length: ``(B, L)``), strings and other
+columns as lists of Python values, each column's form decided once on the whole table (a null,
+or list rows of different lengths, anywhere make it Python values in every batch), so that no
+column is a tensor in one batch and a list in the next. Negative indices count from the end,
+as ``dataset[i]`` counts them.
 """
 
 from __future__ import annotations
@@ -146,10 +145,9 @@ def samples(data: Any, idx: np.ndarray, *, hf: bool) -> Any:
 
 
 def _raw_table(dataset: Any) -> tuple[Any, Any] | None:
-    """(the format's columns of the dataset's Arrow table, its row mapping or None), when the
-    dataset exposes them as ``datasets`` 2.x-5.x does (``data.table``, ``_indices``); else None
-    (reads go through ``__getitem__``). Batches read this way are still checked against the
-    stock path on the first batch (``_calibrate``)."""
+    """(the format's columns of the dataset's Arrow table, its row mapping or None) where
+    ``datasets`` 2.x-5.x exposes them (``data.table``, ``_indices``); else None (reads go
+    through ``__getitem__``). Either way ``_calibrate`` checks the first batch."""
     import pyarrow as pa
 
     table = getattr(getattr(dataset, "data", None), "table", None)
@@ -261,10 +259,9 @@ def _copy(dst: torch.Tensor, arr: np.ndarray) -> None:
 
 
 def _table_plan(table: Any) -> dict[str, Any]:
-    """How each column of a ``pyarrow.Table`` is batched, decided once on the whole table so
-    that a column's type does not change from batch to batch: Python values (``"pylist"``)
-    for a column with a null anywhere, and for a list column whose rows differ in length
-    anywhere; the rest by their Arrow type (NOTE [ Arrow batches ])."""
+    """How each column of a ``pyarrow.Table`` is batched (NOTE [ Arrow batches ]): Python
+    values (``"pylist"``) for a column with a null, or list rows of different lengths,
+    anywhere; the rest by their Arrow type."""
     import pyarrow as pa
 
     plan: dict[str, Any] = {}

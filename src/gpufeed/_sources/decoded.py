@@ -1,15 +1,12 @@
 """The decoding half of the image sources: crop, resize and flip a batch into the slot.
 
 ``DecodedImages`` is what ``ImageFolder`` (a class-per-folder tree) and ``ImageShards`` (tar
-shards) share: the arguments that say what an image becomes (``size``, ``crop``, ``scale``,
-``flip``, the decoder...), and a batch's decoding from each sample's bytes, which a subclass
-reads (``_read``) and names in errors (``_name``). Decoding is ``jpeg.py``'s (NOTE [ Decoding ]:
-only the crop's region of a JPEG when libjpeg-turbo >= 3.0 is there, else the whole image by
-simplejpeg); other formats go through Pillow. Crops and flips draw from one ``numpy`` generator
-per sample seeded by the loader's ``sample_seed(seed, epoch, index)`` (NOTE [ Batch sources ] in
-``_sources/protocol.py``): batches are the same for any ``num_workers`` or ``worker_type``. A
-user's ``transform=`` then runs on each image (NOTE [ Image transforms ] in
-``image_transform.py``).
+shards) share: the arguments that say what an image becomes, and a batch's decoding from each
+sample's bytes, which a subclass reads (``_read``) and names in errors (``_name``). JPEGs decode
+as NOTE [ Decoding ] in ``jpeg.py`` says, other formats through Pillow. Crops and flips draw
+from one numpy generator per sample, seeded by ``sample_seed(seed, epoch, index)``
+(NOTE [ Batch sources ]), so batches are the same for any ``num_workers`` or ``worker_type``;
+a ``transform=`` then runs on each image (NOTE [ Image transforms ]).
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .arrays import allocate
-from .encoded import DECODE_MODES, encoded_batch
+from .encoded import DECODE_MODES, JPEG_MAGIC, complete, encoded_batch
 from .image_transform import check_transform, stack_outputs, transform_calls
 from .jpeg import codec, resolve_codec
 from .protocol import SourceChanged, index_array, require, sample_seeds
@@ -34,7 +31,6 @@ from .resample import box, center_cut_into, center_resize, random_resized, resiz
 
 __all__ = ["DecodedImages"]
 
-_JPEG_MAGIC = b"\xff\xd8\xff"
 CROPS = ("random", "center")
 ON_ERROR = ("raise", "skip")
 _NO_TRANSFORM = (
@@ -184,11 +180,7 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
                 alloc: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``images (B, 3, h, w) uint8, labels (B,) int64`` of samples ``idx``."""
         n = len(idx)
-        h, w = self.size
-        if self.memory_format is torch.channels_last:  # (B, h, w, 3) memory, seen as (B, 3, h, w)
-            images = allocate(alloc, (n, h, w, 3), torch.uint8).permute(0, 3, 1, 2)
-        else:
-            images = allocate(alloc, (n, 3, h, w), torch.uint8)
+        images = _images(alloc, n, self.size, self.memory_format)
         labels = allocate(alloc, (n,), torch.int64)
         labels.numpy()[:] = self.targets[idx]
         hwc = images.numpy().transpose(0, 2, 3, 1)  # HWC views of the slot, in either layout
@@ -203,7 +195,6 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
                      reuse: bool = False) -> tuple[list[Any], np.ndarray]:
         """The transform's output of each image of ``idx``, and the labels (-1 where skipped);
         ``reuse``: decode the images into one buffer while no output shares its memory."""
-        h, w = self.size
         labels = self.targets[idx].copy()
         outputs: list[Any] = []
         buffer: torch.Tensor | None = None
@@ -212,7 +203,7 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
             for k, (i, s) in enumerate(zip(idx.tolist(), sample_seeds(idx, seed, epoch),
                                            strict=True)):
                 if buffer is None or not reuse:
-                    buffer = _image_buffer(h, w, self.memory_format)
+                    buffer = _images(None, 1, self.size, self.memory_format)[0]
                 hwc = buffer.numpy().transpose(1, 2, 0)
                 if not self._load_or_skip(i, s, hwc):
                     buffer.zero_()
@@ -233,18 +224,20 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
             raise
         except Exception as exc:
             if self.on_error == "raise":
-                raise ValueError(
-                    f"cannot read image {self._name(index)} (sample {index}): {exc}. Fix or "
-                    f"remove the file, or pass {type(self).__name__}(..., on_error='skip')"
-                ) from exc
+                raise self._unreadable(index, exc) from exc
             self.skipped += 1
             return False
+
+    def _unreadable(self, index: int, exc: Exception) -> ValueError:
+        return ValueError(f"cannot read image {self._name(index)} (sample {index}): {exc}. Fix "
+                          f"or remove the file, or pass {type(self).__name__}(..., "
+                          "on_error='skip')")
 
     def _load(self, index: int, seed: int, dst: np.ndarray) -> None:
         """Image ``index``, cropped, resized and flipped with draws from a generator seeded
         ``seed``, written into ``dst`` (an HWC view of its place in the batch)."""
         data = self._read(index)
-        if data[:3] == _JPEG_MAGIC:
+        if data[:3] == JPEG_MAGIC:
             try:
                 self._jpeg(data, np.random.Generator(np.random.PCG64(seed)), dst)
                 return
@@ -290,7 +283,7 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
         sh, sw = math.ceil(height / factor), math.ceil(width / factor)  # the scaled image
         sy, sx = sh / height, sw / width
         region = box(top * sy, left * sx, ch * sy, cw * sx, sh, sw)
-        if _complete(data):
+        if complete(data):
             img = jc.decode(data, factor=factor, box=region, fast=self.fast)
         else:  # truncated: decoded whole, so that every crop finds it (NOTE [ Decoding ])
             t, lft, bh, bw = region
@@ -316,19 +309,14 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
         resize_into(dst, img[t:t + bh, lft:lft + bw], flip)
 
 
-
-def _image_buffer(h: int, w: int, memory_format: torch.memory_format) -> torch.Tensor:
-    """A uint8 (3, h, w) image to decode into, in ``memory_format``."""
+def _images(alloc: Any, n: int, size: tuple[int, int],
+            memory_format: torch.memory_format) -> torch.Tensor:
+    """uint8 (n, 3, h, w) images from ``alloc`` in ``memory_format`` (channels-last: (n, h, w, 3)
+    memory, seen as (n, 3, h, w))."""
+    h, w = size
     if memory_format is torch.channels_last:
-        return torch.empty((h, w, 3), dtype=torch.uint8).permute(2, 0, 1)
-    return torch.empty((3, h, w), dtype=torch.uint8)
-
-
-def _complete(data: bytes) -> bool:
-    """Whether the JPEG ``data`` ends with its EOI marker (trailing bytes allowed in its last
-    KiB): a file cut short lacks it. In entropy-coded data 0xFF is followed by 0x00 or a
-    restart marker, so 0xFFD9 there is the end of the image."""
-    return data.endswith(b"\xff\xd9") or b"\xff\xd9" in data[max(2048, len(data) - 1024):]
+        return allocate(alloc, (n, h, w, 3), torch.uint8).permute(0, 3, 1, 2)
+    return allocate(alloc, (n, 3, h, w), torch.uint8)
 
 
 def _pillow_ready() -> None:

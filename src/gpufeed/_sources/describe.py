@@ -1,12 +1,4 @@
-"""``repr`` of the sources, in torchvision's dataset layout: what a log or a notebook shows.
-
-::
-
-    Dataset ImageFolder
-        Number of datapoints: 1281167
-        Root location: /data/imagenet/train
-        <one line per key setting>
-"""
+"""``repr`` of the sources, in torchvision's dataset layout: what a log or a notebook shows."""
 
 from __future__ import annotations
 
@@ -17,8 +9,13 @@ __all__ = ["dataset_repr"]
 
 def dataset_repr(obj: object, length: int, location: str | None,
                  settings: Iterable[str]) -> str:
-    """``Dataset <class>``, then the number of datapoints, the location and ``settings``, each
-    indented by four spaces as torchvision's ``VisionDataset.__repr__`` does."""
+    """torchvision's ``VisionDataset.__repr__`` layout, ``settings`` one line each::
+
+        Dataset ImageFolder
+            Number of datapoints: 1281167
+            Root location: /data/imagenet/train
+            <one line per key setting>
+    """
     body = [f"Number of datapoints: {length}"]
     if location is not None:
         body.append(f"Root location: {location}")

@@ -1,15 +1,14 @@
 """What the workers write for a JPEG decoded on the GPU: the files' bytes and each one's plan.
 
 With ``decode="gpu"`` (NOTE [ Decoding ] in ``jpeg.py``) a batch's image field is an
-:class:`EncodedImages` instead of the pixels: the encoded files, back to back in one uint8
-tensor of the slot (as small as the files), and per image a plan of int32s that says which
-stored pixels to decode (the crop box, drawn from the per-sample generator exactly as the CPU
-path draws it), what to resize them to, what to cut and whether to flip. The device stage
-(``_device/decode.py``) turns it into the batch the CPU path gives, on its side stream.
+:class:`EncodedImages`: the encoded files back to back in one uint8 tensor of the slot, and per
+image a plan of int32s: which stored pixels to decode (the crop box, drawn from the per-sample
+generator as the CPU path draws it), what to resize them to, what to cut and whether to flip.
+The device stage (``_device/decode.py``) turns it into the CPU path's batch on its side stream.
 
-A file the GPU path does not take (not a JPEG; a JPEG that is not 8-bit baseline, extended or
-progressive Huffman with 1 or 3 components; one without its end marker) is decoded by the
-worker as today, and its final pixels (HWC, the output's size) take its place in the bytes
+A file the GPU path does not take (:func:`gpu_takes`: not a JPEG; not 8-bit baseline, extended
+or progressive Huffman with 1 or 3 components; Adobe-marked RGB; without its end marker) is
+decoded by the worker, and its final pixels (HWC, the output's size) take its place in the bytes
 (``RAW``); a file that fails with ``on_error="skip"`` is ``SKIP`` (black, label -1). Which files
 went to the CPU is said once per process (a warning on the ``gpufeed`` logger).
 """
@@ -24,11 +23,13 @@ import numpy as np
 import torch
 
 from .arrays import allocate
+from .jpeg import codec
 from .protocol import SourceChanged, sample_seeds
-from .resample import box, center_resize
+from .resample import box, center_cut_into, center_resize, resize_into
 
-__all__ = ["DECODE_MODES", "EncodedImages", "JpegFrame", "encoded_batch", "gpu_takes",
-           "jpeg_frame", "plan_hwc", "region_of", "render_cpu", "say_once"]
+__all__ = ["DECODE_MODES", "JPEG_MAGIC", "EncodedImages", "JpegFrame", "complete",
+           "encoded_batch", "gpu_takes", "jpeg_frame", "plan_hwc", "region_of", "render_cpu",
+           "say_once"]
 
 logger = logging.getLogger("gpufeed")
 
@@ -41,7 +42,7 @@ JPEG, RAW, SKIP = 0, 1, 2
 #: ``decode=`` of the image sources: the workers, the device stage, or the device stage when it can
 DECODE_MODES = ("cpu", "gpu", "auto")
 
-_JPEG_MAGIC = b"\xff\xd8\xff"
+JPEG_MAGIC = b"\xff\xd8\xff"
 #: start-of-frame markers the GPU path takes: baseline, extended sequential and progressive,
 #: all Huffman (0xC3 lossless and the arithmetic-coded 0xC9-0xCB are left to the CPU)
 _GPU_FRAMES = (0xC0, 0xC1, 0xC2)
@@ -88,7 +89,7 @@ def jpeg_frame(data: bytes | np.ndarray | memoryview) -> JpegFrame | None:
     JPEG, or damaged). Reads only the markers, a few hundred bytes at most past the EXIF."""
     buf = data if isinstance(data, bytes) else np.asarray(data, np.uint8).tobytes()
     n = len(buf)
-    if n < 4 or bytes(buf[:3]) != _JPEG_MAGIC:
+    if n < 4 or bytes(buf[:3]) != JPEG_MAGIC:
         return None
     i = 2
     while i + 4 <= n:
@@ -113,6 +114,13 @@ def jpeg_frame(data: bytes | np.ndarray | memoryview) -> JpegFrame | None:
     return None
 
 
+def complete(data: bytes) -> bool:
+    """Whether the JPEG ``data`` ends with its EOI marker (trailing bytes allowed in its last
+    KiB): a file cut short lacks it. In entropy-coded data 0xFF is followed by 0x00 or a
+    restart marker, so 0xFFD9 there is the end of the image."""
+    return data.endswith(b"\xff\xd9") or b"\xff\xd9" in data[max(2048, len(data) - 1024):]
+
+
 def _adobe_rgb(data: bytes) -> bool:
     """Whether an Adobe APP14 segment says the 3 components are stored as RGB (transform 0),
     which a YCbCr decoder would convert wrongly."""
@@ -128,8 +136,8 @@ def gpu_takes(data: bytes) -> JpegFrame | None:
         return None
     if frame.components == 3 and _adobe_rgb(data):
         return None
-    if not (data.endswith(b"\xff\xd9") or b"\xff\xd9" in data[max(2048, len(data) - 1024):]):
-        return None  # cut short: the CPU path decodes it whole (or refuses it), as today
+    if not complete(data):
+        return None  # cut short: the CPU path decodes it whole (or refuses it)
     return frame
 
 
@@ -150,8 +158,6 @@ def _plan(src: Any, height: int, width: int, rng: np.random.Generator) -> list[i
 def plan_hwc(region: np.ndarray, plan: np.ndarray | list[int], dst: np.ndarray) -> None:
     """The CPU's rendering of a plan: ``region`` (the decoded box, HWC uint8) resized, cut and
     flipped into ``dst`` (an HWC view of the output's size) as the CPU path does."""
-    from .resample import center_cut_into, resize_into
-
     rh, rw, flip = int(plan[RH]), int(plan[RW]), float(plan[FLIP])
     if (rh, rw) == dst.shape[:2] and not plan[CT] and not plan[CL]:
         resize_into(dst, region, flip)
@@ -193,15 +199,13 @@ def encoded_batch(src: Any, idx: np.ndarray, *, seed: int | None, epoch: int,
                 parts.append(data)
                 continue
             pixels = np.empty((oh, ow, 3), np.uint8)
-            src._load(i, s, pixels)  # the CPU path, as today (its own generator of seed s)
+            src._load(i, s, pixels)  # the CPU path (its own generator of seed s)
             cpu += 1
         except SourceChanged:
             raise
         except Exception as exc:
             if src.on_error == "raise":
-                raise ValueError(
-                    f"cannot read image {src._name(i)} (sample {i}): {exc}. Fix or remove "
-                    f"the file, or pass {type(src).__name__}(..., on_error='skip')") from exc
+                raise src._unreadable(i, exc) from exc
             getattr(src, "_origin", src).skipped += 1  # the user's dataset (a copy reads)
             labels[k] = -1
             plans[k, KIND] = SKIP
@@ -238,10 +242,8 @@ def region_of(plan: np.ndarray | list[int]) -> tuple[int, int, int, int]:
 def render_cpu(data: bytes | np.ndarray, plan: np.ndarray, dst: np.ndarray, decoder: str) -> None:
     """Image ``data`` decoded on the CPU and rendered by ``plan`` into ``dst`` (HWC, the
     output's size): the codec ``decoder`` on the plan's region at full scale, else Pillow."""
-    from .jpeg import codec
-
     raw = data if isinstance(data, bytes) else data.tobytes()
-    t, lft, bh, bw = int(plan[TOP]), int(plan[LEFT]), int(plan[BH]), int(plan[BW])
+    t, lft, bh, bw = region_of(plan)
     try:
         region = codec(decoder).decode(raw, factor=1, box=(t, lft, bh, bw), fast=False)
     except ValueError:

@@ -2,10 +2,8 @@
 
 ``scan`` lists ``root/<class>/**/<file>`` as torchvision's ``DatasetFolder`` does (classes are
 the sorted sub-folders, files sorted within each, sub-folders followed, links too); paths are
-kept relative to ``root`` in a ``PackedList`` and labels in one int64 array, so forked workers
-touch no Python object per file (NOTE [ Copy-on-write and Python objects ] in ``packed.py``).
-``Samples`` shows them as torchvision's ``samples``: ``(path, class_index)`` tuples, made on
-access.
+kept relative to ``root`` in a ``PackedList`` and labels in one int64 array (NOTE [ Copy-on-write
+and Python objects ]). ``Samples`` shows them as torchvision's ``samples``.
 """
 
 from __future__ import annotations

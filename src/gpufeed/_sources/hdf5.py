@@ -91,20 +91,17 @@ class HDF5Dataset(Dataset[tuple[torch.Tensor, ...]]):
         if self._file is not None and self._pid == pid:
             return self._file
         with _open_lock:  # thread workers: one handle per process
-            return self._open_locked(pid)
-
-    def _open_locked(self, pid: int) -> Any:
-        if self._file is None or self._pid != pid:
-            h5py = require("h5py", "gpufeed.sources.HDF5Dataset")
-            if not os.path.exists(self.path):
-                raise FileNotFoundError(f"HDF5 file {self.path!r} does not exist")
-            try:
-                self._file = h5py.File(self.path, "r", rdcc_nbytes=self.chunk_cache_bytes,
-                                       rdcc_nslots=10007)
-            except OSError as exc:
-                raise OSError(f"cannot open {self.path!r} as HDF5: {exc}") from exc
-            self._pid = pid
-        return self._file
+            if self._file is None or self._pid != pid:
+                h5py = require("h5py", "gpufeed.sources.HDF5Dataset")
+                if not os.path.exists(self.path):
+                    raise FileNotFoundError(f"HDF5 file {self.path!r} does not exist")
+                try:
+                    self._file = h5py.File(self.path, "r", rdcc_nbytes=self.chunk_cache_bytes,
+                                           rdcc_nslots=10007)
+                except OSError as exc:
+                    raise OSError(f"cannot open {self.path!r} as HDF5: {exc}") from exc
+                self._pid = pid
+            return self._file
 
     def close(self) -> None:
         """Close this process's handle (it reopens on the next read)."""

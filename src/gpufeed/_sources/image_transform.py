@@ -10,14 +10,13 @@ What ``t`` returns is the sample's image.
 1. Randomness. Each call runs in the sample's scope (``_order/sample_rng.py``), so
    ``gpufeed.random.sample_generator()`` inside ``t`` is that sample's generator: the same
    draws for any number or kind of workers, after a resume, under the stock loader's seeding
-   outside gpufeed. A ``t`` that draws from torch's (numpy's, Python's) global generator, as
-   torchvision's random transforms do, gets those generators seeded from the sample before
-   the call wherever the fetch may seed them (process workers and ``num_workers=0``, with a
-   per-sample seed: ``seed=`` or ``deterministic=True``), as ``__getitem__`` gets them
-   (NOTE [ Seeding and threads ] in ``_order/seeding.py``). Thread workers share the global
-   generators with the training loop and never seed them: there such draws are not
-   reproducible, and the loader's check of user code (``_host/random_watch.py``) sees them
-   and warns once (``RandomStateWarning``) with the fix.
+   outside gpufeed. Torch's, numpy's and Python's global generators (torchvision's random
+   transforms draw from torch's) are seeded from the sample before the call wherever the fetch
+   may seed them (process workers and ``num_workers=0``, with ``seed=`` or
+   ``deterministic=True``), as for ``__getitem__`` (NOTE [ Seeding and threads ] in
+   ``_order/seeding.py``). Thread workers share them with the training loop and never seed
+   them: such draws are not reproducible there, and ``_host/random_watch.py`` warns once
+   (``RandomStateWarning``) with the fix.
 2. Batches. With the default collation the first sample's output sets the batch's shape and
    dtype, and every output is copied into the slot (``(B, *shape)``; channels-last memory for
    a 3-D output when the source was asked for it); a tensor of another shape or dtype in the
@@ -25,8 +24,7 @@ What ``t`` returns is the sample's image.
    TypeError. With a ``collate_fn`` (or ``dataset[i]``) the outputs are passed as they are.
 3. Cost. The image is decoded into a buffer of its own (one per batch with the default
    collation, one per sample otherwise), then the output copied into the slot: one more copy
-   of the image than without a transform, plus the transform itself (the ``transform=`` row of
-   the sources benchmark).
+   than without a transform, plus the transform (the sources benchmark's ``transform=`` row).
 """
 
 from __future__ import annotations
@@ -66,19 +64,14 @@ def transform_calls(transform: Callable[[torch.Tensor], Any], *, seed: int | Non
     fn = transform if scope.probe is None else scope.probe.wrap(transform)
     at = scope.at
     try:
-        if seed is not None and scope.seed_globals:
-            with seeded(seed, epoch) as reseed:
-
-                def seeded_call(index: int, image: torch.Tensor) -> Any:
-                    at(index)
-                    reseed(index)
-                    return fn(image)
-
-                yield seeded_call
-        else:
+        # the global generators reseeded per sample where the fetch may seed them (rule (1))
+        with (seeded(seed, epoch) if seed is not None and scope.seed_globals
+              else contextlib.nullcontext()) as reseed:
 
             def call(index: int, image: torch.Tensor) -> Any:
                 at(index)
+                if reseed is not None:
+                    reseed(index)
                 return fn(image)
 
             yield call

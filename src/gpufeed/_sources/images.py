@@ -42,12 +42,11 @@ class ImageFolder(DecodedImages):
             longer to ``int(S * longer / shorter)``, by torch's antialiased bilinear filter as
             torchvision's tensor path, then the central ``size`` with its rounding. Equal to
             torchvision's tensor path (``decode_jpeg``) to within a level or two (tested); its
-            PIL path (Pillow's resize) differs from both by about a level. Exceptions: with
-            ``dct_scale`` an image whose sides are at least twice the resized ones is decoded at
-            1/2, 1/4 or 1/8 scale first (a random crop's box then snaps to whole pixels of
-            the scaled image, so its edges move by up to half a scaled pixel: on a smooth
-            1200x900 photo resized to 64, 2 levels on average and up to 25 at edges;
-            ``dct_scale=False`` for equality), and ``fast=True``.
+            PIL path (Pillow's resize) differs from both by about a level. Exceptions:
+            ``fast=True``, and ``dct_scale``, which decodes an image whose sides are at least
+            twice the resized ones at 1/2, 1/4 or 1/8 scale first (a random crop's box then
+            snaps to whole pixels of the scaled image: on a smooth 1200x900 photo resized to
+            64, 2 levels on average and up to 25 at edges; ``dct_scale=False`` for equality).
         flip: random horizontal flip with probability 1/2. Default: on for ``crop="random"``.
         scale, ratio: as torchvision's ``RandomResizedCrop``.
         center_fraction: for ``crop="center"``, the share of the resized image kept (0.875:
@@ -80,13 +79,13 @@ class ImageFolder(DecodedImages):
             path's with ``dct_scale=False`` (docs/guides/gpu-decode.md). ``dataset[i]`` and
             other loaders always decode on the CPU.
         transform: a callable applied in the worker to each image after the crop, resize
-            and flip: it takes the uint8 ``(3, h, w)`` tensor (as
-            ``torchvision.transforms.v2`` takes it) and returns the sample's image (another
-            shape or dtype is fine, one per batch with the default collation). Its random
-            draws are per sample: ``gpufeed.random.sample_generator()`` inside it always;
-            torch's global generator (torchvision's random transforms) with process workers
-            or ``num_workers=0`` and ``seed=``; thread workers warn (``RandomStateWarning``)
-            instead (NOTE [ Image transforms ]). Normalising is cheaper on the device
+            and flip: it takes the uint8 ``(3, h, w)`` tensor (as ``torchvision.transforms.v2``
+            does) and returns the sample's image (any shape or dtype, one per batch with the
+            default collation). Its random draws are per sample:
+            ``gpufeed.random.sample_generator()`` inside it always; torch's global generator
+            (torchvision's random transforms) with process workers or ``num_workers=0`` and
+            ``seed=``; thread workers warn (``RandomStateWarning``) instead
+            (NOTE [ Image transforms ]). Normalising is cheaper on the device
             (``device_transform=gpufeed.Normalize(...)``).
         target_transform, loader: refused with a TypeError that names what to use instead
             (a ``collate_fn``, or torchvision's own ``ImageFolder`` in ``gpufeed.DataLoader``).

@@ -4,8 +4,9 @@ NOTE [ Decoding ]
 -----------------
 A random-resized crop keeps about half of the image on average, a 224 window of a 256 image
 77%; libjpeg-turbo can decode only such a region: rows below it are never entropy-decoded, rows
-above it and columns beside it skip the inverse DCT, upsampling and colour conversion. Two
-codecs give the same pixels for the same box (tested):
+above it and columns beside it skip the inverse DCT, upsampling and colour conversion (the
+saving comes mostly from the rows below). Two codecs give the same pixels for the same box
+(tested):
 
 - ``turbojpeg`` (preferred): libjpeg-turbo >= 3.0's TurboJPEG 3 API through ``ctypes``
   (``tj3SetScalingFactor`` then ``tj3SetCroppingRegion``, one ``tj3Decompress8``; ctypes
@@ -15,145 +16,52 @@ codecs give the same pixels for the same box (tested):
   left and by ``_MARGIN`` pixels on both sides (chroma upsampling treats a region's edge
   columns as image edges, which changed them by up to 30 levels when decoded flush), decoded,
   and cut. The library comes from ``$GPUFEED_TURBOJPEG`` (a path), else the system's
-  ``libturbojpeg``, else the one bundled in the ``turbojpeg`` wheel, which
-  ``pip install 'gpufeed[image]'`` brings where that wheel exists (below); one without
-  ``tj3Init`` (libjpeg-turbo 2.x) is not used. Measured here on
-  photo-like 500x375 JPEGs (110 KB, quality 90): a half-area region in 0.75-1.2 ms against
-  1.6 ms for the whole image; a 224 window of a 256x256 image gains nothing (0.46-0.53 ms
-  against 0.49 ms). Where a region's time goes (2026-11-27, 200 of those photos, one process,
-  the same half-area box moved about): the top half 553 us, the bottom half 924 us, the left
-  half 984 us, the whole image 1,066 us. Rows above a region cost about 70% of their full
-  decode (their entropy decoding cannot be skipped) and columns beside it about 85%, so the
-  saving comes from the rows below: over the benchmark's random-resized crops the region
-  decodes took 1,067 us against 1,104 us whole, and its 224 windows of 256x256 images 337
-  against 334 us.
+  ``libturbojpeg``, else the one bundled in the ``turbojpeg`` wheel (pinned to 0.0.2 by the
+  ``image`` extra, on the platforms it has wheels for); one without ``tj3Init`` (libjpeg-turbo
+  2.x) is not used. That wheel's own API decodes whole images only, so it is never imported:
+  its library is found among the distribution's files. That library (a 3.0 beta) has two
+  faults worked around: merged upsampling with a region (below), and a handle that refuses
+  every later header after one failed call (the handle is dropped after a failure).
 - ``simplejpeg`` (fallback, always installed with ``gpufeed[image]``): libjpeg-turbo in its
   wheel, GIL released, DCT scaling but no region: the whole image is decoded, then cut. Used,
-  and announced once per process by a warning on the ``gpufeed`` logger, when no TurboJPEG 3
-  library is found.
+  and said once per process on the ``gpufeed`` logger, when no TurboJPEG 3 library is found.
+
+Other decoders were measured and not chosen; the libjpeg API reports fatal errors by
+``longjmp``, which ``ctypes`` cannot catch. Measurements (and the wheels surveyed):
+docs/how-it-works/measurements/sources.md#region-decoding and the sections after it.
 
 Damaged files. Rows below a region are never entropy-decoded, so a region decode would find a
 file cut short only when the crop reached its end: the same file refused in one epoch and read
 in the next. A JPEG that does not end with its EOI marker (0xFFD9, trailing bytes allowed in its
 last KiB) is therefore decoded whole and then cut, so it fails, and goes to Pillow (which
 refuses it as the stock path does) whatever the crop. Damage inside the entropy-coded data of a
-complete file is found when it lies above or inside the region (those rows are decoded); below
-it, it is not read, the region's pixels are intact, and the stock path would refuse the file.
-A failed decode's Pillow fallback draws its crop from a fresh generator of the same seed, so it
-cuts the box the codec would have cut.
-
-Where ``pip install`` finds libjpeg-turbo >= 3 (December 2026: each wheel downloaded with
-``pip download --no-deps``, unpacked, its libraries' exported symbols listed):
-
-- ``turbojpeg`` 0.0.2 (pybind11 bindings, last release May 2025): bundles ``libturbojpeg``
-  2.1.92 (libjpeg-turbo 3.0 beta 1, build 2023-08-06) with the TurboJPEG 3 API exported
-  (``turbojpeg.libs/libturbojpeg-*.so.0.3.0`` on Linux, ``turbojpeg.dylibs/libturbojpeg.0.3.0
-  .dylib`` on macOS, ``turbojpeg-*.dll`` beside the packages on Windows). Wheels: CPython
-  3.10-3.13 on Linux x86-64 (glibc and musl), Windows x86-64 and x86, macOS x86-64, macOS
-  arm64 up to 3.12; none for Linux aarch64 or 3.14. Its own API decodes whole images only
-  (no scale, no region), so gpufeed never imports it: it finds the library among the
-  distribution's files and loads it by ``ctypes``, as any other TurboJPEG 3 library. It is
-  the ``image`` extra's only way to the region decode, pinned to 0.0.2 and limited by
-  markers to the platforms above (elsewhere pip would try its source, which needs a
-  libjpeg-turbo build). Two faults of this beta are worked around: merged upsampling with a
-  region (below), and a handle that refuses every later header after one failed call (the
-  handle is dropped after a failure).
-- Pillow 13.0 (libjpeg-turbo 3.2.0) and imagecodecs 2026.3.6 (3.1.3): only the libjpeg API
-  (``libjpeg.so.62``/``.so.8``: ``jpeg_crop_scanline``, ``jpeg_skip_scanlines``), whose errors
-  ``longjmp`` (see below: not from ``ctypes``); neither's Python API decodes a region.
-- simplejpeg 1.9.0: libjpeg-turbo linked into its extension, nothing exported; DCT scaling
-  (``min_factor``), no region. jpeglib 1.0.2: libjpeg-turbo up to 2.1.0 (libjpeg API).
-  PyTurboJPEG 2.6.1: pure Python, loads a system libturbojpeg >= 3.0 and bundles none.
-  opencv-python-headless: libjpeg-turbo linked in, no region (below).
-
-What else was tried (November 2026, Debian 12, x86-64):
-- PyTurboJPEG 2.x needs libjpeg-turbo >= 3.0 (it refuses to load without ``tj3Init``), and its
-  ``decode`` has no cropping region (its ``crop`` is the lossless transform below). Debian 12
-  and 13 ship ``libturbojpeg0`` 2.1.5 (TurboJPEG 2 API, no decode-time region), so on Debian the
-  preferred codec needs libjpeg-turbo's own packages, Homebrew's ``jpeg-turbo``, conda-forge's
-  ``libjpeg-turbo`` or a build, named by ``GPUFEED_TURBOJPEG``.
-- TurboJPEG 2's lossless crop (``tjTransform`` with ``TJXOPT_CROP``, PyTurboJPEG 1.x ``crop``),
-  then a decode of the small JPEG: 1.8-1.9 ms against 1.6 ms for a full decode, because the
-  transform entropy-decodes the whole image and re-encodes the crop; entropy decoding is about
-  70% of a decode at quality 90 (a 1/2-scale decode still took 1.4 ms).
-- pyvips 3.2 with pyvips-binary (libvips 8.18): 3.4 ms for the whole image; a crop stops after
-  its last row but decodes every row above it and every column (a bottom-right quarter took
-  4.1 ms).
-- OpenCV: ``IMREAD_REDUCED_*`` scales in the DCT but decodes no region (its maintainers
-  declined region decoding, opencv#20009).
-- NVIDIA nvImageCodec (0.9, CUDA 12 wheel) decodes regions on the CPU (libjpeg-turbo) and the
-  GPU (nvJPEG), but its CPU-only decoder fails without a CUDA driver ("CUDA Runtime failure:
-  '#35'"), so it cannot be the CPU path. It is the GPU path's decoder (below).
-- Scaling factors between 1/2 and 1 (TurboJPEG's 7/8, 3/4, 5/8: the smallest leaving the
-  region at least the output's size), so that more random-resized crops decode smaller: on 300
-  of the benchmark's 500x375 photos (random-resized regions, one process, 5 interleaved
-  rounds) the decode took 1,599 us against 1,357 us at full scale, with the resize after it
-  449 against 495 us (probably because libjpeg-turbo's SIMD code covers the full, 1/2 and 1/4
-  inverse DCTs only). Not used.
-- The libjpeg API (``jpeg_crop_scanline``, ``jpeg_skip_scanlines``, in libjpeg-turbo >= 1.5
-  and Debian's 2.1.5) reports fatal errors by ``longjmp``, which ``ctypes`` cannot catch: it
-  needs a compiled extension.
+complete file is found when it lies above or inside the region; below it, it is not read (the
+region's pixels are intact; the stock path would refuse the file). A failed decode's Pillow
+fallback draws its crop from a fresh generator of the same seed: the box the codec would cut.
 
 Exactness: with ``fast=False`` a full-scale decode equals Pillow's
 ``Image.open(f).convert("RGB")`` pixel for pixel (accurate integer DCT, smooth chroma
 upsampling; tested); ``fast=True`` trades a few levels for a few percent of speed: the fast
-integer DCT always, and the fast (merged) chroma upsampling only for a whole image. Merged
-upsampling with a cropping region is the combination libjpeg-turbo has fixed crashes in
-release after release (2.0.0, 2.0.6 and 2.0.7 changelogs; its issues 574, 669, 670, 675), and
-the library in the ``turbojpeg`` 0.0.2 wheel (libjpeg-turbo 2.1.92, 3.0 beta) still fails on
-it here: on 300 of the benchmark's 500x375 photos, cropped decodes alternating between smooth
-and merged upsampling on one handle, each followed by the resize, ended in a segmentation
-fault or a spurious "Corrupt JPEG data: premature end of data segment" in 5 of 6 runs, every
-failure in a cropped decode with merged upsampling (none in the same runs' whole-image decodes
-with it, none in 3 runs with it off). So a region is always decoded with smooth upsampling. Other
-formats, and JPEGs a codec refuses (CMYK, 12-bit, recoverable damage), go through Pillow.
+integer DCT always, and the fast (merged) chroma upsampling only for a whole image, because
+merged upsampling with a cropping region crashes libjpeg-turbo (the wheel's library included).
+Measurements: docs/how-it-works/measurements/sources.md#merged-upsampling-with-a-region.
+Other formats, and JPEGs a codec refuses (CMYK, 12-bit, recoverable damage), go through Pillow.
 
-On the GPU (``decode="gpu"``: ``_sources/encoded.py``, ``_device/decode.py``, the device stage's
-rule (14) in ``_device/prefetch.py``). The workers read each image's bytes and draw its crop box
-from the per-sample generator as the CPU path does at full scale (the GPU path never scales in
-the DCT: the boxes are those of ``dct_scale=False``), and write both into the slot; the device
-stage decodes the batch on its side stream, crops, resizes and flips there. The libraries
-compared (December 2026, from their documentation, release notes and issue threads; no GPU was
-lent, so none was run here):
-
-- nvImageCodec (``nvidia-nvimgcodec-cu12`` / ``-cu13``, NVIDIA, Apache-2.0): wheels per CUDA
-  major version that install beside any CUDA build of torch (no torch pin); one
-  ``Decoder.decode(list, params, cuda_stream=...)`` decodes a batch on the caller's stream over
-  nvJPEG's hardware engine (A100, H100, ...), its CUDA and hybrid backends, choosing per
-  image; a region per image (a ``Region`` through a code stream or ``DecodeSource``); an image it
-  cannot decode comes back as None, not as a failed batch; outputs export by DLPack. DALI's
-  image decoders run on it since DALI 2.2.
-- torchvision's ``decode_jpeg(list, device="cuda")``: batched (pytorch/vision#8496: 1,000
-  images of 551x676 in 128 ms on an A100), but no region and no stream argument; it decodes on
-  a private stream never ordered against the caller's, which corrupted output even on nvJPEG's
-  software path (pytorch/vision#9606); one bad image fails the whole batch; its wheel is built
-  for exactly one torch version.
-- torchcodec's nvJPEG decoders (meta-pytorch/torchcodec#1547): batched, on the caller's current
-  stream, EXIF rotation; no region in what we read; its wheel also pins torch, and its
-  hardware path needed a host wait before decoding (meta-pytorch/torchcodec#1634, below).
-- DALI's decoders as functions (``nvidia-dali-cuda12x``): random-crop and region decode built
-  in, but a large wheel with its own executor, thread pool and memory pools beside torch's, for
-  the same nvImageCodec underneath.
-
-Chosen: nvImageCodec, behind the optional extra ``gpufeed[gpu-decode]``
-(``nvidia-nvimgcodec-cu12[nvjpeg]``: nvJPEG comes in its own wheel; ``-cu13`` for a CUDA 13
-torch). Its 0.9 wheel imports without a GPU (its Decoder then raises RuntimeError, and the CPU
-decodes), so its Python surface is checked here. ``_device/nvimgcodec.py`` adapts it: EXIF
-orientation off (the CPU path ignores it), sRGB interleaved RGB out (grayscale too), smooth
-chroma upsampling (``:fancy_upsampling=1``, libjpeg-turbo's default), the plan's region
-(``CodeStream.get_sub_code_stream(region=Region(...))``; else the whole image, cut on the
-device), then per image torch's
-antialiased bilinear resize in float32, rounded (within one level of the CPU path's uint8
-kernel on the CPU, tests/device/test_decode_adapter.py), the cut and the flip. Files the GPU
-path does not take are decoded by the workers as before and travel as pixels: not a JPEG, not
-8-bit baseline, extended or progressive Huffman (lossless and arithmetic-coded frames), not 1 or
-3 components (CMYK), Adobe-marked RGB, or without their end marker (the damaged-file rule
-above). An image the library refuses is rendered on the CPU in the main process from its bytes
-and plan, and uploaded. Each case is said once per process. Ordering (rule (14)): the decode is
-queued on the side stream, the slot is held until it has read the bytes, and the side stream is
-idle before each batched decode, because nvJPEG's hardware engine writes its outputs before the
-work queued on its stream has run (H100, meta-pytorch/torchcodec#1634). What is and is not
-verified on a GPU: docs/guides/gpu-decode.md.
+On the GPU (``decode="gpu"``: ``_sources/encoded.py``, ``_device/decode.py``). The workers read
+each image's bytes and draw its crop box from the per-sample generator as the CPU path does at
+full scale (the boxes of ``dct_scale=False``), and write both into the slot; the device stage
+decodes the batch on its side stream, crops, resizes and flips there, ordered as its rule (14)
+in ``_device/prefetch.py`` says. The decoder is nvImageCodec, behind the optional extra
+``gpufeed[gpu-decode]`` (``nvidia-nvimgcodec-cu12[nvjpeg]``: nvJPEG comes in its own wheel;
+``-cu13`` for a CUDA 13 torch): it decodes a batch on the caller's stream, a region per image,
+returns None for an image it cannot decode instead of failing the batch, and pins no torch
+version (the libraries compared: docs/how-it-works/measurements/sources.md#gpu-decoder). Its
+0.9 wheel imports without a GPU (its Decoder then raises RuntimeError, and the CPU decodes), so
+its Python surface is checked here. ``_device/nvimgcodec.py`` adapts it to the CPU path's pixels
+(within one level, tests/device/test_decode_adapter.py). Files the GPU path does not take
+(``gpu_takes`` in ``encoded.py``) are decoded by the workers and travel as pixels; an image the
+library refuses is rendered on the CPU in the main process and uploaded; each case is said once
+per process. What is and is not verified on a GPU: docs/guides/gpu-decode.md.
 """
 
 from __future__ import annotations
@@ -193,7 +101,6 @@ _LIB_PATHS = (
     "/opt/homebrew/opt/jpeg-turbo/lib/libturbojpeg.dylib",
     "/usr/local/opt/jpeg-turbo/lib/libturbojpeg.dylib",
 )
-
 
 _INSTALL = (
     "pip install 'gpufeed[image]' brings one (in the turbojpeg wheel) on Linux x86-64, macOS "
@@ -271,8 +178,7 @@ class TurboJpeg:
 
     def _fail(self, h: Any, what: str) -> ValueError:
         """The error of handle ``h``, which is then dropped: after a failed call a handle
-        refuses every later header, valid or not, so each JPEG after a damaged one went to
-        Pillow (seen with libjpeg-turbo 2.1.92)."""
+        refuses every later header, valid or not (libjpeg-turbo 2.1.92, NOTE [ Decoding ])."""
         error = ValueError(f"{what}: "
                            f"{(self.lib.tj3GetErrorStr(h) or b'').decode(errors='replace')}")
         self._local.handle = None  # destroyed; the thread's next call makes a fresh one

@@ -4,12 +4,11 @@ NOTE [ Copy-on-write and Python objects ]: a forked worker shares its parent's p
 writes to one. Reading a Python object writes to it (its reference count), so a worker that
 walks a ``Dataset``'s list of a million strings or rows copies every page holding them: one
 copy per worker, growing over the epoch (pytorch/pytorch#13246). A ``PackedList`` keeps its
-items in numpy buffers (one data buffer, plus an offsets buffer for strings, bytes and
-variable-length rows) and makes a Python object only for the item asked for; the buffers' pages
-are never written, so they stay shared. :func:`check_copy_on_write` runs when process workers
-start and warns once per dataset holding a large Python container. (The cyclic collector's
-writes, which would copy every container object a worker inherited, read or not, are kept out
-of the workers: NOTE [ Frozen heap at fork ] in ``_host/frozen_heap.py``.)
+items in numpy buffers (data, plus offsets for strings, bytes and variable-length rows) and
+makes a Python object only for the item asked for, so its pages are never written and stay
+shared. :func:`check_copy_on_write` warns once per dataset holding a large Python container.
+(The cyclic collector's writes are kept out of the workers: NOTE [ Frozen heap at fork ] in
+``_host/frozen_heap.py``.)
 """
 
 from __future__ import annotations
@@ -148,7 +147,7 @@ class PackedList(Sequence[Any]):
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             if self._offsets is None:
-                return self._from_array(self._data[index])
+                return _rebuild(self._kind, self._data[index], None)
             picked = range(*index.indices(len(self)))
             if not picked:  # of the same kind, not an empty list's
                 return _rebuild(self._kind, self._data[:0], np.zeros(1, dtype=np.int64))
@@ -171,11 +170,6 @@ class PackedList(Sequence[Any]):
         if kind == "bytes":
             return self._data[a:b].tobytes()
         return self._data[a:b].copy()
-
-    def _from_array(self, arr: np.ndarray) -> PackedList:
-        out = PackedList.__new__(PackedList)
-        out._kind, out._data, out._offsets = self._kind, arr, None
-        return out
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(len(self)):
@@ -276,11 +270,9 @@ def _large_containers(dataset: Any, prefix: str, depth: int) -> Iterator[tuple[s
 
 
 def check_copy_on_write(dataset: Any) -> None:
-    """Warn once per dataset when it holds a Python container of over ``COW_THRESHOLD`` objects.
-
-    Called when process workers start (``_host/worker_iter.py``). Looks at the dataset's attributes,
-    and two levels into wrapped datasets (``Subset.dataset``, ``ConcatDataset.datasets``).
-    """
+    """Warn once per dataset holding a Python container of over ``COW_THRESHOLD`` objects in
+    its attributes, or two levels into wrapped datasets (``Subset.dataset``,
+    ``ConcatDataset.datasets``). Called when process workers start."""
     try:
         if dataset in _warned:
             return

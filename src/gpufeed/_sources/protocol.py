@@ -13,14 +13,14 @@ fetcher's usual paths). The fetcher then calls, once per batch:
 - ``gpufeed_samples(indices, *, seed, epoch)`` with a user's ``collate_fn``: the samples, as
   ``[dataset[i] for i in indices]`` would give them.
 
-``seed`` is the loader's per-sample seed, or None without one (``deterministic=False``).
-Random choices come from ``sample_seed(seed, epoch, index)`` per sample (:func:`sample_seeds`),
-so they do not depend on the batch, the worker, or its kind. Without a seed they come from the
-base seed of the fetch in progress (the loader's, drawn as torch draws its workers' base seed,
-so ``torch.manual_seed`` governs it), never from a global generator, which thread workers share
-with the training loop (NOTE [ Seeding and threads ]); only outside a gpufeed loader (the stock
-DataLoader, ``dataset[i]`` by hand) do they come from torch's global generator, as a stock worker
-would draw. Sources take no lock, so thread workers overlap.
+``seed`` is the loader's per-sample seed, or None (``deterministic=False``). Random choices
+come from ``sample_seed(seed, epoch, index)`` per sample (:func:`sample_seeds`), so they do not
+depend on the batch, the worker, or its kind. Without a seed they come from the base seed of
+the fetch in progress (drawn as torch draws its workers' base seed, so ``torch.manual_seed``
+governs it), never from a global generator, which thread workers share with the training loop
+(NOTE [ Seeding and threads ]); only outside a gpufeed loader (the stock DataLoader,
+``dataset[i]`` by hand) from torch's global generator, as a stock worker would draw. Sources
+take no lock, so thread workers overlap.
 """
 
 from __future__ import annotations

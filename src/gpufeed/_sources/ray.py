@@ -19,28 +19,21 @@ items are whole batches (the loader runs it with ``batch_size=None``):
    do the same (``check_ray_arguments``); Ray's own iteration options come through
    ``ray_options=`` (``RAY_OPTIONS``).
 2. The loop's own thread iterates Ray's iterator (``RayIter``, ``_host/ray_iter.py``); no gpufeed
-   thread runs. Ray's iterator already fetches blocks ahead and formats them in threads of its
-   own (``prefetch_batches``, 1 by default); a loader thread in front of it added a second
-   hand-over per batch (a queue, a thread switch) and cost the trainer more CPU than it
-   overlapped. Ray hands over whole blocks (``iter_batches(batch_size=None)``) and the batches
-   are cut here (``_sources/ray_batcher.py``): Ray's own cutting (``iter_batches(batch_size=N)``)
-   spends about as much trainer CPU per batch as the copy gpufeed must make anyway, and copies a
-   batch that spans two blocks before gpufeed copies it again. Each number column of a batch is
-   copied once, from the block's read-only object-store views, into memory of the batch's own:
-   page-locked (torch's caching host allocator) when a CUDA device stage copies it ahead,
-   ordinary otherwise; Ray's views are never handed out nor kept past the block. Trainer CPU
-   per 1.5 MB batch of 128 rows, materialized, on a loaded 2-core machine (profiled side by
-   side): Ray's ``iter_batches(batch_size=128)`` alone 0.45-0.55 ms, its ``iter_torch_batches``
-   (no copy) 0.7-0.9; Ray cutting, a loader thread and the ring, as before, 1.4-2.0; Ray cutting
-   and the copy in the loop's thread 0.7-1.1 (so the thread cost 0.3-0.4); whole blocks cut
-   here, the copy included, 0.4-0.5 (the benchmark's medians: ``bench/results/ray.md``). Ray's
-   ``prefetch_batches`` then counts blocks: raise it where a block holds fewer rows than a
-   batch. With Ray's local shuffle buffer (``local_shuffle_buffer_size``) or a ``collate_fn``,
-   Ray cuts the batches (``iter_batches(batch_size=N)``). ``stats()`` counts
-   each batch (``fetch``: Ray's wait and the copy; ``collate``: a ``collate_fn``) and
-   ``gpufeed.trace`` draws them on the loop thread's "fetching" track, as without workers; the
-   device stage copies ahead as for any batch. A block is held until its last rows are copied,
-   as Ray's own iterator holds it.
+   thread runs: Ray's iterator already fetches and formats blocks ahead in threads of its own
+   (``prefetch_batches``, 1 by default), and a loader thread in front of it added a hand-over
+   per batch that cost the trainer more CPU than it overlapped. Ray hands over whole blocks
+   (``iter_batches(batch_size=None)``) and the batches are cut here (``_sources/ray_batcher.py``):
+   Ray's own cutting costs the trainer about as much CPU per batch as the copy gpufeed must make
+   anyway, and copies a batch that spans two blocks before gpufeed copies it again. Each number
+   column is copied once, from the block's read-only object-store views, into the batch's own
+   memory (page-locked when a CUDA device stage copies it ahead); Ray's views are never handed
+   out nor kept past the block. Measurements:
+   docs/how-it-works/measurements/sources.md#ray-data-batches. Ray's ``prefetch_batches`` then
+   counts blocks: raise it where a block holds fewer rows than a batch. With Ray's local shuffle
+   buffer or a ``collate_fn``, Ray cuts the batches. ``stats()`` counts each batch (``fetch``:
+   Ray's wait and the copy; ``collate``: a ``collate_fn``) and ``gpufeed.trace`` draws them on
+   the loop thread's "fetching" track; the device stage copies ahead as for any batch. A block
+   is held until its last rows are copied, as Ray's own iterator holds it.
 3. A batch is ``{column: tensor}`` as ``iter_torch_batches`` gives it; a column numpy cannot
    make a number array of (strings, objects, ragged rows) is a numpy array of the batch's rows
    (a copy; an object array of one array per row where the batch spans blocks whose rows differ
@@ -49,15 +42,13 @@ items are whole batches (the loader runs it with ``batch_size=None``):
 4. Each ``iter()`` is one pass of Ray's iterator. Ray's iterator cannot start mid-pass, so a
    loader state taken mid-epoch is refused; one taken between epochs resumes at the next epoch.
 5. An error in Ray (a ``map_batches`` function that raised, a task Ray gave up on) reaches the
-   loop as Ray raised it, from Ray's ``next`` in the loop's thread: its type (``RayTaskError``,
-   whose text is Ray's), the operator, the worker process and node it ran in, the function's own
-   traceback and message.
+   loop as Ray raised it, from Ray's ``next`` in the loop's thread: a ``RayTaskError`` whose
+   text is Ray's (the operator, the worker process and node, the function's own traceback).
 6. Ray's iterator is closed in the thread that iterates it, the loop's, as soon as the epoch
    ends, fails, or the loader's iterator is closed or dropped (the ``finally`` below,
    ``RayIter.close``): Ray then shuts its executor down (or tells the split coordinator), so no
-   Ray task keeps running for a loop that stopped. Ctrl-C while the loop waits in Ray's ``next``
-   interrupts that wait; the ``KeyboardInterrupt`` passes through Ray's iterator, which shuts
-   its executor down on the way out.
+   Ray task runs on for a loop that stopped. Ctrl-C in Ray's ``next`` interrupts the wait and
+   passes through Ray's iterator, which shuts its executor down on the way out.
 """
 
 from __future__ import annotations
@@ -89,6 +80,10 @@ _ORDER_FIX = (
     "ds.randomize_block_order() for a cheap one, or ray_options={'local_shuffle_buffer_size': "
     "N} for a buffer on the trainer)"
 )
+_SEED_FIX = ("seed Ray's shuffle instead: ds.random_shuffle(seed=...) or "
+             "ray_options={'local_shuffle_seed': ...}")
+_SHARE_FIX = ("give each rank its own share: ds.streaming_split(world_size, equal=True)[rank], "
+              "or ray.train.get_dataset_shard(name) under Ray Train")
 
 
 def check_ray_arguments(source: Any, **given: Any) -> None:
@@ -105,14 +100,10 @@ def check_ray_arguments(source: Any, **given: Any) -> None:
         "shuffle": _ORDER_FIX,
         "sampler": _ORDER_FIX,
         "batch_sampler": _ORDER_FIX + "; give batch_size=N",
-        "seed": "seed Ray's shuffle instead: ds.random_shuffle(seed=...) or "
-                "ray_options={'local_shuffle_seed': ...}",
-        "generator": "seed Ray's shuffle instead: ds.random_shuffle(seed=...) or "
-                     "ray_options={'local_shuffle_seed': ...}",
-        "rank": "give each rank its own share: ds.streaming_split(world_size, equal=True)[rank], "
-                "or ray.train.get_dataset_shard(name) under Ray Train",
-        "world_size": "give each rank its own share: ds.streaming_split(world_size, "
-                      "equal=True)[rank], or ray.train.get_dataset_shard(name) under Ray Train",
+        "seed": _SEED_FIX,
+        "generator": _SEED_FIX,
+        "rank": _SHARE_FIX,
+        "world_size": _SHARE_FIX,
         "num_workers": "preprocessing runs in Ray's workers: scale it with "
                        "ds.map_batches(fn, concurrency=N, num_cpus=...) on any node, and "
                        "leave num_workers=0",
@@ -146,7 +137,6 @@ class RayBatches(IterableDataset[Any]):
     """Batches of a Ray Data ``Dataset`` or ``DataIterator`` (NOTE [ Ray Data batches ]).
 
     Args:
-        source: the Ray ``Dataset`` or ``DataIterator``.
         batch_size, drop_last: the loader's, passed to Ray's ``iter_batches``.
         options: more ``iter_batches`` options (``RAY_OPTIONS``).
         raw: hand over Ray's numpy batch as it is (a user's ``collate_fn`` makes the batch).

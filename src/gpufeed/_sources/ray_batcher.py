@@ -1,11 +1,9 @@
 """Batches of ``batch_size`` rows cut from Ray's blocks, copied once into memory of their own.
 
-NOTE [ Ray Data batches ] (2) in ``_sources/ray.py`` says why gpufeed cuts the batches itself:
-Ray's own batching (``iter_batches(batch_size=N)``) costs the trainer about as much CPU per
-batch as the copy gpufeed has to make anyway, and it concatenates a batch that spans two
-blocks (a copy) before gpufeed copies it again. Here a block comes from Ray once, as numpy
-arrays (views of the object store for number columns), and each batch is one copy per
-column, from the block's rows straight into the batch's tensor, a spanning batch included.
+Why gpufeed cuts them, not Ray: NOTE [ Ray Data batches ] (2) in ``_sources/ray.py``. A block
+comes from Ray once, as numpy arrays (views of the object store for number columns), and each
+batch is one copy per column from the block's rows into the batch's tensor, a batch that spans
+two blocks included.
 
 The batches are Ray's: the same rows in the same order, a short last batch unless
 ``drop_last``. A number column (bool, int, uint, float, complex) becomes a tensor; any other

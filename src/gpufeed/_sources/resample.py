@@ -4,31 +4,23 @@ NOTE [ Resampling ]
 -------------------
 A region is cut first and then resized, as torchvision's ``resized_crop`` does, by torch's
 antialiased bilinear filter (``interpolate(mode="bilinear", antialias=True)``): on uint8 input it
-runs a dedicated integer kernel (torchvision's tensor path runs the same), 3-4x faster here than
-Pillow's ``resize(box=...)`` on the same region (0.26 against 1.04 ms for 400x350 -> 224x224),
-which was the largest cost of a random-resized crop after the decode. It agrees with Pillow's
-bilinear resize of the cut region to within a level or so (tested); Pillow's ``box=`` would
-also read pixels just outside the region. For one image it runs in the calling thread (with two
-intra-op threads its CPU time equalled its wall time, measured here), so thread workers do not
-oversubscribe the cores through it.
+runs a dedicated integer kernel (torchvision's tensor path runs the same), 3-4x faster than
+Pillow's ``resize(box=...)`` on the same region. It agrees with Pillow's bilinear resize of the
+cut region to within a level or so (tested); Pillow's ``box=`` would also read pixels just
+outside the region. For one image it runs in the calling thread (with two intra-op threads its
+CPU time equalled its wall time), so thread workers do not oversubscribe the cores through it.
 
 Every image is written straight into its place in the batch (the loader's slot), in the batch's
 memory format. Into a channels-last batch (``ImageFolder(memory_format=torch.channels_last)``)
 the resize writes there itself, through the kernel's ``out=`` form (the same operator
 ``interpolate`` calls, so the same pixels, tested). Into planes it does not: the kernel works in
 channels-last memory, and given planar ``out=`` it took about twice as long as into HWC
-memory (1.8-2.8x for a 300x260 -> 224x224 resize in two measurements here, 2026-11-26), more
-than the transposition it saves. So a channels-first batch's image is resized into a new HWC
-image and then copied into planes, mirrored on the way when flipped (numpy; the same pixels,
-tested), as is a plain window (no resize). A flip into channels-last memory is torch's
-``flip`` (numpy mirrors 3-byte HWC pixels one at a time, 0.5 ms for a 224x224 image).
-``center_cut_into`` resizes the whole image into HWC memory in either layout and copies the
-central cut. Measured here (2026-11-26, one process, the same decoded crops into a ten-slot ring,
-median of 16 interleaved rounds of 1,024 images, 256 for the center crop), the work after the
-decode per image, channels-first: a random-resized crop of a 500x375 photo 492 us through
-planar ``out=``, 427 us through HWC; ``crop="center"`` of the whole photo 874 against 663 us;
-channels-last unchanged (347 / 350 us, 651 / 611 us). (A 224 window of a 256 image has no
-resize: 110 us, 47 us channels-last, in the previous measurement.)
+memory, more than the transposition it saves. So a channels-first batch's image is resized into
+a new HWC image and then copied into planes, mirrored on the way when flipped (numpy; the same
+pixels, tested), as is a plain window (no resize). A flip into channels-last memory is torch's
+``flip`` (numpy mirrors 3-byte HWC pixels one at a time). ``center_cut_into`` resizes the whole
+image into HWC memory in either layout and copies the central cut.
+Measurements: docs/how-it-works/measurements/sources.md#resampling.
 """
 
 from __future__ import annotations
@@ -103,11 +95,6 @@ def write(dst: np.ndarray, img: np.ndarray, flip: float) -> None:
     np.copyto(dst, img[:, ::-1] if flip else img)
 
 
-def _mirror(hwc: torch.Tensor) -> None:
-    """An HWC image mirrored left to right in place."""
-    hwc.copy_(hwc.flip(1))
-
-
 def resize_into(dst: np.ndarray, img: np.ndarray, flip: float) -> None:
     """``img`` (HWC uint8) resized to ``dst``'s size, written into ``dst`` (an HWC view of the
     batch's image; NOTE [ Resampling ])."""
@@ -121,7 +108,7 @@ def resize_into(dst: np.ndarray, img: np.ndarray, flip: float) -> None:
     _AA_OUT(_nchw(img), list(dst.shape[:2]), False, None, None,
             out=out.permute(2, 0, 1).unsqueeze(0))
     if flip:
-        _mirror(out)
+        out.copy_(out.flip(1))
 
 
 def center_cut_into(dst: np.ndarray, img: np.ndarray, resized: tuple[int, int],

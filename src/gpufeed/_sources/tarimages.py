@@ -1,9 +1,7 @@
 """``ImageShards``: images and labels in tar shards (webdataset's layout), read at random.
 
-The shards are indexed when the dataset is built (NOTE [ Tar shards ] in ``tarindex.py``), so
-they make a map-style dataset: the loader's sampler shuffles the whole set, shards it by rank
-and resumes it exactly, and each sample is one ``pread`` of its image's bytes, decoded, cropped
-and flipped as ``ImageFolder`` does (``decoded.py``), into the slot.
+The shards are indexed as NOTE [ Tar shards ] in ``tarindex.py`` says; each sample is one
+``pread`` of its image's bytes, decoded as ``ImageFolder`` decodes (``decoded.py``).
 """
 
 from __future__ import annotations

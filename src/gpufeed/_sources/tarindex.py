@@ -12,12 +12,13 @@ range with one ``pread``.
 
 The index is built when the dataset is: each shard's headers are read (512 bytes each; the
 members' data is skipped: about 1% of a shard of 100 KB images is read) and kept in numpy arrays
-(shard, offset and size of a member per sample, no Python object per sample, so forked workers
+(shard, offset and size of a member per sample: no Python object per sample, so forked workers
 share them). Headers are parsed here (ustar and GNU); a shard with any other kind of header (pax
-or GNU long names, sparse files) is listed by Python's ``tarfile`` instead, which reads them
-all. A damaged header (its checksum wrong, unsigned and signed) is an error naming its byte,
-never the end of the shard: ``tarfile`` ends a listing quietly there, so after its listing the
-next block must be an end-of-archive block or the file's end. Keys and extensions are
+or GNU long names, sparse files) is listed by Python's ``tarfile`` instead. A damaged header
+(its checksum wrong, unsigned and signed) is an error naming its byte, never the end of the
+shard: ``tarfile`` ends a listing quietly there, so after its listing the next block must be an
+end-of-archive block or the file's end. The checksums cost about a third of the indexing and
+are kept: a damaged size field would otherwise skip members silently. Keys and extensions are
 webdataset's: the key is a member's path up to the first dot of its file name, the extension the
 rest, lower-cased; consecutive members with one key are one sample; directories, links and names
 without a dot are skipped. Compressed shards cannot be read at random and are refused, naming
@@ -26,16 +27,10 @@ batches: thread workers share nothing, forked workers inherit nothing, and a tho
 need no ``ulimit -n``); a shard changed since it was indexed is caught by its size and mtime at
 the read, an error even with ``on_error="skip"`` (its offsets no longer hold).
 
-Building the index took 11-12 us a sample here (2,000 samples of a ``.jpg`` and a ``.cls`` in 8
-shards, page cache warm, 2026-11-28; about 15 s for ImageNet's 1.28M), a third of it the header
-checksums, which are kept: a damaged size field would otherwise skip members silently. From a
-cold cache (the shards evicted with ``posix_fadvise``) it took 8x longer, the reads waiting on
-the disk. Threads help there and hurt from memory: eight threads, one a shard, took 47-55 ms
-warm against 24 ms one after another (the parsing holds the GIL, and the GIL changes hands at
-every short read; two threads did no better), and 96-133 ms cold against 184-214 ms. So shards
-are indexed one after another until one is slow (over 25 us a member), and the rest then eight
-at a time: 24.2 ms warm and 94 ms cold (medians of 7 rounds) against 24.2 and 158 ms for one
-after another.
+Threads help when the headers come from disk and hurt when they come from memory (the parsing
+holds the GIL, which changes hands at every short read), so shards are indexed one after
+another until one is slow (over 25 us a member), and the rest then eight at a time.
+Measurements: docs/how-it-works/measurements/sources.md#tar-shard-index.
 """
 
 from __future__ import annotations
