@@ -2,21 +2,20 @@
 
 NOTE [ Ctrl-C that Python drops ]
 ---------------------------------
-Python runs a signal's handler in the main thread at the next bytecode it runs there. Two
-kinds of code print the handler's exception ("Exception ignored in ...") and go on without it:
+Python runs a signal's handler in the main thread at its next bytecode. Two kinds of code
+print the handler's exception ("Exception ignored in ...") and go on without it:
 
 - finalizers and weak-reference callbacks (a batch's slot release, NOTE [ Ctrl-C and slot
   releases ] in ``_memory/release.py``): ``interrupt_main_later`` interrupts the main thread
   again once the finalizer has returned;
 - ``os.register_at_fork`` hooks. ``Process.start()`` with the fork method spends milliseconds
-  in ``fork()`` itself (the page tables of a process that imported torch), and a SIGINT that
-  arrives meanwhile is handled at the first bytecode after it, in the parent's after-fork
-  hooks (logging's lock release is the first): dropped, and the loop goes on. Measurements:
-  docs/how-it-works/measurements/memory.md#ctrl-c-that-python-drops. ``ctrl_c_held`` swaps in
-  a handler that only notes the signal for the length of a forked start, and hands a noted
-  one to the handler it replaced once the start is over, so the KeyboardInterrupt is raised
+  in ``fork()`` (the page tables of a process that imported torch), and a SIGINT that
+  arrives meanwhile is handled in the parent's after-fork hooks: dropped, and the loop goes
+  on. Measurements: docs/how-it-works/measurements/memory.md#ctrl-c-that-python-drops.
+  ``ctrl_c_held`` swaps in a handler that only notes the signal for the length of a forked
+  start and hands it to the replaced handler afterwards, so the KeyboardInterrupt is raised
   in the loader's own code, which cleans up as for any other. (Spawn and forkserver starts
-  run no at-fork hook in this process: nothing is held.)
+  run no at-fork hook here: nothing is held.)
 
 An iterator dropped unclosed closes its pool from ``__del__``, and stopping workers takes
 milliseconds: a Ctrl-C then would be dropped and stop the close half-way. That close runs

@@ -16,17 +16,14 @@ NOTE [ Timeline ]
     main process and needs no offset (``tests/tools/test_trace.py`` checks that each batch's
     worker spans end before the main thread hands it out). The copy stream's times come from
     CUDA events placed on this clock through an anchor event (``_device/timing.py``).
-(3) The stats are spans. The times a stage gives ``StatsRecorder`` are the very numbers it
-    records here: ``fetch``/``collate`` (worker spans from ``Fetched``), ``wait``/``step``
-    (main-thread spans from ``BaseIter._finish``, or, with a device stage, from the
-    ``Delivered`` wrapped around it: the loop's handovers, not the stage's pulls), ``transfer``
-    (device-stage spans), so ``loader.stats()`` and the timeline never disagree (a test sums
-    both).
+(3) The stats are spans: the times a stage gives ``StatsRecorder`` are the numbers it records
+    here (``wait``/``step`` from ``BaseIter._finish``, or with a device stage from the
+    ``Delivered`` around it: the loop's handovers, not the stage's pulls), so
+    ``loader.stats()`` and the timeline never disagree (a test sums both).
 (4) Owners and tracks. A record names its *owner* (a loader's ``StatsRecorder``, a
-    ``DeviceIterator`` without a loader, a ``Profiler``): one process group in the viewer.
-    Its tracks: "main" (the thread that iterates), ("worker", w), "device" (the device stage,
-    host side) and "gpu" (the copy stream). Workers do not record: their spans travel in the
-    ``Fetched`` messages they already send, and the main process records them on arrival.
+    ``DeviceIterator`` without a loader, a ``Profiler``), one process group in the viewer,
+    with tracks "main", ("worker", w), "device" and "gpu" (the copy stream). Workers do not
+    record: their spans travel in the ``Fetched`` messages they already send.
 (5) Records are ``(kind, owner, start, end, *payload)``, the owner by its number. A per-batch
     kind packs several spans into one record (a handover is the step, the wait and the
     hand-out; a worker batch its fetch and collate), expanded by the writer, and is stored

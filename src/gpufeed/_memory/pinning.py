@@ -23,39 +23,34 @@ NOTE [ Registered memory lifetime ]
     the region's storage: it would answer for offset 0. ``is_pinned`` here probes the tensor's
     own first and last byte (CUDA reports registered memory as host memory too).
 (2) Never unmapped while registered: the handle holds the registered tensor until
-    ``cudaHostUnregister`` returns, so whatever order its owner drops things in, the memory
-    is unmapped only after it is unregistered. A handle collected while active unregisters
-    itself.
-(3) Never unregistered under a pending copy. The ring unregisters only free slots (past their
-    release fences: ``settled``) and keeps a slot the user holds registered until it is
-    released and fenced (NOTE [ Slot lifetime ] (d), (e) in ``_memory/ring.py``). What may
+    ``cudaHostUnregister`` returns, whatever order its owner drops things in. A handle
+    collected while active unregisters itself.
+(3) Never unregistered under a pending copy. The ring unregisters only free slots, past their
+    fences (``settled``: NOTE [ Slot lifetime ] (d), (e) in ``_memory/ring.py``). What may
     still read a free slot is a device stage's copy whose host batch a collection dropped
-    early: the stages' ``Fences`` are held *strongly* here while tracked (``track_copies``),
-    and every ``unregister`` waits for them. A handle collected while active (its ring
-    collected without ``close``) is not settled: it records an event on the current streams
-    of every device with a context and waits for the ring's Fences, which every handle of the
-    ring holds strongly. Nothing here is weak, so garbage collection may tear a ring, its
-    handles and a device stage down in any order. Cost: a wait only where memory is
-    unregistered while a copy may still read it; none per batch or epoch end.
+    early: the stages' ``Fences`` are held here while tracked (``track_copies``), and every
+    ``unregister`` waits for them. A handle collected while active (its ring collected
+    without ``close``) is not settled: it records an event on the current streams of every
+    device with a context and waits for the ring's Fences, which it holds. Nothing here is
+    weak, so garbage collection may tear a ring, its handles and a device stage down in any
+    order.
 (4) Per process: a forked child forgets the bookkeeping, and handles do nothing outside the
     process that registered them (the child has no CUDA context to call).
 (5) Device guard. Every call that touches CUDA for a loader's device (register, unregister,
-    the capture check, ``pin_batch`` of its fallback batches) runs under
-    ``torch.cuda.device(d)``: under torchrun rank 3 creates no context on GPU 0. Release
-    events need none: each is recorded on a given stream under torch's own guard, only on
-    devices that already have a context. ``d`` is None for callers that name no device, and
-    for a pinned ring without ``device=`` until its first registration (asking earlier would
-    initialise CUDA before the workers fork): then the current device is used.
+    the capture check, ``pin_batch``) runs under ``torch.cuda.device(d)``: under torchrun
+    rank 3 creates no context on GPU 0. Release events need none (torch guards each stream's
+    device, and only devices with a context get one). ``d`` is None for callers that name no
+    device, and for a pinned ring without ``device=`` until its first registration (asking
+    earlier would initialise CUDA before the workers fork): then the current device is used.
 (6) Failure. ``register`` raises RuntimeError naming the CUDA error and the fix; the ring
     turns that into one warning and goes on unregistered (``_memory/release.py``).
 (7) Interrupted. ``unregister`` waits before it changes anything: a Ctrl-C or error in the
-    wait (where an epoch-end Ctrl-C lands) leaves the memory registered, counted and mapped,
-    and the handle active; calling it again (the ring's next close or reap, or the handle's
-    collection) finishes. Marking the handle released first would leave the memory
-    registered for good, and a later ring mapped at the same address would fail with error
-    712. A handle whose collection could not unregister passes what it holds to a new handle
-    in ``_stranded``, which every reap of closed rings retries (``retry_stranded``); a Ctrl-C
-    there is raised again in the main thread (NOTE [ Ctrl-C and slot releases ]).
+    wait leaves the memory registered, counted and mapped, and the handle active, and calling
+    it again finishes (marked released first, the memory would stay registered for good, and
+    a later ring mapped at the same address would fail with error 712). A handle whose
+    collection could not unregister passes what it holds to a new one in ``_stranded``, which
+    every reap of closed rings retries (``retry_stranded``); a Ctrl-C there is raised again
+    in the main thread (NOTE [ Ctrl-C and slot releases ]).
 
 ``cuda_usable``, ``_pinned_ptr``, ``pin``, ``pinned_empty`` and ``torch.cuda.cudart()`` ask CUDA
 directly; the simulated backend of the tests (tests/support/sim_cuda.py) replaces exactly those

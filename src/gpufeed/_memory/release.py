@@ -25,13 +25,13 @@ and the loop would go on. So:
   ``deque.append`` into the ring's ``_dropped``, which ``acquire`` reads. A signal that
   arrives meanwhile stays pending and is raised in the user's loop.
 - a pinned slot must record its release event on the current streams then and there, which
-  takes Python (``Releaser``). A KeyboardInterrupt raised inside it before the slot went to a
+  takes Python (``Releaser``). A KeyboardInterrupt raised there before the slot went to a
   list parks the slot (fenced by the next ``acquire``, NOTE [ Slot lifetime ] (c)); one raised
-  after that leaves it be (at worst one slot lost to the ring: looking it up again could race
-  an ``acquire`` on another thread and free it twice). Either way the main thread is
-  interrupted again from a short-lived thread 20 ms later, when the release is over. Left
-  open: the few bytecodes of ``weakref.finalize``'s own call before ``Releaser`` runs, and an
-  interrupt raised by ``acquire``'s own collection of dropped slots (one slot lost).
+  after leaves it be (at worst one slot lost to the ring: looking it up again could race an
+  ``acquire`` on another thread and free it twice). Either way the main thread is
+  interrupted again 20 ms later, when the release is over. Left open: the few bytecodes of
+  ``weakref.finalize``'s own call before ``Releaser`` runs, and an interrupt raised by
+  ``acquire``'s collection of dropped slots (one slot lost).
 """
 
 from __future__ import annotations
@@ -76,11 +76,9 @@ def warn_unpinned(error: BaseException) -> None:
 class Releaser:
     """What a batch's finalizer calls (any thread): its slot back to the ring, behind a
     release fence when the slot is registered and CUDA is initialised (NOTE [ Slot lifetime ]
-    in ``_memory/ring.py``). It holds the ring's containers, not the ring: a kept batch does
-    not keep the ring alive, and a closed ring's kept slots are still fenced when released.
-
-    ``handout`` maps a slot to the streams that were current for the consumer when its batch
-    was handed out (``SlotRing.hand_out``); they are fenced too, whichever thread releases.
+    in ``_memory/ring.py``), on the streams of its hand-out (``handout``) too. It holds the
+    ring's containers, not the ring: a kept batch does not keep the ring alive, and a closed
+    ring's kept slots are still fenced when released.
     """
 
     __slots__ = ("device", "fences", "handout", "parked", "pins", "released")
@@ -94,10 +92,8 @@ class Releaser:
 
     def __call__(self, sid: int) -> None:
         """The slot to the free list, or behind a fence (NOTE [ Slot lifetime ] (a))."""
-        # see NOTE [ Ctrl-C and slot releases ]: ``placing`` turns True just before the slot
-        # goes to a list. A KeyboardInterrupt before that parks the slot; one after it leaves
-        # the slot where it may already be (another thread may have freed it meanwhile:
-        # looking it up could free it twice), at worst one slot lost to the ring.
+        # NOTE [ Ctrl-C and slot releases ]: ``placing`` turns True just before the slot goes
+        # to a list; a KeyboardInterrupt before that parks the slot, one after it leaves it be.
         placing = False
         try:
             handle = self.pins.get(sid)

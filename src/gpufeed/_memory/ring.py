@@ -31,17 +31,15 @@ this way, and records nothing for registered memory:
     free slot               none: carve a new slot or fall back (never blocks)
 
 (a) Covered: copies queued before the last view went, on the stream current for the loop at
-    hand-out, or on the releasing thread's current stream, of any device (a model on
+    hand-out or on the releasing thread's current stream, of any device (a model on
     ``cuda:1``, ``nn.DataParallel``'s scatter, whose side streams the current streams wait
-    for, pipeline stages), whichever thread drops the batch. Not covered, the user's to
-    order: a copy on a stream current neither at hand-out nor at the drop (``with
-    torch.cuda.stream(s)`` around the copy, the batch dropped outside it): drop it inside, or
-    make the current stream wait for ``s`` (tests/memory/test_release_sim.py shows both).
-    "Dropped" means the last reference went: ``for k, batch in enumerate(loader)`` keeps the
-    batch in enumerate's tuple until the next iteration. Tests:
-    tests/memory/test_release_devices.py.
-(b) Not fenced: batches a device stage drops after their copy's event (it says so with
-    ``_cuda.copies_complete``), slots of an unregistered ring (a copy from pageable memory
+    for), whichever thread drops the batch (tests/memory/test_release_devices.py). Not
+    covered, the user's to order: a copy on a stream current neither at hand-out nor at the
+    drop (``with torch.cuda.stream(s)`` around the copy only): drop the batch inside, or make
+    the current stream wait for ``s`` (tests/memory/test_release_sim.py). "Dropped" means the
+    last reference went: ``enumerate(loader)`` keeps the batch until the next iteration.
+(b) Not fenced: batches a device stage drops after their copy's event
+    (``_cuda.copies_complete``), slots of an unregistered ring (a copy from pageable memory
     returns once the bytes are staged), and any release before CUDA is initialised.
 (c) A release that cannot record its event (a graph capture in progress, CUDA failing) is
     parked and fenced by the next ``acquire`` that can record one.
@@ -307,8 +305,7 @@ class SlotRing:
         off, size = self._slots.pop(sid)
         self.live_bytes -= size
         self.region.discard(off, size)
-        i = bisect.bisect(self._extents, (off, size))
-        self._extents.insert(i, (off, size))
+        bisect.insort(self._extents, (off, size))
         merged: list[tuple[int, int]] = []
         for o, s in self._extents:
             if merged and merged[-1][0] + merged[-1][1] == o:

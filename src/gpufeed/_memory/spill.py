@@ -15,7 +15,6 @@ own (a ``Region``), the ring's mechanism without the recycling, so /dev/shm play
 Leaves torch's own pickling must carry (nested, sparse, quantized tensors, tensor subclasses)
 are not spilled: they go the stock way, through torch's shared memory, and the batch is counted
 in the loader's ``ring_unsupported`` counter.
-
 """
 
 from __future__ import annotations
