@@ -185,11 +185,7 @@ def copies_complete(addresses: Sequence[int]) -> Iterator[None]:
 
 def copies_completed(start: int, end: int) -> bool:
     """Whether a batch in ``[start, end)`` is being dropped under ``copies_complete``."""
-    for addresses in getattr(_local, "complete", ()):
-        for p in addresses:
-            if start <= p < end:
-                return True
-    return False
+    return any(start <= p < end for addresses in getattr(_local, "complete", ()) for p in addresses)
 
 
 _local = threading.local()

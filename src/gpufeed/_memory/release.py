@@ -92,8 +92,8 @@ class Releaser:
 
     def __call__(self, sid: int) -> None:
         """The slot to the free list, or behind a fence (NOTE [ Slot lifetime ] (a))."""
-        # NOTE [ Ctrl-C and slot releases ]: ``placing`` turns True just before the slot goes
-        # to a list; a KeyboardInterrupt before that parks the slot, one after it leaves it be.
+        # ``placing`` turns True just before the slot goes to a list: a KeyboardInterrupt
+        # before that parks the slot, one after leaves it be (NOTE [ Ctrl-C and slot releases ]).
         placing = False
         try:
             handle = self.pins.get(sid)
