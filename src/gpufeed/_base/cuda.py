@@ -3,12 +3,8 @@
 Every call here asks ``torch.cuda`` directly for a loader's device; nothing else in gpufeed
 does, apart from ``_memory/pinning.py`` and the device stage's backend
 (``_device/streams.py``). The simulated backend of the tests (tests/support/sim_cuda.py)
-replaces exactly the seams here, so the guards placed around them are tested.
-
-Cost of a release fence, per device with a context: one ``current_stream`` read and one event
-record (``torch.cuda.Event.record`` guards the stream's device itself, so no Python-side guard
-runs); the devices are found with the driver's primary-context query, once per device until
-it has a context.
+replaces exactly the seams here, so the guards placed around them are tested. The cost of a
+release fence: ``_memory/release.py``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Release fences of a pinned slot ring, and going on when the ring cannot be pinned.
 
-A registered slot returns to the free list only once an event recorded at its release has
-completed on every stream a copy the user queued from it can run on (NOTE [ Slot lifetime ],
-"Release fences", in ``_memory/ring.py``).
-
-Cost per batch of a pinned ring: at hand-out, one current-stream read per device known to have
-a context; at release, the same reads, a driver query (which creates no context) per visible
-device not yet known to have one, and one event per distinct stream; at ``acquire`` with no
-free slot, a query per fenced slot. No device guard, no pointer probe. ``python -m
-bench.release`` counts them and times gpufeed's own part.
+Cost per batch of the fences (NOTE [ Slot lifetime ] in ``_memory/ring.py``): at hand-out, one
+current-stream read per device known to have a context; at release, the same reads, a driver
+query (which creates no context) per visible device not yet known to have one, and one event
+record per distinct stream, under torch's own guard of the stream's device (no Python-side
+guard); at ``acquire`` with no free slot, a query per fenced slot. No pointer probe.
+``python -m bench.release`` counts them and times gpufeed's own part.
 
 A slot that cannot be registered (locked-memory limit, unsupported, out of resources) gives one
 warning with CUDA's reason and the fix (``warn_unpinned``); it and every later slot stay
