@@ -1,26 +1,10 @@
 """CUDA calls outside the copies themselves: device guard, events, capture, fences.
 
 Every call here asks ``torch.cuda`` directly for a loader's device; nothing else in gpufeed
-does, apart from ``_memory/pinning.py`` (``cudart``, ``is_pinned``, ``pin_memory``) and the
-device stage's backend (``_device/streams.py``). The simulated backend of the tests
-(tests/support/sim_cuda.py) replaces exactly these functions, so the guards placed around
-them are tested:
-
-* ``device_guard(d)``: ``torch.cuda.device(d)`` (NOTE [ Registered memory lifetime ] rule 5:
-  under torchrun, rank 3 creates no context on GPU 0);
-* ``release_event(d, also)``: one event on the calling thread's current stream of every
-  device that has a CUDA context (``d`` first), and on the streams ``also`` (where the batch
-  was handed out): a release fence, NOTE [ Slot lifetime ] in ``_memory/ring.py``;
-* ``current_streams(devices)``: the calling thread's current stream of each device;
-* ``capturing(d)``: whether the current stream of ``d`` is capturing a CUDA graph;
-* ``Fences``: events to pass before memory is reused or unregistered, held strongly, with no
-  lock (a finalizer adds to them, inside any allocation);
-* ``copies_complete()``: marks batches dropped after their copy completed (no fence needed).
-
-Cost of a release fence, per device with a context: one ``current_stream`` read and one event
-record (``torch.cuda.Event.record`` guards the stream's device itself, so no Python-side guard
-runs); the devices are found with the driver's primary-context query, once per device until
-it has a context.
+does, apart from ``_memory/pinning.py`` and the device stage's backend
+(``_device/streams.py``). The simulated backend of the tests (tests/support/sim_cuda.py)
+replaces exactly the seams here, so the guards placed around them are tested. The cost of a
+release fence: ``_memory/release.py``.
 """
 
 from __future__ import annotations
@@ -59,19 +43,19 @@ def current_device() -> int:
 
 
 def device_guard(index: int | None) -> AbstractContextManager[Any]:
-    """``torch.cuda.device(index)`` (NOTE [ Registered memory lifetime ] rule (5), in
-    ``_memory/pinning.py``); nothing for None."""
+    """``torch.cuda.device(index)``, nothing for None (NOTE [ Registered memory lifetime ]
+    rule (5) in ``_memory/pinning.py``: under torchrun, rank 3 creates no context on GPU 0)."""
     return nullcontext() if index is None else torch.cuda.device(index)
 
 
 def _has_context(index: int) -> bool:
-    """Whether device ``index`` has a CUDA (primary) context in this process: asked of the
-    driver, which creates none. False where torch does not expose the query."""
+    """Whether device ``index`` has a primary context here (the driver's query creates none);
+    False where torch does not expose the query."""
     probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
     return bool(probe(index)) if probe is not None else False
 
 
-_with_context: set[int] = set()  # devices seen with a context: a context is never torn down
+_with_context: set[int] = set()  # devices seen with a context
 
 
 def _forget_contexts() -> None:  # a forked child has none
@@ -82,11 +66,10 @@ os.register_at_fork(after_in_child=_forget_contexts)
 
 
 def context_devices(first: int, *, probe: bool = True) -> list[int]:
-    """``first`` (the ring's device), then every other device that has a CUDA context: the
-    devices a copy from host memory can have been queued to (a copy needs a context on its
-    device, and creates it before it is queued). Devices without one are asked each time
-    (a context may appear between two calls), devices with one never again; ``probe=False``
-    asks none (the devices known so far)."""
+    """``first`` (the ring's device), then every other device with a CUDA context: those a
+    copy from host memory can have been queued to (a copy creates its device's context
+    before it is queued). A device without one is asked again each time, one with a context
+    never again (contexts are never torn down); ``probe=False`` asks none."""
     count = device_count()
     if count <= 1:
         return [first]
@@ -121,12 +104,12 @@ def _capturing_on(stream: Any) -> bool:
 
 
 def release_event(device: int, also: Sequence[Any] = ()) -> Any:
-    """An event that completes once everything queued so far on the streams ``also`` and on
-    the calling thread's current stream of every device with a context (``device`` first)
-    has: a user's non_blocking copies from a batch, wherever they went (NOTE [ Slot
-    lifetime ] (a)). One event per distinct stream. RuntimeError if a stream other than the
-    first (the caller checked that one) is capturing a CUDA graph: an event recorded there
-    would be part of the graph."""
+    """A release fence (NOTE [ Slot lifetime ] (a) in ``_memory/ring.py``): an event that
+    completes once everything queued so far has, on the streams ``also`` (where the batch was
+    handed out) and on the calling thread's current stream of every device with a context,
+    ``device`` first; one event per distinct stream. RuntimeError if a stream other than the
+    first (the caller checked that one) is capturing a CUDA graph: the event would be part of
+    the graph."""
     streams = current_streams(context_devices(device))  # distinct: one per device
     if also and list(also) != streams:  # handed out on other streams than the current ones
         streams = list(dict.fromkeys([*streams, *also]))
@@ -146,13 +129,10 @@ def error_name(cudart: Any, code: int) -> str:
 
 
 def drain_last_error(cudart: Any) -> None:
-    """Consume the error a failed runtime call left behind (best effort).
-
-    A failed ``cudaHostRegister`` leaves a pending per-thread error; torch's next kernel
-    launch check (``cudaGetLastError``) would then raise it against an unrelated op.
-    torch's own binding exposes ``cudaGetLastError`` only in some versions, so fall back to
-    every libcudart mapped into this process (wheels bundle it as ``libcudart-<hash>``).
-    """
+    """Consume the error a failed runtime call left behind (best effort): torch's next kernel
+    launch check would raise it against an unrelated op. torch's binding has
+    ``cudaGetLastError`` only in some versions, so else every libcudart mapped into this
+    process is asked (wheels bundle it as ``libcudart-<hash>``)."""
     getter = getattr(cudart, "cudaGetLastError", None)
     if getter is not None:
         getter()
@@ -186,10 +166,9 @@ def _current_stream_capturing() -> bool:
 
 @contextmanager
 def copies_complete(addresses: Sequence[int]) -> Iterator[None]:
-    """The batches whose leaves start at ``addresses``, dropped in this block, had every copy
-    from them completed (a device stage drops a host batch only after its copy event): their
-    slots need no release fence. Other batches released in the block (a collection that runs
-    inside it) are fenced as usual."""
+    """Batches whose leaves start at ``addresses``, dropped in this block, need no release
+    fence: every copy from them completed (a device stage drops a host batch only after its
+    copy event). Other batches released in the block are fenced as usual."""
     stack = getattr(_local, "complete", None)
     if stack is None:
         stack = _local.complete = []
@@ -202,21 +181,14 @@ def copies_complete(addresses: Sequence[int]) -> Iterator[None]:
 
 def copies_completed(start: int, end: int) -> bool:
     """Whether a batch in ``[start, end)`` is being dropped under ``copies_complete``."""
-    for addresses in getattr(_local, "complete", ()):
-        for p in addresses:
-            if start <= p < end:
-                return True
-    return False
+    return any(start <= p < end for addresses in getattr(_local, "complete", ()) for p in addresses)
 
 
 _local = threading.local()
 
 
-
-
 class Events:
-    """Several events as one: completed when every one of them has (a release fenced on
-    several streams or devices)."""
+    """Several events as one (a release fenced on several streams or devices)."""
 
     __slots__ = ("events",)
 
@@ -232,7 +204,7 @@ class Events:
 
 
 def _completed(event: Any) -> bool:
-    """Whether ``event`` has completed, without blocking (not queryable: not completed)."""
+    """Whether ``event`` has completed, without blocking."""
     try:
         return bool(event.query())
     except RuntimeError as e:
@@ -241,26 +213,21 @@ def _completed(event: Any) -> bool:
 
 
 def _synchronized(event: Any) -> bool:
-    """Block until ``event`` has completed."""
     event.synchronize()
     return True
 
 
 class Fences:
-    """Events to pass before memory may be reused or unregistered (NOTE [ Registered memory
-    lifetime ] rule (3) in ``_memory/pinning.py``), each with a payload (a slot id).
+    """Events to pass before memory may be reused or unregistered, each with a payload (a
+    slot id), held strongly by whoever must wait for them (NOTE [ Registered memory lifetime ]
+    rule (3) in ``_memory/pinning.py``).
 
-    Held strongly by whoever must wait for them, so no collection order can lose them.
-
-    No locks: ``add`` runs in finalizers, on any thread, and inside any allocation of any code
-    (a collection that finalizes a pinned batch caught in a reference cycle). A lock that
-    code which allocates holds would deadlock the thread against itself there; so every entry
-    lives in one dict under a key of its own, and each step is one atomic dict operation:
-    ``add`` inserts; ``done``, ``retain`` and ``wait`` snapshot the keys (a C-level copy, no
-    allocation per entry) and remove an entry with ``pop``, which exactly one caller wins,
-    only once its event has completed (``retain``: once it is known complete). An entry is
-    therefore visible to every ``wait`` until its event has completed, whichever thread, or
-    nested collection, looks at it meanwhile, and no payload is returned twice.
+    No locks: ``add`` runs in finalizers, on any thread, inside any allocation (a collection
+    of a pinned batch caught in a reference cycle), where a lock held by the allocating code
+    would deadlock the thread against itself. So each entry has a key of its own in one dict
+    and each step is one atomic dict operation: ``add`` inserts; the others snapshot the keys
+    and ``pop`` an entry, which exactly one caller wins, only once its event has completed.
+    An entry is thus visible to every ``wait`` until then, and no payload is returned twice.
     """
 
     __slots__ = ("__weakref__", "_entries", "_keys")
@@ -277,10 +244,8 @@ class Fences:
         self._entries[next(self._keys)] = (event, payload)
 
     def done(self, sink: Any = None) -> list[Any]:
-        """Drop the entries whose event has completed (never blocks); their payloads, handed
-        to ``sink.append`` as each entry is removed when given (an interruption between two
-        entries then loses none), else returned. An event that cannot be asked (CUDA error)
-        counts as not completed."""
+        """Drop the entries whose event has completed, never blocking (an event CUDA cannot
+        query counts as pending); their payloads as ``_drain`` gives them."""
         return self._drain(_completed, sink)
 
     def retain(self, events: list[Any]) -> None:
@@ -295,15 +260,14 @@ class Fences:
                 entries.pop(key, None)
 
     def wait(self, sink: Any = None) -> list[Any]:
-        """Block until every event added before the call has completed; drop those entries;
-        their payloads (to ``sink.append`` as each is removed, when given). Interrupted, the
-        entries not yet waited for stay."""
+        """Block until every event added before the call has completed and drop those
+        entries (interrupted, the rest stay); their payloads as ``_drain`` gives them."""
         return self._drain(_synchronized, sink)
 
     def _drain(self, settled: Callable[[Any], bool], sink: Any) -> list[Any]:
-        """Remove the entries present now whose event ``settled`` says is complete (another
-        caller may remove one meanwhile: skipped); each payload to ``sink.append`` as its
-        entry goes, else returned."""
+        """Remove the entries present now that ``settled`` says are complete (one another
+        caller removes meanwhile is skipped). Each payload goes to ``sink.append`` as its
+        entry goes, so an interruption loses none; without a sink they are returned."""
         entries = self._entries
         finished: list[Any] = []
         put = finished.append if sink is None else sink.append

@@ -36,9 +36,8 @@ class WorkerError(RuntimeError):
 
 
 def out_of_descriptors(exc: BaseException | None) -> bool:
-    """Whether ``exc``, or an exception it was raised from or during, says that a process ran
-    out of file descriptors (EMFILE, or ENFILE for the whole system; torch's shared memory
-    says it in its message)."""
+    """Whether ``exc``, or one it was raised from or during, says a process ran out of file
+    descriptors (EMFILE, ENFILE, or torch's shared memory's message)."""
     seen = 0
     while exc is not None and seen < 8:
         if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
@@ -71,9 +70,7 @@ class RemoteError:
     def plain(cls, exc_type: type[BaseException], message: str) -> RemoteError:
         """An error re-raised as ``exc_type(message)``, its message unchanged (gpufeed's own
         errors that start with torch's words, which programs match on)."""
-        obj = cls.__new__(cls)
-        obj.exc_type, obj.type_name, obj.where, obj.text = exc_type, "", "", message
-        return obj
+        return _rebuild(exc_type, "", "", message)
 
     def reraise(self) -> NoReturn:
         if not self.where:  # RemoteError.plain

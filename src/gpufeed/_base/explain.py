@@ -6,14 +6,14 @@
 (``ring_fallback``), names the cause it sees and the fix:
 
 NOTE [ Ring fallback causes ]: the ring's slots in use (``ring`` occupancy) are the batches in
-flight that got a slot (at most the ``prefetch`` occupancy: batches sent to workers or ready,
-not yet handed to the loop) plus the batches the loop still holds. So, over a snapshot:
+flight that got a slot (at most the ``prefetch`` occupancy) plus the batches the loop still
+holds. So, over a snapshot:
 1. **held by the loop**: the ring has more slots than batches may be in flight, yet it was
-   full (its sampled occupancy reached ``RING_FULL`` of the capacity) or held on average
+   full (sampled occupancy reached ``RING_FULL`` of the capacity) or held on average
    ``HELD_MIN`` (or ``HELD_SHARE`` of the capacity) slots more than the batches in flight:
-   the rest were batches (or tensors of them: one label tensor keeps its whole slot) that
-   the loop kept (once the ring is full, new batches fall back and get no slot). Fix: copy
-   what you keep (``t.clone()``), or raise ``ring_bytes=`` to cover what you keep.
+   batches, or single tensors of them, that the loop kept (one label tensor keeps its whole
+   slot), so new batches found it full. Fix: copy what you keep (``t.clone()``), or raise
+   ``ring_bytes=`` to cover it.
 2. **budget too small**: the ring has no more slots than batches in flight, so it cannot even
    hold the prefetch. Fix: ``ring_bytes=`` of at least (in flight + 2) batches.
 3. **variable shapes**: slots were carved many times over (``ring_grow`` well above the
@@ -31,9 +31,9 @@ __all__ = ["FALLBACK_HIGH", "MEANINGS", "StageView", "StatsView", "explain", "ri
 
 #: a fallback share above this gets a finding (a few fall-backs while the ring grows are normal)
 FALLBACK_HIGH = 0.1
-#: ring occupancy (sampled when a batch is handed over, so it can miss the very top) at or
-#: above this share of the capacity counts as a full ring; a loop that keeps nothing stays
-#: near the batches in flight, well below it, as the default budget leaves room for more
+#: ring occupancy (sampled at handovers, so it can miss the very top) at or above this share of
+#: the capacity counts as full; a loop that keeps nothing stays well below, near the batches
+#: in flight
 RING_FULL = 0.75
 #: slots in use beyond the batches in flight, on average, that count as held by the loop (a
 #: loop that keeps nothing holds one or two: the batch it works on and the one just handed over)

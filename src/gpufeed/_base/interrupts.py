@@ -2,21 +2,20 @@
 
 NOTE [ Ctrl-C that Python drops ]
 ---------------------------------
-Python runs a signal's handler in the main thread at the next bytecode it runs there. Two
-kinds of code print the handler's exception ("Exception ignored in ...") and go on without it:
+Python runs a signal's handler in the main thread at its next bytecode. Two kinds of code
+print the handler's exception ("Exception ignored in ...") and go on without it:
 
 - finalizers and weak-reference callbacks (a batch's slot release, NOTE [ Ctrl-C and slot
   releases ] in ``_memory/release.py``): ``interrupt_main_later`` interrupts the main thread
   again once the finalizer has returned;
 - ``os.register_at_fork`` hooks. ``Process.start()`` with the fork method spends milliseconds
-  in ``fork()`` itself (the page tables of a process that imported torch), and a SIGINT that
-  arrives meanwhile is handled at the first bytecode after it: in the parent, the hooks run
-  after the fork (logging's lock release is the first). The KeyboardInterrupt was dropped
-  there and the loop went on: with a pool that grows and shrinks every batch, 17 of 40 Ctrl-Cs
-  were lost. ``ctrl_c_held`` swaps in a handler that only notes the signal for the length of
-  a forked start, and hands a noted one to the handler it replaced once the start is over, so
-  the KeyboardInterrupt is raised in the loader's own code, which cleans up as for any other.
-  (Spawn and forkserver starts run no at-fork hook in this process: nothing is held.)
+  in ``fork()`` (the page tables of a process that imported torch), and a SIGINT that
+  arrives meanwhile is handled in the parent's after-fork hooks: dropped, and the loop goes
+  on. Measurements: docs/how-it-works/measurements/memory.md#ctrl-c-that-python-drops.
+  ``ctrl_c_held`` swaps in a handler that only notes the signal for the length of a forked
+  start and hands it to the replaced handler afterwards, so the KeyboardInterrupt is raised
+  in the loader's own code, which cleans up as for any other. (Spawn and forkserver starts
+  run no at-fork hook here: nothing is held.)
 
 An iterator dropped unclosed closes its pool from ``__del__``, and stopping workers takes
 milliseconds: a Ctrl-C then would be dropped and stop the close half-way. That close runs
@@ -38,14 +37,11 @@ __all__ = ["ctrl_c_held", "interrupt_main_later"]
 @contextlib.contextmanager
 def ctrl_c_held(in_finalizer: bool = False, *, hold: bool = True) -> Iterator[None]:
     """Hold a SIGINT that arrives inside the block and deliver it to the handler in force
-    before, once the block is over (raised after any exception of the block's own). With
-    ``in_finalizer``, where an exception raised then would be dropped too, the main thread
-    is interrupted again shortly after instead (:func:`interrupt_main_later`). ``hold=False``:
-    nothing is held (a spawned worker's start runs no at-fork hook, and pickling a large
-    dataset for it would hold a Ctrl-C for as long).
-
-    Only the main thread runs signal handlers, so elsewhere (and where the handler is not
-    Python's to change: ignored, or installed from C) this does nothing.
+    before once the block is over (after any exception of the block's own); ``in_finalizer``,
+    where that would be dropped too: :func:`interrupt_main_later` instead. ``hold=False``
+    holds nothing (a spawned worker's start runs no at-fork hook, and pickling a large
+    dataset for it would hold a Ctrl-C as long). Does nothing off the main thread, the only
+    one that runs signal handlers, or where the handler is ignored or installed from C.
     """
     previous = signal.getsignal(signal.SIGINT)
     if (not hold or threading.current_thread() is not threading.main_thread()
@@ -72,12 +68,10 @@ def ctrl_c_held(in_finalizer: bool = False, *, hold: bool = True) -> Iterator[No
 
 
 def interrupt_main_later(delay_s: float = 0.02) -> None:
-    """Interrupt the main thread again after ``delay_s``, from a daemon thread: a Ctrl-C caught
-    where Python would drop it (a finalizer) is raised again once that code has returned.
-
-    With Python's own SIGINT handler, a real SIGINT to the main thread (it also wakes a
-    blocking wait); with another handler, or where threads cannot be signalled, the handler
-    is run as for a SIGINT (``_thread.interrupt_main``).
+    """Interrupt the main thread again after ``delay_s``, from a daemon thread, so a Ctrl-C
+    caught in a finalizer is raised once that code has returned. With Python's own SIGINT
+    handler, a real SIGINT to the main thread (it also wakes a blocking wait); else the
+    handler is run as for a SIGINT (``_thread.interrupt_main``).
     """
     main = threading.main_thread().ident
     kill = getattr(signal, "pthread_kill", None)

@@ -1,23 +1,10 @@
 """Loader statistics as data: a cheap recorder in the hot path, frozen snapshots for people.
 
-The core calls :class:`StatsRecorder` once per batch and stage; ``loader.stats()`` returns
-:meth:`StatsRecorder.snapshot`, a :class:`LoaderStats` of frozen dataclasses.
-
-Stages the core reports (seconds per batch):
-
-``fetch``     worker side: reading the samples of one batch.
-``collate``   worker side: building the batch (into a ring slot when possible).
-``startup``   main thread blocked on the first batch of an iterator (worker start-up).
-``wait``      main thread blocked waiting for each later batch (``blocked_s``).
-``step``      time the user spent between two ``next()`` calls (``busy_s``).
-``transfer``  device stage: host-to-device copy (and device transform).
-
-The input-bound share has one definition, :func:`input_bound_share`, used by
-``LoaderStats.input_bound``, ``gpufeed.tools.Profiler`` and the tuner's trials.
-
-A ``to_device`` iterator keeps its own counters (``DeviceIterator.stats()``: a
-:class:`DeviceStats`). Cost: :meth:`StatsRecorder.add` is one lock round trip, a dict look-up
-and a few float operations (about a microsecond); percentiles only in :meth:`snapshot`.
+The core calls :class:`StatsRecorder` once per batch and stage (the stages and counters it
+reports are listed, with their meaning, in ``_base/explain.py``'s ``MEANINGS``);
+``loader.stats()`` returns its :meth:`~StatsRecorder.snapshot`. A ``to_device`` iterator keeps
+its own counters (:class:`DeviceStats`). Cost: :meth:`StatsRecorder.add` is one lock round
+trip, a dict look-up and a few float operations; percentiles only in the snapshot.
 """
 
 from __future__ import annotations
@@ -38,10 +25,8 @@ DEFAULT_WINDOW = 4096
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of already sorted values, linearly interpolated.
-
-    Returns 0.0 for an empty sequence, so a stage that never ran reads as zero time.
-    """
+    """The ``q``-th percentile (0-100) of sorted values, linearly interpolated; 0.0 for none
+    (a stage that never ran reads as zero time)."""
     n = len(sorted_values)
     if n == 0:
         return 0.0
@@ -53,10 +38,9 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def input_bound_share(wait_s: float, step_s: float) -> float | None:
-    """The share (0-1) of a training loop spent waiting for data: ``wait / (wait + step)``,
-    both in seconds, the waits without start-up (the first batch, which includes starting the
-    workers); None when nothing was measured. Every input-bound figure gpufeed prints is this
-    one (``loader.stats()``, ``gpufeed profile``, ``gpufeed tune``)."""
+    """The share (0-1) of a loop spent waiting for data, ``wait / (wait + step)``, the waits
+    without start-up (the first batch); None when nothing was measured. Every input-bound
+    figure gpufeed prints is this one (``loader.stats()``, ``gpufeed profile``, ``tune``)."""
     total = wait_s + step_s
     return wait_s / total if total > 0 else None
 
@@ -73,8 +57,7 @@ def human_bytes(n: float) -> str:
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *,
                  left: int = 1) -> str:
-    """Render rows as a plain aligned text table: the first ``left`` columns (text) aligned
-    left, the rest (numbers) right."""
+    """A plain text table: the first ``left`` columns aligned left, the rest right."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
 
@@ -144,16 +127,16 @@ class LoaderStats:
 
     @property
     def input_bound(self) -> float | None:
-        """Share (0-1) of the user's loop spent waiting for data: :func:`input_bound_share` of
-        the "wait" and "step" stages (the first batch's wait is the "startup" stage, left out
-        as ``gpufeed.tools.Profiler`` leaves it out). None until both stages have been reported."""
+        """Share (0-1) of the user's loop spent waiting for data, from the "wait" and "step"
+        stages (the first batch's wait, the "startup" stage, is left out, as
+        ``gpufeed.tools.Profiler`` leaves it out). None until both stages are reported."""
         wait, step = self.stages.get("wait"), self.stages.get("step")
         if wait is None or step is None:
             return None
         return input_bound_share(wait.busy_s + wait.blocked_s, step.busy_s + step.blocked_s)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict (JSON-ready) of the snapshot."""
+        """The snapshot as a plain, JSON-ready dict."""
         out = {
             "wall_s": self.wall_s,
             "stages": {name: asdict(s) for name, s in self.stages.items()},
@@ -228,7 +211,7 @@ class DeviceStats:
 
 
 class _Stage:
-    """Mutable per-stage accumulator; ``samples`` is a ring of the last ``window`` batch times."""
+    """Per-stage accumulator; ``samples`` is a ring of the last ``window`` batch times."""
 
     __slots__ = ("batches", "blocked", "busy", "cap", "occ_max", "occ_n", "occ_sum", "pos",
                  "samples")
@@ -246,14 +229,9 @@ class _Stage:
 
 
 class StatsRecorder:
-    """Per-stage timings, occupancy and counters, recorded from any thread.
-
-    Args:
-        window: how many recent batches per stage feed the percentiles (a ring buffer). Larger
-            windows give steadier P99s and cost 8 bytes per batch per stage; 4096 by default.
-
-    Thread safety: all methods take one internal lock, held for a few operations only.
-    """
+    """Per-stage timings, occupancy and counters, recorded from any thread (one lock, held
+    for a few operations). ``window``: recent batches per stage that feed the percentiles; a
+    larger one gives steadier P99s at 8 bytes per batch per stage."""
 
     def __init__(self, *, window: int = DEFAULT_WINDOW) -> None:
         if not isinstance(window, int) or window < 1:
@@ -273,18 +251,15 @@ class StatsRecorder:
     def add(self, stage: str, busy_s: float = 0.0, blocked_s: float = 0.0) -> None:
         """Record one batch through ``stage``: ``busy_s`` seconds working, ``blocked_s`` blocked."""
         with self._lock:
-            self._add(self._stages.get(stage) or self._stage(stage), busy_s, blocked_s)
-
-    def _add(self, st: _Stage, busy_s: float, blocked_s: float) -> None:  # lock held
-        st.busy += busy_s
-        st.blocked += blocked_s
-        st.samples[st.pos % self._window] = busy_s + blocked_s
-        st.pos += 1
-        st.batches += 1
+            st = self._stages.get(stage) or self._stage(stage)
+            st.busy += busy_s
+            st.blocked += blocked_s
+            st.samples[st.pos % self._window] = busy_s + blocked_s
+            st.pos += 1
+            st.batches += 1
 
     def add_many(self, stage: str, busy: Sequence[float]) -> None:
-        """``add(stage, busy_s=b)`` for each ``b`` of ``busy``, in one lock round trip (the
-        batches of one worker message)."""
+        """``add(stage, busy_s=b)`` for each ``b`` of ``busy`` (one worker message's batches)."""
         with self._lock:
             st = self._stages.get(stage) or self._stage(stage)
             samples, window = st.samples, self._window
@@ -297,13 +272,11 @@ class StatsRecorder:
     def handout(self, step_s: float | None, wait_s: float, samples: int | None = None,
                 occupancy: Sequence[tuple[str, int, int]] = (),
                 gauges: Sequence[tuple[str, int]] = ()) -> None:
-        """One batch of ``samples`` samples handed to the user, in one lock round trip:
-        ``add("step", busy_s=step_s)`` and ``add("wait", blocked_s=wait_s)`` (``step_s`` None:
-        the first batch, whose wait is worker start-up, ``add("startup", blocked_s=wait_s)``,
-        left out of the input-bound share), ``count("batches")``, ``count("samples", samples)``,
-        and the ``occupancy`` samples and ``gauges`` (as :meth:`passed_on`)."""
+        """One batch of ``samples`` samples handed to the user, in one lock round trip: the
+        "step" and "wait" stages (``step_s`` None: the first batch, whose wait is worker
+        start-up, "startup"), the "batches" and "samples" counters, and :meth:`passed_on`."""
         window = self._window
-        with self._lock:  # _add written out: this runs once per batch
+        with self._lock:  # add() written out: this runs once per batch
             stages, counters = self._stages, self._counters
             if step_s is not None:
                 st = stages.get("step") or self._stage("step")
@@ -325,8 +298,8 @@ class StatsRecorder:
 
     def passed_on(self, occupancy: Sequence[tuple[str, int, int]] = (),
                   gauges: Sequence[tuple[str, int]] = ()) -> None:
-        """:meth:`handout`'s ``occupancy`` and ``gauges`` alone, for a batch handed to the
-        device stage: its handover to the loop records the rest (``_order/delivery.py``)."""
+        """Sample ``occupancy`` and set ``gauges`` for a batch handed to the device stage, whose
+        handover to the loop records the rest (``_order/delivery.py``)."""
         with self._lock:
             self._sample(occupancy, gauges)
 
@@ -359,15 +332,8 @@ class StatsRecorder:
         with self._lock:
             self._counters[name] = value
 
-    def reset(self) -> None:
-        """Forget everything recorded so far and restart the wall clock (e.g. at a new epoch)."""
-        with self._lock:
-            self._stages.clear()
-            self._counters.clear()
-            self._t0 = time.perf_counter()
-
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle (a loader's copy, ``copy.deepcopy``) the figures, not the lock."""
+        """The figures without the lock (a loader's copy or pickle)."""
         with self._lock:
             state = dict(self.__dict__)
             state["_stages"] = copy.deepcopy(self._stages)

@@ -3,22 +3,9 @@ process may use, the memory it may still take, and what a process tree uses of b
 
 gpufeed's one reader of each: ``_tools/probe.py`` hands them to the doctor (tests replace them
 there), the tuner and the autotuner (``num_workers="auto"``) take their budgets from them.
-
-- **Usable CPUs**: the CPUs of this process's affinity, capped by the cgroup CPU quota (v2
-  ``cpu.max``, or v1 ``cpu.cfs_quota_us``), divided among the local ranks under torchrun
-  (``LOCAL_WORLD_SIZE``: each rank runs a loader of its own on the same cores). Fractional:
-  a quota of 2.5 CPUs is 2.5.
-- **Memory available**: what the kernel says is available, capped by the cgroup memory limit
-  (v2 ``memory.max`` less ``memory.current``) where one is set.
-- **CPU time of a tree**: CPU seconds of this process (all its threads, thread workers
-  included) and of the worker processes named; and how long the workers were runnable but
-  waited for a core (the kernel's run-queue delay): workers that wait for a core would not
-  go faster in greater numbers, whoever keeps the cores busy. The same two figures of one
-  thread (``thread_sched``) split a stretch of wall time into on a core, waiting for one and
-  asleep (the rest).
-- **Private memory of a process**: the pages only it maps (``Private_Clean + Private_Dirty``
-  of ``/proc/<pid>/smaps_rollup``), what one more worker adds: the pages it shares with the
-  main process (libraries, the dataset before copy-on-write, the slot ring) are there already.
+Usable CPUs are divided among the local ranks under torchrun (``LOCAL_WORLD_SIZE``) because
+each rank runs a loader of its own on the same cores. Run-queue time matters because workers
+that wait for a core would not go faster in greater numbers, whoever keeps the cores busy.
 """
 
 from __future__ import annotations
@@ -44,8 +31,8 @@ def _read(path: str) -> str | None:
 
 
 def cpu_quota() -> float | None:
-    """CPUs allowed by the cgroup quota (v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us``), None
-    when unlimited or unknown."""
+    """CPUs allowed by the cgroup quota (v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us``),
+    fractional; None when unlimited or unknown."""
     text = _read("/sys/fs/cgroup/cpu.max")
     try:
         if text is not None:
@@ -76,7 +63,7 @@ def local_ranks() -> int:
 
 def usable_cpus(*, per_rank: bool = True) -> float:
     """CPUs this process may use: its affinity capped by the cgroup quota, and with
-    ``per_rank`` divided among the local ranks (see the module docstring)."""
+    ``per_rank`` divided among the local ranks."""
     affinity = cpu_affinity()
     usable = float(len(affinity)) if affinity else float(os.cpu_count() or 1)
     quota = cpu_quota()
@@ -87,7 +74,7 @@ def usable_cpus(*, per_rank: bool = True) -> float:
 
 def memory_available() -> int:
     """Bytes this process could still take: the kernel's available memory, capped by the
-    cgroup v2 limit where one is set."""
+    cgroup v2 limit (``memory.max`` less ``memory.current``) where one is set."""
     import psutil
 
     avail = int(psutil.virtual_memory().available)
@@ -117,15 +104,15 @@ def _smaps(pid: int, keys: dict[str, str]) -> dict[str, int] | None:
 def rollup(pid: int) -> dict[str, int] | None:
     """PSS fields of ``/proc/<pid>/smaps_rollup`` in bytes (``pss``, and where the kernel
     splits it ``anon``, ``file``, ``shmem``); None where it cannot be read. Reading it makes
-    the kernel walk the process's page tables: about 40 us per resident MiB."""
+    the kernel walk the process's page tables (about 40 us per resident MiB)."""
     out = _smaps(pid, _ROLLUP_KEYS)
     return out if out is not None and "pss" in out else None
 
 
 def private_bytes(pid: int) -> int | None:
-    """The pages only process ``pid`` maps (``Private_Clean + Private_Dirty``: what one more
-    such process adds to the tree's memory; shared pages, the ring's among them, are counted
-    where they are owned); None where it cannot be read."""
+    """The pages only process ``pid`` maps (``Private_Clean + Private_Dirty``), what one more
+    worker adds: the pages it shares with the main process (libraries, the dataset before
+    copy-on-write, the slot ring) are there already. None where it cannot be read."""
     out = _smaps(pid, _PRIVATE_KEYS)
     return None if not out else sum(out.values())
 
@@ -141,9 +128,12 @@ class CpuTimes(NamedTuple):
     queued: float
 
 
-def _schedstat(path: str) -> tuple[float, float] | None:
-    """(CPU seconds, run-queue seconds) of one thread, from its ``schedstat``."""
-    text = _read(path)
+def thread_sched(pid: int, tid: int | None = None) -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of thread ``tid`` of process
+    ``pid`` (its main thread when None), cumulative: they split a stretch of wall time into
+    on a core, waiting for one and asleep. None where the kernel keeps no ``schedstat`` (not
+    Linux) or the thread is gone."""
+    text = _read(f"/proc/{pid}/task/{pid if tid is None else tid}/schedstat")
     if text is None:
         return None
     try:
@@ -153,22 +143,13 @@ def _schedstat(path: str) -> tuple[float, float] | None:
         return None
 
 
-def thread_sched(pid: int, tid: int | None = None) -> tuple[float, float] | None:
-    """(seconds on a CPU, seconds runnable but waiting for one) of thread ``tid`` of process
-    ``pid`` (its main thread when None), cumulative; None where the kernel keeps no
-    ``schedstat`` (not Linux) or the thread is gone."""
-    return _schedstat(f"/proc/{pid}/task/{pid if tid is None else tid}/schedstat")
-
-
 class TreeCpu:
     """CPU and run-queue seconds of this process and a changing set of workers, cumulative.
 
-    :meth:`read` takes the worker processes' pids and the thread workers' native ids (threads
-    of this process) and returns :class:`CpuTimes`. A worker's figures are those of the thread
-    that runs it (a process worker's main thread); one that has exited keeps the last figures
-    read for it, so the sums never go back when workers come and go between reads. Where
-    ``schedstat`` is missing (not Linux), a process worker's CPU comes from psutil and nothing
-    is queued.
+    :meth:`read` takes the worker processes' pids and the thread workers' native ids. A
+    worker's figures are those of the thread that runs it; one that has exited keeps its last
+    figures, so the sums never go back as workers come and go. Without ``schedstat`` (not
+    Linux), a process worker's CPU comes from psutil and nothing is queued.
     """
 
     def __init__(self) -> None:

@@ -1,52 +1,47 @@
 """The timeline recorder: spans, counters and instants of every stage, on one clock.
 
 ``gpufeed.trace(...)`` (``_tools/trace.py``) makes a :class:`Timeline` the module's ``active``
-one; every stage reads ``active`` once per batch and writes into it only when it is set. The
-writer (``_tools/trace.py``) turns the records into Chrome Trace Event JSON.
+one and turns its records into Chrome Trace Event JSON; every stage writes into it only when
+it is set.
 
 NOTE [ Timeline ]
 -----------------
 (1) Cost when off: a stage does ``tl = timeline.active`` and ``if tl is not None:``, once per
     batch (a worker message, a handover, a device copy); nothing else runs. While a
     ``torch.profiler`` records, the host iterators' and the device stage's ``next()`` also run
-    inside ``record_function`` ranges (:data:`torch_profiler`, :data:`WAIT_RANGE`): a module
-    attribute read per batch when no profiler runs.
-(2) One clock. Every time is ``time.perf_counter()`` seconds: ``CLOCK_MONOTONIC`` on Linux
-    (``mach_absolute_time`` on macOS, QPC on Windows), one clock for the whole machine, so a
-    worker process (forked or spawned) reads the same timeline as the main process and its
-    times need no offset. ``tests/tools/test_trace.py`` checks it: each batch's worker spans
-    end before the main thread hands that batch out. The CUDA copy stream's times come from
+    inside ``record_function`` ranges (:data:`WAIT_RANGE`): an attribute read per batch
+    (:data:`torch_profiler`) when no profiler runs.
+(2) One clock. Every time is ``time.perf_counter()`` seconds, one monotonic clock for the
+    whole machine, so a worker process (forked or spawned) reads the same timeline as the
+    main process and needs no offset (``tests/tools/test_trace.py`` checks that each batch's
+    worker spans end before the main thread hands it out). The copy stream's times come from
     CUDA events placed on this clock through an anchor event (``_device/timing.py``).
-(3) The stats are spans. The times a stage gives ``StatsRecorder`` are the very numbers it
-    records here: ``fetch``/``collate`` (worker spans from ``Fetched``), ``wait``/``step``
-    (main-thread spans from ``BaseIter._finish``, or, with a device stage, from the
-    ``Delivered`` wrapped around it: the loop's handovers, not the stage's pulls, so the
-    batches the stage holds ahead count in neither), ``transfer`` (device-stage spans), so
+(3) The stats are spans: the times a stage gives ``StatsRecorder`` are the numbers it records
+    here (``wait``/``step`` from ``BaseIter._finish``, or with a device stage from the
+    ``Delivered`` around it: the loop's handovers, not the stage's pulls), so
     ``loader.stats()`` and the timeline never disagree (a test sums both).
 (4) Owners and tracks. A record names its *owner* (a loader's ``StatsRecorder``, a
-    ``DeviceIterator`` without a loader, a ``Profiler``): one process group in the viewer.
-    Tracks inside it: "main" (the thread that iterates), ("worker", w), "device" (the device
-    stage, host side) and "gpu" (the copy stream, CUDA event times). Workers do not record:
-    their spans travel in the ``Fetched`` messages they already send (``started``,
-    ``fetch_s``, ``collate_s``), and the main process records them when they arrive.
-(5) Records are ``(kind, owner, start, end, *payload)``, the owner by its number. The
-    per-batch kinds pack several spans into one record (a handover is the step, the wait and
-    the hand-out; a worker batch is its fetch and its collate), expanded by the writer, and
-    are stored flat, their numbers appended to one list per kind (``list.extend``, one C call
-    per record, atomic in CPython: any thread may record). Numbers are objects the garbage
-    collector does not track, so a trace adds none for it to count or scan (a tuple per
-    record made it run ~3x as often on the tabular benchmark). Other records are tuples in a
-    deque. A loader's counters (ring slots, batches in flight, workers) are sampled at
-    handovers, at most every ``SAMPLE_EVERY_S``: a viewer needs no more, and the cheapest
-    batches come faster.
+    ``DeviceIterator`` without a loader, a ``Profiler``), one process group in the viewer,
+    with tracks "main", ("worker", w), "device" and "gpu" (the copy stream). Workers do not
+    record: their spans travel in the ``Fetched`` messages they already send.
+(5) Records are ``(kind, owner, start, end, *payload)``, the owner by its number. A per-batch
+    kind packs several spans into one record (a handover is the step, the wait and the
+    hand-out; a worker batch its fetch and collate), expanded by the writer, and is stored
+    flat: its numbers appended to one list per kind (``list.extend``, one C call, atomic in
+    CPython: any thread may record). Numbers are objects the garbage collector does not
+    track, so a trace gives it nothing to count or scan; a tuple per record made it run
+    several times as often. Measurements: docs/how-it-works/measurements/memory.md#timeline.
+    Other records are tuples in a deque. A loader's counters are sampled at handovers, at
+    most every ``SAMPLE_EVERY_S``: a viewer needs no more, and the cheapest batches come
+    faster.
 (6) Bounds. ``last_batches=N`` keeps what happened since the loop asked for the N-th latest
     batch handed out (of any traced loader); ``last_seconds=S`` keeps the last S seconds.
     Records that end before the cut are dropped from the left at each handover, and the
     writer drops any left over, so a bounded trace can stay on for a whole run (about 300
     bytes a batch are kept).
 (7) Other stages write generic records with :meth:`Timeline.span`, :meth:`Timeline.counter`
-    and :meth:`Timeline.instant`, or, for a one-off event without a timeline at hand,
-    :func:`instant` (a no-op when off). An autotuner's decision, for instance::
+    and :meth:`Timeline.instant`, or :func:`instant` (a no-op when off) for a one-off event
+    without a timeline at hand, e.g. an autotuner's decision::
 
         from .._base import timeline as _timeline
         _timeline.instant(self._recorder, "autotune: 2 -> 3 workers",
@@ -105,15 +100,8 @@ active: Timeline | None = None
 
 
 class Timeline:
-    """Records of one trace; see NOTE [ Timeline ].
-
-    Args:
-        last_batches: keep only what happened since the ``last_batches``-th latest batch
-            handed to a loop (of any traced loader). None: no bound by batches.
-        last_seconds: keep only the last ``last_seconds`` seconds. None: no bound by time.
-            Each bound keeps memory flat on a long run (about 300 bytes a batch are kept);
-            without either, everything from start to stop is kept.
-    """
+    """Records of one trace, bounded by ``last_batches`` and ``last_seconds`` (None: no
+    bound) as NOTE [ Timeline ] (6) says; without either, everything is kept."""
 
     def __init__(self, *, last_batches: int | None = None,
                  last_seconds: float | None = None) -> None:
@@ -160,8 +148,8 @@ class Timeline:
 
     def instant(self, owner: Hashable, name: str, *, track: Hashable = "main",
                 args: Mapping[str, Any] | None = None, t: float | None = None) -> None:
-        """Something that changes behaviour happened to ``owner`` at ``t`` (now): a ring
-        fallback, a spill, a worker restarted, an autotuning decision."""
+        """Something that changes behaviour (a ring fallback, a worker restarted) happened to
+        ``owner`` at ``t`` (now)."""
         t = time.perf_counter() if t is None else t
         self._append((INSTANT, self.owners[owner], t, t, track, name, args))
 
@@ -172,23 +160,22 @@ class Timeline:
     # -- per-batch records (NOTE [ Timeline ] (5)) --------------------------------------------
     def handout(self, owner: Hashable, batch: int, epoch: int, step_from: float, asked: float,
                 ready: float, end: float) -> None:
-        """The main thread handed ``batch`` out: its loop stepped from ``step_from`` (0: this
-        is the first batch) to ``asked``, waited until ``ready``, got the batch at ``end``."""
+        """The loop stepped from ``step_from`` (0: the first batch) to ``asked``, waited until
+        ``ready`` and got ``batch`` at ``end``."""
         self._handout((self.owners[owner], step_from or asked, end, batch, epoch, asked, ready))
         if self._bounds:
             self._bound(asked, end)
 
     def worker_batch(self, owner: Hashable, worker: int, batch: int, epoch: int, started: float,
                      fetch_s: float, collate_s: float, nbytes: int, spilled: bool) -> None:
-        """Worker ``worker`` fetched ``batch`` from ``started`` for ``fetch_s`` seconds, then
-        collated it for ``collate_s`` (``nbytes`` bytes; ``spilled`` into a memory file)."""
+        """``worker`` fetched ``batch`` from ``started`` for ``fetch_s`` seconds, then collated
+        it for ``collate_s`` (``spilled``: into a memory file)."""
         self._worker((self.owners[owner], started, started + fetch_s + collate_s, worker, batch,
                       epoch, fetch_s, nbytes, spilled))
 
     def sample(self, owner: Hashable, t: float, ring_in_use: int, ring_fenced: int,
                ring_free: int, in_flight: int, workers: int) -> None:
-        """A loader's counters at ``t``: ring slots in use (fenced ones apart) and free,
-        batches in flight, workers in force."""
+        """A loader's counters at ``t``."""
         self._sample((self.owners[owner], t, t, ring_in_use, ring_fenced, ring_free, in_flight,
                       workers))
 
@@ -219,7 +206,7 @@ class Timeline:
             self._skip[kind] = skip
 
     def all_records(self) -> list[Record]:
-        """Every record kept, the per-batch kinds' unpacked into tuples, in no set order."""
+        """Every record kept, the per-batch kinds' as tuples, in no set order."""
         out = list(self.records)
         for kind, column in self.columns.items():
             width = WIDTH[kind]
@@ -229,7 +216,7 @@ class Timeline:
         return out
 
     def __len__(self) -> int:
-        """Records kept now (a bounded trace drops the oldest as it goes)."""
+        """Records kept now."""
         return len(self.records) + sum(len(c) // WIDTH[k] - self._skip[k]
                                        for k, c in self.columns.items())
 
@@ -254,7 +241,7 @@ def stop(timeline: Timeline) -> None:
 
 def instant(owner: Hashable, name: str, *, track: Hashable = "main",
             args: Mapping[str, Any] | None = None) -> None:
-    """Record an instant into the active timeline, if any (NOTE [ Timeline ] (7))."""
+    """:meth:`Timeline.instant` into the active timeline, if any (NOTE [ Timeline ] (7))."""
     tl = active
     if tl is not None:
         tl.instant(owner, name, track=track, args=args)
@@ -272,9 +259,8 @@ class _NoProfiler:
     _is_profiler_enabled = False
 
 
-#: ``torch.autograd.profiler``, whose module global ``_is_profiler_enabled`` torch sets while a
-#: profiler records (torch 2.x; checked once, here): hot paths read
-#: ``timeline.torch_profiler._is_profiler_enabled``, two attribute loads, no call.
+#: ``torch.autograd.profiler``, whose global ``_is_profiler_enabled`` torch 2.x sets while a
+#: profiler records: hot paths read it, two attribute loads and no call.
 torch_profiler: Any = _NoProfiler
 try:
     from torch.autograd import profiler as _profiler_module

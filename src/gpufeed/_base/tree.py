@@ -30,7 +30,9 @@ def _kind(t: type) -> int:
         return _NAMEDTUPLE
     if issubclass(t, Mapping):
         return _MUTMAP if issubclass(t, MutableMapping) else _MAP
-    if issubclass(t, Sequence) and not _is_tensor_like(t):
+    # torch.Tensor and numpy arrays are leaves even though they are sequences.
+    if issubclass(t, Sequence) and not (hasattr(t, "__array_interface__")
+                                        or hasattr(t, "data_ptr")):
         return _MUTSEQ if issubclass(t, MutableSequence) else _SEQ
     if dataclasses.is_dataclass(t):
         return _DATACLASS
@@ -104,8 +106,7 @@ def tree_leaves(obj: Any) -> list[Any]:
 def batch_len(batch: Any) -> int | None:
     """How many samples a collated batch holds: the first dimension of its first tensor or
     array with one, or the length of its first list of strings or bytes (how the default
-    collate batches strings), whichever comes first (depth first, in container order); None
-    when there is neither (e.g. a ``collate_fn`` that returns one number)."""
+    collate batches strings), depth first; None when there is neither."""
     cls = type(batch)
     if cls is tuple or cls is list:  # (features, labels), first: one call, not 4 isinstance
         first = batch[0] if batch else None
@@ -135,14 +136,9 @@ def batch_len(batch: Any) -> int | None:
 
 
 def byte_extent(t: torch.Tensor) -> int:
-    """Bytes from ``t``'s first element to just past its last, strides and all (0 when it has
-    no element): what a view of ``t`` spans in its storage."""
+    """Bytes a view ``t`` spans in its storage, from its first element to just past its last
+    (0 when it has none)."""
     if t.numel() == 0:
         return 0
     last = sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True))
     return (last + 1) * t.element_size()
-
-
-def _is_tensor_like(t: type) -> bool:
-    # torch.Tensor and numpy arrays are leaves even though they are iterable.
-    return hasattr(t, "__array_interface__") or hasattr(t, "data_ptr")

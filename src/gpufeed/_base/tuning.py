@@ -1,9 +1,8 @@
 """Autotuning as data: each decision as a record, and what ``loader.stats().autotune`` shows.
 
-The autotuner (``num_workers="auto"``, ``_host/autotune.py``) makes every decision through one
-method, which builds a :class:`TuningDecision`, logs it at INFO on the ``gpufeed`` logger and
-keeps it (NOTE [ Autotuning decisions ] there): a record is an instant in time with a kind, the
-settings before and after, and the figures that led to it.
+The autotuner (``num_workers="auto"``) makes every decision through one method, which builds
+a :class:`TuningDecision`, logs it at INFO and keeps it (NOTE [ Autotuning decisions ] in
+``_host/autotune.py``).
 """
 
 from __future__ import annotations

@@ -4,36 +4,28 @@ NOTE [ Worker heap ]
 --------------------
 glibc's malloc serves a request of at least ``M_MMAP_THRESHOLD`` bytes (128 KiB at start)
 with a fresh ``mmap`` that ``free`` unmaps, and hands the top of the heap back to the kernel
-once more than ``M_TRIM_THRESHOLD`` (128 KiB) of it is free. Both thresholds rise on their
-own: freeing an mmapped block of up to 32 MiB (64-bit) raises the first to its size and the
-second to twice that. A process that collates its batches into memory of its own frees one
-per batch, so after its first batch its samples (a 3x192x192 crop is 108 KiB, a decoded
-500x375 photo 549 KiB) come from a heap that stays mapped.
+once more than ``M_TRIM_THRESHOLD`` (128 KiB) of it is free. Freeing an mmapped block of up
+to 32 MiB (64-bit) raises the first threshold to its size and the second to twice that, so a
+process that collates its batches into memory of its own soon takes its samples from a heap
+that stays mapped.
 
 A gpufeed process worker writes its batches into the ring, which malloc never sees, so its
-thresholds stay wherever the main process's were when it forked (a training script's: low) plus
-whatever its own first batches freed. When a batch's samples add up to more than the trim
-bound, they are handed back to the kernel after every batch and fault in again, page by page,
-for the next (about 4 us a page on a 2-core VM); samples over the mapping bound are fresh
-mappings each time. Measured in new interpreters, image-array ``per-sample`` (64 crops of 108
-KiB, 2 process workers): a worker's median fetch 9.8-10.4 ms against 5.0-5.7 ms for the same
-batch in a bare process (``python -m bench.workers --variant per-sample``), and
-1,641 page faults per batch in the workers against 205 with what follows
-(``python -m bench.heap``: 1.75x the samples/s). Whether glibc hands a given
-batch back depends on what was allocated above it, so the effect varies with the dataset;
-what following costs is the free heap a worker then keeps, bounded below.
+thresholds stay where the main process's were when it forked (low). Samples that add up to
+more than the trim bound are handed back to the kernel after every batch and fault in again,
+page by page, for the next; samples over the mapping bound are fresh mappings each time. On
+small image crops a worker's fetch took twice as long as in a bare process; the effect varies
+with the dataset. Measurements: docs/how-it-works/measurements/memory.md#worker-heap.
 
 So a worker applies glibc's own rule to each batch it writes, as if it had freed it:
-:func:`follow_batch` raises ``M_MMAP_THRESHOLD`` to the batch's bytes (never past glibc's
-32 MiB bound) and ``M_TRIM_THRESHOLD`` to twice that. The heap a worker keeps is then what a
-plain process keeps: at most twice its largest batch (64 MiB) of free memory at the top.
-Thread workers share the main process's heap and leave it to the user.
+:func:`follow_batch` raises ``M_MMAP_THRESHOLD`` to the batch's bytes (never past 32 MiB) and
+``M_TRIM_THRESHOLD`` to twice that. The free heap a worker keeps is then what a plain process
+keeps: at most twice its largest batch (64 MiB). Thread workers share the main process's heap
+and leave it to the user.
 
-Left as it is: a C library other than glibc (musl, macOS), a malloc preloaded in its place
-(jemalloc, tcmalloc), and a user who set glibc's malloc through the environment
-(``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``,
-``MALLOC_MMAP_MAX_`` or ``GLIBC_TUNABLES=glibc.malloc.*``): setting either threshold turns
-glibc's own adjustment off, and theirs is the choice to keep.
+Left as it is: a C library other than glibc, a malloc preloaded in its place (jemalloc,
+tcmalloc), and glibc's malloc set through the environment (``MALLOC_*_`` variables or
+``GLIBC_TUNABLES=glibc.malloc.*``): setting a threshold turns glibc's own adjustment off, and
+the user's is the choice to keep.
 """
 
 from __future__ import annotations
@@ -55,8 +47,8 @@ _PRELOADED = ("jemalloc", "tcmalloc", "mimalloc")
 
 
 def left_alone() -> str | None:
-    """Why this process's workers leave glibc's heap as it is (see the NOTE), or None when
-    they follow their batches. ``gpufeed doctor`` prints it."""
+    """Why this process's workers leave glibc's heap as it is, or None when they follow their
+    batches (``gpufeed doctor`` prints it)."""
     if platform.system() != "Linux":
         return f"{platform.system()}: not glibc's malloc"
     if platform.libc_ver()[0] != "glibc":
@@ -87,7 +79,7 @@ def _mallopt() -> Any:
 
 class HeapFollower:
     """Raises this process's malloc thresholds with the batches it writes (NOTE [ Worker
-    heap ]). Made in the worker process, after it started."""
+    heap ]); made in the worker process."""
 
     def __init__(self) -> None:
         self._mallopt = _mallopt()

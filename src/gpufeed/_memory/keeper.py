@@ -1,9 +1,9 @@
 """Where pinned slot rings live between epochs, and after they are closed.
 
-NOTE [ Slot lifetime ] (e) in ``_memory/ring.py``: registering a ring with CUDA costs time in
-proportion to its size, and unregistering it must wait for the copies that may still read it.
-A loader without persistent workers starts new workers every epoch; it keeps its pinned ring
-in a :class:`RingKeeper` from one epoch to the next instead of closing it:
+NOTE [ Slot lifetime ] (e) in ``_memory/ring.py``: registering a ring costs time in proportion
+to its size, and unregistering it must wait for the copies that may still read it. So a loader
+without persistent workers, which starts new workers every epoch, keeps its pinned ring in a
+:class:`RingKeeper` from one epoch to the next instead of closing it:
 
     epoch end (iterator closes) ──► workers stopped for good? ──yes──► ring.reclaim(), kept
                                                                   no──► close_ring(ring)
@@ -11,16 +11,15 @@ in a :class:`RingKeeper` from one epoch to the next instead of closing it:
                                                             no──► close_ring(it), a new ring
     loader collected            ──► close_ring(kept ring)
 
-A kept ring is handed to one iterator at a time (a second iterator of the same loader, alive
-at once, builds its own). It fits when the worker kind (shared or private memory), the device
-its slots are registered for and the budget asked for are the same; batches that grew are the
-ring's own business (larger slots are carved, smaller free ones retired).
+A kept ring serves one iterator at a time (a second one alive at once builds its own). It fits
+when the worker kind (shared or private memory), the device and the budget asked for are the
+same; batches that grew are the ring's own business.
 
-``close_ring`` unregisters what it can at once; a ring with slots still held by the user, or
-behind a pending release fence, waits in ``_closing`` until each has been released and has
-passed its fence (``reap_closed``, run whenever a ring is taken or closed, without blocking;
-``finish_closed_rings`` waits). Kept batches therefore stay page-locked as long as the user
-holds them, as stock's pinned batches do, and memory is never unmapped while registered.
+``close_ring`` unregisters what it can at once; a ring with slots the user holds, or behind a
+pending fence, waits in ``_closing`` until each is released and past its fence
+(``reap_closed``, run without blocking whenever a ring is taken or closed;
+``finish_closed_rings`` waits). So kept batches stay page-locked as long as the user holds
+them, as stock's pinned batches do, and memory is never unmapped while registered.
 """
 
 from __future__ import annotations
@@ -40,8 +39,6 @@ __all__ = ["RingKeeper", "close_ring", "end_ring", "finish_closed_rings", "reap_
 logger = logging.getLogger(__name__)
 
 _closing: list[SlotRing] = []  # closed rings with slots still registered
-
-
 _reaping = threading.Lock()  # taken without blocking: a reap inside a reap skips
 
 
@@ -55,8 +52,8 @@ os.register_at_fork(after_in_child=_after_fork)
 
 
 def reap_closed() -> None:
-    """Unregister the released, fenced-and-passed slots of closed rings (never blocks; one
-    caller at a time, any thread: a collection may close a loader's ring anywhere)."""
+    """Unregister the released and fenced slots of closed rings, never blocking; one caller
+    at a time, on any thread (a collection may close a loader's ring anywhere)."""
     if not _reaping.acquire(blocking=False):
         return  # another reap runs (on another thread, or this one further up)
     try:
@@ -88,8 +85,8 @@ def close_ring(ring: SlotRing) -> None:
 
 
 def finish_closed_rings() -> int:
-    """Wait for the release fences of every closed ring and unregister the released slots;
-    slots the user still holds stay registered. How many closed rings still hold some."""
+    """Wait for the fences of closed rings and unregister their released slots; how many
+    closed rings still hold slots the user holds."""
     with _reaping:
         _pinning.retry_stranded()
         for ring in list(_closing):
@@ -108,12 +105,9 @@ def _close_kept(box: list[SlotRing]) -> None:
 
 
 class RingKeeper:
-    """A loader's pinned ring between two epochs (see the module docstring).
-
-    Holds at most one ring; never referred to by the ring, nor by anything the loader's
-    iterators keep apart from this keeper, so no cycle keeps a loader's memory alive. Copies
-    and pickles of a loader get a keeper of their own, empty.
-    """
+    """A loader's pinned ring between two epochs: at most one, referred to by nothing the
+    loader's iterators keep but this keeper, so no cycle keeps a loader's memory alive. A
+    loader's copies and pickles get an empty keeper of their own."""
 
     def __init__(self) -> None:
         self._box: list[SlotRing] = []
@@ -122,9 +116,8 @@ class RingKeeper:
         self._fin.atexit = False
 
     def take(self, *, shared: bool, device: int | None, budget: int | None) -> SlotRing | None:
-        """The kept ring if it fits an iterator with these settings, else None (a kept ring
-        that does not fit is closed). In a forked child the parent's ring is forgotten: its
-        registrations and workers are the parent's."""
+        """The kept ring if it fits these settings, else None (and it is closed). A forked
+        child forgets the parent's ring: its registrations and workers are the parent's."""
         if os.getpid() != self._pid:
             self._box.clear()
             self._pid = os.getpid()
@@ -160,8 +153,8 @@ class RingKeeper:
 
 def ring_for(keeper: RingKeeper | None, *, budget: int | None, shared: bool, pin: bool,
              device: int | None, slots_hint: int) -> SlotRing:
-    """The ring of an iterator with these settings: the one ``keeper`` kept from the last
-    epoch where it fits, else a new one; either way sized for ``slots_hint`` slots."""
+    """The ring ``keeper`` kept where it fits these settings, else a new one; either way
+    sized for ``slots_hint`` slots."""
     kept = keeper.take(shared=shared, device=device, budget=budget) if keeper is not None else None
     ring = kept or SlotRing(reserve=reserve_for(budget), budget=budget, shared=shared, pin=pin,
                             slots_hint=slots_hint, device=device)
@@ -170,9 +163,8 @@ def ring_for(keeper: RingKeeper | None, *, budget: int | None, shared: bool, pin
 
 
 def end_ring(keeper: RingKeeper | None, ring: SlotRing, *, workers_stopped: bool) -> None:
-    """An iterator is done with ``ring``: its loader's ``keeper`` keeps a pinned one for the
-    next epoch once no worker can write a slot any more (``workers_stopped``), else it is
-    closed."""
+    """An iterator is done with ``ring``: ``keeper`` keeps a pinned one once no worker can
+    write a slot any more (``workers_stopped``), else it is closed."""
     if keeper is not None and ring.pin and workers_stopped:
         keeper.keep(ring)
     else:

@@ -1,17 +1,13 @@
 """Page-locked ("pinned") host memory: register existing memory, pin fallback batches.
 
-Two ways to get memory the GPU can read by DMA, and where gpufeed uses each:
+* ``register(t)`` page-locks memory that already exists (``cudaHostRegister``, portable: for
+  every CUDA context). The loader registers each slot of its ring once, when it is carved, so
+  a batch written into a slot needs no per-batch copy; ``unregister(handle)`` undoes it.
+* ``pin_batch(batch)`` copies a batch that fell back to ordinary allocation into pinned memory
+  the ordinary way, ``Tensor.pin_memory()``, leaf by leaf.
 
-* ``register(t)`` page-locks memory that already exists (``cudaHostRegister`` on the
-  bytes of ``t``). The loader calls it once per slot of its shared ring, when the slot is
-  carved, so every batch a worker writes into a slot is pinned with no per-batch copy;
-  ``unregister(handle)`` undoes it when the slot is retired or the ring closes.
-  Portable flag: the pages are pinned for every CUDA context.
-* ``pin_batch(batch)`` copies an ordinary batch (one that fell back to ordinary
-  allocation) into pinned memory the ordinary way, ``Tensor.pin_memory()``, leaf by leaf.
-
-Without CUDA (CPU-only build, or no device) both are no-ops: ``register`` returns None and
-``pin_batch`` returns the batch unchanged. ``is_pinned(t)`` never raises.
+Without CUDA both are no-ops (``register`` returns None, ``pin_batch`` the batch unchanged), and
+``is_pinned(t)`` never raises.
 
 NOTE [ Registered memory lifetime ]
 -----------------------------------
@@ -23,54 +19,42 @@ NOTE [ Registered memory lifetime ]
                                 with a context into F, and a wait for F
 
 (1) Pinned means "the bytes at this address are page-locked". ``Tensor.is_pinned()`` asks
-    about the first byte of the tensor's *storage* (ATen ``is_pinned``:
-    ``isPinnedPtr(self.storage().data())``), and a slice ``region[off:off+n]`` keeps the
-    region's storage: it would answer for offset 0. ``is_pinned`` here probes the tensor's
-    own first and last byte (``cudaPointerGetAttributes`` says ``cudaMemoryTypeHost`` for
-    registered memory too).
-(2) Never unmapped while registered: the handle holds a reference to the registered tensor
-    until ``cudaHostUnregister`` returns, so whatever order its owner drops things in (a
-    ring that lets go of its region before unregistering its slots), the memory is unmapped
-    only after it is unregistered. A handle collected while still active unregisters itself.
-(3) Never unregistered under a pending copy. The ring unregisters only free slots (their
-    release fences have passed: ``settled``), and keeps a slot the user holds registered
-    until it is released and fenced (NOTE [ Slot lifetime ] (d), (e) in ``_memory/ring.py``).
-    What may still read a free slot is a device stage's copy whose host batch a collection
-    dropped early: the stages' ``Fences`` (their copies in flight) are held *strongly* by
-    this module while tracked (``track_copies``), and every ``unregister`` waits for them.
-    A handle collected while active (its ring collected without ``close``) is not settled:
-    it records an event on the current streams of every device with a context (copies the
-    caller issued from memory it still holds) and waits for the ring's Fences, which every
-    handle of the ring holds strongly. Nothing here is weak, so garbage collection may tear
-    a ring, its handles and a device stage down in any order (a weak set of stages once let
-    the region go first). Cost: a wait only where memory is unregistered while a copy may
-    still read it; none per batch, none at an epoch end (the ring is kept).
-(4) Per process: registrations belong to the process that made them. A forked child gets a
-    copy of the bookkeeping; it is forgotten there, and handles do nothing outside the
+    about the first byte of the tensor's *storage*, and a slice ``region[off:off+n]`` keeps
+    the region's storage: it would answer for offset 0. ``is_pinned`` here probes the tensor's
+    own first and last byte (CUDA reports registered memory as host memory too).
+(2) Never unmapped while registered: the handle holds the registered tensor until
+    ``cudaHostUnregister`` returns, whatever order its owner drops things in. A handle
+    collected while active unregisters itself.
+(3) Never unregistered under a pending copy. The ring unregisters only free slots, past their
+    fences (``settled``: NOTE [ Slot lifetime ] (d), (e) in ``_memory/ring.py``). What may
+    still read a free slot is a device stage's copy whose host batch a collection dropped
+    early: the stages' ``Fences`` are held here while tracked (``track_copies``), and every
+    ``unregister`` waits for them. A handle collected while active (its ring collected
+    without ``close``) is not settled: it records an event on the current streams of every
+    device with a context and waits for the ring's Fences, which it holds. Nothing here is
+    weak, so garbage collection may tear a ring, its handles and a device stage down in any
+    order.
+(4) Per process: a forked child forgets the bookkeeping, and handles do nothing outside the
     process that registered them (the child has no CUDA context to call).
-(5) Device guard. Every call that touches CUDA for a loader's device (register,
-    unregister, the capture check off the current device, and ``pin_batch`` of its fallback
-    batches) runs under ``torch.cuda.device(d)``: under torchrun rank 3 creates no context
-    on GPU 0. Release events need none: each is recorded on a given stream, under torch's
-    own guard of that stream's device, and only on devices that already have a context.
-    ``d`` is None for callers that name no device, and for a pinned ring without ``device=``
-    until its first registration (asking earlier would initialise CUDA before the workers
-    fork): then the current device is used, as by any CUDA call.
+(5) Device guard. Every call that touches CUDA for a loader's device (register, unregister,
+    the capture check, ``pin_batch``) runs under ``torch.cuda.device(d)``: under torchrun
+    rank 3 creates no context on GPU 0. Release events need none (torch guards each stream's
+    device, and only devices with a context get one). ``d`` is None for callers that name no
+    device, and for a pinned ring without ``device=`` until its first registration (asking
+    earlier would initialise CUDA before the workers fork): then the current device is used.
 (6) Failure. ``register`` raises RuntimeError naming the CUDA error and the fix; the ring
-    turns that into one warning and goes on unregistered (``_memory/ring.py``).
+    turns that into one warning and goes on unregistered (``_memory/release.py``).
 (7) Interrupted. ``unregister`` waits before it changes anything: a Ctrl-C or error in the
-    wait (where an epoch-end Ctrl-C lands) leaves the memory registered, counted
-    (``registered_bytes``) and mapped, and the handle active; calling it again (the ring's
-    next close or reap, or the handle's collection) finishes. A handle whose collection
-    could not unregister passes what it holds to a new handle in ``_stranded``, which every
-    reap of closed rings retries (``retry_stranded``), and a Ctrl-C there is raised again in
-    the main thread (NOTE [ Ctrl-C and slot releases ]). Before, the handle was marked
-    released first: the memory stayed registered for good and a later ring mapped at the
-    same address failed with error 712.
+    wait leaves the memory registered, counted and mapped, and the handle active, and calling
+    it again finishes (marked released first, the memory would stay registered for good, and
+    a later ring mapped at the same address would fail with error 712). A handle whose
+    collection could not unregister passes what it holds to a new one in ``_stranded``, which
+    every reap of closed rings retries (``retry_stranded``); a Ctrl-C there is raised again
+    in the main thread (NOTE [ Ctrl-C and slot releases ]).
 
-Here ``cuda_usable``, ``_pinned_ptr``, ``pin`` and ``torch.cuda.cudart()`` ask CUDA
-directly; guards, events and capture are in ``_base/cuda.py``. The simulated backend of the tests
-(tests/support/sim_cuda.py) replaces exactly those, so the guards placed around them are tested.
+``cuda_usable``, ``_pinned_ptr``, ``pin``, ``pinned_empty`` and ``torch.cuda.cudart()`` ask CUDA
+directly; the simulated backend of the tests (tests/support/sim_cuda.py) replaces exactly those
+and the seams of ``_base/cuda.py``, so the guards placed around them are tested.
 """
 
 from __future__ import annotations
@@ -101,8 +85,6 @@ _ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 # Reentrant: a handle collected while a register() holds the lock unregisters itself.
 _lock = threading.RLock()
 _refcounts: dict[tuple[int, int], int] = {}  # (ptr, nbytes) -> live handles we own
-
-
 _tracked: set[Fences] = set()  # NOTE [ Registered memory lifetime ] rule (3): strong on purpose
 _stranded: list[PinnedRegion] = []  # collected while active, their unregister interrupted
 
@@ -133,11 +115,8 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 class PinnedRegion:
     """Handle returned by :func:`register`; pass it to :func:`unregister`.
 
-    ``ptr`` and ``nbytes`` describe the page-locked storage. ``owned`` is False when the
-    memory was already pinned by someone else (then unregistering leaves it pinned).
-    ``active`` turns False after the first :func:`unregister`. An owned handle keeps the
-    registered tensor alive until then, and unregisters when it is collected still active
-    (NOTE [ Registered memory lifetime ], rule 2).
+    ``owned`` is False when the memory was already pinned by someone else (unregistering then
+    leaves it pinned). ``active`` turns False at the first :func:`unregister` (rule (2)).
     """
 
     __slots__ = ("_keep", "_pid", "active", "device", "fences", "nbytes", "owned", "ptr")
@@ -192,16 +171,14 @@ def pin(t: torch.Tensor) -> torch.Tensor:
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised page-locked tensor from torch's caching host allocator (the memory
-    ``pin`` copies into): a batch built in it needs no second copy to be pinned. Call it under
-    the loader's device guard (rule 5)."""
+    """An uninitialised tensor from the allocator ``pin`` copies into: a batch built in it
+    needs no second copy to be pinned. Call it under the loader's device guard (rule 5)."""
     return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 def is_pinned(t: torch.Tensor) -> bool:
-    """Whether ``t``'s bytes are page-locked host memory (its first and last byte, not its
-    storage's: NOTE [ Registered memory lifetime ] rule (1)). False (never an error) without
-    CUDA, or for an empty tensor."""
+    """Whether ``t``'s own bytes are page-locked (rule (1)); False, never an error, without
+    CUDA or for an empty tensor."""
     if t.device.type != "cpu" or t.numel() == 0 or not cuda_usable():
         return False
     first = t.data_ptr()
@@ -210,8 +187,7 @@ def is_pinned(t: torch.Tensor) -> bool:
 
 
 def _pinned_ptr(ptr: int) -> bool:
-    """Whether host address ``ptr`` is page-locked: ``is_pinned()`` of a one-byte tensor whose
-    storage starts exactly there."""
+    """``is_pinned()`` of a one-byte tensor whose storage starts exactly at ``ptr``."""
     try:
         probe = torch.frombuffer((ctypes.c_uint8 * 1).from_address(ptr), dtype=torch.uint8)
         return bool(probe.is_pinned())
@@ -224,23 +200,17 @@ def register(
 ) -> PinnedRegion | None:
     """Page-lock the bytes of contiguous CPU tensor ``t`` with ``cudaHostRegister``.
 
-    ``device``: the device whose context makes the call (NOTE [ Registered memory lifetime ]
-    rule (5)). ``fences``: events that must pass before the memory is unregistered, kept by
-    the handle (rule 3).
+    ``device``: the device whose context makes the call (rule (5)). ``fences``: events to pass
+    before the memory is unregistered, kept by the handle (rule (3)).
 
-    Returns a :class:`PinnedRegion` handle, or None when there is nothing to do (no CUDA,
-    empty storage). Idempotent per region: registering the same storage again returns a
-    new handle on the same registration (reference counted), and memory that is already
-    pinned (e.g. from ``pin_memory()``) gets a handle that does not own it.
+    Returns a :class:`PinnedRegion`, or None without CUDA or for empty storage. Registering
+    the same bytes again gives a new handle on the same registration (reference counted);
+    memory already pinned (``pin_memory()``) gets a handle that does not own it.
 
-    Cost: registering faults in and locks every page up front, in time proportional to the
-    size (once per ring, never per batch). The pages count against the locked-memory limit
-    (``ulimit -l``) and cannot be swapped out until unregistered.
-
-    Raises:
-        TypeError: ``t`` is not a tensor.
-        ValueError: ``t`` is not on the CPU.
-        RuntimeError: the CUDA runtime refused (message names the CUDA error and the fix).
+    Cost: every page is faulted in and locked up front, in time proportional to the size
+    (once per slot, never per batch); the pages count against ``ulimit -l`` and cannot be
+    swapped out until unregistered. Raises TypeError or ValueError for a tensor it cannot
+    register, RuntimeError naming the CUDA error and the fix when CUDA refuses.
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"register() expects a torch.Tensor, got {type(t).__name__}")
@@ -284,18 +254,12 @@ def register(
 
 
 def unregister(h: PinnedRegion | None, *, settled: bool = False) -> None:
-    """Undo :func:`register`. Safe on None and safe to call twice on one handle.
+    """Undo :func:`register`; safe on None and twice on one handle.
 
-    The handle keeps the memory mapped until this returns (NOTE [ Registered memory
-    lifetime ] rule (2)). Pending copies are waited for first (rule 3): every tracked Fences
-    (a device stage's copies in flight) and, unless ``settled``, the handle's Fences and an
-    event on the current streams of every device with a context. ``settled``: the caller
-    knows no release of this memory is pending (a free ring slot). Unregistering pages under
-    a running DMA is undefined behaviour in CUDA. The wait comes before any bookkeeping: if it
-    is interrupted (a Ctrl-C at an epoch end), the memory stays registered, counted and
-    mapped, the handle stays active, and calling this again finishes the job (rule 7). In a
-    process other than the one that registered (a forked child) it only marks the handle
-    released (rule 4).
+    Waits first for pending copies (rule (3)), since unregistering pages under a running DMA
+    is undefined behaviour in CUDA; ``settled``: the caller knows no release of this memory
+    is pending (a free ring slot). Interrupted, it can be called again (rule (7)). In a forked
+    child it only marks the handle released (rule (4)).
     """
     if h is None or not h.active:
         return
@@ -353,11 +317,10 @@ def _wait_for_copies(h: PinnedRegion, settled: bool) -> None:
 
 
 def pin_device_index(device: torch.device | None, pin_memory_device: str = "") -> int | None:
-    """The device a loader's pinned ring serves, resolved now (iteration start): its
-    ``device=``, else a CUDA ``pin_memory_device``, else the current device. Registration and
-    release events run under it (NOTE [ Registered memory lifetime ] rule (5)). None when it
-    is the current device and CUDA is not initialised yet: asking would initialise CUDA
-    before the workers fork; the ring asks at its first registration instead."""
+    """The device a loader's pinned ring serves (rule (5)): its ``device=``, else a CUDA
+    ``pin_memory_device``, else the current device; None while CUDA is not initialised
+    (asking would initialise it before the workers fork): the ring asks at its first
+    registration instead."""
     if device is not None and device.type == "cuda" and device.index is not None:
         return device.index
     if device is None and pin_memory_device:
@@ -376,14 +339,10 @@ def registered_bytes() -> int:
 def pin_batch(
     batch: Any, registered: tuple[int, int] | None = None, *, device: int | None = None
 ) -> Any:
-    """Return ``batch`` with every CPU tensor leaf in pinned memory (``pin_memory()``).
-
-    For batches that fell back to ordinary allocation: costs one host copy per leaf from
-    torch's caching pinned allocator. Already pinned leaves are kept as they are. Without
-    CUDA the batch is returned unchanged. ``registered``: an address range ``[start, end)``
-    known to be page-locked (the ring slot the batch was written into); leaves inside it are
-    kept without asking CUDA (two pointer probes per leaf otherwise). Other leaves are checked
-    and pinned under ``device`` (rule 5).
+    """``batch`` with every CPU tensor leaf in pinned memory: one host copy per leaf not
+    pinned yet. ``registered``: an address range ``[start, end)`` known to be page-locked (the
+    ring slot the batch was written into), whose leaves need no two pointer probes each. Other
+    leaves are checked and pinned under ``device`` (rule (5)).
     """
     if not cuda_usable():
         return batch

@@ -1,10 +1,9 @@
 """The memory a ring or a spill file is carved from: a sparse region, and the sizes in it.
 
-A :class:`Region` is a sparse block of memory: an anonymous memory file (a memfd on Linux)
-that process workers share, or private anonymous memory for thread workers. The slot ring
-(``_memory/ring.py``, NOTE [ Slot lifetime ]) recycles slots of one region; a spill file
-(``_memory/spill.py``, NOTE [ Spill ]) is a region of its own per batch. Writers carve their
-leaves out of either with ``contiguous_at``, on ``ALIGN``-byte boundaries.
+The slot ring (``_memory/ring.py``, NOTE [ Slot lifetime ]) recycles slots of one
+:class:`Region`; a spill file (``_memory/spill.py``, NOTE [ Spill ]) is a region of its own per
+batch. Writers carve their leaves out of either with ``contiguous_at``, on ``ALIGN``-byte
+boundaries.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ def align(n: int, to: int = ALIGN) -> int:
 
 
 def contiguous_at(typed: torch.Tensor, shape: tuple[int, ...], offset: int) -> torch.Tensor:
-    """A C-contiguous tensor of ``shape`` viewing the 1-D ``typed`` from element ``offset``
-    (how slot writers and spill files carve a leaf out of their memory)."""
+    """A C-contiguous tensor of ``shape`` viewing the 1-D ``typed`` from element ``offset``."""
     return typed.as_strided(shape, _strides.get(shape) or contiguous_strides(shape), offset)
 
 
@@ -40,8 +38,8 @@ _strides: dict[tuple[int, ...], tuple[int, ...]] = {}
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a C-contiguous tensor of ``shape`` (batches repeat their shapes: each
-    is computed once)."""
+    """The strides of a C-contiguous tensor of ``shape``, computed once per shape (batches
+    repeat their shapes)."""
     stride = _strides.get(shape)
     if stride is None:
         acc, rev = 1, []
@@ -53,11 +51,9 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def default_reserve() -> int:
-    """Address space reserved for a ring whose budget the user did not set.
-
-    The reservation is sparse: pages cost memory only once a slot touches them, and the
-    budget (learnt from the first batch) bounds what is touched.
-    """
+    """Address space reserved for a ring whose budget the user did not set: sparse, its
+    pages cost memory only once touched, and the budget learnt from the first batch bounds
+    what is touched."""
     import psutil
 
     cap = min(16 << 30, psutil.virtual_memory().total // 2)
@@ -65,12 +61,10 @@ def default_reserve() -> int:
 
 
 def reserve_for(budget: int | None) -> int:
-    """Address space to reserve for a ring whose budget is ``budget`` bytes (None: default).
-
-    A user's budget is reserved up to the physical memory: live slots are touched memory, so
-    a ring can never usefully hold more, and mapping more fails (128 TiB is the whole address
-    space). Past the reservation batches fall back to ordinary allocation, as past the budget.
-    """
+    """Address space to reserve for a ring of ``budget`` bytes (None: default), at most the
+    physical memory: live slots are touched memory, so a ring can never usefully hold more,
+    and mapping more fails (128 TiB is the whole address space). Past the reservation
+    batches fall back to ordinary allocation, as past the budget."""
     if budget is None:
         return default_reserve()
     import psutil
@@ -97,12 +91,9 @@ def reserve_region(reserve: int, *, shared: bool, budget: int | None) -> Region:
 
 
 def _anonymous_file(size: int) -> int:
-    """A descriptor of a nameless file for the shared region (the caller sizes and maps it).
-
-    Linux: a memory file (``memfd``). Elsewhere (macOS, the BSDs): an unlinked temporary file,
-    in /dev/shm when there is one; it leaves nothing behind either, but its pages may be
-    written back to disk under memory pressure.
-    """
+    """A descriptor of a nameless file for a shared region: a ``memfd`` on Linux; elsewhere
+    an unlinked temporary file, in /dev/shm when there is one, which leaves nothing behind
+    either but whose pages may be written back to disk under memory pressure."""
     create = getattr(os, "memfd_create", None)
     if create is not None:
         return int(create("gpufeed-ring", getattr(os, "MFD_CLOEXEC", 0)))
@@ -121,22 +112,19 @@ def _close_fd(fd: int) -> None:
 
 
 class Region:
-    """A sparse block of memory; shared (memfd) for process workers, private for threads.
+    """A sparse block of memory; shared for process workers, private for thread workers.
 
-    Shared regions live in an anonymous memory file (``_anonymous_file``: a memfd on Linux, an
-    unlinked temporary file elsewhere), not in /dev/shm: nothing to unlink,
-    nothing left behind if a process is killed, and no /dev/shm size limit to hit. Pickling
-    one (for spawned workers) passes its descriptor; fork inherits the mapping. Private
-    regions are private anonymous memory, so ``discard`` really frees their pages (a shared
-    anonymous mapping would keep them in shmem).
+    Shared regions live in an anonymous memory file (``_anonymous_file``), not in /dev/shm:
+    nothing to unlink or leave behind if a process is killed, no /dev/shm size limit. Pickling
+    one (for spawned workers) passes its descriptor; fork inherits the mapping. Private regions
+    are private anonymous memory, so ``discard`` really frees their pages (a shared anonymous
+    mapping would keep them in shmem).
 
-    The region owns its descriptor: ``close_fd()`` closes it, and so does a finalizer when the
-    region is collected first, or when ``__init__`` fails after creating it. The mapping
-    belongs to ``mm`` (which keeps a descriptor of its own: CPython's mmap dups it); numpy and
-    torch views keep ``mm`` alive. ``release()`` lets go of both: it unmaps at once when
-    nothing views the memory any more, else the mapping goes with the last view. So a region
-    still referenced after its ring closed (by a failed start-up's traceback, say) holds no
-    descriptor and no memory.
+    The region owns its descriptor: ``close_fd()`` closes it, as does a finalizer when the
+    region is collected first or ``__init__`` fails. The mapping belongs to ``mm`` (CPython's
+    mmap keeps a descriptor of its own), which numpy and torch views keep alive.
+    ``release()`` lets go of both, so a region still referenced after its ring closed (by a
+    failed start-up's traceback, say) holds no descriptor and no memory.
     """
 
     def __init__(self, size: int, *, shared: bool) -> None:
@@ -160,11 +148,9 @@ class Region:
         self.tensor = torch.from_numpy(self.array)
 
     def tensor_here(self) -> torch.Tensor:
-        """The region's bytes in this process. In a child forked while the descriptor was
-        open, a mapping of its own rather than the inherited one: part of the region may have
-        been page-locked (``cudaHostRegister``) before the fork, and a driver may leave such
-        ranges out of a child's copy of the address space (``MADV_DONTFORK``), as ROCm's did.
-        A new mapping of the memory file reaches the same pages whatever the driver did."""
+        """The region's bytes in this process; in a child forked while the descriptor was open,
+        a new mapping of the memory file: a driver may leave ranges page-locked before the fork
+        out of the child's address space (``MADV_DONTFORK``), as ROCm's did."""
         if os.getpid() == self._pid or self.fd < 0:
             return self.tensor
         mm = mmap.mmap(self.fd, self.size)
@@ -190,7 +176,8 @@ class Region:
         self.fd = -1
 
     def release(self) -> None:
-        """Let go of the descriptor and the mapping (see the class docstring). Idempotent."""
+        """Let go of the descriptor and the mapping: unmapped at once when nothing views it,
+        else with the last view. Idempotent."""
         self.close_fd()
         mm, self.mm = self.mm, None  # type: ignore[assignment]
         self.array = self.tensor = None  # type: ignore[assignment]

@@ -1,37 +1,34 @@
 """Release fences of a pinned slot ring, and going on when the ring cannot be pinned.
 
-See NOTE [ Slot lifetime ] in ``_memory/ring.py`` ("Release fences"): a ring slot registered with
-CUDA returns to the free list only once an event recorded at its release has completed, on
-every stream a copy the user queued from it can run on, because such a copy may still read it.
+Cost per batch of the fences (NOTE [ Slot lifetime ] in ``_memory/ring.py``): at hand-out, one
+current-stream read per device known to have a context; at release, the same reads, a driver
+query (which creates no context) per visible device not yet known to have one, and one event
+record per distinct stream, under torch's own guard of the stream's device (no Python-side
+guard); at ``acquire`` with no free slot, a query per fenced slot. No pointer probe.
+``python -m bench.release`` counts them and times gpufeed's own part.
 
-Cost per batch of a pinned ring: at hand-out, one current-stream read per device known to
-have a context; at release, the same reads, a driver query (no context is created) for each
-visible device not yet known to have a context, and one event per distinct stream (one, in a
-plain loop on one device; one per device with a context otherwise); and a query per fenced
-slot at ``acquire`` when no slot is free. No device guard, no pointer probe (``pin_batch``
-skips a batch held in a registered slot). ``python -m bench.release`` counts
-them and times gpufeed's own part.
+A slot that cannot be registered (locked-memory limit, unsupported, out of resources) gives one
+warning with CUDA's reason and the fix (``warn_unpinned``); it and every later slot stay
+unregistered, and their batches are pinned the ordinary way (``pin_batch``).
 
 NOTE [ Ctrl-C and slot releases ]
 ---------------------------------
-Python runs a signal's handler in the main thread between two bytecodes of whatever Python
-code runs there, finalizers included, and an exception raised inside a finalizer is printed
-("Exception ignored in ...") and dropped. A Ctrl-C whose KeyboardInterrupt landed in a batch's
-release would be lost and the loop would go on. So:
+A KeyboardInterrupt raised inside a finalizer is printed and dropped (NOTE [ Ctrl-C that
+Python drops ] in ``_base/interrupts.py``): one that landed in a batch's release would be lost
+and the loop would go on. So:
 
-- an unpinned slot (every slot without CUDA) is released by no Python code at all: its batch's
-  base array carries a weak reference (``_Lease``, a slotted subclass naming the slot: none
-  of its own Python code) whose callback is the C method ``deque.append`` (the ref lands in
-  the ring's ``_dropped``; ``acquire`` reads its slot off it). A signal that arrives
-  meanwhile stays pending and is raised in the user's loop.
+- an unpinned slot (every slot without CUDA) is released by no Python code: its batch's base
+  array carries a weak reference (``_Lease``, naming the slot) whose callback is the C method
+  ``deque.append`` into the ring's ``_dropped``, which ``acquire`` reads. A signal that
+  arrives meanwhile stays pending and is raised in the user's loop.
 - a pinned slot must record its release event on the current streams then and there, which
-  takes Python (``Releaser``). A KeyboardInterrupt raised inside it before the slot went to a
+  takes Python (``Releaser``). A KeyboardInterrupt raised there before the slot went to a
   list parks the slot (fenced by the next ``acquire``, NOTE [ Slot lifetime ] (c)); one raised
-  after that leaves it be (at worst one slot lost to the ring: looking it up again could race
-  an ``acquire`` on another thread and free it twice). Either way the main thread is
-  interrupted again from a short-lived thread 20 ms later, when the release is over. Left
-  open: the few bytecodes of ``weakref.finalize``'s own call before ``Releaser`` runs, and an
-  interrupt raised by ``acquire``'s own collection of dropped slots (one slot lost).
+  after leaves it be (at worst one slot lost to the ring: looking it up again could race an
+  ``acquire`` on another thread and free it twice). Either way the main thread is
+  interrupted again 20 ms later, when the release is over. Left open: the few bytecodes of
+  ``weakref.finalize``'s own call before ``Releaser`` runs, and an interrupt raised by
+  ``acquire``'s collection of dropped slots (one slot lost).
 """
 
 from __future__ import annotations
@@ -76,11 +73,9 @@ def warn_unpinned(error: BaseException) -> None:
 class Releaser:
     """What a batch's finalizer calls (any thread): its slot back to the ring, behind a
     release fence when the slot is registered and CUDA is initialised (NOTE [ Slot lifetime ]
-    in ``_memory/ring.py``). It holds the ring's containers, not the ring: a kept batch does
-    not keep the ring alive, and a closed ring's kept slots are still fenced when released.
-
-    ``handout`` maps a slot to the streams that were current for the consumer when its batch
-    was handed out (``SlotRing.hand_out``); they are fenced too, whichever thread releases.
+    in ``_memory/ring.py``), on the streams of its hand-out (``handout``) too. It holds the
+    ring's containers, not the ring: a kept batch does not keep the ring alive, and a closed
+    ring's kept slots are still fenced when released.
     """
 
     __slots__ = ("device", "fences", "handout", "parked", "pins", "released")
@@ -94,10 +89,8 @@ class Releaser:
 
     def __call__(self, sid: int) -> None:
         """The slot to the free list, or behind a fence (NOTE [ Slot lifetime ] (a))."""
-        # see NOTE [ Ctrl-C and slot releases ]: ``placing`` turns True just before the slot
-        # goes to a list. A KeyboardInterrupt before that parks the slot; one after it leaves
-        # the slot where it may already be (another thread may have freed it meanwhile:
-        # looking it up could free it twice), at worst one slot lost to the ring.
+        # ``placing`` turns True just before the slot goes to a list: a KeyboardInterrupt
+        # before that parks the slot, one after leaves it be (NOTE [ Ctrl-C and slot releases ]).
         placing = False
         try:
             handle = self.pins.get(sid)

@@ -2,25 +2,25 @@
 
 NOTE [ Slot lifetime ]
 ----------------------
-One region of memory is reserved per iterator (per loader for a pinned ring, kept across
-epochs: (e) below): shared memory for process workers (created before the workers start,
-so they inherit or receive it), ordinary memory for thread workers. Slots are carved out of
-it as needed; the iterator owns the bookkeeping.
+One region is reserved per iterator (per loader for a pinned ring, kept across epochs: (e)):
+shared memory for process workers (created before they start, so they inherit or receive it),
+ordinary memory for thread workers. Slots are carved out of it as needed; the iterator owns
+the bookkeeping.
 
     main: acquire() ──(slot offset, size)──> worker: collate into the slot, send a small
           message (leaf offsets, dtypes, shapes) ──> main: lease() + unpack(), hand batch to user
     user drops the last tensor viewing the batch ──> finalizer ──> release() ──> free list
 
-The user's tensors are views of one per-batch numpy "base" array that spans the slot; each
-tensor's storage keeps that base alive, so the base's finalizer runs only when the last view,
-slice or derived view of the batch is gone. Only then does the slot return to the free list:
-a batch the user keeps (``list(loader)``) is never overwritten. With a device stage the
-host batch is held until its copy's event has completed, which gives the same guarantee.
+The user's tensors view one per-batch numpy "base" array that spans the slot; each tensor's
+storage keeps the base alive, so its finalizer runs only when the last view of the batch is
+gone. Only then does the slot return to the free list: a batch the user keeps
+(``list(loader)``) is never overwritten. A device stage holds the host batch until its copy's
+event has completed, which gives the same guarantee.
 
-Release fences (pinned rings): a slot registered with CUDA may still be read by a copy the
-user queued (``x.cuda(non_blocking=True)`` after ``DataLoader(pin_memory=True)``), so
-dropping the batch does not free the slot by itself. PyTorch protects memory from its own
-caching host allocator this way, but records nothing for registered memory:
+Release fences (pinned rings): a registered slot may still be read by a copy the user queued
+(``x.cuda(non_blocking=True)`` after ``DataLoader(pin_memory=True)``), so dropping the batch
+does not free the slot by itself. PyTorch fences the memory of its own caching host allocator
+this way, and records nothing for registered memory:
 
     hand-out (next())   ──► the consumer's current stream of each device with a context
                             (``hand_out``; not with a device stage, whose copies it orders)
@@ -30,49 +30,39 @@ caching host allocator this way, but records nothing for registered memory:
     acquire() with no   ──► E.query() for each: completed slots join the free list;
     free slot               none: carve a new slot or fall back (never blocks)
 
-(a) Covered: copies queued before the last view went, on the stream that was current for
-    the loop when the batch was handed out, or on the releasing thread's current stream, of
-    any device (a model on ``cuda:1`` while the current device is 0, ``nn.DataParallel``'s
-    scatter, whose side streams the current streams wait for, pipeline stages), whichever
-    thread drops the batch (a collection on another thread, a queue consumer). Not covered,
-    the user's to order: a copy queued on a stream that is current neither at hand-out nor
-    at the drop (``with torch.cuda.stream(s)`` around the copy, the batch dropped outside
-    it): drop it inside, or make the current stream wait for ``s``
-    (tests/memory/test_release_sim.py shows both). "Dropped" means the last reference went:
-    ``for k, batch in enumerate(loader)`` keeps the batch in enumerate's tuple until the next
-    iteration. Tests: tests/memory/test_release_devices.py.
-(b) Not fenced: batches a device stage drops after their copy's event (it says so with
-    ``_cuda.copies_complete``), slots of an unregistered ring (a copy from pageable
-    memory returns once the bytes are staged), and any release before CUDA is initialised.
+(a) Covered: copies queued before the last view went, on the stream current for the loop at
+    hand-out or on the releasing thread's current stream, of any device (a model on
+    ``cuda:1``, ``nn.DataParallel``'s scatter, whose side streams the current streams wait
+    for), whichever thread drops the batch (tests/memory/test_release_devices.py). Not
+    covered, the user's to order: a copy on a stream current neither at hand-out nor at the
+    drop (``with torch.cuda.stream(s)`` around the copy only): drop the batch inside, or make
+    the current stream wait for ``s`` (tests/memory/test_release_sim.py). "Dropped" means the
+    last reference went: ``enumerate(loader)`` keeps the batch until the next iteration.
+(b) Not fenced: batches a device stage drops after their copy's event
+    (``_cuda.copies_complete``), slots of an unregistered ring (a copy from pageable memory
+    returns once the bytes are staged), and any release before CUDA is initialised.
 (c) A release that cannot record its event (a graph capture in progress, CUDA failing) is
     parked and fenced by the next ``acquire`` that can record one.
-(d) A free slot has no pending copy: retiring it (batches grew, the budget shrank) and
-    closing the ring unregister free slots without waiting. The CPU waits for the GPU only
-    where memory is unregistered while a copy may read it: a device stage's copies in
-    flight (``_memory/pinning.py`` rule 3) and a ring collected without ``close``.
-(e) Kept slots stay pinned. Closing the ring (its loader gone, another configuration) leaves
-    every slot the user still holds, or whose fence is pending, registered and mapped: such a
-    ring waits in ``_memory/keeper.py``'s list of closing rings, and each slot is unregistered
-    once released and passed its fence (when a ring is taken or closed, and at
-    ``finish_closed_rings``). Without persistent workers the loader keeps a pinned ring from
-    one epoch to the next (``_memory/keeper.py``), registered, with its kept and fenced slots
-    as they are: an epoch end neither unregisters nor waits for the GPU. Slots the user holds
-    across an epoch end are carried outside the next epoch's budget until released.
+(d) A free slot has no pending copy: retiring it (batches grew, the budget shrank) and closing
+    the ring unregister free slots without waiting. The CPU waits for the GPU only where memory
+    is unregistered while a copy may read it: a device stage's copies in flight
+    (``_memory/pinning.py`` rule 3) and a ring collected without ``close``.
+(e) Kept slots stay pinned. Closing the ring leaves every slot the user still holds, or
+    whose fence is pending, registered and mapped until it is released and past its fence;
+    without persistent workers a loader keeps its pinned ring, registered, across epochs
+    (both in ``_memory/keeper.py``). Slots the user holds across an epoch end are carried
+    outside the next epoch's budget until released.
 
-Cost per batch, and Ctrl-C during a release: ``_memory/release.py``.
-
-Registration failure (locked-memory limit, unsupported, out of resources): one warning
-(``PinningFallbackWarning``) with CUDA's reason and the fix; the slot and every later one
-stay unregistered and their batches are pinned the ordinary way (``pin_batch``).
+Cost per batch, Ctrl-C during a release, and a ring that cannot be registered:
+``_memory/release.py``.
 
 Growth and fallback: a batch needs ``need`` bytes (learnt from the first batch, and from any
 larger one later). When no slot is free, a new one is carved while the ring stays within its
-byte budget; past the budget a task gets no slot and the worker allocates ordinary shared
-memory for that batch (the stock path). The budget is a cap, not memory mapped up front: the
-reservation is at most the machine's physical memory (``reserve_for``), and a ring that has
-carved all of it falls back the same way. Dispatch never waits for a slot, so keeping every
-batch cannot deadlock, and a batch that does not fit is never truncated: its leaves that do
-not fit are sent the ordinary way.
+byte budget; past it a task gets no slot and the worker allocates ordinary shared memory for
+that batch (the stock path). The budget is a cap, not memory mapped up front: the reservation
+is at most the physical memory (``reserve_for``), and a ring that carved all of it falls back
+the same way. Dispatch never waits for a slot, so keeping every batch cannot deadlock, and a
+batch is never truncated: leaves that do not fit its slot are sent the ordinary way.
 """
 
 from __future__ import annotations
@@ -101,16 +91,11 @@ class _Lease(weakref.ref):
 class SlotRing:
     """Main-process side of the ring: region, slots, free list, byte budget.
 
-    Args:
-        reserve: bytes of address space to reserve (sparse).
-        budget: the most bytes live slots may take; None to size it from the first batch as
-            ``slots_hint`` slots (a higher budget keeps more batches in recycled memory when
-            the user holds many; a lower one falls back to ordinary allocation sooner).
-        shared: shared memory (process workers) or ordinary memory (thread workers).
-        pin: page-lock each slot when it is created (needs CUDA).
-        slots_hint: slots the default budget allows.
-        device: the CUDA device index registrations and release events run under (None:
-            the current device).
+    ``reserve``: bytes of address space to reserve (sparse). ``budget``: the most bytes live
+    slots may take (a higher one keeps more held batches in recycled memory, a lower one falls
+    back sooner); None: ``slots_hint`` slots of the first batch's size. ``shared``: shared
+    memory (process workers). ``pin``: page-lock each slot when it is carved. ``device``: the
+    CUDA device registrations and release events run under (None: the current one).
     """
 
     def __init__(
@@ -155,12 +140,9 @@ class SlotRing:
                 self.budget = min(self.reserve, self.slots_hint * size)
 
     def set_slots_hint(self, slots: int, *, lower: bool = False) -> None:
-        """Grow a default budget to ``slots`` slots (a budget the user set stays).
-
-        It never shrinks, unless ``lower`` (the autotuner gave workers back): slots carved
-        under it may be held by the user, and retiring free ones is done by ``acquire``
-        whenever live bytes exceed the budget.
-        """
+        """Grow a default budget to ``slots`` slots (a budget the user set stays); it shrinks
+        only with ``lower`` (the autotuner gave workers back), and ``acquire`` then retires
+        free slots while live bytes exceed it."""
         self.slots_hint = slots if lower else max(self.slots_hint, slots)
         if self.user_budget is None and self.slot_bytes:
             self.budget = min(self.reserve, self.slots_hint * self.slot_bytes)
@@ -182,7 +164,7 @@ class SlotRing:
     # -- acquire / release ---------------------------------------------------------------
     def acquire(self) -> tuple[int, int, int] | None:
         """A free slot as (id, offset, size), a new one within budget, or None (fallback)."""
-        if not self._free:  # released slots are collected when none is left: once a window
+        if not self._free:  # released slots are collected only when none is left
             self._collect_released()
             if not self._free:
                 self._unfence()
@@ -216,10 +198,9 @@ class SlotRing:
         self._released.append(sid)
 
     def hand_out(self, sid: int, *, streams: bool) -> tuple[int, int] | None:
-        """Batch of pinned slot ``sid`` handed to the loop now; its address range (page-locked:
-        no leaf needs a pinning check). ``streams``: remember the consumer's current streams,
-        fenced at the release whichever thread releases (NOTE [ Slot lifetime ] (a)); not
-        needed with a device stage, nor before CUDA is initialised (no copy yet)."""
+        """The batch of pinned slot ``sid`` is handed to the loop: its page-locked address
+        range. ``streams``: remember the consumer's current streams, to fence at the release
+        (NOTE [ Slot lifetime ] (a)); not before CUDA is initialised (no copy yet)."""
         if sid not in self._pins:
             return None
         if streams and _cuda.cuda_initialized():
@@ -231,8 +212,8 @@ class SlotRing:
         return start, start + size
 
     def levels(self) -> tuple[list[tuple[str, int, int]], tuple[tuple[str, int], ...]]:
-        """The ring's samples for a loader's stats, once per batch handed out: occupancy
-        (stage, used, capacity) and gauges (counter, level now)."""
+        """Occupancy (stage, used, capacity) and gauges (counter, level) for a loader's stats,
+        once per batch handed out."""
         slot_bytes, budget = self.slot_bytes, self.budget  # capacity_slots, in_use in line
         cap = budget // slot_bytes if slot_bytes and budget else 0
         in_use = (len(self._slots) - len(self._free) - len(self._released) - len(self._dropped)
@@ -243,16 +224,15 @@ class SlotRing:
         return occupancy, (("ring_slots", len(self._slots)), ("ring_bytes", self.live_bytes))
 
     def info(self) -> dict[str, int]:
-        """Slot bytes, live bytes, slots in use and fenced, slots carved, fallbacks, budget."""
+        """The ring's figures for the loader's ``ring_info``."""
         return {"slot_bytes": self.slot_bytes, "live_bytes": self.live_bytes,
                 "in_use": self.in_use, "fenced": self.fenced, "grows": self.grows,
                 "fallbacks": self.fallbacks, "budget": self.budget or 0}
 
     def reclaim(self) -> None:
-        """The ring is kept for the next epoch, every worker that held a slot has stopped:
-        slots given to workers that never answered return to the free list, and slots the
-        user still holds are carried over, outside the next epoch's budget (as if the epoch
-        had a ring of its own) until they are released."""
+        """Kept for the next epoch, its workers stopped: slots given to workers that never
+        answered are free again, and slots the user holds are carried outside the next
+        epoch's budget until released."""
         self._free.extend(self._out)
         self._out.clear()
         self._collect_released()
@@ -268,8 +248,7 @@ class SlotRing:
         self._collect_released()
 
     def _collect_released(self) -> None:
-        """Slots released without a fence (``release``, dropped unpinned batches, unfenced
-        finalizers) and those past their fence join the free list."""
+        """Released slots (past their fence, or needing none) join the free list."""
         rel, dropped, leases = self._released, self._dropped, self._leases
         while dropped:
             sid = dropped.popleft().sid
@@ -302,7 +281,7 @@ class SlotRing:
         return None
 
     def _register(self, off: int, size: int) -> _pinning.PinnedRegion | None:
-        """Page-lock a new slot; on failure warn once and go on unregistered (see above)."""
+        """Page-lock a new slot; on failure warn once and go on unregistered (``release.py``)."""
         if not self.pin:
             return None
         try:
@@ -326,8 +305,7 @@ class SlotRing:
         off, size = self._slots.pop(sid)
         self.live_bytes -= size
         self.region.discard(off, size)
-        i = bisect.bisect(self._extents, (off, size))
-        self._extents.insert(i, (off, size))
+        bisect.insort(self._extents, (off, size))
         merged: list[tuple[int, int]] = []
         for o, s in self._extents:
             if merged and merged[-1][0] + merged[-1][1] == o:
@@ -338,14 +316,10 @@ class SlotRing:
 
     # -- lease --------------------------------------------------------------------------
     def lease(self, sid: int, used: int) -> np.ndarray | None:
-        """The bytes of slot ``sid`` a worker filled (``used`` of them), as one numpy array to
-        view the batch through (``_host/collate.py``'s ``unpack``); None when the batch left
-        nothing in the slot (``used`` 0), which is then released at once.
-
-        See NOTE [ Slot lifetime ]: the array carries the slot's release, which runs when the
-        array and the last view of it are gone; NOTE [ Ctrl-C and slot releases ] says why an
-        unpinned slot's release is a weak reference whose callback is ``deque.append``.
-        """
+        """The ``used`` bytes of slot ``sid`` a worker filled, as the numpy base array that
+        carries the slot's release (NOTE [ Slot lifetime ]; an unpinned slot's release is a
+        weak reference, NOTE [ Ctrl-C and slot releases ]); None, the slot released at once,
+        when ``used`` is 0."""
         off, _ = self._slots[sid]
         if used == 0:
             self.release(sid)
@@ -361,25 +335,22 @@ class SlotRing:
         return base
 
     def close(self) -> bool:
-        """Stop handing out slots and give the memory back: free slots are unregistered now;
-        slots still held by the user or behind a pending fence stay registered until each is
-        released and passed its fence (NOTE (e): ``_memory/keeper.py`` reaps them). Memory
-        stays mapped while views of it live. An interrupted close (Ctrl-C) can be called
-        again. True when no slot is left registered."""
+        """Stop handing out slots and unregister the free ones; the others stay registered
+        until released and fenced (NOTE (e)), and the memory stays mapped while views of it
+        live. Interrupted, it can be called again. True when no slot is left registered."""
         self.closed = True
         if self.region is None:
             return not self._pins
         done = self.reap(wait=False) if self._pins else True
-        # Views handed to the user and registration handles keep the memory mapped; the ring
-        # itself lets go of it (memory is never unmapped while registered with CUDA).
+        # Views and registration handles keep the memory mapped; the ring lets go of it.
         self.region_tensor = self.region_array = None  # type: ignore[assignment]
         self.region.release()
         self.region = None  # type: ignore[assignment]
         return done
 
     def reap(self, *, wait: bool) -> bool:
-        """A closed ring: unregister its free slots (``wait``: after waiting for the pending
-        fences). True once no slot is left registered."""
+        """Unregister a closed ring's free slots (``wait``: after its pending fences). True
+        once no slot is left registered."""
         if wait:
             if self._parked:
                 self._releaser.fence_parked()

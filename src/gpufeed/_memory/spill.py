@@ -2,11 +2,9 @@
 
 NOTE [ Spill ]
 --------------
-A process worker's batch that gets no slot (the first batches, before the ring knows their
-size; a ring past its budget) or has leaves that do not fit its slot is written into a
-*spill*: a memory file of its own (a ``Region`` of ``_memory/region.py``, a memfd on Linux),
-created for that batch, the ring's mechanism without the recycling. So /dev/shm and its size
-play no part, as for the ring:
+A process worker's batch that gets no slot (before the ring knows the batch size, or past its
+budget), or whose leaves do not fit its slot, is written into a *spill*: a memory file of its
+own (a ``Region``), the ring's mechanism without the recycling, so /dev/shm plays no part:
 
     worker: Spill() ──reserve a sparse file, bump-allocate the leaves, seal(): truncate the
             file to the bytes used──> the result message carries the file's descriptor
@@ -17,13 +15,11 @@ play no part, as for the ring:
 Leaves torch's own pickling must carry (nested, sparse, quantized tensors, tensor subclasses)
 are not spilled: they go the stock way, through torch's shared memory, and the batch is counted
 in the loader's ``ring_unsupported`` counter.
-
-Where the memory file cannot be created or is too small, :class:`SharedMemoryError` says which
-memory, how much was asked for, and the ways out.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from typing import Any
@@ -38,12 +34,13 @@ _reserve = 0
 
 
 class SharedMemoryError(WorkerError):
-    """A process worker could not get shared memory for a batch (NOTE [ Spill ])."""
+    """A process worker could not get shared memory for a batch (NOTE [ Spill ]); the message
+    says how much was asked for and the ways out."""
 
 
 def spill_reserve() -> int:
-    """Address space a spill reserves (sparse): the machine's physical memory, which no batch
-    can usefully exceed."""
+    """Address space a spill reserves (sparse): the physical memory, which no batch can
+    usefully exceed."""
     global _reserve
     if not _reserve:
         import psutil
@@ -77,11 +74,8 @@ class Spill:
         self._typed: dict[torch.dtype, torch.Tensor] = {}
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for d in shape:
-            numel *= d
         isz = dtype.itemsize
-        nbytes = numel * isz
+        nbytes = math.prod(shape) * isz
         if self.cur + nbytes > self.region.size:
             raise _out_of_memory(self.cur + nbytes, f"the batch exceeds {self.region.size} bytes")
         typed = self._typed.get(dtype)
@@ -113,8 +107,8 @@ class Spill:
 
 
 class SpillFile:
-    """A sealed spill file in a result message: pickles as its descriptor (passed the way
-    ``Region`` passes the ring's) and arrives as a uint8 tensor mapping it."""
+    """A sealed spill file in a result message: pickles as its descriptor, as ``Region``
+    does, and arrives as a uint8 tensor mapping it."""
 
     def __init__(self, fd: int, size: int) -> None:
         self.fd, self.size = fd, size
@@ -126,9 +120,9 @@ class SpillFile:
 
 
 def _map(dupfd: Any, size: int) -> torch.Tensor:
-    """Map a received spill file. Through /proc/self/fd where there is one: torch's mapping
-    keeps no descriptor (a user who keeps many batches holds no file descriptor per batch);
-    elsewhere an ``mmap``, which keeps one until the last view is gone."""
+    """Map a received spill file through /proc/self/fd where there is one: torch's mapping
+    keeps no descriptor, so kept batches hold none each; elsewhere an ``mmap``, which keeps
+    one until the last view is gone."""
     fd = dupfd.detach()
     try:
         path = f"/proc/self/fd/{fd}"
