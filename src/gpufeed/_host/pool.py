@@ -205,8 +205,8 @@ class ProcessPool:
         return describe_exit(proc.pid, w, proc.exitcode)
 
     def close(self, grace_s: float = GRACE_S) -> None:
-        """Stop the workers, bounded in time (NOTE [ Shutdown ]); idempotent. ``grace_s``: how
-        long they get to exit by themselves before SIGTERM (0 after a timeout: they are stuck)."""
+        """Stop the workers (NOTE [ Shutdown ]). ``grace_s``: how long they get to exit by
+        themselves before SIGTERM (0 after a timeout: they are stuck)."""
         if self.closed:
             return
         self.closed = True
@@ -261,12 +261,8 @@ def _hang_up(conn: Any, *, may_write: bool) -> None:
 
 
 class _Sender:
-    """Writes large task messages from a thread, so the main thread never blocks on a pipe.
-
-    It owns writing to a connection while ``busy`` for it; ``ProcessPool.close`` hangs up
-    first, so a write in progress fails at once, then stops the thread before closing any
-    connection (NOTE [ Shutdown ]).
-    """
+    """Writes large task messages from a thread, so the main thread never blocks on a pipe;
+    it owns writing to a connection while ``busy`` for it (NOTE [ Shutdown ])."""
 
     def __init__(self, conns: list[Any]) -> None:
         self.conns = conns
@@ -362,11 +358,10 @@ class ThreadPool:
         return f"DataLoader worker (thread {w}) exited unexpectedly: gpufeed thread worker {w}"
 
     def close(self, grace_s: float = GRACE_S) -> None:
-        """Tell every thread to stop; wait ``grace_s`` for them, except on a worker thread
-        (NOTE [ Shutdown ]): that is a finalizer run by a garbage collection that happened
-        there, and joining could mean joining itself, or a worker blocked on a lock this
-        thread holds (an import lock, say); they end on their own after the stop message.
-        ``grace_s=0`` (after a timeout) waits for none: threads cannot be killed."""
+        """Tell every thread to stop; wait ``grace_s`` for them (0 after a timeout: threads
+        cannot be killed), except on a worker thread (NOTE [ Shutdown ]), where joining could
+        mean joining itself, or a worker blocked on a lock this thread holds (an import lock,
+        say)."""
         if self.closed:
             return
         self.closed = True
@@ -384,8 +379,7 @@ class ThreadPool:
 
 def _thread_entry(spec: WorkerSpec, worker_id: int, chan: ThreadChannel) -> None:
     """Run a thread worker; an error that escapes the loop (a dataset's ``state_dict()``,
-    say) is sent to the main process, which re-raises it, instead of killing the thread with
-    an uncaught exception that leaves the iterator only "stopped unexpectedly"."""
+    say) is sent to the main process to re-raise, not left to kill the thread unexplained."""
     try:
         worker_loop(spec, worker_id=worker_id, kind="thread", chan=chan)
     except BaseException:
