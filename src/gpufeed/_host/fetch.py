@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import default_collate
 
 from .._order.sample_rng import SampleScope, stream_base
@@ -398,13 +399,7 @@ def _alloc_for(writer: SlotWriter | None, *, fresh: bool = False
     ``fresh``: a new view of the slot each call (NOTE [ Carved views ] in writer.py)."""
     if writer is not None:
         return writer.alloc_any_fresh if fresh else writer.alloc_any
-
-    def alloc(shape: tuple[int, ...], dtype: Any) -> Any:
-        import torch
-
-        return torch.empty(shape, dtype=dtype)
-
-    return alloc
+    return lambda shape, dtype: torch.empty(shape, dtype=dtype)
 
 
 def _short(indices: Any) -> str:

@@ -11,11 +11,11 @@ gpufeed worker building a batch (the stock loader, ``num_workers=0``, a notebook
 
 It answers with slot memory while a worker runs user code whose result is the batch:
 ``__getitems__``, ``collate_fn``, and ``__getitem__`` or an iterable's ``__next__`` when
-``batch_size=None``. Not while ``__getitem__`` fetches one sample of a batch the loader
-collates: the samples are stacked into the slot anyway. The writer is per thread, so thread
-workers each see their own slot. Each call carves a view of its own: the views gpufeed's
-collation reuses (NOTE [ Carved views ] in ``_host/writer.py``) never reach user code, which
-may reshape what it gets in place.
+``batch_size=None`` (the dataset batches itself). Not while ``__getitem__`` fetches one sample
+of a batch the loader collates: the samples are stacked into the slot anyway. The writer is
+per thread, so thread workers each see their own slot. Each call carves a view of its own:
+the views gpufeed's collation reuses (NOTE [ Carved views ] in ``_host/writer.py``) never
+reach user code, which may reshape what it gets in place.
 
 The memory is the batch's until the batch is returned: a tensor kept past that (a buffer
 cached on ``self``) would be writing into a slot the loop may be reading. ``pack``

@@ -20,16 +20,15 @@ collection happens to run there) only sends the stop messages: it never joins. A
 
 Dropping the last reference closes at once, without waiting for the cyclic garbage collector:
 an iterator knows its loader only through an ``IterConfig`` (``_host/config.py``), which holds
-no reference to the loader, so a persistent loader and its iterator form no cycle; torch's
-per-epoch ``_reset(loader)`` only asks the loader for a fresh config. Nothing else the iterator
-owns (pool, ring, sender thread) refers back to it. Keep it so: a cycle through the iterator
-keeps its workers alive until a collection runs.
+no reference to the loader, so a persistent loader (which keeps its iterator) and its iterator
+form no cycle; torch's per-epoch ``_reset(loader)`` only asks the loader for a fresh config.
+Nothing else the iterator owns (pool, ring, sender thread) refers back to it. Keep it so: a
+cycle through the iterator keeps its workers alive until a collection runs.
 
-A pool that fails while starting (its arguments cannot be pickled for spawn, fork fails)
-stops the workers it started and closes every pipe before the error leaves ``__init__``.
-
-A process that exits while the iterator runs is reported by its sentinel (see ``poll``), with
-its exit code or signal, also when a send found its pipe broken; never a hang.
+A pool that fails while starting (its arguments cannot be pickled for spawn, fork fails) stops
+the workers it started and closes every pipe before the error leaves ``__init__``. A process
+that exits while the iterator runs is reported by its sentinel (see ``poll``), with its exit
+code or signal, also when a send found its pipe broken; never a hang.
 """
 
 from __future__ import annotations
