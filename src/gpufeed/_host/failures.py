@@ -16,8 +16,8 @@ from typing import NamedTuple, NoReturn
 
 from .._base.errors import RemoteError, WorkerError
 
-__all__ = ["Lost", "check_not_forked", "describe_exit", "forked_message", "lost_worker",
-           "timed_out", "warn_if_unpicklable"]
+__all__ = ["Lost", "check_not_forked", "describe_exit", "lost_worker", "timed_out",
+           "warn_if_unpicklable"]
 
 #: torch's warning, word for word, when a worker process cannot be started because its
 #: arguments cannot be pickled (spawn and forkserver pickle the dataset and the functions).
@@ -41,8 +41,7 @@ def warn_if_unpicklable() -> Iterator[None]:
 
 
 def describe_exit(pid: int | None, w: int, code: int | None) -> str:
-    """What happened to worker ``w``: torch's own phrase first (programs and frameworks match
-    on it), then gpufeed's detail."""
+    """What happened to worker ``w`` (process ``pid``, exit code ``code``)."""
     if code is None:
         return f"gpufeed worker {w} (pid {pid}) is still running"
     if code < 0:
@@ -98,7 +97,7 @@ def lost_worker(desc: str, held: list[int]) -> WorkerError:
 
 def timed_out(timeout_text: str, tasks: dict[int, int]) -> WorkerError:
     """The error for ``timeout=`` (as given, ``timeout_text``) passed with ``tasks`` (batch ->
-    worker) unanswered: torch's phrase first, programs match on it."""
+    worker) unanswered."""
     waiting = [f"batch {i} on worker {w}" for i, w in sorted(tasks.items())]
     return WorkerError(
         f"DataLoader timed out after {timeout_text} seconds (gpufeed: waiting for "
@@ -109,13 +108,9 @@ def timed_out(timeout_text: str, tasks: dict[int, int]) -> WorkerError:
 def check_not_forked(pid: int) -> None:
     """Raise the forked-loader error where this process is not ``pid``, the workers' parent."""
     if os.getpid() != pid:
-        raise RuntimeError(forked_message(pid))
-
-
-def forked_message(pid: int) -> str:
-    return (
-        f"this gpufeed DataLoader's workers were started in process {pid}, and this process "
-        f"(pid {os.getpid()}) is a fork of it: the loader was created before a fork and cannot "
-        "be used here (threads do not survive fork(), and process workers answer their parent "
-        "only); re-create the DataLoader in this process"
-    )
+        raise RuntimeError(
+            f"this gpufeed DataLoader's workers were started in process {pid}, and this "
+            f"process (pid {os.getpid()}) is a fork of it: the loader was created before a fork "
+            "and cannot be used here (threads do not survive fork(), and process workers answer "
+            "their parent only); re-create the DataLoader in this process"
+        )

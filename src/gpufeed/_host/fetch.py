@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import default_collate
 
 from .._order.sample_rng import SampleScope, stream_base
@@ -39,12 +40,8 @@ def make_fetcher(
     collate_fn: Callable[[Any], Any] | None, drop_last: bool, sample_seed: int | None,
     base_seed: int, worker_id: int = 0, seed_globals: bool = True,
 ) -> MapFetcher | IterFetcher:
-    """The fetcher for ``dataset``, in a worker or in the main process (``num_workers=0``).
-
-    ``base_seed``: the iterator's base seed (drawn as torch draws its workers'), which seeds
-    the per-sample generators without ``sample_seed``; ``seed_globals``: whether a
-    ``sample_seed`` also seeds the global generators per sample (False in thread workers).
-    """
+    """The fetcher for ``dataset``, in a worker or in the main process (``num_workers=0``);
+    the arguments are :class:`MapFetcher`'s and :class:`IterFetcher`'s."""
     if is_iterable:
         return IterFetcher(
             dataset, auto_collation=auto_collation, collate_fn=collate_fn, drop_last=drop_last,
@@ -76,7 +73,8 @@ class MapFetcher:
         collate_fn: the user's function, or None for default collation into the slot.
         seed: base seed of per-sample random state (``_order/seeding.py``): each ``__getitem__``
             sees state from ``(seed, epoch, index)``, ``epoch`` given to :meth:`fetch`. None:
-            the stock behaviour; the per-sample generators are then seeded from ``base_seed``.
+            the stock behaviour; the per-sample generators are then seeded from ``base_seed``,
+            the iterator's (drawn as torch draws its workers').
         seed_globals: with ``seed``, also seed torch's, numpy's and Python's global generators
             before each sample (process workers, ``num_workers=0``); never in thread workers,
             which share them (NOTE [ Seeding and threads ]).
@@ -98,8 +96,7 @@ class MapFetcher:
         # Batches are gathered with one op per array (``gather``), no user code involved.
         self.gathers = self.arrays is not None and self.source is None and auto_collation
         self.getitems = getattr(dataset, "__getitems__", None)
-        # What it is doing, for error messages (see describe); while it is _AT_SAMPLE, the
-        # scope's index is the sample being fetched.
+        # What it is doing, for error messages (describe).
         self.where = ""
         # An _plan.IndexPlan, when the main process sent one.
         self.plan: Any = None
@@ -119,7 +116,7 @@ class MapFetcher:
         return indices if self.arrays is not None else indices.tolist()
 
     def fetch(self, indices: Any, writer: SlotWriter | None, *, epoch: int = 0) -> Any:
-        """The batch of ``indices``; ``epoch`` seeds per-sample random state."""
+        """The batch of ``indices``."""
         if self.gathers:
             # No user code, nothing random: no scope.
             self.where = "while gathering a batch"
@@ -179,8 +176,7 @@ class MapFetcher:
 
     def _read(self, indices: Any, writer: SlotWriter | None, epoch: int, scope: SampleScope,
               collate_fn: Callable[[Any], Any] | None) -> Any:
-        """The batch of ``indices`` from a batch source (NOTE [ Batch sources ] in
-        ``_sources/protocol.py``)."""
+        """The batch of ``indices`` from a batch source (NOTE [ Batch sources ])."""
         self.collate_s = 0.0
         self.where = "while reading a batch"
         scope.at_batch(indices)
@@ -201,10 +197,8 @@ class MapFetcher:
         """The samples of ``indices``: one ``__getitems__`` call, else one ``__getitem__``
         each, in a list or, from the first sample on, in a :class:`StreamedBatch` written into
         ``stream_to``'s slot (NOTE [ Streamed collation ] in ``_host/streaming.py``).
-
-        ``reseed``: with a per-sample seed in a process worker or the main process, the
-        ``seeded`` block's reseeding of the global generators (NOTE [ Seeding and threads ] in
-        ``_order/seeding.py``), called before each sample; else None.
+        ``reseed``: the ``seeded`` block's reseeding of the global generators, called before
+        each sample, or None (NOTE [ Seeding and threads ]).
         """
         probe = self.probe
         if self.getitems is not None:
@@ -250,9 +244,8 @@ class IterFetcher:
     """Batches of an iterable-style dataset; each worker iterates its own copy.
 
     ``fetch(n)`` takes up to ``n`` samples (``n=None``: one sample, no collation) and raises
-    StopIteration when the dataset is exhausted (or, with ``drop_last``, when short). It takes
-    ``epoch`` as :meth:`MapFetcher.fetch` does, so both are called alike. Iterable datasets get
-    no per-sample seeding of the global generators; the per-sample generators number this
+    StopIteration when the dataset is exhausted (or, with ``drop_last``, when short). No
+    per-sample seeding of the global generators; the per-sample generators number this
     worker's samples in the order it fetches them (``_order/sample_rng.py``).
     """
 
@@ -406,13 +399,7 @@ def _alloc_for(writer: SlotWriter | None, *, fresh: bool = False
     ``fresh``: a new view of the slot each call (NOTE [ Carved views ] in writer.py)."""
     if writer is not None:
         return writer.alloc_any_fresh if fresh else writer.alloc_any
-
-    def alloc(shape: tuple[int, ...], dtype: Any) -> Any:
-        import torch
-
-        return torch.empty(shape, dtype=dtype)
-
-    return alloc
+    return lambda shape, dtype: torch.empty(shape, dtype=dtype)
 
 
 def _short(indices: Any) -> str:

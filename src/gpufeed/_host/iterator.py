@@ -34,10 +34,7 @@ class BaseIter:
     """What both iterators share: sampler, seed, pinning, length, counting."""
 
     def __init__(self, config: IterConfig) -> None:
-        # The config holds no reference to the loader: a persistent loader keeps its iterator
-        # (``_iterator``), and a reference back would make a cycle that only the garbage
-        # collector frees, keeping the workers alive after ``del it, loader`` (NOTE [ Shutdown ]
-        # in _host/pool.py).
+        # The config holds no reference to the loader: NOTE [ Shutdown ] in _host/pool.py.
         self._position = config.position
         self._direct = config.direct
         self._dataset = config.dataset
@@ -78,8 +75,8 @@ class BaseIter:
 
     @property
     def closed(self) -> bool:
-        """Whether ``close()`` ran: the loader then starts a new iterator at its next
-        ``iter()``, even with persistent workers."""
+        """Whether ``close()`` ran: the loader's next ``iter()`` then starts a new iterator,
+        even with persistent workers."""
         return bool(getattr(self, "_closed", False))
 
     def __iter__(self) -> BaseIter:
@@ -111,7 +108,7 @@ class BaseIter:
 
     def _begin_again_if_set_late(self) -> None:
         """Before an epoch's first batch: if it began from a loaded state and its sampler's
-        ``set_epoch`` ran since, to another epoch (Lightning resumes so:
+        ``set_epoch`` has since moved it to another epoch (Lightning resumes so:
         ``LoaderPosition.set_epoch_came_late``), begin it again, as an iterator made now
         would (the sampler's draw may have begun: a worker iterator dispatches at once)."""
         if not self._num_yielded and self._position.set_epoch_came_late(self._index_sampler):
@@ -140,11 +137,10 @@ class BaseIter:
         occupancy: Sequence[tuple[str, int, int]] = (),
         gauges: Sequence[tuple[str, int]] = (),
     ) -> Any:
-        """Hand batch ``k`` of this epoch (the iterator's count) to the user, or to the device
-        stage in front of the user (which records the handover the loop sees); ``registered``:
-        the page-locked slot it was written into, whose leaves need no pinning check;
-        ``occupancy``, ``gauges``: (stage, used, capacity) samples and (counter, level) values
-        to record with it."""
+        """Hand batch ``k`` of this epoch to the user, or to the device stage in front of the
+        user (which records the handover the loop sees); ``registered``: the page-locked slot
+        it was written into, whose leaves need no pinning check; ``occupancy``, ``gauges``:
+        (stage, used, capacity) samples and (counter, level) values to record with it."""
         now = time.perf_counter()
         last = self._returned_at
         if self._direct:
@@ -207,10 +203,9 @@ class BaseIter:
             )
 
     def _reset(self, loader: ConfigSource, first_iter: bool = False) -> None:
-        """torch's persistent-worker hook: ``DataLoader.__iter__`` calls it with the loader to
-        start the next epoch. The one place an iterator is handed its loader: it only asks it
-        for the epoch's config (whose ``len(loader)``, asked since, the length warning takes,
-        as torch's ``_reset`` does)."""
+        """torch's persistent-worker hook: ``DataLoader.__iter__`` calls it to start the next
+        epoch. The one place an iterator is handed its loader: it only asks it for the epoch's
+        config (the length warning takes its ``len(loader)``, as torch's ``_reset`` does)."""
         config = loader._iter_config()
         self._len_called = config.len_called
         self._restart(config, first_iter=first_iter)
@@ -294,9 +289,8 @@ class SingleIter(BaseIter):
         return self._finish(data, asked_at, k, state)
 
     def _planned_indices(self) -> Any:
-        """Batch ``_drawn`` of the epoch's order (NOTE [ Planned epochs without workers ]),
-        drawn at the epoch's first pull, as the stock sampler draws it; StopIteration past
-        the end."""
+        """Batch ``_drawn`` of the epoch's plan (NOTE [ Planned epochs without workers ]);
+        StopIteration past the end."""
         plan = self._plan
         assert plan is not None  # (called only for a planned epoch)
         if plan is _UNDRAWN:

@@ -1,12 +1,11 @@
 """Every message between the main process and its workers, and what a worker starts from.
 
 Messages are ``NamedTuple``s, read by field name. ``None`` stays the stop message (the pool
-pre-pickles it, and EOF on a worker's pipe means the same). The two that carry a message's
-batches, ``Tasks`` and ``Done``, pickle their items as plain tuples (``__reduce__``) and are
-rebuilt by C calls on the other side: a ``NamedTuple`` item costs the pickler a Python call
-on each side, some 4-7 us per batch on both the worker and the main process on cheap batches.
-Who sends what, and when, is in ``_host/worker.py``'s docstring and the NOTE below; the main
-process's side is ``WorkerIter`` (``_host/worker_iter.py``).
+pre-pickles it, and EOF on a worker's pipe means the same). ``Tasks`` and ``Done``, which carry
+a message's batches, pickle their items as plain tuples (``__reduce__``), rebuilt by C calls
+on the other side: a ``NamedTuple`` item costs the pickler a Python call on each side, some
+4-7 us per batch in each process on cheap batches. The worker's side is ``_host/worker.py``,
+the main process's ``WorkerIter`` (``_host/worker_iter.py``).
 
     main -> worker   Tasks, SlotFor, UsePlan, ResetStream, Reseed, Nice, None (stop)
     worker -> main   Done (with one Result per task), NeedSlot, StartFailed
@@ -25,8 +24,7 @@ Each epoch of a persistent iterator is a new *generation*; answers from an older
 dropped and their slots released. A worker that sees a newer generation (or a stop) waiting
 on its channel answers ``Dropped`` to the older tasks it still holds, between tasks, without
 running them: restarting an epoch does not wait for the abandoned work-ahead. Only small
-messages cross: indices out; slot offsets, dtypes and shapes back. The messages are the
-classes below; the table of who sends which is in ``_host/worker.py``.
+messages cross: indices out; slot offsets, dtypes and shapes back.
 """
 
 from __future__ import annotations
@@ -59,13 +57,10 @@ class Slot(NamedTuple):
 
 
 class Task(NamedTuple):
-    """One batch to fetch: batch number ``batch`` of the epoch.
-
-    ``planned``: take the batch's indices from the epoch's ``IndexPlan`` (``indices`` is None);
-    else ``indices`` (a count of samples for iterable datasets). ``slot``: None for ordinary
-    allocation; ``LATE``: a ``SlotFor`` message names it when the task starts (NOTE [ Slots
-    bound when a task starts ] in ``_host/late_slots.py``).
-    """
+    """Batch number ``batch`` of the epoch, to fetch. ``planned``: its indices are the epoch's
+    ``IndexPlan``'s (``indices`` is None); else ``indices`` (a count of samples for iterable
+    datasets). ``slot``: None for ordinary allocation; ``LATE``: a ``SlotFor`` names it when
+    the task starts (NOTE [ Slots bound when a task starts ] in ``_host/late_slots.py``)."""
 
     batch: int
     planned: bool
@@ -111,8 +106,8 @@ class UsePlan(NamedTuple):
 
 
 class SharedPerm(NamedTuple):
-    """A plan's ``perm`` in transit to a process worker: its storage's descriptor follows the
-    message (NOTE [ Plans without a sharing thread ] in ``_host/plan_fd.py``)."""
+    """A plan's ``perm`` in transit to a process worker, whose storage's descriptor follows
+    the message (NOTE [ Plans without a sharing thread ] in ``_host/plan_fd.py``)."""
 
     nbytes: int
     dtype: Any
@@ -153,11 +148,9 @@ ToWorker = Tasks | SlotFor | UsePlan | ResetStream | Reseed | Nice | None
 # -- worker -> main: one result per task -------------------------------------------------------
 class Fetched(NamedTuple):
     """A batch, written into slot ``slot_id`` (-1: none) and described by ``packed``.
-
     ``spill`` is the batch's spill file (NOTE [ Spill ] in ``_memory/spill.py``): a
     ``SpillFile`` when the worker sends it, the mapped uint8 tensor once it arrives (its pickle
-    carries the descriptor), None when the batch spilled nothing.
-    """
+    carries the descriptor), None when the batch spilled nothing."""
 
     batch: int
     slot_id: int
@@ -173,7 +166,8 @@ class Fetched(NamedTuple):
 
 
 class Dropped(NamedTuple):
-    """Not run: its epoch was abandoned (or the pool is closing)."""
+    """Not run, or stopped waiting for its slot: its epoch was abandoned (or the pool is
+    closing)."""
 
     batch: int
     slot_id: int
@@ -219,8 +213,8 @@ def _done(gen: int, rows: list[tuple[int, Any]], *rest: Any) -> Done:
 
 
 class NeedSlot(NamedTuple):
-    """A ``LATE`` task's first request for slot memory: its slot, please (NOTE [ Slots bound
-    when a task starts ] in ``_host/late_slots.py``)."""
+    """A ``LATE`` task's first request for slot memory (NOTE [ Slots bound when a task
+    starts ])."""
 
     gen: int
     batch: int
@@ -251,10 +245,9 @@ class WorkerSpec:
     ``region``: the ring's memory, a ``Region`` for process workers (pickled as its
     descriptor) or its tensor for thread workers; None without a ring. ``base_seed``: each
     worker seeds from ``base_seed + worker_id``. ``sample_seed``: per-sample seeding's base
-    seed (None: off) at start; ``Reseed`` changes it later. ``random_watch``: thread workers
-    only, the loader's ``GlobalDrawWatch`` (``_host/random_watch.py``), else None.
-    ``datapipe``: what each worker applies to its copy of a datapipe graph before
-    ``init_fn`` (``_order/datapipes.py``), None for any other dataset.
+    seed at start (None: off; ``Reseed`` changes it). ``random_watch``: thread workers'
+    ``GlobalDrawWatch`` (``_host/random_watch.py``). ``datapipe``: what each worker applies to
+    its copy of a datapipe graph before ``init_fn`` (``_order/datapipes.py``).
     """
 
     num_workers: int

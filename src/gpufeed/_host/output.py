@@ -4,13 +4,12 @@ NOTE [ Batches built in the slot ]
 ----------------------------------
 A dataset's ``__getitems__`` (or a ``collate_fn``) that makes its own batch array and fills it
 (a crop per row of one ``np.empty``) hands the loader a batch in ordinary memory, which the
-worker then copies into the batch's slot: on 7 MB image batches that copy was a fifth of a
-worker's time. ``batch_empty`` gives such code the slot's memory itself, so the batch is built
-where it is handed out and nothing is copied. Outside a gpufeed worker building a batch (the
-stock loader, ``num_workers=0``, a notebook) it is ``torch.empty``, so the same dataset works
-with any loader.
+worker then copies into the batch's slot: on 7 MB image batches, a fifth of a worker's time.
+``batch_empty`` gives such code the slot's memory itself, so nothing is copied. Outside a
+gpufeed worker building a batch (the stock loader, ``num_workers=0``, a notebook) it is
+``torch.empty``, so the same dataset works with any loader.
 
-Where it answers with slot memory: while a worker runs user code whose result is the batch:
+It answers with slot memory while a worker runs user code whose result is the batch:
 ``__getitems__``, ``collate_fn``, and ``__getitem__`` or an iterable's ``__next__`` when
 ``batch_size=None`` (the dataset batches itself). Not while ``__getitem__`` fetches one sample
 of a batch the loader collates: the samples are stacked into the slot anyway. The writer is
@@ -19,12 +18,11 @@ the views gpufeed's collation reuses (NOTE [ Carved views ] in ``_host/writer.py
 reach user code, which may reshape what it gets in place.
 
 The memory is the batch's until the batch is returned: a tensor kept past that (a buffer
-cached on ``self`` and refilled for the next batch) would be writing into a slot the loop may
-be reading. ``pack`` (``_host/collate.py``) refuses a leaf that lies in the ring outside the
-batch's own slot with an error naming the cause. A request the slot cannot hold (the first
-batch, before the ring knows the batch's size; a batch larger than its slot) gets ordinary
-memory, which is then copied as before: never a wrong byte, only the copy that was always
-there.
+cached on ``self``) would be writing into a slot the loop may be reading. ``pack``
+(``_host/collate.py``) refuses a leaf that lies in the ring outside the batch's own slot, with
+an error naming the cause. A request the slot cannot hold (the first batch, before the ring
+knows the batch's size; a batch larger than its slot) gets ordinary memory, which is then
+copied: never a wrong byte, only the copy there would have been anyway.
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ _local = threading.local()
 
 def building(writer: SlotWriter | None) -> SlotWriter | None:
     """User code running now builds the batch of ``writer``'s slot (None: it does not, or no
-    slot); returns the writer it replaces, for ``building(previous)`` afterwards."""
+    slot); the writer it replaces, for ``building(previous)`` afterwards."""
     previous = getattr(_local, "writer", None)
     _local.writer = writer
     return previous

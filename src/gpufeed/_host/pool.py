@@ -20,16 +20,15 @@ collection happens to run there) only sends the stop messages: it never joins. A
 
 Dropping the last reference closes at once, without waiting for the cyclic garbage collector:
 an iterator knows its loader only through an ``IterConfig`` (``_host/config.py``), which holds
-no reference to the loader, so a persistent loader and its iterator form no cycle; torch's
-per-epoch ``_reset(loader)`` only asks the loader for a fresh config. Nothing else the iterator
-owns (pool, ring, sender thread) refers back to it. Keep it so: a cycle through the iterator
-keeps its workers alive until a collection runs.
+no reference to the loader, so a persistent loader (which keeps its iterator) and its iterator
+form no cycle; torch's per-epoch ``_reset(loader)`` only asks the loader for a fresh config.
+Nothing else the iterator owns (pool, ring, sender thread) refers back to it. Keep it so: a
+cycle through the iterator keeps its workers alive until a collection runs.
 
-A pool that fails while starting (its arguments cannot be pickled for spawn, fork fails)
-stops the workers it started and closes every pipe before the error leaves ``__init__``.
-
-A process that exits while the iterator runs is reported by its sentinel (see ``poll``), with
-its exit code or signal, also when a send found its pipe broken; never a hang.
+A pool that fails while starting (its arguments cannot be pickled for spawn, fork fails) stops
+the workers it started and closes every pipe before the error leaves ``__init__``. A process
+that exits while the iterator runs is reported by its sentinel (see ``poll``), with its exit
+code or signal, also when a send found its pipe broken; never a hang.
 """
 
 from __future__ import annotations
@@ -205,8 +204,8 @@ class ProcessPool:
         return describe_exit(proc.pid, w, proc.exitcode)
 
     def close(self, grace_s: float = GRACE_S) -> None:
-        """Stop the workers, bounded in time (NOTE [ Shutdown ]); idempotent. ``grace_s``: how
-        long they get to exit by themselves before SIGTERM (0 after a timeout: they are stuck)."""
+        """Stop the workers (NOTE [ Shutdown ]). ``grace_s``: how long they get to exit by
+        themselves before SIGTERM (0 after a timeout: they are stuck)."""
         if self.closed:
             return
         self.closed = True
@@ -261,12 +260,8 @@ def _hang_up(conn: Any, *, may_write: bool) -> None:
 
 
 class _Sender:
-    """Writes large task messages from a thread, so the main thread never blocks on a pipe.
-
-    It owns writing to a connection while ``busy`` for it; ``ProcessPool.close`` hangs up
-    first, so a write in progress fails at once, then stops the thread before closing any
-    connection (NOTE [ Shutdown ]).
-    """
+    """Writes large task messages from a thread, so the main thread never blocks on a pipe;
+    it owns writing to a connection while ``busy`` for it (NOTE [ Shutdown ])."""
 
     def __init__(self, conns: list[Any]) -> None:
         self.conns = conns
@@ -362,11 +357,10 @@ class ThreadPool:
         return f"DataLoader worker (thread {w}) exited unexpectedly: gpufeed thread worker {w}"
 
     def close(self, grace_s: float = GRACE_S) -> None:
-        """Tell every thread to stop; wait ``grace_s`` for them, except on a worker thread
-        (NOTE [ Shutdown ]): that is a finalizer run by a garbage collection that happened
-        there, and joining could mean joining itself, or a worker blocked on a lock this
-        thread holds (an import lock, say); they end on their own after the stop message.
-        ``grace_s=0`` (after a timeout) waits for none: threads cannot be killed."""
+        """Tell every thread to stop; wait ``grace_s`` for them (0 after a timeout: threads
+        cannot be killed), except on a worker thread (NOTE [ Shutdown ]), where joining could
+        mean joining itself, or a worker blocked on a lock this thread holds (an import lock,
+        say)."""
         if self.closed:
             return
         self.closed = True
@@ -384,8 +378,7 @@ class ThreadPool:
 
 def _thread_entry(spec: WorkerSpec, worker_id: int, chan: ThreadChannel) -> None:
     """Run a thread worker; an error that escapes the loop (a dataset's ``state_dict()``,
-    say) is sent to the main process, which re-raises it, instead of killing the thread with
-    an uncaught exception that leaves the iterator only "stopped unexpectedly"."""
+    say) is sent to the main process to re-raise, not left to kill the thread unexplained."""
     try:
         worker_loop(spec, worker_id=worker_id, kind="thread", chan=chan)
     except BaseException:

@@ -8,21 +8,13 @@ per message, and sizes the ring for the bound plus the batches the consumer hold
 NOTE [ Fresh slots ]
 --------------------
 A chunked loader keeps two chunks per worker in flight, each batch in a ring slot of its own,
-so the longest chunk sizes the ring of cheap batches: with two workers, ``CHUNK_MAX`` 64 made
-258 slots of tabular batches, 32 makes 130. A slot's pages cost their first touch: shared
-memory is allocated and zeroed page by page as a worker first writes it (2.3 us a page here),
-and each other worker that writes the slot later maps the page again (0.9 us). A new ring
-pays that in its first epoch, and a loader without persistent workers has a new ring every
-epoch. Measured on tabular (``bench/results/main-process.md``, "Round 20"): with 64 a
-fresh loader's workers took 9,000-10,000 page faults an epoch against 250 on a warm ring,
-and their gather 37-87 us a batch for the first 500 batches against 14. With 32, a fresh loader's
-epoch ran 1.03x the rate of 64 (median of 16 alternating rounds, 11 faster), and a warm ring's
-0.99x (16 rounds, 8 faster): the messages that 64 saves were worth nothing measurable, and
-the ring of cheap batches takes half the memory. Python's collector runs less, too: a
-message's results are unpickled at once, and the tracked objects of 64 batches in flight
-crossed the youngest generation's threshold (700) every 3 messages, of 32 every 49: over 20
-epochs of a persistent loader (78,140 batches) 64 made about 430 young collections and one
-full one (90 ms on this heap), 32 made 44-56 and none: 115 against 4 ms of the loop's time.
+so the longest chunk (``CHUNK_MAX``) sizes the ring of cheap batches. A slot's pages cost their
+first touch: shared memory is allocated and zeroed page by page as a worker first writes it,
+and each other worker that writes the slot later maps the page again. A new ring pays that in
+its first epoch, and a loader without persistent workers has a new ring every epoch. A cap of
+32 rather than 64 halves the ring of cheap batches and the collections of Python's collector
+(a message's results are unpickled at once), at no measurable cost in messages.
+Measurements: docs/how-it-works/measurements/engine.md#fresh-slots.
 
 NOTE [ Balanced dispatch ]
 --------------------------
@@ -32,12 +24,11 @@ NOTE [ Seeding and threads ] in ``_order/seeding.py``), so which worker fetches 
 changes nothing in it. There (``balanced``), while batches go one per message (``chunk`` 1),
 a batch is dispatched as soon as one fits under the bound, not once ``num_workers`` fit, and
 to the active worker holding the fewest tasks, the turn's worker first among equals
-(``WorkerIter._dispatch``). Dealt in turn and in windows of ``num_workers``, a worker that
-fell behind (a core taken by another process, a slow sample) kept its queued batch while the
-other, done with both of its own, waited for the in-order head: with two thread workers on
-per-sample crops (``bench/peers.py``) on a loaded 2-core machine, one worker waited for a task
-0-13% of the time, runs apart. Process workers, iterable datasets (each worker its own
-stream) and chunked cheap batches keep the turn, as the stock loader deals them.
+(``WorkerIter._dispatch``): dealt in turn, a worker that fell behind (a core taken by another
+process, a slow sample) kept its queued batch while the other waited for the in-order head.
+Process workers, iterable datasets (each worker its own stream) and chunked cheap batches keep
+the turn, as the stock loader deals them.
+Measurements: docs/how-it-works/measurements/engine.md#balanced-dispatch.
 """
 
 from __future__ import annotations
@@ -53,7 +44,6 @@ class WorkAhead:
     """The in-flight bound and the chunk size of one worker iterator.
 
     Args:
-        num_workers: the pool's workers.
         prefetch_factor: batches in flight per worker, as torch's; None: torch's default, 2.
         adaptive: chunk cheap batches (:meth:`adapt`): only when ``prefetch_factor`` was left
             unset (an explicit one is a strict bound, as in torch), and not with ``timeout=``
@@ -70,7 +60,9 @@ class WorkAhead:
         self.num_workers = num_workers
         self.adaptive = adaptive
         self.balanced = balanced
-        # batches the consumer holds besides those in flight (see slots_hint)
+        # Batches the consumer holds besides those in flight: the loop's current and previous
+        # batch, and a device stage's depth + 1; pinned without a device stage, FENCE_SLACK
+        # more, whose release fence waits for the user's copies.
         if device_depth is not None:
             self.held = 2 + device_depth + 1
         else:
@@ -81,15 +73,14 @@ class WorkAhead:
         self.in_flight_bound = self.stock_in_flight
         self.chunk = 1  # batches per worker per task message
         self.refill_at = self.in_flight_bound - self.share  # see window()
-        self._batch_s = 0.0  # moving average of worker seconds per batch
+        self.batch_s = 0.0  # worker seconds per batch, a moving average (0 before the first)
 
     def window(self, first: bool, in_flight: int) -> int:
         """How many batches to hand out now, with ``in_flight`` dispatched and not delivered:
-        :attr:`share` (a chunk per worker), once that many fit under the bound (else 0), or
-        whatever fits when nothing is in flight. An epoch's ``first`` window is one batch per
-        worker: its first batch then waits for one batch of work, not for a whole chunk (a
-        persistent iterator restarted). Past the first window a window opens only while
-        ``in_flight`` is at most ``refill_at`` or 0: callers skip the call otherwise."""
+        :attr:`share` once that many fit under the bound (else 0), or whatever fits when
+        nothing is in flight. An epoch's ``first`` window is one batch per worker, so that its
+        first batch waits for one batch of work, not a whole chunk. Past it, a window opens
+        only while ``in_flight`` is at most ``refill_at`` or 0: callers skip the call otherwise."""
         full = self.num_workers if first else self.share
         window = min(full, self.in_flight_bound - in_flight)
         if window <= 0 or (window < full and in_flight):
@@ -106,36 +97,29 @@ class WorkAhead:
 
     @property
     def slots_hint(self) -> int:
-        """Default ring size: in-flight batches plus those the consumer holds (the loop's
-        current and previous batch, and a device stage's depth + 1; pinned without a device
-        stage, FENCE_SLACK more whose release fence waits for the user's copies: NOTE [ Slot
-        lifetime ] in ``_memory/ring.py``). More would only raise peak memory; a consumer that
-        keeps more batches, or a GPU further behind, gets ordinary allocations."""
+        """Default ring size: in-flight batches plus those the consumer holds (``held``; NOTE
+        [ Slot lifetime ] in ``_memory/ring.py``). More would only raise peak memory; a consumer
+        that keeps more batches, or a GPU further behind, gets ordinary allocations."""
         return self.in_flight_bound + self.held
 
     @property
-    def batch_s(self) -> float:
-        """Worker seconds per batch, a moving average (0 before the first batch)."""
-        return self._batch_s
-
-    @property
     def late_bind(self) -> bool:
-        """Queued tasks get their slots when they start: one task per message, each of at
-        least LATE_BIND_S of worker time, against which the worker's wait for its slot (one
-        wake-up of the main process, if any) is small (NOTE [ Slots bound when a task starts ]
-        in ``_host/late_slots.py``). Also before the first batch's cost is known: the ring
+        """Queued tasks get their slots when they start (NOTE [ Slots bound when a task
+        starts ] in ``_host/late_slots.py``): one task per message, each of at least
+        LATE_BIND_S of worker time, against which the wait for a slot (one wake-up of the main
+        process, if any) is small. Also before the first batch's cost is known: the ring
         learns its slot size from the first batch, so a task bound at dispatch before then
         gets no slot at all, and one that asks later can."""
-        return self.chunk == 1 and (self._batch_s >= LATE_BIND_S or not self._batch_s)
+        return self.chunk == 1 and (self.batch_s >= LATE_BIND_S or not self.batch_s)
 
     def adapt(self, batch_s: float, slot_bytes: int) -> bool:
         """Size task messages so each carries about CHUNK_TARGET_S of worker time, given the
         last message's worker seconds per batch; True when the in-flight bound changed (the
         ring's slots hint with it)."""
-        self._batch_s = batch_s if not self._batch_s else 0.8 * self._batch_s + 0.2 * batch_s
+        self.batch_s = batch_s if not self.batch_s else 0.8 * self.batch_s + 0.2 * batch_s
         if not self.adaptive:
             return False
-        chunk = min(int(CHUNK_TARGET_S / max(self._batch_s, 1e-6)), CHUNK_MAX)
+        chunk = min(int(CHUNK_TARGET_S / max(self.batch_s, 1e-6)), CHUNK_MAX)
         if slot_bytes:
             chunk = min(chunk, CHUNK_BYTES // (slot_bytes * 2 * self.num_workers))
         chunk = max(chunk, 1)
@@ -146,9 +130,8 @@ class WorkAhead:
         return True
 
     def resize(self, num_workers: int, depth: int) -> None:
-        """The autotuner moved the worker count or the batches each works ahead (``depth``,
-        the prefetch factor): a new in-flight bound (the stock sampler pulls keep following
-        the first count, ``stock_in_flight``)."""
+        """The autotuner moved the worker count or ``depth`` (the prefetch factor): a new
+        in-flight bound (the stock sampler pulls keep following ``stock_in_flight``)."""
         self.num_workers, self.depth = num_workers, depth
         self._bound()
 

@@ -1,47 +1,13 @@
 """The worker loop, shared by process and thread workers.
 
 A worker receives small task messages, fetches and collates each batch into the slot the
-task names, and answers with small messages (see NOTE [ Messages ] in ``_host/messages.py``;
-the classes are in ``_host/messages.py``):
-
-    main -> worker   Tasks(gen, [Task(batch, planned, indices, slot), ...], epoch)
-                        planned: take batch ``batch`` of the epoch's IndexPlan (indices unused)
-                        slot: Slot(id, offset, size), None for ordinary allocation, or
-                              LATE: named by a SlotFor when the worker asks for it
-                        epoch: seeds per-sample random state (``_order/seeding.py``)
-                     SlotFor(gen, batch, slot)               a LATE task's slot (NOTE [ Slots
-                                                             bound when a task starts ])
-                     UsePlan(gen, plan)                      this epoch's IndexPlan
-                     ResetStream(gen, state)                 iterable datasets: restart (from
-                                                             ``state`` on resume, else None)
-                     Reseed(gen, seed)                       per-sample seeding's base seed from
-                                                             now on (None: off); a persistent
-                                                             pool after load_state_dict
-                     Nice(gen, step)                         process workers: lower the
-                                                             priority by step (NOTE [ Worker
-                                                             priority ])
-                     None                                    stop (or EOF on the pipe)
-    worker -> main   Done(gen, [result, ...])                one result per task, in order:
-                        Fetched(batch, slot_id, used, need, packed, fetch_s, collate_s,
-                                dataset_state,               iterable datasets' state_dict()
-                                spill,                       a SpillFile or None (NOTE [ Spill ])
-                                unsupported,                 a leaf went torch's way (_collate)
-                                started)                     perf_counter() at the task's start
-                        Dropped(batch, slot_id)              not run (or stopped waiting for its
-                                                             slot): its epoch was abandoned
-                        Exhausted(batch, slot_id)            iterable dataset exhausted
-                        Failed(batch, slot_id, error)        error: a RemoteError
-                     StartFailed(error)                      worker_init_fn or set-up failed
-                                                             (threads: or the loop itself)
+task names, and answers with small messages, one result per task in order: the messages, and
+who sends which, are in ``_host/messages.py`` (NOTE [ Messages ]).
 
 Several tasks travel in one message when batches are cheap (``WorkAhead.adapt``: about 30 ms
-of work per message): on these machines waking a sleeping process costs 0.1-0.4 ms, more than
-gathering a small batch, and a main process that sleeps between messages spent 0.35 ms of CPU
-per message (python-list, 8 ms batches, two workers on two cores; every step of its work took
-several times what it takes on tabular, where it never sleeps: probably its caches, cold after
-the workers' turn on its core). At 10 ms of work per message that was 3.5% of the work; at
-30 ms the main process's CPU per batch fell from 354-362 to 152-167 us and the rate rose 4% and
-10% in two runs of alternating rounds (``bench/results/main-process.md``, round 5).
+of work per message): waking a sleeping process costs more than gathering a small batch, and a
+main process that sleeps between messages pays CPU for every message.
+Measurements: docs/how-it-works/measurements/engine.md#several-tasks-per-message.
 """
 
 from __future__ import annotations
@@ -135,9 +101,8 @@ def in_thread_worker() -> bool:
 
 
 def worker_label(worker_id: int, is_process: bool) -> str:
-    """How an error caught in a worker names it: torch's words for a process worker
-    (``Caught KeyError in DataLoader worker process 0.``: what people and tools search logs
-    for), the same with "thread" for a thread worker."""
+    """How an error caught in a worker names it: torch's words (``Caught KeyError in
+    DataLoader worker process 0.``: what people and tools search logs for), or "thread"."""
     return f"DataLoader worker {'process' if is_process else 'thread'} {worker_id}"
 
 
@@ -199,11 +164,7 @@ def worker_loop(
             SlotWriter(region, shared_fallback=is_process) if region is not None else None
         )
     except Exception:
-        try:
-            chan.send(StartFailed(capture(f"in {label} (gpufeed: during start-up)")))
-        except (BrokenPipeError, EOFError, OSError):
-            # The main process already stopped (another worker's error, or close()).
-            pass
+        _say(chan, StartFailed(capture(f"in {label} (gpufeed: during start-up)")))
         return
     # NOTE [ Worker heap ] in _memory/heap.py
     heap = HeapFollower() if is_process else None
@@ -317,7 +278,7 @@ def _say(chan: Any, msg: ToMain) -> None:
     try:
         chan.send(msg)
     except (BrokenPipeError, EOFError, OSError):
-        # The main process is gone or closing.
+        # The main process is gone or closing (another worker's error, or close()).
         pass
 
 
@@ -336,24 +297,22 @@ def _newer(chan: Any, inbox: collections.deque[ToWorker], gen: int) -> bool:
 
 def _send_results(worker_id: int, label: str, chan: Any, gen: int, results: list[Result]
                   ) -> None:
-    """Send a message's results; if pickling them fails (torch's own shared memory, which
-    the leaves the ring cannot hold still use, is full), each becomes that error."""
+    """Send a message's results; if pickling them fails (torch's own shared memory, used by
+    the leaves the ring cannot hold, is full), each becomes that error."""
     try:
         chan.send(Done(gen, results))
     except Exception as exc:
         # Out of descriptors while passing a batch's: the pipe is still whole.
         if out_of_descriptors(exc):
             err = worker_out_of_descriptors(worker_id, f"sending batch {results[0].batch}")
-            chan.send(Done(gen, [Failed(r.batch, r.slot_id, err) for r in results]))
-            return
-        if isinstance(exc, (BrokenPipeError, EOFError, OSError)):
+        elif isinstance(exc, (BrokenPipeError, EOFError, OSError)):
             raise
-        where = (
-            f"in {label} (gpufeed: sending a batch with tensors the ring cannot hold, nested, "
-            "sparse, quantized or subclasses, which torch shares through /dev/shm; a larger "
-            "/dev/shm, e.g. docker --shm-size, or worker_type='thread' avoids it)"
-        )
-        err = capture(where)
+        else:
+            err = capture(
+                f"in {label} (gpufeed: sending a batch with tensors the ring cannot hold, "
+                "nested, sparse, quantized or subclasses, which torch shares through /dev/shm; "
+                "a larger /dev/shm, e.g. docker --shm-size, or worker_type='thread' avoids it)"
+            )
         chan.send(Done(gen, [Failed(r.batch, r.slot_id, err) for r in results]))
 
 

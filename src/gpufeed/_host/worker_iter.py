@@ -74,7 +74,6 @@ class WorkerIter(StockNames, BaseIter):
             nw = self._num_workers = config.num_workers
             self._in_order, self._persistent = config.in_order, config.persistent
             self._timeout = config.timeout
-            # the timeout as the user gave it, for the message
             self._timeout_text = config.timeout_text
             self._shared = shared = config.worker_type == "process"
             self._work_ahead = WorkAhead(
@@ -183,9 +182,8 @@ class WorkerIter(StockNames, BaseIter):
 
         Batch k goes to the next active worker in turn, as with torch's loader (so iterable
         datasets and per-worker random state give the same batches), in windows of ``chunk *
-        num_workers`` batches, each worker's share in one message (cheap batches: chunk > 1);
-        thread workers on a map-style dataset take batches one by one, to the one holding the
-        fewest (NOTE [ Balanced dispatch ] in ``_host/workahead.py``).
+        num_workers`` batches, each worker's share in one message; or one by one, to the
+        worker holding the fewest (NOTE [ Balanced dispatch ] in ``_host/workahead.py``).
         """
         acquire, new, plan, late = self._ring.acquire, tuple.__new__, self._plan, self._late
         balance = self._work_ahead.share == 1 and self._work_ahead.balanced
@@ -229,8 +227,7 @@ class WorkerIter(StockNames, BaseIter):
             self._seen = record_ring(self._recorder, self._ring, self._seen)
 
     def _least_held(self, turn: int) -> int:
-        """The active worker holding the fewest tasks, ``turn`` first among equals (NOTE
-        [ Balanced dispatch ] in ``_host/workahead.py``)."""
+        """The active worker holding the fewest tasks, ``turn`` first among equals."""
         n = self._num_workers
         held = [0] * n
         for holder in self._tasks.values():
@@ -428,10 +425,9 @@ class WorkerIter(StockNames, BaseIter):
 
     # -- a worker lost ------------------------------------------------------------------------
     def _defer_lost(self, w: int, held: list[int], error: WorkerError | RemoteError) -> bool:
-        """Worker ``w`` died holding batches ``held`` (in order): when the first is still
-        ahead of the next the loop gets, put ``error`` in its place (a ``failures.Lost``),
-        forget the tasks and send no more, so that the batches before it, from the other
-        workers, come first; True then. False: raise it now."""
+        """Worker ``w`` died holding batches ``held``: if the first is still ahead of the loop,
+        put ``error`` in its place (a ``failures.Lost``), forget the tasks and send no more,
+        so that the batches before it come first, and return True. False: raise it now."""
         if not held or min(held) <= self._rcvd_idx:
             return False
         self._ready[min(held)] = failures.Lost(error)
@@ -442,10 +438,9 @@ class WorkerIter(StockNames, BaseIter):
         return True
 
     def _defer_start_failed(self, w: int, error: RemoteError) -> bool:
-        """Worker ``w`` could not start (``worker_init_fn`` raised). The stock loader raises
-        that error at the worker's first batch, in order: so do we, with the batches before it
-        first (:meth:`_defer_lost`); True then, and the worker's exit, which follows, is
-        expected for the rest of the epoch. False: raise it now."""
+        """Worker ``w`` could not start (``worker_init_fn`` raised): raise the error at its
+        first batch, in order, as the stock loader does (:meth:`_defer_lost`); True then, and
+        its exit, which follows, is expected. False: raise it now."""
         held = [i for i, holder in self._tasks.items() if holder == w]
         if not self._in_order or not self._defer_lost(w, held, error):
             return False
@@ -454,8 +449,7 @@ class WorkerIter(StockNames, BaseIter):
 
     # -- trace (NOTE [ Timeline ] in _base/timeline.py) ---------------------------------------
     def _label(self, tl: _timeline.Timeline) -> None:
-        """Name the loader and its worker tracks in ``tl``: "worker 0 (pid 4242)" for process
-        workers, "worker 0 (thread)" for threads."""
+        """Name the loader and its worker tracks: "worker 0 (pid 4242)", "worker 0 (thread)"."""
         kind = "process" if self._shared else "thread"
         pool = self._pool
         procs = getattr(pool, "procs", None) or []
@@ -467,9 +461,8 @@ class WorkerIter(StockNames, BaseIter):
                      f"worker {w}" + (f" (pid {pid})" if pid else f" ({kind})"))
 
     def _sample_counters(self, tl: _timeline.Timeline) -> None:
-        """The counters at a handover, at most every ``SAMPLE_EVERY_S``: ring slots in use,
-        fenced (released, waiting for their copy's event) and free (the ring may still hold),
-        batches in flight (dispatched, not handed out), workers in force."""
+        """Ring slots in use, fenced (released, waiting for their copy's event) and free (the
+        ring may still hold), batches in flight (dispatched, not handed out), workers."""
         ring = self._ring
         in_use, fenced = ring.in_use, ring.fenced
         free = max(ring.capacity_slots - in_use - fenced, 0)
@@ -488,9 +481,9 @@ class WorkerIter(StockNames, BaseIter):
         return self._ring.info()
 
     def close(self, grace_s: float = GRACE_S) -> None:
-        """Stop workers and release memory; idempotent. Also called by a failed ``__init__``,
-        so every attribute past ``_closed`` and ``_pid`` may be missing. ``grace_s``: how long
-        workers get to stop by themselves (NOTE [ Shutdown ])."""
+        """Stop workers and release memory; idempotent. A failed ``__init__`` calls it too, so
+        any attribute but ``_closed`` and ``_pid`` may be missing. ``grace_s``: NOTE
+        [ Shutdown ]."""
         if getattr(self, "_closed", True) or os.getpid() != self._pid:
             return
         self._closed = True

@@ -40,9 +40,8 @@ class SlotWriter:
         self.begin(0, 0)
 
     def begin(self, offset: int, size: int, sid: int = -1) -> None:
-        """Start a batch in slot ``sid`` at ``offset`` (``size`` 0: no slot). The previous
-        batch's spill was taken by ``take_spill``, unless that batch failed: it is dropped
-        here."""
+        """Start a batch in slot ``sid`` at ``offset`` (``size`` 0: no slot), dropping the spill
+        of a previous batch that failed (``take_spill`` took the others')."""
         self.start = self.cur = offset
         self.end = offset + size
         self.sid = sid
@@ -53,9 +52,9 @@ class SlotWriter:
             self.spill = None
 
     def begin_late(self, late: Callable[[], tuple[int, int, int] | None]) -> None:
-        """Start a batch whose slot ``late()`` names, (id, offset, size) or None, waiting for
-        it if need be: called at the first request for slot memory, if any (NOTE [ Slots
-        bound when a task starts ] in ``_host/late_slots.py``); ``waited_s`` says how long."""
+        """Start a batch whose slot ``late()`` names, (id, offset, size) or None, at its first
+        request for slot memory, if any (NOTE [ Slots bound when a task starts ]);
+        ``waited_s`` says how long it waited."""
         self.begin(0, 0)
         self.late = late
 
@@ -127,7 +126,7 @@ class SlotWriter:
         return t
 
     def typed(self, dtype: torch.dtype) -> torch.Tensor:
-        """The whole region as one 1-D tensor of ``dtype`` (made once per dtype; the region's
+        """The whole region as one 1-D tensor of ``dtype``, made once per dtype (the region's
         size is a multiple of every item size)."""
         typed = self._typed.get(dtype)
         if typed is None:
