@@ -16,8 +16,7 @@ from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, Seque
 import gpufeed
 from gpufeed._order import resume as _resume
 from gpufeed._order.delivery import Delivered, DeliveryTracker, ResumePoint, WorkerStates, numbered
-from gpufeed._order.points import prepare_resume
-from gpufeed._order.resume import LoaderPosition, sampler_state_of
+from gpufeed._order.resume import LoaderPosition, prepare_resume, sampler_state_of
 from gpufeed._order.sampler import SeededRandomSampler, ShardedSampler
 from gpufeed._order.state import capture_state, check_state, make_state, unresumable
 from support.resume_checker import Case, RandomTransformDataset, ShardedStream, check_many, leaves

@@ -115,7 +115,7 @@ def test_no_loader_thread_runs_ray_iterates_in_the_loop() -> None:
 
 def test_batches_cut_from_blocks_of_any_size() -> None:
     """Blocks of 1, 7, 0 and 30 rows, cut into batches of 4: Ray's rows, Ray's order."""
-    from gpufeed._sources.ray_batcher import cut_batches
+    from gpufeed._sources.ray import cut_batches
 
     sizes = [1, 7, 0, 30]
     ends = np.cumsum([0, *sizes])
@@ -133,7 +133,7 @@ def test_batches_cut_from_blocks_of_any_size() -> None:
 
 
 def test_a_column_whose_pieces_differ_in_shape_becomes_one_array_per_row() -> None:
-    from gpufeed._sources.ray_batcher import cut_batches
+    from gpufeed._sources.ray import cut_batches
 
     blocks = [{"r": np.zeros((3, 2), np.float32)}, {"r": np.ones((3, 5), np.float32)}]
     (first, second) = cut_batches(iter(blocks), 4, False, None)

@@ -329,7 +329,7 @@ def test_a_dataset_drawing_globally_is_warned_about_once_in_the_tools_words(tmp_
 def test_other_warnings_of_the_trials_pass_as_they_were():
     import warnings
 
-    from gpufeed._tools.caught import TrialWarnings
+    from gpufeed._tools.tuner import TrialWarnings
 
     caught_here = TrialWarnings("gpufeed tune")
     with warnings.catch_warnings(record=True) as seen:

@@ -29,7 +29,7 @@ import torch
 
 from .._sources.decoded import DecodedImages
 from .._sources.encoded import JPEG, KIND, RAW, SKIP, EncodedImages, render_cpu, say_once
-from .held import map_tensors
+from .prefetch import map_tensors
 
 __all__ = ["DecodePlan", "DeviceDecode", "GpuJpegDecoder", "decode_plan", "make_decoder"]
 

@@ -2,6 +2,12 @@
 
 It keeps batches i+1..i+depth in flight while the step works on batch i, through a backend
 (``_device/streams.py``); copies that cannot overlap are detected in ``_device/pageable.py``.
+:class:`Copier` makes the copy of one batch's leaves to the device: rule (1)'s copies, rule
+(9)'s device-resident leaves left in place, and what the stage notes about them (bytes sent,
+host addresses read, the first leaf whose copy is staged through pageable memory: rule (7)).
+What the stage holds until CUDA is done with it are FIFOs of ``(event, ...)`` entries, popped
+once their event has completed (:func:`pop_completed`), and the host batches dropped then
+(:func:`drop_copied`; rules (3) and (10)).
 
 NOTE [ Device stage: streams, events and slots ]
 ------------------------------------------------
@@ -99,14 +105,14 @@ import torch
 from .._base import cuda as _cuda
 from .._base import timeline as _timeline
 from .._base.stats import DeviceStats
+from .._base.tree import tree_leaves, tree_map
 from .._memory import pinning as _pinning
-from .copier import Copier
-from .held import drop_copied, map_tensors, pop_completed, tensor_bytes
-from .pageable import warn_staged
+from .pageable import staged_reason, warn_staged
 from .streams import Event, SyncBackend, backend_for, parse_device
 from .timing import DeviceTrace
 
-__all__ = ["DeviceIterator"]
+__all__ = ["Copier", "DeviceIterator", "drop_copied", "event_of", "map_tensors", "pop_completed",
+           "tensor_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -409,3 +415,62 @@ class DeviceIterator(Iterator[Any]):
             self._warned = True
             # user frame <- __next__ <- _next <- _fill <- _issue <- _on_staged <- warn_staged
             warn_staged(t, reason, self.device, stacklevel=6)
+
+
+class Copier:
+    """``copier(t)``: ``t`` copied by ``backend`` on the current (side) stream, or ``t`` itself
+    when it already lives on the device; made once per batch, before its copies (rule (9))."""
+
+    def __init__(self, backend: Any, side: Any, host: Any) -> None:
+        self.backend = backend
+        self.sent = 0
+        self.addresses: list[int] = []
+        self.staged: tuple[torch.Tensor, str] | None = None
+        self.resident = {id(t): t for t in tree_leaves(host)
+                         if isinstance(t, torch.Tensor) and backend.on_device(t)}
+        if self.resident:  # rule (9)
+            backend.wait_event(side, backend.record_event(backend.current_stream()))
+            for t in self.resident.values():
+                backend.record_stream(t, side)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if id(t) in self.resident:
+            return t  # what .to(device) would return: the tensor itself
+        backend = self.backend
+        self.sent += t.numel() * t.element_size()
+        self.addresses.append(t.data_ptr())
+        if backend.needs_pinned and t.device.type == "cpu" and self.staged is None:
+            reason = staged_reason(t, backend.is_pinned(t))
+            if reason is not None:
+                self.staged = (t, reason)
+        return backend.copy(t)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """``batch`` with ``fn`` applied to each tensor leaf; other leaves pass through."""
+    return tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, batch)
+
+
+def tensor_bytes(batch: Any) -> int:
+    leaves = tree_leaves(batch)
+    return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
+
+
+def pop_completed(fifo: deque[Any]) -> list[Any]:
+    """Pop entries (events, or tuples starting with one) from the left once complete."""
+    done = []
+    while fifo and event_of(fifo[0]).query():
+        done.append(fifo.popleft())
+    return done
+
+
+def drop_copied(entries: list[tuple[Any, Any, tuple[int, ...]]]) -> None:
+    """Drop host batches whose copies have completed (rule 10): their ring slots need no
+    release fence, and only theirs: the addresses of their leaves say which (a collection
+    that runs meanwhile may drop another loader's batch, which must still be fenced)."""
+    with _cuda.copies_complete([p for entry in entries for p in entry[2]]):
+        entries.clear()
+
+
+def event_of(entry: Any) -> Any:
+    return entry[0] if isinstance(entry, tuple) else entry
