@@ -101,7 +101,8 @@ def check_num_workers(value: Any, *, auto: bool = False) -> None:
 
 
 def warn_thread_workers(num_workers: int) -> None:
-    """torch's warning (``check_worker_number_rationality``), for thread workers."""
+    """torch's warning, in its words, for more thread workers than usable CPUs
+    (``DataLoader.check_worker_number_rationality``)."""
     affinity = getattr(os, "sched_getaffinity", None)  # as torch counts them
     cpus = len(affinity(0)) if affinity else os.cpu_count()
     if cpus is not None and num_workers > cpus:

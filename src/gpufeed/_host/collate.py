@@ -53,10 +53,9 @@ def collate_into(batch: list[Any], writer: SlotWriter | None) -> Any:
 
 
 def ringable(t: torch.Tensor) -> bool:
-    """Whether the ring (or a spill file) can hold ``t`` as raw bytes viewed back as a tensor:
-    a plain strided CPU tensor. Nested, sparse and quantized tensors, subclasses (their type
-    and attributes), tensors that require grad (a flag the bytes do not carry) and tensors on
-    other devices go torch's own way."""
+    """Whether the ring (or a spill file) can hold ``t`` as raw bytes: a plain strided CPU
+    tensor. Nested, sparse, quantized, subclassed (type and attributes) and other devices'
+    tensors, and those that require grad (a flag the bytes lack), go torch's own way."""
     # is_cpu, not device.type, which builds a device object: eight times slower.
     return (
         type(t) is torch.Tensor and t.is_cpu and t.layout == torch.strided
