@@ -150,9 +150,9 @@ class WorkerCost:
 
 def pays_off(before: float, after: float, *, tolerance: float,
              before_hi: float | None = None, after_lo: float | None = None) -> bool:
-    """Whether ``after`` beats ``before`` by more than ``tolerance`` (a fraction) and, when the
-    runs' ranges are known, its slowest run beats ``before``'s fastest: a gain inside the noise
-    is no gain (NOTE [ What a worker costs ])."""
+    """Whether ``after`` beats ``before`` by more than ``tolerance`` (a fraction) and, when
+    known, its slowest run (``after_lo``) beats ``before``'s fastest (``before_hi``): a gain
+    inside the noise is no gain (NOTE [ What a worker costs ])."""
     if after < before * (1 + tolerance):
         return False
     return before_hi is None or after_lo is None or after_lo > before_hi
