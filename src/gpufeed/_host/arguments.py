@@ -18,8 +18,6 @@ from .config import WORKER_TYPES
 __all__ = ["check_arguments", "check_num_workers", "warn_thread_workers"]
 
 
-
-
 def _whole_positive(value: Any) -> bool:
     """An int >= 1, or anything torch's ``range(prefetch_factor * num_workers)`` takes."""
     try:
@@ -32,8 +30,7 @@ def check_arguments(
     *, num_workers: Any, worker_type: Any, prefetch_factor: Any, multiprocessing_context: Any,
     ring_bytes: Any, device: Any, device_transform: Any, device_depth: Any, deterministic: Any,
 ) -> None:
-    """Raise for an argument gpufeed cannot take (``num_workers`` is an int here: "auto" was
-    resolved to the count the autotuner starts with)."""
+    """Raise for an argument gpufeed cannot take (``num_workers``: "auto" already resolved)."""
     if not isinstance(worker_type, str):
         raise TypeError(f"worker_type must be 'process' or 'thread', got {worker_type!r}")
     if worker_type not in WORKER_TYPES:
@@ -53,8 +50,7 @@ def check_arguments(
             "worker_type='process'"
         )
     if workers and prefetch_factor is not None and not _whole_positive(prefetch_factor):
-        # stock takes some of these at construction and fails at iter() (a TypeError from
-        # range(), an assert for 0); gpufeed says so at once, with stock's class and words
+        # Stock fails only at iter(): a TypeError from range(), an assert for 0.
         fix = ("prefetch_factor is the whole number of batches each worker loads ahead, an int "
                f">= 1 (None: the default, 2 in torch); got {prefetch_factor!r}")
         try:
@@ -87,10 +83,8 @@ def check_arguments(
 
 
 def check_num_workers(value: Any, *, auto: bool = False) -> None:
-    """torch's errors for a worker count, its class and words, given at once (torch raises a
-    ``TypeError`` for a float or a string only at ``iter()``, from ``range()``, and for a count
-    set on a built loader gives no error before the next ``iter()``); ``auto``: "auto" is
-    taken (the constructor's). A bool is an int, as in torch."""
+    """torch's errors for a worker count, in its class and words, at once (torch raises only at
+    ``iter()``); ``auto``: "auto" is taken (the constructor's). A bool is an int, as in torch."""
     if isinstance(value, str):
         if auto and value == "auto":
             return
@@ -107,8 +101,8 @@ def check_num_workers(value: Any, *, auto: bool = False) -> None:
 
 
 def warn_thread_workers(num_workers: int) -> None:
-    """torch's warning when ``num_workers`` exceeds the CPUs this process may use, in its
-    words, for thread workers (``DataLoader.check_worker_number_rationality``)."""
+    """torch's warning, in its words, for more thread workers than usable CPUs
+    (``DataLoader.check_worker_number_rationality``)."""
     affinity = getattr(os, "sched_getaffinity", None)  # as torch counts them
     cpus = len(affinity(0)) if affinity else os.cpu_count()
     if cpus is not None and num_workers > cpus:

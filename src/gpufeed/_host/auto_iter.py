@@ -1,21 +1,18 @@
 """AutoIter: the worker iterator of ``num_workers="auto"``, measuring windows and resizing.
 
-It is a ``WorkerIter`` (``_host/worker_iter.py``) that, between two batches, closes a
-measuring window, asks the loader's ``AutoTuner`` (``_host/autotune.py``, NOTE [ Autotuning
-decisions ]) for a move and applies it to its elastic pool (``_host/elastic.py``, NOTE
-[ Resizing the pool ]): workers started or retired, the in-flight bound and the ring's default
-size moved with them, the epoch going on. What a window measures:
+A ``WorkerIter`` that, between two batches, closes a measuring window, asks the loader's
+``AutoTuner`` (NOTE [ Autotuning decisions ] in ``_host/autotune.py``) for a move and applies
+it to its elastic pool (NOTE [ Resizing the pool ] in ``_host/elastic.py``), the in-flight
+bound and the ring's default size moving with it, the epoch going on. A window measures:
 
-- per batch handed over: the loop's wait in ``next()``, and of it the time blocked with no
-  batch ready (``_wait``: waiting for workers, what more workers can cut), and the loop's
-  own time since the previous batch (its step);
+- per batch handed over: the loop's wait in ``next()``, of it the time blocked with no batch
+  ready (``_wait``: what more workers can cut), and the loop's step since the previous batch;
 - per batch answered: the workers' fetch and collate seconds;
-- per window: the process tree's CPU seconds (``_base/system.py``), the ring's bytes, and
-  every ``MEMORY_EVERY_S`` the private memory of one process worker in turn (reading it
-  walks its page tables, so the interval stretches to 50 times what a read costs).
+- per window: the process tree's CPU seconds, the ring's bytes, and every ``MEMORY_EVERY_S``
+  one process worker's private memory in turn (a read walks its page tables, so the interval
+  stretches to 50 times what a read costs).
 
-Time spent applying a move (starting a process) counts as the loop's wait in ``stats()``:
-the loop was blocked in ``next()`` meanwhile.
+Applying a move (starting a process) counts as the loop's wait in ``stats()``.
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ MEMORY_EVERY_S = 2.0
 
 
 class _Meter:
-    """One window's sums (see the module docstring)."""
+    """One window's sums."""
 
     def __init__(self, t0: float, cpu0: CpuTimes | None) -> None:
         self.t0, self.cpu0 = t0, cpu0
@@ -199,7 +196,7 @@ class AutoIter(WorkerIter):
         self._dispatch()
 
     def _catch_up(self, w: int) -> None:
-        """Send worker ``w`` the epoch's index plan and per-sample seed it lacks."""
+        """Send worker ``w`` the epoch's plan and per-sample seed it lacks."""
         if self._seeds.get(w) != self._sample_seed:
             self._pool.send(w, Reseed(self._gen, self._sample_seed))
             self._seeds[w] = self._sample_seed
@@ -219,7 +216,7 @@ class AutoIter(WorkerIter):
 def make_tuner(num_workers: Any, *, max_workers: Any, memory_budget: Any, worker_type: str,
                prefetch_factor: int | None, iterable: bool) -> AutoTuner | None:
     """The loader's autotuner for ``num_workers="auto"`` (None for an int), after checking the
-    arguments that go with it; ``ValueError`` naming the value and the fix otherwise."""
+    arguments that go with it."""
     if isinstance(num_workers, str) and num_workers != "auto":
         raise TypeError(f"num_workers={num_workers!r} is not supported; use an int >= 0, or "
                          "'auto' to let gpufeed size the workers while it runs")

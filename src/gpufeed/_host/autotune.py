@@ -2,12 +2,11 @@
 
 NOTE [ Autotuning decisions ]
 -----------------------------
-The loader measures what it already measures, over *windows* of at least ``WINDOW_BATCHES``
-batches and ``WINDOW_S`` seconds (``_host/auto_iter.py``): the share of the loop spent waiting
-for workers (``input_bound``: time blocked with no batch ready, over wait + step), the rate,
-the workers' seconds per batch, the process tree's CPU, the ring's and the workers' memory.
-Between two batches, :meth:`AutoTuner.decide` reads a window and may return a :class:`Move`,
-which the iterator applies without restarting the epoch (NOTE [ Resizing the pool ] in
+The loader measures *windows* of at least ``WINDOW_BATCHES`` batches and ``WINDOW_S`` seconds
+(``_host/auto_iter.py``): ``input_bound`` (time blocked with no batch ready, over wait + step),
+the rate, the workers' seconds per batch, the process tree's CPU, the ring's and the workers'
+memory. Between two batches, :meth:`AutoTuner.decide` reads a window and may return a
+:class:`Move`, applied without restarting the epoch (NOTE [ Resizing the pool ] in
 ``_host/elastic.py``). With the model of NOTE [ What a worker costs ] (``_host/cost.py``):
 
 1. **Settle.** The window after any change (and an iterator's first) is not judged: new
@@ -22,13 +21,12 @@ which the iterator applies without restarting the epoch (NOTE [ Resizing the poo
    the same terms.
 3. **Grow** while the loop waits (``input_bound >= GROW_AT``): to the count the model says
    keeps up with the step with ``HEADROOM``, at most doubling, within ``max_workers``, the
-   CPU budget (the tree's CPU *used*, so workers waiting on I/O may far outnumber cores)
-   and the memory budget, and never while the workers are *crowded* (CPU-bound and waiting
-   for a core: more would only queue); crowded and more than the cores they get can run,
-   they are *trimmed* to that many (kept if the rate holds). When the model says the
-   workers already keep up on average, the waits come from their work-ahead running dry:
-   each gets twice as many batches ahead (up to ``MAX_DEPTH``) instead, or one worker more:
-   both only after two such windows in a row (the waits may be noise).
+   CPU budget (CPU *used*: workers waiting on I/O may far outnumber cores) and the memory
+   budget, and never while the workers are *crowded* (more would only queue for a core);
+   crowded workers beyond what their cores can run are *trimmed* (kept if the rate holds).
+   When the model says the workers keep up on average, the waits come from their work-ahead
+   running dry: each gets twice as many batches ahead (up to ``MAX_DEPTH``), or one worker
+   more, after two such windows in a row (one may be noise).
 4. **Shrink** after ``CALM_WINDOWS`` windows in a row without waiting (``< CALM_AT``): to the
    count the model says delivers the rate the loop takes with ``HEADROOM``, at most halving.
    Over a budget (memory, or CPU by more than ``TOLERANCE``), shrink to fit.
@@ -37,10 +35,9 @@ which the iterator applies without restarting the epoch (NOTE [ Resizing the poo
    unchanged settings and step). The worker type never changes: ``_host/thread_advice.py``.
 
 Every decision, forced ones included (the test seam :attr:`AutoTuner.schedule`), goes through
-:meth:`AutoTuner._record`: one ``TuningDecision`` (``_base/tuning.py``), logged at INFO on the
-``gpufeed`` logger and kept for ``loader.stats().autotune``. ``max_workers`` and the memory
-budget are enforced in :meth:`AutoTuner._move`, the one place a count changes. Inside
-``gpufeed.trace`` each decision is also an instant of the loader's timeline.
+:meth:`AutoTuner._record`: one ``TuningDecision``, logged at INFO, kept for
+``loader.stats().autotune`` and, inside ``gpufeed.trace``, an instant of the timeline.
+``max_workers`` and the memory budget are enforced in :meth:`AutoTuner._move` alone.
 """
 
 from __future__ import annotations
@@ -77,18 +74,9 @@ STEADY = 1.5  # windows whose steps differ less than this judge the noise
 
 
 class AutoTuner:
-    """One loader's autotuner: the count in force, the policy's memory and its decisions.
-
-    It lives on the loader (and pickles with it); each iterator in turn feeds it windows and
-    applies the :class:`Move` it returns. ``workers`` is what ``loader.num_workers`` reads.
-
-    Args:
-        max_workers: the most workers it may run.
-        worker_type: "process" or "thread" (for the record).
-        budgets: the CPU and memory budgets (``_host/cost.py``).
-        depth: batches in flight per worker to start from (the prefetch factor).
-        depth_fixed: the user set ``prefetch_factor``: a strict bound, never moved.
-        initial: the count to start from (default: the usable CPUs, within the bound).
+    """One loader's autotuner (it pickles with the loader): the count in force, which
+    ``loader.num_workers`` reads, the policy's memory and its decisions. ``depth``: batches in
+    flight per worker, a strict bound with ``depth_fixed`` (the user set ``prefetch_factor``).
     """
 
     def __init__(self, *, max_workers: int, worker_type: str, budgets: Budgets, depth: int,
@@ -97,8 +85,7 @@ class AutoTuner:
         self.depth = self.default_depth = depth
         self.depth_fixed = depth_fixed
         self.workers = max(1, min(max_workers, initial or int(budgets.cpu_cores) or 1))
-        #: test seam: called with the batches delivered so far before each batch is handed
-        #: over; a (workers, depth) or workers to move to now, or None. Replaces the policy.
+        #: test seam replacing the policy: batches delivered -> a Move, a count, or None
         self.schedule: Callable[[int], Move | int | None] | None = None
         self.window_batches, self.window_s = WINDOW_BATCHES, WINDOW_S  # a window's least size
         self.delivered = self._owner = 0
@@ -123,15 +110,14 @@ class AutoTuner:
 
     # -- the iterator's side ----------------------------------------------------------------
     def begin(self) -> int:
-        """An iterator starts feeding windows (its first one settles); returns its token:
-        windows of an older iterator are ignored."""
+        """An iterator starts feeding windows; its token makes an older one's ignored."""
         self._owner += 1
         self._phase = "settle"
         self._trial = self._prev = None
         return self._owner
 
     def delivered_one(self) -> None:
-        """Count a batch handed to the loop (decisions are stamped with the count)."""
+        """Count a batch handed to the loop (decisions are stamped with it)."""
         if self._t0 is None:
             self._t0 = time.monotonic()
         self.delivered += 1

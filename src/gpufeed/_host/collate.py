@@ -1,14 +1,9 @@
 """Collating straight into a slot, and the small messages that describe what is there.
 
-``collate_into`` has the semantics of ``torch.utils.data.default_collate`` (it is built on
-torch's own ``collate`` with a tensor rule of ours), except that stacked tensors are written
-into memory handed out by a ``SlotWriter`` (``_host/writer.py``), so the batch exists once, in
-the slot.
-
-``pack`` replaces each tensor or array of a collated batch (from any ``collate_fn``) by a
-:class:`LeafRef` to a :data:`Leaf` naming where its bytes lie in the slot, copying it there
-first if it is not already; ``unpack`` turns those leaves back into tensors or arrays viewing
-the slot.
+``collate_into`` is ``default_collate`` (torch's own ``collate`` with a tensor rule of ours)
+with stacked tensors written into a ``SlotWriter``'s memory (``_host/writer.py``): the batch
+exists once, in the slot. ``pack`` describes each tensor or array of a collated batch by where
+its bytes lie in the slot (copying it there first if needed); ``unpack`` views them back.
 """
 
 from __future__ import annotations
@@ -58,11 +53,11 @@ def collate_into(batch: list[Any], writer: SlotWriter | None) -> Any:
 
 
 def ringable(t: torch.Tensor) -> bool:
-    """Whether the ring (or a spill file) can hold ``t`` as raw bytes viewed back as a tensor:
-    a plain strided CPU tensor. Nested, sparse and quantized tensors, tensor subclasses (their
-    type and attributes), tensors that require grad (a flag the bytes do not carry) and tensors
-    on other devices go torch's own way."""
-    return (  # is_cpu: 0.1 us, where device.type builds a device (0.8 us)
+    """Whether the ring (or a spill file) can hold ``t`` as raw bytes: a plain strided CPU
+    tensor. Nested, sparse, quantized, subclassed (type and attributes) and other devices'
+    tensors, and those that require grad (a flag the bytes lack), go torch's own way."""
+    # is_cpu, not device.type, which builds a device object: eight times slower.
+    return (
         type(t) is torch.Tensor and t.is_cpu and t.layout == torch.strided
         and not t.is_nested and not t.is_quantized and not t.requires_grad
     )
@@ -71,9 +66,9 @@ def ringable(t: torch.Tensor) -> bool:
 class LeafRef:
     """Where leaf ``index`` of a packed batch stood in its tree (see :func:`pack`).
 
-    One instance per index and process, pickled by name (``LEAF_<index>``, resolved by this
-    module's ``__getattr__``): a message of many batches pickles each once, and the main
-    process places leaves by index, whatever order a container iterates in there.
+    One instance per index and process, pickled by name (``LEAF_<index>``, this module's
+    ``__getattr__``): a message of many batches pickles each once, and the main process places
+    leaves by index, whatever order a container iterates in there.
     """
 
     __slots__ = ("index",)
@@ -113,12 +108,11 @@ _dtypes: dict[str, torch.dtype] = {}
 
 
 def _dtype(name: str) -> torch.dtype:
-    dtype = _dtypes.get(name)
-    if dtype is None:
-        dtype = getattr(torch, name)
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"gpufeed internal error: {name!r} names no torch dtype")
-        _dtypes[name] = dtype
+    """A miss of ``unpack``'s lookup in ``_dtypes``: find the dtype and keep it."""
+    dtype = getattr(torch, name)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"gpufeed internal error: {name!r} names no torch dtype")
+    _dtypes[name] = dtype
     return dtype
 
 
@@ -135,11 +129,10 @@ class Packed(NamedTuple):
 def pack(batch: Any, writer: SlotWriter | None) -> Packed:
     """Describe ``batch`` by offsets in its slot and, for process workers, its spill file.
 
-    Leaves that do not fit the slot are copied into the spill file (process workers) or stay
-    ordinary tensors (threads); never truncated. Leaves that are not ``ringable`` stay as they
-    are (torch's pickling carries them, as the stock loader's). The others are replaced in the
-    tree by a :class:`LeafRef` to a plain :data:`Leaf` tuple: both cost the pickler no Python
-    call (a ``Leaf`` object per leaf cost two, one on each side of the pipe).
+    Leaves that do not fit the slot go to the spill file (process workers) or stay ordinary
+    tensors (threads); never truncated. Leaves that are not ``ringable`` stay as they are
+    (torch's pickling carries them, as the stock loader's). The others become a
+    :class:`LeafRef` to a plain :data:`Leaf` tuple: neither costs the pickler a Python call.
     """
     used = 0
     need = 0
@@ -236,8 +229,7 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
 
 
 def _stale_leaf() -> ValueError:
-    """A leaf in the ring outside its batch's slot (NOTE [ Batches built in the slot ] in
-    ``_host/output.py``)."""
+    """A leaf in the ring outside its slot (NOTE [ Batches built in the slot ], output.py)."""
     return ValueError(
         "a tensor of this batch lies in the loader's ring but outside the batch's own slot: "
         "memory from gpufeed.sources.batch_empty() kept past the batch it was made for (a buffer "
@@ -251,9 +243,8 @@ _PLAIN = {torch.Tensor}  # leaves tree_map hands to its function as they are
 
 def unpack(packed: tuple[Any, list[Leaf]], base: np.ndarray | None,
            spill: torch.Tensor | None = None) -> Any:
-    """Rebuild a packed batch, ``(tree, leaves)`` of :func:`pack`, as views of ``base`` (the
-    slot's bytes; None: no leaf lies there but empty ones) and ``spill`` (its spill file's
-    bytes, if any)."""
+    """Rebuild ``(tree, leaves)`` of :func:`pack` as views of ``base`` (the slot's bytes; None:
+    only empty leaves) and ``spill`` (its spill file's bytes, if any)."""
     tree, leaves = packed
     if not leaves:
         return tree
@@ -266,13 +257,12 @@ def unpack(packed: tuple[Any, list[Leaf]], base: np.ndarray | None,
             t = torch.empty(shape, dtype=dtype)
         else:
             # A storage of its own bytes only, as a collated tensor has: a label kept from a
-            # batch is not saved (torch.save) or shared with the whole slot. (A frombuffer per
-            # leaf costs what a view of one per dtype did, measured.)
+            # batch is not saved (torch.save) or shared with the whole slot.
             buf = spilled if in_spill else base
             if stride is None:
                 t = frombuffer(buf, dtype=dtype, count=prod(shape),
                                offset=offset * dtype.itemsize)
-                if len(shape) != 1:  # (as_strided: 1.3 us, view: 1.8, measured)
+                if len(shape) != 1:  # as_strided: quicker than view
                     t = t.as_strided(shape, contiguous_strides(shape))
             else:
                 t = frombuffer(buf, dtype=dtype, offset=offset * dtype.itemsize,
@@ -289,9 +279,8 @@ def unpack(packed: tuple[Any, list[Leaf]], base: np.ndarray | None,
 
 
 def _flat_refs(n: int) -> tuple[LeafRef, ...]:
-    refs = _flat.get(n)
-    if refs is None:
-        refs = _flat[n] = tuple(leaf_ref(i) for i in range(n))
+    """A miss of ``unpack``'s lookup in ``_flat``: make and keep the ``n`` refs."""
+    refs = _flat[n] = tuple(leaf_ref(i) for i in range(n))
     return refs
 
 

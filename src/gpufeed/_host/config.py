@@ -1,18 +1,11 @@
 """IterConfig: all a host iterator knows of its loader.
 
 ``DataLoader._iter_config()`` builds one when an iterator starts (and, for a persistent
-iterator, at each epoch: torch restarts it with the loader, ``BaseIter._reset``). The iterators
-read this and never the loader: they import nothing from ``_loader.py``, and the config holds
-no reference to the loader (NOTE [ Shutdown ] in ``_host/pool.py``).
-
-Values are read from the loader when the config is built, as the iterators read them before;
-the live objects the loader and its iterators share are held by reference: ``generator`` (each
-iterator draws its base seed from it), ``position`` (which batches reached the user),
-``recorder`` (the stats), ``keeper`` (a pinned ring kept between epochs), ``late_verdict``
-(whether its loop was slower than its workers: ``_host/late_slots.py``) and ``autotune`` (the
-worker count in force and the autotuner's memory, with ``num_workers="auto"``). A persistent
-iterator takes from each epoch's config only what may change between epochs: ``sample_seed``
-(``load_state_dict`` may bring another seed).
+iterator, at each epoch: ``BaseIter._reset``). The iterators read this and never the loader:
+they import nothing from ``_loader.py``, and the config holds no reference to the loader (NOTE
+[ Shutdown ] in ``_host/pool.py``). Values are copied when it is built; the fields marked
+"live" are objects the loader and its iterators share. A persistent iterator takes from each
+epoch's config only ``sample_seed`` (``load_state_dict`` may bring another).
 """
 
 from __future__ import annotations
@@ -30,9 +23,8 @@ from .autotune import AutoTuner
 from .late_slots import LateVerdict
 from .random_watch import GlobalDrawWatch
 
-#: the kinds of workers: ``"process"`` (like torch's) or ``"thread"`` (the type of
-#: ``DataLoader``'s ``worker_type``: a type checker catches a typo; the loader raises
-#: ``ValueError`` at run time)
+#: the type of ``DataLoader``'s ``worker_type``: a type checker catches a typo; the loader
+#: raises ``ValueError`` at run time
 WorkerType = Literal["process", "thread"]
 WORKER_TYPES: tuple[WorkerType, ...] = get_args(WorkerType)
 
@@ -87,7 +79,6 @@ class IterConfig:
 
 
 class ConfigSource(Protocol):
-    """What torch's persistent-worker hook hands an iterator: something that builds its config
-    (the loader; ``BaseIter._reset``)."""
+    """What torch's persistent-worker hook hands an iterator (``BaseIter._reset``)."""
 
     def _iter_config(self) -> IterConfig: ...

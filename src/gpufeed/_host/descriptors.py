@@ -1,18 +1,13 @@
 """Running out of file descriptors, on either side of a process worker's pipe.
 
-Process workers pass descriptors to the main process: each batch the slot ring does not hold
-travels as a memory file (NOTE [ Spill ] in ``_memory/spill.py``), handed over by a
-descriptor-passing thread in the worker (``multiprocessing``'s resource sharer) that the main
-process connects to while unpickling the result; tensors the ring cannot hold go as torch shares
-them. When a process runs out of descriptors the user gets torch's own words (``TOO_MANY_FILES``
-in ``_base/errors.py``: raise ``ulimit -n``, or ``set_sharing_strategy``), which programs match
-on, then where it happened and why gpufeed needs descriptors, wherever it ran out:
+Batches the ring does not hold travel as memory files (NOTE [ Spill ] in ``_memory/spill.py``)
+whose descriptors a thread in the worker passes to the main process. Out of descriptors, the
+user gets torch's words (``TOO_MANY_FILES``), which programs match on, then where and why:
 
-- a worker, fetching (a spill's memory file, the user's ``open``) or sending (duplicating a
-  descriptor): the batch's result is that error (:func:`worker_out_of_descriptors`);
-- the worker's descriptor-passing thread: it hangs up without passing the descriptor (and
-  prints why); the main process sees EOF while unpickling a message from a worker that is
-  still alive half a second later (a worker that exits hangs up too: :func:`receive`);
+- a worker, fetching or sending: the batch's result is that error
+  (:func:`worker_out_of_descriptors`);
+- the worker's descriptor-passing thread: it hangs up (and prints why); the main process sees
+  EOF while unpickling a message from a worker still alive half a second later (:func:`receive`);
 - the main process, receiving: tested as torch tests it (:func:`out_of_fds`).
 """
 
@@ -42,8 +37,7 @@ def too_many_files(where: str) -> str:
 
 
 def out_of_fds(margin: int = 10) -> bool:
-    """Whether this process is (nearly) out of file descriptors, tested as torch tests it:
-    by opening ``margin`` of them."""
+    """Whether this process is (nearly) out of descriptors: opening ``margin`` of them fails."""
     fds: list[int] = []
     try:
         for _ in range(margin):
@@ -57,8 +51,7 @@ def out_of_fds(margin: int = 10) -> bool:
 
 
 def worker_out_of_descriptors(worker_id: int, doing: str) -> RemoteError:
-    """In a worker, for the exception being handled, which says it ran out of descriptors:
-    torch's words first, the worker's traceback last."""
+    """In a worker, for the out-of-descriptors exception being handled."""
     text = traceback.format_exc()
     return RemoteError.plain(WorkerError, too_many_files(
         f"worker {worker_id} (pid {os.getpid()}) ran out of file descriptors {doing}"
@@ -66,16 +59,15 @@ def worker_out_of_descriptors(worker_id: int, doing: str) -> RemoteError:
 
 
 def _lives_on(proc: Any, wait_s: float = 0.5) -> bool:
-    """Whether ``proc`` is still running ``wait_s`` later: a worker that exits (its thread
-    dies with it) also hangs up on a descriptor it had offered, and it is reported as dead."""
+    """Whether ``proc`` still runs ``wait_s`` later: a worker that exits also hangs up, and it
+    is reported as dead."""
     proc.join(wait_s)
     return bool(proc.is_alive())
 
 
 def receive(conn: Any, proc: Any, w: int) -> ToMain:
-    """The next message from process worker ``w`` (``conn``, ``proc``). The pipe's own errors
-    propagate (EOF: the worker is gone); running out of descriptors, on either side, raises
-    torch's "Too many open files"."""
+    """The next message from process worker ``w``. The pipe's own errors propagate (EOF: the
+    worker is gone); out of descriptors, on either side: torch's "Too many open files"."""
     try:
         buf = conn.recv_bytes()
     except Exception as e:

@@ -6,23 +6,22 @@ Worker ids stay ``0 .. n-1`` for the ``n`` workers in force: growth starts the l
 a shrink retires the highest. ``AutoIter`` (``_host/auto_iter.py``) keeps the bookkeeping:
 
 - **Retire.** A retiring worker gets no new task (the dispatch turn covers ids below ``n``) and
-  finishes those it holds, whose answers are delivered in order as any other: nothing is lost,
-  repeated or reordered. Only once the pool counts nothing outstanding for it (tasks sent less
-  answers received, of any epoch, and no large message still being written) does ``retire``
-  stop watching its descriptors and hang up its pipe (NOTE [ Shutdown ] in ``_host/pool.py``):
-  its exit is then no error. A thread worker gets its stop message. Growing again before a
-  retiring worker was retired takes it back at no cost.
+  finishes those it holds, delivered in order as any other: nothing is lost, repeated or
+  reordered. Only once nothing is outstanding for it (tasks sent less answers received, of any
+  epoch, and no large message still being written) does ``retire`` stop watching its
+  descriptors and hang up its pipe (NOTE [ Shutdown ] in ``_host/pool.py``): its exit is then
+  no error. A thread worker gets its stop message. Growing again before a retiring worker was
+  retired takes it back at no cost.
 - **Add.** A new worker starts from the pool's ``WorkerSpec`` with the count in force as its
-  ``num_workers`` (``get_worker_info()``: ids stay below it) and a seed of its own: the
-  ``k``-th worker started has ``base_seed + k`` (the first ``n`` are torch's), so a worker
-  started again at a retired id never replays a random stream. It is sent the epoch's index
-  plan and the per-sample seed when the pool's differ. A retired process at that id is
-  joined first (it read EOF long ago; one stuck is killed after ``GRACE_S``).
+  ``num_workers`` and a seed of its own: the ``k``-th worker started has ``base_seed + k``
+  (the first ``n`` are torch's), so a worker started again at a retired id never replays a
+  random stream. It is sent the epoch's plan and per-sample seed when the pool's differ. A
+  retired process at that id is joined first (killed if stuck after ``GRACE_S``).
 - **Failures.** A new worker that fails to start or dies is reported like any other
   (``StartFailed``, its sentinel); ``close()`` stops every worker ever started, retired ones
-  included, and the started process is in ``procs`` before anything else can be interrupted.
-  A process worker started with ``spawn`` or ``forkserver`` needs the ring's descriptor, so
-  an elastic process pool keeps it open until the ring closes.
+  included; the started process is in ``procs`` before anything else can be interrupted. A
+  process worker started with ``spawn`` or ``forkserver`` needs the ring's descriptor, so an
+  elastic process pool keeps it open until the ring closes.
 """
 
 from __future__ import annotations
@@ -73,8 +72,7 @@ class _Outstanding:
 
 
 class _Counting:
-    """What both elastic pools add to their pool's ``send`` and ``poll``: the count of tasks
-    outstanding per worker."""
+    """Both elastic pools' ``send`` and ``poll``, counting tasks outstanding per worker."""
 
     out: _Outstanding
 
@@ -89,8 +87,7 @@ class _Counting:
 
 
 class ElasticProcessPool(_Counting, ProcessPool):
-    """A ProcessPool that can :meth:`add` and :meth:`retire` workers (NOTE [ Resizing the
-    pool ])."""
+    """A ProcessPool with :meth:`add` and :meth:`retire` (NOTE [ Resizing the pool ])."""
 
     def __init__(self, spec: WorkerSpec, ctx: Any) -> None:
         super().__init__(spec, ctx)
@@ -107,12 +104,11 @@ class ElasticProcessPool(_Counting, ProcessPool):
         return self.out.count[w] <= 0 and not (self._sender is not None and self._sender.busy(w))
 
     def processes(self) -> list[Any]:
-        """The process objects of the workers in force (retiring ones included, retired
-        ones not)."""
+        """The process objects of the workers in force (retiring ones included)."""
         return [p for w, p in enumerate(self.procs) if w not in self.out.retired]
 
     def pids(self) -> list[int]:
-        """The pids of the workers in force (retiring ones included, retired ones not)."""
+        """The pids of the workers in force (retiring ones included)."""
         return [p.pid for w, p in enumerate(self.procs) if w not in self.out.retired and p.pid]
 
     def tids(self) -> list[int]:
@@ -174,8 +170,7 @@ class ElasticProcessPool(_Counting, ProcessPool):
 
 
 class ElasticThreadPool(_Counting, ThreadPool):
-    """A ThreadPool that can :meth:`add` and :meth:`retire` workers (NOTE [ Resizing the
-    pool ])."""
+    """A ThreadPool with :meth:`add` and :meth:`retire` (NOTE [ Resizing the pool ])."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec)

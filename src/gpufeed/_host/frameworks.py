@@ -1,13 +1,11 @@
 """What the frameworks that rebuild a loader read of it, and what they get back.
 
-Lightning rebuilds a loader from its attributes to inject a ``DistributedSampler``, passing back
-every value that differs from the signature's default; Accelerate's ``prepare`` rebuilds every
-loader as a stock one. ``gpufeed.DataLoader`` answers both through this module: a
-``prefetch_factor`` left unset reads torch's 2 and stays unset when passed back
-(:class:`DefaultPrefetch`), and ``prepare`` is refused or warned of (:func:`before_prepare`), as
-is ``skip_first_batches``, which rebuilds a stock loader too (:class:`AccelerateHooks`), unless
-``gpufeed.hf`` is the one rebuilding (:func:`adopting`): it puts a gpufeed loader back under
-Accelerate's wrapper. Tested in ``tests/integration/test_frameworks.py`` and ``tests/test_hf.py``.
+Lightning rebuilds a loader from its attributes (to inject a ``DistributedSampler``), passing
+back every value that differs from the signature's default: an unset ``prefetch_factor`` reads
+torch's 2 and stays unset when passed back (:class:`DefaultPrefetch`). Accelerate's ``prepare``
+and ``skip_first_batches`` rebuild every loader as a stock one: refused or warned of
+(:class:`AccelerateHooks`), unless ``gpufeed.hf`` is rebuilding (:func:`adopting`). Tested in
+``tests/integration/test_frameworks.py`` and ``tests/test_hf.py``.
 """
 
 from __future__ import annotations
@@ -29,12 +27,10 @@ __all__ = [
 
 
 class DefaultPrefetch(int):
-    """torch's default ``prefetch_factor`` (2 with workers), the value ``loader.prefetch_factor``
-    reads when it was left unset, marked as not chosen. It is an ``int`` equal to stock's; a
-    framework that rebuilds a loader from its attributes (Lightning's sampler injection,
-    ``copy`` of the arguments) passes it back, and the new loader takes it as unset: gpufeed
-    keeps sizing its work-ahead itself instead of holding to a bound nobody chose (NOTE
-    [ Messages ] in ``_host/messages.py``)."""
+    """torch's default ``prefetch_factor`` (2 with workers), read from a loader that left it
+    unset, marked as not chosen: passed back by a framework that rebuilds the loader, it is
+    taken as unset, so gpufeed keeps sizing its work-ahead instead of holding to a bound nobody
+    chose (NOTE [ Messages ] in ``_host/messages.py``)."""
 
     __slots__ = ()
 
@@ -44,9 +40,8 @@ _adopting = threading.local()
 
 @contextmanager
 def adopting() -> Iterator[None]:
-    """While ``gpufeed.hf`` lets Accelerate rebuild a loader (``prepare``, ``skip_first_batches``)
-    and then puts a gpufeed loader back in place of the stock one it built: the warnings that
-    gpufeed's loader is dropped do not apply then, so they are not given."""
+    """While ``gpufeed.hf`` lets Accelerate rebuild a loader and puts a gpufeed loader back in
+    place of the stock one: no warning that gpufeed's loader is dropped."""
     depth = getattr(_adopting, "depth", 0)
     _adopting.depth = depth + 1
     try:
@@ -60,12 +55,8 @@ def _is_adopting() -> bool:
 
 
 def refuse_double_shard(rank: int, world_size: int, iterable: bool) -> None:
-    """Raise when Accelerate would split again a loader that already reads one rank's share.
-
-    A loader that shards by rank itself (``world_size`` > 1, map-style: NOTE [ Sharding by
-    rank ] in ``_order/shards.py``) would be sharded a second time by ``prepare``, so most
-    samples would never be seen, whether Accelerate or ``gpufeed.hf`` builds what it iterates.
-    """
+    """Raise when ``prepare`` would shard again a loader that already reads one rank's share
+    (map-style, ``world_size`` > 1: NOTE [ Sharding by rank ] in ``_order/shards.py``)."""
     if world_size > 1 and not iterable:
         raise ValueError(
             f"accelerator.prepare(loader) would shard this gpufeed.DataLoader a second time: it "
@@ -79,16 +70,9 @@ def refuse_double_shard(rank: int, world_size: int, iterable: bool) -> None:
 
 
 def before_prepare(rank: int, world_size: int, iterable: bool) -> None:
-    """Called when ``accelerate.Accelerator.prepare_data_loader`` first reads a loader's
-    ``_is_accelerate_prepared``, before it rebuilds the loader.
-
-    Accelerate (1.x) rebuilds every ``torch.utils.data.DataLoader`` it prepares as a stock one,
-    from the batch sampler and the stock arguments, and offers no hook to build another class.
-    A loader that shards by rank itself is refused (:func:`refuse_double_shard`). Otherwise
-    gpufeed's ring, thread workers, device stage, seed, stats and state would be gone silently:
-    a warning names ``gpufeed.hf.Accelerator``, whose ``prepare`` keeps them. Under
-    ``gpufeed.hf`` (:func:`adopting`) only the refusal applies.
-    """
+    """Before Accelerate (1.x) rebuilds a loader as a stock one (it offers no hook to build
+    another class): refuse a loader sharded by rank, else warn that gpufeed's features would be
+    gone, naming ``gpufeed.hf.Accelerator`` (not under :func:`adopting`)."""
     refuse_double_shard(rank, world_size, iterable)
     if _is_adopting():
         return
@@ -103,8 +87,7 @@ def before_prepare(rank: int, world_size: int, iterable: bool) -> None:
 
 
 def _user_level() -> int:
-    """``stacklevel`` of the first frame above the caller outside gpufeed and Accelerate: the
-    user's ``prepare`` call, however many of Accelerate's own calls lead to the loader."""
+    """``stacklevel`` of the first frame outside gpufeed and Accelerate: the user's call."""
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in (
             "gpufeed", "accelerate"):
@@ -123,8 +106,8 @@ _SKIP_WARNING = (
 
 
 def _in_skip_first_batches() -> bool:
-    """Whether an attribute read comes from ``accelerate.data_loader.skip_first_batches``
-    (directly, or from a comprehension in it): the frames above the property's."""
+    """Whether the property's caller is ``accelerate.data_loader.skip_first_batches`` (or a
+    comprehension in it)."""
     frame: FrameType | None = sys._getframe(2)
     for _ in range(2):
         if frame is None:
@@ -138,11 +121,8 @@ def _in_skip_first_batches() -> bool:
 
 class AccelerateHooks:
     """The attribute reads by which ``gpufeed.DataLoader`` learns that Accelerate is about to
-    rebuild it as a stock loader, which Accelerate offers no hook to avoid.
-
-    ``prepare`` reads ``_is_accelerate_prepared`` first (:func:`before_prepare`);
-    ``skip_first_batches`` reads every stock argument back, ``multiprocessing_context`` among
-    them, and is warned of once per loader.
+    rebuild it: ``prepare`` reads ``_is_accelerate_prepared`` first (:func:`before_prepare`);
+    ``skip_first_batches`` reads ``multiprocessing_context`` back, warned of once per loader.
     """
 
     _rank: int
@@ -153,8 +133,7 @@ class AccelerateHooks:
 
     @property
     def _is_accelerate_prepared(self) -> bool:
-        """Read by ``accelerate.Accelerator.prepare_data_loader`` before it rebuilds a loader:
-        refused for a loader sharded by rank, else warned of."""
+        """Read by ``prepare_data_loader`` first: :func:`before_prepare`."""
         if not self._prepared:
             before_prepare(self._rank, self._world_size, isinstance(self.dataset, IterableDataset))
         return self._prepared

@@ -3,29 +3,22 @@
 NOTE [ Gather lane ]
 --------------------
 A batch that is nothing but a gather (``MapFetcher.gathers``: an ``ArrayDataset`` or a
-``TensorDataset`` with the default collate: no user code, nothing random) went the general
-way: the plan's slice, ``fetch``, ``gather``, a view of the slot per leaf from the writer,
-then ``pack`` describing each leaf. On tabular batches (256 rows of 64 float32 and an int64
-label) that general way cost 9.3 us of Python per batch beside 21.0 us of bare gather, in one
-thread, best of 7; the lane costs 2.1 (``python -m bench.lane``;
-``bench/results/main-process.md``, round 15). The lane does the same work in one
-function: ``index_select(out=)`` of each array straight from the plan's slice (int32 or int64:
-both are valid indices) into views of the slot, whose views and leaf descriptions are made
-once per slot and kept.
+``TensorDataset`` with the default collate) would go the general way (the plan's slice,
+``fetch``, ``gather``, a slot view per leaf, ``pack``), Python that costs a tabular batch about
+half its bare gather. The lane does it in one function: ``index_select(out=)`` of each array
+straight from the plan's slice (int32 or int64) into views of the slot, made once per slot.
+Measurements: docs/how-it-works/measurements/host.md#gather-lane.
 
-What it gives is what the general way gives: the same bytes in the same dtypes and shapes,
-described by the same kind of leaves (the offsets its own, as every batch's are). It takes
-only what it can give so; for anything else :meth:`GatherLane.run` returns None and the task
-goes the general way, which then raises the error or does the rest:
+It gives what the general way gives (the same bytes, dtypes, shapes and kind of leaves) and
+takes nothing else: :meth:`GatherLane.run` returns None and the general way, which raises the
+error or does the rest, takes:
 
-- a batch shorter than the plan's batch size (an epoch's last), or one that does not fit the
-  slot (the general way spills what does not fit);
+- a batch shorter than the plan's batch size, or one that does not fit the slot (spilled);
 - an ``IndexError`` (a negative index, which the general way counts from the end, or one out
-  of range, whose error the general way raises): the slot's partial bytes are written again;
-- arrays it cannot index as they are (numpy arrays not C-contiguous or not in native byte
-  order, tensors that require grad, dtypes ``index_select`` lacks, empty arrays:
-  ``GatherLane.make`` returns None), and any other error, after which the lane is off for
-  the worker's life.
+  of range): the slot's partial bytes are written again;
+- arrays it cannot index as they are (not C-contiguous or not native byte order, requiring
+  grad, dtypes ``index_select`` lacks, empty: ``GatherLane.make`` returns None), and any other
+  error, after which the lane is off for the worker's life.
 """
 
 from __future__ import annotations
@@ -68,8 +61,7 @@ class GatherLane:
 
     @staticmethod
     def make(arrays: Sequence[Any] | None) -> GatherLane | None:
-        """A lane over ``arrays`` (``MapFetcher.arrays`` of a fetcher that ``gathers``), or None
-        where one of them cannot be indexed as it is."""
+        """A lane over ``MapFetcher.arrays``, or None where one cannot be indexed as it is."""
         if not arrays:
             return None
         sources = []
@@ -107,8 +99,7 @@ class GatherLane:
 
     def take(self, fetcher: Any, task: Task, writer: SlotWriter, heap: HeapFollower | None
              ) -> Fetched | None:
-        """``task`` by the lane, or None: a task that is not planned, has no slot bound at
-        dispatch, or that :meth:`run` leaves to the general way."""
+        """``task`` by the lane, or None: not planned, no slot bound, or left by :meth:`run`."""
         slot = task.slot
         if not task.planned or slot is None or slot.id < 0:
             return None
@@ -118,8 +109,7 @@ class GatherLane:
         return result
 
     def run(self, fetcher: Any, k: int, slot: Slot, writer: SlotWriter) -> Fetched | None:
-        """Batch ``k`` of ``fetcher``'s plan gathered into ``slot``, or None: the general way
-        takes it (NOTE [ Gather lane ])."""
+        """Batch ``k`` of the plan gathered into ``slot``, or None (NOTE [ Gather lane ])."""
         plan = fetcher.plan
         bs = plan.batch_size
         lo = k * bs

@@ -3,24 +3,19 @@
 NOTE [ Plans without a sharing thread ]
 ---------------------------------------
 A shuffled epoch's order (``IndexPlan.perm``, ``_order/plan.py``) is drawn into shared memory
-and sent to every process worker in ``UsePlan``. Pickled the way torch pickles a shared tensor
-(``torch.multiprocessing``'s ``file_descriptor`` strategy), its descriptor would go through
-``multiprocessing.resource_sharer``: a thread in the main process that serves descriptors on a
-socket and, once started, runs until the program exits. From then on every fork of the program
-(the next loader's workers, stock ones included, or the program's own) forks a multi-threaded
-process, which Python 3.12 and later warn of ("This process ... is multi-threaded, use of
-fork() may lead to deadlocks in the child", a ``DeprecationWarning``: an error in test suites
-that turn warnings into errors); the stock loader leaves no such thread behind. (Python counts
-the kernel's threads, so torch's own intra-op threads, once a parallel op has run, bring the
-same warning to stock and gpufeed workers alike; this thread was gpufeed's own.)
+and sent to every process worker in ``UsePlan``. Pickled as torch pickles a shared tensor (the
+``file_descriptor`` strategy), its descriptor would go through
+``multiprocessing.resource_sharer``, a main-process thread that, once started, runs until the
+program exits: every later fork would then fork a multi-threaded process, which Python 3.12+
+warns of (a ``DeprecationWarning``: an error in suites that turn warnings into errors). The
+stock loader leaves no such thread (torch's intra-op threads, once started, warn in both).
 
 So the pool sends the plan's storage descriptor itself, right after the message, over the
-worker's own connection (a Unix socket pair: ``SCM_RIGHTS``), and the message carries a
-``SharedPerm`` (``messages.py``) in place of the tensor; the worker's ``ProcessChannel`` takes
-the descriptor before it reads anything else and rebuilds the tensor, with its offset and
-stride, on the same shared memory. Only with the ``file_descriptor`` sharing strategy (torch's
-default on Linux) and a plan already in shared memory; otherwise the plan pickles as before
-(``file_system`` shares by name, with no thread). Tested in ``tests/host/test_plan_fd.py``.
+worker's own Unix socket pair (``SCM_RIGHTS``); the message carries a ``SharedPerm``
+(``messages.py``) instead of the tensor, and the worker's ``ProcessChannel`` takes the
+descriptor first and rebuilds the tensor on the same shared memory. Only with the
+``file_descriptor`` strategy (torch's default on Linux) and a plan already in shared memory;
+otherwise the plan pickles as torch pickles it. Tested in ``tests/host/test_plan_fd.py``.
 """
 
 from __future__ import annotations
@@ -38,8 +33,8 @@ __all__ = ["detach", "send_descriptor"]
 
 
 def detach(msg: ToWorker) -> tuple[ToWorker, int]:
-    """``msg`` as it is pickled, and the descriptor to send right after it (-1: none). The
-    descriptor belongs to the plan's storage: the caller neither closes nor keeps it."""
+    """``msg`` as pickled, and the descriptor to send right after it (-1: none), which the
+    plan's storage owns: the caller neither closes nor keeps it."""
     if type(msg) is not UsePlan or msg.plan.perm is None:
         return msg, -1
     perm = msg.plan.perm
@@ -58,6 +53,6 @@ def detach(msg: ToWorker) -> tuple[ToWorker, int]:
 
 
 def send_descriptor(conn: Any, fd: int) -> None:
-    """Pass ``fd`` over ``conn`` (a Unix socket pair's end), after the message it belongs to."""
+    """Pass ``fd`` over ``conn``, a Unix socket pair's end, after its message."""
     with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sendfds(sock, [fd])

@@ -2,43 +2,34 @@
 
 NOTE [ Worker priority ]
 ------------------------
-When the workers and the main process together want more cores than the process may use
-(``num_workers + 1`` above ``usable_cpus()``, which divides the cores among torchrun's local
-ranks), the kernel shares a core between the main thread and a worker: at equal priority
-each gets half of it. On cheap batches the main thread is then the bottleneck, and its half
-core sets the rate, while the workers, which have the rest, run ahead, hit the in-flight bound
-and sleep, leaving their core idle: on the CPU benchmark's tabular workload (two process
-workers on two cores, 23 us of main-thread CPU per 256-row batch against 35-45 us of a
-worker's) the machine was 20-25% idle while the loop waited for the main thread.
+When the workers and the main thread want more cores than the process may use (``num_workers
++ 1`` above ``usable_cpus()``, this rank's share), the kernel gives a shared core half to each.
+On cheap batches the main thread is then the bottleneck, its half core setting the rate, while
+the workers run ahead, hit the in-flight bound and sleep, leaving their core idle.
 
-So gpufeed lowers its process workers' priority (``nice`` +``NICE_STEP``, the kernel weight
-of one falls to a third of the main thread's) when the loop is *main-bound*: the main thread's
-CPU per batch handed out, everything the loop does between batches included, is above a
-worker's time per batch over ``num_workers + 1``, the point past which, sharing the cores
-evenly, the workers would produce batches faster than the main thread takes them. The main
-thread then runs whenever it can, and the workers take what it leaves; with that rule the
-workers lose nothing they needed. Measured on two cores (``bench/results/main-process.md``,
-round 16): a fixed ``nice`` +5 gave tabular +14% and +24% samples/s, and cost jpeg, where the
-workers are the bottleneck, 10%, which is why it is decided from the costs and not always
-applied; the rule against ``worker_nice=0`` gave tabular 7.04M against 5.49M samples/s (6
-alternating rounds), the machine 15% idle against 22%.
+So gpufeed lowers its process workers' priority (``nice`` +``NICE_STEP``: a worker's kernel
+weight falls to a third of the main thread's) when the loop is *main-bound*: the main thread's
+CPU per batch handed out (everything the loop does between batches included) is above a
+worker's time per batch over ``num_workers + 1``, past which the workers, sharing the cores
+evenly, would produce batches faster than the main thread takes them. The workers then lose
+nothing they needed. Decided from the costs, not always applied: a fixed ``nice`` cost the
+workers 10% where they are the bottleneck.
+Measurements: docs/how-it-works/measurements/host.md#worker-priority.
 
-The rule is checked over windows of the loop (at least ``WINDOW_BATCHES`` batches and
-``WINDOW_S`` seconds) and applied after ``WINDOWS`` main-bound windows in a row (the first
-batches of a loop, a CUDA initialisation, would otherwise count). It is one way: an
-unprivileged process cannot raise its priority back (``RLIMIT_NICE``), so a worker keeps it
-until it exits; a non-persistent loader's next epoch starts new workers at the main process's
-priority and decides again. Thread workers are never changed (a thread's nice would be the
-thread's own, and the GIL, not the cores, is what they share with the loop).
+The rule is checked over windows (at least ``WINDOW_BATCHES`` batches and ``WINDOW_S``
+seconds) and applied after ``WINDOWS`` main-bound windows in a row (a loop's first batches,
+a CUDA initialisation, would otherwise count). It is one way: an unprivileged process cannot
+raise its priority back (``RLIMIT_NICE``); a non-persistent loader's next epoch starts new
+workers and decides again. Thread workers are never changed (the GIL, not the cores, is what
+they share with the loop).
 
-``worker_nice=`` on the loader: None (default) decides as above; 0 never changes it (the
-stock loader's workers); an int 1-19 lowers every process worker's priority by that much
-from its start (before any batch; ``worker_init_fn`` runs first). The increment in force is
-the ``worker_nice`` gauge of ``loader.stats()``.
+``worker_nice=``: None (default) decides as above; 0 never changes it (as stock); an int 1-19
+lowers every process worker's priority by that much from its start (after ``worker_init_fn``,
+before any batch). The increment in force is the ``worker_nice`` gauge of ``loader.stats()``.
 
-A loop that waits for the GPU by spinning (CUDA's default synchronisation where it has cores
-to spare) is busy to this rule: its workers then yield the shared core to the spin, which costs
-them nothing while the GPU is the bottleneck, and some of their rate if they were close to it.
+A loop that waits for the GPU by spinning (CUDA's default where it has cores to spare) is busy
+to this rule: its workers yield the shared core to the spin, which costs them nothing while the
+GPU is the bottleneck, and some of their rate if they were close to it.
 """
 
 from __future__ import annotations
@@ -73,8 +64,7 @@ def check_worker_nice(value: Any) -> None:
 
 
 def lower_priority(step: int) -> None:
-    """In a process worker: lower this process's priority by ``step`` (a no-op where the
-    platform has no ``nice``; raising it back is what needs a privilege, not this)."""
+    """In a process worker: lower this process's priority by ``step`` (where there is ``nice``)."""
     nice = getattr(os, "nice", None)
     if nice is not None and step > 0:
         try:
@@ -86,13 +76,8 @@ def lower_priority(step: int) -> None:
 class WorkerPriority:
     """The main process's side: whether, and when, to lower the workers' priority.
 
-    Args:
-        setting: the loader's ``worker_nice`` (None: decide, 0: never, N: N from the start,
-            sent at once, so before any task).
-        num_workers: the workers now (``resize`` follows the autotuner).
-        process: process workers (thread workers are never changed).
-        send: the pool's ``send(worker, message)``.
-        recorder: the loader's stats, whose ``worker_nice`` gauge it sets.
+    ``setting`` is the loader's ``worker_nice`` (N > 0 is sent at once, before any task);
+    ``resize`` follows the autotuner; ``recorder`` gets the ``worker_nice`` gauge.
     """
 
     def __init__(self, setting: int | None, *, num_workers: int, process: bool,
@@ -114,13 +99,12 @@ class WorkerPriority:
         self._num_workers = num_workers
 
     def started(self, w: int) -> None:
-        """Worker ``w`` was just started, at the main process's priority (the autotuner)."""
+        """The autotuner started worker ``w``, at the main process's priority."""
         self._sent[w] = 0
         self.catch_up(w)
 
     def catch_up(self, w: int) -> None:
-        """Bring worker ``w`` to the increment in force (one the autotuner had been retiring
-        may have missed it)."""
+        """Bring worker ``w`` to the increment in force (a retiring one may have missed it)."""
         step = self.applied - self._sent.get(w, 0)
         if step > 0:
             self._send(w, Nice(0, step))  # (messages of any generation apply)
@@ -133,8 +117,8 @@ class WorkerPriority:
         self._recorder.gauge("worker_nice", self.applied)
 
     def observe(self, yielded: int, answered: int, busy_s: float) -> None:
-        """Called as workers' answers arrive: ``yielded`` batches handed out so far this
-        epoch, and the message's ``answered`` batches, which took ``busy_s`` worker seconds."""
+        """A workers' answer of ``answered`` batches in ``busy_s`` worker seconds came, after
+        ``yielded`` batches handed out this epoch."""
         if not self._watching:
             return
         now, cpu = time.perf_counter(), time.thread_time()

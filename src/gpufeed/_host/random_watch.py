@@ -1,30 +1,25 @@
 """Seeing a dataset draw from the global random generators in a thread worker, and saying so.
 
-Thread workers share torch's, numpy's and Python's global generators with each other and with
-the training loop, and gpufeed no longer seeds or locks them there (NOTE [ Seeding and threads ]
-in ``_order/seeding.py``): draws from them are not reproducible. A :class:`GlobalDrawWatch`
-(one per loader) notices such draws and the loader warns once, with the fix.
+Thread workers share the global generators (torch's, numpy's, Python's) with each other and
+the training loop, unseeded and unlocked (NOTE [ Seeding and threads ] in
+``_order/seeding.py``): their draws are not reproducible. A :class:`GlobalDrawWatch` per
+loader notices them, and the loader warns once, with the fix.
 
-How a draw is told apart from the training loop's: a thread worker compares the three global
-states (:func:`fingerprint`) before and after one call into user code (a ``__getitem__``,
-``__getitems__``, an iterable dataset's ``next``, ``collate_fn``), and counts a change only
-when the main thread was waiting for a batch inside ``next()`` the whole time (``blocked``, and
-``leaves`` unchanged; the wait ends before the sampler is asked for more indices, which may
-draw): it draws nothing there, so the change came from a worker, or from another thread of the
-program (a second training thread, another loader's thread workers), which the watch cannot
-tell apart. A whole task is too long a window: with several workers the loop takes a batch
-(and runs its step) during almost every task, so the check is per call.
+A thread worker compares the global states (:func:`fingerprint`) before and after one call
+into user code (``__getitem__``, ``__getitems__``, an iterable's ``next``, ``collate_fn``),
+counting a change only when the main thread waited inside ``next()`` all along (``blocked``,
+``leaves`` unchanged; the wait ends before the sampler, which may draw, is asked): the change
+came from a worker, or another thread of the program, which the watch cannot tell apart. Per
+call, not per task: with several workers the loop takes a batch during almost every task.
 
-Cost, sampled: at most one task every ``CHECK_EVERY_S`` seconds per loader is checked, its first
-``CALLS_PER_TASK`` calls made while the loop waits, two fingerprints each (about 20 us each:
-torch's state, numpy's read in place, Python's ``getstate``); after ``CLEAN_CALLS`` calls seen
-drawing nothing, or once the loader has warned, nothing at all. The loop waits at least for the
-first batches of each epoch, so a dataset that draws on every sample is seen in its first.
+Cost, sampled: at most one task every ``CHECK_EVERY_S`` seconds per loader, its first
+``CALLS_PER_TASK`` calls while the loop waits, two fingerprints each (about 20 us each);
+nothing after ``CLEAN_CALLS`` clean calls or a warning. The loop waits at least for each
+epoch's first batches, so a dataset that draws on every sample is seen in its first.
 
-``numpy.random`` is imported with this module, in the thread that imports gpufeed: numpy 2
-imports it on first use, which here would be a thread worker's first fingerprint. A fork in
-another thread meanwhile (another loader starting process workers) would copy that import's
-module lock, held, into the child, whose first ``np.random`` then waits for good. Thread workers
+``numpy.random`` is imported here, in the thread that imports gpufeed: numpy 2 imports it on
+first use, and a fork by another thread during that import in a thread worker would copy its
+module lock, held, into a child whose first ``np.random`` then waits for good. Thread workers
 import nothing of gpufeed's own (tests/host/test_thread_imports.py).
 """
 
@@ -39,7 +34,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
-import numpy.random  # numpy 2 imports it on first use: see the module docstring
+import numpy.random  # see the module docstring
 import torch
 
 from .._order.sample_rng import RandomStateWarning
@@ -53,8 +48,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _numpy_state() -> bytes:
-    """numpy's global (legacy) generator's state: read in place where it is the MT19937 whose
-    layout we know (get_state() builds a dict and copies the key: about 0.1 ms)."""
+    """numpy's global generator's state, read in place where it is the MT19937 whose layout we
+    know (``get_state()`` builds a dict and copies the key: about 0.1 ms)."""
     get = getattr(np.random, "get_bit_generator", None)  # numpy >= 1.25
     bitgen = get() if get is not None else None
     if type(bitgen) is np.random.MT19937:
@@ -70,8 +65,8 @@ def fingerprint() -> tuple[Any, ...]:
 
 
 class GlobalDrawWatch:
-    """Per loader: the main thread's side (``blocked``/``leaves``, set around its waits) and
-    what the thread workers saw (``seen``); :meth:`report` warns once, in the main thread."""
+    """Per loader: the main thread's waits (``blocked``, ``leaves``) and what the thread
+    workers saw (``seen``); :meth:`report` warns once, in the main thread."""
 
     def __init__(self) -> None:
         self.warned = False
@@ -103,8 +98,7 @@ class GlobalDrawWatch:
             self.blocked = False
 
     def report(self, stacklevel: int) -> None:
-        """Warn once per loader if a worker was seen drawing (from the main thread, so the
-        program's warning filters and ``catch_warnings`` apply)."""
+        """Warn once if a worker was seen drawing (in the main thread: its filters apply)."""
         if not self.seen or self.warned:
             return
         self.warned = True
@@ -123,7 +117,7 @@ class GlobalDrawWatch:
 
     # -- a thread worker ------------------------------------------------------------------------
     def task_probe(self) -> TaskProbe | None:
-        """A probe for the task about to run, or None (not this one: see the module docstring)."""
+        """A probe for the task about to run, or None (see the module docstring)."""
         if self.warned or self.seen or self.clean >= CLEAN_CALLS or not self.blocked:
             return None
         now = time.monotonic()
@@ -140,7 +134,7 @@ class GlobalDrawWatch:
         return leaves, fingerprint()
 
     def end(self, token: tuple[int, tuple[Any, ...]]) -> bool:
-        """Whether the call :meth:`begin` started was a valid check (the loop waited all along)."""
+        """Whether the call :meth:`begin` started was a check (the loop waited all along)."""
         leaves, old = token
         new = fingerprint()
         if not self.blocked or self.leaves != leaves:  # the loop may have drawn meanwhile

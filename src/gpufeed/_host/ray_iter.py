@@ -1,9 +1,7 @@
 """The iterator of a loader over Ray Data: Ray's batches taken in the loop's own thread.
 
-NOTE [ Ray Data batches ] in ``_sources/ray.py`` (rules 2 and 6) says why no loader thread
-runs here: Ray's iterator already fetches and formats ahead in threads of its own, and a
-second hop, through a gpufeed thread and its queue, cost the trainer more CPU per batch than
-the copy it was there to overlap.
+Ray's iterator already fetches ahead in threads of its own; why no gpufeed thread is added:
+NOTE [ Ray Data batches ] in ``_sources/ray.py`` (rules 2 and 6).
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Names of torch's multiprocessing iterator that programs reach for, kept on ``WorkerIter``.
 
-Neither is public API, but programs written for the stock loader use both, and a drop-in
-keeps them working:
+Not public API, but programs written for the stock loader use them:
 
-- ``loader._iterator._workers``: the worker processes, read for their pids (pinning each to a
-  core with ``taskset``, reading their memory) or their liveness. gpufeed's are the process
-  workers in force (``multiprocessing`` process objects, as stock's); thread workers have no
-  process, so the list is empty, as it is once the workers have stopped.
-- ``loader._iterator._shutdown_workers()``: stop the workers now, typically persistent ones
-  before a loader is replaced, to free their memory and descriptors. It is ``close()``: the
-  loader's next ``iter()`` starts a new iterator.
+- ``loader._iterator._workers``: the worker processes (for their pids or liveness): the process
+  workers in force; empty for thread workers and once the workers have stopped.
+- ``loader._iterator._shutdown_workers()``: stop the workers now (persistent ones, before a
+  loader is replaced). It is ``close()``: the loader's next ``iter()`` starts a new iterator.
 """
 
 from __future__ import annotations

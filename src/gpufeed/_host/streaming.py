@@ -2,41 +2,30 @@
 
 NOTE [ Streamed collation ]
 ---------------------------
-With the default ``collate_fn``, a dataset read one sample at a time (``__getitem__``, or an
-iterable dataset's stream) makes the stock loader's worker hold every sample of the batch in
-its heap, then stack them into a second copy: a worker's memory peaks at two batches. When
-the first sample has tensors (or numeric numpy arrays) of ``STREAM_BYTES`` or more, gpufeed
-allocates the batch's stacked tensors in the slot at once (``SlotWriter.alloc_any``, as the
-stack would at the end), copies each sample's large tensors into their rows as soon as the
-sample is fetched, and keeps only the sample's *skeleton*: its containers and small leaves,
-each copied tensor replaced by a marker. The
-worker then holds at most one sample besides the batch. On the CPU benchmark's jpeg workload
-and the data-source benchmark's Pillow ``Dataset`` (two workers, batches of 64 3x224x224
-images), the process tree's peak PSS was 1.03x and 1.04x the stock loader's, against 1.12x and
-1.10x collated at the end, each worker's heap about 9 MiB smaller, at the same rate
-(``python -m bench.streaming``).
+With the default ``collate_fn``, a dataset read one sample at a time makes the stock loader's
+worker hold every sample of the batch, then stack them into a second copy: its memory peaks at
+two batches. When the first sample has tensors (or numeric numpy arrays) of ``STREAM_BYTES`` or
+more, gpufeed allocates the batch's stacked tensors in the slot at once
+(``SlotWriter.alloc_any``), copies each sample's large tensors into their rows as it comes, and
+keeps only its *skeleton*: containers and small leaves, each copied tensor replaced by a
+marker. The worker then holds at most one sample besides the batch, at the same rate.
+Measurements: docs/how-it-works/measurements/host.md#streamed-collation.
 
-The batch is the one ``default_collate`` makes (values, dtypes, shapes, strides, container
-types, error messages): the skeletons are collated by torch's own ``collate`` with the
-loader's rules (``collate_rules``) and one more, which answers each marker's column with its
-stacked tensor. Only plain containers are walked (``tuple``, ``list``, ``dict``, named
-tuples); anything else, and small tensors, stay in the skeleton as they are and are collated
-at the end as usual.
+The batch is ``default_collate``'s (values, dtypes, shapes, strides, container types, error
+messages): torch's own ``collate`` collates the skeletons with the loader's rules
+(``collate_rules``) plus one that answers each marker's column with its stacked tensor. Only
+plain containers are walked (``tuple``, ``list``, ``dict``, named tuples); anything else, and
+small tensors, are collated at the end as usual.
 
 A sample that does not match the first (another number of large tensors, or one of another
-shape, dtype, or kind), a marker's column holding anything but that marker, or any error while
-collating the skeletons ends the streaming: the samples so far are rebuilt with views of
-their rows (numpy arrays as numpy arrays) and the batch is collated the ordinary way, which
-gives ``default_collate``'s own result or error. The rows keep their space in the slot; the
-ordinary collation takes more (or the spill file): a cost paid only by batches whose samples
-differ.
+shape, dtype, or kind), a marker's column holding anything else, or any error while collating
+the skeletons ends the streaming: the samples so far are rebuilt with views of their rows and
+collated the ordinary way, which gives ``default_collate``'s own result or error. The rows
+keep their space and the ordinary way takes more: a cost only batches whose samples differ pay.
 
-Small or quick samples are not streamed. Walking a sample and copying its rows one by one
-costs about 10 us of Python per sample more than one stack at the end (image-array's
-``per-sample`` variant, 64 crops of 108 KiB from a memory map, about 80 us each: 4.9 against
-5.6 ms of worker time per batch in one process), so a batch is streamed only when its first
-sample took ``STREAM_MIN_S`` (0.2 ms) or more to fetch, where that is under 5%: image decoding
-and its augmentations take milliseconds.
+Walking and copying row by row costs about 10 us of Python per sample more than one stack, so
+a batch is streamed only when its first sample took ``STREAM_MIN_S`` or more to fetch, where
+that is under 5% (image decoding takes milliseconds).
 """
 
 from __future__ import annotations
@@ -53,8 +42,7 @@ from torch.utils.data._utils.collate import collate, np_str_obj_array_pattern
 from .collate import collate_into, collate_rules, ringable
 from .writer import SlotWriter
 
-# A tensor of STREAM_BYTES or more is copied into its row at once, when the batch's first
-# sample took STREAM_MIN_S or more to fetch.
+# NOTE [ Streamed collation ]'s thresholds.
 STREAM_BYTES = 32 * 1024
 STREAM_MIN_S = 200e-6
 
@@ -75,8 +63,7 @@ _MARKERS: dict[int, _Marker] = {}
 
 
 def _marker(i: int) -> _Marker:
-    """The one marker of index ``i`` (``setdefault``: one C call, so thread workers that make
-    the same index at once all get the one that was kept)."""
+    """The one marker of index ``i`` (``setdefault`` is atomic: thread workers agree)."""
     m = _MARKERS.get(i)
     return m if m is not None else _MARKERS.setdefault(i, _Marker(i))
 
@@ -86,8 +73,7 @@ class _Mismatch(Exception):
 
 
 def _large(x: Any) -> tuple[torch.Tensor, bool] | None:
-    """``x`` as a tensor to copy into a row, and whether it was a numpy array; None when it is
-    collated at the end instead."""
+    """``x`` as a tensor to copy into a row, and whether it was a numpy array; or None."""
     t = type(x)
     if t is torch.Tensor:
         if (x.nbytes < STREAM_BYTES or x.requires_grad or not ringable(x) or x.is_conj()
@@ -104,8 +90,7 @@ def _large(x: Any) -> tuple[torch.Tensor, bool] | None:
 
 
 def _walk(x: Any, leaf: Callable[[Any], Any]) -> Any:
-    """``x`` with its plain containers (tuple, list, dict, named tuple) rebuilt and everything
-    else given to ``leaf``, in ``default_collate``'s order."""
+    """``x`` with its plain containers rebuilt and the rest given to ``leaf``, in order."""
     t = type(x)
     if t is tuple or t is list:
         return t([_walk(v, leaf) for v in x])
@@ -134,8 +119,8 @@ def _rebuild(x: Any, views: list[Any]) -> Any:
 
 
 def _copy_row(row: torch.Tensor, t: torch.Tensor) -> None:
-    """``row.copy_(t)``; a plain ``memmove`` where ``t`` is contiguous (``copy_`` costs a few
-    microseconds more per call, and a 100 KB row takes about 5)."""
+    """``row.copy_(t)``, as a ``memmove`` where ``t`` is contiguous (``copy_`` costs a few
+    microseconds more, a large share of a 100 KB row's copy)."""
     if t.is_contiguous():
         ctypes.memmove(row.data_ptr(), t.data_ptr(), t.nbytes)
     else:
@@ -143,11 +128,8 @@ def _copy_row(row: torch.Tensor, t: torch.Tensor) -> None:
 
 
 class StreamedBatch:
-    """A batch of at most ``n`` samples collated as they come (NOTE [ Streamed collation ]).
-
-    ``start`` makes one from the first sample, or returns None when it is not worth it; then
-    ``add`` each later sample and ``finish``. ``copy_s`` is the time spent copying rows.
-    """
+    """A batch of at most ``n`` samples collated as they come (NOTE [ Streamed collation ]):
+    ``start``, ``add`` each later sample, ``finish``. ``copy_s``: time spent copying rows."""
 
     __slots__ = ("copy_s", "n", "outs", "pending", "rows", "skeletons", "specs", "writer")
 
@@ -167,9 +149,7 @@ class StreamedBatch:
     @classmethod
     def start(cls, sample: Any, writer: SlotWriter | None, n: int, fetch_s: float = 1.0
               ) -> StreamedBatch | None:
-        """The streamed batch begun with ``sample``, which took ``fetch_s`` to fetch, or None:
-        no writer, a batch of one, a sample quicker than ``STREAM_MIN_S`` or with no large
-        tensor."""
+        """The batch begun with ``sample`` (``fetch_s`` to fetch), or None: not worth it."""
         if writer is None or n < 2 or fetch_s < STREAM_MIN_S:
             return None
         found: list[tuple[torch.Tensor, bool]] = []
@@ -187,8 +167,7 @@ class StreamedBatch:
         self.skeletons.append(skeleton)
 
     def add(self, sample: Any) -> None:
-        """Take the next sample: its large tensors into their rows, or, once a sample did not
-        match, the sample as it is."""
+        """Take the next sample: into the rows, or as it is once a sample did not match."""
         if self.pending:
             self.pending.append(sample)
             return
@@ -206,7 +185,7 @@ class StreamedBatch:
         return len(self.skeletons) + len(self.pending)
 
     def samples(self) -> list[Any]:
-        """The samples taken, rebuilt with views of their rows (for the ordinary collation)."""
+        """The samples taken, rebuilt with views of their rows."""
         out = []
         for k, skeleton in enumerate(self.skeletons):
             views = [rows[k].numpy() if is_numpy else rows[k]

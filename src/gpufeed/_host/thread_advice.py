@@ -1,29 +1,18 @@
 """Thread workers the GIL holds back, under ``num_workers="auto"``: seen, and said once.
 
 Auto never changes the worker type (NOTE [ Autotuning decisions ] in ``_host/autotune.py``).
-With ``worker_type="thread"``, when the loop waits (input-bound at least ``GROW_AT``) and the
-autotuner's decision on that window holds more workers back (a budget, crowded cores,
-``max_workers``, a count that gave nothing) or reverts a growth that gave no gain, while the
-whole process used under ``GIL_CORES`` cores of a budget of two or more, the dataset's work
-holds the GIL: threads run it one core of Python at a time, and process workers would use the
-other cores. The iterator (``_host/auto_iter.py``) then warns once per loader, a
+With thread workers, when the loop waits (input-bound at least ``GROW_AT``) and the window's
+decision holds more workers back (not for noise or a failed start) or reverts a growth, while
+the whole process used under ``GIL_CORES`` cores of a budget of two or more, the work holds
+the GIL: threads run it one core at a time. The iterator then warns once per loader, a
 :class:`ThreadWorkersWarning` naming ``worker_type="process"`` (:func:`held_back`).
 
-Why it warns and does not switch the type at an epoch boundary: process workers pickle the
-dataset (a dataset written for threads may not pickle), run ``worker_init_fn`` and
-``get_worker_info()`` in another process, seed the global random generators there (a thread
-dataset's draws would change), and take /dev/shm and private memory the budgets were not
-sized for: a drop-in loader cannot do that behind the program's back.
-
-Measured with ``bench/autotune_threads.py`` (pure-Python samples, batch 8, a 1 ms step, 2
-cores shared with other jobs, load average 7-9; 3 alternating rounds of 4 s): the warning came
-once in every thread run, at batch 101-279 (about a second in); the medians, their ranges
-overlapping on that busy machine, were auto on threads 0.84x of the best, auto on processes
-0.92x, 2 threads 1.00x, 2 processes 0.75x. The gap a switch would win did not stand out of the
-noise there (the lab's quieter run measured auto on threads at 0.55x of the best static
-setting): no case for the risks above. The process's CPU is the tell, so on a machine whose
-cores other programs keep busy the advice may name cores that process workers would not get
-either.
+It warns rather than switch the type: process workers pickle the dataset, run
+``worker_init_fn`` in another process, seed the global generators there and take memory the
+budgets were not sized for, which a drop-in loader cannot do behind the program's back, and
+the gain of a switch did not stand out of the noise. On a machine whose cores other programs
+keep busy, the advice may name cores that process workers would not get either.
+Measurements: docs/how-it-works/measurements/host.md#thread-workers-held-back.
 """
 
 from __future__ import annotations
@@ -39,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GIL_CORES", "ThreadWorkersWarning", "gil_advice", "held_back"]
 
-GIL_CORES = 1.5  # a process using less than this many cores while its threads are held back
+GIL_CORES = 1.5
 #: the autotuners (one per loader) whose loader has been told already
 _told: weakref.WeakSet[AutoTuner] = weakref.WeakSet()
 
@@ -51,9 +40,8 @@ class ThreadWorkersWarning(UserWarning):
 
 
 def held_back(tuner: AutoTuner, win: Window, decided: int) -> str | None:
-    """The words to warn with, once per loader, when the decision the tuner took on ``win``
-    (``decided``: its count of decisions before) held thread workers back or undid a growth
-    and ``win`` shows the GIL (:func:`gil_advice`); else None."""
+    """The warning's words, once per loader, when the decision on ``win`` (``decided``: the
+    count of decisions before) held thread workers back and ``win`` shows the GIL; else None."""
     if tuner.worker_type != "thread" or tuner in _told:
         return None
     stats = tuner.snapshot()
@@ -72,8 +60,7 @@ def held_back(tuner: AutoTuner, win: Window, decided: int) -> str | None:
 
 
 def gil_advice(win: Window, cpu_budget: float, why: str) -> str | None:
-    """The words to warn with when ``win`` shows thread workers the GIL holds back (see the
-    module's text; ``why``: what held them back), else None."""
+    """The warning's words when ``win`` shows the GIL (``why``: what held workers back)."""
     cores = win.cpu_cores
     if win.input_bound < GROW_AT or cores is None or cores >= GIL_CORES or cpu_budget < 2:
         return None
