@@ -22,12 +22,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "Events", "Fences", "capturing", "context_devices", "copies_complete", "copies_completed",
-    "cuda_initialized", "current_device", "current_streams", "device_count", "device_guard",
-    "drain_last_error", "error_name", "release_event",
-]
-
 
 def cuda_initialized() -> bool:
     """Whether this process has initialised CUDA (False in a child forked after it did)."""

@@ -31,8 +31,6 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["ctrl_c_held", "interrupt_main_later"]
-
 
 @contextlib.contextmanager
 def ctrl_c_held(in_finalizer: bool = False, *, hold: bool = True) -> Iterator[None]:

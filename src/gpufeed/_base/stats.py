@@ -38,10 +38,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["FALLBACK_HIGH", "MEANINGS", "DeviceStats", "LoaderStats", "StageStats",
-           "StatsRecorder", "explain", "format_table", "human_bytes", "input_bound_share",
-           "percentile", "ring_findings"]
-
 DEFAULT_WINDOW = 4096
 
 

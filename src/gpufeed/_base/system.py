@@ -16,9 +16,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["CpuTimes", "TreeCpu", "cpu_affinity", "cpu_quota", "local_ranks", "memory_available",
-           "private_bytes", "rollup", "thread_sched", "usable_cpus"]
-
 _ROLLUP_KEYS = {"Pss:": "pss", "Pss_Anon:": "anon", "Pss_File:": "file", "Pss_Shmem:": "shmem"}
 _PRIVATE_KEYS = {"Private_Clean:": "clean", "Private_Dirty:": "dirty"}
 

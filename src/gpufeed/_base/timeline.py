@@ -58,12 +58,6 @@ from collections.abc import Hashable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
-__all__ = [
-    "COUNTER", "HANDOUT", "INSTANT", "SAMPLE", "SAMPLE_EVERY_S", "SPAN", "WAIT_RANGE", "WIDTH",
-    "WORKER", "Timeline", "active", "instant", "profiling", "span_until_now", "start", "stop",
-    "torch_profiler", "torch_range",
-]
-
 # Record kinds (``Record[0]``); the payload (``Record[4:]``) of each:
 SPAN = 0  # (track, name, args): one span [start, end]
 COUNTER = 1  # (name, values): counter values at ``start`` (== end)

@@ -12,8 +12,6 @@ from typing import Any
 
 from .stats import human_bytes
 
-__all__ = ["KINDS", "AutotuneStats", "TuningDecision"]
-
 #: what a decision does: ``grow``/``shrink`` change the worker count (``trim``: shrink to what
 #: busy cores can run), ``deepen``/``shallow`` the batches each worker works ahead; ``kept``
 #: says a change paid off, ``revert`` undoes one that did not; ``hold`` changes nothing and

@@ -16,8 +16,6 @@ import torch
 
 from .targets import TargetError, UsageError, load_collate, load_dataset, load_target
 
-__all__ = ["cmd_bench", "cmd_doctor", "cmd_profile", "cmd_tune"]
-
 
 class _ProgressBar:
     """A tqdm bar on stderr when tqdm is installed and enabled, else nothing."""

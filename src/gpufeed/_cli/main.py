@@ -21,8 +21,6 @@ from .commands import cmd_bench, cmd_doctor, cmd_tune
 from .targets import UsageError
 from .tracing import add_trace_options, cmd_profile_traced
 
-__all__ = ["main"]
-
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     def parse(text: str) -> list[Any]:
@@ -70,7 +68,7 @@ def _nonnegative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _size(text: str) -> int:
-    from .._tools.trial import parse_bytes
+    from .._host.cost import parse_bytes
 
     try:
         return parse_bytes(text)

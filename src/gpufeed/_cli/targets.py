@@ -13,8 +13,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["TargetError", "UsageError", "load_collate", "load_dataset", "load_target"]
-
 
 class UsageError(ValueError):
     """A command-line value gpufeed cannot use (exit code 2)."""

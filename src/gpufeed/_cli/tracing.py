@@ -15,8 +15,6 @@ from .._tools.output import file_path
 from .commands import cmd_profile
 from .targets import UsageError
 
-__all__ = ["add_trace_options", "cmd_profile_traced"]
-
 
 def add_trace_options(p: argparse.ArgumentParser,
                       positive: Callable[[Callable[[str], Any]], Callable[[str], Any]],

@@ -31,8 +31,6 @@ from .._sources.decoded import DecodedImages
 from .._sources.encoded import JPEG, KIND, RAW, SKIP, EncodedImages, render_cpu, say_once
 from .prefetch import map_tensors
 
-__all__ = ["DecodePlan", "DeviceDecode", "GpuJpegDecoder", "decode_plan", "make_decoder"]
-
 logger = logging.getLogger("gpufeed")
 
 

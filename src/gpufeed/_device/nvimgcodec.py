@@ -20,8 +20,6 @@ import torch.nn.functional as F
 
 from .._sources.encoded import CL, CT, FLIP, RH, RW, EncodedImages, region_of
 
-__all__ = ["NvImageCodec"]
-
 
 class NvImageCodec:
     """nvImageCodec's batched decoder on one device (its hardware engine, CUDA and hybrid

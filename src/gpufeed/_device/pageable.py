@@ -18,8 +18,6 @@ import warnings
 
 import torch
 
-__all__ = ["PageableCopyWarning", "is_dense", "staged_reason", "warn_staged"]
-
 
 class PageableCopyWarning(UserWarning):
     """A batch was copied to the GPU from pageable memory, so the copy could not overlap."""

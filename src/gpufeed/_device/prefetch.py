@@ -111,9 +111,6 @@ from .pageable import staged_reason, warn_staged
 from .streams import Event, SyncBackend, backend_for, parse_device
 from .timing import DeviceTrace
 
-__all__ = ["Copier", "DeviceIterator", "drop_copied", "event_of", "map_tensors", "pop_completed",
-           "tensor_bytes"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -17,8 +17,6 @@ import torch
 from .._base import cuda as _cuda
 from .._memory import pinning as _pinning
 
-__all__ = ["CudaBackend", "Event", "SyncBackend", "backend_for", "parse_device"]
-
 
 class Event(Protocol):
     def query(self) -> bool: ...

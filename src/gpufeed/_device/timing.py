@@ -31,8 +31,6 @@ from typing import Any
 
 from .._base import timeline as _timeline
 
-__all__ = ["DeviceTrace", "GpuSpans"]
-
 
 class DeviceTrace:
     """What one device stage records while a trace runs; ``owner``: its loader's stats

@@ -15,8 +15,6 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["Normalize"]
-
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 

@@ -15,8 +15,6 @@ from typing import Any
 
 from .config import WORKER_TYPES
 
-__all__ = ["check_arguments", "check_num_workers", "warn_thread_workers"]
-
 
 def _whole_positive(value: Any) -> bool:
     """An int >= 1, or anything torch's ``range(prefetch_factor * num_workers)`` takes."""

@@ -34,8 +34,6 @@ from .thread_advice import ThreadWorkersWarning, held_back
 from .window import Gauges, Window
 from .worker_iter import WorkerIter
 
-__all__ = ["AutoIter", "make_tuner"]
-
 log = logging.getLogger("gpufeed")
 MEMORY_EVERY_S = 2.0
 

@@ -53,8 +53,6 @@ from .._base.tuning import AutotuneStats, TuningDecision
 from .cost import Budgets, pays_off
 from .window import Change, Gauges, Memo, Move, Window, ms, pct, ratio
 
-__all__ = ["AutoTuner"]
-
 log = logging.getLogger("gpufeed")
 
 WINDOW_BATCHES = 8

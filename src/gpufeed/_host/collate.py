@@ -284,5 +284,3 @@ def _flat_refs(n: int) -> tuple[LeafRef, ...]:
     return refs
 
 
-__all__ = ["ALIGN", "Leaf", "LeafRef", "Packed", "collate_into", "collate_rules", "leaf_ref",
-           "pack", "ringable", "unpack"]

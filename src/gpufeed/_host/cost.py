@@ -35,9 +35,6 @@ from dataclasses import dataclass
 
 from .._base.system import local_ranks, memory_available, usable_cpus
 
-__all__ = ["DEFAULT_MEMORY_SHARE", "HARD_MAX_WORKERS", "Budgets", "WorkerCost",
-           "default_max_workers", "parse_bytes", "pays_off"]
-
 #: the autotuner's default memory budget, a share of what is available at start (divided
 #: among the local ranks): the training itself needs the rest
 DEFAULT_MEMORY_SHARE = 0.25

@@ -37,8 +37,6 @@ from .messages import Done, Tasks, ThreadChannel, ToMain, ToWorker, WorkerSpec
 from .pool import GRACE_S, ProcessPool, ThreadPool, _hang_up, _thread_entry, _Watch
 from .worker import in_thread_worker, worker_loop
 
-__all__ = ["ElasticProcessPool", "ElasticThreadPool"]
-
 
 class _Outstanding:
     """Tasks sent to each worker less answers received from it, of any epoch."""

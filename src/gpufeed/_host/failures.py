@@ -16,9 +16,6 @@ from typing import NamedTuple, NoReturn
 
 from .._base.errors import RemoteError, WorkerError
 
-__all__ = ["Lost", "check_not_forked", "describe_exit", "lost_worker", "timed_out",
-           "warn_if_unpicklable"]
-
 #: torch's warning, word for word, when a worker process cannot be started because its
 #: arguments cannot be pickled (spawn and forkserver pickle the dataset and the functions).
 START_PICKLE_WARNING = (

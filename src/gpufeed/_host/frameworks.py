@@ -21,10 +21,6 @@ from typing import Any
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import IterableDataset
 
-__all__ = [
-    "AccelerateHooks", "DefaultPrefetch", "adopting", "before_prepare", "refuse_double_shard",
-]
-
 
 class DefaultPrefetch(int):
     """torch's default ``prefetch_factor`` (2 with workers), read from a loader that left it

@@ -42,8 +42,6 @@ import sysconfig
 import threading
 from collections.abc import Iterator
 
-__all__ = ["heap_frozen"]
-
 #: whether this is a free-threaded build, whose freeze writes to every object (NOTE)
 _FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 _turns = threading.Lock()

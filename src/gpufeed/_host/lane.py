@@ -40,8 +40,6 @@ from .fetch import MapFetcher
 from .messages import Fetched, Slot, Task
 from .writer import SlotWriter, dtype_name
 
-__all__ = ["GatherLane"]
-
 _VIEWS_KEPT = 4096  # slots whose views are kept (a ring has a few hundred)
 
 

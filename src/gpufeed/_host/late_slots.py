@@ -53,8 +53,6 @@ from typing import Any
 
 from .messages import LATE, NeedSlot, Slot, SlotFor, ToWorker
 
-__all__ = ["Abandoned", "LateSlots", "LateVerdict", "late_slot", "wait_for_slot"]
-
 LATE_ROW = (*LATE,)
 # Rule (e).
 LATE_DELAYS = 8

@@ -99,4 +99,3 @@ def _shape(size: tuple[Any, ...]) -> tuple[int, ...]:
     return tuple(shape)
 
 
-__all__ = ["batch_empty", "building"]

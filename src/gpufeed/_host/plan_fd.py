@@ -29,8 +29,6 @@ import torch
 from .._order.plan import IndexPlan
 from .messages import SharedPerm, ToWorker, UsePlan
 
-__all__ = ["detach", "send_descriptor"]
-
 
 def detach(msg: ToWorker) -> tuple[ToWorker, int]:
     """``msg`` as pickled, and the descriptor to send right after it (-1: none), which the

@@ -43,8 +43,6 @@ from .._base.stats import StatsRecorder
 from .._base.system import usable_cpus
 from .messages import Nice
 
-__all__ = ["NICE_STEP", "WorkerPriority", "check_worker_nice", "lower_priority"]
-
 NICE_STEP = 5  # the increment of the automatic rule
 WINDOW_BATCHES = 64
 WINDOW_S = 0.005

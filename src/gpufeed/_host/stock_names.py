@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .pool import Pool
 
-__all__ = ["StockNames"]
-
 
 class StockNames:
     """``_workers`` and ``_shutdown_workers`` for an iterator with a worker pool."""

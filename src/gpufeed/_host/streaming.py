@@ -223,4 +223,3 @@ class StreamedBatch:
         return batch
 
 
-__all__ = ["STREAM_BYTES", "STREAM_MIN_S", "StreamedBatch"]

@@ -26,8 +26,6 @@ from .window import Window, pct
 if TYPE_CHECKING:
     from .autotune import AutoTuner
 
-__all__ = ["GIL_CORES", "ThreadWorkersWarning", "gil_advice", "held_back"]
-
 GIL_CORES = 1.5
 #: the autotuners (one per loader) whose loader has been told already
 _told: weakref.WeakSet[AutoTuner] = weakref.WeakSet()

@@ -12,8 +12,6 @@ from typing import Any
 from .._base import timeline as _timeline
 from .._memory.ring import SlotRing
 
-__all__ = ["record_fetched", "record_ring"]
-
 
 def record_fetched(recorder: Any, w: int, epoch: int, fetched: Sequence[Any]) -> float:
     """Record the fetch and collate times of one message's ``Fetched`` results, one recorder

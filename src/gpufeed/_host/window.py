@@ -9,8 +9,6 @@ from typing import NamedTuple
 
 from .cost import WorkerCost
 
-__all__ = ["Change", "Gauges", "Memo", "Move", "Window", "ms", "pct", "ratio"]
-
 
 class Gauges(NamedTuple):
     """Memory figures the iterator reads without cost: one worker's private memory (0 for

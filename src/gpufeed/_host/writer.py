@@ -177,4 +177,3 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-__all__ = ["VIEW_CACHE", "Carved", "SlotWriter", "dtype_name", "dtype_names"]

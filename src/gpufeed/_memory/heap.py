@@ -35,8 +35,6 @@ import os
 import platform
 from typing import Any
 
-__all__ = ["MMAP_THRESHOLD_MAX", "HeapFollower", "left_alone"]
-
 M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_START = 128 << 10  # glibc's default, the first threshold this raises

@@ -34,8 +34,6 @@ from . import pinning as _pinning
 from .region import reserve_for
 from .ring import SlotRing
 
-__all__ = ["RingKeeper", "close_ring", "end_ring", "finish_closed_rings", "reap_closed", "ring_for"]
-
 logger = logging.getLogger(__name__)
 
 _closing: list[SlotRing] = []  # closed rings with slots still registered

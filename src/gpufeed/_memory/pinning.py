@@ -72,12 +72,6 @@ from .._base.cuda import Fences
 from .._base.interrupts import interrupt_main_later
 from .._base.tree import byte_extent, tree_map
 
-__all__ = [
-    "PinnedRegion", "cuda_usable", "is_pinned", "pin", "pin_batch", "pin_device_index",
-    "register", "registered_bytes", "retry_stranded", "track_copies", "unregister",
-    "untrack_copies",
-]
-
 logger = logging.getLogger(__name__)
 
 _PORTABLE = 1  # cudaHostRegisterPortable

@@ -41,8 +41,6 @@ from typing import Any
 from .._base import cuda as _cuda
 from .._base.interrupts import interrupt_main_later
 
-__all__ = ["PinningFallbackWarning", "Releaser", "warn_unpinned"]
-
 logger = logging.getLogger(__name__)
 
 

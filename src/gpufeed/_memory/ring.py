@@ -79,8 +79,6 @@ from . import pinning as _pinning
 from .region import ALIGN, PAGE, align, reserve_region
 from .release import Releaser, warn_unpinned
 
-__all__ = ["SlotRing"]
-
 
 class _Lease(weakref.ref):
     """An unpinned slot's weak reference to its batch, naming the slot (runs no Python)."""

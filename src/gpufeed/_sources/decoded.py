@@ -29,8 +29,6 @@ from .jpeg import codec, resolve_codec
 from .protocol import SourceChanged, index_array, require, sample_seeds
 from .resample import box, center_cut_into, center_resize, random_resized, resize_into
 
-__all__ = ["DecodedImages"]
-
 CROPS = ("random", "center")
 ON_ERROR = ("raise", "skip")
 _NO_TRANSFORM = (

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["dataset_repr"]
-
 
 def dataset_repr(obj: object, length: int, location: str | None,
                  settings: Iterable[str]) -> str:

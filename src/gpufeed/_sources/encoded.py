@@ -27,10 +27,6 @@ from .jpeg import codec
 from .protocol import SourceChanged, sample_seeds
 from .resample import box, center_cut_into, center_resize, resize_into
 
-__all__ = ["DECODE_MODES", "JPEG_MAGIC", "EncodedImages", "JpegFrame", "complete",
-           "encoded_batch", "gpu_takes", "jpeg_frame", "plan_hwc", "region_of", "render_cpu",
-           "say_once"]
-
 logger = logging.getLogger("gpufeed")
 
 # A plan's columns. KIND: what the bytes are; TOP..BW: the stored pixels to decode; RH, RW: the

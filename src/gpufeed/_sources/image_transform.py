@@ -40,8 +40,6 @@ from .._order.sample_rng import current_scope
 from .._order.seeding import seeded
 from .arrays import allocate
 
-__all__ = ["check_transform", "stack_outputs", "transform_calls"]
-
 
 def check_transform(transform: Any, owner: str) -> Callable[[torch.Tensor], Any] | None:
     """``transform`` if it is None or callable, else a TypeError naming it."""

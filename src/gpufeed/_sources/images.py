@@ -18,8 +18,6 @@ from .describe import dataset_repr
 from .folder import IMG_EXTENSIONS, Samples, find_classes, pack, scan
 from .packed import PackedList
 
-__all__ = ["IMG_EXTENSIONS", "ImageFolder"]
-
 
 class ImageFolder(DecodedImages):
     """Images in ``root/<class>/<file>`` as uint8 (3, h, w) tensors of ``size`` and int labels.

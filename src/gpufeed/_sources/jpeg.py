@@ -80,8 +80,6 @@ import numpy as np
 
 from .protocol import require
 
-__all__ = ["CODECS", "JpegCodec", "codec", "resolve_codec"]
-
 logger = logging.getLogger("gpufeed")
 
 CODECS = ("auto", "turbojpeg", "simplejpeg")

@@ -23,8 +23,6 @@ import numpy as np
 
 from .._base.stats import human_bytes
 
-__all__ = ["COW_THRESHOLD", "CopyOnWriteWarning", "PackedList", "check_copy_on_write"]
-
 COW_THRESHOLD = 100_000  # Python objects in one container before the warning fires
 
 

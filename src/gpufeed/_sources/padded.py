@@ -16,8 +16,6 @@ from .arrow import ArrowSource, numeric_type, samples
 from .describe import dataset_repr
 from .protocol import index_array, require, wrap_indices
 
-__all__ = ["ArrowDataset", "pa_lengths"]
-
 
 class ArrowDataset(Dataset[Any]):
     """A ``datasets.Dataset`` or ``pyarrow.Table`` whose variable-length list columns are

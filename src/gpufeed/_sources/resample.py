@@ -30,8 +30,6 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["box", "center_cut_into", "center_resize", "random_resized", "resize_into", "write"]
-
 #: the antialiased bilinear kernel that ``interpolate`` calls, in its ``out=`` form
 _AA_OUT = torch.ops.aten._upsample_bilinear2d_aa.out
 

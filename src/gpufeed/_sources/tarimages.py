@@ -18,8 +18,6 @@ from .describe import dataset_repr
 from .packed import PackedList
 from .tarindex import Member, ShardStamp, expand, index_all, read_range, samples
 
-__all__ = ["IMAGE_EXTENSIONS", "ImageShards"]
-
 #: the members taken as a sample's image, first found first (webdataset's image extensions)
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "ppm", "pgm", "pbm", "pnm", "webp", "bmp", "tif",
                     "tiff")

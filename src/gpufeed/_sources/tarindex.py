@@ -46,8 +46,6 @@ from typing import NamedTuple
 
 from .protocol import SourceChanged
 
-__all__ = ["Member", "ShardStamp", "expand", "members", "read_range", "samples"]
-
 _BLOCK = 512
 #: a shard indexed slower than this a member had its headers read from disk, not memory
 _SLOW_MEMBER_S = 25e-6

@@ -32,8 +32,6 @@ from .repeat import (
 )
 from .tuner import require_matplotlib
 
-__all__ = ["BenchConfig", "Comparison", "compare", "configs", "plot", "render", "run_bench"]
-
 #: what each fetch path means, printed under the table.
 PATHS = {
     "per-sample": "dataset[i] per sample, then the default collate",

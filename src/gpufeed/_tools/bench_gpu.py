@@ -45,8 +45,6 @@ from .._device.stage import to_device
 from .._memory import pinning as _pinning
 from .environment import environment
 
-__all__ = ["render_markdown", "run_gpu_benchmark", "warm_up"]
-
 logger = logging.getLogger(__name__)
 
 SKIPPED = "no CUDA device: GPU benchmark skipped"

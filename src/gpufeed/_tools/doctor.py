@@ -42,9 +42,6 @@ from .._base.stats import format_table, human_bytes
 from .._host.config import WorkerType
 from .probe import GpuInfo, Probe, cpulist, query_gpus
 
-__all__ = ["DoctorReport", "Finding", "GpuInfo", "Probe", "Workload", "diagnose", "fds_needed",
-           "shm_need", "shm_size_gib"]
-
 Status = Literal["ok", "warn", "fail"]
 GiB = 1 << 30
 MiB = 1 << 20

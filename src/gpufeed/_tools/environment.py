@@ -18,8 +18,6 @@ import numpy as np
 import psutil
 import torch
 
-__all__ = ["commit_label", "environment", "environment_line", "write_documents"]
-
 
 def _version(dist: str) -> str | None:
     try:

@@ -17,8 +17,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COLORS", "render", "require_matplotlib", "stalls"]
-
 COLORS = {
     "fetch": "#4C72B0", "collate": "#8FB7E0", "wait": "#F2A93B", "startup": "#FCE3B8",
     "hand out": "#55A868",

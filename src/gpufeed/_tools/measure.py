@@ -71,13 +71,6 @@ import torch
 
 from .peaks import PeakSampler
 
-__all__ = [
-    "Measurement",
-    "batch_samples_and_bytes",
-    "measure_loader",
-    "one_intra_op_thread",
-]
-
 
 @dataclass(frozen=True)
 class Measurement:

@@ -17,8 +17,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STDOUT", "file_path", "is_stdout", "json_output", "output_path", "write_json"]
-
 #: the file name that means stdout
 STDOUT = "-"
 

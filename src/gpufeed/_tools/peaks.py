@@ -12,8 +12,6 @@ import torch
 from .._memory.pinning import registered_bytes
 from .probe import TreeMemory, process_tree_memory, shm_usage
 
-__all__ = ["PeakSampler", "pinned_bytes"]
-
 
 def pinned_bytes() -> int:
     """Pinned host bytes (CUDA only): torch's caching host allocator plus the regions gpufeed

@@ -19,10 +19,6 @@ import psutil
 from .._base.system import cpu_affinity, cpu_quota, rollup
 from .._memory.heap import left_alone
 
-__all__ = ["GpuInfo", "Probe", "TreeMemory", "cpulist", "descendants", "helper_pids",
-           "process_tree_memory", "process_tree_pss", "query_gpus", "shm_usage",
-           "unmapped_shared_bytes"]
-
 _GONE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied, FileNotFoundError)
 
 

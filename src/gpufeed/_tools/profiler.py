@@ -28,8 +28,6 @@ from typing import Any, Generic, TypeVar
 from .._base import timeline as _timeline
 from .._base.stats import LoaderStats, format_table, input_bound_share, percentile
 
-__all__ = ["ProfileReport", "Profiler", "profile"]
-
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 

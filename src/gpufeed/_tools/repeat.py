@@ -47,9 +47,6 @@ import psutil
 
 from .probe import descendants
 
-__all__ = ["BOOTSTRAP_RESAMPLES", "MIN_RUNS", "VERDICT_RUNS", "LoadMonitor", "MachineLoad",
-           "Ratio", "Spread", "min_runs_to_stop", "spreads_text"]
-
 MIN_RUNS = 3
 #: runs each row needs before a ratio's verdict may say faster or slower (rule (3))
 VERDICT_RUNS = 7

@@ -27,8 +27,6 @@ from typing import Any
 from .._base import timeline as _timeline
 from .._base.timeline import COUNTER, HANDOUT, INSTANT, SAMPLE, SPAN, WORKER, Timeline
 
-__all__ = ["Trace", "chrome_trace", "trace"]
-
 _TRACKS: dict[Hashable, tuple[int, str]] = {
     "main": (1, "main thread (your loop)"),
     "device": (2, "device stage"),

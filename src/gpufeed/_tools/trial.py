@@ -23,13 +23,10 @@ import psutil
 from .._base.stats import human_bytes, input_bound_share
 from .._base.system import TreeCpu
 from .._host.config import WorkerType
-from .._host.cost import parse_bytes
 from . import measure as _measure
 from . import peaks as _peaks
 from .probe import descendants, process_tree_pss, shm_usage
 from .repeat import Spread
-
-__all__ = ["COLLATE_FIX", "Budget", "Trial", "kwargs_text", "parse_bytes", "ragged", "run_trial"]
 
 log = logging.getLogger(__name__)
 #: seconds between the PSS samples a run's ``consume`` hook takes after the warm-up.

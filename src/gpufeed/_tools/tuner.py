@@ -55,15 +55,12 @@ import torch
 from .._base.stats import format_table, human_bytes
 from .._base.system import usable_cpus
 from .._host.config import WORKER_TYPES, WorkerType
-from .._host.cost import HARD_MAX_WORKERS, WorkerCost, pays_off
+from .._host.cost import HARD_MAX_WORKERS, WorkerCost, parse_bytes, pays_off
 from .._loader import DataLoader
 from .._order.sample_rng import RandomStateWarning
 from .output import write_json
 from .repeat import LoadMonitor, MachineLoad, spreads_text
-from .trial import COLLATE_FIX, Budget, Trial, kwargs_text, parse_bytes, ragged, run_trial
-
-__all__ = ["Budget", "Trial", "TrialWarnings", "TuneResult", "choose", "parse_bytes",
-           "require_matplotlib", "tune", "within_noise"]
+from .trial import COLLATE_FIX, Budget, Trial, kwargs_text, ragged, run_trial
 
 log = logging.getLogger(__name__)
 

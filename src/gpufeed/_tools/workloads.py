@@ -19,9 +19,6 @@ from torch.utils.data import Dataset
 
 from .._sources.arrays import ArrayDataset
 
-__all__ = ["FEATURES", "SYNTHETIC_ROWS", "TabularBatches", "TabularRows", "Variant", "Workload",
-           "builtin", "passthrough", "synthetic", "tabular_data", "tabular_variants"]
-
 FEATURES = 64
 #: Rows of the built-in workload: full size, and ``--quick`` (tests: the same code paths).
 SYNTHETIC_ROWS = {"full": 200_000, "quick": 8_192}
