@@ -233,7 +233,7 @@ class ProcessPool:
         for p in self.procs:
             if p.is_alive():
                 log.warning("gpufeed worker pid %s did not stop", p.pid)
-        # Not Process.close(): a program may hold them (``_workers``, _host/stock_names.py) and
+        # Not Process.close(): a program may hold them (``_workers``, _host/worker_iter.py) and
         # join them or ask is_alive(), as with stock's. Dropped, they free their descriptors.
         # Their arguments hold the ring: let it go with the last user view.
         self.procs = []

@@ -2,6 +2,14 @@
 
 How batches are numbered, dispatched, answered and delivered, and what an epoch's
 generation is: NOTE [ Messages ] in ``_host/messages.py``.
+
+Names of torch's multiprocessing iterator that programs reach for are kept on ``WorkerIter``.
+Not public API, but programs written for the stock loader use them:
+
+- ``loader._iterator._workers``: the worker processes (for their pids or liveness): the process
+  workers in force; empty for thread workers and once the workers have stopped.
+- ``loader._iterator._shutdown_workers()``: stop the workers now (persistent ones, before a
+  loader is replaced). It is ``close()``: the loader's next ``iter()`` starts a new iterator.
 """
 
 from __future__ import annotations
@@ -45,7 +53,6 @@ from .messages import (
 )
 from .pool import GRACE_S, Pool, ProcessPool, ThreadPool, live
 from .priority import WorkerPriority
-from .stock_names import StockNames
 from .tracing import record_fetched, record_ring
 from .workahead import WorkAhead
 
@@ -55,7 +62,7 @@ _STOP = object()
 WAIT_SLICE_S = 1.0
 
 
-class WorkerIter(StockNames, BaseIter):
+class WorkerIter(BaseIter):
     """Batches from ``num_workers`` process or thread workers through the slot ring."""
 
     # the pools it starts; ``AutoIter`` (``_host/auto_iter.py``) starts pools that can resize,
@@ -505,3 +512,12 @@ class WorkerIter(StockNames, BaseIter):
         with ctrl_c_held(in_finalizer=True):
             # close() is idempotent, and a no-op in a forked child.
             self.close()
+
+    # -- torch's names: _workers, _shutdown_workers (the module's docstring) ------------------
+    @property
+    def _workers(self) -> list[Any]:
+        pool: Pool | None = getattr(self, "_pool", None)  # (missing on a half-built iterator)
+        return pool.processes() if pool is not None else []
+
+    def _shutdown_workers(self) -> None:
+        self.close()
