@@ -107,7 +107,7 @@ class UsePlan(NamedTuple):
 
 class SharedPerm(NamedTuple):
     """A plan's ``perm`` in transit to a process worker, whose storage's descriptor follows
-    the message (NOTE [ Plans without a sharing thread ] in ``_host/plan_fd.py``)."""
+    the message (NOTE [ Plans without a sharing thread ] in ``_host/pool.py``)."""
 
     nbytes: int
     dtype: Any
@@ -303,7 +303,7 @@ class ProcessChannel:
 
     def _shared_perm(self, shared: SharedPerm) -> Any:
         """A plan's ``perm`` rebuilt on the shared memory whose descriptor follows its message
-        on this connection (NOTE [ Plans without a sharing thread ] in ``plan_fd.py``)."""
+        on this connection (NOTE [ Plans without a sharing thread ] in ``pool.py``)."""
         with socket.fromfd(self.conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             fd = recvfds(sock, 1)[0]
         try:

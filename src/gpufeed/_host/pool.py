@@ -1,5 +1,8 @@
 """Starting, talking to, watching and stopping workers (processes or threads).
 
+An epoch's plan is sent to process workers with its shared memory as a descriptor of its own
+(NOTE [ Plans without a sharing thread ], below).
+
 NOTE [ Shutdown ]
 -----------------
 ``close()`` is idempotent and bounded in time. Process workers: the main process shuts
@@ -29,6 +32,23 @@ A pool that fails while starting (its arguments cannot be pickled for spawn, for
 the workers it started and closes every pipe before the error leaves ``__init__``. A process
 that exits while the iterator runs is reported by its sentinel (see ``poll``), with its exit
 code or signal, also when a send found its pipe broken; never a hang.
+
+NOTE [ Plans without a sharing thread ]
+---------------------------------------
+A shuffled epoch's order (``IndexPlan.perm``, ``_order/plan.py``) is drawn into shared memory
+and sent to every process worker in ``UsePlan``. Pickled as torch pickles a shared tensor (the
+``file_descriptor`` strategy), its descriptor would go through
+``multiprocessing.resource_sharer``, a main-process thread that, once started, runs until the
+program exits: every later fork would then fork a multi-threaded process, which Python 3.12+
+warns of (a ``DeprecationWarning``: an error in suites that turn warnings into errors). The
+stock loader leaves no such thread (torch's intra-op threads, once started, warn in both).
+
+So the pool sends the plan's storage descriptor itself, right after the message, over the
+worker's own Unix socket pair (``SCM_RIGHTS``); the message carries a ``SharedPerm``
+(``messages.py``) instead of the tensor, and the worker's ``ProcessChannel`` takes the
+descriptor first and rebuilds the tensor on the same shared memory. Only with the
+``file_descriptor`` strategy (torch's default on Linux) and a plan already in shared memory;
+otherwise the plan pickles as torch pickles it. Tested in ``tests/host/test_pool.py``.
 """
 
 from __future__ import annotations
@@ -43,16 +63,18 @@ import socket
 import threading
 import time
 import weakref
-from multiprocessing.reduction import ForkingPickler
+from multiprocessing.reduction import ForkingPickler, sendfds
 from typing import Any
+
+import torch
 
 from .._base.errors import capture
 from .._base.interrupts import ctrl_c_held
-from . import plan_fd
+from .._order.plan import IndexPlan
 from .descriptors import receive
 from .failures import describe_exit, warn_if_unpicklable
 from .frozen_heap import heap_frozen
-from .messages import StartFailed, ThreadChannel, ToMain, ToWorker, UsePlan, WorkerSpec
+from .messages import SharedPerm, StartFailed, ThreadChannel, ToMain, ToWorker, UsePlan, WorkerSpec
 from .worker import in_thread_worker, install_thread_worker_info, worker_label, worker_loop
 
 log = logging.getLogger("gpufeed")
@@ -81,6 +103,34 @@ class _Watch(enum.Enum):
     """What a polled descriptor reports: a worker's message (or EOF), or its process's exit."""
     CONN = enum.auto()
     EXIT = enum.auto()
+
+
+# An epoch's plan, and its storage's descriptor sent after it: NOTE [ Plans without a sharing
+# thread ].
+def detach_plan(msg: ToWorker) -> tuple[ToWorker, int]:
+    """``msg`` as pickled, and the descriptor to send right after it (-1: none), which the
+    plan's storage owns: the caller neither closes nor keeps it."""
+    if type(msg) is not UsePlan or msg.plan.perm is None:
+        return msg, -1
+    perm = msg.plan.perm
+    if (not isinstance(perm, torch.Tensor) or not perm.is_shared()
+            or torch.multiprocessing.get_sharing_strategy() != "file_descriptor"):
+        return msg, -1
+    try:
+        fd, nbytes = perm.untyped_storage()._share_fd_cpu_()
+    except (AttributeError, RuntimeError):  # a torch without it, or a storage shared by name
+        return msg, -1
+    plan = msg.plan
+    stub = IndexPlan(None, plan.n, plan.batch_size, plan.drop_last, plan.single)
+    stub.perm = SharedPerm(  # type: ignore[assignment]
+        nbytes, perm.dtype, int(perm.storage_offset()), perm.numel(), perm.stride(0))
+    return UsePlan(msg.gen, stub), fd
+
+
+def send_descriptor(conn: Any, fd: int) -> None:
+    """Pass ``fd`` over ``conn``, a Unix socket pair's end, after its message."""
+    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sendfds(sock, [fd])
 
 
 class ProcessPool:
@@ -143,13 +193,13 @@ class ProcessPool:
         fd = -1
         # Once an epoch: NOTE [ Plans without a sharing thread ].
         if type(msg) is UsePlan:
-            msg, fd = plan_fd.detach(msg)
+            msg, fd = detach_plan(msg)
         payload = ForkingPickler.dumps(msg)
         if len(payload) <= INLINE_BYTES and (self._sender is None or not self._sender.busy(w)):
             try:
                 self.conns[w].send_bytes(payload)
                 if fd >= 0:
-                    plan_fd.send_descriptor(self.conns[w], fd)
+                    send_descriptor(self.conns[w], fd)
             except (BrokenPipeError, ConnectionResetError):
                 # The worker died: poll() reports it, with its signal or exit code.
                 pass
@@ -289,7 +339,7 @@ class _Sender:
                 if not self.stopping:
                     self.conns[w].send_bytes(payload)
                     if fd >= 0:
-                        plan_fd.send_descriptor(self.conns[w], fd)
+                        send_descriptor(self.conns[w], fd)
             except (OSError, ValueError):
                 # The pool is closing, or the worker died: the iterator reports it.
                 pass

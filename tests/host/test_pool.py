@@ -1,5 +1,5 @@
 """An epoch's plan reaches process workers with its shared memory passed on their own
-connection (NOTE [ Plans without a sharing thread ] in ``_host/plan_fd.py``): no thread is left
+connection (NOTE [ Plans without a sharing thread ] in ``_host/pool.py``): no thread is left
 in the main process, and the workers read the same order."""
 
 from __future__ import annotations
