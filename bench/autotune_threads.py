@@ -1,10 +1,11 @@
 """``num_workers="auto"`` on thread workers the GIL holds back: what is lost, and when it says so.
 
-``_host/thread_advice.py`` (and NOTE [ Autotuning decisions ]): auto never changes the worker
-type; on thread workers that cannot scale it warns once (``ThreadWorkersWarning``), naming
-``worker_type="process"``. This measures, on a GIL-bound dataset (pure-Python work per
-sample), the rate of ``num_workers="auto"`` on threads and on processes and of a static count
-of each, sides alternating over rounds, and the batch at which the warning came.
+``held_back`` in ``_host/auto_iter.py`` (and NOTE [ Autotuning decisions ]): auto never
+changes the worker type; on thread workers that cannot scale it warns once
+(``ThreadWorkersWarning``), naming ``worker_type="process"``. This measures, on a GIL-bound
+dataset (pure-Python work per sample), the rate of ``num_workers="auto"`` on threads and on
+processes and of a static count of each, sides alternating over rounds, and the batch at which
+the warning came.
 
     python -m bench.autotune_threads [--rounds 3] [--seconds 4]
 

@@ -14,7 +14,7 @@
 
 from ._base.errors import WorkerError
 from ._device.pageable import PageableCopyWarning
-from ._host.thread_advice import ThreadWorkersWarning
+from ._host.auto_iter import ThreadWorkersWarning
 from ._memory.release import PinningFallbackWarning
 from ._order.sample_rng import RandomStateWarning
 from ._sources.packed import CopyOnWriteWarning

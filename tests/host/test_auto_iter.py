@@ -354,8 +354,8 @@ def test_decisions_are_instants_of_the_trace(worker_type):
 
 
 def test_the_advice_on_thread_workers_is_warned_at_the_loop(monkeypatch):
-    """_host/thread_advice.py: the iterator asks after each window and warns with the advice
-    it gets, pointing at the loop."""
+    """held_back in _host/auto_iter.py: the iterator asks after each window and warns with the
+    advice it gets, pointing at the loop."""
     from gpufeed._host import auto_iter as _auto_iter
     from gpufeed.errors import ThreadWorkersWarning
 

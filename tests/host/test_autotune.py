@@ -269,10 +269,10 @@ def test_a_small_gain_is_judged_on_two_windows_against_the_better_of_two_before(
 
 @pytest.mark.parametrize("kind", ["thread", "process"])
 def test_thread_workers_the_gil_holds_back_are_told_about_once(kind):
-    """_host/thread_advice.py: the loop waits, 4 thread workers gave nothing over 2, and the
-    process used one core of two: the work holds the GIL, and the advice names
+    """held_back in _host/auto_iter.py: the loop waits, 4 thread workers gave nothing over 2,
+    and the process used one core of two: the work holds the GIL, and the advice names
     worker_type="process", once per loader. Process workers that do not scale get none."""
-    from gpufeed._host.thread_advice import held_back
+    from gpufeed._host.auto_iter import held_back
 
     t = make(workers=2)
     t.worker_type = kind
@@ -294,7 +294,7 @@ def test_thread_workers_the_gil_holds_back_are_told_about_once(kind):
 def test_thread_workers_that_use_the_cores_get_no_advice():
     """Threads waiting on I/O or in GIL-free code (the process uses both cores): no advice,
     held back or reverted as they may be."""
-    from gpufeed._host.thread_advice import held_back
+    from gpufeed._host.auto_iter import held_back
 
     t = make(workers=2)
     t.worker_type = "thread"

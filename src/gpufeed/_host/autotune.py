@@ -32,7 +32,8 @@ memory. Between two batches, :meth:`AutoTuner.decide` reads a window and may ret
    Over a budget (memory, or CPU by more than ``TOLERANCE``), shrink to fit.
 5. **Hold** otherwise, and say why once: a budget, ``max_workers``, a count that gave no gain,
    or a machine too noisy to decide (the rate varies by more than ``NOISY`` between windows at
-   unchanged settings and step). The worker type never changes: ``_host/thread_advice.py``.
+   unchanged settings and step). The worker type never changes: ``held_back`` in
+   ``_host/auto_iter.py``.
 
 Every decision, forced ones included (the test seam :attr:`AutoTuner.schedule`), goes through
 :meth:`AutoTuner._record`: one ``TuningDecision``, logged at INFO, kept for
