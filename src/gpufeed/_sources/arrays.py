@@ -11,8 +11,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from .._base.stats import human_bytes
-from .describe import dataset_repr
-from .protocol import index_array, wrap_indices
+from .protocol import dataset_repr, index_array, wrap_indices
 
 Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 

@@ -24,8 +24,7 @@ from torch.utils.data import Dataset
 
 from .._base.stats import human_bytes
 from .arrays import allocate, torch_dtype
-from .describe import dataset_repr
-from .protocol import index_array, require
+from .protocol import dataset_repr, index_array, require
 
 _open_lock = threading.Lock()  # the forked child gets a fresh one (at_fork below)
 DENSE = 4  # read the whole range when it is at most this many times the rows wanted

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from .decoded import DecodedImages
-from .describe import dataset_repr
 from .folder import IMG_EXTENSIONS, Samples, find_classes, pack, scan
 from .packed import PackedList
+from .protocol import dataset_repr
 
 
 class ImageFolder(DecodedImages):

@@ -13,8 +13,7 @@ from torch.utils.data import Dataset
 
 from .arrays import allocate, torch_dtype
 from .arrow import ArrowSource, numeric_type, samples
-from .describe import dataset_repr
-from .protocol import index_array, require, wrap_indices
+from .protocol import dataset_repr, index_array, require, wrap_indices
 
 
 class ArrowDataset(Dataset[Any]):

@@ -1,5 +1,8 @@
 """Batch sources: datasets that read a whole batch per call, and optional dependencies.
 
+The sources' ``repr`` is in torchvision's dataset layout (``dataset_repr``): what a log or a
+notebook shows.
+
 NOTE [ Batch sources ]: a map-style dataset may read a batch faster than sample by sample
 (one decode loop writing into the slot, one ``take`` of Arrow rows, one sorted HDF5 read).
 ``batch_source`` in ``_host/fetch.py`` finds the object that does it for a dataset: the dataset
@@ -26,7 +29,7 @@ take no lock, so thread workers overlap.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -91,3 +94,19 @@ def wrap_indices(idx: np.ndarray, n: int) -> np.ndarray:
     if low < -n or high >= n:
         raise IndexError(f"index {low if low < -n else high} is out of range for {n} samples")
     return np.where(idx < 0, idx + n, idx)
+
+
+def dataset_repr(obj: object, length: int, location: str | None,
+                 settings: Iterable[str]) -> str:
+    """torchvision's ``VisionDataset.__repr__`` layout, ``settings`` one line each::
+
+        Dataset ImageFolder
+            Number of datapoints: 1281167
+            Root location: /data/imagenet/train
+            <one line per key setting>
+    """
+    body = [f"Number of datapoints: {length}"]
+    if location is not None:
+        body.append(f"Root location: {location}")
+    body.extend(settings)
+    return "\n".join([f"Dataset {type(obj).__name__}", *("    " + line for line in body)])

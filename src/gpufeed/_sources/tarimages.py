@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from .decoded import DecodedImages
-from .describe import dataset_repr
 from .packed import PackedList
+from .protocol import dataset_repr
 from .tarindex import Member, ShardStamp, expand, index_all, read_range, samples
 
 #: the members taken as a sample's image, first found first (webdataset's image extensions)
