@@ -36,8 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpufeed._tools.measure import batch_samples_and_bytes
-from gpufeed._tools.peaks import PeakSampler
+from gpufeed._tools.measure import PeakSampler, batch_samples_and_bytes
 
 __all__ = ["NoLoaderMeasurement", "measure_no_loader"]
 

@@ -24,7 +24,6 @@ from .._base.stats import human_bytes, input_bound_share
 from .._base.system import TreeCpu
 from .._host.config import WorkerType
 from . import measure as _measure
-from . import peaks as _peaks
 from .probe import descendants, process_tree_pss, shm_usage
 from .repeat import Spread
 
@@ -168,7 +167,7 @@ class _CpuClock:
         return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
 
 
-def _consume(timer: _StepTimer, peaks: _peaks.PeakSampler,
+def _consume(timer: _StepTimer, peaks: _measure.PeakSampler,
              cpu: _CpuClock) -> Callable[[Any], None]:
     """``consume`` hook of a run: the step and its timing, the memory gauges every batch, and
     after the warm-up the tree's PSS every ``PSS_EVERY_S`` (a sample costs a few ms: about 2%
@@ -203,7 +202,7 @@ def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: i
     wait_s = step_s = 0.0
     cores: list[float] = []
     while not Spread(tuple(rates)).done(runs, target_spread):
-        timer, peaks = _StepTimer(step, warmup), _peaks.PeakSampler(gauges=True)
+        timer, peaks = _StepTimer(step, warmup), _measure.PeakSampler(gauges=True)
         cpu = _CpuClock()
         try:
             with warnings.catch_warnings():  # trying more workers than CPUs is the point here
