@@ -1,7 +1,7 @@
 """Floor 10: the ``gpufeed`` command.
 
 - ``main.py``: the argument parser, its validators and ``main`` (the entry point);
-- ``commands.py``: one function per subcommand (bench, tune, profile, doctor), its progress bar;
+- ``commands.py``: one function per subcommand (bench, tune, profile, doctor), its progress bar,
+  and ``profile``'s run recorded (``--trace``, ``--timeline``);
 - ``targets.py``: loading the user's ``MODULE:NAME`` targets and datasets, and their errors.
-- ``tracing.py``: ``profile``'s ``--trace`` and ``--timeline`` options, and the recorded run.
 """

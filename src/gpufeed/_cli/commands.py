@@ -1,6 +1,11 @@
 """The ``gpufeed`` subcommands, one function each (``cmd_bench``, ``cmd_tune``, ``cmd_profile``,
 ``cmd_doctor``: an ``argparse`` namespace in, the exit code out), and their progress bar.
 
+``gpufeed profile ... --trace FILE --timeline FILE.png``: the profiled run, recorded. The options
+are added to ``profile``'s parser in ``main.py``, and :func:`cmd_profile_traced` runs
+``cmd_profile`` inside ``gpufeed.trace`` (``_tools/trace.py``) when either is given, then
+writes the trace and draws the picture (``_tools/gantt.py``).
+
 Each command imports the tools it uses when it runs (``gpu`` only with CUDA).
 """
 
@@ -187,6 +192,47 @@ def cmd_profile(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+#: The picture's options (None: not given) and their defaults; each needs ``--timeline``.
+_PICTURE = {"timeline_seconds": 1.0, "timeline_start": 0.0, "stall_ms": 1.0}
+
+
+def _check_trace_options(args: argparse.Namespace) -> None:
+    """An option that shapes a recording nobody asked for is a usage error, not ignored."""
+    given = [name for name in _PICTURE if getattr(args, name) is not None]
+    if given and not args.timeline:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UsageError(f"{flags} shape{'s' if len(given) == 1 else ''} the picture: add "
+                         "--timeline FILE.png, or leave "
+                         f"{'it' if len(given) == 1 else 'them'} out")
+    if args.trace_last is not None and not (args.trace or args.timeline):
+        raise UsageError("--trace-last bounds a recording: add --trace FILE (or --timeline "
+                         "FILE.png), or leave it out")
+    for name, default in _PICTURE.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
+def cmd_profile_traced(args: argparse.Namespace) -> int:
+    """``cmd_profile``, recorded when ``--trace`` or ``--timeline`` is given."""
+    _check_trace_options(args)
+    if not (args.trace or args.timeline):
+        return cmd_profile(args)
+    from .._tools.gantt import require_matplotlib
+    from .._tools.trace import trace
+
+    if args.timeline:
+        require_matplotlib()  # fail before the run, not after
+    with trace(args.trace, last_batches=args.trace_last) as recording:
+        code = cmd_profile(args)
+    if args.trace:
+        print(f"wrote {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    if args.timeline:
+        recording.plot(args.timeline, seconds=args.timeline_seconds,
+                       start_s=args.timeline_start, stall_ms=args.stall_ms)
+        print(f"wrote {args.timeline}")
+    return code
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

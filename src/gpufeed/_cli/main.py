@@ -17,9 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._tools.output import file_path, json_output, output_path
-from .commands import cmd_bench, cmd_doctor, cmd_tune
+from .commands import cmd_bench, cmd_doctor, cmd_profile_traced, cmd_tune
 from .targets import UsageError
-from .tracing import add_trace_options, cmd_profile_traced
 
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
@@ -74,6 +73,28 @@ def _size(text: str) -> int:
         return parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_trace_options(p: argparse.ArgumentParser) -> None:
+    """``--trace``, ``--timeline`` and their bounds, on ``profile``'s parser; the recorded run
+    is ``cmd_profile_traced``'s (``commands.py``)."""
+    g = p.add_argument_group("timeline")
+    g.add_argument("--trace", metavar="FILE", type=file_path,
+                   help="write a timeline of every batch through every stage as Chrome Trace "
+                   "Event JSON (FILE.json.gz: compressed); open it in ui.perfetto.dev or "
+                   "chrome://tracing")
+    g.add_argument("--timeline", metavar="PNG", type=file_path,
+                   help="draw the first seconds of the timeline as a Gantt chart per track, "
+                   "stalls marked (needs matplotlib)")
+    g.add_argument("--timeline-seconds", type=_positive(float), metavar="S",
+                   help="seconds of the run the picture shows (1.0)")
+    g.add_argument("--timeline-start", type=_nonnegative(float), metavar="S",
+                   help="where the picture starts, in seconds from the start (0: worker "
+                   "start-up included)")
+    g.add_argument("--stall-ms", type=_nonnegative(float), metavar="MS",
+                   help="a wait of the loop this long or longer is a stall in the picture (1)")
+    g.add_argument("--trace-last", type=_positive(int), metavar="N",
+                   help="keep only the last N batches in the trace (a long run)")
 
 
 def version_text() -> str:
@@ -166,7 +187,7 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("target", metavar="MODULE:FUNCTION")
     pr.add_argument("--steps", type=_positive(int), help="stop after N steps (default: all)")
     pr.add_argument("--warmup", type=_positive(int), default=1, help="first steps left out (1)")
-    add_trace_options(pr, _positive, _nonnegative)
+    _add_trace_options(pr)
     pr.set_defaults(func=cmd_profile_traced)
 
     d = sub.add_parser("doctor", parents=[common], help="check this machine's limits",
