@@ -14,9 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpufeed._tools.environment import write_documents
-
 from .cpu import CEILING, EXTRA_LOADERS, LOADERS, STAND_IN, Settings, directory, run_cpu
+from .summary import write_documents
 from .workloads import WORKLOADS
 
 DEFAULT_WORKLOADS = ("tabular", "image-array", "jpeg", "python-list")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gpufeed._tools.environment import write_documents
+from .summary import write_documents
 
 __all__ = ["render_markdown", "summarize", "write_results"]
 

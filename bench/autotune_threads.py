@@ -25,8 +25,10 @@ import torch
 from torch.utils.data import Dataset
 
 import gpufeed
-from gpufeed._tools.environment import environment, environment_line, write_documents
+from gpufeed._tools.environment import environment
 from gpufeed.errors import ThreadWorkersWarning
+
+from .summary import environment_line, write_documents
 
 LOOPS = 4000  # pure-Python iterations per sample: about 0.3 ms here, holding the GIL
 BATCH = 8

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from gpufeed._memory import pinning as _pinning
 from gpufeed._tools.bench_gpu import SKIPPED, render_markdown, run_gpu_benchmark
-from gpufeed._tools.environment import write_documents
 
 from .cpu import directory
+from .summary import write_documents
 
 __all__ = ["main"]
 

@@ -40,7 +40,9 @@ import torch
 import gpufeed
 from bench.photos import mean_file_bytes, photo_set
 from bench.sources import PillowFolder
-from gpufeed._tools.environment import environment, environment_line, write_documents
+from gpufeed._tools.environment import environment
+
+from .summary import environment_line, write_documents
 
 SCHEMA = "gpufeed-bench-gpu-decode/1"
 SIZE = 224

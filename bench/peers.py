@@ -220,7 +220,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_side(args.run_side, str(path), args.count, args.samples)))
         return
 
-    from gpufeed._tools.environment import environment, environment_line, write_documents
+    from gpufeed._tools.environment import environment
+
+    from .summary import environment_line, write_documents
 
     env = environment()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -36,9 +36,15 @@ import numpy as np
 import torch
 
 import gpufeed
-from gpufeed._tools.environment import environment, environment_line, write_documents
+from gpufeed._tools.environment import environment
 
-from .summary import machine_shared, paragraph, shared_machine_note
+from .summary import (
+    environment_line,
+    machine_shared,
+    paragraph,
+    shared_machine_note,
+    write_documents,
+)
 
 OUT = 112  # side of a crop, pixels
 

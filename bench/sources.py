@@ -49,14 +49,13 @@ from torch.utils.data import DataLoader as StockLoader
 from torch.utils.data import Dataset, default_collate
 
 import gpufeed
-from gpufeed._tools.environment import commit_label, write_documents
 from gpufeed._tools.environment import environment as shared_environment
 from gpufeed._tools.measure import measure_loader, one_intra_op_thread
 
 from .ceiling import measure_no_loader
 from .cpu import directory, pss_growth_bytes
 from .photos import flip_to_float, mean_file_bytes, photo_set, pillow_sample
-from .summary import paired_ratio
+from .summary import commit_label, paired_ratio, write_documents
 
 WORKLOADS = ("jpeg-crop", "jpeg-rrc", "hf-datasets", "hdf5", "python-list")
 

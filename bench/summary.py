@@ -24,12 +24,15 @@ adds N us of CPU per batch to the loop, to see how a rate answers that cost
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
-__all__ = ["PSS_TOLERANCE", "TARGETS", "main_bound", "paired_ratio", "per_round", "summarize"]
+__all__ = ["PSS_TOLERANCE", "TARGETS", "commit_label", "environment_line", "main_bound",
+           "paired_ratio", "per_round", "summarize", "write_documents"]
 
 #: Minimum ratio of samples/s, gpufeed's best over the stock loader's best (issue 2, item 6).
 TARGETS: dict[str, float] = {"tabular": 15.0, "image-array": 3.0, "jpeg": 1.15}
@@ -218,3 +221,32 @@ def shared_machine_note(env: dict[str, Any]) -> str:
 def paragraph(text: str) -> list[str]:
     """A markdown paragraph's lines: the text and a blank line, or none for no text."""
     return [text, ""] if text else []
+
+
+# --- results files' header and writing --------------------------------------------------------
+
+def commit_label(env: dict[str, Any]) -> str:
+    """`` (<commit>[, dirty])`` of an ``environment()`` record (``gpufeed._tools.environment``),
+    for a results header; "" outside a git checkout."""
+    commit = env.get("git_commit")
+    return f" ({commit[:10]}{', dirty' if env.get('git_dirty') else ''})" if commit else ""
+
+
+def environment_line(env: dict[str, Any]) -> str:
+    """The one-line header of a results file: date, machine, Python, torch, gpufeed and its
+    commit, the load average at the start (of an ``environment()`` record)."""
+    return (f"{env['date']} on `{env['hostname']}`: {env['cpu_model']}, {env['cpu_affinity']} "
+            f"usable cores; Python {env['python']}, torch {env['torch']}, gpufeed "
+            f"{env['gpufeed']}{commit_label(env)}; load average {env['loadavg_start'][0]:.2f} "
+            "at start.")
+
+
+def write_documents(doc: dict[str, Any], out: Path, stem: str,
+                    markdown: str) -> tuple[Path, Path]:
+    """Write ``doc`` as ``<stem>.json`` and ``markdown`` as ``<stem>.md`` into ``out``
+    (created if needed)."""
+    out.mkdir(parents=True, exist_ok=True)
+    output_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
+    output_path.write_text(json.dumps(doc, indent=1) + "\n")
+    md_path.write_text(markdown)
+    return output_path, md_path

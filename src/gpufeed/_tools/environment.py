@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import json
 import os
 import platform
 import socket
@@ -60,30 +59,3 @@ def environment() -> dict[str, Any]:
         "git_dirty": bool(_git("status", "--porcelain")) if commit else None,
         "torch_threads_main": torch.get_num_threads(),
     }
-
-
-def commit_label(env: dict[str, Any]) -> str:
-    """`` (<commit>[, dirty])`` of an :func:`environment` record, for a results header; ""
-    outside a git checkout."""
-    commit = env.get("git_commit")
-    return f" ({commit[:10]}{', dirty' if env.get('git_dirty') else ''})" if commit else ""
-
-
-def environment_line(env: dict[str, Any]) -> str:
-    """The one-line header of a results file: date, machine, Python, torch, gpufeed and its
-    commit, the load average at the start (of an :func:`environment` record)."""
-    return (f"{env['date']} on `{env['hostname']}`: {env['cpu_model']}, {env['cpu_affinity']} "
-            f"usable cores; Python {env['python']}, torch {env['torch']}, gpufeed "
-            f"{env['gpufeed']}{commit_label(env)}; load average {env['loadavg_start'][0]:.2f} "
-            "at start.")
-
-
-def write_documents(doc: dict[str, Any], out: Path, stem: str,
-                    markdown: str) -> tuple[Path, Path]:
-    """Write ``doc`` as ``<stem>.json`` and ``markdown`` as ``<stem>.md`` into ``out``
-    (created if needed)."""
-    out.mkdir(parents=True, exist_ok=True)
-    output_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
-    output_path.write_text(json.dumps(doc, indent=1) + "\n")
-    md_path.write_text(markdown)
-    return output_path, md_path
