@@ -16,14 +16,6 @@ from typing import Any
 from .config import WORKER_TYPES
 
 
-def _whole_positive(value: Any) -> bool:
-    """An int >= 1, or anything torch's ``range(prefetch_factor * num_workers)`` takes."""
-    try:
-        return operator.index(value) >= 1
-    except TypeError:
-        return False
-
-
 def check_arguments(
     *, num_workers: Any, worker_type: Any, prefetch_factor: Any, multiprocessing_context: Any,
     ring_bytes: Any, device: Any, device_transform: Any, device_depth: Any, deterministic: Any,
@@ -47,20 +39,24 @@ def check_arguments(
             "multiprocessing_context only applies to process workers; drop it or use "
             "worker_type='process'"
         )
-    if workers and prefetch_factor is not None and not _whole_positive(prefetch_factor):
-        # Stock fails only at iter(): a TypeError from range(), an assert for 0.
-        fix = ("prefetch_factor is the whole number of batches each worker loads ahead, an int "
-               f">= 1 (None: the default, 2 in torch); got {prefetch_factor!r}")
+    if workers and prefetch_factor is not None:
+        # Anything torch's range(prefetch_factor * num_workers) takes, >= 1.
         try:
             whole = operator.index(prefetch_factor)
         except TypeError:
-            raise TypeError(f"'{type(prefetch_factor).__name__}' object cannot be interpreted "
-                            f"as an integer: {fix}") from None
-        if whole < 0:
-            raise ValueError(f"prefetch_factor option should be non-negative: {fix}")
-        # stock: AssertionError at iter(), which python -O strips; a ValueError here
-        raise ValueError("prefetch_factor must be greater than 0 for "
-                         f"MultiProcessingDataLoaderIter: {fix}")
+            whole = None
+        if whole is None or whole < 1:
+            # Stock fails only at iter(): a TypeError from range(), an assert for 0.
+            fix = ("prefetch_factor is the whole number of batches each worker loads ahead, an "
+                   f"int >= 1 (None: the default, 2 in torch); got {prefetch_factor!r}")
+            if whole is None:
+                raise TypeError(f"'{type(prefetch_factor).__name__}' object cannot be "
+                                f"interpreted as an integer: {fix}")
+            if whole < 0:
+                raise ValueError(f"prefetch_factor option should be non-negative: {fix}")
+            # stock: AssertionError at iter(), which python -O strips; a ValueError here
+            raise ValueError("prefetch_factor must be greater than 0 for "
+                             f"MultiProcessingDataLoaderIter: {fix}")
     if ring_bytes is not None:
         if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, int):
             raise TypeError(
