@@ -58,33 +58,27 @@ def worker_out_of_descriptors(worker_id: int, doing: str) -> RemoteError:
     ) + f"\nOriginal traceback (worker):\n{text}")
 
 
-def _lives_on(proc: Any, wait_s: float = 0.5) -> bool:
-    """Whether ``proc`` still runs ``wait_s`` later: a worker that exits also hangs up, and it
-    is reported as dead."""
-    proc.join(wait_s)
-    return bool(proc.is_alive())
-
-
 def receive(conn: Any, proc: Any, w: int) -> ToMain:
     """The next message from process worker ``w``. The pipe's own errors propagate (EOF: the
     worker is gone); out of descriptors, on either side: torch's "Too many open files"."""
+    what = "a message"
     try:
         buf = conn.recv_bytes()
-    except Exception as e:
-        if out_of_descriptors(e) or out_of_fds():
-            raise WorkerError(too_many_files(
-                f"the main process, receiving a message from worker {w}")) from e
-        raise
-    try:  # a batch's descriptors are fetched from the worker while unpickling
+        # a batch's descriptors are fetched from the worker while unpickling
+        what = "a batch"
         msg: ToMain = ForkingPickler.loads(buf)
+        return msg
     except Exception as e:
         if out_of_descriptors(e) or out_of_fds():
             raise WorkerError(too_many_files(
-                f"the main process, receiving a batch from worker {w}")) from e
-        if isinstance(e, EOFError) and _lives_on(proc):
-            raise WorkerError(too_many_files(
-                f"worker {w} (pid {proc.pid}) could not pass a batch's descriptor to the main "
-                "process: its descriptor-passing thread failed, as it does when the worker "
-                "runs out of file descriptors")) from e
+                f"the main process, receiving {what} from worker {w}")) from e
+        if what == "a batch" and isinstance(e, EOFError):
+            # A worker that exits also hangs up, and it is reported as dead: not one still
+            # alive half a second later.
+            proc.join(0.5)
+            if proc.is_alive():
+                raise WorkerError(too_many_files(
+                    f"worker {w} (pid {proc.pid}) could not pass a batch's descriptor to the "
+                    "main process: its descriptor-passing thread failed, as it does when the "
+                    "worker runs out of file descriptors")) from e
         raise
-    return msg
