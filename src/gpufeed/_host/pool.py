@@ -54,6 +54,7 @@ otherwise the plan pickles as torch pickles it. Tested in ``tests/host/test_pool
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
 import logging
 import os
@@ -140,20 +141,12 @@ class ProcessPool:
         self.procs: list[Any] = []
         self._sender: _Sender | None = None
         self.closed = False
-        pipes: list[tuple[Any, Any]] = []
         try:
-            for _ in range(n):
-                pipes.append(ctx.Pipe(duplex=True))
-                self.conns.append(pipes[-1][0])
-            self._start(ctx, spec, pipes)
+            self._start(ctx, spec)
         except BaseException:
             # See NOTE [ Shutdown ]: nothing outlives a failed start.
-            for _, worker_end in pipes:
-                worker_end.close()
             self.close()
             raise
-        for _, worker_end in pipes:
-            worker_end.close()
         self._poller = select.poll()
         # Descriptor -> (what it is, its worker).
         self._fd_owner: dict[int, tuple[_Watch, int]] = {}
@@ -164,24 +157,32 @@ class ProcessPool:
             self._watch(self.conns[w].fileno(), _Watch.CONN, w)
             self._watch(self.procs[w].sentinel, _Watch.EXIT, w)
 
-    def _start(self, ctx: Any, spec: WorkerSpec, pipes: list[tuple[Any, Any]]) -> None:
+    def _start(self, ctx: Any, spec: WorkerSpec) -> None:
         fork = ctx.get_start_method() == "fork"
-        close_fds: tuple[int, ...] = ()
-        # Each child closes every end but its own.
-        if fork:
-            close_fds = tuple(c.fileno() for p in pipes for c in p)
-        # One freeze for all: NOTE [ Frozen heap at fork ].
-        with heap_frozen(fork=fork):
-            for w in range(self.n):
-                own = pipes[w][1].fileno()
-                kwargs = dict(worker_id=w, kind="process", chan=pipes[w][1],
-                              close_fds=tuple(fd for fd in close_fds if fd != own))
-                proc = ctx.Process(target=worker_loop, args=(spec,), kwargs=kwargs, daemon=True)
-                # a Ctrl-C held in the start is raised once kept (NOTE [ Ctrl-C that Python drops ])
-                with ctrl_c_held(hold=fork):
-                    with warn_if_unpicklable():
+        pipes: list[tuple[Any, Any]] = []
+        try:
+            for _ in range(self.n):
+                pipes.append(ctx.Pipe(duplex=True))
+                self.conns.append(pipes[-1][0])
+            # Each child closes every end but its own.
+            close_fds = tuple(c.fileno() for p in pipes for c in p) if fork else ()
+            # One freeze for all: NOTE [ Frozen heap at fork ].
+            with heap_frozen(fork=fork):
+                for w, (_, worker_end) in enumerate(pipes):
+                    own = worker_end.fileno()
+                    kwargs = dict(worker_id=w, kind="process", chan=worker_end,
+                                  close_fds=tuple(fd for fd in close_fds if fd != own))
+                    proc = ctx.Process(target=worker_loop, args=(spec,), kwargs=kwargs,
+                                       daemon=True)
+                    # a Ctrl-C held in the start is raised once the process is kept (NOTE
+                    # [ Ctrl-C that Python drops ])
+                    with ctrl_c_held(hold=fork), warn_if_unpicklable():
                         proc.start()
-                    self.procs.append(proc)
+                        self.procs.append(proc)
+        finally:
+            # The workers have theirs (a failed start: before close() stops them).
+            for _, worker_end in pipes:
+                worker_end.close()
 
     def _watch(self, fd: int, what: _Watch, w: int) -> None:
         self._poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
@@ -219,9 +220,7 @@ class ProcessPool:
             if what is _Watch.CONN:
                 try:
                     msgs.append((w, receive(self.conns[w], self.procs[w], w)))
-                except Exception as e:
-                    if not isinstance(e, (EOFError, OSError)):
-                        raise
+                except (EOFError, OSError):
                     self._poller.unregister(fd)
                     dead.append(w)
             else:
@@ -239,11 +238,9 @@ class ProcessPool:
         """Whatever worker ``w`` sent before it died."""
         out = []
         conn = self.conns[w]
-        try:
+        with contextlib.suppress(EOFError, OSError):
             while conn.poll(0):
                 out.append(conn.recv())
-        except (EOFError, OSError):
-            pass
         return out
 
     def exit_description(self, w: int) -> str:
@@ -300,13 +297,11 @@ def _hang_up(conn: Any, *, may_write: bool) -> None:
     except OSError:
         # Not a socket (or the worker is gone): an explicit stop message instead.
         pass
-    # Never from this thread while the sender may be writing to it.
+    # Never from this thread while the sender may be writing to it; EOF alone is not enough
+    # when a later fork inherited our end.
     if may_write:
-        # EOF alone is not enough when a later fork inherited our end.
-        try:
+        with contextlib.suppress(OSError, ValueError):
             conn.send_bytes(_STOP_MSG)
-        except (OSError, ValueError):
-            pass
 
 
 class _Sender:
@@ -369,12 +364,8 @@ class ThreadPool:
         self.closed = False
         try:
             for w in range(n):
-                t = threading.Thread(
-                    target=_thread_entry,
-                    args=(spec, w, self.chans[w]),
-                    name=f"gpufeed-worker-{w}",
-                    daemon=True,
-                )
+                t = threading.Thread(target=_thread_entry, args=(spec, w, self.chans[w]),
+                                     name=f"gpufeed-worker-{w}", daemon=True)
                 t.start()
                 self.threads.append(t)
         except BaseException:
