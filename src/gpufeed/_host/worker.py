@@ -13,6 +13,7 @@ Measurements: docs/how-it-works/measurements/engine.md#several-tasks-per-message
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import queue
@@ -118,17 +119,20 @@ def worker_loop(
     label = worker_label(worker_id, is_process)
     seed = spec.base_seed + worker_id
     dataset = spec.dataset
+    # NOTE [ Iterable datasets in thread workers ] in _host/fetch.py: each its own copy
+    if spec.is_iterable and not is_process:
+        dataset = thread_copy(dataset)
+    info = WorkerInfo(id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset)
     region = spec.region
+    parent = -1
     if is_process:
         chan = ProcessChannel(chan)
         # A _memory Region, mapped here.
         region = region.tensor_here() if region is not None else None
         # The main's ends of other workers' pipes, inherited by fork.
         for fd in close_fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         # Ctrl-C is the main process's to handle.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         torch.set_num_threads(1)
@@ -137,17 +141,10 @@ def worker_loop(
         import numpy as np
 
         np.random.seed(_generate_state(spec.base_seed, worker_id))
-        _utils.worker._worker_info = WorkerInfo(
-            id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
-        )
+        _utils.worker._worker_info = info
         parent = os.getppid()
     else:
-        # NOTE [ Iterable datasets in thread workers ] in _host/fetch.py: each its own copy
-        dataset = thread_copy(dataset) if spec.is_iterable else dataset
-        _thread_local.info = WorkerInfo(
-            id=worker_id, num_workers=spec.num_workers, seed=seed, dataset=dataset
-        )
-        parent = -1
+        _thread_local.info = info
     set_shard_info(ShardInfo(spec.rank, spec.world_size, worker_id, spec.num_workers))
     try:
         # torch's seed and sharding of DataPipes, before worker_init_fn.
@@ -275,11 +272,9 @@ def _serve(
 
 
 def _say(chan: Any, msg: ToMain) -> None:
-    try:
+    # The main process may be gone or closing (another worker's error, or close()).
+    with contextlib.suppress(BrokenPipeError, EOFError, OSError):
         chan.send(msg)
-    except (BrokenPipeError, EOFError, OSError):
-        # The main process is gone or closing (another worker's error, or close()).
-        pass
 
 
 def _newer(chan: Any, inbox: collections.deque[ToWorker], gen: int) -> bool:
@@ -363,11 +358,9 @@ def _run_task(
         if out_of_descriptors(exc):
             return Failed(batch, sid, worker_out_of_descriptors(
                 worker_id, f"{fetcher.describe(indices)} (batch {batch})"))
-        # gpufeed's own allocation failed, not the user's code.
-        if isinstance(exc, SharedMemoryError):
-            return Failed(batch, sid, capture(f"in {label} (gpufeed: batch {batch})"))
-        where = f"in {label} (gpufeed: {fetcher.describe(indices)}, batch {batch})"
-        return Failed(batch, sid, capture(where))
+        # gpufeed's own allocation failed, not the user's code: no indices named.
+        what = "" if isinstance(exc, SharedMemoryError) else f"{fetcher.describe(indices)}, "
+        return Failed(batch, sid, capture(f"in {label} (gpufeed: {what}batch {batch})"))
     t2 = time.perf_counter()
     collate_s = fetcher.collate_s + (t2 - t1)
     fetch_s, sid = t2 - t0 - collate_s, -1
