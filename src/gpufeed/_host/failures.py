@@ -70,7 +70,7 @@ def describe_exit(pid: int | None, w: int, code: int | None) -> str:
 class Lost(NamedTuple):
     """In the place of a dead worker's first batch: the error raised when the loop gets there
     (the batches before it, from the other workers, come first); a ``RemoteError`` for a
-    worker that could not start (``WorkerIter._defer_start_failed``)."""
+    worker that could not start (``StartFailed`` in ``WorkerIter._handle``)."""
 
     error: WorkerError | RemoteError
 

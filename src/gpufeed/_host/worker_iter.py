@@ -95,6 +95,8 @@ class WorkerIter(BaseIter):
                                   slots_hint=self._work_ahead.slots_hint)
             # Counted in stats so far.
             self._seen = (self._ring.grows, self._ring.fallbacks)
+            # thread workers' draws from the global generators (process workers seed theirs)
+            self._watch = None if shared else config.random_watch
             spec = WorkerSpec(
                 num_workers=nw, dataset=self._dataset, is_iterable=self._is_iterable,
                 auto_collation=self._auto_collation, collate_fn=self._collate_fn,
@@ -102,10 +104,7 @@ class WorkerIter(BaseIter):
                 region=self._ring.region if shared else self._ring.region_tensor,
                 base_seed=self._base_seed, init_fn=config.worker_init_fn,
                 sample_seed=self._sample_seed, rank=config.rank, world_size=config.world_size,
-                random_watch=None if shared else config.random_watch,
-                datapipe=self._pipe_seeds.setup())
-            # thread workers' draws from the global generators (process workers seed theirs)
-            self._watch = None if shared else config.random_watch
+                random_watch=self._watch, datapipe=self._pipe_seeds.setup())
             self._pool: Pool
             if shared:
                 # NOTE [ Copy-on-write and Python objects ]
@@ -250,7 +249,11 @@ class WorkerIter(BaseIter):
     # -- receiving ----------------------------------------------------------------------------
     def _handle(self, w: int, msg: ToMain) -> None:
         if isinstance(msg, StartFailed):
-            if self._defer_start_failed(w, msg.error):
+            # worker_init_fn raised: in order, the error comes at the worker's first batch, as
+            # with the stock loader (_defer_lost), and its exit, which follows, is expected.
+            held = [i for i, holder in self._tasks.items() if holder == w]
+            if self._in_order and self._defer_lost(w, held, msg.error):
+                self._exits_expected.add(w)
                 return
             self.close()
             msg.error.reraise()
@@ -444,26 +447,14 @@ class WorkerIter(BaseIter):
         self._sampler_done = True
         return True
 
-    def _defer_start_failed(self, w: int, error: RemoteError) -> bool:
-        """Worker ``w`` could not start (``worker_init_fn`` raised): raise the error at its
-        first batch, in order, as the stock loader does (:meth:`_defer_lost`); True then, and
-        its exit, which follows, is expected. False: raise it now."""
-        held = [i for i, holder in self._tasks.items() if holder == w]
-        if not self._in_order or not self._defer_lost(w, held, error):
-            return False
-        self._exits_expected.add(w)
-        return True
-
     # -- trace (NOTE [ Timeline ] in _base/timeline.py) ---------------------------------------
     def _label(self, tl: _timeline.Timeline) -> None:
         """Name the loader and its worker tracks: "worker 0 (pid 4242)", "worker 0 (thread)"."""
         kind = "process" if self._shared else "thread"
-        pool = self._pool
-        procs = getattr(pool, "procs", None) or []
-        n = getattr(pool, "n", len(procs))
+        n, procs = self._pool.n, getattr(self._pool, "procs", [])
         tl.label(self._recorder, None, f"gpufeed.DataLoader ({n} {kind} workers)")
         for w in range(n):
-            pid = getattr(procs[w], "pid", None) if w < len(procs) else None
+            pid = procs[w].pid if w < len(procs) else None
             tl.label(self._recorder, ("worker", w),
                      f"worker {w}" + (f" (pid {pid})" if pid else f" ({kind})"))
 
