@@ -53,7 +53,6 @@ from .messages import (
 )
 from .pool import GRACE_S, Pool, ProcessPool, ThreadPool, live
 from .priority import WorkerPriority
-from .tracing import record_fetched, record_ring
 from .workahead import WorkAhead
 
 # An iterable dataset's worker ran dry.
@@ -230,7 +229,7 @@ class WorkerIter(BaseIter):
             for w, tasks in per_worker.items():
                 self._pool.send(w, Tasks(self._gen, tasks, self._tracker.epoch))
         if (self._ring.grows, self._ring.fallbacks) != self._seen:
-            self._seen = record_ring(self._recorder, self._ring, self._seen)
+            self._count_ring()
 
     def _least_held(self, turn: int) -> int:
         """The active worker holding the fewest tasks, ``turn`` first among equals."""
@@ -261,13 +260,13 @@ class WorkerIter(BaseIter):
             self._late.answer(w, msg, msg.gen == self._gen, self._work_ahead.batch_s)
             # The ring may have grown for the answer, as in _dispatch.
             if (self._ring.grows, self._ring.fallbacks) != self._seen:
-                self._seen = record_ring(self._recorder, self._ring, self._seen)
+                self._count_ring()
             return
         fetched = [r for r in msg.results if type(r) is Fetched]
         # Results of an abandoned epoch are recorded under epoch -1.
         if fetched:
-            busy_s = record_fetched(self._recorder, w, self._tracker.epoch
-                                    if msg.gen == self._gen else -1, fetched)
+            busy_s = self._record_fetched(w, self._tracker.epoch if msg.gen == self._gen else -1,
+                                          fetched)
             self._worked(len(fetched), busy_s)
         for result in msg.results:
             self._result(w, msg.gen, result)
@@ -447,7 +446,39 @@ class WorkerIter(BaseIter):
         self._sampler_done = True
         return True
 
-    # -- trace (NOTE [ Timeline ] in _base/timeline.py) ---------------------------------------
+    # -- stats and trace (NOTE [ Timeline ] in _base/timeline.py: what, on which clock) -------
+    def _record_fetched(self, w: int, epoch: int, fetched: list[Any]) -> float:
+        """Record the fetch and collate times of one message's ``Fetched`` results, one recorder
+        call per stage and message (not per batch), and worker ``w``'s spans for them, of
+        ``epoch`` (-1: an abandoned one's), while a trace records (NOTE [ Timeline ] (4)); their
+        worker seconds in all."""
+        fetch_s, collate_s = [r.fetch_s for r in fetched], [r.collate_s for r in fetched]
+        self._recorder.add_many("fetch", fetch_s)
+        self._recorder.add_many("collate", collate_s)
+        tl = _timeline.active
+        if tl is not None:
+            for r in fetched:
+                tl.worker_batch(self._recorder, w, r.batch, epoch, r.started, r.fetch_s,
+                                r.collate_s, r.need, r.spill is not None)
+        return sum(fetch_s) + sum(collate_s)
+
+    def _count_ring(self) -> None:
+        """Count the slots the ring carved and the batches that fell back to a fresh allocation
+        since ``_seen`` (its grows and fallbacks counted so far), in the stats and, while a
+        trace records, as instants."""
+        ring = self._ring
+        grown, fell_back = ring.grows - self._seen[0], ring.fallbacks - self._seen[1]
+        self._seen = (ring.grows, ring.fallbacks)
+        self._recorder.count("ring_grow", grown)
+        self._recorder.count("ring_fallback", fell_back)
+        tl = _timeline.active
+        if tl is not None and grown > 0:
+            tl.instant(self._recorder, "ring grew",
+                       args={"slots": grown, "slot_bytes": ring.slot_bytes})
+        if tl is not None and fell_back > 0:
+            tl.instant(self._recorder, "ring fallback: fresh allocation",
+                       args={"batches": fell_back, "ring_slots_in_use": ring.in_use})
+
     def _label(self, tl: _timeline.Timeline) -> None:
         """Name the loader and its worker tracks: "worker 0 (pid 4242)", "worker 0 (thread)"."""
         kind = "process" if self._shared else "thread"
