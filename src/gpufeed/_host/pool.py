@@ -1,37 +1,34 @@
 """Starting, talking to, watching and stopping workers (processes or threads).
 
-An epoch's plan is sent to process workers with its shared memory as a descriptor of its own
-(NOTE [ Plans without a sharing thread ], below).
-
 NOTE [ Shutdown ]
 -----------------
-``close()`` is idempotent and bounded in time. Process workers: the main process shuts
-down its end of each worker's socket (``_hang_up``); a worker waiting for a task sees EOF, one
-busy in user code finds the socket broken when it answers, and either way it exits. shutdown()
-acts on the socket, not on one descriptor: copies of our end inherited by workers forked later
-do not keep it open, and the ``_Sender`` thread, if it is blocked writing a large task to a
-busy worker, wakes with an error at once. Only once that thread has exited are the connections
-closed (closing a descriptor under a thread still writing to it would make it write to
-whatever file reuses the number). Workers still alive after ``GRACE_S`` get SIGTERM, then
-SIGKILL. Each worker also exits when its parent process changes (the main process died). The
-ring's memory is an anonymous memory file (``Region``, _memory/region.py): nothing is left in
-/dev/shm even after SIGKILL; the mapping goes with the last tensor viewing it. Thread workers
-get a stop message; threads are daemons, so one stuck in user code cannot keep the interpreter
-alive. A close that runs on a thread worker (the iterator's finalizer, when a garbage
-collection happens to run there) only sends the stop messages: it never joins. After
-``close()``, ``stopped`` says whether every worker has ended.
+``close()`` is idempotent and bounded in time. Process workers: the main process shuts down its
+end of each worker's socket (``_hang_up``); a worker waiting for a task sees EOF, one busy in
+user code finds the socket broken when it answers, and either way it exits. shutdown() acts on
+the socket, not on one descriptor: copies of our end inherited by workers forked later do not
+keep it open, and the ``_Sender`` thread, if blocked writing a large task to a busy worker,
+wakes with an error at once. Only once that thread has exited are the connections closed
+(closing a descriptor under a thread still writing to it would make it write to whatever file
+reuses the number). Workers still alive after ``GRACE_S`` get SIGTERM, then SIGKILL; each also
+exits when its parent process changes (the main process died). The ring's memory is an
+anonymous memory file (``Region``, _memory/region.py): nothing is left in /dev/shm even after
+SIGKILL; the mapping goes with the last tensor viewing it. Thread workers get a stop message;
+threads are daemons, so one stuck in user code cannot keep the interpreter alive. A close run
+on a thread worker (the iterator's finalizer, when a collection happens to run there) only
+sends the stop messages: it never joins. After ``close()``, ``stopped`` says whether every
+worker has ended.
 
 Dropping the last reference closes at once, without waiting for the cyclic garbage collector:
 an iterator knows its loader only through an ``IterConfig`` (``_host/config.py``), which holds
-no reference to the loader, so a persistent loader (which keeps its iterator) and its iterator
-form no cycle; torch's per-epoch ``_reset(loader)`` only asks the loader for a fresh config.
-Nothing else the iterator owns (pool, ring, sender thread) refers back to it. Keep it so: a
-cycle through the iterator keeps its workers alive until a collection runs.
+no reference to it, so a persistent loader (which keeps its iterator) and its iterator form no
+cycle; torch's per-epoch ``_reset(loader)`` only asks the loader for a fresh config. Nothing
+else the iterator owns (pool, ring, sender thread) refers back to it. Keep it so: a cycle
+through the iterator keeps its workers alive until a collection runs.
 
 A pool that fails while starting (its arguments cannot be pickled for spawn, fork fails) stops
 the workers it started and closes every pipe before the error leaves ``__init__``. A process
-that exits while the iterator runs is reported by its sentinel (see ``poll``), with its exit
-code or signal, also when a send found its pipe broken; never a hang.
+that exits while the iterator runs is reported by its sentinel (``poll``), with its exit code
+or signal, also when a send found its pipe broken; never a hang.
 
 NOTE [ Plans without a sharing thread ]
 ---------------------------------------
@@ -39,9 +36,9 @@ A shuffled epoch's order (``IndexPlan.perm``, ``_order/plan.py``) is drawn into 
 and sent to every process worker in ``UsePlan``. Pickled as torch pickles a shared tensor (the
 ``file_descriptor`` strategy), its descriptor would go through
 ``multiprocessing.resource_sharer``, a main-process thread that, once started, runs until the
-program exits: every later fork would then fork a multi-threaded process, which Python 3.12+
-warns of (a ``DeprecationWarning``: an error in suites that turn warnings into errors). The
-stock loader leaves no such thread (torch's intra-op threads, once started, warn in both).
+program exits: every later fork would fork a multi-threaded process, which Python 3.12+ warns
+of (a ``DeprecationWarning``: an error in suites that turn warnings into errors). The stock
+loader leaves no such thread (torch's intra-op threads, once started, warn in both).
 
 So the pool sends the plan's storage descriptor itself, right after the message, over the
 worker's own Unix socket pair (``SCM_RIGHTS``); the message carries a ``SharedPerm``
@@ -106,14 +103,12 @@ class _Watch(enum.Enum):
     EXIT = enum.auto()
 
 
-# An epoch's plan, and its storage's descriptor sent after it: NOTE [ Plans without a sharing
-# thread ].
-def detach_plan(msg: ToWorker) -> tuple[ToWorker, int]:
-    """``msg`` as pickled, and the descriptor to send right after it (-1: none), which the
-    plan's storage owns: the caller neither closes nor keeps it."""
-    if type(msg) is not UsePlan or msg.plan.perm is None:
-        return msg, -1
-    perm = msg.plan.perm
+def detach_plan(msg: UsePlan) -> tuple[UsePlan, int]:
+    """An epoch's plan as pickled, and the descriptor to send right after it (-1: none), which
+    the plan's storage owns: the caller neither closes nor keeps it (NOTE [ Plans without a
+    sharing thread ])."""
+    plan = msg.plan
+    perm = plan.perm
     if (not isinstance(perm, torch.Tensor) or not perm.is_shared()
             or torch.multiprocessing.get_sharing_strategy() != "file_descriptor"):
         return msg, -1
@@ -121,7 +116,6 @@ def detach_plan(msg: ToWorker) -> tuple[ToWorker, int]:
         fd, nbytes = perm.untyped_storage()._share_fd_cpu_()
     except (AttributeError, RuntimeError):  # a torch without it, or a storage shared by name
         return msg, -1
-    plan = msg.plan
     stub = IndexPlan(None, plan.n, plan.batch_size, plan.drop_last, plan.single)
     stub.perm = SharedPerm(  # type: ignore[assignment]
         nbytes, perm.dtype, int(perm.storage_offset()), perm.numel(), perm.stride(0))
@@ -287,21 +281,19 @@ class ProcessPool:
 
 
 def _hang_up(conn: Any, *, may_write: bool) -> None:
-    """End the conversation on ``conn`` for good (NOTE [ Shutdown ]): the worker reads EOF,
-    and every write, the worker's and ours, fails at once from now on."""
+    """End the conversation on ``conn`` for good: the worker reads EOF, and every write, the
+    worker's and ours, fails at once from now on (NOTE [ Shutdown ])."""
     # fromfd works on a duplicate descriptor, which the with block closes.
     try:
         with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.shutdown(socket.SHUT_RDWR)
-        return
     except OSError:
-        # Not a socket (or the worker is gone): an explicit stop message instead.
-        pass
-    # Never from this thread while the sender may be writing to it; EOF alone is not enough
-    # when a later fork inherited our end.
-    if may_write:
-        with contextlib.suppress(OSError, ValueError):
-            conn.send_bytes(_STOP_MSG)
+        # Not a socket (or the worker is gone): an explicit stop message instead (EOF alone is
+        # not enough when a later fork inherited our end), never from this thread while the
+        # sender may be writing to it.
+        if may_write:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send_bytes(_STOP_MSG)
 
 
 class _Sender:
