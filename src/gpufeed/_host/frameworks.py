@@ -78,8 +78,7 @@ def before_prepare(rank: int, world_size: int, iterable: bool) -> None:
         "and state_dict are dropped. To keep them, build the Accelerator from gpufeed.hf "
         "(from gpufeed.hf import Accelerator): its prepare() keeps gpufeed's loader under "
         "Accelerate's sharding, device placement and end-of-loader tracking",
-        stacklevel=_user_level(),
-    )
+        stacklevel=_user_level())
 
 
 def _user_level() -> int:
@@ -118,8 +117,7 @@ def _in_skip_first_batches() -> bool:
 class AccelerateHooks:
     """The attribute reads by which ``gpufeed.DataLoader`` learns that Accelerate is about to
     rebuild it: ``prepare`` reads ``_is_accelerate_prepared`` first (:func:`before_prepare`);
-    ``skip_first_batches`` reads ``multiprocessing_context`` back, warned of once per loader.
-    """
+    ``skip_first_batches`` reads ``multiprocessing_context`` back, warned of once per loader."""
 
     _rank: int
     _world_size: int
