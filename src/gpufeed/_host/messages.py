@@ -240,15 +240,13 @@ class WorkerState(NamedTuple):
 # -- what a worker starts from -----------------------------------------------------------------
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker is started with, the same for every worker of a pool.
-
-    ``region``: the ring's memory, a ``Region`` for process workers (pickled as its
-    descriptor) or its tensor for thread workers; None without a ring. ``base_seed``: each
-    worker seeds from ``base_seed + worker_id``. ``sample_seed``: per-sample seeding's base
-    seed at start (None: off; ``Reseed`` changes it). ``random_watch``: thread workers'
-    ``GlobalDrawWatch`` (``_host/random_watch.py``). ``datapipe``: what each worker applies to
-    its copy of a datapipe graph before ``init_fn`` (``_order/datapipes.py``).
-    """
+    """Everything a worker is started with, the same for every worker of a pool. ``region``:
+    the ring's memory, a ``Region`` for process workers (pickled as its descriptor) or its
+    tensor for thread workers; None without a ring. ``base_seed``: each worker seeds from
+    ``base_seed + worker_id``. ``sample_seed``: per-sample seeding's base seed at start (None:
+    off; ``Reseed`` changes it). ``random_watch``: thread workers' ``GlobalDrawWatch``
+    (``_host/random_watch.py``). ``datapipe``: what each worker applies to its copy of a
+    datapipe graph before ``init_fn`` (``_order/datapipes.py``)."""
 
     num_workers: int
     dataset: Any

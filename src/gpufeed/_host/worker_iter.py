@@ -1,13 +1,12 @@
-"""WorkerIter: ``gpufeed.DataLoader``'s batches from a worker pool through the slot ring.
+"""WorkerIter: ``gpufeed.DataLoader``'s batches from a worker pool through the slot ring. How
+batches are numbered, dispatched, answered and delivered, and what an epoch's generation is:
+NOTE [ Messages ] in ``_host/messages.py``.
 
-How batches are numbered, dispatched, answered and delivered, and what an epoch's
-generation is: NOTE [ Messages ] in ``_host/messages.py``.
+Names of torch's multiprocessing iterator that programs written for the stock loader reach for
+(not public API) are kept on ``WorkerIter``:
 
-Names of torch's multiprocessing iterator that programs reach for are kept on ``WorkerIter``.
-Not public API, but programs written for the stock loader use them:
-
-- ``loader._iterator._workers``: the worker processes (for their pids or liveness): the process
-  workers in force; empty for thread workers and once the workers have stopped.
+- ``loader._iterator._workers``: the process workers in force (for their pids or liveness);
+  empty for thread workers and once the workers have stopped.
 - ``loader._iterator._shutdown_workers()``: stop the workers now (persistent ones, before a
   loader is replaced). It is ``close()``: the loader's next ``iter()`` starts a new iterator.
 """
@@ -134,7 +133,6 @@ class WorkerIter(BaseIter):
     def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
         if self._closed:
             raise RuntimeError("this gpufeed iterator was closed; iterate the DataLoader again")
-        # A persistent loader or iterator may have been forked.
         failures.check_not_forked(self._pid)
         self._gen, self._config = self._gen + 1, config
         if not first_iter:
@@ -183,13 +181,11 @@ class WorkerIter(BaseIter):
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """Hand out tasks while fewer than the bound are in flight.
-
-        Batch k goes to the next active worker in turn, as with torch's loader (so iterable
-        datasets and per-worker random state give the same batches), in windows of ``chunk *
-        num_workers`` batches, each worker's share in one message; or one by one, to the
-        worker holding the fewest (NOTE [ Balanced dispatch ] in ``_host/workahead.py``).
-        """
+        """Hand out tasks while fewer than the bound are in flight: batch k goes to the next
+        active worker in turn, as with torch's loader (so iterable datasets and per-worker
+        random state give the same batches), in windows of ``chunk * num_workers`` batches,
+        each worker's share in one message; or one by one, to the worker holding the fewest
+        (NOTE [ Balanced dispatch ] in ``_host/workahead.py``)."""
         acquire, new, plan, late = self._ring.acquire, tuple.__new__, self._plan, self._late
         balance = self._work_ahead.share == 1 and self._work_ahead.balanced
         # Slots bound when the tasks start (NOTE [ Slots bound when a task starts ]).
@@ -324,7 +320,6 @@ class WorkerIter(BaseIter):
         # The loop draws nothing until the batch is popped.
         if self._watch is not None:
             self._watch.wait_begins()
-        # A persistent loader or iterator may have been forked.
         failures.check_not_forked(self._pid)
         start = time.monotonic()
         while True:
