@@ -22,18 +22,15 @@ from typing import Any
 from .._base.errors import TOO_MANY_FILES, RemoteError, WorkerError, out_of_descriptors
 from .messages import ToMain
 
-WHY_DESCRIPTORS = (
-    "each batch the slot ring does not hold (those your loop keeps hold their slots) travels "
-    "as a memory file whose descriptor the worker passes to the main process, which closes it "
-    "once mapped, and each tensor the ring cannot hold (nested, sparse, subclasses) as torch "
-    "shares it, which the sharing strategy governs; a larger ring_bytes= or "
-    "worker_type='thread' needs none"
-)
-
 
 def too_many_files(where: str) -> str:
     """torch's out-of-descriptors message, then where it happened (``where``) and why."""
-    return f"{TOO_MANY_FILES}. (gpufeed: {where}; {WHY_DESCRIPTORS})"
+    return (f"{TOO_MANY_FILES}. (gpufeed: {where}; each batch the slot ring does not hold "
+            "(those your loop keeps hold their slots) travels as a memory file whose descriptor "
+            "the worker passes to the main process, which closes it once mapped, and each "
+            "tensor the ring cannot hold (nested, sparse, subclasses) as torch shares it, which "
+            "the sharing strategy governs; a larger ring_bytes= or worker_type='thread' needs "
+            "none)")
 
 
 def out_of_fds(margin: int = 10) -> bool:
