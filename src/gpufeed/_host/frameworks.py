@@ -65,20 +65,12 @@ def refuse_double_shard(rank: int, world_size: int, iterable: bool) -> None:
             "DataLoaderConfiguration for a shuffle seeded alike on every rank)")
 
 
-def before_prepare(rank: int, world_size: int, iterable: bool) -> None:
-    """Before Accelerate (1.x) rebuilds a loader as a stock one (it offers no hook to build
-    another class): refuse a loader sharded by rank, else warn that gpufeed's features would be
-    gone, naming ``gpufeed.hf.Accelerator`` (not under :func:`adopting`)."""
-    refuse_double_shard(rank, world_size, iterable)
-    if _is_adopting():
-        return
-    warnings.warn(
-        "accelerator.prepare(loader) rebuilds a gpufeed.DataLoader as a stock "
-        "torch.utils.data.DataLoader: gpufeed's ring, thread workers, device stage, seed, stats "
-        "and state_dict are dropped. To keep them, build the Accelerator from gpufeed.hf "
-        "(from gpufeed.hf import Accelerator): its prepare() keeps gpufeed's loader under "
-        "Accelerate's sharding, device placement and end-of-loader tracking",
-        stacklevel=_user_level())
+_PREPARE_WARNING = (
+    "accelerator.prepare(loader) rebuilds a gpufeed.DataLoader as a stock "
+    "torch.utils.data.DataLoader: gpufeed's ring, thread workers, device stage, seed, stats "
+    "and state_dict are dropped. To keep them, build the Accelerator from gpufeed.hf "
+    "(from gpufeed.hf import Accelerator): its prepare() keeps gpufeed's loader under "
+    "Accelerate's sharding, device placement and end-of-loader tracking")
 
 
 def _user_level() -> int:
@@ -116,8 +108,8 @@ def _in_skip_first_batches() -> bool:
 
 class AccelerateHooks:
     """The attribute reads by which ``gpufeed.DataLoader`` learns that Accelerate is about to
-    rebuild it: ``prepare`` reads ``_is_accelerate_prepared`` first (:func:`before_prepare`);
-    ``skip_first_batches`` reads ``multiprocessing_context`` back, warned of once per loader."""
+    rebuild it: ``prepare`` reads ``_is_accelerate_prepared`` first, ``skip_first_batches``
+    reads ``multiprocessing_context`` back (warned of once per loader)."""
 
     _rank: int
     _world_size: int
@@ -127,9 +119,14 @@ class AccelerateHooks:
 
     @property
     def _is_accelerate_prepared(self) -> bool:
-        """Read by ``prepare_data_loader`` first: :func:`before_prepare`."""
+        """Read by ``prepare_data_loader`` first, before Accelerate (1.x) rebuilds the loader as a
+        stock one (it offers no hook to build another class): a loader sharded by rank is
+        refused, else warned of, naming ``gpufeed.hf.Accelerator`` (not under :func:`adopting`)."""
         if not self._prepared:
-            before_prepare(self._rank, self._world_size, isinstance(self.dataset, IterableDataset))
+            iterable = isinstance(self.dataset, IterableDataset)
+            refuse_double_shard(self._rank, self._world_size, iterable)
+            if not _is_adopting():
+                warnings.warn(_PREPARE_WARNING, stacklevel=_user_level())
         return self._prepared
 
     @_is_accelerate_prepared.setter
