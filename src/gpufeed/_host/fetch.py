@@ -115,7 +115,6 @@ class MapFetcher:
         return indices if self.arrays is not None else indices.tolist()
 
     def fetch(self, indices: Any, writer: SlotWriter | None, *, epoch: int = 0) -> Any:
-        """The batch of ``indices``."""
         if self.gathers:
             # No user code, nothing random: no scope.
             self.where = "while gathering a batch"
@@ -186,9 +185,7 @@ class MapFetcher:
                 indices, seed=self.seed, epoch=epoch, alloc=_alloc_for(writer, fresh=True))
         samples = source.gpufeed_samples(indices, seed=self.seed, epoch=epoch)
         self.where = "in collate_fn"
-        t0 = time.perf_counter()
-        out = collate_fn(samples)
-        self.collate_s = time.perf_counter() - t0
+        out, self.collate_s = _collated(samples, writer, collate_fn)
         return out
 
     def _samples(self, indices: Any, stream_to: SlotWriter | None, scope: SampleScope,
