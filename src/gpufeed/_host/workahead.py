@@ -67,13 +67,12 @@ class WorkAhead:
             self.held = 2 + device_depth + 1
         else:
             self.held = 2 + (FENCE_SLACK if pin else 0)
-        # what the stock loader keeps in flight; its sampler pulls follow it (plan.pull_as_stock)
-        self.stock_in_flight = (prefetch_factor or 2) * num_workers
         self.depth = prefetch_factor or 2  # batches in flight per worker, unchunked
-        self.in_flight_bound = self.stock_in_flight
+        # what the stock loader keeps in flight; its sampler pulls follow it (plan.pull_as_stock)
+        self.stock_in_flight = self.depth * num_workers
         self.chunk = 1  # batches per worker per task message
-        self.refill_at = self.in_flight_bound - self.share  # see window()
         self.batch_s = 0.0  # worker seconds per batch, a moving average (0 before the first)
+        self._bound()
 
     def window(self, first: bool, in_flight: int) -> int:
         """How many batches to hand out now, with ``in_flight`` dispatched and not delivered:
