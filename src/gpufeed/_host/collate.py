@@ -8,6 +8,7 @@ its bytes lie in the slot (copying it there first if needed); ``unpack`` views t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Callable
@@ -48,7 +49,6 @@ def collate_rules(writer: SlotWriter | None) -> dict[Any, Callable[..., Any]]:
 
 
 def collate_into(batch: list[Any], writer: SlotWriter | None) -> Any:
-    """``default_collate(batch)`` with stacked tensors written through ``writer``."""
     return collate(batch, collate_fn_map=collate_rules(writer))
 
 
@@ -63,6 +63,7 @@ def ringable(t: torch.Tensor) -> bool:
     )
 
 
+@dataclasses.dataclass(slots=True, eq=False, repr=False)
 class LeafRef:
     """Where leaf ``index`` of a packed batch stood in its tree (see :func:`pack`).
 
@@ -71,10 +72,7 @@ class LeafRef:
     leaves by index, whatever order a container iterates in there.
     """
 
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
+    index: int
 
     def __repr__(self) -> str:
         return f"LEAF_{self.index}"
