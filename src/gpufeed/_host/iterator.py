@@ -31,8 +31,6 @@ from .fetch import IterFetcher, make_fetcher
 
 
 class BaseIter:
-    """What both iterators share: sampler, seed, pinning, length, counting."""
-
     def __init__(self, config: IterConfig) -> None:
         # The config holds no reference to the loader: NOTE [ Shutdown ] in _host/pool.py.
         self._position = config.position

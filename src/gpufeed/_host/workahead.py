@@ -104,10 +104,8 @@ class WorkAhead:
     @property
     def late_bind(self) -> bool:
         """Queued tasks get their slots when they start (NOTE [ Slots bound when a task
-        starts ] in ``_host/late_slots.py``): one task per message, each of at least
-        LATE_BIND_S of worker time, against which the wait for a slot (one wake-up of the main
-        process, if any) is small. Also before the first batch's cost is known: the ring
-        learns its slot size from the first batch, so a task bound at dispatch before then
+        starts ] in ``_host/late_slots.py``), also before the first batch's cost is known: the
+        ring learns its slot size from the first batch, so a task bound at dispatch before then
         gets no slot at all, and one that asks later can."""
         return self.chunk == 1 and (self.batch_s >= LATE_BIND_S or not self.batch_s)
 
