@@ -8,7 +8,6 @@ its bytes lie in the slot (copying it there first if needed); ``unpack`` views t
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 from collections.abc import Callable
@@ -63,7 +62,6 @@ def ringable(t: torch.Tensor) -> bool:
     )
 
 
-@dataclasses.dataclass(slots=True, eq=False, repr=False)
 class LeafRef:
     """Where leaf ``index`` of a packed batch stood in its tree (see :func:`pack`).
 
@@ -72,7 +70,10 @@ class LeafRef:
     leaves by index, whatever order a container iterates in there.
     """
 
-    index: int
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
 
     def __repr__(self) -> str:
         return f"LEAF_{self.index}"

@@ -31,7 +31,6 @@ that is under 5% (image decoding takes milliseconds).
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,11 +47,13 @@ STREAM_BYTES = 32 * 1024
 STREAM_MIN_S = 200e-6
 
 
-@dataclasses.dataclass(slots=True, eq=False)
 class _Marker:
     """Stands for the ``i``-th large tensor of a sample in its skeleton."""
 
-    i: int
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
 
     def __repr__(self) -> str:
         return f"<gpufeed streamed tensor {self.i}>"
