@@ -174,11 +174,9 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
                 return x
             t = x
         elif type(x) is np.ndarray:  # subclasses (masked arrays, matrices) are pickled
-            if (
-                x.dtype.kind not in "biufc"  # strings, objects, datetimes: pickled as they are
-                or not x.dtype.isnative
-                or not (x.flags.c_contiguous or x.flags.f_contiguous)
-            ):
+            # Strings, objects, datetimes (kinds other than "biufc") are pickled as they are.
+            if (x.dtype.kind not in "biufc" or not x.dtype.isnative
+                    or not (x.flags.c_contiguous or x.flags.f_contiguous)):
                 return x
             t = torch.from_numpy(x)
             is_numpy = True
