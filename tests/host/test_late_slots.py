@@ -303,11 +303,11 @@ def test_late_answers_turn_the_mode_off():
         t = 100.0 + k
         slots.away(t - (0.02 if k == 3 else 0.0001), t)
         slots.answer(0, NeedSlot(1, k, t - 0.03), True, 0.05)
-    assert not slots.slow
+    assert not slots.verdict.slow
     t = 200.0  # one more: two in the last eight
     slots.away(t - 0.01, t)
     slots.answer(0, NeedSlot(1, 10, t - 0.01), True, 0.05)
-    assert slots.slow
+    assert slots.verdict.slow
 
 
 def test_only_the_loops_steps_make_an_answer_late():
@@ -318,12 +318,12 @@ def test_only_the_loops_steps_make_an_answer_late():
         t = 100.0 + k
         slots.away(t - 0.5, t - 0.03)
         slots.answer(0, NeedSlot(1, k, t - 0.02), True, 0.05)
-    assert not slots.slow
+    assert not slots.verdict.slow
     for k in range(late_slots.LATE_SLOW):  # a step of 10 ms after the request
         t = 200.0 + k
         slots.away(t - 0.01, t)
         slots.answer(0, NeedSlot(1, 20 + k, t - 0.02), True, 0.05)
-    assert slots.slow
+    assert slots.verdict.slow
 
 
 def test_a_late_wake_up_keeps_slots_bound_when_written(worker_type):
@@ -345,7 +345,7 @@ def test_a_late_wake_up_keeps_slots_bound_when_written(worker_type):
 
     it._pool.poll = late_poll  # type: ignore[method-assign]
     assert [int(b[0, 0]) for b in it] == [8 * k for k in range(16)]
-    assert not it._late.slow and it._late.on
+    assert not it._late.verdict.slow and it._late.on
 
 
 def test_a_loop_slower_than_its_workers_gets_slots_at_dispatch(worker_type):
@@ -360,7 +360,7 @@ def test_a_loop_slower_than_its_workers_gets_slots_at_dispatch(worker_type):
         assert int(batch[0, 0]) == 8 * k
         del batch
         time.sleep(0.1)  # a training step, longer than a batch's 30 ms of worker time
-    assert it._late.slow and not it._late.on
+    assert it._late.verdict.slow and not it._late.on
     again = iter(loader)  # the verdict is the loader's: the next epoch binds at dispatch
     assert not again._late.on and again._late.verdict is it._late.verdict
     assert len(list(again)) == 16 and not again._late.on

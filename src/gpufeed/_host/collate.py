@@ -48,7 +48,6 @@ def collate_rules(writer: SlotWriter | None) -> dict[Any, Callable[..., Any]]:
 
 
 def collate_into(batch: list[Any], writer: SlotWriter | None) -> Any:
-    """``default_collate(batch)`` with stacked tensors written through ``writer``."""
     return collate(batch, collate_fn_map=collate_rules(writer))
 
 
@@ -76,11 +75,10 @@ class LeafRef:
     def __init__(self, index: int) -> None:
         self.index = index
 
-    def __reduce__(self) -> str:
-        return f"LEAF_{self.index}"
-
     def __repr__(self) -> str:
         return f"LEAF_{self.index}"
+
+    __reduce__ = __repr__
 
 
 _refs: list[LeafRef] = []
@@ -176,11 +174,9 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
                 return x
             t = x
         elif type(x) is np.ndarray:  # subclasses (masked arrays, matrices) are pickled
-            if (
-                x.dtype.kind not in "biufc"  # strings, objects, datetimes: pickled as they are
-                or not x.dtype.isnative
-                or not (x.flags.c_contiguous or x.flags.f_contiguous)
-            ):
+            # Strings, objects, datetimes (kinds other than "biufc") are pickled as they are.
+            if (x.dtype.kind not in "biufc" or not x.dtype.isnative
+                    or not (x.flags.c_contiguous or x.flags.f_contiguous)):
                 return x
             t = torch.from_numpy(x)
             is_numpy = True
@@ -195,8 +191,15 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
         spilled = None
         if not writer.owns_ptr(ptr):
             spilled = writer.spill_offset(ptr)  # collated into the spill file already?
-            if spilled is None and writer.in_region(ptr):  # another slot's: kept past its batch
-                raise _stale_leaf()
+            if spilled is None and writer.in_region(ptr):
+                # Another slot's: kept past its batch (NOTE [ Batches built in the slot ]).
+                raise ValueError(
+                    "a tensor of this batch lies in the loader's ring but outside the batch's "
+                    "own slot: memory from gpufeed.sources.batch_empty() kept past the batch it "
+                    "was made for (a buffer cached and refilled for the next batch). Call "
+                    "batch_empty() for each batch instead: its memory belongs to that batch and "
+                    "is recycled once the batch is dropped"
+                )
             if spilled is None:  # copy it into the slot, else into the batch's spill file
                 dst = writer.alloc(tuple(t.shape), t.dtype)
                 if dst is None:
@@ -209,15 +212,14 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
         contiguous = t.is_contiguous()
         stride = None if contiguous else t.stride()
         if spilled is None:
-            rel = ptr - writer.base - writer.start
+            offset = ptr - writer.base - writer.start
             span = nbytes if contiguous else byte_extent(t)
-            if rel + span > used:
-                used = rel + span
-            leaves.append((rel // esize, dtype_name(t.dtype), tuple(t.shape), stride, is_numpy,
-                           False))
+            if offset + span > used:
+                used = offset + span
         else:
-            leaves.append((spilled // esize, dtype_name(t.dtype), tuple(t.shape), stride,
-                           is_numpy, True))
+            offset = spilled
+        leaves.append((offset // esize, dtype_name(t.dtype), tuple(t.shape), stride, is_numpy,
+                       spilled is not None))
         return leaf_ref(len(leaves) - 1)
 
     cls = type(batch)
@@ -226,16 +228,6 @@ def pack(batch: Any, writer: SlotWriter | None) -> Packed:
     else:
         packed = tree_map(leaf, batch)
     return tuple.__new__(Packed, (packed, leaves, used, need, unsupported))
-
-
-def _stale_leaf() -> ValueError:
-    """A leaf in the ring outside its slot (NOTE [ Batches built in the slot ], output.py)."""
-    return ValueError(
-        "a tensor of this batch lies in the loader's ring but outside the batch's own slot: "
-        "memory from gpufeed.sources.batch_empty() kept past the batch it was made for (a buffer "
-        "cached and refilled for the next batch). Call batch_empty() for each batch instead: "
-        "its memory belongs to that batch and is recycled once the batch is dropped"
-    )
 
 
 _PLAIN = {torch.Tensor}  # leaves tree_map hands to its function as they are

@@ -87,7 +87,6 @@ class MapFetcher:
         self.dataset = dataset
         self.seed = seed
         self.base_seed = base_seed
-        self.seed_globals = seed_globals
         self.scope = SampleScope(seed_globals=seed_globals)
         self.auto_collation = auto_collation
         self.collate_fn = None if collate_fn is default_collate else collate_fn
@@ -116,7 +115,6 @@ class MapFetcher:
         return indices if self.arrays is not None else indices.tolist()
 
     def fetch(self, indices: Any, writer: SlotWriter | None, *, epoch: int = 0) -> Any:
-        """The batch of ``indices``."""
         if self.gathers:
             # No user code, nothing random: no scope.
             self.where = "while gathering a batch"
@@ -146,7 +144,7 @@ class MapFetcher:
             return self._read(indices, writer, epoch, scope, collate_fn)
         # Default collation may copy each sample into the slot as it comes.
         stream_to = writer if collate_fn is None else None
-        if self.seed is not None and self.seed_globals:
+        if self.seed is not None and self.scope.seed_globals:
             with seeded(self.seed, epoch) as reseed:
                 samples = self._samples(indices, stream_to, scope, reseed)
         else:
@@ -162,7 +160,7 @@ class MapFetcher:
         # Formatted only on error (describe), from the scope's index.
         self.where = _AT_SAMPLE
         scope.at(index)
-        if self.seed is not None and self.seed_globals:
+        if self.seed is not None and self.scope.seed_globals:
             with seeded(self.seed, epoch) as reseed:
                 reseed(index)
                 sample = self.dataset[index]
@@ -187,9 +185,7 @@ class MapFetcher:
                 indices, seed=self.seed, epoch=epoch, alloc=_alloc_for(writer, fresh=True))
         samples = source.gpufeed_samples(indices, seed=self.seed, epoch=epoch)
         self.where = "in collate_fn"
-        t0 = time.perf_counter()
-        out = collate_fn(samples)
-        self.collate_s = time.perf_counter() - t0
+        out, self.collate_s = _collated(samples, writer, collate_fn)
         return out
 
     def _samples(self, indices: Any, stream_to: SlotWriter | None, scope: SampleScope,
@@ -212,7 +208,8 @@ class MapFetcher:
         get = operator.getitem if probe is None else probe.wrap(operator.getitem)
         samples: Any = []
         append, dataset, at = samples.append, self.dataset, scope.at
-        stream = stream_to is not None
+        # Not a batch sampler's generator, whose length is not known.
+        stream = stream_to is not None and hasattr(indices, "__len__")
         # Formatted only on error (describe): this loop is per sample.
         self.where = _AT_SAMPLE
         # One sample of a batch the loader collates is not the batch (NOTE [ Batches built in
@@ -226,7 +223,8 @@ class MapFetcher:
             append(get(dataset, i))
             if stream:
                 stream = False
-                streamed = _stream(samples, stream_to, indices, t0)
+                streamed = StreamedBatch.start(samples[0], stream_to, len(indices),
+                                               time.perf_counter() - t0)
                 if streamed is not None:
                     samples, append = streamed, streamed.add
         building(previous)
@@ -270,8 +268,6 @@ class IterFetcher:
         self.ended = False
         self.count = 0
         self.collate_s = 0.0
-        self.arrays = None
-        self.gathers = False
 
     def describe(self, indices: Any) -> str:
         if self.where is _AT_STREAM:
@@ -378,19 +374,6 @@ def _collated(samples: list[Any] | StreamedBatch, writer: SlotWriter | None,
         return out, time.perf_counter() - t0 + samples.copy_s
     out = collate_into(samples, writer) if collate_fn is None else collate_fn(samples)
     return out, time.perf_counter() - t0
-
-
-def _stream(samples: list[Any], writer: SlotWriter | None, indices: Any, t0: float
-            ) -> StreamedBatch | None:
-    """The batch of ``indices`` collated as its samples come, from its first (``samples[0]``,
-    fetched from ``t0`` on), or None (NOTE [ Streamed collation ] in _host/streaming.py)."""
-    fetch_s = time.perf_counter() - t0
-    try:
-        n = len(indices)
-    except TypeError:
-        # A batch sampler's generator: its length is not known.
-        return None
-    return StreamedBatch.start(samples[0], writer, n, fetch_s)
 
 
 def _alloc_for(writer: SlotWriter | None, *, fresh: bool = False

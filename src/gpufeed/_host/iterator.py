@@ -31,8 +31,6 @@ from .fetch import IterFetcher, make_fetcher
 
 
 class BaseIter:
-    """What both iterators share: sampler, seed, pinning, length, counting."""
-
     def __init__(self, config: IterConfig) -> None:
         # The config holds no reference to the loader: NOTE [ Shutdown ] in _host/pool.py.
         self._position = config.position
@@ -150,11 +148,8 @@ class BaseIter:
         else:  # the device stage's Delivered records the loop's handover (_order/delivery.py)
             self._recorder.passed_on(occupancy, gauges)
         self._num_yielded += 1
-        if (
-            self._is_iterable
-            and self._len_called is not None
-            and self._num_yielded > self._len_called
-        ):
+        if (self._is_iterable and self._len_called is not None
+                and self._num_yielded > self._len_called):
             self._len_warning = (  # torch's words, spacing included
                 f"Length of IterableDataset {self._dataset} was reported to be {self._len_called}"
                 f"(when accessing len(dataloader)), but {self._num_yielded} samples have been "
@@ -190,6 +185,17 @@ class BaseIter:
 
     def _sample_counters(self, tl: _timeline.Timeline) -> None:
         """Record the iterator's counters (none without workers)."""
+
+    def _fetched_here(self, asked_at: float, fetched: float, done: float) -> None:
+        """Record a batch fetched in the calling thread: fetched from ``asked_at`` to
+        ``fetched``, collated from then to ``done``."""
+        self._recorder.add("fetch", busy_s=fetched - asked_at)
+        self._recorder.add("collate", busy_s=done - fetched)
+        tl = _timeline.active
+        if tl is not None:  # in this thread, while the loop waits: a track of their own
+            args = {"batch": self._num_yielded, "epoch": self._tracker.epoch}
+            tl.span(self._recorder, "fetching", "fetch", asked_at, fetched, args)
+            tl.span(self._recorder, "fetching", "collate", fetched, done, args)
 
     def _check_capture(self) -> None:
         """A batch cannot be fetched inside CUDA graph capture: pinning and the ring's
@@ -275,15 +281,8 @@ class SingleIter(BaseIter):
         except StopIteration:
             self._tracker.host_exhausted()
             raise
-        fetched = time.perf_counter()
-        collate_s = self._fetcher.collate_s
-        self._recorder.add("fetch", busy_s=fetched - asked_at - collate_s)
-        self._recorder.add("collate", busy_s=collate_s)
-        tl = _timeline.active
-        if tl is not None:  # in this thread, while the loop waits: a track of their own
-            args = {"batch": self._num_yielded, "epoch": self._tracker.epoch}
-            tl.span(self._recorder, "fetching", "fetch", asked_at, fetched - collate_s, args)
-            tl.span(self._recorder, "fetching", "collate", fetched - collate_s, fetched, args)
+        done = time.perf_counter()
+        self._fetched_here(asked_at, done - self._fetcher.collate_s, done)
         state = (0, capture_state(self._dataset)) if self._is_iterable else None
         # the loop waited from asked_at: the fetch is its wait, not its step
         return self._finish(data, asked_at, k, state)

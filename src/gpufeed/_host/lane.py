@@ -67,25 +67,24 @@ class GatherLane:
             if isinstance(a, torch.Tensor):
                 if a.requires_grad or a.device.type != "cpu" or a.layout != torch.strided:
                     return None
-                sources.append(a)
-                continue
-            if not (isinstance(a, np.ndarray) and a.flags.c_contiguous and a.dtype.isnative):
+                t = a
+            elif isinstance(a, np.ndarray) and a.flags.c_contiguous and a.dtype.isnative:
+                try:
+                    with warnings.catch_warnings():  # read-only memmaps: the lane only reads
+                        warnings.simplefilter("ignore", UserWarning)
+                        t = torch.from_numpy(a)
+                except (TypeError, ValueError):
+                    return None
+                if t.dtype != torch_dtype(a.dtype):
+                    return None
+            else:
                 return None
-            try:
-                with warnings.catch_warnings():  # read-only memmaps: the lane only reads
-                    warnings.simplefilter("ignore", UserWarning)
-                    t = torch.from_numpy(a)
-            except (TypeError, ValueError):
-                return None
-            if t.dtype != torch_dtype(a.dtype):
-                return None
-            sources.append(t)
-        for t in sources:  # index_select lacks some dtypes (1-D uint16 on torch 2.13)
-            try:
+            try:  # index_select lacks some dtypes (1-D uint16 on torch 2.13)
                 torch.index_select(t, 0, torch.zeros(1, dtype=torch.int64),
                                    out=torch.empty((1, *t.shape[1:]), dtype=t.dtype))
             except (RuntimeError, IndexError):  # (NotImplementedError is a RuntimeError)
                 return None
+            sources.append(t)
         return GatherLane(sources)
 
     @staticmethod
@@ -116,8 +115,7 @@ class GatherLane:
         t0 = time.perf_counter()
         perm = plan.perm
         idx = torch.arange(lo, lo + bs) if perm is None else perm[lo:lo + bs]
-        key = (slot.offset, slot.size, bs)
-        kept = self._slots.get(key)
+        kept = self._slots.get((slot.offset, slot.size, bs))
         if kept is None:
             kept = self._carve(writer, slot, bs)
             if kept is None:

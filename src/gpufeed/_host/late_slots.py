@@ -88,14 +88,9 @@ class LateSlots:
         # (gen, batch) -> slot id sent in a SlotFor.
         self.sent: dict[tuple[int, int], int] = {}
 
-    @property
-    def slow(self) -> bool:
-        """Answers came too late: rule (e)."""
-        return self.verdict.slow
-
     def decide(self, late_bind: bool) -> None:
         """Tasks go out ``LATE`` if their batches are worth it and answers were prompt (e)."""
-        self.on = late_bind and not self.slow
+        self.on = late_bind and not self.verdict.slow
 
     def away(self, left: float, back: float) -> None:
         """The loop ran its step from ``left`` to ``back``: what rule (e) counts."""
@@ -137,24 +132,21 @@ def wait_for_slot(chan: Any, inbox: collections.deque[ToWorker], parent: int, po
     ``Abandoned``."""
     try:
         chan.send(NeedSlot(gen, batch, time.perf_counter()))
-    except (BrokenPipeError, EOFError, OSError):
-        # The main process is gone or closing.
+        while True:
+            for i, msg in enumerate(inbox):
+                if msg is None or msg.gen > gen:
+                    raise Abandoned
+                if type(msg) is SlotFor and msg.batch == batch and msg.gen == gen:
+                    del inbox[i]
+                    return msg.slot
+            try:
+                msg = chan.recv(poll_s)
+            except (queue.Empty, TimeoutError):
+                if parent != -1 and os.getppid() != parent:
+                    raise Abandoned from None
+                continue
+            inbox.append(msg)
+    except (EOFError, OSError):
+        # The main process is gone or closing (BrokenPipeError is an OSError).
         inbox.append(None)
         raise Abandoned from None
-    while True:
-        for i, msg in enumerate(inbox):
-            if msg is None or msg.gen > gen:
-                raise Abandoned
-            if type(msg) is SlotFor and msg.batch == batch and msg.gen == gen:
-                del inbox[i]
-                return msg.slot
-        try:
-            msg = chan.recv(poll_s)
-        except (queue.Empty, TimeoutError):
-            if parent != -1 and os.getppid() != parent:
-                raise Abandoned from None
-            continue
-        except (EOFError, OSError):
-            inbox.append(None)
-            raise Abandoned from None
-        inbox.append(msg)

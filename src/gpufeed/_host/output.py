@@ -83,9 +83,8 @@ def batch_empty(*size: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def _shape(size: tuple[Any, ...]) -> tuple[int, ...]:
-    dims: Any = size
-    if len(size) == 1 and isinstance(size[0], Sequence):  # torch.Size is a tuple
-        dims = size[0]
+    # One sequence of sizes (torch.Size is a tuple), else the sizes themselves.
+    dims: Any = size[0] if len(size) == 1 and isinstance(size[0], Sequence) else size
     shape = []
     for d in dims:
         try:

@@ -70,14 +70,7 @@ class RayIter(BaseIter):
             if self._direct:  # (else the device stage's Delivered counts it)
                 self._tracker.fetch_failed()
             raise
-        done = time.perf_counter()
-        self._recorder.add("fetch", busy_s=fetched - asked_at)
-        self._recorder.add("collate", busy_s=done - fetched)
-        tl = _timeline.active
-        if tl is not None:  # in this thread, while the loop waits: a track of their own
-            args = {"batch": self._num_yielded, "epoch": self._tracker.epoch}
-            tl.span(self._recorder, "fetching", "fetch", asked_at, fetched, args)
-            tl.span(self._recorder, "fetching", "collate", fetched, done, args)
+        self._fetched_here(asked_at, fetched, time.perf_counter())
         return self._finish(data, asked_at, k, (0, {}))
 
     def _label(self, tl: _timeline.Timeline) -> None:

@@ -67,13 +67,12 @@ class WorkAhead:
             self.held = 2 + device_depth + 1
         else:
             self.held = 2 + (FENCE_SLACK if pin else 0)
-        # what the stock loader keeps in flight; its sampler pulls follow it (plan.pull_as_stock)
-        self.stock_in_flight = (prefetch_factor or 2) * num_workers
         self.depth = prefetch_factor or 2  # batches in flight per worker, unchunked
-        self.in_flight_bound = self.stock_in_flight
+        # what the stock loader keeps in flight; its sampler pulls follow it (plan.pull_as_stock)
+        self.stock_in_flight = self.depth * num_workers
         self.chunk = 1  # batches per worker per task message
-        self.refill_at = self.in_flight_bound - self.share  # see window()
         self.batch_s = 0.0  # worker seconds per batch, a moving average (0 before the first)
+        self._bound()
 
     def window(self, first: bool, in_flight: int) -> int:
         """How many batches to hand out now, with ``in_flight`` dispatched and not delivered:
@@ -105,10 +104,8 @@ class WorkAhead:
     @property
     def late_bind(self) -> bool:
         """Queued tasks get their slots when they start (NOTE [ Slots bound when a task
-        starts ] in ``_host/late_slots.py``): one task per message, each of at least
-        LATE_BIND_S of worker time, against which the wait for a slot (one wake-up of the main
-        process, if any) is small. Also before the first batch's cost is known: the ring
-        learns its slot size from the first batch, so a task bound at dispatch before then
+        starts ] in ``_host/late_slots.py``), also before the first batch's cost is known: the
+        ring learns its slot size from the first batch, so a task bound at dispatch before then
         gets no slot at all, and one that asks later can."""
         return self.chunk == 1 and (self.batch_s >= LATE_BIND_S or not self.batch_s)
 

@@ -25,8 +25,6 @@ Carved = tuple[torch.Tensor, int, int, int, int, str, tuple[int, ...]]
 
 
 class SlotWriter:
-    """Bump allocator over one slot of the region (worker side)."""
-
     def __init__(self, region: torch.Tensor, *, shared_fallback: bool) -> None:
         self.region = region
         self.base = region.data_ptr()
