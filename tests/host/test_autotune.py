@@ -47,17 +47,15 @@ def start(t, win):
 # -- the model ---------------------------------------------------------------------------------
 
 
-def test_cost_model_rates_and_limits():
+def test_cost_model_workers_and_limits():
     io = WorkerCost(batch_s=0.032, cpu_s=0.001)  # waits 32 ms a batch, 1 ms of CPU
-    assert io.rate(4) == pytest.approx(125)
-    assert io.rate(64, cpu_cores=2.0) == pytest.approx(2000)  # 64 / 32 ms
-    assert io.rate(64, cpu_cores=2.0, step_s=0.002) == pytest.approx(500)  # the step's pace
     assert io.workers_for(500) == 16
+    assert io.workers_for(125) == 4
     assert io.cpu_limit(2.0) == 64  # waiting costs no CPU: far more workers than cores
     cpu = WorkerCost(batch_s=0.008, cpu_s=0.008)  # pure CPU: one core per worker
     assert cpu.cpu_limit(2.0) == 2
-    assert cpu.rate(8, cpu_cores=2.0) == pytest.approx(250)  # 8 workers, 2 cores' worth
-    assert cpu.memory(3, 10) == 0 and WorkerCost(1, 0, 100, 10).memory(3, 10) == 400
+    # memory: each worker's private bytes, and a ring slot per batch in flight or held
+    assert Gauges(worker_bytes=100, slot_bytes=10, held=2).memory(3, 4) == 300 + 14 * 10
 
 
 def test_observed_cost_from_a_trial():
