@@ -115,15 +115,15 @@ def test_a_new_phase_lifts_the_memo():
     token, _ = start(t, window(t, rate=100, bound=0.5, step_ms=2, batch_ms=40))
     t.decide(token, window(t, rate=100, bound=0.5, step_ms=2, batch_ms=80))
     t.decide(token, window(t, rate=100, bound=0.5, step_ms=2, batch_ms=80))  # revert: no 8
-    assert t._ceiling is not None
+    assert "ceiling" in t._memos
     t.decide(token, window(t, rate=100, bound=0.0, step_ms=2, batch_ms=40))  # settles
     t.decide(token, window(t, rate=45, bound=0.02, step_ms=20, batch_ms=40))  # one slow window
-    assert t._ceiling is not None  # one window is noise, not a phase
+    assert "ceiling" in t._memos  # one window is noise, not a phase
     t.decide(token, window(t, rate=100, bound=0.02, step_ms=2, batch_ms=40))
     t.decide(token, window(t, rate=45, bound=0.02, step_ms=20, batch_ms=40))  # 10x longer step
-    assert t._ceiling is not None
+    assert "ceiling" in t._memos
     t.decide(token, window(t, rate=45, bound=0.02, step_ms=20, batch_ms=40))  # ... and again
-    assert t._ceiling is None
+    assert "ceiling" not in t._memos
 
 
 @pytest.mark.parametrize(("kwargs", "limit"), [
@@ -164,7 +164,7 @@ def test_shrinks_when_the_loop_does_not_wait_and_reverts_if_it_then_waits():
     t.decide(token, window(t, rate=20, bound=0.3, step_ms=50, batch_ms=2))  # settles
     move = t.decide(token, window(t, rate=14, bound=0.3, step_ms=50, batch_ms=2))
     assert move == Move(8, 2) and t.snapshot().last.kind == "revert"
-    assert t._floor is not None and t._floor.value == 8
+    assert t._memos["floor"].value == 8
 
 
 def test_over_the_memory_budget_shrinks_to_fit():
