@@ -16,6 +16,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -181,13 +182,11 @@ def copies_completed(start: int, end: int) -> bool:
 _local = threading.local()
 
 
+@dataclass(frozen=True, slots=True)
 class Events:
     """Several events as one (a release fenced on several streams or devices)."""
 
-    __slots__ = ("events",)
-
-    def __init__(self, events: tuple[Any, ...]) -> None:
-        self.events = events
+    events: tuple[Any, ...]
 
     def query(self) -> bool:
         return all(e.query() for e in self.events)

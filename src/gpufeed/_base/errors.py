@@ -102,9 +102,7 @@ class KeyErrorMessage(str):
         return str(self)
 
 
-def _rebuild(
-    exc_type: type[BaseException], type_name: str, where: str, text: str
-) -> RemoteError:
+def _rebuild(exc_type: type[BaseException], type_name: str, where: str, text: str) -> RemoteError:
     obj = RemoteError.__new__(RemoteError)
     obj.exc_type, obj.type_name, obj.where, obj.text = exc_type, type_name, where, text
     return obj

@@ -10,6 +10,7 @@ that wait for a core would not go faster in greater numbers, whoever keeps the c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable
@@ -77,10 +78,8 @@ def memory_available() -> int:
     avail = int(psutil.virtual_memory().available)
     limit, current = _read("/sys/fs/cgroup/memory.max"), _read("/sys/fs/cgroup/memory.current")
     if limit is not None and current is not None and limit.strip() != "max":
-        try:
+        with contextlib.suppress(ValueError):
             avail = min(avail, max(0, int(limit) - int(current)))
-        except ValueError:
-            pass
     return avail
 
 

@@ -184,11 +184,8 @@ class Timeline:
             cut = max(cut, now - self.last_seconds)
         self.cut = cut
         records = self.records
-        try:
-            while records[0][3] < cut:
-                records.popleft()
-        except IndexError:
-            pass
+        while records and records[0][3] < cut:
+            records.popleft()
         for kind, column in self.columns.items():
             width, skip = WIDTH[kind], self._skip[kind]
             n = len(column) // width

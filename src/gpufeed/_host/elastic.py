@@ -107,7 +107,7 @@ class ElasticProcessPool(_Counting, ProcessPool):
 
     def pids(self) -> list[int]:
         """The pids of the workers in force (retiring ones included)."""
-        return [p.pid for w, p in enumerate(self.procs) if w not in self.out.retired and p.pid]
+        return [p.pid for p in self.processes() if p.pid]
 
     def tids(self) -> list[int]:
         return []
