@@ -1,14 +1,12 @@
 """Loader statistics as data: a cheap recorder in the hot path, frozen snapshots for people,
 and what each figure means.
 
-The core calls :class:`StatsRecorder` once per batch and stage (the stages and counters it
-reports are listed, with their meaning, in ``MEANINGS``); ``loader.stats()`` returns its
+The core calls :class:`StatsRecorder` once per batch and stage; ``loader.stats()`` returns its
 :meth:`~StatsRecorder.snapshot`. A ``to_device`` iterator keeps its own counters
 (:class:`DeviceStats`). Cost: :meth:`StatsRecorder.add` is one lock round trip, a dict look-up
-and a few float operations; percentiles only in the snapshot.
-
-``MEANINGS`` has one line per stage, counter and column of :class:`~gpufeed.stats.LoaderStats`
-(docs/guides/stats.md, "Reading loader.stats()", lists the same lines; a test keeps them in step).
+and a few float operations; percentiles only in the snapshot. ``MEANINGS`` has one line per
+stage, counter and column of :class:`~gpufeed.stats.LoaderStats` (docs/guides/stats.md,
+"Reading loader.stats()", lists the same lines; a test keeps them in step).
 :func:`ring_findings` reads a snapshot and, when a large share of batches missed the slot ring
 (``ring_fallback``), names the cause it sees and the fix:
 
@@ -191,8 +189,15 @@ class LoaderStats:
         return "\n".join(text)
 
     def explain(self) -> str:
-        """One line per stage, counter and column of this snapshot saying what it means."""
-        return "\n".join(explain(self))
+        """One line per stage, counter and column of this snapshot: "name: meaning"."""
+        names = [*self.stages, *self.counters, "busy s", "blocked s", "p50/p90/p99 ms"]
+        if any(s.capacity for s in self.stages.values()):
+            names.append("occupancy")
+        if self.input_bound is not None:
+            names.append("input-bound")
+        if self.autotune is not None:
+            names.append("autotune")
+        return "\n".join(f"{n}: {MEANINGS[n]}" for n in dict.fromkeys(names) if n in MEANINGS)
 
 
 #: a fallback share above this gets a finding (a few fall-backs while the ring grows are normal)
@@ -256,18 +261,6 @@ MEANINGS: dict[str, str] = {
     "autotune": "with num_workers=\"auto\": the worker count in force, the CPU and memory "
                 "budgets and what it uses of them, and its latest decisions",
 }
-
-
-def explain(stats: LoaderStats) -> list[str]:
-    """One line per stage, counter and column present in ``stats``: "name: meaning"."""
-    names = [*stats.stages, *stats.counters, "busy s", "blocked s", "p50/p90/p99 ms"]
-    if any(s.capacity for s in stats.stages.values()):
-        names.append("occupancy")
-    if stats.input_bound is not None:
-        names.append("input-bound")
-    if stats.autotune is not None:
-        names.append("autotune")
-    return [f"{n}: {MEANINGS[n]}" for n in dict.fromkeys(names) if n in MEANINGS]
 
 
 def ring_findings(stats: LoaderStats) -> list[str]:
