@@ -70,9 +70,7 @@ def context_devices(first: int, *, probe: bool = True) -> list[int]:
         return [first]
     out = [first]
     for index in range(count):
-        if index == first:
-            continue
-        if index in _with_context or (probe and _has_context(index)):
+        if index != first and (index in _with_context or (probe and _has_context(index))):
             _with_context.add(index)
             out.append(index)
     return out
