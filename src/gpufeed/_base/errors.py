@@ -5,8 +5,8 @@
           └── WorkerError        a worker process died (signal or exit code), timed out,
                │                 or its start-up failed; the main process or a worker ran
                │                 out of file descriptors (torch's "Too many open files")
-               └── SharedMemoryError (_memory/spill.py)  a process worker got no shared memory for
-                                 a batch the ring did not hold
+               └── SharedMemoryError  a process worker got no shared memory for a batch the
+                                 ring did not hold (_memory/spill.py)
 Exceptions raised by the user's dataset or collate function are re-raised in the main
 process with their own type, the worker's traceback and the sample index. A class that cannot
 be pickled (defined in a function, or in ``__main__`` of a spawned child) becomes a

@@ -41,11 +41,7 @@ NOTE [ Timeline ]
     bytes a batch are kept).
 (7) Other stages write generic records with :meth:`Timeline.span`, :meth:`Timeline.counter`
     and :meth:`Timeline.instant`, or :func:`instant` (a no-op when off) for a one-off event
-    without a timeline at hand, e.g. an autotuner's decision::
-
-        from .._base import timeline as _timeline
-        _timeline.instant(self._recorder, "autotune: 2 -> 3 workers",
-                          args={"reason": "the loop waited 31% of the window"})
+    without a timeline at hand, e.g. an autotuner's decision.
 """
 
 from __future__ import annotations
