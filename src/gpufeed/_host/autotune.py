@@ -314,7 +314,11 @@ class AutoTuner:
         return None
 
     def _fits(self, g: Gauges, depth: int) -> int:
-        return self.budgets.most_workers(lambda k: g.memory(k, depth), self.max_workers)
+        """The most workers, 1 to ``max_workers``, whose memory at ``depth`` fits the budget."""
+        n = self.max_workers
+        while n > 1 and g.memory(n, depth) > self.budgets.memory_bytes:
+            n -= 1
+        return n
 
     def _hold(self, win: Window | None, key: str, reason: str) -> None:
         """Say once why nothing changes (again after a change, or for another reason)."""

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._base.system import local_ranks, memory_available, usable_cpus
@@ -60,10 +59,9 @@ def parse_bytes(value: int | float | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def default_max_workers(cpu_cores: float | None = None) -> int:
+def default_max_workers(cpu_cores: float) -> int:
     """``WORKERS_PER_CPU`` per usable CPU of this rank, at least 2, at most the hard max."""
-    cores = usable_cpus() if cpu_cores is None else cpu_cores
-    return max(2, min(HARD_MAX_WORKERS, int(WORKERS_PER_CPU * cores)))
+    return max(2, min(HARD_MAX_WORKERS, int(WORKERS_PER_CPU * cpu_cores)))
 
 
 @dataclass(frozen=True)
@@ -74,13 +72,6 @@ class Budgets:
 
     cpu_cores: float
     memory_bytes: int
-
-    def most_workers(self, memory: Callable[[int], int], max_workers: int) -> int:
-        """The most workers, 1 to ``max_workers``, whose ``memory(workers)`` fits."""
-        n = max_workers
-        while n > 1 and memory(n) > self.memory_bytes:
-            n -= 1
-        return n
 
     @classmethod
     def default(cls, memory_bytes: int | None = None) -> Budgets:
