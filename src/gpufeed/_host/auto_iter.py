@@ -14,19 +14,18 @@ bound and the ring's default size moving with it, the epoch going on. A window m
 
 Applying a move (starting a process) counts as the loop's wait in ``stats()``.
 
-Thread workers the GIL holds back are seen, and said once. Auto never changes the worker type
-(NOTE [ Autotuning decisions ] in ``_host/autotune.py``). With thread workers, when the loop
-waits (input-bound at least ``GROW_AT``) and the window's decision holds more workers back (not
-for noise or a failed start) or reverts a growth, while the whole process used under
-``GIL_CORES`` cores of a budget of two or more, the work holds the GIL: threads run it one core
-at a time. The iterator then warns once per loader, a :class:`ThreadWorkersWarning` naming
-``worker_type="process"`` (:func:`held_back`).
+Thread workers the GIL holds back: when the loop waits (input-bound at least ``GROW_AT``) and
+the window's decision holds more workers back (not for noise or a failed start) or reverts a
+growth, while the whole process used under ``GIL_CORES`` cores of a budget of two or more, the
+work holds the GIL: threads run it one core at a time. The iterator then warns once per loader,
+a :class:`ThreadWorkersWarning` naming ``worker_type="process"`` (:func:`held_back`).
 
-It warns rather than switch the type: process workers pickle the dataset, run
-``worker_init_fn`` in another process, seed the global generators there and take memory the
-budgets were not sized for, which a drop-in loader cannot do behind the program's back, and
-the gain of a switch did not stand out of the noise. On a machine whose cores other programs
-keep busy, the advice may name cores that process workers would not get either.
+It warns rather than switch the type (auto never changes it, NOTE [ Autotuning decisions ] in
+``_host/autotune.py``): process workers pickle the dataset, run ``worker_init_fn`` in another
+process, seed the global generators there and take memory the budgets were not sized for,
+which a drop-in loader cannot do behind the program's back, and the gain of a switch did not
+stand out of the noise. On a machine whose cores other programs keep busy, the advice may name
+cores that process workers would not get either.
 Measurements: docs/how-it-works/measurements/host.md#thread-workers-held-back.
 """
 

@@ -3,10 +3,9 @@
 NOTE [ Autotuning decisions ]
 -----------------------------
 The loader measures *windows* of at least ``WINDOW_BATCHES`` batches and ``WINDOW_S`` seconds
-(``_host/auto_iter.py``): ``input_bound`` (time blocked with no batch ready, over wait + step),
-the rate, the workers' seconds per batch, the process tree's CPU, the ring's and the workers'
-memory. Between two batches, :meth:`AutoTuner.decide` reads a window and may return a
-:class:`Move`, applied without restarting the epoch (NOTE [ Resizing the pool ] in
+(what one holds: ``_host/auto_iter.py``; ``input_bound`` is the time blocked with no batch ready
+over wait + step). Between two batches, :meth:`AutoTuner.decide` reads a window and may return
+a :class:`Move`, applied without restarting the epoch (NOTE [ Resizing the pool ] in
 ``_host/elastic.py``). With the model of NOTE [ What a worker costs ] (``_host/cost.py``):
 
 1. **Settle.** The window after any change (and an iterator's first) is not judged: new
