@@ -244,11 +244,7 @@ class Fences:
         have completed). Only for a Fences that no finalizer adds to (a device stage's own
         copies): an entry added after the caller built ``events`` would be dropped."""
         keep = {id(e) for e in events}
-        entries = self._entries
-        for key in list(entries):
-            entry = entries.get(key)
-            if entry is not None and id(entry[0]) not in keep:
-                entries.pop(key, None)
+        self._drain(lambda event: id(event) not in keep, [])
 
     def wait(self, sink: Any = None) -> list[Any]:
         """Block until every event added before the call has completed and drop those
