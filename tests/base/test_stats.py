@@ -13,7 +13,6 @@ from gpufeed._base.stats import (
     LoaderStats,
     StageStats,
     StatsRecorder,
-    explain,
     format_table,
     percentile,
     ring_findings,
@@ -244,7 +243,7 @@ def test_low_fallback_share_or_no_ring_says_nothing():
 
 
 def test_explain_covers_what_the_snapshot_shows():
-    lines = explain(snapshot(fallback=0))
+    lines = snapshot(fallback=0).explain().splitlines()
     names = [line.split(":")[0] for line in lines]
     assert {"wait", "ring", "prefetch", "batches", "ring_grow", "ring_fallback",
             "occupancy"} <= set(names)

@@ -16,6 +16,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,9 +70,7 @@ def context_devices(first: int, *, probe: bool = True) -> list[int]:
         return [first]
     out = [first]
     for index in range(count):
-        if index == first:
-            continue
-        if index in _with_context or (probe and _has_context(index)):
+        if index != first and (index in _with_context or (probe and _has_context(index))):
             _with_context.add(index)
             out.append(index)
     return out
@@ -181,13 +180,11 @@ def copies_completed(start: int, end: int) -> bool:
 _local = threading.local()
 
 
+@dataclass(frozen=True, slots=True)
 class Events:
     """Several events as one (a release fenced on several streams or devices)."""
 
-    __slots__ = ("events",)
-
-    def __init__(self, events: tuple[Any, ...]) -> None:
-        self.events = events
+    events: tuple[Any, ...]
 
     def query(self) -> bool:
         return all(e.query() for e in self.events)
@@ -247,11 +244,7 @@ class Fences:
         have completed). Only for a Fences that no finalizer adds to (a device stage's own
         copies): an entry added after the caller built ``events`` would be dropped."""
         keep = {id(e) for e in events}
-        entries = self._entries
-        for key in list(entries):
-            entry = entries.get(key)
-            if entry is not None and id(entry[0]) not in keep:
-                entries.pop(key, None)
+        self._drain(lambda event: id(event) not in keep, [])
 
     def wait(self, sink: Any = None) -> list[Any]:
         """Block until every event added before the call has completed and drop those

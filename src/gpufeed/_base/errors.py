@@ -5,8 +5,8 @@
           └── WorkerError        a worker process died (signal or exit code), timed out,
                │                 or its start-up failed; the main process or a worker ran
                │                 out of file descriptors (torch's "Too many open files")
-               └── SharedMemoryError (_memory/spill.py)  a process worker got no shared memory for
-                                 a batch the ring did not hold
+               └── SharedMemoryError  a process worker got no shared memory for a batch the
+                                 ring did not hold (_memory/spill.py)
 Exceptions raised by the user's dataset or collate function are re-raised in the main
 process with their own type, the worker's traceback and the sample index. A class that cannot
 be pickled (defined in a function, or in ``__main__`` of a spawned child) becomes a
@@ -19,6 +19,7 @@ import errno
 import pickle
 import sys
 import traceback
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 # torch's words (dataloader.py, NOTE [ DataLoader on Linux and open files limit ]), which
@@ -49,14 +50,15 @@ def out_of_descriptors(exc: BaseException | None) -> bool:
     return False
 
 
+@dataclass(eq=False)
 class RemoteError:
-    """An exception caught in a worker, in a form that pickles whatever the exception holds."""
+    """An exception caught in a worker (:func:`capture`), in a form that pickles whatever the
+    exception holds: its type, the type's name, where it was caught and its traceback."""
 
-    def __init__(self, exc: BaseException, where: str) -> None:
-        self.exc_type: type[BaseException] = type(exc)
-        self.type_name = type(exc).__name__
-        self.where = where
-        self.text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    exc_type: type[BaseException]
+    type_name: str
+    where: str
+    text: str
 
     def __reduce__(self) -> tuple[Any, ...]:
         exc_type = self.exc_type
@@ -64,13 +66,13 @@ class RemoteError:
             pickle.dumps(exc_type)
         except Exception:  # a class defined in a closure or __main__ of a spawned child
             exc_type = RuntimeError
-        return (_rebuild, (exc_type, self.type_name, self.where, self.text))
+        return (RemoteError, (exc_type, self.type_name, self.where, self.text))
 
     @classmethod
     def plain(cls, exc_type: type[BaseException], message: str) -> RemoteError:
         """An error re-raised as ``exc_type(message)``, its message unchanged (gpufeed's own
         errors that start with torch's words, which programs match on)."""
-        return _rebuild(exc_type, "", "", message)
+        return cls(exc_type, "", "", message)
 
     def reraise(self) -> NoReturn:
         if not self.where:  # RemoteError.plain
@@ -102,16 +104,9 @@ class KeyErrorMessage(str):
         return str(self)
 
 
-def _rebuild(
-    exc_type: type[BaseException], type_name: str, where: str, text: str
-) -> RemoteError:
-    obj = RemoteError.__new__(RemoteError)
-    obj.exc_type, obj.type_name, obj.where, obj.text = exc_type, type_name, where, text
-    return obj
-
-
 def capture(where: str) -> RemoteError:
     """Wrap the exception being handled (call inside ``except``)."""
     exc = sys.exc_info()[1]
     assert exc is not None  # internal: only called from an except block
-    return RemoteError(exc, where)
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return RemoteError(type(exc), type(exc).__name__, where, text)

@@ -1,14 +1,12 @@
 """Loader statistics as data: a cheap recorder in the hot path, frozen snapshots for people,
 and what each figure means.
 
-The core calls :class:`StatsRecorder` once per batch and stage (the stages and counters it
-reports are listed, with their meaning, in ``MEANINGS``); ``loader.stats()`` returns its
+The core calls :class:`StatsRecorder` once per batch and stage; ``loader.stats()`` returns its
 :meth:`~StatsRecorder.snapshot`. A ``to_device`` iterator keeps its own counters
 (:class:`DeviceStats`). Cost: :meth:`StatsRecorder.add` is one lock round trip, a dict look-up
-and a few float operations; percentiles only in the snapshot.
-
-``MEANINGS`` has one line per stage, counter and column of :class:`~gpufeed.stats.LoaderStats`
-(docs/guides/stats.md, "Reading loader.stats()", lists the same lines; a test keeps them in step).
+and a few float operations; percentiles only in the snapshot. ``MEANINGS`` has one line per
+stage, counter and column of :class:`~gpufeed.stats.LoaderStats` (docs/guides/stats.md,
+"Reading loader.stats()", lists the same lines; a test keeps them in step).
 :func:`ring_findings` reads a snapshot and, when a large share of batches missed the slot ring
 (``ring_fallback``), names the cause it sees and the fix:
 
@@ -35,7 +33,7 @@ import copy
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 DEFAULT_WINDOW = 4096
@@ -65,11 +63,11 @@ def input_bound_share(wait_s: float, step_s: float) -> float | None:
 def human_bytes(n: float) -> str:
     """Bytes for people, in powers of 1024: "512 B", "3.2 MiB", "15.6 GiB"."""
     value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
             return f"{value:,.0f} B" if unit == "B" else f"{value:,.1f} {unit}"
         value /= 1024
-    return f"{value:,.1f} TiB"  # not reached
+    return f"{value:,.1f} TiB"
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *,
@@ -191,8 +189,15 @@ class LoaderStats:
         return "\n".join(text)
 
     def explain(self) -> str:
-        """One line per stage, counter and column of this snapshot saying what it means."""
-        return "\n".join(explain(self))
+        """One line per stage, counter and column of this snapshot: "name: meaning"."""
+        names = [*self.stages, *self.counters, "busy s", "blocked s", "p50/p90/p99 ms"]
+        if any(s.capacity for s in self.stages.values()):
+            names.append("occupancy")
+        if self.input_bound is not None:
+            names.append("input-bound")
+        if self.autotune is not None:
+            names.append("autotune")
+        return "\n".join(f"{n}: {MEANINGS[n]}" for n in dict.fromkeys(names) if n in MEANINGS)
 
 
 #: a fallback share above this gets a finding (a few fall-backs while the ring grows are normal)
@@ -256,18 +261,6 @@ MEANINGS: dict[str, str] = {
     "autotune": "with num_workers=\"auto\": the worker count in force, the CPU and memory "
                 "budgets and what it uses of them, and its latest decisions",
 }
-
-
-def explain(stats: LoaderStats) -> list[str]:
-    """One line per stage, counter and column present in ``stats``: "name: meaning"."""
-    names = [*stats.stages, *stats.counters, "busy s", "blocked s", "p50/p90/p99 ms"]
-    if any(s.capacity for s in stats.stages.values()):
-        names.append("occupancy")
-    if stats.input_bound is not None:
-        names.append("input-bound")
-    if stats.autotune is not None:
-        names.append("autotune")
-    return [f"{n}: {MEANINGS[n]}" for n in dict.fromkeys(names) if n in MEANINGS]
 
 
 def ring_findings(stats: LoaderStats) -> list[str]:
@@ -344,22 +337,19 @@ class DeviceStats:
     consumer_wait_s: float = 0.0
 
 
+@dataclass(slots=True)
 class _Stage:
     """Per-stage accumulator; ``samples`` is a ring of the last ``window`` batch times."""
 
-    __slots__ = ("batches", "blocked", "busy", "cap", "occ_max", "occ_n", "occ_sum", "pos",
-                 "samples")
-
-    def __init__(self, window: int) -> None:
-        self.batches = 0
-        self.busy = 0.0
-        self.blocked = 0.0
-        self.samples = [0.0] * window
-        self.pos = 0
-        self.occ_sum = 0
-        self.occ_n = 0
-        self.occ_max = 0
-        self.cap = 0
+    samples: list[float]
+    batches: int = 0
+    busy: float = 0.0
+    blocked: float = 0.0
+    pos: int = 0
+    occ_sum: int = 0
+    occ_n: int = 0
+    occ_max: int = 0
+    cap: int = 0
 
 
 class StatsRecorder:
@@ -377,9 +367,8 @@ class StatsRecorder:
         self._t0 = time.perf_counter()
 
     def _stage(self, stage: str) -> _Stage:
-        st = self._stages.get(stage)
-        if st is None:
-            st = self._stages[stage] = _Stage(self._window)
+        """A new stage's accumulator (callers look ``stage`` up first)."""
+        st = self._stages[stage] = _Stage([0.0] * self._window)
         return st
 
     def add(self, stage: str, busy_s: float = 0.0, blocked_s: float = 0.0) -> None:
@@ -481,20 +470,18 @@ class StatsRecorder:
     def snapshot(self) -> LoaderStats:
         """Frozen copy of the figures so far; percentiles are computed here, not in ``add``."""
         with self._lock:
-            raw = [(name, st.batches, st.busy, st.blocked,
-                    list(st.samples[: min(st.pos, self._window)]),
-                    st.occ_sum, st.occ_n, st.occ_max, st.cap)
-                   for name, st in self._stages.items()]
+            raw = {name: replace(st, samples=st.samples[:min(st.pos, self._window)])
+                   for name, st in self._stages.items()}
             counters = dict(self._counters)
             wall = time.perf_counter() - self._t0
         stages: dict[str, StageStats] = {}
-        for name, batches, busy, blocked, samples, occ_sum, occ_n, occ_max, cap in raw:
-            samples.sort()
+        for name, st in raw.items():
+            samples = sorted(st.samples)
             stages[name] = StageStats(
-                name=name, batches=batches, busy_s=busy, blocked_s=blocked,
+                name=name, batches=st.batches, busy_s=st.busy, blocked_s=st.blocked,
                 p50_s=percentile(samples, 50), p90_s=percentile(samples, 90),
                 p99_s=percentile(samples, 99),
-                occupancy_mean=occ_sum / occ_n if occ_n else 0.0, occupancy_max=occ_max,
-                capacity=cap,
+                occupancy_mean=st.occ_sum / st.occ_n if st.occ_n else 0.0,
+                occupancy_max=st.occ_max, capacity=st.cap,
             )
         return LoaderStats(wall_s=wall, stages=stages, counters=counters)

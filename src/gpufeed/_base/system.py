@@ -1,15 +1,15 @@
-"""System reads a running loader needs (the doctor and the tuner read them too): the CPUs this
-process may use, the memory it may still take, and what a process tree uses of both.
-
-gpufeed's one reader of each: ``_tools/probe.py`` hands them to the doctor (tests replace them
-there), the tuner and the autotuner (``num_workers="auto"``) take their budgets from them.
-Usable CPUs are divided among the local ranks under torchrun (``LOCAL_WORLD_SIZE``) because
-each rank runs a loader of its own on the same cores. Run-queue time matters because workers
-that wait for a core would not go faster in greater numbers, whoever keeps the cores busy.
+"""System reads, gpufeed's one reader of each: the CPUs this process may use, the memory it may
+still take, and what a process tree uses of both. ``_tools/probe.py`` hands them to the doctor
+(tests replace them there); the tuner and the autotuner (``num_workers="auto"``) take their
+budgets from them. Usable CPUs are divided among the local ranks under torchrun
+(``LOCAL_WORLD_SIZE``) because each rank runs a loader of its own on the same cores. Run-queue
+time matters because workers that wait for a core would not go faster in greater numbers,
+whoever keeps the cores busy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable
@@ -77,10 +77,8 @@ def memory_available() -> int:
     avail = int(psutil.virtual_memory().available)
     limit, current = _read("/sys/fs/cgroup/memory.max"), _read("/sys/fs/cgroup/memory.current")
     if limit is not None and current is not None and limit.strip() != "max":
-        try:
+        with contextlib.suppress(ValueError):
             avail = min(avail, max(0, int(limit) - int(current)))
-        except ValueError:
-            pass
     return avail
 
 

@@ -41,11 +41,7 @@ NOTE [ Timeline ]
     bytes a batch are kept).
 (7) Other stages write generic records with :meth:`Timeline.span`, :meth:`Timeline.counter`
     and :meth:`Timeline.instant`, or :func:`instant` (a no-op when off) for a one-off event
-    without a timeline at hand, e.g. an autotuner's decision::
-
-        from .._base import timeline as _timeline
-        _timeline.instant(self._recorder, "autotune: 2 -> 3 workers",
-                          args={"reason": "the loop waited 31% of the window"})
+    without a timeline at hand, e.g. an autotuner's decision.
 """
 
 from __future__ import annotations
@@ -55,7 +51,8 @@ import itertools
 import threading
 import time
 from collections.abc import Hashable, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
+from types import SimpleNamespace
 from typing import Any
 
 # Record kinds (``Record[0]``); the payload (``Record[4:]``) of each:
@@ -184,11 +181,8 @@ class Timeline:
             cut = max(cut, now - self.last_seconds)
         self.cut = cut
         records = self.records
-        try:
-            while records[0][3] < cut:
-                records.popleft()
-        except IndexError:
-            pass
+        while records and records[0][3] < cut:
+            records.popleft()
         for kind, column in self.columns.items():
             width, skip = WIDTH[kind], self._skip[kind]
             n = len(column) // width
@@ -249,20 +243,14 @@ def span_until_now(owner: Hashable, name: str, start: float, *, track: Hashable 
         tl.span(owner, track, name, start, time.perf_counter(), args)
 
 
-class _NoProfiler:
-    _is_profiler_enabled = False
-
-
 #: ``torch.autograd.profiler``, whose global ``_is_profiler_enabled`` torch 2.x sets while a
-#: profiler records: hot paths read it, two attribute loads and no call.
-torch_profiler: Any = _NoProfiler
-try:
+#: profiler records: hot paths read it, two attribute loads and no call (another torch: never on).
+torch_profiler: Any = SimpleNamespace(_is_profiler_enabled=False)
+with suppress(ImportError):
     from torch.autograd import profiler as _profiler_module
 
     if isinstance(getattr(_profiler_module, "_is_profiler_enabled", None), bool):
         torch_profiler = _profiler_module
-except ImportError:  # pragma: no cover - another torch
-    pass
 
 
 def profiling() -> bool:

@@ -1,9 +1,5 @@
-"""Autotuning as data: each decision as a record, and what ``loader.stats().autotune`` shows.
-
-The autotuner (``num_workers="auto"``) makes every decision through one method, which builds
-a :class:`TuningDecision`, logs it at INFO and keeps it (NOTE [ Autotuning decisions ] in
-``_host/autotune.py``).
-"""
+"""Autotuning as data: each decision as a record (made, logged and kept as NOTE [ Autotuning
+decisions ] in ``_host/autotune.py`` says), and what ``loader.stats().autotune`` shows."""
 
 from __future__ import annotations
 
@@ -117,9 +113,7 @@ class AutotuneStats:
         return self.decisions[-1] if self.decisions else None
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["decisions"] = [d.to_dict() for d in self.decisions]
-        return out
+        return {**asdict(self), "decisions": [d.to_dict() for d in self.decisions]}
 
     def __str__(self) -> str:
         cpu = "?" if self.cpu_used is None else f"{self.cpu_used:.1f}"

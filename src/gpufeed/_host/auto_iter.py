@@ -14,19 +14,18 @@ bound and the ring's default size moving with it, the epoch going on. A window m
 
 Applying a move (starting a process) counts as the loop's wait in ``stats()``.
 
-Thread workers the GIL holds back are seen, and said once. Auto never changes the worker type
-(NOTE [ Autotuning decisions ] in ``_host/autotune.py``). With thread workers, when the loop
-waits (input-bound at least ``GROW_AT``) and the window's decision holds more workers back (not
-for noise or a failed start) or reverts a growth, while the whole process used under
-``GIL_CORES`` cores of a budget of two or more, the work holds the GIL: threads run it one core
-at a time. The iterator then warns once per loader, a :class:`ThreadWorkersWarning` naming
-``worker_type="process"`` (:func:`held_back`).
+Thread workers the GIL holds back: when the loop waits (input-bound at least ``GROW_AT``) and
+the window's decision holds more workers back (not for noise or a failed start) or reverts a
+growth, while the whole process used under ``GIL_CORES`` cores of a budget of two or more, the
+work holds the GIL: threads run it one core at a time. The iterator then warns once per loader,
+a :class:`ThreadWorkersWarning` naming ``worker_type="process"`` (:func:`held_back`).
 
-It warns rather than switch the type: process workers pickle the dataset, run
-``worker_init_fn`` in another process, seed the global generators there and take memory the
-budgets were not sized for, which a drop-in loader cannot do behind the program's back, and
-the gain of a switch did not stand out of the noise. On a machine whose cores other programs
-keep busy, the advice may name cores that process workers would not get either.
+It warns rather than switch the type (auto never changes it, NOTE [ Autotuning decisions ] in
+``_host/autotune.py``): process workers pickle the dataset, run ``worker_init_fn`` in another
+process, seed the global generators there and take memory the budgets were not sized for,
+which a drop-in loader cannot do behind the program's back, and the gain of a switch did not
+stand out of the noise. On a machine whose cores other programs keep busy, the advice may name
+cores that process workers would not get either.
 Measurements: docs/how-it-works/measurements/host.md#thread-workers-held-back.
 """
 
@@ -241,7 +240,8 @@ class ThreadWorkersWarning(UserWarning):
 
 def held_back(tuner: AutoTuner, win: Window, decided: int) -> str | None:
     """The warning's words, once per loader, when the decision on ``win`` (``decided``: the
-    count of decisions before) held thread workers back and ``win`` shows the GIL; else None."""
+    count of decisions before) held thread workers back and ``win`` shows the GIL (the
+    module's docstring); else None."""
     if tuner.worker_type != "thread" or tuner in _told:
         return None
     stats = tuner.snapshot()
@@ -251,26 +251,18 @@ def held_back(tuner: AutoTuner, win: Window, decided: int) -> str | None:
     grew_in_vain = last.kind == "revert" and last.workers[1] < last.workers[0]
     held = last.kind == "hold" and not last.reason.startswith(("the machine is too noisy",
                                                                 "could not start"))
-    if not (grew_in_vain or held):
+    cores, budget = win.cpu_cores, tuner.budgets.cpu_cores
+    if not (grew_in_vain or held) or win.input_bound < GROW_AT or cores is None or (
+            cores >= GIL_CORES or budget < 2):
         return None
-    advice = gil_advice(win, tuner.budgets.cpu_cores, last.reason)
-    if advice is not None:
-        _told.add(tuner)
-    return advice
-
-
-def gil_advice(win: Window, cpu_budget: float, why: str) -> str | None:
-    """The warning's words when ``win`` shows the GIL (``why``: what held workers back)."""
-    cores = win.cpu_cores
-    if win.input_bound < GROW_AT or cores is None or cores >= GIL_CORES or cpu_budget < 2:
-        return None
+    _told.add(tuner)
     return (f"num_workers='auto' with worker_type='thread': your loop waits for data "
-            f"(input-bound {pct(win.input_bound)}) and more thread workers cannot help ({why}): "
-            f"the whole process used {cores:.1f} of the {cpu_budget:g} cores it may use, so the "
-            "dataset's work holds the GIL (pure Python) and threads run it one core at a time. "
-            "worker_type='process' would run it on the other cores (gpufeed.DataLoader(..., "
-            "num_workers='auto', worker_type='process')); auto never changes the worker type "
-            "itself")
+            f"(input-bound {pct(win.input_bound)}) and more thread workers cannot help "
+            f"({last.reason}): the whole process used {cores:.1f} of the {budget:g} cores it "
+            "may use, so the dataset's work holds the GIL (pure Python) and threads run it one "
+            "core at a time. worker_type='process' would run it on the other cores "
+            "(gpufeed.DataLoader(..., num_workers='auto', worker_type='process')); auto never "
+            "changes the worker type itself")
 
 
 def make_tuner(num_workers: Any, *, max_workers: Any, memory_budget: Any, worker_type: str,
@@ -294,13 +286,11 @@ def make_tuner(num_workers: Any, *, max_workers: Any, memory_budget: Any, worker
             "workers (get_worker_info()), so the worker count decides which samples each "
             "batch holds, and changing it while training would change your data; pass an int "
             "num_workers (`gpufeed tune` measures the best one)")
-    if max_workers is not None and (isinstance(max_workers, bool)
-                                    or not isinstance(max_workers, int) or max_workers < 1):
-        kind = TypeError if not isinstance(max_workers, int) or isinstance(max_workers, bool) \
-            else ValueError
-        raise kind(f"max_workers={max_workers!r} is not supported: it is the most workers "
-                         "num_workers='auto' may run, an int >= 1 (None: 8 per usable CPU, at "
-                         "most 64)")
+    not_int = isinstance(max_workers, bool) or not isinstance(max_workers, int)
+    if max_workers is not None and (not_int or max_workers < 1):
+        raise (TypeError if not_int else ValueError)(
+            f"max_workers={max_workers!r} is not supported: it is the most workers "
+            "num_workers='auto' may run, an int >= 1 (None: 8 per usable CPU, at most 64)")
     budget = None
     if memory_budget is not None:
         try:

@@ -3,10 +3,9 @@
 NOTE [ Autotuning decisions ]
 -----------------------------
 The loader measures *windows* of at least ``WINDOW_BATCHES`` batches and ``WINDOW_S`` seconds
-(``_host/auto_iter.py``): ``input_bound`` (time blocked with no batch ready, over wait + step),
-the rate, the workers' seconds per batch, the process tree's CPU, the ring's and the workers'
-memory. Between two batches, :meth:`AutoTuner.decide` reads a window and may return a
-:class:`Move`, applied without restarting the epoch (NOTE [ Resizing the pool ] in
+(what one holds: ``_host/auto_iter.py``; ``input_bound`` is the time blocked with no batch ready
+over wait + step). Between two batches, :meth:`AutoTuner.decide` reads a window and may return
+a :class:`Move`, applied without restarting the epoch (NOTE [ Resizing the pool ] in
 ``_host/elastic.py``). With the model of NOTE [ What a worker costs ] (``_host/cost.py``):
 
 1. **Settle.** The window after any change (and an iterator's first) is not judged: new
@@ -98,11 +97,9 @@ class AutoTuner:
         self._last: Window | None = None
         self._noise = NOISE0
         self._calm = self._waits = 0  # windows in a row the loop did not wait, or waited
-        # workers, and work-ahead, that gave no gain (ceiling) or the loop needed (floor)
-        self._ceiling: Memo | None = None
-        self._floor: Memo | None = None
-        self._deep_ceiling: Memo | None = None
-        self._deep_floor: Memo | None = None
+        # workers, and work-ahead, that gave no gain ("ceiling", "deep_ceiling") or the loop
+        # needed ("floor", "deep_floor")
+        self._memos: dict[str, Memo] = {}
         self._holding: str | None = None  # the reason last recorded for holding
         self._held = False  # the last window held
         self._baseline = 0.0  # the rate a growth decided now must beat
@@ -125,10 +122,9 @@ class AutoTuner:
         """The test seam's move for now, through :meth:`_move` (None: no change)."""
         if self.schedule is None:
             return None
-        want = self.schedule(self.delivered)
-        if want is None:
-            want = Move(self.workers, self.depth)
-        move = want if isinstance(want, Move) else Move(int(want), self.depth)
+        move = self.schedule(self.delivered)
+        if not isinstance(move, Move):
+            move = Move(self.workers if move is None else int(move), self.depth)
         reason, cap = "forced (test schedule)", self._fits(gauges, move.depth)
         if move.workers > cap:  # the memory budget binds even where the schedule holds
             move, reason = Move(cap, move.depth), f"{reason}; held to {cap} by the memory budget"
@@ -181,13 +177,11 @@ class AutoTuner:
                 return None  # a small gain: seen in one more window before it counts
             if paid or stopped:
                 if trial.kind == "deepen":
-                    self._deep_floor = Memo(d1, step, until)
+                    self._memos["deep_floor"] = Memo(d1, step, until)
                 self._record("kept", before, win, (n0, n1), (d0, d1), "paid off")
                 return None
-            if trial.kind == "grow":
-                self._ceiling = Memo(n1, step, until)
-            else:
-                self._deep_ceiling = Memo(d1, step, until)
+            key, value = ("ceiling", n1) if trial.kind == "grow" else ("deep_ceiling", d1)
+            self._memos[key] = Memo(value, step, until)
             what = f"{n1} workers" if n0 != n1 else f"{d1} batches ahead"
             return self._move("revert", win, n0, d0, f"{what} gave no gain: "
                               f"{base:,.0f} -> {win.rate:,.0f} batches/s (noise "
@@ -199,7 +193,7 @@ class AutoTuner:
             self._record("kept", before, win, (n0, n1), (d0, d1), "the loop still does not wait")
             return None
         if trial.kind in ("shrink", "trim"):
-            self._floor = Memo(n0, step, time.monotonic() + MEMO_S)
+            self._memos["floor"] = Memo(n0, step, time.monotonic() + MEMO_S)
         return self._move("revert", win, n0, d0, f"{n1} workers, {d1} ahead, made the loop wait "
                           f"more (input-bound {pct(win.input_bound)}, {before.rate:,.0f} -> "
                           f"{win.rate:,.0f} batches/s)", before=before)
@@ -217,11 +211,8 @@ class AutoTuner:
         # a new phase (for two windows in a row: one noisy step is none), or time: what
         # held may not now
         before = prev.step_per_batch if prev is not None else 0.0
-        for memo in ("_ceiling", "_floor", "_deep_ceiling", "_deep_floor"):
-            m = getattr(self, memo)
-            if m is not None and (now > m.until or min(ratio(m.step_s, step),
-                                                       ratio(m.step_s, before)) > PHASE):
-                setattr(self, memo, None)
+        self._memos = {key: m for key, m in self._memos.items() if now <= m.until
+                       and min(ratio(m.step_s, step), ratio(m.step_s, before)) <= PHASE}
         over = self._over_budget(win)
         if over is not None:
             return over
@@ -251,9 +242,9 @@ class AutoTuner:
             waited = cost.queued_s / (cost.queued_s + cost.worker_cpu_s)
             caps.append((self.workers, "crowded", "the cores are busy (the workers waited "
                          f"for one {waited:.0%} of the time they could run)"))
-        if self._ceiling is not None:
-            caps.append((self._ceiling.value - 1, "ceiling",
-                         f"{self._ceiling.value} workers gave no gain"))
+        if "ceiling" in self._memos:
+            ceiling = self._memos["ceiling"].value
+            caps.append((ceiling - 1, "ceiling", f"{ceiling} workers gave no gain"))
         return caps
 
     def _grow(self, win: Window) -> Move | None:
@@ -263,7 +254,7 @@ class AutoTuner:
         bound = f"input-bound {pct(win.input_bound)}"
         if want <= n and self._waits < 2:
             return None  # the model says they keep up: wait for a second window to be sure
-        deep = self._deep_ceiling.value if self._deep_ceiling is not None else 2 * MAX_DEPTH
+        deep = self._memos["deep_ceiling"].value if "deep_ceiling" in self._memos else 2 * MAX_DEPTH
         if want <= n and not self.depth_fixed and d < MAX_DEPTH and 2 * d < deep and (
                 g := win.gauges).memory(n, 2 * d) <= self.budgets.memory_bytes:
             self._trial = Change("deepen", win, (n, n), (d, min(2 * d, MAX_DEPTH)),
@@ -292,7 +283,7 @@ class AutoTuner:
         n, d = self.workers, self.depth
         cost = win.cost()
         need = cost.workers_for(win.rate * (1 + HEADROOM))
-        floor = self._floor.value if self._floor is not None else 1
+        floor = self._memos["floor"].value if "floor" in self._memos else 1
         target = max(need, (n + 1) // 2, floor, 1)
         calm = f"the loop does not wait (input-bound {pct(win.input_bound)})"
         if target < n:
@@ -300,7 +291,8 @@ class AutoTuner:
             return self._move("shrink", win, target, d, f"{calm}: {need} workers at "
                               f"{ms(cost.batch_s)} a batch deliver its {win.rate:,.0f} "
                               "batches/s", win.gauges)
-        needed = self._deep_floor.value if self._deep_floor is not None else self.default_depth
+        memo = self._memos.get("deep_floor")
+        needed = memo.value if memo is not None else self.default_depth
         if d > self.default_depth and d // 2 >= needed and not self.depth_fixed:
             self._trial = Change("shallow", win, (n, n), (d, d // 2))
             return self._move("shallow", win, n, d // 2, f"{calm}: less work ahead", win.gauges)
@@ -321,7 +313,11 @@ class AutoTuner:
         return None
 
     def _fits(self, g: Gauges, depth: int) -> int:
-        return self.budgets.most_workers(lambda k: g.memory(k, depth), self.max_workers)
+        """The most workers, 1 to ``max_workers``, whose memory at ``depth`` fits the budget."""
+        n = self.max_workers
+        while n > 1 and g.memory(n, depth) > self.budgets.memory_bytes:
+            n -= 1
+        return n
 
     def _hold(self, win: Window | None, key: str, reason: str) -> None:
         """Say once why nothing changes (again after a change, or for another reason)."""

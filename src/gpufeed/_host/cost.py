@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._base.system import local_ranks, memory_available, usable_cpus
@@ -60,10 +59,9 @@ def parse_bytes(value: int | float | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def default_max_workers(cpu_cores: float | None = None) -> int:
+def default_max_workers(cpu_cores: float) -> int:
     """``WORKERS_PER_CPU`` per usable CPU of this rank, at least 2, at most the hard max."""
-    cores = usable_cpus() if cpu_cores is None else cpu_cores
-    return max(2, min(HARD_MAX_WORKERS, int(WORKERS_PER_CPU * cores)))
+    return max(2, min(HARD_MAX_WORKERS, int(WORKERS_PER_CPU * cpu_cores)))
 
 
 @dataclass(frozen=True)
@@ -75,13 +73,6 @@ class Budgets:
     cpu_cores: float
     memory_bytes: int
 
-    def most_workers(self, memory: Callable[[int], int], max_workers: int) -> int:
-        """The most workers, 1 to ``max_workers``, whose ``memory(workers)`` fits."""
-        n = max_workers
-        while n > 1 and memory(n) > self.memory_bytes:
-            n -= 1
-        return n
-
     @classmethod
     def default(cls, memory_bytes: int | None = None) -> Budgets:
         """This rank's usable CPUs, and ``memory_bytes`` or the default share."""
@@ -92,34 +83,22 @@ class Budgets:
 
 @dataclass(frozen=True)
 class WorkerCost:
-    """What one worker costs and gives (NOTE [ What a worker costs ]); 0: unknown (or a
-    thread's ``worker_bytes``; no CPU limit for ``cpu_s``). ``worker_cpu_s`` and ``queued_s``
-    are the parts of ``batch_s`` the worker spent on a core and waiting for one."""
+    """What one worker costs and gives (NOTE [ What a worker costs ]; its memory is
+    ``Gauges.memory`` in ``_host/window.py``); 0: unknown (no CPU limit for ``cpu_s``).
+    ``worker_cpu_s`` and ``queued_s`` are the parts of ``batch_s`` the worker spent on a core
+    and waiting for one."""
 
     batch_s: float
     cpu_s: float = 0.0
-    worker_bytes: int = 0
-    slot_bytes: int = 0
     worker_cpu_s: float = 0.0
     queued_s: float = 0.0
 
     @classmethod
-    def observed(cls, *, workers: int, rate: float, cpu_cores: float = 0.0,
-                 worker_bytes: int = 0, slot_bytes: int = 0) -> WorkerCost:
+    def observed(cls, *, workers: int, rate: float, cpu_cores: float = 0.0) -> WorkerCost:
         """The cost seen in a run whose workers were the bottleneck (a tuner trial without a
         step): each took ``workers / rate`` seconds per batch."""
         rate = max(rate, 1e-9)
-        return cls(batch_s=workers / rate, cpu_s=cpu_cores / rate, worker_bytes=worker_bytes,
-                   slot_bytes=slot_bytes)
-
-    def rate(self, workers: int, *, cpu_cores: float | None = None, step_s: float = 0.0) -> float:
-        """``rate(n)`` of the NOTE, within ``cpu_cores`` if given (``step_s`` 0: only loads)."""
-        rate = workers / max(self.batch_s, 1e-9)
-        if cpu_cores is not None and self.cpu_s > 0:
-            rate = min(rate, cpu_cores / self.cpu_s)
-        if step_s > 0:
-            rate = min(rate, 1.0 / step_s)
-        return rate
+        return cls(batch_s=workers / rate, cpu_s=cpu_cores / rate)
 
     def workers_for(self, rate: float) -> int:
         """The fewest workers (at least 1) that deliver ``rate`` batches/s."""
@@ -139,10 +118,6 @@ class WorkerCost:
         runnable = self.worker_cpu_s + self.queued_s
         awake = max(self.batch_s - self.queued_s, 1e-9)
         return self.worker_cpu_s >= CPU_BOUND * awake and self.queued_s >= QUEUED * runnable > 0
-
-    def memory(self, workers: int, slots: int) -> int:
-        """Bytes ``workers`` workers and a ring of ``slots`` slots hold."""
-        return workers * self.worker_bytes + slots * self.slot_bytes
 
 
 def pays_off(before: float, after: float, *, tolerance: float,

@@ -38,50 +38,47 @@ from .pool import GRACE_S, ProcessPool, ThreadPool, _hang_up, _thread_entry, _Wa
 from .worker import in_thread_worker, worker_loop
 
 
-class _Outstanding:
-    """Tasks sent to each worker less answers received from it, of any epoch."""
+class _Counting:
+    """What both elastic pools share: ``send`` and ``poll`` count the tasks outstanding per
+    worker (sent less answers received, of any epoch); the ids retired, and the seeds given."""
 
-    def __init__(self, n: int) -> None:
-        self.count = [0] * n
-        self.started = n  # workers started so far: the next one's seed offset
+    n: int
+
+    def _start_counting(self, spec: WorkerSpec) -> None:
+        self._spec = spec
+        self.outstanding = [0] * self.n
+        self.started = self.n  # workers started so far: the next one's seed offset
         self.retired: set[int] = set()
 
-    def sent(self, w: int, msg: ToWorker) -> None:
-        if isinstance(msg, Tasks):
-            self.count[w] += len(msg.tasks)
-
-    def received(self, msgs: list[tuple[int, ToMain]]) -> None:
-        for w, msg in msgs:
-            if isinstance(msg, Done):
-                self.count[w] -= len(msg.results)
-
-    def spec_for(self, spec: WorkerSpec, w: int, num_workers: int) -> WorkerSpec:
-        """The spec of the next worker started, at id ``w`` (see NOTE [ Resizing the pool ])."""
-        offset = self.started - w
-        self.started += 1
-        return dataclasses.replace(spec, num_workers=num_workers,
-                                   base_seed=spec.base_seed + offset)
-
-    def place(self, w: int) -> None:
-        if w == len(self.count):
-            self.count.append(0)
-        self.count[w] = 0
-        self.retired.discard(w)
-
-
-class _Counting:
-    """Both elastic pools' ``send`` and ``poll``, counting tasks outstanding per worker."""
-
-    out: _Outstanding
-
     def send(self, w: int, msg: ToWorker) -> None:
-        self.out.sent(w, msg)
+        if isinstance(msg, Tasks):
+            self.outstanding[w] += len(msg.tasks)
         super().send(w, msg)  # type: ignore[misc]
 
     def poll(self, timeout: float | None) -> tuple[list[tuple[int, ToMain]], list[int]]:
         msgs, dead = super().poll(timeout)  # type: ignore[misc]
-        self.out.received(msgs)
-        return msgs, [w for w in dead if w not in self.out.retired]
+        self._received(msgs)
+        return msgs, [w for w in dead if w not in self.retired]
+
+    def _received(self, msgs: list[tuple[int, ToMain]]) -> None:
+        for w, msg in msgs:
+            if isinstance(msg, Done):
+                self.outstanding[w] -= len(msg.results)
+
+    def _spec_for(self, w: int, num_workers: int) -> WorkerSpec:
+        """The spec of the next worker started, at id ``w`` (see NOTE [ Resizing the pool ])."""
+        offset = self.started - w
+        self.started += 1
+        return dataclasses.replace(self._spec, num_workers=num_workers,
+                                   base_seed=self._spec.base_seed + offset)
+
+    def _placed(self, w: int) -> None:
+        """Worker ``w`` was started: nothing outstanding, not retired, counted in ``n``."""
+        if w == len(self.outstanding):
+            self.outstanding.append(0)
+        self.outstanding[w] = 0
+        self.retired.discard(w)
+        self.n = max(self.n, w + 1)
 
 
 class ElasticProcessPool(_Counting, ProcessPool):
@@ -89,34 +86,34 @@ class ElasticProcessPool(_Counting, ProcessPool):
 
     def __init__(self, spec: WorkerSpec, ctx: Any) -> None:
         super().__init__(spec, ctx)
-        self._spec, self._ctx = spec, ctx
-        self.out = _Outstanding(self.n)
+        self._ctx = ctx
+        self._start_counting(spec)
 
     def last_messages(self, w: int) -> list[ToMain]:
         msgs = super().last_messages(w)
-        self.out.received([(w, m) for m in msgs])
+        self._received([(w, m) for m in msgs])
         return msgs
 
     def idle(self, w: int) -> bool:
         """Nothing outstanding for worker ``w``: it may be retired."""
-        return self.out.count[w] <= 0 and not (self._sender is not None and self._sender.busy(w))
+        return self.outstanding[w] <= 0 and not (self._sender is not None and self._sender.busy(w))
 
     def processes(self) -> list[Any]:
         """The process objects of the workers in force (retiring ones included)."""
-        return [p for w, p in enumerate(self.procs) if w not in self.out.retired]
+        return [p for w, p in enumerate(self.procs) if w not in self.retired]
 
     def pids(self) -> list[int]:
         """The pids of the workers in force (retiring ones included)."""
-        return [p.pid for w, p in enumerate(self.procs) if w not in self.out.retired and p.pid]
+        return [p.pid for p in self.processes() if p.pid]
 
     def tids(self) -> list[int]:
         return []
 
     def retire(self, w: int) -> None:
         """Stop watching worker ``w`` and hang up its pipe: it exits, and that is no error."""
-        if w in self.out.retired:
+        if w in self.retired:
             return
-        self.out.retired.add(w)
+        self.retired.add(w)
         for fd in (self.conns[w].fileno(), self.procs[w].sentinel):
             if self._fd_owner.pop(fd, None) is not None:
                 self._poller.unregister(fd)
@@ -127,7 +124,7 @@ class ElasticProcessPool(_Counting, ProcessPool):
         if w < len(self.procs):
             self.retire(w)
             self._join(w)
-        spec = self.out.spec_for(self._spec, w, num_workers)
+        spec = self._spec_for(w, num_workers)
         parent_end, child_end = self._ctx.Pipe(duplex=True)
         close_fds: tuple[int, ...] = ()
         if fork := self._ctx.get_start_method() == "fork":  # the child closes every main end
@@ -149,10 +146,9 @@ class ElasticProcessPool(_Counting, ProcessPool):
                 child_end.close()
                 if not placed:
                     parent_end.close()  # a started child reads EOF and exits
-            self.out.place(w)
+            self._placed(w)
             if self._sender is not None and w == len(self._sender.pending):
                 self._sender.pending.append(0)
-            self.n = max(self.n, w + 1)
             self._watch(parent_end.fileno(), _Watch.CONN, w)
             self._watch(proc.sentinel, _Watch.EXIT, w)
 
@@ -172,12 +168,11 @@ class ElasticThreadPool(_Counting, ThreadPool):
 
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(spec)
-        self._spec = spec
-        self.out = _Outstanding(self.n)
+        self._start_counting(spec)
         self._gone: list[threading.Thread] = []  # retired threads replaced at their id
 
     def idle(self, w: int) -> bool:
-        return self.out.count[w] <= 0
+        return self.outstanding[w] <= 0
 
     def pids(self) -> list[int]:
         return []
@@ -185,18 +180,18 @@ class ElasticThreadPool(_Counting, ThreadPool):
     def tids(self) -> list[int]:
         """The native thread ids of the workers in force (retiring ones included)."""
         return [t.native_id for w, t in enumerate(self.threads)
-                if w not in self.out.retired and t.native_id is not None]
+                if w not in self.retired and t.native_id is not None]
 
     def retire(self, w: int) -> None:
-        if w not in self.out.retired:
-            self.out.retired.add(w)
+        if w not in self.retired:
+            self.retired.add(w)
             self.chans[w].tasks.put(None)
 
     def add(self, w: int, num_workers: int) -> None:
         if w < len(self.threads):
             self.retire(w)
             self._gone.append(self.threads[w])
-        spec = self.out.spec_for(self._spec, w, num_workers)
+        spec = self._spec_for(w, num_workers)
         chan = ThreadChannel(w, self.results)
         t = threading.Thread(target=_thread_entry, args=(spec, w, chan),
                              name=f"gpufeed-worker-{w}", daemon=True)
@@ -205,8 +200,7 @@ class ElasticThreadPool(_Counting, ThreadPool):
             self.threads.append(t)
         else:
             self.chans[w], self.threads[w] = chan, t
-        self.out.place(w)
-        self.n = max(self.n, w + 1)
+        self._placed(w)
         t.start()
 
     def close(self, grace_s: float = GRACE_S) -> None:

@@ -34,6 +34,7 @@ GPU is the bottleneck, and some of their rate if they were close to it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -65,10 +66,8 @@ def lower_priority(step: int) -> None:
     """In a process worker: lower this process's priority by ``step`` (where there is ``nice``)."""
     nice = getattr(os, "nice", None)
     if nice is not None and step > 0:
-        try:
+        with contextlib.suppress(OSError):
             nice(step)
-        except OSError:
-            pass
 
 
 class WorkerPriority:

@@ -72,8 +72,7 @@ class Window:
             self.rate, 1e-9)
         cpu = self.cpu_s / self.batches if self.cpu_s is not None and self.batches else 0.0
         per = 1 / self.answered if self.answered else 0.0
-        return WorkerCost(batch_s, cpu, self.gauges.worker_bytes, self.gauges.slot_bytes,
-                          self.worker_cpu_s * per, self.queued_s * per)
+        return WorkerCost(batch_s, cpu, self.worker_cpu_s * per, self.queued_s * per)
 
     def memory_used(self) -> int:
         return self.workers * self.gauges.worker_bytes + self.gauges.ring_bytes
