@@ -36,6 +36,7 @@ the run that saved it did.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -103,28 +104,6 @@ def draws_epoch_seed(sampler: Any) -> bool:
     )
 
 
-def unrewindable_reason(sampler: Any) -> str | None:
-    """Why ``sampler``'s epoch cannot be replayed (case 6), or ``None`` when it can."""
-    if is_ours(sampler) or callable(getattr(sampler, "state_dict", None)):
-        return None
-    name = type(sampler).__name__
-    if isinstance(sampler, _STOCK_RANDOM):
-        if sampler.generator is not None or draws_epoch_seed(sampler):
-            return None
-        return (
-            f"its {name} draws its order from torch's global random generator, whose state at "
-            "the epoch's start was not saved; pass the DataLoader seed=<int> (or a sampler "
-            "with generator=torch.Generator().manual_seed(<int>))"
-        )
-    if isinstance(sampler, _FIXED_ORDER) or callable(getattr(sampler, "set_epoch", None)):
-        return None
-    return (
-        f"its sampler {name} has no state_dict()/load_state_dict() (nor set_epoch), so gpufeed "
-        "cannot know that it repeats its order; give it those methods, or use shuffle=True "
-        "with seed=<int>"
-    )
-
-
 def sampler_state_of(sampler: Any) -> Any:
     """What restores ``sampler`` to the start of an epoch, taken when the epoch starts: ``None``
     for cases 1, 4 (its seed is recorded at its first draw) and 5 of NOTE [ Rewinding samplers ];
@@ -134,10 +113,24 @@ def sampler_state_of(sampler: Any) -> Any:
     state_dict = getattr(sampler, "state_dict", None)
     if callable(state_dict):
         return state_dict()
-    if isinstance(sampler, _STOCK_RANDOM) and sampler.generator is not None:
-        return {"generator_state": sampler.generator.get_state().tolist()}
-    reason = unrewindable_reason(sampler)
-    return None if reason is None else {UNREWINDABLE: reason}
+    name = type(sampler).__name__
+    if isinstance(sampler, _STOCK_RANDOM):
+        if sampler.generator is not None:
+            return {"generator_state": sampler.generator.get_state().tolist()}
+        if draws_epoch_seed(sampler):
+            return None
+        return {UNREWINDABLE: (
+            f"its {name} draws its order from torch's global random generator, whose state at "
+            "the epoch's start was not saved; pass the DataLoader seed=<int> (or a sampler "
+            "with generator=torch.Generator().manual_seed(<int>))"
+        )}
+    if isinstance(sampler, _FIXED_ORDER) or callable(getattr(sampler, "set_epoch", None)):
+        return None
+    return {UNREWINDABLE: (
+        f"its sampler {name} has no state_dict()/load_state_dict() (nor set_epoch), so gpufeed "
+        "cannot know that it repeats its order; give it those methods, or use shuffle=True "
+        "with seed=<int>"
+    )}
 
 
 def draw_base_seed(generator: torch.Generator | None) -> int:
@@ -156,21 +149,14 @@ def state_after_base_seed(generator: torch.Generator) -> list[int]:
 
 
 def restore_sampler(sampler: Any, state: Any) -> None:
-    """Put ``sampler`` back where :func:`sampler_state_of` found it (cases 2 and 3)."""
-    if state is None or _marker(state):
-        return
+    """Put ``sampler`` back where :func:`sampler_state_of` found it (cases 2 and 3; the markers
+    of cases 4 and 6 never reach here: ``resume.prepare_resume`` drops them)."""
     if isinstance(sampler, _STOCK_RANDOM) and isinstance(state, dict) and (
         sampler.generator is not None and "generator_state" in state
     ):
         sampler.generator.set_state(torch.tensor(state["generator_state"], dtype=torch.uint8))
     elif hasattr(sampler, "load_state_dict"):
         sampler.load_state_dict(state)
-
-
-def _marker(state: Any) -> bool:
-    return isinstance(state, dict) and len(state) == 1 and (
-        EPOCH_SEED in state or UNREWINDABLE in state
-    )
 
 
 def rank_bound(state: Any) -> str | None:
@@ -210,10 +196,6 @@ class EpochSeed:
         self.replay = replay
         self._record = weakref.WeakMethod(record)
 
-    def record(self, seed: int) -> None:
-        if (bound := self._record()) is not None:
-            bound(seed)
-
     def draw_now(self) -> None:
         """Draw the seed now if not drawn yet (a state taken before the epoch's first batch
         keeps it); the epoch then shuffles with it: the same one draw, earlier."""
@@ -223,8 +205,9 @@ class EpochSeed:
     def _seed(self) -> int:
         """The epoch's seed, drawn as torch draws it if not yet drawn (or replayed); recorded."""
         if self.replay is None:
-            self.replay = int(torch.empty((), dtype=torch.int64).random_().item())
-        self.record(self.replay)
+            self.replay = draw_base_seed(None)
+        if (record := self._record()) is not None:
+            record(self.replay)
         return self.replay
 
     def generator(self) -> torch.Generator:
@@ -239,13 +222,9 @@ class EpochSeed:
         iterator = iter(index_sampler)  # generators: nothing is drawn yet
         sampler.generator = self.generator()
         try:
-            first = next(iterator, _END)  # RandomSampler.__iter__ reads .generator here, once
+            # RandomSampler.__iter__ reads .generator at its first index, once
+            first = list(itertools.islice(iterator, 1))
         finally:
             sampler.generator = None
-        if first is _END:
-            return
-        yield first
+        yield from first
         yield from iterator
-
-
-_END: Any = object()
