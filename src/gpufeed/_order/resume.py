@@ -295,24 +295,19 @@ class LoaderPosition:
             num_workers=loader.num_workers,
             order=None if iterable else order_of(loader._index_sampler),
         )
-        sampler = inner_sampler(loader._index_sampler)
         seed = checked["seed"]
         if seed is None or not loader.deterministic:
             self._random_not_replayed(loader, "loader.load_state_dict() got a state saved",
                                       "this resume")
-        ours = seed is not None and is_ours(sampler)
-        old_seed = sampler.seed if ours else None
-        if ours:
-            sampler.seed = seed  # replaying the epoch's order needs it
-        try:
-            point = prepare_resume(
-                checked, index_sampler=loader._index_sampler, iterable=iterable,
-                num_batches=None if iterable else length_or_none(loader._index_sampler),
-            )
-        except BaseException:
-            if ours:  # a state that cannot be resumed changes nothing
-                sampler.seed = old_seed
-            raise
+        point = prepare_resume(
+            checked, index_sampler=loader._index_sampler, iterable=iterable,
+            num_batches=None if iterable else length_or_none(loader._index_sampler),
+        )
+        sampler = inner_sampler(loader._index_sampler)
+        if seed is not None and is_ours(sampler):
+            # Its order is a function of (seed, epoch), drawn at the epoch's start; set only
+            # once the state was found resumable, so that one that is not changes nothing.
+            sampler.seed = seed
         self.pending, self.epoch, self.tracker = point, point.epoch, None
         self.sampler_state = checked["sampler_state"]
         if isinstance(self.sampler_state, dict) and EPOCH_SEED in self.sampler_state and (
