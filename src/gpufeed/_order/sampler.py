@@ -180,14 +180,8 @@ class ShardedSampler(_Resumable, DistributedSampler[int]):
         drop_last: bool = False,
     ) -> None:
         rank, world_size, _ = resolve_world(rank, world_size)
-        super().__init__(
-            dataset,  # type: ignore[arg-type]
-            num_replicas=world_size,
-            rank=rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-        )
+        super().__init__(dataset, num_replicas=world_size, rank=rank,  # type: ignore[arg-type]
+                         shuffle=shuffle, seed=seed, drop_last=drop_last)
 
     def _order(self, epoch: int) -> torch.Tensor:
         n = len(self.dataset)  # type: ignore[arg-type]
@@ -270,15 +264,8 @@ def build_sampler(
     if isinstance(dataset, IterableDataset):
         return None
     if shard:
-        rank_, world_size_, _ = resolve_world(rank, world_size)
-        return ShardedSampler(
-            dataset,
-            rank=rank_,
-            world_size=world_size_,
-            shuffle=bool(shuffle),
-            seed=seed or 0,
-            drop_last=drop_last,
-        )
+        return ShardedSampler(dataset, rank=rank, world_size=world_size, shuffle=bool(shuffle),
+                              seed=seed or 0, drop_last=drop_last)
     if shuffle and seed is not None:
         return SeededRandomSampler(dataset, seed=seed)
     return None
