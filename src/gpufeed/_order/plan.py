@@ -18,8 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-from .rewind import EpochSeed, inner_sampler
-from .sampler import SeededRandomSampler, ShardedSampler
+from .rewind import EpochSeed, inner_sampler, is_ours
 
 #: From this many samples a plan the workers share holds its permutation as int32: half
 #: the shared memory (4 bytes a sample), each batch's slice widened to int64 when taken.
@@ -78,13 +77,8 @@ class IndexPlan:
 def plannable(index_sampler: Any) -> bool:
     """Whether the epoch's order can be drawn at once: torch's ``BatchSampler`` over one of
     the samplers below, or (no batching) one of them alone."""
-    if type(index_sampler) is BatchSampler:
-        return _plannable_sampler(index_sampler.sampler)
-    return _plannable_sampler(index_sampler)
-
-
-def _plannable_sampler(s: Any) -> bool:
-    if type(s) is SequentialSampler or isinstance(s, (ShardedSampler, SeededRandomSampler)):
+    s = index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
+    if type(s) is SequentialSampler or is_ours(s):
         return True
     return type(s) is RandomSampler and not s.replacement and s._num_samples is None
 
@@ -103,7 +97,7 @@ def make_plan(
     s = inner_sampler(index_sampler)
     bs = index_sampler.batch_size if batched else 1
     perm: torch.Tensor | None = None
-    if isinstance(s, (ShardedSampler, SeededRandomSampler)):
+    if is_ours(s):
         _, perm, start = s.take_epoch()
         n = len(perm)
     else:
