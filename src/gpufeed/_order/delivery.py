@@ -142,11 +142,9 @@ class DeliveryTracker:
         # A ``rewind.EpochSeed`` for loaders that slice the order themselves
         # (``plan.make_plan``), set by whoever builds the tracker.
         self.epoch_seed: Any = None
-        self.worker_states: dict[int, Any] = {}
-        self.next_worker = 0
-        if resumed is not None:
-            self.worker_states = {w: s for w, s in enumerate(resumed.states) if s is not None}
-            self.next_worker = resumed.next_worker
+        resumed = resumed or WorkerStates([])
+        self.worker_states = {w: s for w, s in enumerate(resumed.states) if s is not None}
+        self.next_worker = resumed.next_worker
         self._in_flight: deque[tuple[int, Any]] = deque()
         self._numbers: list[int] = []
         self._reached = 0  # batches that reached the user (or failed on the way) this iterator

@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -66,7 +66,7 @@ class SampleScope:
         self.base = self.epoch = 0
         self.key = epoch_key(0, 0)
         self.index: Any = None
-        self.batch: Sequence[Any] | None = None
+        self.batch: Sequence[Any] = ()
         self._made: _Made | None = None
         # The torch and Python generators, re-seeded per sample (by library tag).
         self._own: dict[int, Any] = {}
@@ -93,23 +93,22 @@ class SampleScope:
     def at_batch(self, indices: Sequence[Any] | None) -> None:
         """A whole batch is being fetched or collated (``__getitems__``, a batch source,
         ``collate_fn``): generators asked for without an index come from ``batch_seed``."""
-        self.batch = indices
+        self.batch = indices if indices is not None else ()
         self.index = None
         self._made = None
 
     def seed_of(self, index: Any) -> int:
         return seed_in(self.key, index)
 
-    def current_seed(self) -> int:
-        if self.index is not None:
-            return seed_in(self.key, self.index)
-        return batch_seed(self.base, self.epoch, self.batch if self.batch is not None else ())
-
     def made(self) -> _Made:
         """The current sample's (or batch's) seed and the generators made from it so far."""
         made = self._made
         if made is None:
-            made = self._made = _Made(self.current_seed())
+            if self.index is not None:
+                seed = seed_in(self.key, self.index)
+            else:
+                seed = batch_seed(self.base, self.epoch, self.batch)
+            made = self._made = _Made(seed, {})
         return made
 
     def reseeded(self, tag: int, make: Callable[[], G], reseed: Callable[[G, int], Any]) -> G:
@@ -126,14 +125,11 @@ class SampleScope:
         return gen
 
 
-class _Made:
+class _Made(NamedTuple):
     """One sample's seed and its generators (by library tag), each made at its first request."""
 
-    __slots__ = ("gens", "seed")
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self.gens: dict[int, Any] = {}
+    seed: int
+    gens: dict[int, Any]
 
 
 def stream_base(base: int, worker_id: int) -> int:
