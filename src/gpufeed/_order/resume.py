@@ -206,9 +206,9 @@ class LoaderPosition:
             epoch, done, ahead = pending.epoch, pending.done, list(pending.ahead)
         elif tracker is not None and not tracker.finished:
             epoch, done, ahead = tracker.position()
-            # An epoch that began without drawing its seed yet (no batch asked) draws it now.
+            # The epoch's seed, drawn now if no batch was asked yet (a loaded one: kept).
             if tracker.epoch_seed is not None:
-                tracker.epoch_seed.draw_now()
+                tracker.epoch_seed.seed()
                 sampler_state = self.sampler_state
         else:  # at the start of an epoch: the sampler as it stands now starts it
             epoch, done, ahead = tracker.position() if tracker else (

@@ -196,14 +196,10 @@ class EpochSeed:
         self.replay = replay
         self._record = weakref.WeakMethod(record)
 
-    def draw_now(self) -> None:
-        """Draw the seed now if not drawn yet (a state taken before the epoch's first batch
-        keeps it); the epoch then shuffles with it: the same one draw, earlier."""
-        if self.replay is None:
-            self._seed()
-
-    def _seed(self) -> int:
-        """The epoch's seed, drawn as torch draws it if not yet drawn (or replayed); recorded."""
+    def seed(self) -> int:
+        """The epoch's seed, drawn as torch draws it if not yet drawn (or replayed); recorded.
+        A state taken before the epoch's first batch calls it to keep the seed: the epoch then
+        shuffles with it (the same one draw, earlier; a replayed seed is recorded again)."""
         if self.replay is None:
             self.replay = draw_base_seed(None)
         if (record := self._record()) is not None:
@@ -214,7 +210,7 @@ class EpochSeed:
         """A generator seeded as ``RandomSampler.__iter__`` seeds its own: call it where the
         sampler would draw (its first index)."""
         generator = torch.Generator()
-        generator.manual_seed(self._seed())
+        generator.manual_seed(self.seed())
         return generator
 
     def plan(self, index_sampler: Iterable[Any], sampler: RandomSampler) -> Iterator[Any]:
