@@ -49,14 +49,13 @@ import operator
 import os
 import random
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
-T = TypeVar("T")
 _M64 = (1 << 64) - 1
 _lock = threading.RLock()
 
@@ -168,20 +167,6 @@ def seeded(seed: int, epoch: int) -> Iterator[_Reseed]:
             torch.default_generator.set_state(torch_state)
             np.random.set_state(numpy_state)
             random.setstate(random_state)
-
-
-def fetch_seeded(
-    get: Callable[[int], T], indices: Sequence[int], *, seed: int, epoch: int
-) -> list[T]:
-    """``[get(i) for i in indices]`` with each call seeded from ``(seed, epoch, i)``: ``get`` is
-    usually ``dataset.__getitem__``, ``indices`` one batch's dataset indices (not positions),
-    ``epoch`` the batch's as the loader's sampler counts it."""
-    out: list[T] = []
-    with seeded(seed, epoch) as reseed:
-        for index in indices:
-            reseed(index)
-            out.append(get(index))
-    return out
 
 
 def resolve_seed(seed: int | None, generator: torch.Generator | None, *, distributed: bool) -> int:
