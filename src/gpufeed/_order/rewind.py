@@ -7,31 +7,30 @@ holds what reproduces the epoch's order (``sampler_state``), taken as the epoch 
 1. gpufeed's samplers: nothing; their order is a function of ``(seed, epoch)`` and they seek.
 2. A sampler with ``state_dict()``/``load_state_dict()``: its own state.
 3. torch's random samplers with a ``generator``: the generator's state (a list of ints).
-4. torch's ``RandomSampler`` on torch's global generator (``shuffle=True`` without ``seed=``):
-   it draws one seed per epoch from the global generator, at its first index, and shuffles with
-   a fresh generator seeded by it. gpufeed makes that draw itself, with the same call at the
-   same moment (so the order stays the stock one, bit for bit), hands the sampler a generator
-   seeded by it, and records ``{"epoch_seed": seed}``, which a resume shuffles from again
-   (:class:`EpochSeed`). Later epochs draw afresh from the resumed run's generator, as in torch.
+4. torch's ``RandomSampler`` on torch's global generator (``shuffle=True`` without ``seed=``)
+   draws one seed per epoch from it, at its first index, and shuffles with a generator seeded
+   by it. gpufeed makes that draw itself, with the same call at the same moment (the order
+   stays the stock one, bit for bit), hands the sampler a generator seeded by it, and records
+   ``{"epoch_seed": seed}``, which a resume shuffles from again (:class:`EpochSeed`). Later
+   epochs draw afresh from the resumed run's generator, as in torch.
 5. Samplers whose order is fixed or a function of the epoch (``SequentialSampler``, a list or
    range of indices, ``DistributedSampler``, anything with ``set_epoch``): nothing; the resume
    calls ``set_epoch`` and draws and drops the delivered batches' indices.
 6. Anything else cannot be rewound (a user sampler of unknown order, ``SubsetRandomSampler`` or
-   ``WeightedRandomSampler`` on the global generator). ``state_dict()`` still succeeds (a
-   loader that iterates can always be checkpointed), with ``{"unrewindable": reason}``, and
-   warns once; loading such a mid-epoch state restarts that epoch, with a warning saying why.
+   ``WeightedRandomSampler`` on the global generator). ``state_dict()`` still succeeds (a loader
+   that iterates can always be checkpointed), with ``{"unrewindable": reason}``, and warns
+   once; loading such a mid-epoch state restarts that epoch, with a warning saying why.
 
 Where the state stands (cases 2 and 3): right before the epoch's first draw, after the base
 seed a new iterator draws for its workers (torch's order: base seed, then the sampler; with
 ``shuffle=True, generator=g`` both come from ``g``). A resume puts it back there when the
 resumed epoch starts (``LoaderPosition.begin_epoch``), not at ``load_state_dict``: the new
 iterator's base seed comes first, whether or not the saved epoch had one (a persistent
-iterator's later epochs draw none). A state taken between epochs holds where the next epoch's
-first draw will find the generator (past the next iterator's base seed, drawn from a copy). A
-state taken after an epoch's last batch, its iterator not run out, rolls over to the next epoch:
-the restored sampler draws the saved epoch whole once more (torch's ``RandomSampler``: its
-permutation and the closing one) and, where each epoch gets a new iterator, one base seed, as
-the run that saved it did.
+iterator's later epochs draw none). Taken between epochs, it holds where the next epoch's first
+draw will find the generator (past the next base seed, drawn from a copy). Taken after an
+epoch's last batch, its iterator not run out, it rolls over to the next epoch: the restored
+sampler draws the saved epoch whole once more (``RandomSampler``: its permutation and the
+closing one) and, where each epoch gets a new iterator, one base seed, as the saving run did.
 """
 
 from __future__ import annotations
@@ -73,9 +72,9 @@ def is_ours(sampler: Any) -> bool:
 
 
 def order_of(index_sampler: Any) -> str:
-    """What orders a map-style loader's epochs, in a few words a state keeps: loaded under
-    another order, its count of delivered batches would pick the wrong samples. Seeds the state
-    holds otherwise (``seed=``, a generator's) are not repeated."""
+    """What orders a map-style loader's epochs, in a few words a state keeps (loaded under
+    another order, its delivered batches would name other samples); not the seeds it holds
+    otherwise (``seed=``, a generator's)."""
     sampler = inner_sampler(index_sampler)
     # a plain iterable of indices (a list, an iterator) says nothing of its order
     name = type(sampler).__name__ if isinstance(sampler, Sampler) else "indices"
@@ -134,14 +133,13 @@ def sampler_state_of(sampler: Any) -> Any:
 
 
 def draw_base_seed(generator: torch.Generator | None) -> int:
-    """A new iterator's base seed, drawn as torch's iterators draw it (from the loader's
-    ``generator``, else torch's global one), before the epoch's first index."""
+    """A new iterator's base seed, drawn as torch's iterators draw it before the epoch's first
+    index (from the loader's ``generator``, else torch's global one)."""
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 def state_after_base_seed(generator: torch.Generator) -> list[int]:
-    """The state ``generator`` will have once the next new iterator drew its base seed from it
-    (drawn from a copy)."""
+    """``generator``'s state after the next iterator's base seed (drawn from a copy)."""
     copy = torch.Generator(device=generator.device)
     copy.set_state(generator.get_state())
     draw_base_seed(copy)
@@ -160,10 +158,9 @@ def restore_sampler(sampler: Any, state: Any) -> None:
 
 
 def rank_bound(state: Any) -> str | None:
-    """Why a loader state saved on one rank cannot be loaded on another, or ``None``: a
-    map-style loader ordered by ``(seed, epoch)`` (gpufeed's samplers, ``DistributedSampler``)
-    is at the same batch count on every rank, so one rank's state serves all (frameworks save
-    rank 0's only)."""
+    """Why a state saved on one rank cannot be loaded on another, or ``None``: a map-style
+    loader ordered by ``(seed, epoch)`` (gpufeed's samplers, ``DistributedSampler``) is at the
+    same batch count on every rank, so one state serves all (frameworks save rank 0's only)."""
     if state.get("dataset_state") is not None:
         return "it holds an iterable dataset's per-worker stream positions, which differ per rank"
     if state.get("delivered_ahead"):
@@ -188,8 +185,7 @@ class EpochSeed:
         replay: the seed to shuffle with (a resume), or ``None`` to draw it as torch would.
         record: a bound method, called with the seed when it is drawn or replayed. Held
             weakly: the epoch's draw holds this object and the recorder (a loader's position)
-            holds the draw, a cycle that would keep the sampler and dataset alive until a
-            cyclic collection.
+            the draw, a cycle that would keep the sampler and dataset alive until collected.
     """
 
     def __init__(self, replay: int | None, record: Callable[[int], None]) -> None:
@@ -207,8 +203,8 @@ class EpochSeed:
         return self.replay
 
     def generator(self) -> torch.Generator:
-        """A generator seeded as ``RandomSampler.__iter__`` seeds its own: call it where the
-        sampler would draw (its first index)."""
+        """A generator seeded as ``RandomSampler.__iter__`` seeds its own: call it at the
+        sampler's first index."""
         generator = torch.Generator()
         generator.manual_seed(self.seed())
         return generator

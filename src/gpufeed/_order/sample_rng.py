@@ -2,11 +2,11 @@
 ``sample_random()``.
 
 A fetcher (``_host/fetch.py``) opens a :class:`SampleScope` around every batch and moves it from
-sample to sample; the three functions read the calling thread's scope and return a generator
-seeded from the sample being fetched, so a random transform drawn from them gives the same
-values whoever fetches the sample (0, 1 or 8 workers, threads or processes) and after a resume.
-They take no lock and touch no global state: thread workers draw in parallel, and the loop's
-draws cannot change them (NOTE [ Seeding and threads ] in ``_order/seeding.py``).
+sample to sample; the three functions return a generator seeded from the calling thread's
+sample, so a random transform drawn from them gives the same values whoever fetches the sample
+(0, 1 or 8 workers, threads or processes) and after a resume. No lock, no global state: thread
+workers draw in parallel, and the loop's draws cannot change them (NOTE [ Seeding and threads ]
+in ``_order/seeding.py``).
 
 A sample's seed is ``sample_seed(base, epoch, index)``: ``base`` is the loader's ``seed=`` or,
 without one, drawn when iteration starts from the loader's ``generator`` (else torch's global
@@ -46,17 +46,15 @@ class SampleScope:
 
     One per fetcher (a worker, or the main process with ``num_workers=0``): ``open`` makes it
     the calling thread's scope for one batch, ``at``/``at_batch`` move it, ``close`` restores
-    the scope open before (a dataset may itself iterate a loader). ``seed_globals`` and
-    ``probe`` say how the fetcher runs user code a source calls itself (an image source's
-    ``transform=``): whether it may seed the global generators per sample (never in thread
-    workers: NOTE [ Seeding and threads ]), and its check for global draws
-    (``_host/random_watch.py``), if any.
+    the scope open before (a dataset may itself iterate a loader). For user code a source calls
+    itself (an image source's ``transform=``): ``seed_globals``, whether the fetcher may seed
+    the global generators per sample (never in thread workers: NOTE [ Seeding and threads ]),
+    and ``probe``, its check for global draws (``_host/random_watch.py``), if any.
 
-    What every sample shares is made once: the epoch's ``epoch_key`` (in ``open``) and the torch
-    and Python generator objects (at their first request; numpy's is made per sample). ``at``
-    only names the sample; each generator is re-seeded at its first request (:meth:`made`),
-    which gives the state a new generator of that seed would have, and a sample that asks for
-    none costs nothing.
+    Made once: the epoch's ``epoch_key`` (in ``open``) and the torch and Python generator
+    objects (numpy's is made per sample). ``at`` only names the sample; a generator is
+    re-seeded at its first request (:meth:`made`), as a new one of that seed would be, so a
+    sample that asks for none costs nothing.
     """
 
     __slots__ = ("_made", "_own", "_prev", "base", "batch", "epoch", "index", "key", "probe",
@@ -92,7 +90,7 @@ class SampleScope:
 
     def at_batch(self, indices: Sequence[Any] | None) -> None:
         """A whole batch is being fetched or collated (``__getitems__``, a batch source,
-        ``collate_fn``): generators asked for without an index come from ``batch_seed``."""
+        ``collate_fn``): generators asked without an index come from ``batch_seed``."""
         self.batch = indices if indices is not None else ()
         self.index = None
         self._made = None
@@ -112,8 +110,8 @@ class SampleScope:
         return made
 
     def reseeded(self, tag: int, make: Callable[[], G], reseed: Callable[[G, int], Any]) -> G:
-        """The current sample's generator of library ``tag``: the scope's own (made once by
-        ``make``), re-seeded by ``reseed(gen, seed)`` at the sample's first request."""
+        """The current sample's generator of library ``tag``: the scope's own (``make()`` once),
+        re-seeded by ``reseed(gen, seed)`` at the sample's first request."""
         made = self.made()
         gen = made.gens.get(tag)
         if gen is None:
@@ -133,8 +131,8 @@ class _Made(NamedTuple):
 
 
 def stream_base(base: int, worker_id: int) -> int:
-    """The base of worker ``worker_id``'s samples of an iterable dataset (no index: each worker
-    numbers its own samples, so the worker goes into the base)."""
+    """The base of worker ``worker_id``'s samples of an iterable dataset (each worker numbers
+    its own samples)."""
     return _mix(base ^ _mix(worker_id + 1))
 
 
@@ -144,11 +142,10 @@ def current_scope() -> SampleScope | None:
 
 
 def _fresh_seed(index: int | None, tag: int) -> int:
-    """The seed of a generator that is not the current sample's: outside a fetch, or another
-    sample's (``index``)."""
+    """The seed of a generator outside a fetch (one draw from torch's global generator, which a
+    stock worker seeds), or of another sample's (``index``)."""
     scope = current_scope()
     if scope is None:
-        # One draw from torch's global generator (a stock worker seeds it).
         return _mix(int(torch.empty((), dtype=torch.int64).random_().item()) ^ tag)
     return _mix(scope.seed_of(index) ^ tag)
 
@@ -159,11 +156,11 @@ def sample_generator(index: int | None = None) -> torch.Generator:
     Call it in ``__getitem__`` (or ``__getitems__``, ``__iter__``, ``collate_fn``) of a dataset
     read by ``gpufeed.DataLoader``: its draws depend only on the loader's seed, the epoch and
     the sample's index, so they are the same for any ``num_workers`` and ``worker_type``, after
-    a resume (with ``seed=``), and whatever the training loop draws meanwhile; they follow
-    ``torch.manual_seed`` without ``seed=``. Thread workers draw from it in parallel, without a
-    lock. Within one sample every call returns the same generator, so successive draws continue
-    one stream; the next sample's starts from that sample's seed (the same object, re-seeded:
-    do not keep it past the sample).
+    a resume (with ``seed=``), and whatever the training loop draws meanwhile; without ``seed=``
+    they follow ``torch.manual_seed``. Thread workers draw from it in parallel, without a lock.
+    Within one sample every call returns the same generator (successive draws continue one
+    stream); the next sample's starts from its own seed (the same object, re-seeded: do not
+    keep it past the sample).
 
     Args:
         index: the dataset index of another sample of the batch being fetched, e.g. in
