@@ -64,7 +64,7 @@ class _Cursor(Iterator[int]):
 class _Resumable:
     """Epoch counter and resumable cursor shared by both samplers (see NOTE [ Epoch counting ])."""
 
-    epoch: int
+    epoch: int = 0
     seed: int
     _cursor: _Cursor | None = None
     _cursor_epoch: int = 0
@@ -91,9 +91,9 @@ class _Resumable:
         return self._cursor
 
     def take_epoch(self) -> tuple[int, torch.Tensor, int]:
-        """What ``__iter__`` does (advancing the epoch alike), for loaders that slice the order
-        themselves: ``(epoch, order, start)``, this rank's whole order for the epoch as an int64
-        tensor and the position to start from (non-zero after :meth:`seek`)."""
+        """``__iter__`` (advancing the epoch alike) for loaders that slice the order themselves:
+        ``(epoch, order, start)``, this rank's whole epoch as an int64 tensor and where to start
+        (non-zero after :meth:`seek`)."""
         epoch = self.epoch
         start = 0
         if self._seek is not None and self._seek[0] == epoch:
@@ -104,10 +104,8 @@ class _Resumable:
         return epoch, self._order(epoch), start
 
     def seek(self, epoch: int, position: int) -> None:
-        """Make the next ``__iter__`` yield epoch ``epoch`` skipping its first ``position`` indices.
-
-        Nothing is fetched: the permutation is regenerated from ``(seed, epoch)`` and sliced.
-        ``position`` may equal the epoch's length (an exhausted epoch yields nothing)."""
+        """Make the next ``__iter__`` yield epoch ``epoch`` without its first ``position`` indices
+        (all of them: nothing): regenerated from ``(seed, epoch)`` and sliced, nothing fetched."""
         self.set_epoch(epoch)
         size = len(self)  # type: ignore[arg-type]
         if not isinstance(position, int) or not 0 <= position <= size:
@@ -118,10 +116,10 @@ class _Resumable:
         self._seek = (epoch, position)
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-Python state: the epoch in progress and the indices it has handed out so far.
+        """Plain-Python state: the epoch in progress and how many indices it handed out.
 
-        The count is of indices *drawn from the sampler*; a loader that prefetches is ahead of the
-        user, which is why the loader records delivered batches itself and calls :meth:`seek`."""
+        These are indices *drawn from the sampler*; a loader that prefetches is ahead of the user,
+        which is why the loader records delivered batches itself and calls :meth:`seek`."""
         if self._cursor is not None and self._cursor.position < len(self._cursor.indices):
             epoch, position = self._cursor_epoch, self._cursor.position
         elif self._seek is not None:
@@ -213,7 +211,6 @@ class SeededRandomSampler(_Resumable, RandomSampler):
     def __init__(self, data_source: Sized, *, seed: int) -> None:
         super().__init__(data_source)
         self.seed = seed
-        self.epoch = 0
 
     def _order(self, epoch: int) -> torch.Tensor:
         return _permutation(len(self.data_source), self.seed, epoch)
