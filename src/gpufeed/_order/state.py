@@ -102,11 +102,10 @@ def check_state(
 ) -> LoaderState:
     """Validate a state against the loader that loads it; return it as a :class:`LoaderState`.
 
-    Raises ``ValueError`` naming the saved and the current value when the version, dataset
-    length, world size, batch size or order differ (and ``num_workers`` for iterable datasets,
-    whose shards depend on it): resuming across those would silently mix up samples. Another
-    rank's state loads when it does not depend on the rank (``rewind.rank_bound``).
-    """
+    A ``ValueError`` names the saved and the current value when the version, dataset length,
+    world size, batch size or order differ (and ``num_workers`` for iterable datasets, whose
+    shards depend on it): resuming across those would silently mix up samples. Another rank's
+    state loads when it does not depend on the rank (``rewind.rank_bound``)."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict from loader.state_dict(), got {type(state)!r}")
     if state.get("version") != STATE_VERSION:
@@ -178,9 +177,8 @@ def _check_dataset_state(dataset_state: Any) -> None:
 
 def unresumable(dataset: Any) -> str | None:
     """Why gpufeed cannot know where an iterable dataset's stream stood (it lacks its own
-    ``state_dict`` and ``load_state_dict``), or None. The state then says so, as for a sampler
-    gpufeed cannot rewind: frameworks checkpoint every loader that has a ``state_dict``, and
-    training must go on."""
+    ``state_dict`` and ``load_state_dict``), or None. The state says so, as for a sampler it
+    cannot rewind: frameworks checkpoint every loader with a ``state_dict``, and must go on."""
     if isinstance(dataset, IterableDataset) and not (
         stateful(dataset) and hasattr(dataset, "load_state_dict")
     ):
@@ -196,12 +194,11 @@ def unresumable(dataset: Any) -> str | None:
 def capture_state(dataset: Any) -> Any:
     """Worker side, after each batch: the iterable dataset's ``state_dict()``, else ``None``.
 
-    Once per batch, so a dataset's ``state_dict`` must be cheap (a few counters). Thread workers
-    each iterate a shallow copy of the dataset (NOTE [ Iterable datasets in thread workers ] in
-    ``_host/fetch.py``): state in attributes rebound per worker is the worker's own; state in a
-    nested object mutated in place is shared, so must be kept per worker (keyed by
-    ``get_worker_info().id``), and ``load_state_dict`` (called in each worker with its state)
-    sets only the calling worker's.
+    Once per batch, so it must be cheap (a few counters). Thread workers each iterate a shallow
+    copy of the dataset (NOTE [ Iterable datasets in thread workers ] in ``_host/fetch.py``):
+    attributes rebound per worker are the worker's own; a nested object mutated in place is
+    shared, so its state must be kept per worker (keyed by ``get_worker_info().id``), and
+    ``load_state_dict`` (called in each worker with its state) sets only the caller's.
     """
     if isinstance(dataset, IterableDataset) and stateful(dataset):
         return dataset.state_dict()  # type: ignore[attr-defined]
