@@ -246,7 +246,7 @@ class Delivered(Iterator[T]):
     ``count_samples`` is false: ``batch_size=None``), the gauge "device_ahead" (the stage's
     ``in_flight``), and a handout in the active trace (NOTE [ Timeline ] (3)). The host
     iterator behind records none (``StatsRecorder.passed_on``): the stage takes batches ahead,
-    and "batches" counts what the loop received. Forwards ``len()``, ``close()`` and the rest.
+    and "batches" counts what the loop received. Forwards ``len()`` and any attribute.
     """
 
     def __init__(self, inner: Iterator[T], tracker: DeliveryTracker, *,
@@ -292,11 +292,6 @@ class Delivered(Iterator[T]):
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]
-
-    def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
