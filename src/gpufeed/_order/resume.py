@@ -66,18 +66,14 @@ class LoaderView(Protocol):
     """What :class:`LoaderPosition` reads of its ``gpufeed.DataLoader``, handed in per call:
     it keeps no reference and writes nothing back (a loaded seed is returned)."""
 
-    @property
-    def dataset(self) -> Any: ...
+    dataset: Any
+    batch_size: int | None
+    num_workers: int
+    seed: int | None
+    deterministic: bool  # per-sample random state (with seed)
+
     @property
     def _index_sampler(self) -> Any: ...  # its batch sampler, or its sampler without batching
-    @property
-    def batch_size(self) -> int | None: ...
-    @property
-    def num_workers(self) -> int: ...
-    @property
-    def seed(self) -> int | None: ...
-    @property
-    def deterministic(self) -> bool: ...  # per-sample random state (with seed)
     @property
     def rank(self) -> int: ...
     @property
