@@ -89,11 +89,12 @@ def make_state(
     }
 
 
-def _mismatch(key: str, saved: Any, now: Any, fix: str) -> ValueError:
-    return ValueError(
-        f"cannot resume: the state was saved with {key}={saved!r} but this loader has "
-        f"{key}={now!r}; {fix}"
-    )
+def _check_same(state: Mapping[str, Any], key: str, now: Any, fix: str) -> None:
+    if state[key] != now:
+        raise ValueError(
+            f"cannot resume: the state was saved with {key}={state[key]!r} but this loader has "
+            f"{key}={now!r}; {fix}"
+        )
 
 
 def check_state(
@@ -126,21 +127,16 @@ def check_state(
         raise ValueError("loader state delivered_ahead must be a list of ints >= 0, got "
                          f"{ahead!r}")
     fix = "resume with the same dataset and loader settings, or start without the state"
-    if state["dataset_len"] != dataset_len:
-        raise _mismatch("dataset_len", state["dataset_len"], dataset_len, fix)
-    if state["world_size"] != world_size:
-        raise _mismatch(
-            "world_size", state["world_size"], world_size,
-            "launch the same number of ranks (each rank loads the state it saved)",
-        )
+    _check_same(state, "dataset_len", dataset_len, fix)
+    _check_same(state, "world_size", world_size,
+                "launch the same number of ranks (each rank loads the state it saved)")
     if state["rank"] != rank and (reason := rank_bound(state)) is not None:
         raise ValueError(
             f"cannot resume: this loader is rank {rank} but the state was saved by rank "
             f"{state['rank']}, and {reason}; save loader.state_dict() on every rank and load "
             "each rank's own (only map-style loaders ordered by seed=<int> share one state)"
         )
-    if state["batch_size"] != batch_size:
-        raise _mismatch("batch_size", state["batch_size"], batch_size, fix)
+    _check_same(state, "batch_size", batch_size, fix)
     saved_order = state.get("order")
     if saved_order is not None and order is not None and saved_order != order:
         raise ValueError(
@@ -149,12 +145,9 @@ def check_state(
             "resume with the same shuffle, sampler, generator and seed arguments, or start "
             "without the state")
     if state["dataset_state"] is not None:
-        if state["num_workers"] != num_workers:
-            raise _mismatch(
-                "num_workers", state["num_workers"], num_workers,
-                "an iterable dataset is sharded per worker, so resume it with the same "
-                "num_workers",
-            )
+        _check_same(state, "num_workers", num_workers,
+                    "an iterable dataset is sharded per worker, so resume it with the same "
+                    "num_workers")
         _check_dataset_state(state["dataset_state"])
     return dict(state)  # type: ignore[return-value]
 
