@@ -51,9 +51,9 @@ class ResumePoint(NamedTuple):
         sampler_state: what puts the sampler back where the saved epoch started, applied when
             the epoch starts (``rewind.restore_sampler``); ``None``: nothing.
         replay: the saved epoch (``epoch - 1``) was delivered whole but not ended: after the
-            restore, the sampler draws it once more and drops it, as the run that saved it did.
-        rolled: the state was taken after epoch ``epoch - 1``'s last batch (the iterator not
-            yet run out), so this point is the next epoch's start.
+            restore, the sampler draws it once more and drops it, as the saving run did.
+        rolled: the state was taken after epoch ``epoch - 1``'s last batch, its iterator not
+            run out: this point is the next epoch's start.
     """
 
     epoch: int
@@ -222,15 +222,14 @@ class DeliveryTracker:
             self.prefix += 1
 
     def position(self) -> tuple[int, int, list[int]]:
-        """``(epoch, batches_delivered, delivered_ahead)`` for the state; a finished epoch
-        reads as the start of the next one."""
+        """``(epoch, batches_delivered, delivered_ahead)``; a finished epoch reads as the next."""
         if self.finished:
             return self.epoch + 1, 0, []
         return self.epoch, self.prefix, sorted(self.ahead)
 
     def dataset_states(self, workers: int) -> WorkerStates:
         """An iterable dataset's position over ``workers`` workers (NOTE [ Iterable resume ]);
-        all ``None`` from worker 0 once the epoch is over: the next one starts afresh."""
+        all ``None`` from worker 0 once the epoch is over (the next one starts afresh)."""
         if self.finished:
             return WorkerStates([None] * workers, 0)
         states = [self.worker_states.get(w) for w in range(workers)]

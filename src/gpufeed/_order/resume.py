@@ -184,8 +184,7 @@ class LoaderPosition:
         return self.tracker
 
     def take_dataset_states(self) -> WorkerStates | None:
-        """Where an iterable dataset's workers resume this epoch (once, after
-        :meth:`begin_epoch`)."""
+        """Where an iterable dataset's workers resume this epoch (once, after begin_epoch)."""
         states, self.pending_dataset = self.pending_dataset, None
         return states
 
@@ -292,8 +291,7 @@ class LoaderPosition:
         )
         sampler = inner_sampler(loader._index_sampler)
         if seed is not None and is_ours(sampler):
-            # Its order is a function of (seed, epoch), drawn at the epoch's start; set only
-            # once the state was found resumable, so that one that is not changes nothing.
+            # its order comes from (seed, epoch); set once the state proved resumable
             sampler.seed = seed
         self.pending, self.epoch, self.tracker = point, point.epoch, None
         self.sampler_state = checked["sampler_state"]

@@ -11,9 +11,11 @@ in ``_order/seeding.py``).
 A sample's seed is ``sample_seed(base, epoch, index)``: ``base`` is the loader's ``seed=`` or,
 without one, drawn when iteration starts from the loader's ``generator`` (else torch's global
 one), as torch draws its workers' base seed, so ``torch.manual_seed`` governs it. Each library
-gets its own hash of that seed: the three streams are unrelated to one another and to the
-global generators' per-sample seeding. Iterable datasets have no index: each worker numbers its
-samples in the order it fetches them and mixes its id into ``base`` (:func:`stream_base`).
+gets its own hash of that seed, so the three streams are unrelated to one another and to the
+global generators' per-sample seeding (torch's and numpy's legacy generator are both MT19937,
+and the global generators are seeded from the sample's seed itself). Iterable datasets have no
+index: each worker numbers its samples in the order it fetches them and mixes its id into
+``base`` (:func:`stream_base`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ from .seeding import _mix, batch_seed, epoch_key, seed_in
 
 G = TypeVar("G")
 _local = threading.local()
-# A different hash of the sample's seed per library: torch and numpy's legacy generator are both
-# MT19937, and the global generators are seeded from the sample's seed itself.
+# Each library's tag, mixed into the sample's seed (its own hash: see the module docstring).
 _TORCH, _NUMPY, _RANDOM = 0x7A3B9C1D5E6F, 0x1F2E3D4C5B6A, 0x5A5A3C3C9696
 
 
