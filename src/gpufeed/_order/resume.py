@@ -320,17 +320,15 @@ def prepare_resume(
     (``num_batches`` known and reached) rolls over to the start of the next epoch.
     """
     epoch, done, ahead = state["epoch"], state["batches_delivered"], state["delivered_ahead"]
-    rolled = False
-    if num_batches is not None:
-        if done > num_batches:
-            raise ValueError(
-                f"loader state says {done} batches of epoch {epoch} were delivered but this "
-                f"loader's epoch has only {num_batches}; resume with the same batch_size, "
-                "drop_last and sampler"
-            )
-        rolled = done == num_batches
-        if rolled:
-            epoch, done, ahead = epoch + 1, 0, []
+    if num_batches is not None and done > num_batches:
+        raise ValueError(
+            f"loader state says {done} batches of epoch {epoch} were delivered but this "
+            f"loader's epoch has only {num_batches}; resume with the same batch_size, "
+            "drop_last and sampler"
+        )
+    rolled = done == num_batches
+    if rolled:
+        epoch, done, ahead = epoch + 1, 0, []
     sampler_state, epoch_seed = state["sampler_state"], None
     if isinstance(sampler_state, dict) and UNREWINDABLE in sampler_state:
         # An unrewindable sampler, or an iterable dataset without a state of its own.

@@ -95,9 +95,7 @@ class _Resumable:
         ``(epoch, order, start)``, this rank's whole epoch as an int64 tensor and where to start
         (non-zero after :meth:`seek`)."""
         epoch = self.epoch
-        start = 0
-        if self._seek is not None and self._seek[0] == epoch:
-            start = self._seek[1]
+        start = self._seek[1] if self._seek is not None and self._seek[0] == epoch else 0
         self._seek = None
         self.epoch = epoch + 1
         self._cursor = None
