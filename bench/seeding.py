@@ -2,7 +2,7 @@
 
 Three measurements, each the median of ``--repeats`` runs:
 
-1. global seeding (process workers, ``num_workers=0``): ``fetch_seeded`` against a plain list
+1. global seeding (process workers, ``num_workers=0``): a ``seeded`` fetch against a plain list
    comprehension over a trivial ``__getitem__``: microseconds per sample (hash + three
    re-seeds) and per batch (state save/restore);
 2. the per-sample generators: microseconds a sample pays for its scope (every sample) and for
@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 
 from gpufeed._loader import DataLoader
 from gpufeed._order.sample_rng import SampleScope, sample_generator, sample_random, sample_rng
-from gpufeed._order.seeding import fetch_seeded, seeded
+from gpufeed._order.seeding import seeded
 from gpufeed._tools.environment import environment
 
 __all__ = ["main", "measure", "measure_generators", "measure_threads"]
@@ -61,7 +61,10 @@ def measure(samples: int = 10_000, batch: int = 64, repeats: int = 5) -> dict[st
 
     def seeded_fetch() -> None:
         for _ in range(batches):
-            fetch_seeded(_get, indices, seed=7, epoch=1)
+            with seeded(7, 1) as reseed:  # as a seeded fetch does
+                for i in indices:
+                    reseed(i)
+                    _get(i)
 
     def per_batch() -> None:
         for _ in range(batches):

@@ -659,6 +659,30 @@ def test_stock_shuffle_without_seed_resumes_exactly(kind, tmp_path):
 
 
 @integrated
+def test_stock_shuffle_without_seed_keeps_a_loaded_epoch_seed_before_the_first_batch():
+    """A state taken after a resume's iter() but before its first batch still holds the
+    loaded epoch seed, so resuming from it gives the same rest of the epoch."""
+    dataset = RandomTransformDataset(14)
+    torch.manual_seed(21)
+    loader = gpufeed.DataLoader(dataset, batch_size=3, shuffle=True)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it
+    torch.manual_seed(99)
+    resumed = gpufeed.DataLoader(dataset, batch_size=3, shuffle=True)
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    again = resumed.state_dict()
+    assert again["sampler_state"] == state["sampler_state"]
+    rest = [b[0].flatten().tolist() for b in it]
+    torch.manual_seed(7)
+    fresh = gpufeed.DataLoader(dataset, batch_size=3, shuffle=True)
+    fresh.load_state_dict(again)
+    assert [b[0].flatten().tolist() for b in fresh] == rest
+
+
+@integrated
 @pytest.mark.filterwarnings("ignore::gpufeed.random.RandomStateWarning")  # no seed=: said too
 def test_unrewindable_sampler_state_warns_once_and_restarts_the_epoch():
     order = [5, 3, 0, 4, 1, 2]

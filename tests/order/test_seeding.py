@@ -14,7 +14,6 @@ import gpufeed
 from gpufeed._order import seeding as _seeding
 from gpufeed._order.seeding import (
     batch_seed,
-    fetch_seeded,
     resolve_seed,
     sample_seed,
     seed_globals,
@@ -26,6 +25,16 @@ from support.resume_checker import RandomTransformDataset, leaves
 def _draw(index: int) -> tuple[float, float, float]:
     """A "random transform": one draw from each global generator."""
     return (torch.rand(()).item(), float(np.random.rand()), random.random())
+
+
+def fetch_seeded(get, indices, *, seed, epoch):
+    """``[get(i) for i in indices]``, each call seeded as a seeded fetch does."""
+    out = []
+    with seeded(seed, epoch) as reseed:
+        for index in indices:
+            reseed(index)
+            out.append(get(index))
+    return out
 
 
 def test_sample_seed_is_stable_and_spread():

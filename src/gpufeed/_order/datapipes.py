@@ -6,8 +6,8 @@ NOTE [ DataPipes ]
 ``shuffle()`` datapipe draws from a generator the loader seeds, and a ``sharding_filter()``
 keeps the part of the stream the loader says is this process's. Left alone, a graph reads its
 whole stream in every worker (each sample once per worker, silently) and shuffles from its own
-default generator. gpufeed sets both by torch's rules, so that a program gets the same
-samples, in the same order, from the same ``torch.manual_seed``:
+default generator. gpufeed sets both by torch's rules: the same samples, in the same order,
+from the same ``torch.manual_seed``:
 
 1. Seeds (``IterDataPipe`` only). Each iterator draws a *shared seed*, one int64 from the
    loader's ``generator`` (the global generator when None), before its base seed; under an
@@ -72,8 +72,8 @@ class PipeSeeds:
         self.seed: int | None = None
 
     def draw(self) -> int | None:
-        """Draw the next shared seed and seed the main process's graph with it; None (and
-        no draw) for a dataset that is not an ``IterDataPipe``."""
+        """Draw the next shared seed and seed the main process's graph with it (not an
+        ``IterDataPipe``: None, no draw)."""
         if not self.on:
             return None
         seed = torch.empty((), dtype=torch.int64).random_(generator=self._generator)
@@ -84,8 +84,7 @@ class PipeSeeds:
         return self.seed
 
     def setup(self) -> PipeSetup | None:
-        """What the workers apply to their graphs, with the seed drawn last; None if not a
-        datapipe."""
+        """What the workers apply to their graphs (the seed drawn last); None if not a datapipe."""
         if not is_datapipe(self._dataset):
             return None
         rank, world_size, _ = resolve_world(None, None)
@@ -107,7 +106,7 @@ def set_up_in_worker(dataset: Any, setup: PipeSetup, num_workers: int, worker_id
 
 
 def reseed_in_worker(dataset: Any, seed: int | None) -> None:
-    """Seed a worker's ``IterDataPipe`` graph with a shared seed (None: leave it): at its
-    start, and at each next epoch of a persistent pool."""
+    """Seed a worker's ``IterDataPipe`` graph with a shared seed (None: leave it), at its start
+    and at each next epoch of a persistent pool."""
     if seed is not None and isinstance(dataset, IterDataPipe):
         _seed_graph(dataset, seed)

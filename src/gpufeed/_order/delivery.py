@@ -1,10 +1,9 @@
 """Where an epoch starts, and which of its batches have reached the user.
 
 NOTE [ Delivery tracking ]: the host iterator numbers an epoch's batches by their position in the
-batch plan and calls :meth:`DeliveryTracker.produced` as it hands each one on; whatever is
-outermost (the host iterator, or the device stage wrapped in :class:`Delivered`) calls
-:meth:`DeliveryTracker.delivered` when the user receives one. The stages between are FIFO, so
-the oldest produced batch is the one delivered.
+batch plan and calls :meth:`DeliveryTracker.produced` as it hands each one on; the outermost
+stage (the host iterator, or the device stage wrapped in :class:`Delivered`) calls
+:meth:`DeliveryTracker.delivered` as the user receives one: the oldest produced (stages are FIFO).
 
 NOTE [ Iterable resume ]: an iterable dataset has no batch plan. Each worker reads its own
 stream, and the next batch goes to the next worker in turn (torch's round robin: batch ``k`` to
@@ -16,10 +15,10 @@ a function of the workers' streams alone, and a resume needs exactly:
    fetched ahead are fetched again), and
 2. whose turn is next: the worker after the one that delivered the last batch.
 
-The resumed iterator restarts each worker from its state and starts the turn at that worker; a
-worker that had run dry answers "stop" at once, dropping out of the turn as in the
-uninterrupted run. "stop" answers use batch numbers but never reach the user, so for iterable
-datasets the tracker counts delivered batches instead of numbering them.
+The resumed iterator restarts each worker from its state and the turn at that worker; one that
+had run dry answers "stop" at once, dropping out as in the uninterrupted run. "stop" answers
+use batch numbers but never reach the user, so for iterable datasets the tracker counts
+delivered batches instead of numbering them.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ T = TypeVar("T")
 
 
 class ResumePoint(NamedTuple):
-    """Where the next ``__iter__`` starts: ``points.prepare_resume``, or ``ResumePoint(epoch)``.
+    """Where the next ``__iter__`` starts: ``resume.prepare_resume``, or ``ResumePoint(epoch)``.
 
     Attributes:
         epoch: the epoch to run (seeds per-sample random state; the loader's epoch counter).
@@ -52,9 +51,9 @@ class ResumePoint(NamedTuple):
         sampler_state: what puts the sampler back where the saved epoch started, applied when
             the epoch starts (``rewind.restore_sampler``); ``None``: nothing.
         replay: the saved epoch (``epoch - 1``) was delivered whole but not ended: after the
-            restore, the sampler draws it once more and drops it, as the run that saved it did.
-        rolled: the state was taken after epoch ``epoch - 1``'s last batch (the iterator not
-            yet run out), so this point is the next epoch's start.
+            restore, the sampler draws it once more and drops it, as the saving run did.
+        rolled: the state was taken after epoch ``epoch - 1``'s last batch, its iterator not
+            run out: this point is the next epoch's start.
     """
 
     epoch: int
@@ -81,12 +80,10 @@ class WorkerStates(NamedTuple):
 
 
 def numbered(plan: Iterable[T], point: ResumePoint) -> Iterator[tuple[int, T]]:
-    """``(batch_number, indices)`` of the batches still to deliver in ``point.epoch``.
-
-    Unless the sampler seeked, the first ``point.done`` items of ``plan`` are drawn and dropped
-    (indices only: no data is fetched); numbers in ``point.ahead`` are dropped too. Numbers are
-    positions in the whole epoch. A plan too short raises ``ValueError``.
-    """
+    """``(batch_number, indices)`` of the batches still to deliver in ``point.epoch``, numbered
+    by position in the whole epoch: unless the sampler seeked, the first ``point.done`` items
+    of ``plan`` are drawn and dropped (no data is fetched), and so are numbers in
+    ``point.ahead``. A plan too short raises ``ValueError``."""
     iterator = iter(plan)
     skip = 0 if point.seeked else point.done
     for dropped in range(skip):
@@ -115,14 +112,13 @@ class DeliveryTracker:
     """Which batches of one epoch the user has received (NOTE [ Delivery tracking ]).
 
     Args:
-        plan: the loader's index sampler; :attr:`indices` draws from it what is still to fetch
+        plan: the loader's index sampler; :attr:`indices` draws what is still to fetch from it
             (:func:`numbered`). Loaders that slice an order themselves start at ``point.done``
             and skip ``point.ahead``.
-        direct: the host iterator is outermost, so a produced batch is delivered at once;
-            ``False`` when a device stage wrapped in :class:`Delivered` sits in between.
-        iterable: an iterable dataset's epoch: delivered batches are counted, whatever their
-            numbers, and the workers' positions are kept (NOTE [ Iterable resume ]).
-        resumed: the workers' positions the epoch resumes from (iterable datasets).
+        direct: the host iterator is outermost (a produced batch is delivered at once), not a
+            device stage wrapped in :class:`Delivered`.
+        iterable: an iterable dataset's epoch: delivered batches are counted, and the workers'
+            positions kept (NOTE [ Iterable resume ]), from ``resumed``.
 
     Every call is O(1) amortised; out-of-order numbers (``in_order=False``) wait in a set until
     the contiguous prefix reaches them.
@@ -139,14 +135,11 @@ class DeliveryTracker:
         self.ahead = set() if iterable else {n for n in point.ahead if n >= point.done}
         self.direct = direct
         self.finished = False
-        # A ``rewind.EpochSeed`` for loaders that slice the order themselves
-        # (``plan.make_plan``), set by whoever builds the tracker.
+        # A ``rewind.EpochSeed`` for ``plan.make_plan``, set by whoever builds the tracker.
         self.epoch_seed: Any = None
-        self.worker_states: dict[int, Any] = {}
-        self.next_worker = 0
-        if resumed is not None:
-            self.worker_states = {w: s for w, s in enumerate(resumed.states) if s is not None}
-            self.next_worker = resumed.next_worker
+        resumed = resumed or WorkerStates([])
+        self.worker_states = {w: s for w, s in enumerate(resumed.states) if s is not None}
+        self.next_worker = resumed.next_worker
         self._in_flight: deque[tuple[int, Any]] = deque()
         self._numbers: list[int] = []
         self._reached = 0  # batches that reached the user (or failed on the way) this iterator
@@ -169,9 +162,8 @@ class DeliveryTracker:
             self._close()  # type: ignore[misc]  # set with _close_at
 
     def produced_nth(self, k: int, worker_state: tuple[int, Any] | None = None) -> None:
-        """:meth:`produced` for the iterator's ``k``-th batch of the epoch (0-based): the
-        ``k``-th drawn from :attr:`indices`, or batch ``point.done + k`` for a loader that
-        slices an order itself."""
+        """:meth:`produced` for the iterator's ``k``-th batch (0-based): the ``k``-th drawn from
+        :attr:`indices`, or ``point.done + k`` for a loader that slices an order itself."""
         number = self._numbers[k] if k < len(self._numbers) else self.point.done + k
         if number == self.prefix and self.direct and not self.ahead and worker_state is None:
             self.prefix += 1  # the common case of produced() and delivered(), in one call
@@ -206,9 +198,9 @@ class DeliveryTracker:
         self._count_reached()
 
     def fetch_failed(self) -> None:
-        """User side: a batch whose fetch failed reached the user as its error. A resume retries
-        it; the stock loader pulled its indices all the same, so it counts towards the
-        sampler's closing draw (:meth:`follow_stock`)."""
+        """User side: a batch's failed fetch reached the user as its error. A resume retries it;
+        stock pulled its indices all the same, so it counts towards the closing draw
+        (:meth:`follow_stock`)."""
         self._count_reached()
 
     def host_exhausted(self) -> None:
@@ -230,15 +222,14 @@ class DeliveryTracker:
             self.prefix += 1
 
     def position(self) -> tuple[int, int, list[int]]:
-        """``(epoch, batches_delivered, delivered_ahead)`` for the state; a finished epoch
-        reads as the start of the next one."""
+        """``(epoch, batches_delivered, delivered_ahead)``; a finished epoch reads as the next."""
         if self.finished:
             return self.epoch + 1, 0, []
         return self.epoch, self.prefix, sorted(self.ahead)
 
     def dataset_states(self, workers: int) -> WorkerStates:
         """An iterable dataset's position over ``workers`` workers (NOTE [ Iterable resume ]);
-        all ``None`` from worker 0 once the epoch is over: the next one starts afresh."""
+        all ``None`` from worker 0 once the epoch is over (the next one starts afresh)."""
         if self.finished:
             return WorkerStates([None] * workers, 0)
         states = [self.worker_states.get(w) for w in range(workers)]
@@ -248,14 +239,13 @@ class DeliveryTracker:
 class Delivered(Iterator[T]):
     """Wrap the outermost iterator (e.g. the device stage) to report deliveries to a tracker.
 
-    With ``recorder`` (the loader's ``StatsRecorder``), it also records each handover as the
-    host iterator does when outermost: the loop's step since the last batch, its wait in
-    ``next()`` (the first batch's as "startup"), the batch and its samples (``batch_len``, or
-    1 per item when ``count_samples`` is false: ``batch_size=None``), the gauge "device_ahead"
-    (the stage's ``in_flight``), and the same times as a handout in the active trace
-    (NOTE [ Timeline ] (3)). The host iterator behind it records none of these
-    (``StatsRecorder.passed_on``): the stage takes batches ahead, and "batches" counts what
-    the loop received. Forwards ``len()``, ``close()`` and any other attribute.
+    With ``recorder`` (the loader's ``StatsRecorder``) it records each handover, as the host
+    iterator does when outermost: the loop's step since the last batch, its wait in ``next()``
+    (the first's as "startup"), the batch and its samples (``batch_len``; 1 per item when
+    ``count_samples`` is false: ``batch_size=None``), the gauge "device_ahead" (the stage's
+    ``in_flight``), and a handout in the active trace (NOTE [ Timeline ] (3)). The host
+    iterator behind records none (``StatsRecorder.passed_on``): the stage takes batches ahead,
+    and "batches" counts what the loop received. Forwards ``len()`` and any attribute.
     """
 
     def __init__(self, inner: Iterator[T], tracker: DeliveryTracker, *,
@@ -301,11 +291,6 @@ class Delivered(Iterator[T]):
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]
-
-    def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

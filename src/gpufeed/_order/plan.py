@@ -2,11 +2,11 @@
 
 With ``BatchSampler(SequentialSampler | RandomSampler)`` (what ``batch_size``/``shuffle``
 build), the main process draws the epoch's permutation once, exactly as torch's
-``RandomSampler`` would (same generator, same calls, same order), and workers slice it: no
-list of indices is built per batch in the main process, and none crosses a pipe. Without
-batching the sampler itself is planned alike, one index per "batch" (its closing draw comes when
-stock's would, too). gpufeed's own samplers hand over their order through ``take_epoch()``. Any
-other sampler goes through the generic path, one list of indices per batch.
+``RandomSampler`` would (same generator, calls and order), and workers slice it: no list of
+indices is built per batch in the main process, and none crosses a pipe. Without batching the
+sampler is planned alike, one index per "batch" (its closing draw comes when stock's would).
+gpufeed's samplers hand over their order through ``take_epoch()``. Any other sampler takes the
+generic path, one list of indices per batch.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-from .rewind import EpochSeed, inner_sampler
-from .sampler import SeededRandomSampler, ShardedSampler
+from .rewind import EpochSeed, inner_sampler, is_ours
 
 #: From this many samples a plan the workers share holds its permutation as int32: half
 #: the shared memory (4 bytes a sample), each batch's slice widened to int64 when taken.
@@ -78,13 +77,8 @@ class IndexPlan:
 def plannable(index_sampler: Any) -> bool:
     """Whether the epoch's order can be drawn at once: torch's ``BatchSampler`` over one of
     the samplers below, or (no batching) one of them alone."""
-    if type(index_sampler) is BatchSampler:
-        return _plannable_sampler(index_sampler.sampler)
-    return _plannable_sampler(index_sampler)
-
-
-def _plannable_sampler(s: Any) -> bool:
-    if type(s) is SequentialSampler or isinstance(s, (ShardedSampler, SeededRandomSampler)):
+    s = index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
+    if type(s) is SequentialSampler or is_ours(s):
         return True
     return type(s) is RandomSampler and not s.replacement and s._num_samples is None
 
@@ -95,15 +89,14 @@ def make_plan(
     """Draw the epoch's order as the stock sampler would at its first ``next()``.
 
     ``skip``: batches to leave out at the start (a resume; gpufeed's samplers know it from
-    their ``seek``). ``epoch_seed``: the tracker's ``rewind.EpochSeed``, which every
-    ``RandomSampler`` on the global generator has: it draws (and records) or replays the
-    epoch's seed (NOTE [ Rewinding samplers ], case 4).
-    """
+    their ``seek``). ``epoch_seed``: the tracker's ``rewind.EpochSeed``, which draws (and
+    records) or replays the epoch's seed of a ``RandomSampler`` on the global generator
+    (NOTE [ Rewinding samplers ], case 4)."""
     batched = type(index_sampler) is BatchSampler
     s = inner_sampler(index_sampler)
     bs = index_sampler.batch_size if batched else 1
     perm: torch.Tensor | None = None
-    if isinstance(s, (ShardedSampler, SeededRandomSampler)):
+    if is_ours(s):
         _, perm, start = s.take_epoch()
         n = len(perm)
     else:
@@ -129,14 +122,11 @@ def make_plan(
 
 
 def pull_as_stock(plan: IndexPlan, index_sampler: Any, pulled: int) -> None:
-    """Advance the user's generator as the stock loader would have once it ``pulled``
-    batches of indices from its sampler.
-
-    Stock pulls ``prefetch_factor * num_workers`` batches of indices at ``iter()`` and one more
-    per delivered batch; the pull that exhausts the sampler makes ``RandomSampler`` draw a
-    closing permutation (``IndexPlan.closing_pull``). gpufeed dispatches further ahead, so it
-    makes that draw when stock would: breaking out early leaves the generator as stock does.
-    """
+    """Advance the user's generator as the stock loader would have once it ``pulled`` batches
+    of indices from its sampler: ``prefetch_factor * num_workers`` at ``iter()``, one more per
+    delivered batch; the pull that exhausts the sampler makes ``RandomSampler`` draw a closing
+    permutation (``IndexPlan.closing_pull``). gpufeed dispatches further ahead, so it makes
+    that draw when stock would: breaking out early leaves the generator as stock does."""
     if not plan.finished and pulled >= plan.closing_pull:
         plan.finished = True
         finish_plan(index_sampler)
@@ -165,12 +155,11 @@ _same_draws: bool | None = None  # does _draw_32bit leave the state randperm lea
 
 
 def advance_as_randperm(generator: torch.Generator, n: int) -> None:
-    """Leave ``generator`` in the state ``torch.randperm(n, generator=generator)`` leaves it,
-    without the permutation: the stock sampler's closing draw is thrown away, and shuffling
-    ``n`` indices costs several times more than drawing ``n - 1`` numbers (measurements:
-    docs/how-it-works/measurements/order.md#index-plans). Checked once per process against
-    ``randperm`` itself; where they differ (another torch), or for a CUDA generator, it is
-    ``randperm``."""
+    """Leave ``generator`` as ``torch.randperm(n, generator=generator)`` leaves it, without the
+    permutation (the stock sampler's closing draw is thrown away), by drawing ``n - 1`` numbers:
+    several times cheaper (docs/how-it-works/measurements/order.md#index-plans). Checked once
+    per process against ``randperm``; where they differ (another torch), or for a CUDA
+    generator, it is ``randperm``."""
     global _same_draws
     if _same_draws is None:
         a, b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
@@ -184,8 +173,8 @@ def advance_as_randperm(generator: torch.Generator, n: int) -> None:
 
 
 def _draw_32bit(generator: torch.Generator, count: int) -> None:
-    """Draw ``count`` 32-bit numbers from ``generator`` (a range below 2**32 takes one draw
-    each), through a buffer of at most ``_CHUNK`` elements."""
+    """Draw ``count`` 32-bit numbers (a range below 2**32 takes one draw each), through a
+    buffer of at most ``_CHUNK`` elements."""
     buf = torch.empty(min(max(count, 0), _CHUNK), dtype=torch.int32)
     while count > 0:
         part = buf if count >= len(buf) else buf[:count]

@@ -1,13 +1,9 @@
 """Exact mid-epoch resume: :class:`LoaderPosition`, the loader's bookkeeping, and where a
-loaded state resumes.
+loaded state resumes (:func:`prepare_resume`, the sampler set up as NOTE [ Rewinding samplers ]
+in ``_order/rewind.py`` says; :func:`after_set_epoch`, after a later ``set_epoch``).
 
-Its parts: ``_order/state.py`` (the ``state_dict()`` format and its checks),
-``_order/delivery.py`` (which batches reached the user) and ``_order/rewind.py`` (what replays
-each kind of sampler's epoch). Setting the sampler up for a loaded state is here:
-:func:`prepare_resume` makes a ``ResumePoint`` for the next ``__iter__`` with the sampler set up
-for it (NOTE [ Rewinding samplers ] in ``_order/rewind.py``), and :func:`after_set_epoch` says
-what a later ``set_epoch`` makes of it.
-The names of ``_order/state.py`` and ``_order/delivery.py`` are re-exported here.
+The ``state_dict()`` format and its checks (``_order/state.py``) and the delivered batches
+(``_order/delivery.py``) are re-exported here.
 """
 
 from __future__ import annotations
@@ -67,22 +63,17 @@ log = logging.getLogger("gpufeed")
 
 
 class LoaderView(Protocol):
-    """What :class:`LoaderPosition` reads of its loader (``gpufeed.DataLoader``). It is handed
-    the loader per call and keeps no reference to it; it writes nothing back (a loaded seed is
-    returned for the loader to take)."""
+    """What :class:`LoaderPosition` reads of its ``gpufeed.DataLoader``, handed in per call:
+    it keeps no reference and writes nothing back (a loaded seed is returned)."""
+
+    dataset: Any
+    batch_size: int | None
+    num_workers: int
+    seed: int | None
+    deterministic: bool  # per-sample random state (with seed)
 
     @property
-    def dataset(self) -> Any: ...
-    @property
     def _index_sampler(self) -> Any: ...  # its batch sampler, or its sampler without batching
-    @property
-    def batch_size(self) -> int | None: ...
-    @property
-    def num_workers(self) -> int: ...
-    @property
-    def seed(self) -> int | None: ...
-    @property
-    def deterministic(self) -> bool: ...  # per-sample random state (with seed)
     @property
     def rank(self) -> int: ...
     @property
@@ -119,8 +110,8 @@ class LoaderPosition:
         return int(sampler.epoch) if is_ours(sampler) else self.epoch
 
     def set_epoch(self, loader: LoaderView, epoch: int) -> None:
-        """``loader.set_epoch``: the epoch of the next ``__iter__``; a loaded state is kept
-        for its own epoch only (:func:`after_set_epoch`)."""
+        """The epoch of the next ``__iter__``; a loaded state is kept for its own epoch only
+        (:func:`after_set_epoch`)."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         sampler = inner_sampler(loader._index_sampler)
@@ -136,10 +127,9 @@ class LoaderPosition:
         self, index_sampler: Any, *, iterable: bool, direct: bool,
         base_seed_of: Callable[[], Any] | None = None,
     ) -> DeliveryTracker:
-        """Called once per epoch by the iterator, after it drew its base seed; draw indices
-        from ``tracker.indices``. ``direct``: no device stage follows the iterator;
-        ``base_seed_of``: where each epoch gets a new iterator (no persistent workers), draws
-        a base seed as one does, to follow a replayed epoch."""
+        """Called once per epoch by the iterator, after its base seed; indices come from
+        ``tracker.indices``. ``direct``: no device stage follows; ``base_seed_of``: draws a
+        new iterator's base seed after a replayed epoch (no persistent workers)."""
         point, self.pending = self.pending, None
         sampler = inner_sampler(index_sampler)
         chosen = chosen_epoch(sampler)  # the sampler's set_epoch() after the load
@@ -169,10 +159,10 @@ class LoaderPosition:
 
     def set_epoch_came_late(self, index_sampler: Any) -> bool:
         """Whether this epoch began from a loaded state and its sampler's ``set_epoch`` ran
-        since, to another epoch (where ``set_epoch_mark`` tells). Lightning's fit loop resumes
-        that way: ``load_state_dict``, ``iter()``, then ``set_epoch`` (to the next epoch after
-        one cut short by ``limit_train_batches``). An iterator that has delivered nothing then
-        starts its epoch again (:meth:`reload`), as one made after the call would."""
+        since, to another epoch (where ``set_epoch_mark`` tells), as in Lightning's fit loop:
+        ``load_state_dict``, ``iter()``, ``set_epoch`` (the next epoch after one cut short by
+        ``limit_train_batches``). An iterator that delivered nothing then starts again
+        (:meth:`reload`), as one made after the call would."""
         if self.loaded is None:
             return False
         sampler = inner_sampler(index_sampler)
@@ -194,8 +184,7 @@ class LoaderPosition:
         return self.tracker
 
     def take_dataset_states(self) -> WorkerStates | None:
-        """Where an iterable dataset's workers resume this epoch (once, after
-        :meth:`begin_epoch`)."""
+        """Where an iterable dataset's workers resume this epoch (once, after begin_epoch)."""
         states, self.pending_dataset = self.pending_dataset, None
         return states
 
@@ -206,9 +195,9 @@ class LoaderPosition:
             epoch, done, ahead = pending.epoch, pending.done, list(pending.ahead)
         elif tracker is not None and not tracker.finished:
             epoch, done, ahead = tracker.position()
-            # An epoch that began without drawing its seed yet (no batch asked) draws it now.
+            # The epoch's seed, drawn now if no batch was asked yet (a loaded one: kept).
             if tracker.epoch_seed is not None:
-                tracker.epoch_seed.draw_now()
+                tracker.epoch_seed.seed()
                 sampler_state = self.sampler_state
         else:  # at the start of an epoch: the sampler as it stands now starts it
             epoch, done, ahead = tracker.position() if tracker else (
@@ -251,9 +240,8 @@ class LoaderPosition:
 
     @staticmethod
     def _next_start(loader: LoaderView) -> Any:
-        """The sampler's state where the next epoch's first draw will find it: a sampler sharing
-        the loader's generator is not there yet between epochs, when the next ``iter()`` makes
-        a new iterator, whose base seed comes first (NOTE [ Rewinding samplers ])."""
+        """The sampler's state at the next epoch's first draw: one sharing the loader's
+        generator gets there after the next iterator's base seed (NOTE [ Rewinding samplers ])."""
         sampler = inner_sampler(loader._index_sampler)
         state = sampler_state_of(sampler)
         generator = loader._next_base_seed_generator()
@@ -265,10 +253,9 @@ class LoaderPosition:
 
     def _random_not_replayed(self, loader: LoaderView, what: str, resume: str) -> None:
         """Say once per loader (map-style data: seed= does not cover iterable datasets) that a
-        resume without per-sample seeds replays the batches' order, not their random
-        transforms. Where warnings are errors (pytest's ``filterwarnings = error``), a log
-        record instead: frameworks checkpoint inside their loops, which must not fail for
-        advice."""
+        resume without per-sample seeds replays the order, not the random transforms. Where
+        warnings are errors (pytest's ``filterwarnings = error``), a log record: frameworks
+        checkpoint inside their loops, which must not fail for advice."""
         if self.warned_random or isinstance(loader.dataset, IterableDataset):
             return
         self.warned_random = True
@@ -285,9 +272,8 @@ class LoaderPosition:
             log.warning("%s", message)
 
     def load_state_dict(self, loader: LoaderView, state: Mapping[str, Any]) -> int | None:
-        """Check ``state`` against ``loader`` and set the sampler up for it; the next
-        :meth:`begin_epoch` resumes there. Returns the state's seed (or ``None``), which the
-        loader takes as its ``seed``."""
+        """Check ``state`` against ``loader`` and set the sampler up for the next
+        :meth:`begin_epoch`. Returns the state's seed (or ``None``) for the loader to take."""
         iterable = isinstance(loader.dataset, IterableDataset)
         checked = check_state(
             state, dataset_len=None if iterable else length_or_none(loader.dataset),
@@ -295,24 +281,18 @@ class LoaderPosition:
             num_workers=loader.num_workers,
             order=None if iterable else order_of(loader._index_sampler),
         )
-        sampler = inner_sampler(loader._index_sampler)
         seed = checked["seed"]
         if seed is None or not loader.deterministic:
             self._random_not_replayed(loader, "loader.load_state_dict() got a state saved",
                                       "this resume")
-        ours = seed is not None and is_ours(sampler)
-        old_seed = sampler.seed if ours else None
-        if ours:
-            sampler.seed = seed  # replaying the epoch's order needs it
-        try:
-            point = prepare_resume(
-                checked, index_sampler=loader._index_sampler, iterable=iterable,
-                num_batches=None if iterable else length_or_none(loader._index_sampler),
-            )
-        except BaseException:
-            if ours:  # a state that cannot be resumed changes nothing
-                sampler.seed = old_seed
-            raise
+        point = prepare_resume(
+            checked, index_sampler=loader._index_sampler, iterable=iterable,
+            num_batches=None if iterable else length_or_none(loader._index_sampler),
+        )
+        sampler = inner_sampler(loader._index_sampler)
+        if seed is not None and is_ours(sampler):
+            # its order comes from (seed, epoch); set once the state proved resumable
+            sampler.seed = seed
         self.pending, self.epoch, self.tracker = point, point.epoch, None
         self.sampler_state = checked["sampler_state"]
         if isinstance(self.sampler_state, dict) and EPOCH_SEED in self.sampler_state and (
@@ -331,27 +311,24 @@ class LoaderPosition:
 def prepare_resume(
     state: LoaderState, *, index_sampler: Any, num_batches: int | None, iterable: bool = False
 ) -> ResumePoint:
-    """Set the loader's ``_index_sampler`` up for ``state`` and say where the next
-    ``__iter__`` starts.
+    """Set the loader's ``_index_sampler`` up for ``state``; where the next ``__iter__`` starts.
 
     gpufeed's own samplers seek (the permutation is regenerated, nothing is fetched). Others
-    get their epoch-start state back when the epoch starts and ``set_epoch`` if they have it,
-    and the iterator draws and drops ``done`` batches of indices (``delivery.numbered``).
-    Iterable datasets resume through their own state. A state taken after the epoch's last
-    batch (``num_batches`` known and reached) rolls over to the start of the next epoch.
+    get their epoch-start state back when the epoch starts and ``set_epoch`` if they have it;
+    the iterator draws and drops ``done`` batches of indices (``delivery.numbered``). Iterable
+    datasets resume through their own state. A state taken after the epoch's last batch
+    (``num_batches`` known and reached) rolls over to the start of the next epoch.
     """
     epoch, done, ahead = state["epoch"], state["batches_delivered"], state["delivered_ahead"]
-    rolled = False
-    if num_batches is not None:
-        if done > num_batches:
-            raise ValueError(
-                f"loader state says {done} batches of epoch {epoch} were delivered but this "
-                f"loader's epoch has only {num_batches}; resume with the same batch_size, "
-                "drop_last and sampler"
-            )
-        rolled = done == num_batches
-        if rolled:
-            epoch, done, ahead = epoch + 1, 0, []
+    if num_batches is not None and done > num_batches:
+        raise ValueError(
+            f"loader state says {done} batches of epoch {epoch} were delivered but this "
+            f"loader's epoch has only {num_batches}; resume with the same batch_size, "
+            "drop_last and sampler"
+        )
+    rolled = done == num_batches
+    if rolled:
+        epoch, done, ahead = epoch + 1, 0, []
     sampler_state, epoch_seed = state["sampler_state"], None
     if isinstance(sampler_state, dict) and UNREWINDABLE in sampler_state:
         # An unrewindable sampler, or an iterable dataset without a state of its own.
@@ -430,9 +407,8 @@ def chosen_epoch(sampler: Any) -> int | None:
 
 def set_epoch_mark(sampler: Any) -> int | None:
     """What changes when ``sampler.set_epoch`` runs, where that can be told from the sampler
-    advancing by itself: gpufeed's samplers count the calls (they also advance when
-    iterated); torch's ``DistributedSampler`` changes its ``epoch`` only there. None for
-    others."""
+    advancing by itself: gpufeed's samplers count the calls (they also advance when iterated);
+    ``DistributedSampler`` changes its ``epoch`` only there. None for others."""
     if is_ours(sampler):
         return int(sampler.set_epoch_calls)
     kind = type(sampler)
@@ -443,9 +419,9 @@ def set_epoch_mark(sampler: Any) -> int | None:
 
 
 def after_set_epoch(point: ResumePoint, chosen: int, index_sampler: Any) -> ResumePoint | None:
-    """A loaded ``point`` once ``set_epoch(chosen)`` ran after the load: kept for its own
-    epoch; for the epoch it rolled over from (the usual resume loop restarts at the epoch it
-    saved), that epoch's empty rest; for any other, None (that epoch starts afresh)."""
+    """A loaded ``point`` after ``set_epoch(chosen)``: kept for its own epoch; for the epoch
+    it rolled over from (a resume loop restarts at the epoch it saved), that epoch's empty
+    rest; for any other, None (that epoch starts afresh)."""
     if chosen == point.epoch:
         return point
     if not (point.rolled and chosen == point.epoch - 1):

@@ -7,35 +7,35 @@ holds what reproduces the epoch's order (``sampler_state``), taken as the epoch 
 1. gpufeed's samplers: nothing; their order is a function of ``(seed, epoch)`` and they seek.
 2. A sampler with ``state_dict()``/``load_state_dict()``: its own state.
 3. torch's random samplers with a ``generator``: the generator's state (a list of ints).
-4. torch's ``RandomSampler`` on torch's global generator (``shuffle=True`` without ``seed=``):
-   it draws one seed per epoch from the global generator, at its first index, and shuffles with
-   a fresh generator seeded by it. gpufeed makes that draw itself, with the same call at the
-   same moment (so the order stays the stock one, bit for bit), hands the sampler a generator
-   seeded by it, and records ``{"epoch_seed": seed}``, which a resume shuffles from again
-   (:class:`EpochSeed`). Later epochs draw afresh from the resumed run's generator, as in torch.
+4. torch's ``RandomSampler`` on torch's global generator (``shuffle=True`` without ``seed=``)
+   draws one seed per epoch from it, at its first index, and shuffles with a generator seeded
+   by it. gpufeed makes that draw itself, with the same call at the same moment (the order
+   stays the stock one, bit for bit), hands the sampler a generator seeded by it, and records
+   ``{"epoch_seed": seed}``, which a resume shuffles from again (:class:`EpochSeed`). Later
+   epochs draw afresh from the resumed run's generator, as in torch.
 5. Samplers whose order is fixed or a function of the epoch (``SequentialSampler``, a list or
    range of indices, ``DistributedSampler``, anything with ``set_epoch``): nothing; the resume
    calls ``set_epoch`` and draws and drops the delivered batches' indices.
 6. Anything else cannot be rewound (a user sampler of unknown order, ``SubsetRandomSampler`` or
-   ``WeightedRandomSampler`` on the global generator). ``state_dict()`` still succeeds (a
-   loader that iterates can always be checkpointed), with ``{"unrewindable": reason}``, and
-   warns once; loading such a mid-epoch state restarts that epoch, with a warning saying why.
+   ``WeightedRandomSampler`` on the global generator). ``state_dict()`` still succeeds (a loader
+   that iterates can always be checkpointed), with ``{"unrewindable": reason}``, and warns
+   once; loading such a mid-epoch state restarts that epoch, with a warning saying why.
 
 Where the state stands (cases 2 and 3): right before the epoch's first draw, after the base
 seed a new iterator draws for its workers (torch's order: base seed, then the sampler; with
 ``shuffle=True, generator=g`` both come from ``g``). A resume puts it back there when the
 resumed epoch starts (``LoaderPosition.begin_epoch``), not at ``load_state_dict``: the new
 iterator's base seed comes first, whether or not the saved epoch had one (a persistent
-iterator's later epochs draw none). A state taken between epochs holds where the next epoch's
-first draw will find the generator (past the next iterator's base seed, drawn from a copy). A
-state taken after an epoch's last batch, its iterator not run out, rolls over to the next epoch:
-the restored sampler draws the saved epoch whole once more (torch's ``RandomSampler``: its
-permutation and the closing one) and, where each epoch gets a new iterator, one base seed, as
-the run that saved it did.
+iterator's later epochs draw none). Taken between epochs, it holds where the next epoch's first
+draw will find the generator (past the next base seed, drawn from a copy). Taken after an
+epoch's last batch, its iterator not run out, it rolls over to the next epoch: the restored
+sampler draws the saved epoch whole once more (``RandomSampler``: its permutation and the
+closing one) and, where each epoch gets a new iterator, one base seed, as the saving run did.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -72,9 +72,9 @@ def is_ours(sampler: Any) -> bool:
 
 
 def order_of(index_sampler: Any) -> str:
-    """What orders a map-style loader's epochs, in a few words a state keeps: loaded under
-    another order, its count of delivered batches would pick the wrong samples. Seeds the state
-    holds otherwise (``seed=``, a generator's) are not repeated."""
+    """What orders a map-style loader's epochs, in a few words a state keeps (loaded under
+    another order, its delivered batches would name other samples); not the seeds it holds
+    otherwise (``seed=``, a generator's)."""
     sampler = inner_sampler(index_sampler)
     # a plain iterable of indices (a list, an iterator) says nothing of its order
     name = type(sampler).__name__ if isinstance(sampler, Sampler) else "indices"
@@ -103,28 +103,6 @@ def draws_epoch_seed(sampler: Any) -> bool:
     )
 
 
-def unrewindable_reason(sampler: Any) -> str | None:
-    """Why ``sampler``'s epoch cannot be replayed (case 6), or ``None`` when it can."""
-    if is_ours(sampler) or callable(getattr(sampler, "state_dict", None)):
-        return None
-    name = type(sampler).__name__
-    if isinstance(sampler, _STOCK_RANDOM):
-        if sampler.generator is not None or draws_epoch_seed(sampler):
-            return None
-        return (
-            f"its {name} draws its order from torch's global random generator, whose state at "
-            "the epoch's start was not saved; pass the DataLoader seed=<int> (or a sampler "
-            "with generator=torch.Generator().manual_seed(<int>))"
-        )
-    if isinstance(sampler, _FIXED_ORDER) or callable(getattr(sampler, "set_epoch", None)):
-        return None
-    return (
-        f"its sampler {name} has no state_dict()/load_state_dict() (nor set_epoch), so gpufeed "
-        "cannot know that it repeats its order; give it those methods, or use shuffle=True "
-        "with seed=<int>"
-    )
-
-
 def sampler_state_of(sampler: Any) -> Any:
     """What restores ``sampler`` to the start of an epoch, taken when the epoch starts: ``None``
     for cases 1, 4 (its seed is recorded at its first draw) and 5 of NOTE [ Rewinding samplers ];
@@ -134,21 +112,34 @@ def sampler_state_of(sampler: Any) -> Any:
     state_dict = getattr(sampler, "state_dict", None)
     if callable(state_dict):
         return state_dict()
-    if isinstance(sampler, _STOCK_RANDOM) and sampler.generator is not None:
-        return {"generator_state": sampler.generator.get_state().tolist()}
-    reason = unrewindable_reason(sampler)
-    return None if reason is None else {UNREWINDABLE: reason}
+    name = type(sampler).__name__
+    if isinstance(sampler, _STOCK_RANDOM):
+        if sampler.generator is not None:
+            return {"generator_state": sampler.generator.get_state().tolist()}
+        if draws_epoch_seed(sampler):
+            return None
+        return {UNREWINDABLE: (
+            f"its {name} draws its order from torch's global random generator, whose state at "
+            "the epoch's start was not saved; pass the DataLoader seed=<int> (or a sampler "
+            "with generator=torch.Generator().manual_seed(<int>))"
+        )}
+    if isinstance(sampler, _FIXED_ORDER) or callable(getattr(sampler, "set_epoch", None)):
+        return None
+    return {UNREWINDABLE: (
+        f"its sampler {name} has no state_dict()/load_state_dict() (nor set_epoch), so gpufeed "
+        "cannot know that it repeats its order; give it those methods, or use shuffle=True "
+        "with seed=<int>"
+    )}
 
 
 def draw_base_seed(generator: torch.Generator | None) -> int:
-    """A new iterator's base seed, drawn as torch's iterators draw it (from the loader's
-    ``generator``, else torch's global one), before the epoch's first index."""
+    """A new iterator's base seed, drawn as torch's iterators draw it before the epoch's first
+    index (from the loader's ``generator``, else torch's global one)."""
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 def state_after_base_seed(generator: torch.Generator) -> list[int]:
-    """The state ``generator`` will have once the next new iterator drew its base seed from it
-    (drawn from a copy)."""
+    """``generator``'s state after the next iterator's base seed (drawn from a copy)."""
     copy = torch.Generator(device=generator.device)
     copy.set_state(generator.get_state())
     draw_base_seed(copy)
@@ -156,9 +147,8 @@ def state_after_base_seed(generator: torch.Generator) -> list[int]:
 
 
 def restore_sampler(sampler: Any, state: Any) -> None:
-    """Put ``sampler`` back where :func:`sampler_state_of` found it (cases 2 and 3)."""
-    if state is None or _marker(state):
-        return
+    """Put ``sampler`` back where :func:`sampler_state_of` found it (cases 2 and 3; the markers
+    of cases 4 and 6 never reach here: ``resume.prepare_resume`` drops them)."""
     if isinstance(sampler, _STOCK_RANDOM) and isinstance(state, dict) and (
         sampler.generator is not None and "generator_state" in state
     ):
@@ -167,17 +157,10 @@ def restore_sampler(sampler: Any, state: Any) -> None:
         sampler.load_state_dict(state)
 
 
-def _marker(state: Any) -> bool:
-    return isinstance(state, dict) and len(state) == 1 and (
-        EPOCH_SEED in state or UNREWINDABLE in state
-    )
-
-
 def rank_bound(state: Any) -> str | None:
-    """Why a loader state saved on one rank cannot be loaded on another, or ``None``: a
-    map-style loader ordered by ``(seed, epoch)`` (gpufeed's samplers, ``DistributedSampler``)
-    is at the same batch count on every rank, so one rank's state serves all (frameworks save
-    rank 0's only)."""
+    """Why a state saved on one rank cannot be loaded on another, or ``None``: a map-style
+    loader ordered by ``(seed, epoch)`` (gpufeed's samplers, ``DistributedSampler``) is at the
+    same batch count on every rank, so one state serves all (frameworks save rank 0's only)."""
     if state.get("dataset_state") is not None:
         return "it holds an iterable dataset's per-worker stream positions, which differ per rank"
     if state.get("delivered_ahead"):
@@ -202,36 +185,28 @@ class EpochSeed:
         replay: the seed to shuffle with (a resume), or ``None`` to draw it as torch would.
         record: a bound method, called with the seed when it is drawn or replayed. Held
             weakly: the epoch's draw holds this object and the recorder (a loader's position)
-            holds the draw, a cycle that would keep the sampler and dataset alive until a
-            cyclic collection.
+            the draw, a cycle that would keep the sampler and dataset alive until collected.
     """
 
     def __init__(self, replay: int | None, record: Callable[[int], None]) -> None:
         self.replay = replay
         self._record = weakref.WeakMethod(record)
 
-    def record(self, seed: int) -> None:
-        if (bound := self._record()) is not None:
-            bound(seed)
-
-    def draw_now(self) -> None:
-        """Draw the seed now if not drawn yet (a state taken before the epoch's first batch
-        keeps it); the epoch then shuffles with it: the same one draw, earlier."""
+    def seed(self) -> int:
+        """The epoch's seed, drawn as torch draws it if not yet drawn (or replayed); recorded.
+        A state taken before the epoch's first batch calls it to keep the seed: the epoch then
+        shuffles with it (the same one draw, earlier; a replayed seed is recorded again)."""
         if self.replay is None:
-            self._seed()
-
-    def _seed(self) -> int:
-        """The epoch's seed, drawn as torch draws it if not yet drawn (or replayed); recorded."""
-        if self.replay is None:
-            self.replay = int(torch.empty((), dtype=torch.int64).random_().item())
-        self.record(self.replay)
+            self.replay = draw_base_seed(None)
+        if (record := self._record()) is not None:
+            record(self.replay)
         return self.replay
 
     def generator(self) -> torch.Generator:
-        """A generator seeded as ``RandomSampler.__iter__`` seeds its own: call it where the
-        sampler would draw (its first index)."""
+        """A generator seeded as ``RandomSampler.__iter__`` seeds its own: call it at the
+        sampler's first index."""
         generator = torch.Generator()
-        generator.manual_seed(self._seed())
+        generator.manual_seed(self.seed())
         return generator
 
     def plan(self, index_sampler: Iterable[Any], sampler: RandomSampler) -> Iterator[Any]:
@@ -239,13 +214,9 @@ class EpochSeed:
         iterator = iter(index_sampler)  # generators: nothing is drawn yet
         sampler.generator = self.generator()
         try:
-            first = next(iterator, _END)  # RandomSampler.__iter__ reads .generator here, once
+            # RandomSampler.__iter__ reads .generator at its first index, once
+            first = list(itertools.islice(iterator, 1))
         finally:
             sampler.generator = None
-        if first is _END:
-            return
-        yield first
+        yield from first
         yield from iterator
-
-
-_END: Any = object()

@@ -2,18 +2,20 @@
 ``sample_random()``.
 
 A fetcher (``_host/fetch.py``) opens a :class:`SampleScope` around every batch and moves it from
-sample to sample; the three functions read the calling thread's scope and return a generator
-seeded from the sample being fetched, so a random transform drawn from them gives the same
-values whoever fetches the sample (0, 1 or 8 workers, threads or processes) and after a resume.
-They take no lock and touch no global state: thread workers draw in parallel, and the loop's
-draws cannot change them (NOTE [ Seeding and threads ] in ``_order/seeding.py``).
+sample to sample; the three functions return a generator seeded from the calling thread's
+sample, so a random transform drawn from them gives the same values whoever fetches the sample
+(0, 1 or 8 workers, threads or processes) and after a resume. No lock, no global state: thread
+workers draw in parallel, and the loop's draws cannot change them (NOTE [ Seeding and threads ]
+in ``_order/seeding.py``).
 
 A sample's seed is ``sample_seed(base, epoch, index)``: ``base`` is the loader's ``seed=`` or,
 without one, drawn when iteration starts from the loader's ``generator`` (else torch's global
 one), as torch draws its workers' base seed, so ``torch.manual_seed`` governs it. Each library
-gets its own hash of that seed: the three streams are unrelated to one another and to the
-global generators' per-sample seeding. Iterable datasets have no index: each worker numbers its
-samples in the order it fetches them and mixes its id into ``base`` (:func:`stream_base`).
+gets its own hash of that seed, so the three streams are unrelated to one another and to the
+global generators' per-sample seeding (torch's and numpy's legacy generator are both MT19937,
+and the global generators are seeded from the sample's seed itself). Iterable datasets have no
+index: each worker numbers its samples in the order it fetches them and mixes its id into
+``base`` (:func:`stream_base`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -30,8 +32,7 @@ from .seeding import _mix, batch_seed, epoch_key, seed_in
 
 G = TypeVar("G")
 _local = threading.local()
-# A different hash of the sample's seed per library: torch and numpy's legacy generator are both
-# MT19937, and the global generators are seeded from the sample's seed itself.
+# Each library's tag, mixed into the sample's seed (its own hash: see the module docstring).
 _TORCH, _NUMPY, _RANDOM = 0x7A3B9C1D5E6F, 0x1F2E3D4C5B6A, 0x5A5A3C3C9696
 
 
@@ -46,17 +47,15 @@ class SampleScope:
 
     One per fetcher (a worker, or the main process with ``num_workers=0``): ``open`` makes it
     the calling thread's scope for one batch, ``at``/``at_batch`` move it, ``close`` restores
-    the scope open before (a dataset may itself iterate a loader). ``seed_globals`` and
-    ``probe`` say how the fetcher runs user code a source calls itself (an image source's
-    ``transform=``): whether it may seed the global generators per sample (never in thread
-    workers: NOTE [ Seeding and threads ]), and its check for global draws
-    (``_host/random_watch.py``), if any.
+    the scope open before (a dataset may itself iterate a loader). For user code a source calls
+    itself (an image source's ``transform=``): ``seed_globals``, whether the fetcher may seed
+    the global generators per sample (never in thread workers: NOTE [ Seeding and threads ]),
+    and ``probe``, its check for global draws (``_host/random_watch.py``), if any.
 
-    What every sample shares is made once: the epoch's ``epoch_key`` (in ``open``) and the torch
-    and Python generator objects (at their first request; numpy's is made per sample). ``at``
-    only names the sample; each generator is re-seeded at its first request (:meth:`made`),
-    which gives the state a new generator of that seed would have, and a sample that asks for
-    none costs nothing.
+    Made once: the epoch's ``epoch_key`` (in ``open``) and the torch and Python generator
+    objects (numpy's is made per sample). ``at`` only names the sample; a generator is
+    re-seeded at its first request (:meth:`made`), as a new one of that seed would be, so a
+    sample that asks for none costs nothing.
     """
 
     __slots__ = ("_made", "_own", "_prev", "base", "batch", "epoch", "index", "key", "probe",
@@ -66,7 +65,7 @@ class SampleScope:
         self.base = self.epoch = 0
         self.key = epoch_key(0, 0)
         self.index: Any = None
-        self.batch: Sequence[Any] | None = None
+        self.batch: Sequence[Any] = ()
         self._made: _Made | None = None
         # The torch and Python generators, re-seeded per sample (by library tag).
         self._own: dict[int, Any] = {}
@@ -92,29 +91,28 @@ class SampleScope:
 
     def at_batch(self, indices: Sequence[Any] | None) -> None:
         """A whole batch is being fetched or collated (``__getitems__``, a batch source,
-        ``collate_fn``): generators asked for without an index come from ``batch_seed``."""
-        self.batch = indices
+        ``collate_fn``): generators asked without an index come from ``batch_seed``."""
+        self.batch = indices if indices is not None else ()
         self.index = None
         self._made = None
 
     def seed_of(self, index: Any) -> int:
         return seed_in(self.key, index)
 
-    def current_seed(self) -> int:
-        if self.index is not None:
-            return seed_in(self.key, self.index)
-        return batch_seed(self.base, self.epoch, self.batch if self.batch is not None else ())
-
     def made(self) -> _Made:
         """The current sample's (or batch's) seed and the generators made from it so far."""
         made = self._made
         if made is None:
-            made = self._made = _Made(self.current_seed())
+            if self.index is not None:
+                seed = seed_in(self.key, self.index)
+            else:
+                seed = batch_seed(self.base, self.epoch, self.batch)
+            made = self._made = _Made(seed, {})
         return made
 
     def reseeded(self, tag: int, make: Callable[[], G], reseed: Callable[[G, int], Any]) -> G:
-        """The current sample's generator of library ``tag``: the scope's own (made once by
-        ``make``), re-seeded by ``reseed(gen, seed)`` at the sample's first request."""
+        """The current sample's generator of library ``tag``: the scope's own (``make()`` once),
+        re-seeded by ``reseed(gen, seed)`` at the sample's first request."""
         made = self.made()
         gen = made.gens.get(tag)
         if gen is None:
@@ -126,19 +124,16 @@ class SampleScope:
         return gen
 
 
-class _Made:
+class _Made(NamedTuple):
     """One sample's seed and its generators (by library tag), each made at its first request."""
 
-    __slots__ = ("gens", "seed")
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self.gens: dict[int, Any] = {}
+    seed: int
+    gens: dict[int, Any]
 
 
 def stream_base(base: int, worker_id: int) -> int:
-    """The base of worker ``worker_id``'s samples of an iterable dataset (no index: each worker
-    numbers its own samples, so the worker goes into the base)."""
+    """The base of worker ``worker_id``'s samples of an iterable dataset (each worker numbers
+    its own samples)."""
     return _mix(base ^ _mix(worker_id + 1))
 
 
@@ -148,11 +143,10 @@ def current_scope() -> SampleScope | None:
 
 
 def _fresh_seed(index: int | None, tag: int) -> int:
-    """The seed of a generator that is not the current sample's: outside a fetch, or another
-    sample's (``index``)."""
+    """The seed of a generator outside a fetch (one draw from torch's global generator, which a
+    stock worker seeds), or of another sample's (``index``)."""
     scope = current_scope()
     if scope is None:
-        # One draw from torch's global generator (a stock worker seeds it).
         return _mix(int(torch.empty((), dtype=torch.int64).random_().item()) ^ tag)
     return _mix(scope.seed_of(index) ^ tag)
 
@@ -163,11 +157,11 @@ def sample_generator(index: int | None = None) -> torch.Generator:
     Call it in ``__getitem__`` (or ``__getitems__``, ``__iter__``, ``collate_fn``) of a dataset
     read by ``gpufeed.DataLoader``: its draws depend only on the loader's seed, the epoch and
     the sample's index, so they are the same for any ``num_workers`` and ``worker_type``, after
-    a resume (with ``seed=``), and whatever the training loop draws meanwhile; they follow
-    ``torch.manual_seed`` without ``seed=``. Thread workers draw from it in parallel, without a
-    lock. Within one sample every call returns the same generator, so successive draws continue
-    one stream; the next sample's starts from that sample's seed (the same object, re-seeded:
-    do not keep it past the sample).
+    a resume (with ``seed=``), and whatever the training loop draws meanwhile; without ``seed=``
+    they follow ``torch.manual_seed``. Thread workers draw from it in parallel, without a lock.
+    Within one sample every call returns the same generator (successive draws continue one
+    stream); the next sample's starts from its own seed (the same object, re-seeded: do not
+    keep it past the sample).
 
     Args:
         index: the dataset index of another sample of the batch being fetched, e.g. in

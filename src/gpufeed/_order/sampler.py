@@ -64,7 +64,7 @@ class _Cursor(Iterator[int]):
 class _Resumable:
     """Epoch counter and resumable cursor shared by both samplers (see NOTE [ Epoch counting ])."""
 
-    epoch: int
+    epoch: int = 0
     seed: int
     _cursor: _Cursor | None = None
     _cursor_epoch: int = 0
@@ -91,23 +91,19 @@ class _Resumable:
         return self._cursor
 
     def take_epoch(self) -> tuple[int, torch.Tensor, int]:
-        """What ``__iter__`` does (advancing the epoch alike), for loaders that slice the order
-        themselves: ``(epoch, order, start)``, this rank's whole order for the epoch as an int64
-        tensor and the position to start from (non-zero after :meth:`seek`)."""
+        """``__iter__`` (advancing the epoch alike) for loaders that slice the order themselves:
+        ``(epoch, order, start)``, this rank's whole epoch as an int64 tensor and where to start
+        (non-zero after :meth:`seek`)."""
         epoch = self.epoch
-        start = 0
-        if self._seek is not None and self._seek[0] == epoch:
-            start = self._seek[1]
+        start = self._seek[1] if self._seek is not None and self._seek[0] == epoch else 0
         self._seek = None
         self.epoch = epoch + 1
         self._cursor = None
         return epoch, self._order(epoch), start
 
     def seek(self, epoch: int, position: int) -> None:
-        """Make the next ``__iter__`` yield epoch ``epoch`` skipping its first ``position`` indices.
-
-        Nothing is fetched: the permutation is regenerated from ``(seed, epoch)`` and sliced.
-        ``position`` may equal the epoch's length (an exhausted epoch yields nothing)."""
+        """Make the next ``__iter__`` yield epoch ``epoch`` without its first ``position`` indices
+        (all of them: nothing): regenerated from ``(seed, epoch)`` and sliced, nothing fetched."""
         self.set_epoch(epoch)
         size = len(self)  # type: ignore[arg-type]
         if not isinstance(position, int) or not 0 <= position <= size:
@@ -118,10 +114,10 @@ class _Resumable:
         self._seek = (epoch, position)
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-Python state: the epoch in progress and the indices it has handed out so far.
+        """Plain-Python state: the epoch in progress and how many indices it handed out.
 
-        The count is of indices *drawn from the sampler*; a loader that prefetches is ahead of the
-        user, which is why the loader records delivered batches itself and calls :meth:`seek`."""
+        These are indices *drawn from the sampler*; a loader that prefetches is ahead of the user,
+        which is why the loader records delivered batches itself and calls :meth:`seek`."""
         if self._cursor is not None and self._cursor.position < len(self._cursor.indices):
             epoch, position = self._cursor_epoch, self._cursor.position
         elif self._seek is not None:
@@ -170,24 +166,12 @@ class ShardedSampler(_Resumable, DistributedSampler[int]):
     """
 
     def __init__(
-        self,
-        dataset: Sized,
-        *,
-        rank: int | None = None,
-        world_size: int | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
+        self, dataset: Sized, *, rank: int | None = None, world_size: int | None = None,
+        shuffle: bool = True, seed: int = 0, drop_last: bool = False,
     ) -> None:
         rank, world_size, _ = resolve_world(rank, world_size)
-        super().__init__(
-            dataset,  # type: ignore[arg-type]
-            num_replicas=world_size,
-            rank=rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-        )
+        super().__init__(dataset, num_replicas=world_size, rank=rank,  # type: ignore[arg-type]
+                         shuffle=shuffle, seed=seed, drop_last=drop_last)
 
     def _order(self, epoch: int) -> torch.Tensor:
         n = len(self.dataset)  # type: ignore[arg-type]
@@ -219,7 +203,6 @@ class SeededRandomSampler(_Resumable, RandomSampler):
     def __init__(self, data_source: Sized, *, seed: int) -> None:
         super().__init__(data_source)
         self.seed = seed
-        self.epoch = 0
 
     def _order(self, epoch: int) -> torch.Tensor:
         return _permutation(len(self.data_source), self.seed, epoch)
@@ -235,21 +218,14 @@ def _permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 def build_sampler(
-    dataset: Any,
-    *,
-    shuffle: bool | None,
-    sampler: Sampler[Any] | Iterable[Any] | None,
-    batch_sampler: Sampler[Any] | Iterable[Any] | None = None,
-    seed: int | None,
-    rank: int | None,
-    world_size: int | None,
-    drop_last: bool,
-    shard: bool,
+    dataset: Any, *, shuffle: bool | None, sampler: Sampler[Any] | Iterable[Any] | None,
+    batch_sampler: Sampler[Any] | Iterable[Any] | None = None, seed: int | None,
+    rank: int | None, world_size: int | None, drop_last: bool, shard: bool,
 ) -> Sampler[int] | Iterable[Any] | None:
     """Choose the loader's sampler; ``None`` means "let torch build its stock default".
 
-    - a user ``sampler`` is kept as is, and a user ``batch_sampler`` gives ``None`` (with explicit
-      ``rank``/``world_size`` either is an error);
+    - a user ``sampler`` is kept, a user ``batch_sampler`` gives ``None`` (either is an error
+      with explicit ``rank``/``world_size``);
     - iterable datasets get ``None`` (they are sharded inside the workers: :func:`shard_for`);
     - with ``shard`` (explicit ``rank``/``world_size``, or a ``seed`` and an initialised
       ``torch.distributed``): a :class:`ShardedSampler` (``shuffle`` defaults to false as in
@@ -257,10 +233,9 @@ def build_sampler(
     - otherwise, with ``shuffle`` and a ``seed``: a :class:`SeededRandomSampler`; without a
       seed, torch's own ``RandomSampler``/``SequentialSampler`` (the stock order, bit for bit).
     """
-    explicit = rank is not None or world_size is not None
     user, name = (sampler, "sampler") if sampler is not None else (batch_sampler, "batch_sampler")
     if user is not None:
-        if explicit:
+        if rank is not None or world_size is not None:
             raise ValueError(
                 f"rank={rank!r}/world_size={world_size!r} cannot be combined with {name}="
                 f"{type(user).__name__}: gpufeed only shards its own sampler; drop the {name} "
@@ -270,15 +245,8 @@ def build_sampler(
     if isinstance(dataset, IterableDataset):
         return None
     if shard:
-        rank_, world_size_, _ = resolve_world(rank, world_size)
-        return ShardedSampler(
-            dataset,
-            rank=rank_,
-            world_size=world_size_,
-            shuffle=bool(shuffle),
-            seed=seed or 0,
-            drop_last=drop_last,
-        )
+        return ShardedSampler(dataset, rank=rank, world_size=world_size, shuffle=bool(shuffle),
+                              seed=seed or 0, drop_last=drop_last)
     if shuffle and seed is not None:
         return SeededRandomSampler(dataset, seed=seed)
     return None

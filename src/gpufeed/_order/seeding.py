@@ -24,10 +24,10 @@ the global generators keep the stock per-worker seeding.
 
 NOTE [ Seeding and threads ]
 ----------------------------
-torch's, numpy's and Python's global generators are one per process. A process worker owns
-its process, and with ``num_workers=0`` the loader fetches in the caller's thread, so there a
-seeded fetch seeds them before each sample (:func:`seeded`: under a lock against the program's
-other threads, restoring the caller's states on exit, so its own random stream is untouched).
+torch's, numpy's and Python's global generators are one per process. A process worker owns its
+process, and with ``num_workers=0`` the loader fetches in the caller's thread: a seeded fetch
+seeds them there before each sample (:func:`seeded`: under a lock against the program's other
+threads, restoring the caller's states on exit, so its own random stream is untouched).
 Thread workers share them with each other and with the training loop, and no lock makes a draw
 there reproducible: the loop draws (CPU dropout, a ``torch.rand``) without taking it, between a
 worker's re-seed and the sample's draw, and the lock serialises the workers. So thread workers
@@ -49,14 +49,13 @@ import operator
 import os
 import random
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
-T = TypeVar("T")
 _M64 = (1 << 64) - 1
 _lock = threading.RLock()
 
@@ -118,19 +117,17 @@ def batch_seed(seed: int, epoch: int, indices: Sequence[int]) -> int:
 
 
 def seed_globals(value: int) -> None:
-    """Seed torch's CPU generator, numpy's global ``RandomState`` and ``random`` from ``value``.
-
-    Each library gets different bits, so their streams are not copies of one another (torch and
-    numpy both use MT19937). Callers sharing the process with other threads hold the seeding
-    lock, as :func:`seeded` does."""
+    """Seed torch's CPU generator, numpy's global ``RandomState`` and ``random`` from ``value``,
+    each from different bits (torch and numpy both run MT19937: their streams must differ).
+    Callers sharing the process with other threads hold the lock, as :func:`seeded` does."""
     torch.default_generator.manual_seed(value & _M64)
     np.random.seed(value >> 32)
     random.seed(_mix(value))
 
 
 class _Reseed:
-    """Callable handed out by :func:`seeded`: ``reseed(index)`` before each ``__getitem__``
-    (the epoch's share of the seed made once, when the block opens)."""
+    """``reseed(index)`` before each ``__getitem__`` in a :func:`seeded` block (the epoch's
+    share of the seed made once)."""
 
     __slots__ = ("epoch", "key", "seed")
 
@@ -168,20 +165,6 @@ def seeded(seed: int, epoch: int) -> Iterator[_Reseed]:
             torch.default_generator.set_state(torch_state)
             np.random.set_state(numpy_state)
             random.setstate(random_state)
-
-
-def fetch_seeded(
-    get: Callable[[int], T], indices: Sequence[int], *, seed: int, epoch: int
-) -> list[T]:
-    """``[get(i) for i in indices]`` with each call seeded from ``(seed, epoch, i)``: ``get`` is
-    usually ``dataset.__getitem__``, ``indices`` one batch's dataset indices (not positions),
-    ``epoch`` the batch's as the loader's sampler counts it."""
-    out: list[T] = []
-    with seeded(seed, epoch) as reseed:
-        for index in indices:
-            reseed(index)
-            out.append(get(index))
-    return out
 
 
 def resolve_seed(seed: int | None, generator: torch.Generator | None, *, distributed: bool) -> int:

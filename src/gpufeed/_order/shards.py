@@ -1,24 +1,23 @@
 """Sharding across ranks and workers: which part of the data this process and worker own.
 
 :func:`resolve_world` reads (rank, world size) from arguments or ``torch.distributed``.
-Iterable datasets are sharded by ``(rank, worker)``: :func:`shard_for` gives the shard of one
-worker, :func:`get_shard_info` tells code running inside a worker which shard it owns, and
-:class:`ShardedIterable` strides any iterable by it. Map-style datasets are sharded by the
-samplers in ``_order/sampler.py``.
+Iterable datasets are sharded by ``(rank, worker)``: :func:`shard_for` gives one worker's
+shard, :func:`get_shard_info` tells code inside a worker its own, and :class:`ShardedIterable`
+strides any iterable by it. The samplers of ``_order/sampler.py`` shard map-style datasets.
 
 NOTE [ Sharding by rank ]
 -------------------------
 The stock loader never shards by itself: under ``torch.distributed`` every rank reads every
-sample unless a ``DistributedSampler`` says otherwise, and the frameworks rely on that:
-Lightning injects its own sampler (or, with ``use_distributed_sampler=False``, leaves each rank
-the whole dataset), Accelerate's ``prepare`` splits the batches among the processes, evaluation
-code reads the whole set on every rank. Sharding whenever a process group is up breaks each of
-them, silently: some samples are never seen. So ``gpufeed.DataLoader`` shards a map-style
-dataset by rank only when asked: ``rank=``/``world_size=``, or ``seed=`` with an initialised
-process group (a shared seed gives every rank the same permutation to split; a program written
-for the stock loader passes none of them). A loader that shards itself refuses
-``accelerator.prepare`` with an error that names both ways out. Iterable datasets shard
-themselves, through :func:`get_shard_info`, which always reports the process group's rank.
+sample unless a ``DistributedSampler`` says otherwise, and frameworks rely on that: Lightning
+injects its own sampler (or, with ``use_distributed_sampler=False``, leaves each rank the whole
+dataset), Accelerate's ``prepare`` splits the batches among the processes, evaluation code
+reads the whole set on every rank. Sharding whenever a process group is up breaks each of them,
+silently: some samples are never seen. So ``gpufeed.DataLoader`` shards a map-style dataset by
+rank only when asked: ``rank=``/``world_size=``, or ``seed=`` with an initialised process group
+(a shared seed gives every rank the same permutation to split; a program written for the stock
+loader passes none of them). A loader that shards itself refuses ``accelerator.prepare`` with
+an error naming both ways out. Iterable datasets shard themselves, through
+:func:`get_shard_info`, which always reports the process group's rank.
 Measurements: docs/how-it-works/measurements/order.md#sharding-by-rank.
 """
 
@@ -36,9 +35,9 @@ from torch.utils.data import IterableDataset
 
 
 def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int, bool]:
-    """``(rank, world_size, distributed)``: explicit values win; missing ones come from an
-    initialised ``torch.distributed`` process group; with neither, ``(0, 1, False)``.
-    ``distributed`` is true when either source was used."""
+    """``(rank, world_size, distributed)``: explicit values win, missing ones come from an
+    initialised ``torch.distributed`` process group; ``distributed`` says either was used
+    (with neither: ``(0, 1, False)``)."""
     initialised = dist.is_available() and dist.is_initialized()
     if rank is None and world_size is None and not initialised:
         return 0, 1, False
@@ -114,11 +113,9 @@ def set_shard_info(info: ShardInfo | None) -> None:
 
 
 def get_shard_info() -> ShardInfo:
-    """The shard owned by the calling worker, for use inside ``IterableDataset.__iter__``.
-
-    Set by gpufeed's workers; otherwise derived from ``torch.utils.data.get_worker_info()`` and
-    ``torch.distributed``, so it also works under the stock loader.
-    """
+    """The shard owned by the calling worker, for use inside ``IterableDataset.__iter__``: set
+    by gpufeed's workers, else derived from ``torch.utils.data.get_worker_info()`` and
+    ``torch.distributed`` (so it also works under the stock loader)."""
     info: ShardInfo | None = getattr(_local, "info", None)
     if info is not None and getattr(_local, "pid", None) == os.getpid():
         return info
@@ -132,9 +129,8 @@ def get_shard_info() -> ShardInfo:
 class ShardedIterable(IterableDataset[Any]):
     """Wrap an iterable so each worker of each rank yields every ``count``-th item of its shard.
 
-    Every shard still reads the whole source (it skips what is not its own), which is simple and
-    correct but costs I/O; sources that can seek should shard themselves with
-    :func:`get_shard_info` instead.
+    Every shard still reads the whole source (skipping what is not its own): simple and correct,
+    but it costs I/O; sources that can seek should shard themselves with :func:`get_shard_info`.
     """
 
     def __init__(self, source: Iterable[Any]) -> None:

@@ -66,18 +66,9 @@ class LoaderState(_Since):
 
 
 def make_state(
-    *,
-    epoch: int,
-    batches_delivered: int,
-    delivered_ahead: Iterable[int] = (),
-    batch_size: int | None,
-    seed: int | None,
-    dataset_len: int | None,
-    world_size: int,
-    rank: int,
-    num_workers: int,
-    sampler_state: Any = None,
-    dataset_state: Any = None,
+    *, epoch: int, batches_delivered: int, delivered_ahead: Iterable[int] = (),
+    batch_size: int | None, seed: int | None, dataset_len: int | None, world_size: int,
+    rank: int, num_workers: int, sampler_state: Any = None, dataset_state: Any = None,
     order: str | None = None,
 ) -> LoaderState:
     """Build a state dict of plain Python values."""
@@ -98,30 +89,24 @@ def make_state(
     }
 
 
-def _mismatch(key: str, saved: Any, now: Any, fix: str) -> ValueError:
-    return ValueError(
-        f"cannot resume: the state was saved with {key}={saved!r} but this loader has "
-        f"{key}={now!r}; {fix}"
-    )
+def _check_same(state: Mapping[str, Any], key: str, now: Any, fix: str) -> None:
+    if state[key] != now:
+        raise ValueError(
+            f"cannot resume: the state was saved with {key}={state[key]!r} but this loader has "
+            f"{key}={now!r}; {fix}"
+        )
 
 
 def check_state(
-    state: Mapping[str, Any],
-    *,
-    dataset_len: int | None,
-    world_size: int,
-    rank: int,
-    batch_size: int | None,
-    num_workers: int,
-    order: str | None = None,
+    state: Mapping[str, Any], *, dataset_len: int | None, world_size: int, rank: int,
+    batch_size: int | None, num_workers: int, order: str | None = None,
 ) -> LoaderState:
     """Validate a state against the loader that loads it; return it as a :class:`LoaderState`.
 
-    Raises ``ValueError`` naming the saved and the current value when the version, dataset
-    length, world size, batch size or order differ (and ``num_workers`` for iterable datasets,
-    whose shards depend on it): resuming across those would silently mix up samples. Another
-    rank's state loads when it does not depend on the rank (``rewind.rank_bound``).
-    """
+    A ``ValueError`` names the saved and the current value when the version, dataset length,
+    world size, batch size or order differ (and ``num_workers`` for iterable datasets, whose
+    shards depend on it): resuming across those would silently mix up samples. Another rank's
+    state loads when it does not depend on the rank (``rewind.rank_bound``)."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict from loader.state_dict(), got {type(state)!r}")
     if state.get("version") != STATE_VERSION:
@@ -142,21 +127,16 @@ def check_state(
         raise ValueError("loader state delivered_ahead must be a list of ints >= 0, got "
                          f"{ahead!r}")
     fix = "resume with the same dataset and loader settings, or start without the state"
-    if state["dataset_len"] != dataset_len:
-        raise _mismatch("dataset_len", state["dataset_len"], dataset_len, fix)
-    if state["world_size"] != world_size:
-        raise _mismatch(
-            "world_size", state["world_size"], world_size,
-            "launch the same number of ranks (each rank loads the state it saved)",
-        )
+    _check_same(state, "dataset_len", dataset_len, fix)
+    _check_same(state, "world_size", world_size,
+                "launch the same number of ranks (each rank loads the state it saved)")
     if state["rank"] != rank and (reason := rank_bound(state)) is not None:
         raise ValueError(
             f"cannot resume: this loader is rank {rank} but the state was saved by rank "
             f"{state['rank']}, and {reason}; save loader.state_dict() on every rank and load "
             "each rank's own (only map-style loaders ordered by seed=<int> share one state)"
         )
-    if state["batch_size"] != batch_size:
-        raise _mismatch("batch_size", state["batch_size"], batch_size, fix)
+    _check_same(state, "batch_size", batch_size, fix)
     saved_order = state.get("order")
     if saved_order is not None and order is not None and saved_order != order:
         raise ValueError(
@@ -165,12 +145,9 @@ def check_state(
             "resume with the same shuffle, sampler, generator and seed arguments, or start "
             "without the state")
     if state["dataset_state"] is not None:
-        if state["num_workers"] != num_workers:
-            raise _mismatch(
-                "num_workers", state["num_workers"], num_workers,
-                "an iterable dataset is sharded per worker, so resume it with the same "
-                "num_workers",
-            )
+        _check_same(state, "num_workers", num_workers,
+                    "an iterable dataset is sharded per worker, so resume it with the same "
+                    "num_workers")
         _check_dataset_state(state["dataset_state"])
     return dict(state)  # type: ignore[return-value]
 
@@ -193,9 +170,8 @@ def _check_dataset_state(dataset_state: Any) -> None:
 
 def unresumable(dataset: Any) -> str | None:
     """Why gpufeed cannot know where an iterable dataset's stream stood (it lacks its own
-    ``state_dict`` and ``load_state_dict``), or None. The state then says so, as for a sampler
-    gpufeed cannot rewind: frameworks checkpoint every loader that has a ``state_dict``, and
-    training must go on."""
+    ``state_dict`` and ``load_state_dict``), or None. The state says so, as for a sampler it
+    cannot rewind: frameworks checkpoint every loader with a ``state_dict``, and must go on."""
     if isinstance(dataset, IterableDataset) and not (
         stateful(dataset) and hasattr(dataset, "load_state_dict")
     ):
@@ -211,12 +187,11 @@ def unresumable(dataset: Any) -> str | None:
 def capture_state(dataset: Any) -> Any:
     """Worker side, after each batch: the iterable dataset's ``state_dict()``, else ``None``.
 
-    Once per batch, so a dataset's ``state_dict`` must be cheap (a few counters). Thread workers
-    each iterate a shallow copy of the dataset (NOTE [ Iterable datasets in thread workers ] in
-    ``_host/fetch.py``): state in attributes rebound per worker is the worker's own; state in a
-    nested object mutated in place is shared, so must be kept per worker (keyed by
-    ``get_worker_info().id``), and ``load_state_dict`` (called in each worker with its state)
-    sets only the calling worker's.
+    Once per batch, so it must be cheap (a few counters). Thread workers each iterate a shallow
+    copy of the dataset (NOTE [ Iterable datasets in thread workers ] in ``_host/fetch.py``):
+    attributes rebound per worker are the worker's own; a nested object mutated in place is
+    shared, so its state must be kept per worker (keyed by ``get_worker_info().id``), and
+    ``load_state_dict`` (called in each worker with its state) sets only the caller's.
     """
     if isinstance(dataset, IterableDataset) and stateful(dataset):
         return dataset.state_dict()  # type: ignore[attr-defined]
