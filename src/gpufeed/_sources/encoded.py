@@ -15,19 +15,15 @@ went to the CPU is said once per process (a warning on the ``gpufeed`` logger).
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from .arrays import allocate
-from .jpeg import codec
+from .jpeg import codec, say_once
 from .protocol import SourceChanged, sample_seeds
-from .resample import box, center_cut_into, center_resize, resize_into
-
-logger = logging.getLogger("gpufeed")
+from .resample import box, center_cut_into, center_resize, cut, resize_into
 
 # A plan's columns. KIND: what the bytes are; TOP..BW: the stored pixels to decode; RH, RW: the
 # size they are resized to (the region's own size: no resize); CT, CL: the cut of the output's
@@ -139,7 +135,7 @@ def gpu_takes(data: bytes) -> JpegFrame | None:
 
 def _plan(src: Any, height: int, width: int, rng: np.random.Generator) -> list[int]:
     """The plan of one JPEG of ``height x width`` stored pixels, its random draws taken as the
-    CPU path takes them at full scale (``DecodedImages._jpeg`` with ``dct_scale=False``)."""
+    CPU path takes them at full scale (``DecodedImages._render`` with ``dct_scale=False``)."""
     oh, ow = src.size
     if src.crop == "center":
         nh, nw = center_resize(height, width, src.size, src.center_fraction)
@@ -159,19 +155,6 @@ def plan_hwc(region: np.ndarray, plan: np.ndarray | list[int], dst: np.ndarray) 
         resize_into(dst, region, flip)
     else:
         center_cut_into(dst, region, (rh, rw), flip)
-
-
-_said: set[str] = set()
-_said_lock = threading.Lock()
-
-
-def say_once(key: str, message: str, *args: Any) -> None:
-    """``message`` as a warning on the ``gpufeed`` logger, once per process per ``key``."""
-    with _said_lock:
-        if key in _said:
-            return
-        _said.add(key)
-    logger.warning(message, *args)
 
 
 def encoded_batch(src: Any, idx: np.ndarray, *, seed: int | None, epoch: int,
@@ -239,14 +222,13 @@ def render_cpu(data: bytes | np.ndarray, plan: np.ndarray, dst: np.ndarray, deco
     """Image ``data`` decoded on the CPU and rendered by ``plan`` into ``dst`` (HWC, the
     output's size): the codec ``decoder`` on the plan's region at full scale, else Pillow."""
     raw = data if isinstance(data, bytes) else data.tobytes()
-    t, lft, bh, bw = region_of(plan)
     try:
-        region = codec(decoder).decode(raw, factor=1, box=(t, lft, bh, bw), fast=False)
+        region = codec(decoder).decode(raw, factor=1, box=region_of(plan), fast=False)
     except ValueError:
         import io
 
         from PIL import Image
 
         with Image.open(io.BytesIO(raw)) as im:
-            region = np.array(im.convert("RGB"))[t:t + bh, lft:lft + bw]
+            region = cut(np.array(im.convert("RGB")), region_of(plan))
     plan_hwc(region, plan, dst)
