@@ -166,7 +166,7 @@ def encoded_batch(src: Any, idx: np.ndarray, *, seed: int | None, epoch: int,
     labels = allocate(alloc, (n,), torch.int64)
     labels.numpy()[:] = src.targets[idx]
     plans = np.zeros((n, PLAN_WIDTH), np.int32)
-    parts: list[Any] = []
+    parts: list[np.ndarray] = []
     cpu = 0
     for k, (i, s) in enumerate(zip(idx.tolist(), sample_seeds(idx, seed, epoch), strict=True)):
         try:
@@ -175,7 +175,7 @@ def encoded_batch(src: Any, idx: np.ndarray, *, seed: int | None, epoch: int,
             if frame is not None:
                 plans[k] = _plan(src, frame.height, frame.width,
                                  np.random.Generator(np.random.PCG64(s)))
-                parts.append(data)
+                parts.append(np.frombuffer(data, np.uint8))
                 continue
             pixels = np.empty((oh, ow, 3), np.uint8)
             src._load(i, s, pixels)  # the CPU path (its own generator of seed s)
@@ -188,24 +188,21 @@ def encoded_batch(src: Any, idx: np.ndarray, *, seed: int | None, epoch: int,
             getattr(src, "_origin", src).skipped += 1  # the user's dataset (a copy reads)
             labels[k] = -1
             plans[k, KIND] = SKIP
-            parts.append(b"")
+            parts.append(np.empty(0, np.uint8))
             continue
         plans[k, KIND] = RAW
-        parts.append(pixels)
+        parts.append(pixels.reshape(-1))
     if cpu:
         say_once("gpu-decode-file", "gpufeed decodes some images on the CPU although "
                  "decode='gpu': the GPU path takes 8-bit baseline or progressive JPEGs with "
                  "1 or 3 components, complete; other files are decoded in the workers as "
                  "before (this worker found %d in a batch of %d)", cpu, n)
-    sizes = [len(p) if isinstance(p, bytes) else p.nbytes for p in parts]
+    sizes = [len(p) for p in parts]
     ends = allocate(alloc, (n,), torch.int64)
     ends.numpy()[:] = np.cumsum(sizes, dtype=np.int64)
-    data_t = allocate(alloc, (max(1, int(sum(sizes))),), torch.uint8)
-    out = data_t.numpy()
-    at = 0
-    for p, size in zip(parts, sizes, strict=True):
-        out[at:at + size] = np.frombuffer(p, np.uint8) if isinstance(p, bytes) else p.reshape(-1)
-        at += size
+    data_t = allocate(alloc, (max(1, sum(sizes)),), torch.uint8)
+    if parts:
+        np.concatenate(parts, out=data_t.numpy()[:sum(sizes)])
     plans_t = allocate(alloc, (n, PLAN_WIDTH), torch.int32)
     plans_t.numpy()[:] = plans
     layout = allocate(alloc, (3,), torch.int64)
