@@ -20,7 +20,7 @@ import torch
 import gpufeed
 from gpufeed._device import decode as _decode
 from gpufeed._device.decode import DeviceDecode
-from gpufeed._sources import encoded as _encoded
+from gpufeed._sources import jpeg as _jpeg
 from support.fakes import photo_array
 from support.procs import deadline
 from support.sim_cuda import SimCuda
@@ -55,7 +55,7 @@ def folder(tmp_path_factory: Any) -> Any:
 
 @pytest.fixture(autouse=True)
 def _deadline(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(_encoded, "_said", set())  # "once per process": once per test here
+    monkeypatch.setattr(_jpeg, "_said", set())  # "once per process": once per test here
     with deadline(60):
         yield
 

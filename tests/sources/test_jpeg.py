@@ -141,7 +141,7 @@ def test_fallback_is_used_and_said_once_when_turbojpeg_is_missing(tmp_path, monk
     reference = gpufeed.sources.ImageFolder(root, **kw)  # the preferred codec where it is installed
     want = torch.cat([b[0] for b in gpufeed.DataLoader(reference, batch_size=2, seed=3)])
     monkeypatch.setattr(jpeg, "find_turbojpeg", lambda: (None, "simulated: none installed"))
-    monkeypatch.setattr(jpeg, "_announced", False)
+    monkeypatch.setattr(jpeg, "_said", set())
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="gpufeed"):
         first = gpufeed.sources.ImageFolder(root, **kw)

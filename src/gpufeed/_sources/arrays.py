@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -100,16 +101,11 @@ def _gatherable(a: Any) -> Any:
             return a
 
 
+@functools.cache
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
-    """The torch dtype of numpy's ``dtype`` (found once per dtype: 2 us a leaf per batch)."""
-    found = _torch_dtypes.get(dtype)
-    if found is None:  # in this machine's byte order: rows are converted as they are copied
-        native = np.empty(0, dtype=dtype.newbyteorder("="))
-        found = _torch_dtypes[dtype] = torch.from_numpy(native).dtype
-    return found
-
-
-_torch_dtypes: dict[np.dtype, torch.dtype] = {}
+    """The torch dtype of numpy's ``dtype`` in this machine's byte order (rows are converted as
+    they are copied); found once per dtype: 2 us a leaf per batch."""
+    return torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("="))).dtype
 
 
 def gather(arrays: Sequence[Any], indices: Sequence[int],

@@ -191,11 +191,9 @@ def _column(col: Any, plan: Any, alloc: Alloc | None) -> Any:
         return values if dtype in (None, str) else list(map(dtype, values))
     if col.null_count:
         return None
-    typ = col.type
-    if pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_boolean(typ):
+    if numeric_type(col.type):
         arr = col.to_numpy()
-    elif (pa.types.is_list(typ) or pa.types.is_large_list(typ)
-          or pa.types.is_fixed_size_list(typ)) and numeric_type(typ.value_type):
+    elif numeric_list(col.type):
         flat = col.combine_chunks()
         lengths = pa.compute.list_value_length(flat).to_numpy(zero_copy_only=False)
         if len(lengths) and (lengths != lengths[0]).any():
@@ -229,22 +227,15 @@ def _fits(arr: np.ndarray, dtype: torch.dtype) -> bool:
         return True
     if _holds(arr.dtype, dtype):
         return True
-    low, high = _int_range(dtype)
-    return bool(low <= int(arr.min()) and int(arr.max()) <= high)
-
-
-@functools.cache
-def _int_range(dtype: torch.dtype) -> tuple[int, int]:
     info = torch.iinfo(dtype)
-    return info.min, info.max
+    return bool(info.min <= int(arr.min()) and int(arr.max()) <= info.max)
 
 
 @functools.cache
 def _holds(source: np.dtype, dtype: torch.dtype) -> bool:
     """Whether every value of integer dtype ``source`` fits integer ``dtype``."""
-    low, high = _int_range(dtype)
-    info = np.iinfo(source)
-    return bool(low <= info.min and info.max <= high)
+    info, have = torch.iinfo(dtype), np.iinfo(source)
+    return bool(info.min <= have.min and have.max <= info.max)
 
 
 def _copy(dst: torch.Tensor, arr: np.ndarray) -> None:
@@ -285,3 +276,11 @@ def numeric_type(typ: Any) -> bool:
 
     return bool(pa.types.is_integer(typ) or pa.types.is_floating(typ)
                 or pa.types.is_boolean(typ))
+
+
+def numeric_list(typ: Any) -> bool:
+    """Whether the Arrow type ``typ`` is a list (plain, large or fixed-size) of numbers."""
+    import pyarrow as pa
+
+    return bool(pa.types.is_list(typ) or pa.types.is_large_list(typ)
+                or pa.types.is_fixed_size_list(typ)) and numeric_type(typ.value_type)

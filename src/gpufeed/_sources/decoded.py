@@ -1,12 +1,9 @@
 """The decoding half of the image sources: crop, resize and flip a batch into the slot.
 
-``DecodedImages`` is what ``ImageFolder`` (a class-per-folder tree) and ``ImageShards`` (tar
-shards) share: the arguments that say what an image becomes, and a batch's decoding from each
-sample's bytes, which a subclass reads (``_read``) and names in errors (``_name``). JPEGs decode
-as NOTE [ Decoding ] in ``jpeg.py`` says, other formats through Pillow. Crops and flips draw
-from one numpy generator per sample, seeded by ``sample_seed(seed, epoch, index)``
-(NOTE [ Batch sources ]), so batches are the same for any ``num_workers`` or ``worker_type``;
-a ``transform=`` then runs on each image (NOTE [ Image transforms ]).
+JPEGs decode as NOTE [ Decoding ] in ``jpeg.py`` says, other formats through Pillow. Crops and
+flips draw from one numpy generator per sample, seeded by ``sample_seed(seed, epoch, index)``
+(NOTE [ Batch sources ]), so batches are the same for any ``num_workers`` or ``worker_type``; a
+``transform=`` then runs on each image (NOTE [ Image transforms ]).
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ import functools
 import io
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,10 +21,10 @@ from torch.utils.data import Dataset
 
 from .arrays import allocate
 from .encoded import DECODE_MODES, JPEG_MAGIC, complete, encoded_batch
-from .image_transform import check_transform, stack_outputs, transform_calls
+from .image_transform import allocate_images, check_transform, stack_outputs, transform_calls
 from .jpeg import codec, resolve_codec
 from .protocol import SourceChanged, index_array, require, sample_seeds
-from .resample import box, center_cut_into, center_resize, random_resized, resize_into
+from .resample import box, center_cut_into, center_resize, cut, random_resized, resize_into
 
 CROPS = ("random", "center")
 ON_ERROR = ("raise", "skip")
@@ -40,9 +37,10 @@ _NO_TRANSFORM = (
 
 
 class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
-    """Images decoded, cropped, resized and flipped into uint8 (3, h, w) tensors, with int
-    labels (``targets``); a subclass says where each image's bytes are. The arguments are
-    ``ImageFolder``'s (its docstring explains each)."""
+    """What ``ImageFolder`` (a class-per-folder tree) and ``ImageShards`` (tar shards) share:
+    images decoded, cropped, resized and flipped into uint8 (3, h, w) tensors, with int labels
+    (``targets``), from bytes a subclass reads (``_read``) and names in errors (``_name``). The
+    arguments (what an image becomes) are ``ImageFolder``'s (its docstring explains each)."""
 
     #: for arbitrary PIL transforms, what to use instead (in the refusal of ``transform=``)
     _instead = ""
@@ -178,7 +176,8 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
                 alloc: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``images (B, 3, h, w) uint8, labels (B,) int64`` of samples ``idx``."""
         n = len(idx)
-        images = _images(alloc, n, self.size, self.memory_format)
+        images = allocate_images(alloc, n, (3, *self.size), torch.uint8,
+                                 channels_last=self.memory_format is torch.channels_last)
         labels = allocate(alloc, (n,), torch.int64)
         labels.numpy()[:] = self.targets[idx]
         hwc = images.numpy().transpose(0, 2, 3, 1)  # HWC views of the slot, in either layout
@@ -197,11 +196,13 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
         outputs: list[Any] = []
         buffer: torch.Tensor | None = None
         transform: Any = self.transform
+        last = self.memory_format is torch.channels_last
         with transform_calls(transform, seed=seed, epoch=epoch) as call:
             for k, (i, s) in enumerate(zip(idx.tolist(), sample_seeds(idx, seed, epoch),
                                            strict=True)):
                 if buffer is None or not reuse:
-                    buffer = _images(None, 1, self.size, self.memory_format)[0]
+                    buffer = allocate_images(None, 1, (3, *self.size), torch.uint8,
+                                             channels_last=last)[0]
                 hwc = buffer.numpy().transpose(1, 2, 0)
                 if not self._load_or_skip(i, s, hwc):
                     buffer.zero_()
@@ -269,25 +270,14 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
 
     def _jpeg(self, data: bytes, rng: np.random.Generator, dst: np.ndarray) -> None:
         jc = codec(self.decoder)
-        height, width = jc.header(data)
-        if self.crop == "center":
-            nh, nw = center_resize(height, width, self.size, self.center_fraction)
-            img = jc.decode(data, factor=self._factor(height, width, nh, nw), box=None,
-                            fast=self.fast)
-            center_cut_into(dst, img, (nh, nw), self._flip(rng))
-            return
-        top, left, ch, cw, flip = self._region(height, width, rng)
-        factor = self._factor(ch, cw, *self.size)
-        sh, sw = math.ceil(height / factor), math.ceil(width / factor)  # the scaled image
-        sy, sx = sh / height, sw / width
-        region = box(top * sy, left * sx, ch * sy, cw * sx, sh, sw)
-        if complete(data):
-            img = jc.decode(data, factor=factor, box=region, fast=self.fast)
-        else:  # truncated: decoded whole, so that every crop finds it (NOTE [ Decoding ])
-            t, lft, bh, bw = region
-            img = jc.decode(data, factor=factor, box=None, fast=self.fast)[
-                t:t + bh, lft:lft + bw]
-        resize_into(dst, img, flip)
+
+        def decode(factor: int, region: tuple[int, int, int, int] | None) -> np.ndarray:
+            if region is None or complete(data):
+                return jc.decode(data, factor=factor, box=region, fast=self.fast)
+            # truncated: decoded whole, so that every crop finds it (NOTE [ Decoding ])
+            return cut(jc.decode(data, factor=factor, box=None, fast=self.fast), region)
+
+        self._render(*jc.header(data), decode, rng, dst, scales=True)
 
     def _pillow(self, data: bytes, rng: np.random.Generator, dst: np.ndarray) -> None:
         Image = _pil()
@@ -298,24 +288,23 @@ class DecodedImages(Dataset[tuple[torch.Tensor, int]]):
         with im:
             img = np.array(im.convert("RGB"))  # writable: the resize reads it through torch
         height, width = img.shape[:2]
+        self._render(height, width, lambda _, region: cut(img, region), rng, dst, scales=False)
+
+    def _render(self, height: int, width: int, decode: Callable[..., np.ndarray],
+                rng: np.random.Generator, dst: np.ndarray, *, scales: bool) -> None:
+        """An image of ``height x width`` stored pixels cropped, resized and flipped into
+        ``dst``; ``decode(factor, box)`` gives its pixels at 1/``factor`` scale cut to ``box``
+        (None: all of them), the DCT scale taken only where it ``scales``."""
         if self.crop == "center":
             nh, nw = center_resize(height, width, self.size, self.center_fraction)
-            center_cut_into(dst, img, (nh, nw), self._flip(rng))
+            factor = self._factor(height, width, nh, nw) if scales else 1
+            center_cut_into(dst, decode(factor, None), (nh, nw), self._flip(rng))
             return
         top, left, ch, cw, flip = self._region(height, width, rng)
-        t, lft, bh, bw = box(top, left, ch, cw, height, width)
-        resize_into(dst, img[t:t + bh, lft:lft + bw], flip)
-
-
-def _images(alloc: Any, n: int, size: tuple[int, int],
-            memory_format: torch.memory_format) -> torch.Tensor:
-    """uint8 (n, 3, h, w) images from ``alloc`` in ``memory_format`` (channels-last: (n, h, w, 3)
-    memory, seen as (n, 3, h, w))."""
-    h, w = size
-    if memory_format is torch.channels_last:
-        return allocate(alloc, (n, h, w, 3), torch.uint8).permute(0, 3, 1, 2)
-    return allocate(alloc, (n, 3, h, w), torch.uint8)
-
+        factor = self._factor(ch, cw, *self.size) if scales else 1
+        sh, sw = math.ceil(height / factor), math.ceil(width / factor)  # the scaled image
+        sy, sx = sh / height, sw / width
+        resize_into(dst, decode(factor, box(top * sy, left * sx, ch * sy, cw * sx, sh, sw)), flip)
 
 def _pillow_ready() -> None:
     """Import now, in the thread that builds the dataset, what Pillow's ``Image.open`` would

@@ -15,19 +15,15 @@ went to the CPU is said once per process (a warning on the ``gpufeed`` logger).
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from .arrays import allocate
-from .jpeg import codec
+from .jpeg import codec, say_once
 from .protocol import SourceChanged, sample_seeds
-from .resample import box, center_cut_into, center_resize, resize_into
-
-logger = logging.getLogger("gpufeed")
+from .resample import box, center_cut_into, center_resize, cut, resize_into
 
 # A plan's columns. KIND: what the bytes are; TOP..BW: the stored pixels to decode; RH, RW: the
 # size they are resized to (the region's own size: no resize); CT, CL: the cut of the output's
@@ -139,7 +135,7 @@ def gpu_takes(data: bytes) -> JpegFrame | None:
 
 def _plan(src: Any, height: int, width: int, rng: np.random.Generator) -> list[int]:
     """The plan of one JPEG of ``height x width`` stored pixels, its random draws taken as the
-    CPU path takes them at full scale (``DecodedImages._jpeg`` with ``dct_scale=False``)."""
+    CPU path takes them at full scale (``DecodedImages._render`` with ``dct_scale=False``)."""
     oh, ow = src.size
     if src.crop == "center":
         nh, nw = center_resize(height, width, src.size, src.center_fraction)
@@ -161,19 +157,6 @@ def plan_hwc(region: np.ndarray, plan: np.ndarray | list[int], dst: np.ndarray) 
         center_cut_into(dst, region, (rh, rw), flip)
 
 
-_said: set[str] = set()
-_said_lock = threading.Lock()
-
-
-def say_once(key: str, message: str, *args: Any) -> None:
-    """``message`` as a warning on the ``gpufeed`` logger, once per process per ``key``."""
-    with _said_lock:
-        if key in _said:
-            return
-        _said.add(key)
-    logger.warning(message, *args)
-
-
 def encoded_batch(src: Any, idx: np.ndarray, *, seed: int | None, epoch: int,
                   alloc: Any) -> list[Any]:
     """The fields of a batch of ``src`` (a ``DecodedImages``) with its images left encoded
@@ -183,7 +166,7 @@ def encoded_batch(src: Any, idx: np.ndarray, *, seed: int | None, epoch: int,
     labels = allocate(alloc, (n,), torch.int64)
     labels.numpy()[:] = src.targets[idx]
     plans = np.zeros((n, PLAN_WIDTH), np.int32)
-    parts: list[Any] = []
+    parts: list[np.ndarray] = []
     cpu = 0
     for k, (i, s) in enumerate(zip(idx.tolist(), sample_seeds(idx, seed, epoch), strict=True)):
         try:
@@ -192,7 +175,7 @@ def encoded_batch(src: Any, idx: np.ndarray, *, seed: int | None, epoch: int,
             if frame is not None:
                 plans[k] = _plan(src, frame.height, frame.width,
                                  np.random.Generator(np.random.PCG64(s)))
-                parts.append(data)
+                parts.append(np.frombuffer(data, np.uint8))
                 continue
             pixels = np.empty((oh, ow, 3), np.uint8)
             src._load(i, s, pixels)  # the CPU path (its own generator of seed s)
@@ -205,24 +188,21 @@ def encoded_batch(src: Any, idx: np.ndarray, *, seed: int | None, epoch: int,
             getattr(src, "_origin", src).skipped += 1  # the user's dataset (a copy reads)
             labels[k] = -1
             plans[k, KIND] = SKIP
-            parts.append(b"")
+            parts.append(np.empty(0, np.uint8))
             continue
         plans[k, KIND] = RAW
-        parts.append(pixels)
+        parts.append(pixels.reshape(-1))
     if cpu:
         say_once("gpu-decode-file", "gpufeed decodes some images on the CPU although "
                  "decode='gpu': the GPU path takes 8-bit baseline or progressive JPEGs with "
                  "1 or 3 components, complete; other files are decoded in the workers as "
                  "before (this worker found %d in a batch of %d)", cpu, n)
-    sizes = [len(p) if isinstance(p, bytes) else p.nbytes for p in parts]
+    sizes = [len(p) for p in parts]
     ends = allocate(alloc, (n,), torch.int64)
     ends.numpy()[:] = np.cumsum(sizes, dtype=np.int64)
-    data_t = allocate(alloc, (max(1, int(sum(sizes))),), torch.uint8)
-    out = data_t.numpy()
-    at = 0
-    for p, size in zip(parts, sizes, strict=True):
-        out[at:at + size] = np.frombuffer(p, np.uint8) if isinstance(p, bytes) else p.reshape(-1)
-        at += size
+    data_t = allocate(alloc, (max(1, sum(sizes)),), torch.uint8)
+    if parts:
+        np.concatenate(parts, out=data_t.numpy()[:sum(sizes)])
     plans_t = allocate(alloc, (n, PLAN_WIDTH), torch.int32)
     plans_t.numpy()[:] = plans
     layout = allocate(alloc, (3,), torch.int64)
@@ -239,14 +219,13 @@ def render_cpu(data: bytes | np.ndarray, plan: np.ndarray, dst: np.ndarray, deco
     """Image ``data`` decoded on the CPU and rendered by ``plan`` into ``dst`` (HWC, the
     output's size): the codec ``decoder`` on the plan's region at full scale, else Pillow."""
     raw = data if isinstance(data, bytes) else data.tobytes()
-    t, lft, bh, bw = region_of(plan)
     try:
-        region = codec(decoder).decode(raw, factor=1, box=(t, lft, bh, bw), fast=False)
+        region = codec(decoder).decode(raw, factor=1, box=region_of(plan), fast=False)
     except ValueError:
         import io
 
         from PIL import Image
 
         with Image.open(io.BytesIO(raw)) as im:
-            region = np.array(im.convert("RGB"))[t:t + bh, lft:lft + bw]
+            region = cut(np.array(im.convert("RGB")), region_of(plan))
     plan_hwc(region, plan, dst)

@@ -100,12 +100,17 @@ def stack_outputs(outputs: Sequence[Any], idx: np.ndarray, alloc: Any, *,
                 "fixed-size crop or resize, a dtype conversion at its end), or pass "
                 "gpufeed.DataLoader(..., collate_fn=...) that takes images of several shapes")
         tensors.append(out)
-    shape, dtype = tuple(tensors[0].shape), tensors[0].dtype
-    if channels_last and len(shape) == 3:  # (B, h, w, c) memory seen as (B, c, h, w)
-        batch = allocate(alloc, (len(tensors), shape[1], shape[2], shape[0]), dtype)
-        batch = batch.permute(0, 3, 1, 2)
-    else:
-        batch = allocate(alloc, (len(tensors), *shape), dtype)
+    batch = allocate_images(alloc, len(tensors), tuple(tensors[0].shape), tensors[0].dtype,
+                            channels_last=channels_last)
     for k, out in enumerate(tensors):
         batch[k].copy_(out)
     return batch
+
+
+def allocate_images(alloc: Any, n: int, shape: tuple[int, ...], dtype: torch.dtype, *,
+                    channels_last: bool) -> torch.Tensor:
+    """``(n, *shape)`` from ``alloc``; for a 3-D ``shape`` with ``channels_last``, ``(n, h, w,
+    c)`` memory seen as ``(n, c, h, w)``."""
+    if channels_last and len(shape) == 3:
+        return allocate(alloc, (n, shape[1], shape[2], shape[0]), dtype).permute(0, 3, 1, 2)
+    return allocate(alloc, (n, *shape), dtype)

@@ -1,12 +1,9 @@
 """``ImageFolder``: torchvision's class-per-folder images, decoded a batch per call.
 
-The layout, ``samples`` and their errors are torchvision's; decoding, crops and flips are
-``decoded.py``'s, shared with ``ImageShards``.
-
-``scan`` lists ``root/<class>/**/<file>`` as torchvision's ``DatasetFolder`` does (classes are
-the sorted sub-folders, files sorted within each, sub-folders followed, links too); paths are
-kept relative to ``root`` in a ``PackedList`` and labels in one int64 array (NOTE [ Copy-on-write
-and Python objects ]). ``Samples`` shows them as torchvision's ``samples``.
+The layout (``scan``), ``samples`` (``Samples``) and their errors are torchvision's; decoding,
+crops and flips are ``decoded.py``'s, shared with ``ImageShards``. Paths are kept relative to
+``root`` in a ``PackedList`` and labels in one int64 array (NOTE [ Copy-on-write and Python
+objects ]).
 """
 
 from __future__ import annotations
@@ -178,7 +175,9 @@ def find_classes(root: str) -> list[str]:
 def scan(root: str, classes: Sequence[str], *, extensions: Sequence[str] | None,
          is_valid_file: Callable[[str], bool] | None,
          allow_empty: bool) -> tuple[list[str], list[int]]:
-    """(paths relative to ``root``, class indices) of the valid files, in torchvision's order.
+    """(paths relative to ``root``, class indices) of the valid files of ``root/<class>/**/``,
+    in torchvision's ``DatasetFolder`` order (files sorted within each class, sub-folders and
+    links followed).
 
     A file is valid when ``is_valid_file(full path)`` says so, else when its name ends with
     one of ``extensions`` (case-insensitive). A class with no valid file raises torchvision's

@@ -47,21 +47,18 @@ merged upsampling with a cropping region crashes libjpeg-turbo (the wheel's libr
 Measurements: docs/how-it-works/measurements/sources.md#merged-upsampling-with-a-region.
 Other formats, and JPEGs a codec refuses (CMYK, 12-bit, recoverable damage), go through Pillow.
 
-On the GPU (``decode="gpu"``: ``_sources/encoded.py``, ``_device/decode.py``). The workers read
-each image's bytes and draw its crop box from the per-sample generator as the CPU path does at
-full scale (the boxes of ``dct_scale=False``), and write both into the slot; the device stage
-decodes the batch on its side stream, crops, resizes and flips there, ordered as its rule (14)
-in ``_device/prefetch.py`` says. The decoder is nvImageCodec, behind the optional extra
-``gpufeed[gpu-decode]`` (``nvidia-nvimgcodec-cu12[nvjpeg]``: nvJPEG comes in its own wheel;
-``-cu13`` for a CUDA 13 torch): it decodes a batch on the caller's stream, a region per image,
-returns None for an image it cannot decode instead of failing the batch, and pins no torch
-version (the libraries compared: docs/how-it-works/measurements/sources.md#gpu-decoder). Its
-0.9 wheel imports without a GPU (its Decoder then raises RuntimeError, and the CPU decodes), so
-its Python surface is checked here. ``_device/nvimgcodec.py`` adapts it to the CPU path's pixels
-(within one level, tests/device/test_decode_adapter.py). Files the GPU path does not take
-(``gpu_takes`` in ``encoded.py``) are decoded by the workers and travel as pixels; an image the
-library refuses is rendered on the CPU in the main process and uploaded; each case is said once
-per process. What is and is not verified on a GPU: docs/guides/gpu-decode.md.
+On the GPU (``decode="gpu"``; what the workers write: ``_sources/encoded.py``) the device stage
+(``_device/decode.py``) decodes the batch on its side stream, crops, resizes and flips there,
+ordered as its rule (14) in ``_device/prefetch.py`` says. The decoder is nvImageCodec, behind the
+optional extra ``gpufeed[gpu-decode]`` (``nvidia-nvimgcodec-cu12[nvjpeg]``: nvJPEG comes in its own
+wheel; ``-cu13`` for a CUDA 13 torch): it decodes a batch on the caller's stream, a region per
+image, returns None for an image it cannot decode instead of failing the batch, and pins no torch
+version (the libraries compared: docs/how-it-works/measurements/sources.md#gpu-decoder). Its 0.9
+wheel imports without a GPU (its Decoder then raises RuntimeError, and the CPU decodes), so its
+Python surface is checked here. ``_device/nvimgcodec.py`` adapts it to the CPU path's pixels (within
+one level, tests/device/test_decode_adapter.py). An image the library refuses is rendered on the CPU
+in the main process and uploaded, said once per process. What is and is not verified on a GPU:
+docs/guides/gpu-decode.md.
 """
 
 from __future__ import annotations
@@ -74,11 +71,12 @@ import logging
 import math
 import os
 import threading
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from .protocol import require
+from .resample import cut
 
 logger = logging.getLogger("gpufeed")
 
@@ -105,21 +103,6 @@ _INSTALL = (
     "and Windows, CPython 3.10-3.13; elsewhere install libjpeg-turbo >= 3.0 (its own "
     "packages, Homebrew jpeg-turbo, conda-forge libjpeg-turbo; Debian 12/13's libturbojpeg0 "
     "is 2.1.5) and set GPUFEED_TURBOJPEG=/path/to/libturbojpeg.so.0")
-
-
-class JpegCodec(Protocol):
-    """A JPEG decoder (NOTE [ Decoding ]). Both methods raise ValueError on a JPEG they cannot
-    decode (the caller then tries Pillow)."""
-
-    name: str
-
-    def header(self, data: bytes) -> tuple[int, int]:
-        """(height, width) of the stored image."""
-
-    def decode(self, data: bytes, *, factor: int, box: tuple[int, int, int, int] | None,
-               fast: bool) -> np.ndarray:
-        """RGB HWC uint8 pixels of the image decoded at 1/``factor`` scale (sides rounded up),
-        cut to ``box`` = (top, left, height, width) in that scaled image (None: all of it)."""
 
 
 class _Region(ctypes.Structure):
@@ -199,7 +182,6 @@ class TurboJpeg:
             raise self._fail(h, f"cannot decode at 1/{factor} scale")
         sh, sw = -(-height // factor), -(-width // factor)
         top, left, bh, bw = box if box is not None else (0, 0, sh, sw)
-        x0, x1 = 0, sw
         cropped = False
         subsamp = lib.tj3Get(h, _TJPARAM_SUBSAMP)
         if box is not None and 0 <= subsamp < len(_TJ_MCU_WIDTH) and (bh, bw) != (sh, sw):
@@ -219,7 +201,7 @@ class TurboJpeg:
             raise self._fail(h, "cannot decode the JPEG")
         if cropped:  # the region's rows only; its columns from the iMCU boundary
             return out[:, left - x0:left - x0 + bw]
-        return out if box is None else out[top:top + bh, left:left + bw]
+        return cut(out, box)
 
 
 class SimpleJpeg:
@@ -246,10 +228,7 @@ class SimpleJpeg:
             data, colorspace="RGB", fastdct=fast, fastupsample=fast,
             min_height=math.ceil(height / factor), min_width=math.ceil(width / factor),
             min_factor=factor)
-        if box is None:
-            return img
-        top, left, bh, bw = box
-        return img[top:top + bh, left:left + bw]
+        return cut(img, box)
 
 
 def bundled_turbojpeg() -> list[str]:
@@ -291,8 +270,13 @@ def find_turbojpeg() -> tuple[str | None, str]:
 
 
 @functools.cache
-def codec(name: str) -> JpegCodec:
-    """The codec ``name`` (``"turbojpeg"`` or ``"simplejpeg"``), made once per process."""
+def codec(name: str) -> TurboJpeg | SimpleJpeg:
+    """The codec ``name`` (``"turbojpeg"`` or ``"simplejpeg"``), made once per process.
+
+    ``header(data)`` gives the stored image's (height, width); ``decode(data, factor=, box=,
+    fast=)`` its RGB HWC uint8 pixels decoded at 1/``factor`` scale (sides rounded up), cut to
+    ``box`` = (top, left, height, width) in that scaled image (None: all of it). Both raise
+    ValueError on a JPEG the codec cannot decode (the caller then tries Pillow)."""
     if name == "simplejpeg":
         return SimpleJpeg()
     path, why = find_turbojpeg()
@@ -303,8 +287,17 @@ def codec(name: str) -> JpegCodec:
     return TurboJpeg(path)
 
 
-_announced = False  # the fallback was said in this process
-_announce_lock = threading.Lock()
+_said: set[str] = set()
+_said_lock = threading.Lock()
+
+
+def say_once(key: str, message: str, *args: Any) -> None:
+    """``message`` as a warning on the ``gpufeed`` logger, once per process per ``key``."""
+    with _said_lock:
+        if key in _said:
+            return
+        _said.add(key)
+    logger.warning(message, *args)
 
 
 def resolve_codec(prefer: str) -> str:
@@ -323,12 +316,8 @@ def resolve_codec(prefer: str) -> str:
         except OSError as exc:
             why = str(exc)
     require("simplejpeg", "gpufeed.sources.ImageFolder")
-    global _announced
-    with _announce_lock:
-        if not _announced:
-            _announced = True
-            logger.warning(
-                "gpufeed.sources.ImageFolder and ImageShards decode JPEGs with simplejpeg: whole "
-                "images, then cut. Decoding only each crop's region needs libjpeg-turbo >= 3.0 "
-                "(%s). %s (NOTE [ Decoding ] in gpufeed/_sources/jpeg.py)", why, _INSTALL)
+    say_once("simplejpeg", "gpufeed.sources.ImageFolder and ImageShards decode JPEGs with "
+             "simplejpeg: whole images, then cut. Decoding only each crop's region needs "
+             "libjpeg-turbo >= 3.0 (%s). %s (NOTE [ Decoding ] in gpufeed/_sources/jpeg.py)",
+             why, _INSTALL)
     return "simplejpeg"

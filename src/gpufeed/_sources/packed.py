@@ -84,9 +84,7 @@ class PackedList(Sequence[Any]):
 
     # -- building ---------------------------------------------------------------------------
     def _pack_bytes(self, parts: list[bytes], kind: str) -> None:
-        lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
-        self._offsets = np.zeros(len(parts) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=self._offsets[1:])
+        self._offsets = _offsets(parts)
         self._data = np.frombuffer(b"".join(parts), dtype=np.uint8)
         self._kind = kind
 
@@ -108,17 +106,15 @@ class PackedList(Sequence[Any]):
             if r.ndim != 1 or r.dtype.kind not in "biuf":
                 raise TypeError(f"PackedList item {k} is not a flat row of numbers "
                                 f"(shape {r.shape}, dtype {r.dtype})")
-        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
         # an empty row's dtype is numpy's default (float64), not the data's: left out, so one
         # empty document among token ids keeps them int64
         kinds = {r.dtype for r in rows if len(r)} or {rows[0].dtype}
         common = np.result_type(*kinds) if dtype is None else np.dtype(dtype)
-        if (lengths == lengths[0]).all():
+        if len({len(r) for r in rows}) == 1:
             self._data = np.ascontiguousarray(np.stack(rows).astype(common, copy=False))
             self._kind = "row"
         else:
-            self._offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-            np.cumsum(lengths, out=self._offsets[1:])
+            self._offsets = _offsets(rows)
             self._data = np.concatenate([r.astype(common, copy=False) for r in rows])
             self._kind = "ragged"
         self._data.flags.writeable = False
@@ -169,10 +165,6 @@ class PackedList(Sequence[Any]):
             return self._data[a:b].tobytes()
         return self._data[a:b].copy()
 
-    def __iter__(self) -> Iterator[Any]:
-        for i in range(len(self)):
-            yield self[i]
-
     def __contains__(self, value: object) -> bool:
         return any(_same(item, value) for item in self)
 
@@ -208,6 +200,13 @@ def _rebuild(kind: str, data: np.ndarray, offsets: np.ndarray | None) -> PackedL
     out = PackedList.__new__(PackedList)
     out._kind, out._data, out._offsets = kind, data, offsets
     return out
+
+
+def _offsets(parts: Sequence[Any]) -> np.ndarray:
+    """Where each of ``parts`` starts in their concatenation, and where the last ends."""
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)), out=offsets[1:])
+    return offsets
 
 
 def _need(item: Any, kind: Any, k: int) -> Any:

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .arrays import allocate, torch_dtype
-from .arrow import ArrowSource, numeric_type, samples
+from .arrow import ArrowSource, numeric_list, samples
 from .protocol import dataset_repr, index_array, require, wrap_indices
 
 
@@ -55,8 +55,7 @@ class ArrowDataset(Dataset[Any]):
             raise ValueError(f"pad names columns {missing} that the data lacks; it has {names}")
         for c in self.pad:
             typ = (data.data if self.hf else data).schema.field(c).type
-            if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)
-                    or pa.types.is_fixed_size_list(typ)) or not numeric_type(typ.value_type):
+            if not numeric_list(typ):
                 raise TypeError(f"pad column {c!r} is {typ}, not a list of numbers")
         if self.hf:
             self._rest = data.remove_columns(list(self.pad)) if self.pad else data

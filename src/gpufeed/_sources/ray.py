@@ -1,17 +1,7 @@
 """Ray Data as a source: batches from Ray's streaming executor, copied once out of its blocks.
 
-Batches of ``batch_size`` rows are cut here from Ray's blocks (:func:`cut_batches`), copied once
-into memory of their own. Why gpufeed cuts them, not Ray: NOTE [ Ray Data batches ] (2). A block
-comes from Ray once, as numpy arrays (views of the object store for number columns), and each
-batch is one copy per column from the block's rows into the batch's tensor, a batch that spans
-two blocks included.
-
 The batches are Ray's: the same rows in the same order, a short last batch unless
-``drop_last``. A number column (bool, int, uint, float, complex) becomes a tensor; any other
-column (strings, objects, ragged rows, dates) stays a numpy array, a copy of the batch's rows
-(never a view that would keep the whole block alive). Where a batch spans two blocks whose
-pieces of a column differ in shape (ragged rows that are uniform within each block), the
-column is an object array with one array per row, as Ray's own concatenation makes it.
+``drop_last``; how they are cut and copied: NOTE [ Ray Data batches ] (2) and (3).
 
 NOTE [ Ray Data batches ]
 -------------------------
@@ -47,11 +37,12 @@ items are whole batches (the loader runs it with ``batch_size=None``):
    Ray's wait and the copy; ``collate``: a ``collate_fn``) and ``gpufeed.trace`` draws them on
    the loop thread's "fetching" track; the device stage copies ahead as for any batch. A block
    is held until its last rows are copied, as Ray's own iterator holds it.
-3. A batch is ``{column: tensor}`` as ``iter_torch_batches`` gives it; a column numpy cannot
-   make a number array of (strings, objects, ragged rows) is a numpy array of the batch's rows
-   (a copy; an object array of one array per row where the batch spans blocks whose rows differ
-   in shape). With a ``collate_fn``, the function gets Ray's numpy batch (as
-   ``iter_torch_batches(collate_fn=)`` does) and its result is the batch.
+3. A batch is ``{column: tensor}`` as ``iter_torch_batches`` gives it, for number columns
+   (bool, int, uint, float, complex); any other column (strings, objects, ragged rows, dates)
+   is a numpy array of the batch's rows (a copy, never a view that would keep the whole block
+   alive; an object array of one array per row where the batch spans blocks whose rows differ
+   in shape, as Ray's own concatenation makes it). With a ``collate_fn``, the function gets
+   Ray's numpy batch (as ``iter_torch_batches(collate_fn=)`` does) and its result is the batch.
 4. Each ``iter()`` is one pass of Ray's iterator. Ray's iterator cannot start mid-pass, so a
    loader state taken mid-epoch is refused; one taken between epochs resumes at the next epoch.
 5. An error in Ray (a ``map_batches`` function that raised, a task Ray gave up on) reaches the
@@ -83,9 +74,7 @@ def is_ray_data(obj: Any) -> bool:
     """Whether ``obj`` is a Ray Data ``Dataset`` or ``DataIterator`` (Ray is not imported: an
     object of Ray's exists only once Ray is)."""
     data = sys.modules.get("ray.data")
-    if data is None:
-        return False
-    return isinstance(obj, (data.Dataset, data.DataIterator))
+    return data is not None and isinstance(obj, (data.Dataset, data.DataIterator))
 
 
 _ORDER_FIX = (

@@ -84,6 +84,14 @@ def box(top: float, left: float, h: float, w: float, height: int,
     return t, lft, max(1, min(round(h), height - t)), max(1, min(round(w), width - lft))
 
 
+def cut(img: np.ndarray, region: tuple[int, int, int, int] | None) -> np.ndarray:
+    """``img``'s ``region`` = (top, left, height, width); all of it for None."""
+    if region is None:
+        return img
+    top, left, h, w = region
+    return img[top:top + h, left:left + w]
+
+
 def write(dst: np.ndarray, img: np.ndarray, flip: float) -> None:
     """``img`` (HWC uint8 of ``dst``'s size) into ``dst`` (an HWC view of the batch's image,
     any memory format), mirrored left to right when ``flip``."""

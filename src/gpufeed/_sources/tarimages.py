@@ -24,17 +24,15 @@ IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "ppm", "pgm", "pbm", "pnm", "webp", "b
 
 
 class _Shard:
-    """One shard's samples: image offset and size, extension number, label, text, key."""
+    """One shard's samples: keys, texts, and per sample a row of ``table``: image offset and
+    size, extension number, label (-1 without ``label``)."""
 
     def __init__(self, path: str, found: list[Member], stamp: ShardStamp, image: Sequence[str],
                  label: str | None, text: str | None):
-        keys: list[str] = []
-        offsets: list[int] = []
-        sizes: list[int] = []
-        exts: list[int] = []
-        labels: list[int] = []
+        self.keys: list[str] = []
         self.texts: list[str] = []
         self.stamp = stamp
+        rows: list[tuple[int, int, int, int]] = []
         with open(path, "rb") as f:
             for key, parts in samples(path, found):
                 kind = next((k for k, e in enumerate(image) if e in parts), None)
@@ -48,23 +46,16 @@ class _Shard:
                         f"(it has: {', '.join(sorted(parts)) or 'none'}); give image=/label=/"
                         "text= the extensions your shards use, or remove the sample")
                 m = parts[image[kind]]
-                keys.append(key)
-                offsets.append(m.offset)
-                sizes.append(m.size)
-                exts.append(kind)
+                lab = -1
                 if label is not None:
-                    lab = parts[label]
-                    labels.append(_label(os.pread(f.fileno(), lab.size, lab.offset)
-                                         if lab.size <= 4096 else b"(over 4 KiB)", path, key,
-                                         label))
+                    raw = parts[label]
+                    lab = _label(os.pread(f.fileno(), raw.size, raw.offset)
+                                 if raw.size <= 4096 else b"(over 4 KiB)", path, key, label)
                 if text is not None:
                     self.texts.append(_text(f.fileno(), parts[text], path, key, text))
-        self.keys = keys
-        self.offsets = np.asarray(offsets, dtype=np.int64)
-        self.sizes = np.asarray(sizes, dtype=np.int64)
-        self.exts = np.asarray(exts, dtype=np.uint8)
-        self.labels = np.asarray(labels, dtype=np.int64) if label is not None else \
-            np.full(len(keys), -1, dtype=np.int64)
+                self.keys.append(key)
+                rows.append((m.offset, m.size, kind, lab))
+        self.table = np.array(rows, dtype=np.int64).reshape(-1, 4)
 
 
 def _label(raw: bytes, path: str, key: str, ext: str) -> int:
@@ -158,13 +149,13 @@ class ImageShards(DecodedImages):
         self.shards = PackedList(paths)
         self._stamps: list[ShardStamp] = [s.stamp for s in parts]
         self.keys = PackedList([k for s in parts for k in s.keys])
-        self.targets = np.concatenate([s.labels for s in parts])
         self.texts = PackedList([t for s in parts for t in s.texts]) if text else None
         self.shard_of = np.concatenate([np.full(len(s.keys), k, dtype=np.int32)
                                         for k, s in enumerate(parts)])
-        self._offsets = np.concatenate([s.offsets for s in parts])
-        self._sizes = np.concatenate([s.sizes for s in parts])
-        self._exts = np.concatenate([s.exts for s in parts])
+        table = np.concatenate([s.table for s in parts])
+        self.targets = table[:, 3].copy()
+        self._offsets, self._sizes = table[:, 0].copy(), table[:, 1].copy()
+        self._exts = table[:, 2].astype(np.uint8)
 
     def __len__(self) -> int:
         return len(self.targets)

@@ -29,7 +29,8 @@ the read, an error even with ``on_error="skip"`` (its offsets no longer hold).
 
 Threads help when the headers come from disk and hurt when they come from memory (the parsing
 holds the GIL, which changes hands at every short read), so shards are indexed one after
-another until one is slow (over 25 us a member), and the rest then eight at a time.
+another until one is slow (over 25 us a member: a cold cache, a network file system), and the
+rest then eight at a time.
 Measurements: docs/how-it-works/measurements/sources.md#tar-shard-index.
 """
 
@@ -106,11 +107,6 @@ def expand(shards: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) ->
             raise FileNotFoundError(f"no file matches the shard pattern {spec!r}")
         return paths
     return [spec]
-
-
-def stamp(path: str) -> ShardStamp:
-    st = os.stat(path)
-    return ShardStamp(st.st_size, st.st_mtime_ns)
 
 
 def members(path: str) -> list[Member]:
@@ -239,15 +235,14 @@ def samples(path: str, found: list[Member]) -> Iterator[tuple[str, dict[str, Mem
 
 
 def index_all(paths: Sequence[str],
-              per_shard: Callable[[str, list[Member], ShardStamp], object],
-              threads: int = 8) -> list[object]:
+              per_shard: Callable[[str, list[Member], ShardStamp], object]) -> list[object]:
     """``per_shard(path, members(path), stamp)`` for every shard, in order (the stamp taken
-    before the shard is read, so a change while it is indexed is caught at a later read): one
-    after another while the headers come from memory, several shards at a time from the first
-    shard whose reads were slow (a cold cache, a network file system; NOTE [ Tar shards ])."""
+    before the shard is read, so a change while it is indexed is caught at a later read), in
+    threads from the first slow shard on (NOTE [ Tar shards ])."""
 
     def index(path: str) -> tuple[object, int]:
-        before = stamp(path)
+        st = os.stat(path)
+        before = ShardStamp(st.st_size, st.st_mtime_ns)
         found = members(path)
         return per_shard(path, found, before), len(found)
 
@@ -258,7 +253,7 @@ def index_all(paths: Sequence[str],
         out.append(done)
         rest = paths[k + 1:]
         if rest and time.perf_counter() - start > _SLOW_MEMBER_S * max(count, 1):
-            with ThreadPoolExecutor(min(threads, len(rest)),
+            with ThreadPoolExecutor(min(8, len(rest)),
                                     thread_name_prefix="gpufeed-tar-index") as pool:
                 out.extend(done for done, _ in pool.map(index, rest))
             break
