@@ -69,10 +69,8 @@ def reap_closed() -> None:
 
 
 def _forget(ring: SlotRing) -> None:
-    try:
+    if ring in _closing:
         _closing.remove(ring)
-    except ValueError:
-        pass
 
 
 def close_ring(ring: SlotRing) -> None:
