@@ -171,7 +171,6 @@ class DeviceIterator(Iterator[Any]):
         # copy or transform failed and which is never delivered, or the source's own.
         self.error_took_a_batch = False
         self.error_from_source = False
-        self._warned = False
         self._batches = self._bytes_copied = self._bytes_held = self._peak = 0
         self._host_waits = self._pageable = self._consumer_waits = 0
         self._host_wait_s = self._consumer_wait_s = 0.0
@@ -404,8 +403,7 @@ class DeviceIterator(Iterator[Any]):
         self._pageable += 1
         if self._recorder is not None:
             self._recorder.count("pageable_batches")
-        if not self._warned:
-            self._warned = True
+        if self._pageable == 1:  # the first such batch: warned once
             # user frame <- __next__ <- _next <- _fill <- _issue <- _on_staged <- warn_staged
             warn_staged(t, reason, self.device, stacklevel=6)
 
