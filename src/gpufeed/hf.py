@@ -54,23 +54,17 @@ if TYPE_CHECKING:
 
 __all__ = ["Accelerator", "Trainer", "TrainerMixin"]
 
-# The gpufeed_options a Trainer takes: not seed=, rank= or world_size=, as under Accelerate
-# the order and the shard are Accelerate's, and gpufeed must not shard again.
-_TRAINER_OPTIONS = frozenset({
-    "worker_type", "ring_bytes", "device_transform", "device_depth", "max_workers",
-    "memory_budget", "worker_nice", "num_workers", "deterministic",
-})
+# The gpufeed options a loader's replacement keeps as they are (NOTE [ Adopting Accelerate's
+# wrapper ], rule (2)), and those a Trainer takes: not seed=, rank= or world_size=, as under
+# Accelerate the order and the shard are Accelerate's, and gpufeed must not shard again.
+_KEPT_OPTIONS = ("worker_type", "ring_bytes", "device_depth", "max_workers", "memory_budget",
+                 "worker_nice", "deterministic")
+_TRAINER_OPTIONS = frozenset({*_KEPT_OPTIONS, "device_transform", "num_workers"})
 
 
 def _options_of(loader: DataLoader[Any]) -> dict[str, Any]:
-    """The gpufeed options of a user's loader, to build its replacement alike (NOTE
-    [ Adopting Accelerate's wrapper ], rule (2))."""
-    options: dict[str, Any] = {
-        "worker_type": loader.worker_type, "ring_bytes": loader.ring_bytes,
-        "device_depth": loader.device_depth, "max_workers": loader.max_workers,
-        "memory_budget": loader.memory_budget, "worker_nice": loader.worker_nice,
-        "deterministic": loader.deterministic,
-    }
+    """The gpufeed options of a user's loader, to build its replacement alike (rule (2))."""
+    options = {name: getattr(loader, name) for name in _KEPT_OPTIONS}
     if loader.deterministic:
         options["seed"] = loader.seed
     if loader.__dict__.get("num_workers") == "auto":
@@ -94,18 +88,16 @@ def _sampling(base: _TorchDataLoader[Any]) -> dict[str, Any]:
     return {"batch_size": None, "sampler": base.sampler}
 
 
+_STOCK_ARGUMENTS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+                    "generator", "prefetch_factor", "persistent_workers", "pin_memory_device")
+
+
 def _rebuild(base: _TorchDataLoader[Any], options: Mapping[str, Any],
              device: torch.device | None) -> DataLoader[Any]:
     """A ``gpufeed.DataLoader`` giving the batches of the stock loader ``base`` (NOTE
     [ Adopting Accelerate's wrapper ], rule (2))."""
-    kwargs: dict[str, Any] = {
-        "num_workers": base.num_workers, "collate_fn": base.collate_fn,
-        "pin_memory": base.pin_memory, "timeout": base.timeout,
-        "worker_init_fn": base.worker_init_fn, "generator": base.generator,
-        "prefetch_factor": base.prefetch_factor, "persistent_workers": base.persistent_workers,
-        "pin_memory_device": base.pin_memory_device, "in_order": getattr(base, "in_order", True),
-        **_sampling(base), **options,
-    }
+    kwargs = {name: getattr(base, name) for name in _STOCK_ARGUMENTS}
+    kwargs |= {"in_order": getattr(base, "in_order", True), **_sampling(base), **options}
     if kwargs.get("worker_type", "process") == "process":
         kwargs["multiprocessing_context"] = base.multiprocessing_context
     elif _is_seed_worker(base.worker_init_fn):

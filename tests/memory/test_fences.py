@@ -284,7 +284,7 @@ def test_a_handle_collected_during_a_ctrl_c_stays_registered_and_is_retried(
     gc.collect()
     assert again == [1], "the Ctrl-C was swallowed by the handle's finalizer"
     assert ptr in sim.registered and _pinning.registered_bytes() == PAGE
-    assert len(_pinning._stranded) == 1 and _pinning._stranded[0]._keep is not None
+    assert len(_pinning._stranded) == 1 and _pinning._stranded[0].keep is not None
     _keeper.reap_closed()
     assert sim.registered == {} and _pinning.registered_bytes() == 0
     assert _pinning._stranded == []

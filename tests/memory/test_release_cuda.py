@@ -13,9 +13,9 @@ import torch
 from torch.utils.data import Dataset
 
 import gpufeed
-from gpufeed._memory import keeper as _keeper
 from gpufeed._memory import pinning as _pinning
 from gpufeed._memory import release as _release
+from support.cuda_memory import finish_closed_rings
 from support.release_checks import Dropper
 
 BUSY_CYCLES = 2_000_000  # about 1 ms of torch.cuda._sleep on current GPUs
@@ -61,7 +61,7 @@ def test_cuda_pin_memory_then_non_blocking_copy_every_batch_intact(worker_type: 
     assert _pinning.registered_bytes() > 0  # kept, registered, for the next epoch
     del it, ring, loader
     gc.collect()
-    _keeper.finish_closed_rings()
+    finish_closed_rings()
     assert _pinning.registered_bytes() == 0  # the loader gone: unregistered
 
 
@@ -139,7 +139,7 @@ def test_cuda_batches_kept_past_the_epoch_stay_pinned_and_copy_intact() -> None:
     gc.collect()
     out = torch.stack([x.double().sum() for x in copies])
     assert torch.equal(out.cpu(), sums(n, bs))
-    _keeper.finish_closed_rings()
+    finish_closed_rings()
     del copies
     assert _pinning.registered_bytes() == 0
 

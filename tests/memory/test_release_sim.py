@@ -29,6 +29,7 @@ from gpufeed._memory import release as _release
 from gpufeed._memory import ring as _ring
 from gpufeed._memory.release import PinningFallbackWarning
 from gpufeed._memory.ring import SlotRing
+from support.cuda_memory import finish_closed_rings
 from support.fakes import IndexDataset
 from support.procs import deadline
 from support.release_checks import expected, problems, recorder
@@ -197,7 +198,7 @@ def test_a_stage_collected_after_the_ring_is_still_waited_for(
     collect_a_stage_cycle_with_copies_queued(sim)
     assert [v for v in sim.violations if "unregister" in v] == []
     sim.drain()
-    _keeper.finish_closed_rings()
+    finish_closed_rings()
     assert sim.registered == {}  # the ring went with the cycle
     assert [v for v in sim.violations if "unregister" in v] == []
 

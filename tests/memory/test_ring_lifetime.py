@@ -21,6 +21,7 @@ from gpufeed._memory import keeper as _keeper
 from gpufeed._memory import pinning as _pinning
 from gpufeed._memory.region import PAGE
 from gpufeed._memory.ring import SlotRing
+from support.cuda_memory import finish_closed_rings
 from support.fakes import IndexDataset
 from support.procs import deadline
 from support.release_checks import batch_sum
@@ -40,7 +41,7 @@ def sim(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimCuda]:
     yield sim
     sim.drain()
     gc.collect()
-    _keeper.finish_closed_rings()  # while the sim is installed
+    finish_closed_rings()  # while the sim is installed
 
 
 def loader_of(n_batches: int, worker_type: str = "thread", **kw: Any) -> gpufeed.DataLoader:
@@ -90,7 +91,7 @@ def test_batches_kept_past_the_epoch_stay_pinned(sim: SimCuda, worker_type: str)
     sim.drain()
     assert sim.violations == []
     assert [float(x.double().sum()) for x in copies] == [batch_sum(4 * k) for k in range(8, 40)]
-    _keeper.finish_closed_rings()
+    finish_closed_rings()
     assert sim.registered == {}  # unregistered once released and their copies ran
 
 
@@ -105,7 +106,7 @@ def test_a_closed_rings_slots_are_unregistered_once_released(sim: SimCuda) -> No
     x = kept[0]["x"].cuda(non_blocking=True)
     del kept
     gc.collect()
-    _keeper.finish_closed_rings()
+    finish_closed_rings()
     assert sim.registered == {} and sim.violations == []
     sim.drain()
     assert float(x.double().sum()) == batch_sum(32)
@@ -238,7 +239,7 @@ def test_another_loaders_batch_collected_inside_a_stage_drop_is_still_fenced(
     assert sim.violations == []
     sim.max_steps = 2
     sim.drain()
-    _keeper.finish_closed_rings()
+    finish_closed_rings()
     assert sim.registered == {} and sim.violations == []
     del x
 

@@ -15,9 +15,21 @@ from gpufeed._memory import keeper as _keeper
 from gpufeed._memory import pinning as _pinning
 
 
+def finish_closed_rings() -> int:
+    """Wait for the fences of closed rings and unregister their released slots (what the
+    keeper's ``reap_closed`` does without waiting); how many closed rings still hold slots the
+    user holds."""
+    with _keeper._reaping:
+        _pinning.retry_stranded()
+        for ring in list(_keeper._closing):
+            if ring.reap(wait=True):
+                _keeper._forget(ring)
+    return len(_keeper._closing)
+
+
 def at_rest() -> tuple[int, int]:
     """(registered host bytes, allocated device bytes) once everything dropped is released."""
     gc.collect()
     torch.cuda.synchronize()
-    _keeper.finish_closed_rings()
+    finish_closed_rings()
     return _pinning.registered_bytes(), torch.cuda.memory_allocated()

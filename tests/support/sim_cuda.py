@@ -572,13 +572,14 @@ class SimCuda(SyncBackend):
         """The end of a test: the GPU catches up, what the test left is collected, and the
         rings it closed unregister their slots, while this runtime is still installed (a
         later test's runtime must not see them)."""
-        from gpufeed._memory import keeper, pinning
+        from gpufeed._memory import pinning
+        from support.cuda_memory import finish_closed_rings
 
         self.stop_background()
         gc.collect()
         try:  # a test may leave a stream waiting for ever on purpose
             self.drain()
-            keeper.finish_closed_rings()
+            finish_closed_rings()
         except RuntimeError:
             pass
         pinning.retry_stranded()

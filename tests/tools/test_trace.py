@@ -319,7 +319,7 @@ def test_gpu_times_are_placed_on_the_host_clock():
     with gpufeed.trace() as tr:
         it = gpufeed.to_device(batches, "cpu", backend=backend, transform=lambda b: b * 2)
         first = next(it)
-        pending = len(it._trace.gpu.pending)
+        pending = len(it._trace.pending)
         rest = list(it)
     assert len(rest) == 11 and torch.equal(first, batches[0] * 2)
     assert pending > 0  # not complete yet: not recorded yet, and next() did not block

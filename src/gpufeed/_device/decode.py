@@ -69,7 +69,7 @@ class DeviceDecode:
 
     def __init__(self, decoder: GpuJpegDecoder, cpu_codec: str) -> None:
         self.decoder, self.cpu_codec = decoder, cpu_codec
-        self.batches = self.images_on_cpu = self.idle_waits = 0
+        self.batches = self.idle_waits = 0
 
     def place(self, host: Any, copy: Callable[[torch.Tensor], torch.Tensor], backend: Any,
               side: Any) -> tuple[Any, Any]:
@@ -117,7 +117,6 @@ class DeviceDecode:
             held.append(host)  # read by the upload when it runs (rule 14b)
             dec.upload_into(host, rest, hwc, side)
         self.batches += 1
-        self.images_on_cpu += len(rest)
         return images
 
     def _wait_idle(self, backend: Any, side: Any) -> None:

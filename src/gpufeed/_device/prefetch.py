@@ -2,12 +2,6 @@
 
 It keeps batches i+1..i+depth in flight while the step works on batch i, through a backend
 (``_device/streams.py``); copies that cannot overlap are detected in ``_device/pageable.py``.
-:class:`Copier` makes the copy of one batch's leaves to the device: rule (1)'s copies, rule
-(9)'s device-resident leaves left in place, and what the stage notes about them (bytes sent,
-host addresses read, the first leaf whose copy is staged through pageable memory: rule (7)).
-What the stage holds until CUDA is done with it are FIFOs of ``(event, ...)`` entries, popped
-once their event has completed (:func:`pop_completed`), and the host batches dropped then
-(:func:`drop_copied`; rules (3) and (10)).
 
 NOTE [ Device stage: streams, events and slots ]
 ------------------------------------------------
@@ -29,9 +23,9 @@ NOTE [ Device stage: streams, events and slots ]
     ``record_stream(C)``, so memory the user frees is not handed to a new tensor until C's
     queued work on it has finished.
 (3) Slot release. The host batch may be a view into a pinned ring slot, recycled when the last
-    reference to the batch goes. We keep it until E_copy has completed (a non-blocking query()
-    at every next()). At most depth + 1 host batches are held: one more waits for the oldest
-    E_copy, issued at least depth batches earlier (host_waits).
+    reference to the batch goes: it is kept until E_copy has completed (a non-blocking query()
+    at every next()), at most depth + 1 of them: one more waits for the oldest E_copy, issued
+    at least depth batches earlier (host_waits).
 (4) Depth. When next() returns batch i, batches i+1..i+depth have been issued; the device
     memory they hold is DeviceStats.bytes_held (and its peak).
 (5) No synchronize(). The only host-side waits are on one event each, rules (3), (8) and (6),
@@ -177,7 +171,6 @@ class DeviceIterator(Iterator[Any]):
         # copy or transform failed and which is never delivered, or the source's own.
         self.error_took_a_batch = False
         self.error_from_source = False
-        self._warned = False
         self._batches = self._bytes_copied = self._bytes_held = self._peak = 0
         self._host_waits = self._pageable = self._consumer_waits = 0
         self._host_wait_s = self._consumer_wait_s = 0.0
@@ -292,8 +285,7 @@ class DeviceIterator(Iterator[Any]):
         waited = False
         try:
             while self._host:  # rule (6): no DMA may still read a slot we give back
-                self._host[0][0].synchronize()
-                drop_copied([self._host.popleft()])
+                self._drop_oldest()
             self._trace.flush(_timeline.active, wait=True)
             waited = True
         finally:
@@ -350,8 +342,7 @@ class DeviceIterator(Iterator[Any]):
         if len(self._host) > self.depth:
             start = time.perf_counter()
             while len(self._host) > self.depth:
-                self._host[0][0].synchronize()
-                drop_copied([self._host.popleft()])
+                self._drop_oldest()
                 self._host_waits += 1
             waited = time.perf_counter() - start
             self._host_wait_s += waited
@@ -366,6 +357,10 @@ class DeviceIterator(Iterator[Any]):
             if self._recorder is not None:
                 self._recorder.count("consumer_waits", n)
         return waited
+
+    def _drop_oldest(self) -> None:
+        self._host[0][0].synchronize()
+        drop_copied([self._host.popleft()])
 
     def _issue(self, host: Any, waited: float) -> None:
         start = time.perf_counter()
@@ -408,15 +403,16 @@ class DeviceIterator(Iterator[Any]):
         self._pageable += 1
         if self._recorder is not None:
             self._recorder.count("pageable_batches")
-        if not self._warned:
-            self._warned = True
+        if self._pageable == 1:  # the first such batch: warned once
             # user frame <- __next__ <- _next <- _fill <- _issue <- _on_staged <- warn_staged
             warn_staged(t, reason, self.device, stacklevel=6)
 
 
 class Copier:
-    """``copier(t)``: ``t`` copied by ``backend`` on the current (side) stream, or ``t`` itself
-    when it already lives on the device; made once per batch, before its copies (rule (9))."""
+    """``copier(t)``: ``t`` copied by ``backend`` on the current (side) stream (rule (1)), or
+    ``t`` itself when it already lives on the device (rule (9)); made once per batch, before
+    its copies. It notes the bytes sent, the host addresses read, and the first leaf whose
+    copy is staged through pageable memory (rule (7))."""
 
     def __init__(self, backend: Any, side: Any, host: Any) -> None:
         self.backend = backend

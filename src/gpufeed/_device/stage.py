@@ -1,9 +1,6 @@
-"""Device stage: host-to-device prefetch on a side CUDA stream, for any iterable of batches.
-
-``to_device(iterable, device, depth=2, transform=None)`` copies batch i+1..i+depth to the
-device while the training step works on batch i. It is what ``gpufeed.DataLoader(device=...)``
-returns, and it works just as well over a stock ``torch.utils.data.DataLoader``. The stage's
-modules, one concept each, are listed in docs/how-it-works/module-map.md; its protocol is NOTE
+"""Device stage: host-to-device prefetch on a side CUDA stream, for any iterable of batches:
+what ``gpufeed.DataLoader(device=...)`` returns, and as good over a stock loader. Its modules,
+one concept each, are listed in docs/how-it-works/module-map.md; its protocol is NOTE
 [ Device stage: streams, events and slots ] in ``prefetch.py``.
 """
 

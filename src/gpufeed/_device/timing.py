@@ -35,26 +35,30 @@ from .._base import timeline as _timeline
 class DeviceTrace:
     """What one device stage records while a trace runs; ``owner``: its loader's stats
     recorder (the loader's process group in the trace), or this object for ``to_device``
-    over another iterable."""
+    over another iterable. GPU spans are placed on the host clock as the module's text says."""
 
     def __init__(self, backend: Any, recorder: Any) -> None:
         self.owner: Hashable = recorder if recorder is not None else self
-        self.gpu = GpuSpans(backend)
         self._labelled = 0  # the serial of the trace last labelled for
+        self._backend = backend
+        self.gpu = bool(getattr(backend, "gpu_clock", False))
+        self._anchor: Any = None
+        self._lo = self._hi = 0.0  # bounds of the anchor's GPU time, on the host clock
+        self.pending: deque[tuple[Hashable, int, int, list[tuple[Any, float]]]] = deque()
 
     def begin(self, side: Any
               ) -> tuple[_timeline.Timeline | None, list[tuple[Any, float] | None] | None]:
         """At a batch's issue: the active trace (None: none records) and the batch's GPU
         marks so far (the first one; None without a trace or a GPU clock)."""
         tl = _timeline.active
-        if tl is None or not self.gpu.enabled:
+        if tl is None or not self.gpu:
             return tl, None
-        return tl, [self.gpu.mark(side)]
+        return tl, [self._gpu_mark(side)]
 
     def mark(self, marks: list[tuple[Any, float] | None] | None, side: Any) -> float:
         """Add a GPU mark on ``side`` to a batch's ``marks`` (None: none); the host's time."""
         if marks is not None:
-            marks.append(self.gpu.mark(side))
+            marks.append(self._gpu_mark(side))
         return time.perf_counter()
 
     def issued(self, tl: _timeline.Timeline, batch: int, start: float, copied: float,
@@ -63,7 +67,7 @@ class DeviceTrace:
         end] (copy [start, end] without a transform), and its GPU marks for later."""
         if self._labelled != tl.serial:
             self._labelled = tl.serial
-            if self.gpu.enabled:
+            if self.gpu:
                 tl.label(self.owner, "device", "device stage (host side: issuing copies)")
             if self.owner is self:
                 tl.label(self, None, "gpufeed.to_device")
@@ -75,7 +79,7 @@ class DeviceTrace:
             tl.span(self.owner, "device", "copy", start, end, args)
         if marks is not None:
             # Its GPU events: before its copies, after them, after its transform (if any).
-            self.gpu.pending.append((self.owner, batch, nbytes, marks))
+            self.pending.append((self.owner, batch, nbytes, marks))
 
     def waited(self, start: float, seconds: float) -> None:
         """``next()`` waited ``seconds`` from ``start`` for an older copy (rule (3))."""
@@ -83,25 +87,9 @@ class DeviceTrace:
         if tl is not None:
             tl.span(self.owner, "device", "wait for a copy", start, start + seconds)
 
-    def flush(self, tl: _timeline.Timeline | None, *, wait: bool = False) -> None:
-        self.gpu.flush(tl, wait=wait)
-
-
-class GpuSpans:
-    """GPU-time spans of one copy stream, placed on the host clock (see the module's text)."""
-
-    def __init__(self, backend: Any) -> None:
-        self._backend = backend
-        self.enabled = bool(getattr(backend, "gpu_clock", False))
-        self._anchor: Any = None
-        self._lo = self._hi = 0.0  # bounds of the anchor's GPU time, on the host clock
-        self.pending: deque[tuple[Hashable, int, int, list[tuple[Any, float]]]] = deque()
-
-    def mark(self, stream: Any) -> tuple[Any, float] | None:
+    def _gpu_mark(self, stream: Any) -> tuple[Any, float]:
         """A timed event on ``stream`` now and the host's time just before it was recorded
-        (the anchor first, once); None without a GPU clock."""
-        if not self.enabled:
-            return None
+        (the anchor first, once)."""
         if self._anchor is None:
             self._lo = time.perf_counter()
             self._anchor = self._backend.timed_event(stream)
@@ -111,8 +99,8 @@ class GpuSpans:
         return self._backend.timed_event(stream), host
 
     def flush(self, tl: _timeline.Timeline | None, *, wait: bool = False) -> None:
-        """Record the spans whose events have completed (all of them with ``wait``, waiting);
-        without a trace (it stopped) they are dropped."""
+        """Record the GPU spans whose events have completed (all of them with ``wait``,
+        waiting); without a trace (it stopped) they are dropped."""
         pending = self.pending
         while pending:
             owner, batch, nbytes, marks = pending[0]

@@ -18,6 +18,7 @@ import torch
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+@dataclasses.dataclass(eq=False)
 class Normalize:
     """Convert integer (e.g. uint8) images to floats and normalise each channel.
 
@@ -43,18 +44,17 @@ class Normalize:
             ``channels_last=True`` costs no copy beyond the conversion itself.
     """
 
-    def __init__(
-        self,
-        mean: Sequence[float],
-        std: Sequence[float],
-        *,
-        dtype: torch.dtype = torch.float32,
-        channels_last: bool = False,
-        key: int | str | None = None,
-        layout: Literal["NCHW", "NHWC"] = "NCHW",
-    ) -> None:
-        self.mean = tuple(float(m) for m in mean)
-        self.std = tuple(float(s) for s in std)
+    mean: Sequence[float]
+    std: Sequence[float]
+    _: dataclasses.KW_ONLY
+    dtype: torch.dtype = torch.float32
+    channels_last: bool = False
+    key: int | str | None = None
+    layout: Literal["NCHW", "NHWC"] = "NCHW"
+
+    def __post_init__(self) -> None:
+        self.mean = tuple(float(m) for m in self.mean)
+        self.std = tuple(float(s) for s in self.std)
         if not self.mean or len(self.mean) != len(self.std):
             raise ValueError(
                 f"mean and std need one value per channel and the same length, got "
@@ -62,26 +62,17 @@ class Normalize:
             )
         if any(not s > 0 for s in self.std):
             raise ValueError(f"std must be > 0 for every channel, got {self.std}")
-        if dtype not in _FLOATS:
+        if self.dtype not in _FLOATS:
             raise ValueError(
-                f"dtype={dtype} is not a floating dtype; use torch.float32, torch.float16 "
+                f"dtype={self.dtype} is not a floating dtype; use torch.float32, torch.float16 "
                 "or torch.bfloat16"
             )
-        if layout not in ("NCHW", "NHWC"):
-            raise ValueError(f"layout={layout!r}; use 'NCHW' or 'NHWC'")
+        if self.layout not in ("NCHW", "NHWC"):
+            raise ValueError(f"layout={self.layout!r}; use 'NCHW' or 'NHWC'")
+        key = self.key
         if key is not None and (isinstance(key, bool) or not isinstance(key, int | str)):
             raise TypeError(f"key must be an int, a str or None, got {type(key).__name__}")
-        self.dtype = dtype
-        self.channels_last = channels_last
-        self.key = key
-        self.layout = layout
         self._stats: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, ...]] = {}
-
-    def __repr__(self) -> str:
-        return (
-            f"Normalize(mean={self.mean}, std={self.std}, dtype={self.dtype}, "
-            f"channels_last={self.channels_last}, key={self.key!r}, layout={self.layout!r})"
-        )
 
     def __call__(self, batch: Any) -> Any:
         if self.key is None:

@@ -17,9 +17,9 @@ same; batches that grew are the ring's own business.
 
 ``close_ring`` unregisters what it can at once; a ring with slots the user holds, or behind a
 pending fence, waits in ``_closing`` until each is released and past its fence
-(``reap_closed``, run without blocking whenever a ring is taken or closed;
-``finish_closed_rings`` waits). So kept batches stay page-locked as long as the user holds
-them, as stock's pinned batches do, and memory is never unmapped while registered.
+(``reap_closed``, run without blocking whenever a ring is taken or closed). So kept batches
+stay page-locked as long as the user holds them, as stock's pinned batches do, and memory is
+never unmapped while registered.
 """
 
 from __future__ import annotations
@@ -69,10 +69,8 @@ def reap_closed() -> None:
 
 
 def _forget(ring: SlotRing) -> None:
-    try:
+    if ring in _closing:
         _closing.remove(ring)
-    except ValueError:
-        pass
 
 
 def close_ring(ring: SlotRing) -> None:
@@ -80,17 +78,6 @@ def close_ring(ring: SlotRing) -> None:
     if not ring.close() and ring not in _closing:
         _closing.append(ring)
     reap_closed()
-
-
-def finish_closed_rings() -> int:
-    """Wait for the fences of closed rings and unregister their released slots; how many
-    closed rings still hold slots the user holds."""
-    with _reaping:
-        _pinning.retry_stranded()
-        for ring in list(_closing):
-            if ring.reap(wait=True):
-                _forget(ring)
-    return len(_closing)
 
 
 def _close_kept(box: list[SlotRing]) -> None:

@@ -30,10 +30,8 @@ NOTE [ Registered memory lifetime ]
     still read a free slot is a device stage's copy whose host batch a collection dropped
     early: the stages' ``Fences`` are held here while tracked (``track_copies``), and every
     ``unregister`` waits for them. A handle collected while active (its ring collected
-    without ``close``) is not settled: it records an event on the current streams of every
-    device with a context and waits for the ring's Fences, which it holds. Nothing here is
-    weak, so garbage collection may tear a ring, its handles and a device stage down in any
-    order.
+    without ``close``) is not settled (the diagram's last line). Nothing here is weak, so
+    garbage collection may tear a ring, its handles and a device stage down in any order.
 (4) Per process: a forked child forgets the bookkeeping, and handles do nothing outside the
     process that registered them (the child has no CUDA context to call).
 (5) Device guard. Every call that touches CUDA for a loader's device (register, unregister,
@@ -60,6 +58,7 @@ and the seams of ``_base/cuda.py``, so the guards placed around them are tested.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import threading
@@ -106,44 +105,38 @@ def retry_stranded() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+@dataclasses.dataclass(eq=False, repr=False, slots=True)
 class PinnedRegion:
     """Handle returned by :func:`register`; pass it to :func:`unregister`.
 
     ``owned`` is False when the memory was already pinned by someone else (unregistering then
-    leaves it pinned). ``active`` turns False at the first :func:`unregister` (rule (2)).
+    leaves it pinned; such a handle keeps nothing). ``keep``: the registered tensor, held
+    while active (rule (2)). ``active`` turns False at the first :func:`unregister`.
     """
 
-    __slots__ = ("_keep", "_pid", "active", "device", "fences", "nbytes", "owned", "ptr")
-
-    def __init__(
-        self, ptr: int, nbytes: int, *, owned: bool, keep: torch.Tensor | None = None,
-        device: int | None = None, fences: Fences | None = None,
-    ) -> None:
-        self.ptr = ptr
-        self.nbytes = nbytes
-        self.owned = owned
-        self.active = True
-        self.device = device
-        self.fences = fences if owned else None
-        self._keep = keep if owned else None
-        self._pid = os.getpid()
+    ptr: int
+    nbytes: int
+    owned: bool
+    keep: torch.Tensor | None = None
+    device: int | None = None
+    fences: Fences | None = None
+    active: bool = True
+    pid: int = dataclasses.field(default_factory=os.getpid)
 
     def __del__(self) -> None:
         if getattr(self, "active", False) and self.owned:
             try:
                 unregister(self)
             except BaseException as e:  # never unmapped while registered: tried again later
-                if self.active and self._pid == os.getpid() and _stranded is not None:
+                if self.active and self.pid == os.getpid() and _stranded is not None:
                     _stranded.append(self._copy())  # (None: the interpreter is exiting)
                 if isinstance(e, KeyboardInterrupt):  # not swallowed by the finalizer
                     interrupt_main_later()
 
     def _copy(self) -> PinnedRegion:
         """A handle on the same registration, holding what this one held."""
-        other = PinnedRegion.__new__(PinnedRegion)
-        for name in PinnedRegion.__slots__:
-            setattr(other, name, getattr(self, name))
-        self.active, self._keep = False, None
+        other = dataclasses.replace(self)
+        self.active, self.keep = False, None
         return other
 
     def __repr__(self) -> str:
@@ -192,10 +185,8 @@ def _pinned_ptr(ptr: int) -> bool:
 def register(
     t: torch.Tensor, *, device: int | None = None, fences: Fences | None = None
 ) -> PinnedRegion | None:
-    """Page-lock the bytes of contiguous CPU tensor ``t`` with ``cudaHostRegister``.
-
-    ``device``: the device whose context makes the call (rule (5)). ``fences``: events to pass
-    before the memory is unregistered, kept by the handle (rule (3)).
+    """Page-lock the bytes of contiguous CPU tensor ``t`` with ``cudaHostRegister``, under
+    ``device`` (rule (5)); ``fences``: events to pass before it is unregistered (rule (3)).
 
     Returns a :class:`PinnedRegion`, or None without CUDA or for empty storage. Registering
     the same bytes again gives a new handle on the same registration (reference counted);
@@ -204,7 +195,7 @@ def register(
     Cost: every page is faulted in and locked up front, in time proportional to the size
     (once per slot, never per batch); the pages count against ``ulimit -l`` and cannot be
     swapped out until unregistered. Raises TypeError or ValueError for a tensor it cannot
-    register, RuntimeError naming the CUDA error and the fix when CUDA refuses.
+    register, RuntimeError naming the CUDA error and the fix when CUDA refuses (rule (6)).
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"register() expects a torch.Tensor, got {type(t).__name__}")
@@ -257,9 +248,8 @@ def unregister(h: PinnedRegion | None, *, settled: bool = False) -> None:
     """
     if h is None or not h.active:
         return
-    if not h.owned or h._pid != os.getpid():
-        h.active = False
-        h._keep = None
+    if not h.owned or h.pid != os.getpid():
+        h.active, h.keep = False, None
         return
     _wait_for_copies(h, settled)
     with _lock:
@@ -269,15 +259,14 @@ def unregister(h: PinnedRegion | None, *, settled: bool = False) -> None:
         left = _refcounts.get(key, 0) - 1
         if left > 0:  # another handle on the same registration still needs it
             _refcounts[key] = left
-            h.active = False
-            h._keep = None
+            h.active, h.keep = False, None
             return
         with _cuda.device_guard(h.device):
             cudart = torch.cuda.cudart()
             code = int(cudart.cudaHostUnregister(h.ptr))
             h.active = False
             _refcounts.pop(key, None)
-            keep, h._keep = h._keep, None
+            keep, h.keep = h.keep, None
             del keep  # only now may the memory be unmapped
             if code != 0:
                 _cuda.drain_last_error(cudart)
@@ -312,9 +301,7 @@ def _wait_for_copies(h: PinnedRegion, settled: bool) -> None:
 
 def pin_device_index(device: torch.device | None, pin_memory_device: str = "") -> int | None:
     """The device a loader's pinned ring serves (rule (5)): its ``device=``, else a CUDA
-    ``pin_memory_device``, else the current device; None while CUDA is not initialised
-    (asking would initialise it before the workers fork): the ring asks at its first
-    registration instead."""
+    ``pin_memory_device``, else the current device; None while CUDA is not initialised."""
     if device is not None and device.type == "cuda" and device.index is not None:
         return device.index
     if device is None and pin_memory_device:

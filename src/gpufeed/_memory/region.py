@@ -8,6 +8,7 @@ boundaries.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -50,26 +51,27 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return stride
 
 
+def physical_memory() -> int:
+    """The physical memory in whole pages (at least one): what a ring or a spill reserves at
+    most, as live slots and leaves are touched memory (no more is of use), and mapping more
+    fails (128 TiB is the whole address space)."""
+    import psutil
+
+    return max(psutil.virtual_memory().total // PAGE * PAGE, PAGE)
+
+
 def default_reserve() -> int:
     """Address space reserved for a ring whose budget the user did not set: sparse, its
     pages cost memory only once touched, and the budget learnt from the first batch bounds
     what is touched."""
-    import psutil
-
-    cap = min(16 << 30, psutil.virtual_memory().total // 2)
-    return max(cap // PAGE * PAGE, PAGE)
+    return max(min(16 << 30, physical_memory() // 2) // PAGE * PAGE, PAGE)
 
 
 def reserve_for(budget: int | None) -> int:
-    """Address space to reserve for a ring of ``budget`` bytes (None: default), at most the
-    physical memory: live slots are touched memory, so a ring can never usefully hold more,
-    and mapping more fails (128 TiB is the whole address space). Past the reservation
-    batches fall back to ordinary allocation, as past the budget."""
-    if budget is None:
-        return default_reserve()
-    import psutil
-
-    return min(budget, max(psutil.virtual_memory().total // PAGE * PAGE, PAGE))
+    """Address space to reserve for a ring of ``budget`` bytes (None: default), at most
+    :func:`physical_memory`. Past the reservation batches fall back to ordinary allocation,
+    as past the budget."""
+    return default_reserve() if budget is None else min(budget, physical_memory())
 
 
 def reserve_region(reserve: int, *, shared: bool, budget: int | None) -> Region:
@@ -105,10 +107,8 @@ def _anonymous_file(size: int) -> int:
 
 
 def _close_fd(fd: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass
 
 
 class Region:
@@ -164,10 +164,8 @@ class Region:
         advice = getattr(mmap, "MADV_REMOVE" if self.shared else "MADV_DONTNEED", None)
         if advice is None:
             return  # this platform cannot punch holes: the pages stay until the ring closes
-        try:
+        with contextlib.suppress(OSError, ValueError):  # only memory use is at stake
             self.mm.madvise(advice, offset, size)
-        except (OSError, ValueError):
-            pass  # only memory use is at stake
 
     def close_fd(self) -> None:
         """Drop the descriptor once workers have it; the mapping stays. Idempotent."""
@@ -182,10 +180,9 @@ class Region:
         mm, self.mm = self.mm, None  # type: ignore[assignment]
         self.array = self.tensor = None  # type: ignore[assignment]
         if mm is not None:
-            try:
+            # BufferError: views of it are alive, and it is unmapped with the last of them.
+            with contextlib.suppress(BufferError):
                 mm.close()
-            except BufferError:
-                pass  # views of it are alive: it is unmapped with the last of them
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self.fd < 0:

@@ -11,11 +11,10 @@ the bookkeeping.
           message (leaf offsets, dtypes, shapes) ──> main: lease() + unpack(), hand batch to user
     user drops the last tensor viewing the batch ──> finalizer ──> release() ──> free list
 
-The user's tensors view one per-batch numpy "base" array that spans the slot; each tensor's
-storage keeps the base alive, so its finalizer runs only when the last view of the batch is
-gone. Only then does the slot return to the free list: a batch the user keeps
-(``list(loader)``) is never overwritten. A device stage holds the host batch until its copy's
-event has completed, which gives the same guarantee.
+The user's tensors view one per-batch numpy "base" array that spans the slot, and keep it
+alive: its finalizer, which returns the slot to the free list, runs only when the last view
+of the batch is gone, so a batch the user keeps (``list(loader)``) is never overwritten. A
+device stage holds the host batch until its copy's event has completed: the same guarantee.
 
 Release fences (pinned rings): a registered slot may still be read by a copy the user queued
 (``x.cuda(non_blocking=True)`` after ``DataLoader(pin_memory=True)``), so dropping the batch
@@ -57,12 +56,12 @@ Cost per batch, Ctrl-C during a release, and a ring that cannot be registered:
 ``_memory/release.py``.
 
 Growth and fallback: a batch needs ``need`` bytes (learnt from the first batch, and from any
-larger one later). When no slot is free, a new one is carved while the ring stays within its
-byte budget; past it a task gets no slot and the worker allocates ordinary shared memory for
-that batch (the stock path). The budget is a cap, not memory mapped up front: the reservation
-is at most the physical memory (``reserve_for``), and a ring that carved all of it falls back
-the same way. Dispatch never waits for a slot, so keeping every batch cannot deadlock, and a
-batch is never truncated: leaves that do not fit its slot are sent the ordinary way.
+larger one later). With no slot free, a new one is carved within the ring's byte budget; past
+it a task gets no slot and the worker allocates ordinary shared memory for that batch (the
+stock path). The budget is a cap, not memory mapped up front; the reservation is at most the
+physical memory (``reserve_for``), and a ring that carved all of it falls back the same way.
+Dispatch never waits for a slot, so keeping every batch cannot deadlock, and a batch is never
+truncated: leaves that do not fit its slot are sent the ordinary way.
 """
 
 from __future__ import annotations
@@ -353,7 +352,6 @@ class SlotRing:
             if self._parked:
                 self._releaser.fence_parked()
             self._fences.wait(self._released)
-        self._collect_released()
         self._unfence()
         self._free.extend(self._out)  # given to workers that are gone: never leased
         self._out.clear()

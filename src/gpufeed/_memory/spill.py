@@ -19,6 +19,7 @@ in the loader's ``ring_unsupported`` counter.
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -28,9 +29,7 @@ import numpy as np
 import torch
 
 from .._base.errors import WorkerError
-from .region import ALIGN, PAGE, Region, align, contiguous_at
-
-_reserve = 0
+from .region import ALIGN, PAGE, Region, align, contiguous_at, physical_memory
 
 
 class SharedMemoryError(WorkerError):
@@ -38,15 +37,11 @@ class SharedMemoryError(WorkerError):
     says how much was asked for and the ways out."""
 
 
+@functools.cache
 def spill_reserve() -> int:
     """Address space a spill reserves (sparse): the physical memory, which no batch can
     usefully exceed."""
-    global _reserve
-    if not _reserve:
-        import psutil
-
-        _reserve = max(psutil.virtual_memory().total // PAGE * PAGE, PAGE)
-    return _reserve
+    return physical_memory()
 
 
 def _out_of_memory(nbytes: int, why: str) -> SharedMemoryError:
