@@ -56,7 +56,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .._tools.trial import COLLATE_FIX, ragged
 
     if args.plot:
-        from .._tools.tuner import require_matplotlib
+        from .._tools.output import require_matplotlib
 
         require_matplotlib()  # fail before the runs, not after
     if args.target:
@@ -120,7 +120,8 @@ class _SleepStep:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .._tools.tuner import Budget, require_matplotlib, tune
+    from .._tools.output import require_matplotlib
+    from .._tools.tuner import Budget, tune
 
     if args.plot:
         require_matplotlib()  # fail before minutes of trials, not after
@@ -219,11 +220,11 @@ def cmd_profile_traced(args: argparse.Namespace) -> int:
     _check_trace_options(args)
     if not (args.trace or args.timeline):
         return cmd_profile(args)
-    from .._tools.gantt import require_matplotlib
+    from .._tools.output import require_matplotlib
     from .._tools.trace import trace
 
-    if args.timeline:
-        require_matplotlib()  # fail before the run, not after
+    if args.timeline:  # fail before the run, not after
+        require_matplotlib("timeline pictures", "--timeline")
     with trace(args.trace, last_batches=args.trace_last) as recording:
         code = cmd_profile(args)
     if args.trace:

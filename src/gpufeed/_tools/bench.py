@@ -21,6 +21,7 @@ from .._base.stats import format_table, human_bytes
 from .._host.config import WorkerType
 from .._loader import DataLoader
 from .measure import measure_loader, one_intra_op_thread
+from .output import require_matplotlib
 from .repeat import (
     BOOTSTRAP_RESAMPLES,
     VERDICT_RUNS,
@@ -30,7 +31,6 @@ from .repeat import (
     Spread,
     spreads_text,
 )
-from .tuner import require_matplotlib
 
 #: what each fetch path means, printed under the table.
 PATHS = {
@@ -183,8 +183,8 @@ def render(title: str, rows: Sequence[BenchConfig], comparisons: Sequence[Compar
 
 def plot(rows: Sequence[BenchConfig], path: str) -> None:
     """Horizontal bars of the median samples/s per row, with the range as error bars."""
-    plt = require_matplotlib()
-    fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.2))
+    fig = require_matplotlib()(figsize=(7, 0.4 * len(rows) + 1.2))
+    ax = fig.subplots()
     labels = [f"{r.loader} {r.path} w{r.num_workers}" for r in rows]
     med = [r.spread.median for r in rows]
     err = [[m - r.spread.lo for m, r in zip(med, rows, strict=True)],
@@ -194,4 +194,3 @@ def plot(rows: Sequence[BenchConfig], path: str) -> None:
     ax.invert_yaxis()
     ax.set(xlabel="samples/s (median, range of runs)", title="gpufeed bench")
     fig.savefig(path, bbox_inches="tight", dpi=100)
-    plt.close(fig)

@@ -58,24 +58,11 @@ from .._host.config import WORKER_TYPES, WorkerType
 from .._host.cost import HARD_MAX_WORKERS, WorkerCost, parse_bytes, pays_off
 from .._loader import DataLoader
 from .._order.sample_rng import RandomStateWarning
-from .output import write_json
+from .output import require_matplotlib, write_json
 from .repeat import LoadMonitor, MachineLoad, spreads_text
 from .trial import COLLATE_FIX, Budget, Trial, kwargs_text, ragged, run_trial
 
 log = logging.getLogger(__name__)
-
-
-def require_matplotlib() -> Any:
-    """Import matplotlib (non-interactive backend) or say how to install it."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError("plots need matplotlib: pip install 'gpufeed[plot]' "
-                          "(or leave out --plot)") from exc
-    return plt
 
 
 @dataclass(frozen=True)
@@ -164,8 +151,8 @@ class TuneResult:
 
     def plot(self, path: str | os.PathLike[str]) -> None:
         """Samples/s against num_workers per worker type (needs matplotlib)."""
-        plt = require_matplotlib()
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig = require_matplotlib()(figsize=(6, 4))
+        ax = fig.subplots()
         for kind in sorted({t.worker_type or "-" for t in self.trials}):
             first: dict[int, Trial] = {}  # the ladder's trial at each count (prefetch pf0)
             for t in self.trials:
@@ -183,7 +170,6 @@ class TuneResult:
                title="gpufeed tune")
         ax.legend()
         fig.savefig(path, bbox_inches="tight", dpi=100)
-        plt.close(fig)
 
 
 def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | None = None,
