@@ -17,14 +17,11 @@ Search (each trial is ``runs`` passes of about ``trial_seconds``, see ``_tools/t
 A trial over any part of the :class:`Budget` (peak PSS of the process tree, growth of /dev/shm
 use, pinned host bytes) is rejected.
 
-What the loaders of the trials warn about is said once, in the tool's words. ``gpufeed tune``
-builds a loader per run of every trial, and a loader warns once in its life, so a dataset that
-draws from a global random generator in thread workers would print a long
-``RandomStateWarning`` per thread-worker run, attributed to ``_tools/measure.py``, above the
-table the tool exists to show. :class:`TrialWarnings` catches those around each trial, lets
-every other warning through, and says each kind once, attributed to the dataset's own source,
-with the trials that saw it; the tool puts the same words in its JSON. Measurements:
-docs/how-it-works/measurements/tools.md#one-warning-per-tool.
+A loader warns once in its life and the tuner builds one per run of every trial, so
+:class:`TrialWarnings` catches the ``RandomStateWarning`` of thread-worker runs (a dataset
+drawing from a global random generator) and says it once, in the tool's words, attributed to
+the dataset's own source, with the trials that saw it; the JSON holds the same words. Every
+other warning passes. Measurements: docs/how-it-works/measurements/tools.md#one-warning-per-tool.
 
 NOTE [ The recommendation ]: the fastest accepted trial (highest median) is the *best*; a trial
 is *within the noise* of it when their ranges of runs overlap or its median is within
@@ -227,8 +224,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
             for pf in prefetch_factors):
         raise ValueError(f"prefetch_factors must be positive ints or None (the loader's "
                          f"default), got {prefetch_factors!r}")
-    if loader_factory is None:
-        loader_factory = DataLoader
+    factory = loader_factory or DataLoader
     if budget is None:
         budget = Budget.default()
     elif not isinstance(budget, Budget):
@@ -254,7 +250,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
             return None
         with caught.trial(kwargs_text({"num_workers": n, "worker_type": kind} if n
                                       else {"num_workers": 0})):
-            trial = run_trial(dataset, loader_factory, batch_size, collate_fn, step, budget,
+            trial = run_trial(dataset, factory, batch_size, collate_fn, step, budget,
                               trial_seconds, *key, runs=runs, target_spread=target_spread)
         done[key] = trial
         trials.append(trial)
