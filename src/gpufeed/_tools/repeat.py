@@ -13,9 +13,8 @@ NOTE [ Repeated measurement ]:
    over minutes, so runs must span more of it.
 2. A configuration is reported as the **median** of its runs and its **spread**, the range
    from the slowest to the fastest run.
-3. A ratio of two configurations is taken between their
-   *faster halves*: the median of every ratio of one of ``a``'s faster half of runs to one of
-   ``b``'s. Interference on a shared machine only ever slows a run down, so the faster runs are
+3. A ratio of two configurations is taken between their *faster halves*: the median of every
+   ratio of one of ``a``'s faster half of runs to one of ``b``'s. Interference on a shared machine only ever slows a run down, so the faster runs are
    the least disturbed ones, and half of them (not the single fastest) keeps one lucky run from
    deciding. The ratio carries a 95% interval: the 2.5th and 97.5th percentiles of the same
    ratio over ``BOOTSTRAP_RESAMPLES`` bootstrap resamples (each row's runs drawn again with
@@ -63,8 +62,7 @@ BUSY_STEAL_SHARE = 0.05
 
 
 def min_runs_to_stop(runs: int) -> int:
-    """Runs that must agree within the target spread before a configuration stops short of
-    ``runs``: ``MIN_RUNS``, or a third of ``runs`` when that is more."""
+    """Runs that must agree before a configuration stops short of ``runs`` (rule (1))."""
     return max(MIN_RUNS, -(-runs // 3))
 
 
@@ -105,8 +103,7 @@ class Spread:
         return Ratio(mid, min(lo, mid), max(hi, mid), len(self.runs), len(other.runs))
 
     def done(self, runs: int, target_spread: float) -> bool:
-        """Whether a configuration measured so far needs no more runs (``runs`` at most; see
-        NOTE [ Repeated measurement ] rule (1) for when it may stop early)."""
+        """Whether no more runs are needed (NOTE [ Repeated measurement ] rule (1))."""
         n = len(self.runs)
         return n >= runs or (n >= min_runs_to_stop(runs) and self.rel_spread <= target_spread)
 
@@ -126,8 +123,7 @@ def _faster_half_ratio(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def _bootstrap_interval(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
-    """The 95% percentile-bootstrap interval of :func:`_faster_half_ratio` (rule (3)), with a
-    fixed seed: the same runs always give the same interval."""
+    """The 95% percentile-bootstrap interval of :func:`_faster_half_ratio` (rule (3))."""
     rng = random.Random(0)
     draws = sorted(_faster_half_ratio(rng.choices(a, k=len(a)), rng.choices(b, k=len(b)))
                    for _ in range(BOOTSTRAP_RESAMPLES))
