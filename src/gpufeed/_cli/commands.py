@@ -23,16 +23,18 @@ from .targets import TargetError, UsageError, load_collate, load_dataset, load_t
 
 
 class _ProgressBar:
-    """A tqdm bar on stderr when tqdm is installed and enabled, else nothing."""
+    """A tqdm bar on stderr, unless --no-progress or --json or tqdm is not installed (and off
+    too when stderr is no terminal: tqdm's ``disable=None``)."""
 
-    def __init__(self, enabled: bool, total: int | None, desc: str, unit: str = "run") -> None:
+    def __init__(self, args: argparse.Namespace, total: int | None, unit: str = "run") -> None:
         self.bar: Any = None
-        if enabled:
+        if not (args.no_progress or args.json):
             try:
                 from tqdm import tqdm
             except ImportError:
                 return
-            self.bar = tqdm(total=total, desc=desc, unit=unit, leave=False, disable=None)
+            self.bar = tqdm(total=total, desc=f"gpufeed {args.command}", unit=unit, leave=False,
+                            disable=None)
 
     def step(self, text: str = "") -> None:
         if self.bar is not None:
@@ -43,12 +45,6 @@ class _ProgressBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _progress_on(args: argparse.Namespace) -> bool:
-    """A bar unless --no-progress or --json (the bar itself stays off when stderr is no
-    terminal: tqdm's ``disable=None``)."""
-    return not (args.no_progress or args.json)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -73,7 +69,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         title = f"built-in synthetic workload: {work.description}"
         variants = {v.name: (v.dataset, v.collate_fn) for v in work.variants}
     rows = _bench.configs(variants, args.workers, batch_size, args.worker_type)
-    bar = _ProgressBar(_progress_on(args), len(rows) * args.runs, "gpufeed bench")
+    bar = _ProgressBar(args, len(rows) * args.runs)
     try:
         load = _bench.run_bench(rows, seconds=args.seconds, runs=args.runs,
                                 target_spread=args.target_spread, step=bar.step)
@@ -133,7 +129,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     budget = Budget(memory_bytes=args.budget_memory or default.memory_bytes,
                     shm_bytes=args.budget_shm or default.shm_bytes,
                     pinned_bytes=args.budget_pinned)
-    bar = _ProgressBar(_progress_on(args), None, "gpufeed tune")
+    bar = _ProgressBar(args, None)
     try:
         result = tune(dataset, batch_size=args.batch_size, budget=budget, collate_fn=collate,
                       step=step, worker_types=args.worker_types, runs=args.runs,
@@ -172,7 +168,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                               "either take the profiler (and loop over profiler.wrap(loader)) or "
                               "take no argument and return (iterable, step)")
         iterable, user_step = pair
-        bar = _ProgressBar(_progress_on(args), args.steps, "gpufeed profile", unit="step")
+        bar = _ProgressBar(args, args.steps, unit="step")
 
         def step(batch: Any) -> None:
             user_step(batch)
