@@ -236,8 +236,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
         (False, True) if torch.cuda.is_available() else (False,))
     t_start = time.perf_counter()
     monitor = LoadMonitor(max(1, round(usable_cpus(per_rank=False)))).start()
-    trials: list[Trial] = []
-    done: dict[tuple[Any, ...], Trial] = {}
+    done: dict[tuple[Any, ...], Trial] = {}  # every trial, in the order run
     skipped: list[tuple[Any, ...]] = []
     caught = TrialWarnings("gpufeed tune")  # said once, after the trials
 
@@ -245,7 +244,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
         key = (n, kind if n else None, pf if n else None, pin)
         if key in done:
             return done[key]
-        if trials and time.perf_counter() - t_start > time_budget_s:
+        if done and time.perf_counter() - t_start > time_budget_s:
             skipped.append(key)
             return None
         with caught.trial(kwargs_text({"num_workers": n, "worker_type": kind} if n
@@ -253,7 +252,6 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
             trial = run_trial(dataset, factory, batch_size, collate_fn, step, budget,
                               trial_seconds, *key, runs=runs, target_spread=target_spread)
         done[key] = trial
-        trials.append(trial)
         if progress is not None:
             progress(trial)
         return trial
@@ -279,7 +277,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
             if t.cpu_cores:
                 cost = WorkerCost.observed(workers=n, rate=t.samples_per_s, cpu_cores=t.cpu_cores)
                 bound = max(bound, cost.cpu_limit(cpus))
-    accepted = [t for t in trials if t.accepted]
+    accepted = [t for t in done.values() if t.accepted]
     if accepted:
         top = max(accepted, key=lambda t: t.samples_per_s)
         for pf in prefetch_factors if top.num_workers else (None,):
@@ -288,7 +286,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
     if skipped:
         log.warning("time_budget_s=%s reached: %d trial(s) not run", time_budget_s, len(skipped))
     caught.report(dataset)
-    return _result(trials, tolerance, budget, time.perf_counter() - t_start, bool(skipped),
+    return _result(list(done.values()), tolerance, budget, time.perf_counter() - t_start, bool(skipped),
                    monitor.stop(), batch_size=batch_size, warnings=caught.to_list())
 
 
@@ -396,10 +394,9 @@ class TrialWarnings:
 
     def to_list(self) -> list[dict[str, Any]]:
         """JSON-ready: one entry per warning said."""
-        text = self.message
-        if text is None:
+        if not self.trials:
             return []
-        return [{"category": "RandomStateWarning", "message": text,
+        return [{"category": "RandomStateWarning", "message": self.message,
                  "generators": list(self.generators), "trials": list(self.trials)}]
 
     def report(self, dataset: Any, stacklevel: int = 2) -> None:
