@@ -1,10 +1,9 @@
 """The ``gpufeed`` subcommands, one function each (``cmd_bench``, ``cmd_tune``, ``cmd_profile``,
 ``cmd_doctor``: an ``argparse`` namespace in, the exit code out), and their progress bar.
 
-``gpufeed profile ... --trace FILE --timeline FILE.png``: the profiled run, recorded. The options
-are added to ``profile``'s parser in ``main.py``, and :func:`cmd_profile_traced` runs
-``cmd_profile`` inside ``gpufeed.trace`` (``_tools/trace.py``) when either is given, then
-writes the trace and draws the picture (``_tools/gantt.py``).
+``gpufeed profile ... --trace FILE --timeline FILE.png``: :func:`cmd_profile_traced` runs
+``cmd_profile`` inside ``gpufeed.trace`` when either is given, then writes the trace and draws
+the picture (``_tools/gantt.py``).
 
 Each command imports the tools it uses when it runs (``gpu`` only with CUDA).
 """

@@ -1,4 +1,4 @@
-"""Date, machine and versions, recorded with every benchmark result file; writing the files."""
+"""Date, machine and versions, recorded with every benchmark result file."""
 
 from __future__ import annotations
 

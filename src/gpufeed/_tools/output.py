@@ -1,10 +1,9 @@
 """Where the tools' results go: JSON to a file or to stdout (``-``), plots to real paths.
 
 ``-`` means stdout, as for most command-line tools: ``gpufeed doctor --json - | jq .`` gets
-nothing but the JSON on stdout, so while it is written there the tables and messages the
-command prints go to stderr instead (:func:`json_output`). A plot is an image, so ``-`` is
-refused there with the fix (:func:`file_path`), instead of writing a file literally named ``-``.
-Plots are drawn with matplotlib's object API (no pyplot, no change of the global backend).
+nothing but the JSON on stdout (:func:`json_output`). A plot is an image, so ``-`` is refused
+there with the fix (:func:`file_path`), instead of writing a file literally named ``-``. Plots
+are drawn with matplotlib's object API (no pyplot, no change of the global backend).
 """
 
 from __future__ import annotations
