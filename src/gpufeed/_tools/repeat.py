@@ -147,12 +147,6 @@ class Ratio:
     runs_a: int
     runs_b: int
 
-    def __iter__(self) -> Any:  # ``mid, lo, hi = spread.ratio(other)``
-        return iter((self.mid, self.lo, self.hi))
-
-    def __getitem__(self, i: int) -> float:
-        return (self.mid, self.lo, self.hi)[i]
-
     @property
     def verdict(self) -> str:
         """"faster" (the whole interval above 1x), "slower" (below 1x) or "cannot tell"."""
