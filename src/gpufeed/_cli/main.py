@@ -17,8 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._tools.output import file_path, json_output, output_path
-from .commands import cmd_bench, cmd_doctor, cmd_profile_traced, cmd_tune
-from .targets import UsageError
+from .commands import UsageError, cmd_bench, cmd_doctor, cmd_profile_traced, cmd_tune
 
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
