@@ -100,13 +100,13 @@ def test_monitor_counts_other_processes_not_ours(monkeypatch):
     monkeypatch.setattr(_repeat, "_proc_stat", lambda: next(stats))
     monkeypatch.setattr(_repeat, "_tree_cpu_s", lambda: next(ours))
     monkeypatch.setattr(_repeat.time, "perf_counter", lambda: next(clock))
-    load = LoadMonitor(cpus=2).start().stop()
+    load = LoadMonitor(cpus=2).stop()
     assert load.other_cpus == pytest.approx(1.0)
     assert load.steal_share == pytest.approx(0.05)
     assert load.busy
 
 
 def test_monitor_on_this_machine_reads_real_counters():
-    load = LoadMonitor().start().stop()
+    load = LoadMonitor().stop()
     assert load.other_cpus >= 0 and load.cpus >= 1
     assert load.steal_share is None or 0 <= load.steal_share <= 1

@@ -106,7 +106,7 @@ def configs(variants: dict[str, tuple[Any, Any]], workers: Sequence[int], batch_
 def run_bench(rows: list[BenchConfig], *, seconds: float, runs: int, target_spread: float,
               step: Callable[[str], None] | None = None) -> MachineLoad:
     """Measure every row round-robin until each is done (NOTE [ Repeated measurement ])."""
-    monitor = LoadMonitor().start()
+    monitor = LoadMonitor()
     while True:
         todo = [r for r in rows if not r.spread.done(runs, target_spread)]
         if not todo:

@@ -242,21 +242,15 @@ def _tree_cpu_s() -> float:
 
 
 class LoadMonitor:
-    """Watches the machine between :meth:`start` and :meth:`stop` (NOTE [ Repeated
-    measurement ] (4)). A worker reaped in between counts as ours, whole even if it started
-    before ``start``: that can only understate the others."""
+    """Watches the machine from its creation to :meth:`stop` (NOTE [ Repeated measurement ]
+    (4)). A worker reaped in between counts as ours, whole even if it started before: that can
+    only understate the others."""
 
     def __init__(self, cpus: int | None = None) -> None:
         self.cpus = cpus or os.cpu_count() or 1
-        self._t0 = 0.0
-        self._stat0: tuple[float, float, float] | None = None
-        self._ours0 = 0.0
-
-    def start(self) -> LoadMonitor:
         self._t0 = time.perf_counter()
         self._stat0 = _proc_stat()
         self._ours0 = _tree_cpu_s()
-        return self
 
     def stop(self) -> MachineLoad:
         seconds = max(time.perf_counter() - self._t0, 1e-9)

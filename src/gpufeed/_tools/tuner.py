@@ -235,7 +235,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
     pins = tuple(pin_memory) if pin_memory is not None else (
         (False, True) if torch.cuda.is_available() else (False,))
     t_start = time.perf_counter()
-    monitor = LoadMonitor(max(1, round(usable_cpus(per_rank=False)))).start()
+    monitor = LoadMonitor(max(1, round(usable_cpus(per_rank=False))))
     done: dict[tuple[Any, ...], Trial] = {}  # every trial, in the order run
     skipped: list[tuple[Any, ...]] = []
     caught = TrialWarnings("gpufeed tune")  # said once, after the trials
