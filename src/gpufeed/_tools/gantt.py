@@ -1,12 +1,11 @@
 """A trace as a picture: a Gantt chart per track, stalls marked (needs matplotlib).
 
-``render(doc, "run.png")`` draws any Trace Event Format document gpufeed wrote
-(``Trace.to_dict()``, or a saved file loaded with ``json.load``): one row per track (the
-loop's main thread, each worker, the device stage), one bar per span, coloured by stage; a
-*stall* (the loop waited ``stall_ms`` or longer for a batch) is drawn red and shaded across
-every row, so the worker or copy that was late stands out; below, the ring's slots in use
-and the batches in flight. ``gpufeed profile ... --timeline FILE.png`` and ``Trace.plot``
-call it.
+``render(doc, "run.png")``, called by ``gpufeed profile ... --timeline FILE.png`` and
+``Trace.plot``, draws any Trace Event Format document gpufeed wrote (``Trace.to_dict()``, or a
+saved file loaded with ``json.load``): one row per track (the loop's main thread, each worker,
+the device stage), one bar per span, coloured by stage; a *stall* (the loop waited
+``stall_ms`` or longer for a batch) is drawn red and shaded across every row, so the worker or
+copy that was late stands out; below, the ring's slots in use and the batches in flight.
 """
 
 from __future__ import annotations

@@ -56,8 +56,7 @@ def _is_torch_shm_manager(proc: psutil.Process) -> bool:
 
 
 def shm_usage() -> tuple[int, int] | None:
-    """(total, free) bytes of /dev/shm, None where it cannot be read (the doctor, the tuner's
-    budget and its trials' gauge all read it here)."""
+    """(total, free) bytes of /dev/shm, None where it cannot be read."""
     try:
         usage = shutil.disk_usage("/dev/shm")
     except OSError:

@@ -119,12 +119,11 @@ class Trial:
 
 
 class _Run:
-    """The ``consume`` hook of one run. It runs the user's step on each batch and, after the
-    warm-up, adds up the step's time and the loop's wait for the batch (from the end of the
-    previous call to its arrival). It reads the memory gauges every batch and, after the
-    warm-up, the tree's PSS every ``PSS_EVERY_S`` (a sample costs a few ms: about 2% of a run's
-    time) and its CPU time every ``CPU_EVERY_S``: ``measure_loader``'s sampler thread can miss
-    the peak of a short run."""
+    """The ``consume`` hook of one run: the user's step, and after the warm-up its time and the
+    loop's wait (see the module docstring); the memory gauges every batch, and after the warm-up
+    the tree's PSS every ``PSS_EVERY_S`` (a sample costs a few ms: about 2% of a run's time) and
+    its CPU time every ``CPU_EVERY_S``: ``measure_loader``'s sampler thread can miss the peak of
+    a short run."""
 
     def __init__(self, step: Callable[[Any], object] | None, warmup: int) -> None:
         self.step, self.warmup = step, warmup
