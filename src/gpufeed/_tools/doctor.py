@@ -214,9 +214,8 @@ def check_memlock(probe: Probe) -> Finding:
 def check_heap(probe: Probe) -> Finding:
     """Information only: process workers' malloc (NOTE [ Worker heap ] in _memory/heap.py)."""
     why = probe.worker_heap()
-    if why is None:
-        return Finding("worker heap", "ok", "glibc: thresholds raised to each worker's batches")
-    return Finding("worker heap", "ok", f"left as it is: {why}")
+    return Finding("worker heap", "ok", "glibc: thresholds raised to each worker's batches"
+                   if why is None else f"left as it is: {why}")
 
 
 def check_cpus(probe: Probe, num_workers: int | None = None) -> Finding:

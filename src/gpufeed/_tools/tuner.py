@@ -399,19 +399,19 @@ class TrialWarnings:
         return [{"category": "RandomStateWarning", "message": self.message,
                  "generators": list(self.generators), "trials": list(self.trials)}]
 
-    def report(self, dataset: Any, stacklevel: int = 2) -> None:
+    def report(self, dataset: Any) -> None:
         """Warn once (``RandomStateWarning``), attributed to ``dataset``'s ``__getitem__`` (or
-        its class) where its source is known, else to the caller ``stacklevel`` frames up."""
+        its class) where its source is known, else to the tool's caller."""
         text = self.message
         if text is None:
             return
         where = _source_of(dataset)
         if where is None:
-            warnings.warn(text, RandomStateWarning, stacklevel=stacklevel + 1)
-            return
-        filename, lineno, module = where
-        warnings.warn_explicit(text, RandomStateWarning, filename, lineno, module=module,
-                               registry={})
+            warnings.warn(text, RandomStateWarning, stacklevel=3)
+        else:
+            filename, lineno, module = where
+            warnings.warn_explicit(text, RandomStateWarning, filename, lineno, module=module,
+                                   registry={})
 
 
 def _source_of(dataset: Any) -> tuple[str, int, str] | None:
@@ -419,10 +419,8 @@ def _source_of(dataset: Any) -> tuple[str, int, str] | None:
     one, else its class), or None where Python cannot tell (a built-in, a class made in C)."""
     cls = type(dataset)
     for target in (getattr(cls, "__getitem__", None), getattr(cls, "__iter__", None), cls):
-        try:
-            fn = inspect.unwrap(target) if target is not None else None
-            if fn is None:
-                continue
+        try:  # a TypeError for None (no such method) too
+            fn = inspect.unwrap(target)
             filename = inspect.getsourcefile(fn)
             _, lineno = inspect.getsourcelines(fn)
         except (OSError, TypeError):
