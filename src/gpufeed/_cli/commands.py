@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from .._tools.output import require_matplotlib
+
 class UsageError(ValueError):
     """A command-line value gpufeed cannot use (exit code 2)."""
 
@@ -119,8 +121,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .._tools.trial import COLLATE_FIX, ragged
 
     if args.plot:
-        from .._tools.output import require_matplotlib
-
         require_matplotlib()  # fail before the runs, not after
     if args.target:
         dataset, batch_size, title = load_dataset(args.target), args.batch_size or 32, args.target
@@ -183,7 +183,6 @@ class _SleepStep:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .._tools.output import require_matplotlib
     from .._tools.tuner import Budget, tune
 
     if args.plot:
@@ -283,7 +282,6 @@ def cmd_profile_traced(args: argparse.Namespace) -> int:
     _check_trace_options(args)
     if not (args.trace or args.timeline):
         return cmd_profile(args)
-    from .._tools.output import require_matplotlib
     from .._tools.trace import trace
 
     if args.timeline:  # fail before the run, not after
