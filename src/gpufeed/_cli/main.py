@@ -63,28 +63,6 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _add_trace_options(p: argparse.ArgumentParser) -> None:
-    """``--trace``, ``--timeline`` and their bounds, on ``profile``'s parser; the recorded run
-    is ``cmd_profile_traced``'s (``commands.py``)."""
-    g = p.add_argument_group("timeline")
-    g.add_argument("--trace", metavar="FILE", type=file_path,
-                   help="write a timeline of every batch through every stage as Chrome Trace "
-                   "Event JSON (FILE.json.gz: compressed); open it in ui.perfetto.dev or "
-                   "chrome://tracing")
-    g.add_argument("--timeline", metavar="PNG", type=file_path,
-                   help="draw the first seconds of the timeline as a Gantt chart per track, "
-                   "stalls marked (needs matplotlib)")
-    g.add_argument("--timeline-seconds", type=_number(float), metavar="S",
-                   help="seconds of the run the picture shows (1.0)")
-    g.add_argument("--timeline-start", type=_number(float, zero=True), metavar="S",
-                   help="where the picture starts, in seconds from the start (0: worker "
-                   "start-up included)")
-    g.add_argument("--stall-ms", type=_number(float, zero=True), metavar="MS",
-                   help="a wait of the loop this long or longer is a stall in the picture (1)")
-    g.add_argument("--trace-last", type=_number(int), metavar="N",
-                   help="keep only the last N batches in the trace (a long run)")
-
-
 def version_text() -> str:
     """``gpufeed --version``: gpufeed's version and the torch build it runs on."""
     import torch
@@ -175,7 +153,24 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("target", metavar="MODULE:FUNCTION")
     pr.add_argument("--steps", type=_number(int), help="stop after N steps (default: all)")
     pr.add_argument("--warmup", type=_number(int), default=1, help="first steps left out (1)")
-    _add_trace_options(pr)
+    # --trace, --timeline and their bounds: the run recorded (cmd_profile_traced)
+    g = pr.add_argument_group("timeline")
+    g.add_argument("--trace", metavar="FILE", type=file_path,
+                   help="write a timeline of every batch through every stage as Chrome Trace "
+                   "Event JSON (FILE.json.gz: compressed); open it in ui.perfetto.dev or "
+                   "chrome://tracing")
+    g.add_argument("--timeline", metavar="PNG", type=file_path,
+                   help="draw the first seconds of the timeline as a Gantt chart per track, "
+                   "stalls marked (needs matplotlib)")
+    g.add_argument("--timeline-seconds", type=_number(float), metavar="S",
+                   help="seconds of the run the picture shows (1.0)")
+    g.add_argument("--timeline-start", type=_number(float, zero=True), metavar="S",
+                   help="where the picture starts, in seconds from the start (0: worker "
+                   "start-up included)")
+    g.add_argument("--stall-ms", type=_number(float, zero=True), metavar="MS",
+                   help="a wait of the loop this long or longer is a stall in the picture (1)")
+    g.add_argument("--trace-last", type=_number(int), metavar="N",
+                   help="keep only the last N batches in the trace (a long run)")
     pr.set_defaults(func=cmd_profile_traced)
 
     d = sub.add_parser("doctor", parents=[common], help="check this machine's limits",
