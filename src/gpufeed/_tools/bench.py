@@ -9,6 +9,7 @@ loader. Runs follow NOTE [ Repeated measurement ] in ``_tools/repeat.py``.
 
 from __future__ import annotations
 
+import statistics
 import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,8 +65,7 @@ class BenchConfig:
         return {"loader": self.loader, "path": self.path, "num_workers": self.num_workers,
                 "samples_per_s": s.median, "spread": s.to_dict(),
                 "peak_pss_bytes": self.peak_pss_bytes, "peak_held_bytes": self.peak_held_bytes,
-                "first_batch_s": sorted(self.first_batch_s)[len(self.first_batch_s) // 2]
-                if self.first_batch_s else 0.0}
+                "first_batch_s": statistics.median_high(self.first_batch_s or [0.0])}
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ throughput.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -205,7 +206,7 @@ def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: i
             break
     bound = input_bound_share(wait_s, step_s) if step is not None else None
     spread = Spread(tuple(rates))
-    return Trial(n, kind, pf, pin, spread.median, sorted(firsts)[len(firsts) // 2], pss, shm,
+    return Trial(n, kind, pf, pin, spread.median, statistics.median_high(firsts), pss, shm,
                  pinned, not over, ("over budget: " + ", ".join(over)) if over else "",
                  runs=spread.runs, input_bound=bound,
                  cpu_cores=sum(cores) / len(cores) if cores else None)
