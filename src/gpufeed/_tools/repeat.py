@@ -14,15 +14,15 @@ NOTE [ Repeated measurement ]:
 2. A configuration is reported as the **median** of its runs and its **spread**, the range
    from the slowest to the fastest run.
 3. A ratio of two configurations is taken between their *faster halves*: the median of every
-   ratio of one of ``a``'s faster half of runs to one of ``b``'s. Interference on a shared machine only ever slows a run down, so the faster runs are
-   the least disturbed ones, and half of them (not the single fastest) keeps one lucky run from
-   deciding. The ratio carries a 95% interval: the 2.5th and 97.5th percentiles of the same
-   ratio over ``BOOTSTRAP_RESAMPLES`` bootstrap resamples (each row's runs drawn again with
-   replacement, the faster halves and the median ratio taken again), seeded, so the same runs
-   give the same interval. The verdict follows from it alone: *faster* when the whole interval
-   lies above 1x, *slower* when it lies below, *cannot tell* when it holds 1x or a row has
-   fewer than ``VERDICT_RUNS`` (7) runs, because a percentile bootstrap is too narrow on few
-   runs.
+   ratio of one of ``a``'s faster half of runs to one of ``b``'s. Interference on a shared
+   machine only ever slows a run down, so the faster runs are the least disturbed ones, and half
+   of them (not the single fastest) keeps one lucky run from deciding. The ratio carries a 95%
+   interval: the 2.5th and 97.5th percentiles of the same ratio over ``BOOTSTRAP_RESAMPLES``
+   bootstrap resamples (each row's runs drawn again with replacement, the faster halves and the
+   median ratio taken again), seeded, so the same runs give the same interval. The verdict
+   follows from it alone: *faster* when the whole interval lies above 1x, *slower* when it lies
+   below, *cannot tell* when it holds 1x or a row has fewer than ``VERDICT_RUNS`` (7) runs,
+   because a percentile bootstrap is too narrow on few runs.
 4. While measuring, :class:`LoadMonitor` reads the CPU time the whole machine used
    (``/proc/stat``) and subtracts what this process tree used: the rest is *other processes*.
    Steal time (a hypervisor running other guests on our CPUs) is read from the same line.

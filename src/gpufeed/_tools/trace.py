@@ -1,12 +1,13 @@
 """``gpufeed.trace``: record a timeline of every loader and write Chrome Trace Event JSON.
 
-Every gpufeed loader (and ``to_device`` iterator) iterated inside ``with gpufeed.trace(...)``
-is recorded, from any thread; the recorder and its rules are NOTE [ Timeline ] in
-``_base/timeline.py``. This module is the one writer: it expands the records into Trace Event Format events
-(https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU): per loader
-one process group (``pid`` 1, 2, ... in order of appearance), per track one thread (``tid``:
-``_TRACKS``, ``WORKER_TID + w`` for worker w), complete events (``ph`` "X", ``ts``/``dur`` in
-microseconds from the start of the trace), counters (``ph`` "C") and instants (``ph`` "i").
+Every gpufeed loader (and ``to_device`` iterator) iterated inside ``with gpufeed.trace(...)`` is
+recorded, from any thread; the recorder and its rules are NOTE [ Timeline ] in
+``_base/timeline.py``. This module is the one writer: it expands the records into Trace Event
+Format events (https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU):
+per loader one process group (``pid`` 1, 2, ... in order of appearance), per track one thread
+(``tid``: ``_TRACKS``, ``WORKER_TID + w`` for worker w), complete events (``ph`` "X",
+``ts``/``dur`` in microseconds from the start of the trace), counters (``ph`` "C") and instants
+(``ph`` "i").
 """
 
 from __future__ import annotations

@@ -286,8 +286,8 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
     if skipped:
         log.warning("time_budget_s=%s reached: %d trial(s) not run", time_budget_s, len(skipped))
     caught.report(dataset)
-    return _result(list(done.values()), tolerance, budget, time.perf_counter() - t_start, bool(skipped),
-                   monitor.stop(), batch_size=batch_size, warnings=caught.to_list())
+    return _result(list(done.values()), tolerance, budget, time.perf_counter() - t_start,
+                   bool(skipped), monitor.stop(), batch_size=batch_size, warnings=caught.to_list())
 
 
 def within_noise(t: Trial, best: Trial, tolerance: float) -> bool:
