@@ -27,6 +27,7 @@ import torch
 
 from .._tools.output import require_matplotlib
 
+
 class UsageError(ValueError):
     """A command-line value gpufeed cannot use (exit code 2)."""
 

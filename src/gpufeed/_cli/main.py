@@ -39,7 +39,7 @@ def _number(kind: Callable[[str], Any], *, zero: bool = False) -> Callable[[str]
             value = kind(text)
         except ValueError:
             value = float("nan")
-        if not (0 <= value if zero else 0 < value < float("inf")):
+        if not (value >= 0 if zero else 0 < value < float("inf")):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
     return parse

@@ -419,7 +419,9 @@ def _source_of(dataset: Any) -> tuple[str, int, str] | None:
     one, else its class), or None where Python cannot tell (a built-in, a class made in C)."""
     cls = type(dataset)
     for target in (getattr(cls, "__getitem__", None), getattr(cls, "__iter__", None), cls):
-        try:  # a TypeError for None (no such method) too
+        if target is None:
+            continue
+        try:
             fn = inspect.unwrap(target)
             filename = inspect.getsourcefile(fn)
             _, lineno = inspect.getsourcelines(fn)
