@@ -198,8 +198,7 @@ class MachineLoad:
 
     @property
     def summary(self) -> str:
-        steal = ("" if self.steal_share is None
-                 else f", CPU steal {self.steal_share:.0%}")
+        steal = "" if self.steal_share is None else f", CPU steal {self.steal_share:.0%}"
         what = (f"other processes used {self.other_cpus:.2f} of {self.cpus} CPUs{steal} "
                 f"over {self.seconds:.0f} s")
         if self.busy:

@@ -72,10 +72,9 @@ class Budget:
         """80% of what this machine can give now: available RAM plus this tree's PSS, and free
         /dev/shm."""
         shm = shm_usage()
-        free_shm = shm[1] if shm is not None else None
         mem = psutil.virtual_memory().available + process_tree_pss()
         return cls(memory_bytes=int(0.8 * mem),
-                   shm_bytes=int(0.8 * free_shm) if free_shm is not None else None)
+                   shm_bytes=int(0.8 * shm[1]) if shm is not None else None)
 
 
 @dataclass(frozen=True)
