@@ -7,8 +7,9 @@ process plus all its descendants, summed (NOTE [ Measuring honestly ] (1)), samp
 thread. Reading PSS makes the kernel walk every page table of the tree (about 40 us per
 resident MiB on the VMs we measure on), so the sampler waits at least ten times a sample's
 cost: it takes at most about 10% of one core. One more sample is taken, untimed, when the pass
-is about to end while the workers still run: memory that only grows during a pass (mapped file
-pages) peaks there, and sparse samples would miss it by a varying amount.
+is about to end (the last batch of a ``len()``-known pass, or the batch that hits
+``max_batches``/``max_seconds``) while the workers still run: memory that only grows during a
+pass (mapped file pages) peaks there, and sparse samples would miss it by a varying amount.
 
 The peak is also split by kind (``Pss_Anon``, ``Pss_File`` and ``Pss_Shmem`` of
 ``/proc/<pid>/smaps_rollup``, summed over the tree at the peak sample), because the kinds
