@@ -216,7 +216,7 @@ class Profiler:
             t1 = time.perf_counter()
             self._got_batch(t1 - t0, t1)
             tl = _timeline.active
-            if tl is not None and self._stats is None:  # not gpufeed's: its loop's waits, steps
+            if tl is not None and self._stats is None:  # not gpufeed's: its loop's waits and steps
                 tl.label(self, None, "your loop (gpufeed.tools.Profiler)")
                 tl.handout(self, self._taken - 1, 0, last or 0.0, t0, t1, t1)
             yield item
