@@ -38,7 +38,7 @@ def _per_round(a: Runs, b: Runs) -> float:
 
 #: ways to turn the runs of two rows into one ratio
 ESTIMATORS: dict[str, Callable[[Runs, Runs], float]] = {
-    "faster halves (gpufeed bench)": lambda a, b: Spread(tuple(a)).ratio(Spread(tuple(b)))[0],
+    "faster halves (gpufeed bench)": lambda a, b: Spread(tuple(a)).ratio(Spread(tuple(b))).mid,
     "ratio of medians": lambda a, b: statistics.median(a) / statistics.median(b),
     "median of per-round ratios": _per_round,
     "ratio of the fastest runs": lambda a, b: max(a) / max(b),

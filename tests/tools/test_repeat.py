@@ -11,8 +11,8 @@ def test_spread_median_range_and_overlap():
     b = Spread((108.0, 120.0, 130.0))
     c = Spread((111.0, 120.0))
     assert a.overlaps(b) and b.overlaps(a) and not a.overlaps(c)
-    mid, lo, hi = c.ratio(a)  # faster halves: (120,) over (100, 105, 110)
-    assert mid == pytest.approx(120 / 105) and lo <= mid <= hi
+    r = c.ratio(a)  # faster halves: (120,) over (100, 105, 110)
+    assert r.mid == pytest.approx(120 / 105) and r.lo <= r.mid <= r.hi
     assert a.to_dict()["runs"] == list(a.runs)
     # c has two runs: too few to tell, whatever its interval
     assert c.ratio(a).verdict == "cannot tell"
@@ -47,15 +47,16 @@ def test_a_ratio_is_taken_between_the_faster_halves():
     the ratio of the undisturbed runs (2x here). The median of per-round ratios gave 3.3x."""
     stock = Spread((60.0, 60.0, 60.0, 100.0, 100.0))  # slowed in three rounds of five
     gpufeed = Spread((200.0, 200.0, 200.0, 200.0, 200.0))
-    assert gpufeed.ratio(stock)[0] == pytest.approx(2.0)
-    assert stock.ratio(gpufeed)[0] == pytest.approx(0.5)
+    assert gpufeed.ratio(stock).mid == pytest.approx(2.0)
+    assert stock.ratio(gpufeed).mid == pytest.approx(0.5)
     assert gpufeed.median / stock.median == pytest.approx(200 / 60)
     # and a slow patch that hits both sides of some rounds leaves it alone too
     stock = Spread((100.0, 100.0, 50.0, 50.0, 100.0))
     gpufeed = Spread((220.0, 200.0, 100.0, 90.0, 180.0))
-    assert gpufeed.ratio(stock)[0] == pytest.approx(2.0)
-    assert Spread((5.0, 1.0, 3.0)).ratio(Spread((1.0,)))[0] == 4.0  # the faster ceil(n / 2)
-    assert tuple(Spread(()).ratio(stock)) == (0.0, 0.0, 0.0)  # nothing measured: no ratio
+    assert gpufeed.ratio(stock).mid == pytest.approx(2.0)
+    assert Spread((5.0, 1.0, 3.0)).ratio(Spread((1.0,))).mid == 4.0  # the faster ceil(n / 2)
+    none = Spread(()).ratio(stock)
+    assert (none.mid, none.lo, none.hi) == (0.0, 0.0, 0.0)  # nothing measured: no ratio
 
 
 @pytest.mark.parametrize(("runs", "done"), [
@@ -99,13 +100,13 @@ def test_monitor_counts_other_processes_not_ours(monkeypatch):
     monkeypatch.setattr(_repeat, "_proc_stat", lambda: next(stats))
     monkeypatch.setattr(_repeat, "_tree_cpu_s", lambda: next(ours))
     monkeypatch.setattr(_repeat.time, "perf_counter", lambda: next(clock))
-    load = LoadMonitor(cpus=2).start().stop()
+    load = LoadMonitor(cpus=2).stop()
     assert load.other_cpus == pytest.approx(1.0)
     assert load.steal_share == pytest.approx(0.05)
     assert load.busy
 
 
 def test_monitor_on_this_machine_reads_real_counters():
-    load = LoadMonitor().start().stop()
+    load = LoadMonitor().stop()
     assert load.other_cpus >= 0 and load.cpus >= 1
     assert load.steal_share is None or 0 <= load.steal_share <= 1

@@ -2,6 +2,6 @@
 
 - ``main.py``: the argument parser, its validators and ``main`` (the entry point);
 - ``commands.py``: one function per subcommand (bench, tune, profile, doctor), its progress bar,
-  and ``profile``'s run recorded (``--trace``, ``--timeline``);
-- ``targets.py``: loading the user's ``MODULE:NAME`` targets and datasets, and their errors.
+  ``profile``'s run recorded (``--trace``, ``--timeline``), and loading the user's
+  ``MODULE:NAME`` targets and datasets, with their errors.
 """

@@ -1,10 +1,11 @@
 """The ``gpufeed`` subcommands, one function each (``cmd_bench``, ``cmd_tune``, ``cmd_profile``,
-``cmd_doctor``: an ``argparse`` namespace in, the exit code out), and their progress bar.
+``cmd_doctor``: an ``argparse`` namespace in, the exit code out), and their progress bar; the
+user's ``MODULE:NAME`` (or ``path/to/file.py:NAME``) targets they load, and the errors those
+raise (exit code 2).
 
-``gpufeed profile ... --trace FILE --timeline FILE.png``: the profiled run, recorded. The options
-are added to ``profile``'s parser in ``main.py``, and :func:`cmd_profile_traced` runs
-``cmd_profile`` inside ``gpufeed.trace`` (``_tools/trace.py``) when either is given, then
-writes the trace and draws the picture (``_tools/gantt.py``).
+``gpufeed profile ... --trace FILE --timeline FILE.png``: :func:`cmd_profile_traced` runs
+``cmd_profile`` inside ``gpufeed.trace`` when either is given, then writes the trace and draws
+the picture (``_tools/gantt.py``).
 
 Each command imports the tools it uses when it runs (``gpu`` only with CUDA).
 """
@@ -12,27 +13,98 @@ Each command imports the tools it uses when it runs (``gpu`` only with CUDA).
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import inspect
+import os
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from .targets import TargetError, UsageError, load_collate, load_dataset, load_target
+from .._tools.output import require_matplotlib
+
+
+class UsageError(ValueError):
+    """A command-line value gpufeed cannot use (exit code 2)."""
+
+
+class TargetError(UsageError):
+    """A ``MODULE:NAME`` argument that does not name what the command needs."""
+
+
+def load_target(spec: str, *, what: str = "FACTORY") -> Callable[..., Any]:
+    """Import ``MODULE:NAME`` (or ``path/to/file.py:NAME``) and return the callable it names."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise TargetError(f"expected MODULE:{what} (e.g. mypkg.data:{what.lower()}), got {spec!r}")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise TargetError(f"no file {module_name!r} (from {spec!r}); give an existing .py "
+                              f"file or an importable module: MODULE:{what}")
+        loc = importlib.util.spec_from_file_location(path.stem, path)
+        if loc is None or loc.loader is None:
+            raise TargetError(f"cannot load {module_name!r} as a Python module (from {spec!r})")
+        module = importlib.util.module_from_spec(loc)
+        sys.modules.setdefault(path.stem, module)  # so workers can unpickle what it defines
+        loc.loader.exec_module(module)
+    else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # like `python -m`: the current directory imports
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and module_name.startswith(exc.name):
+                raise TargetError(f"cannot import module {module_name!r} (from {spec!r}): {exc}; "
+                                  "check the spelling and that it is importable from the current "
+                                  "directory or PYTHONPATH") from None
+            raise
+    if not hasattr(module, attr):
+        names = ", ".join(n for n in dir(module) if not n.startswith("_"))[:300]
+        raise TargetError(f"module {module_name!r} has no attribute {attr!r} (from {spec!r}); "
+                          f"it defines: {names or 'nothing public'}")
+    target = getattr(module, attr)
+    if not callable(target):
+        raise TargetError(f"{spec!r} is a {type(target).__name__}, not a callable; {what} must "
+                          "be a function (or class) to call")
+    return target
+
+
+def load_dataset(spec: str) -> Any:
+    """Call the ``MODULE:FACTORY`` with no arguments and check it returned a dataset."""
+    dataset = load_target(spec)()
+    is_map = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+    if not (is_map or isinstance(dataset, torch.utils.data.IterableDataset)):
+        raise TargetError(f"{spec!r} returned a {type(dataset).__name__}, not a dataset; FACTORY "
+                          "must return a map-style dataset (__getitem__ and __len__) or a "
+                          "torch.utils.data.IterableDataset")
+    return dataset
+
+
+def load_collate(spec: str | None) -> Callable[[list[Any]], Any] | None:
+    """``--collate MODULE:FUNCTION`` (``gpufeed bench`` and ``tune``): the ``collate_fn`` every
+    loader measured gets; None (no option) leaves the loaders' default."""
+    return load_target(spec, what="FUNCTION") if spec else None
+
 
 
 class _ProgressBar:
-    """A tqdm bar on stderr when tqdm is installed and enabled, else nothing."""
+    """A tqdm bar on stderr, unless --no-progress or --json or tqdm is not installed (and off
+    too when stderr is no terminal: tqdm's ``disable=None``)."""
 
-    def __init__(self, enabled: bool, total: int | None, desc: str, unit: str = "run") -> None:
+    def __init__(self, args: argparse.Namespace, total: int | None, unit: str = "run") -> None:
         self.bar: Any = None
-        if enabled:
+        if not (args.no_progress or args.json):
             try:
                 from tqdm import tqdm
             except ImportError:
                 return
-            self.bar = tqdm(total=total, desc=desc, unit=unit, leave=False, disable=None)
+            self.bar = tqdm(total=total, desc=f"gpufeed {args.command}", unit=unit, leave=False,
+                            disable=None)
 
     def step(self, text: str = "") -> None:
         if self.bar is not None:
@@ -45,19 +117,11 @@ class _ProgressBar:
             self.bar.close()
 
 
-def _progress_on(args: argparse.Namespace) -> bool:
-    """A bar unless --no-progress or --json (the bar itself stays off when stderr is no
-    terminal: tqdm's ``disable=None``)."""
-    return not (args.no_progress or args.json)
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     from .._tools import bench as _bench
     from .._tools.trial import COLLATE_FIX, ragged
 
     if args.plot:
-        from .._tools.tuner import require_matplotlib
-
         require_matplotlib()  # fail before the runs, not after
     if args.target:
         dataset, batch_size, title = load_dataset(args.target), args.batch_size or 32, args.target
@@ -73,7 +137,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         title = f"built-in synthetic workload: {work.description}"
         variants = {v.name: (v.dataset, v.collate_fn) for v in work.variants}
     rows = _bench.configs(variants, args.workers, batch_size, args.worker_type)
-    bar = _ProgressBar(_progress_on(args), len(rows) * args.runs, "gpufeed bench")
+    bar = _ProgressBar(args, len(rows) * args.runs)
     try:
         load = _bench.run_bench(rows, seconds=args.seconds, runs=args.runs,
                                 target_spread=args.target_spread, step=bar.step)
@@ -120,7 +184,7 @@ class _SleepStep:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .._tools.tuner import Budget, require_matplotlib, tune
+    from .._tools.tuner import Budget, tune
 
     if args.plot:
         require_matplotlib()  # fail before minutes of trials, not after
@@ -132,7 +196,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     budget = Budget(memory_bytes=args.budget_memory or default.memory_bytes,
                     shm_bytes=args.budget_shm or default.shm_bytes,
                     pinned_bytes=args.budget_pinned)
-    bar = _ProgressBar(_progress_on(args), None, "gpufeed tune")
+    bar = _ProgressBar(args, None)
     try:
         result = tune(dataset, batch_size=args.batch_size, budget=budget, collate_fn=collate,
                       step=step, worker_types=args.worker_types, runs=args.runs,
@@ -171,7 +235,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                               "either take the profiler (and loop over profiler.wrap(loader)) or "
                               "take no argument and return (iterable, step)")
         iterable, user_step = pair
-        bar = _ProgressBar(_progress_on(args), args.steps, "gpufeed profile", unit="step")
+        bar = _ProgressBar(args, args.steps, unit="step")
 
         def step(batch: Any) -> None:
             user_step(batch)
@@ -219,11 +283,10 @@ def cmd_profile_traced(args: argparse.Namespace) -> int:
     _check_trace_options(args)
     if not (args.trace or args.timeline):
         return cmd_profile(args)
-    from .._tools.gantt import require_matplotlib
     from .._tools.trace import trace
 
-    if args.timeline:
-        require_matplotlib()  # fail before the run, not after
+    if args.timeline:  # fail before the run, not after
+        require_matplotlib("timeline pictures", "--timeline")
     with trace(args.trace, last_batches=args.trace_last) as recording:
         code = cmd_profile(args)
     if args.trace:

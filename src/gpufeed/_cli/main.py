@@ -17,8 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._tools.output import file_path, json_output, output_path
-from .commands import cmd_bench, cmd_doctor, cmd_profile_traced, cmd_tune
-from .targets import UsageError
+from .commands import UsageError, cmd_bench, cmd_doctor, cmd_profile_traced, cmd_tune
 
 
 def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
@@ -31,14 +30,17 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     return parse
 
 
-def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+def _number(kind: Callable[[str], Any], *, zero: bool = False) -> Callable[[str], Any]:
+    """An ``argparse`` type: a finite number > 0, or with ``zero`` any number >= 0 (never nan)."""
+    what = f"{'an int' if kind is int else 'a number'} >= 0" if zero else "a positive number"
+
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
-            value = None
-        if value is None or not 0 < value < float("inf"):  # nan and inf too
-            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+            value = float("nan")
+        if not (value >= 0 if zero else 0 < value < float("inf")):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
     return parse
 
@@ -52,20 +54,6 @@ def _worker_counts(text: str) -> list[int]:
     return counts
 
 
-def _nonnegative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    what = "an int" if kind is int else "a number"
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = -1
-        if not value >= 0:  # nan too
-            raise argparse.ArgumentTypeError(f"expected {what} >= 0, got {text!r}")
-        return value
-    return parse
-
-
 def _size(text: str) -> int:
     from .._host.cost import parse_bytes
 
@@ -73,28 +61,6 @@ def _size(text: str) -> int:
         return parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _add_trace_options(p: argparse.ArgumentParser) -> None:
-    """``--trace``, ``--timeline`` and their bounds, on ``profile``'s parser; the recorded run
-    is ``cmd_profile_traced``'s (``commands.py``)."""
-    g = p.add_argument_group("timeline")
-    g.add_argument("--trace", metavar="FILE", type=file_path,
-                   help="write a timeline of every batch through every stage as Chrome Trace "
-                   "Event JSON (FILE.json.gz: compressed); open it in ui.perfetto.dev or "
-                   "chrome://tracing")
-    g.add_argument("--timeline", metavar="PNG", type=file_path,
-                   help="draw the first seconds of the timeline as a Gantt chart per track, "
-                   "stalls marked (needs matplotlib)")
-    g.add_argument("--timeline-seconds", type=_positive(float), metavar="S",
-                   help="seconds of the run the picture shows (1.0)")
-    g.add_argument("--timeline-start", type=_nonnegative(float), metavar="S",
-                   help="where the picture starts, in seconds from the start (0: worker "
-                   "start-up included)")
-    g.add_argument("--stall-ms", type=_nonnegative(float), metavar="MS",
-                   help="a wait of the loop this long or longer is a stall in the picture (1)")
-    g.add_argument("--trace-last", type=_positive(int), metavar="N",
-                   help="keep only the last N batches in the trace (a long run)")
 
 
 def version_text() -> str:
@@ -131,17 +97,17 @@ def _parser() -> argparse.ArgumentParser:
                        "on a built-in synthetic workload (no files, no GPU) or on MODULE:FACTORY.")
     b.add_argument("target", nargs="?", metavar="MODULE:FACTORY",
                    help="a function returning your dataset (default: built-in synthetic data)")
-    b.add_argument("--batch-size", type=_positive(int),
+    b.add_argument("--batch-size", type=_number(int),
                    help="samples per batch (default: 256 built-in, 32 yours)")
     b.add_argument("--workers", type=_worker_counts, default=[0, 2],
                    help="num_workers values (0,2)")
-    b.add_argument("--seconds", type=_positive(float), default=0.5,
+    b.add_argument("--seconds", type=_number(float), default=0.5,
                    help="timed seconds per run (0.5)")
-    b.add_argument("--runs", type=_positive(int), default=21,
+    b.add_argument("--runs", type=_number(int), default=21,
                    help="runs per row (21, about 1.5 min for the built-in workload; fewer "
                         "is quicker and noisier); a row stops early once a third of its runs "
                         "(at least 3) agree within --target-spread")
-    b.add_argument("--target-spread", type=_positive(float), default=0.05,
+    b.add_argument("--target-spread", type=_number(float), default=0.05,
                    help="spread (fastest-slowest)/median that counts as small (0.05)")
     b.add_argument("--worker-type", choices=("process", "thread"), default="process",
                    help="gpufeed's worker kind (process)")
@@ -155,12 +121,12 @@ def _parser() -> argparse.ArgumentParser:
                        description="Short trials over num_workers, worker_type, prefetch_factor "
                        "and pin_memory on your dataset; recommends DataLoader keyword arguments.")
     t.add_argument("target", metavar="MODULE:FACTORY", help="a function returning your dataset")
-    t.add_argument("--batch-size", type=_positive(int), default=32, help="samples per batch (32)")
+    t.add_argument("--batch-size", type=_number(int), default=32, help="samples per batch (32)")
     step = t.add_mutually_exclusive_group()
     step.add_argument("--step", metavar="MODULE:FUNCTION",
                       help="your training step, called with each batch: tune for the share of "
                       "the loop spent waiting for data, not raw loader speed")
-    step.add_argument("--step-ms", type=_positive(float), metavar="MS",
+    step.add_argument("--step-ms", type=_number(float), metavar="MS",
                       help="a training step of MS milliseconds that leaves the CPUs free "
                       "(a GPU step)")
     t.add_argument("--budget-memory", "--budget", dest="budget_memory", type=_size,
@@ -169,13 +135,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--budget-shm", type=_size,
                    help="limit on /dev/shm growth (default: 80%% of its free space)")
     t.add_argument("--budget-pinned", type=_size, help="pinned host memory limit (CUDA)")
-    t.add_argument("--runs", type=_positive(int), default=5,
+    t.add_argument("--runs", type=_number(int), default=5,
                    help="runs per trial (5); a trial stops after 3 when they agree")
     t.add_argument("--worker-types", type=_csv(str), default=["process", "thread"],
                    help="worker kinds to try (process,thread)")
-    t.add_argument("--trial-seconds", type=_positive(float), default=0.5,
+    t.add_argument("--trial-seconds", type=_number(float), default=0.5,
                    help="timed seconds per run of a trial (0.5)")
-    t.add_argument("--time-budget", type=_positive(float), default=120.0,
+    t.add_argument("--time-budget", type=_number(float), default=120.0,
                    help="no trial starts after this many seconds (120)")
     t.add_argument("--plot", metavar="FILE", type=file_path,
                    help="samples/s by num_workers (needs matplotlib)")
@@ -185,17 +151,35 @@ def _parser() -> argparse.ArgumentParser:
                         description="Run MODULE:FUNCTION under the profiler. FUNCTION(profiler) "
                         "loops over profiler.wrap(loader); or FUNCTION() returns (iterable, step).")
     pr.add_argument("target", metavar="MODULE:FUNCTION")
-    pr.add_argument("--steps", type=_positive(int), help="stop after N steps (default: all)")
-    pr.add_argument("--warmup", type=_positive(int), default=1, help="first steps left out (1)")
-    _add_trace_options(pr)
+    pr.add_argument("--steps", type=_number(int), help="stop after N steps (default: all)")
+    pr.add_argument("--warmup", type=_number(int), default=1, help="first steps left out (1)")
+    # --trace, --timeline and their bounds: the run recorded (cmd_profile_traced)
+    g = pr.add_argument_group("timeline")
+    g.add_argument("--trace", metavar="FILE", type=file_path,
+                   help="write a timeline of every batch through every stage as Chrome Trace "
+                   "Event JSON (FILE.json.gz: compressed); open it in ui.perfetto.dev or "
+                   "chrome://tracing")
+    g.add_argument("--timeline", metavar="PNG", type=file_path,
+                   help="draw the first seconds of the timeline as a Gantt chart per track, "
+                   "stalls marked (needs matplotlib)")
+    g.add_argument("--timeline-seconds", type=_number(float), metavar="S",
+                   help="seconds of the run the picture shows (1.0)")
+    g.add_argument("--timeline-start", type=_number(float, zero=True), metavar="S",
+                   help="where the picture starts, in seconds from the start (0: worker "
+                   "start-up included)")
+    g.add_argument("--stall-ms", type=_number(float, zero=True), metavar="MS",
+                   help="a wait of the loop this long or longer is a stall in the picture (1)")
+    g.add_argument("--trace-last", type=_number(int), metavar="N",
+                   help="keep only the last N batches in the trace (a long run)")
     pr.set_defaults(func=cmd_profile_traced)
 
     d = sub.add_parser("doctor", parents=[common], help="check this machine's limits",
                        description="Check /dev/shm, ulimit -n, RLIMIT_MEMLOCK, CPUs, memory and "
                        "GPUs against the loader you will run; exit 1 when something will "
                        "break it.")
-    d.add_argument("--workers", type=_nonnegative(int), help="num_workers (default: usable CPUs)")
-    d.add_argument("--prefetch-factor", type=_positive(int),
+    d.add_argument("--workers", type=_number(int, zero=True),
+                   help="num_workers (default: usable CPUs)")
+    d.add_argument("--prefetch-factor", type=_number(int),
                    help="batches in flight per worker (2)")
     d.add_argument("--worker-type", choices=("process", "thread"), default="process",
                    help="worker kind (process)")

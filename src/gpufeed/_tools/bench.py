@@ -9,6 +9,7 @@ loader. Runs follow NOTE [ Repeated measurement ] in ``_tools/repeat.py``.
 
 from __future__ import annotations
 
+import statistics
 import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from .._base.stats import format_table, human_bytes
 from .._host.config import WorkerType
 from .._loader import DataLoader
 from .measure import measure_loader, one_intra_op_thread
+from .output import require_matplotlib
 from .repeat import (
     BOOTSTRAP_RESAMPLES,
     VERDICT_RUNS,
@@ -30,7 +32,6 @@ from .repeat import (
     Spread,
     spreads_text,
 )
-from .tuner import require_matplotlib
 
 #: what each fetch path means, printed under the table.
 PATHS = {
@@ -64,8 +65,7 @@ class BenchConfig:
         return {"loader": self.loader, "path": self.path, "num_workers": self.num_workers,
                 "samples_per_s": s.median, "spread": s.to_dict(),
                 "peak_pss_bytes": self.peak_pss_bytes, "peak_held_bytes": self.peak_held_bytes,
-                "first_batch_s": sorted(self.first_batch_s)[len(self.first_batch_s) // 2]
-                if self.first_batch_s else 0.0}
+                "first_batch_s": statistics.median_high(self.first_batch_s or [0.0])}
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def configs(variants: dict[str, tuple[Any, Any]], workers: Sequence[int], batch_
 def run_bench(rows: list[BenchConfig], *, seconds: float, runs: int, target_spread: float,
               step: Callable[[str], None] | None = None) -> MachineLoad:
     """Measure every row round-robin until each is done (NOTE [ Repeated measurement ])."""
-    monitor = LoadMonitor().start()
+    monitor = LoadMonitor()
     while True:
         todo = [r for r in rows if not r.spread.done(runs, target_spread)]
         if not todo:
@@ -183,8 +183,8 @@ def render(title: str, rows: Sequence[BenchConfig], comparisons: Sequence[Compar
 
 def plot(rows: Sequence[BenchConfig], path: str) -> None:
     """Horizontal bars of the median samples/s per row, with the range as error bars."""
-    plt = require_matplotlib()
-    fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.2))
+    fig = require_matplotlib()(figsize=(7, 0.4 * len(rows) + 1.2))
+    ax = fig.subplots()
     labels = [f"{r.loader} {r.path} w{r.num_workers}" for r in rows]
     med = [r.spread.median for r in rows]
     err = [[m - r.spread.lo for m, r in zip(med, rows, strict=True)],
@@ -194,4 +194,3 @@ def plot(rows: Sequence[BenchConfig], path: str) -> None:
     ax.invert_yaxis()
     ax.set(xlabel="samples/s (median, range of runs)", title="gpufeed bench")
     fig.savefig(path, bbox_inches="tight", dpi=100)
-    plt.close(fig)

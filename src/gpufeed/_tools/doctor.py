@@ -214,9 +214,8 @@ def check_memlock(probe: Probe) -> Finding:
 def check_heap(probe: Probe) -> Finding:
     """Information only: process workers' malloc (NOTE [ Worker heap ] in _memory/heap.py)."""
     why = probe.worker_heap()
-    if why is None:
-        return Finding("worker heap", "ok", "glibc: thresholds raised to each worker's batches")
-    return Finding("worker heap", "ok", f"left as it is: {why}")
+    return Finding("worker heap", "ok", "glibc: thresholds raised to each worker's batches"
+                   if why is None else f"left as it is: {why}")
 
 
 def check_cpus(probe: Probe, num_workers: int | None = None) -> Finding:
@@ -254,27 +253,22 @@ def check_memory(probe: Probe, in_flight: int | None = None) -> Finding:
     advice = ("the loader needs room for prefetched batches per worker: stop other programs "
               "(ps aux --sort=-rss | head), lower num_workers or prefetch_factor, or use "
               "worker_type='thread'; gpufeed tune --budget-memory SIZE finds what fits")
-    if available < fail_at:
-        return Finding("free memory", "fail", value, advice)
-    if available < warn_at:
-        return Finding("free memory", "warn", value, advice)
-    return Finding("free memory", "ok", value)
+    status: Status = "fail" if available < fail_at else "warn" if available < warn_at else "ok"
+    return Finding("free memory", status, value, advice if status != "ok" else "")
 
 
 def check_gpu(gpu: GpuInfo, probe: Probe) -> list[Finding]:
     name = f"GPU {gpu.index}"
     link = (f"{gpu.name}, PCIe gen {gpu.gen or '?'}/{gpu.max_gen or '?'}, "
             f"x{gpu.width or '?'}/x{gpu.max_width or '?'}")
+    advice = ""
     if gpu.width and gpu.max_width and gpu.width < gpu.max_width:
-        pcie = Finding(f"{name} PCIe", "warn", link,
-                       f"the link runs at x{gpu.width} of x{gpu.max_width}: host-to-device "
-                       "copies are slower; reseat the card or use a full-width slot")
+        advice = (f"the link runs at x{gpu.width} of x{gpu.max_width}: host-to-device copies "
+                  "are slower; reseat the card or use a full-width slot")
     elif gpu.gen and gpu.max_gen and gpu.gen < gpu.max_gen:
-        pcie = Finding(f"{name} PCIe", "warn", link,
-                       "the link runs below its top generation; idle GPUs step down, so "
-                       "re-check under load (nvidia-smi -q -d PCI) before changing anything")
-    else:
-        pcie = Finding(f"{name} PCIe", "ok", link)
+        advice = ("the link runs below its top generation; idle GPUs step down, so re-check "
+                  "under load (nvidia-smi -q -d PCI) before changing anything")
+    pcie = Finding(f"{name} PCIe", "warn" if advice else "ok", link, advice)
     if gpu.numa_node is None or gpu.numa_node < 0:
         return [pcie, Finding(f"{name} NUMA", "ok", "no NUMA node reported")]
     node_cpus = cpulist(probe.read_text(f"/sys/devices/system/node/node{gpu.numa_node}/cpulist"))

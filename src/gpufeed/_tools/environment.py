@@ -1,7 +1,8 @@
-"""Date, machine and versions, recorded with every benchmark result file; writing the files."""
+"""Date, machine and versions, recorded with every benchmark result file."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import os
@@ -37,12 +38,9 @@ def _git(*args: str) -> str | None:
 def environment() -> dict[str, Any]:
     """Date, machine and versions, recorded with every result file."""
     cpu_model = platform.processor() or None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next((ln.split(":", 1)[1].strip() for ln in f
-                              if ln.startswith("model name")), cpu_model)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu_model = next((ln.split(":", 1)[1].strip() for ln in f
+                          if ln.startswith("model name")), cpu_model)
     commit = _git("rev-parse", "HEAD")
     # The installed distribution's version, else the package's own (run from a checkout):
     # gpufeed's __init__ has run by now, since this module is inside it.

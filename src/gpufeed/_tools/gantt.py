@@ -1,12 +1,11 @@
 """A trace as a picture: a Gantt chart per track, stalls marked (needs matplotlib).
 
-``render(doc, "run.png")`` draws any Trace Event Format document gpufeed wrote
-(``Trace.to_dict()``, or a saved file loaded with ``json.load``): one row per track (the
-loop's main thread, each worker, the device stage), one bar per span, coloured by stage; a
-*stall* (the loop waited ``stall_ms`` or longer for a batch) is drawn red and shaded across
-every row, so the worker or copy that was late stands out; below, the ring's slots in use
-and the batches in flight. ``gpufeed profile ... --timeline FILE.png`` and ``Trace.plot``
-call it. matplotlib's object API is used (no pyplot, no change of the global backend).
+``render(doc, "run.png")``, called by ``gpufeed profile ... --timeline FILE.png`` and
+``Trace.plot``, draws any Trace Event Format document gpufeed wrote (``Trace.to_dict()``, or a
+saved file loaded with ``json.load``): one row per track (the loop's main thread, each worker,
+the device stage), one bar per span, coloured by stage; a *stall* (the loop waited
+``stall_ms`` or longer for a batch) is drawn red and shaded across every row, so the worker or
+copy that was late stands out; below, the ring's slots in use and the batches in flight.
 """
 
 from __future__ import annotations
@@ -17,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .output import require_matplotlib
+
 COLORS = {
     "fetch": "#4C72B0", "collate": "#8FB7E0", "wait": "#F2A93B", "startup": "#FCE3B8",
     "hand out": "#55A868",
@@ -24,16 +25,6 @@ COLORS = {
     "stall": "#D62728",
 }
 OTHER = "#999999"
-
-
-def require_matplotlib() -> Any:
-    """``matplotlib.figure.Figure``, or an ImportError that says how to install it."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ImportError("timeline pictures need matplotlib: pip install 'gpufeed[plot]' "
-                          "(or leave out --timeline)") from exc
-    return Figure
 
 
 def stalls(doc: Mapping[str, Any], *, stall_ms: float = 1.0) -> list[dict[str, Any]]:
@@ -64,7 +55,7 @@ def render(doc: Mapping[str, Any], path: str | os.PathLike[str], *,
         raise ValueError(f"seconds={seconds!r} must be positive (or None for the whole trace)")
     if not start_s >= 0 or not stall_ms >= 0:
         raise ValueError(f"start_s={start_s!r} and stall_ms={stall_ms!r} must be >= 0")
-    figure_cls = require_matplotlib()
+    figure_cls = require_matplotlib("timeline pictures", "--timeline")
     lo = start_s * 1e6
     hi = float("inf") if seconds is None else lo + seconds * 1e6
     events = doc["traceEvents"]

@@ -1,24 +1,15 @@
 """Measuring a loader honestly: throughput, first-batch latency and process-tree memory.
 
 ``measure_loader`` times any iterable of batches (a ``gpufeed.DataLoader``, the stock
-``torch.utils.data.DataLoader``, a ``torchdata.nodes.Loader``, a generator) the same way:
-
-- the **first-batch latency** runs from just before ``iter()`` (worker start-up included) to
-  the first batch;
-- the first ``warmup_batches`` batches are **excluded from the rate**, whose clock starts when
-  the last of them has been delivered;
-- the **memory** figure is the peak PSS of this process plus all its descendants, summed (NOTE
-  [ Measuring honestly ] (1)), sampled by a daemon thread every ``sample_interval_s``. Reading
-  PSS makes the kernel walk every page table of the tree (about 40 us per resident MiB on the
-  VMs we measure on), so the interval is stretched to ten times the cost of a sample when that
-  is longer: the sampler takes at most about 10% of one core. One more sample is taken,
-  untimed, when the pass is about to end (the last batch of a ``len()``-known pass, or the
-  batch that hits ``max_batches``/``max_seconds``) while the workers still run: memory that
-  only grows during a pass (mapped file pages) peaks there, and sparse samples would miss it by
-  a varying amount;
-- the **main process's CPU** over the counted batches (``main_thread_cpu_s``: the iterating
-  thread; ``main_process_cpu_s``: all its threads but the sampler's) is what the loader costs
-  the process that trains, which competes with its own workers for the cores.
+``torch.utils.data.DataLoader``, a ``torchdata.nodes.Loader``, a generator) the same way
+(:class:`Measurement` says what each figure covers). Its memory figure is the peak PSS of this
+process plus all its descendants, summed (NOTE [ Measuring honestly ] (1)), sampled by a daemon
+thread. Reading PSS makes the kernel walk every page table of the tree (about 40 us per
+resident MiB on the VMs we measure on), so the sampler waits at least ten times a sample's
+cost: it takes at most about 10% of one core. One more sample is taken, untimed, when the pass
+is about to end (the last batch of a ``len()``-known pass, or the batch that hits
+``max_batches``/``max_seconds``) while the workers still run: memory that only grows during a
+pass (mapped file pages) peaks there, and sparse samples would miss it by a varying amount.
 
 The peak is also split by kind (``Pss_Anon``, ``Pss_File`` and ``Pss_Shmem`` of
 ``/proc/<pid>/smaps_rollup``, summed over the tree at the peak sample), because the kinds
@@ -35,11 +26,8 @@ behave differently when two loaders are compared:
 Shared memory that the tree holds open but no process maps is in no PSS: the stock loader's
 queued batches are such memory (a worker collates into a /dev/shm segment and passes its
 descriptor on; the main process maps it when it takes the batch). So the sampler also reads it
-(``probe.unmapped_shared_bytes``; ``sample_held``, on by default) and keeps the peak of PSS plus
-it, ``peak_held_bytes``. Descriptors in transit inside a socket are in neither.
-
-The peaks are ``PeakSampler``'s, sampled by a thread (here) or from the loop (a tuner trial's),
-with its cheap gauges (/dev/shm use, pinned bytes).
+(``probe.unmapped_shared_bytes``) and keeps the peak of PSS plus it, ``peak_held_bytes``.
+Descriptors in transit inside a socket are in neither.
 
 NOTE [ Measuring honestly ]
 ---------------------------
@@ -86,7 +74,8 @@ class Measurement:
         seconds: wall time from the end of the warm-up to the last counted batch.
         samples_per_s: ``samples / seconds``.
         bytes_per_s: bytes of tensor/array leaves delivered per second after the warm-up.
-        first_batch_s: seconds from just before ``iter()`` to the first batch.
+        first_batch_s: seconds from just before ``iter()`` (worker start-up included) to the
+            first batch.
         peak_pss_bytes: the tree's highest PSS while the iterator was alive (0 unsampled).
         start_pss_bytes: the tree's PSS just before ``iter()`` (0 unsampled); the peak less
             this is the growth caused by iterating.
@@ -99,6 +88,8 @@ class Measurement:
             in one sample; at least ``peak_pss_bytes`` when sampled.
         main_thread_cpu_s: CPU seconds of the iterating thread over the counted batches: the
             loader's work in the main thread (receiving, unpacking, releasing) and this loop's.
+            It is what the loader costs the process that trains, which competes with its own
+            workers for the cores.
         main_process_cpu_s: the same for every thread of this process but the PSS sampler's
             (a loader's helper threads, thread workers); worker processes are not in it.
         worker_nice: a gpufeed loader's workers' priority at the end (its stats gauge).
@@ -166,13 +157,11 @@ def measure_loader(
     sample_memory: bool = True,
     sample_interval_s: float = 0.02,
     sample_held: bool = True,
-    count: Callable[[Any], tuple[int, int]] = batch_samples_and_bytes,
 ) -> Measurement:
     """Iterate one pass over ``make_iterable()`` and measure it.
 
     Args:
-        make_iterable: builds the loader (or any iterable of batches), untimed; ``iter()`` on
-            it is timed (first-batch latency).
+        make_iterable: builds the loader (or any iterable of batches), untimed.
         max_batches: stop after this many batches in all, warm-up included (``None``: the whole
             pass).
         max_seconds: stop this many seconds after the warm-up ended (``None``: no limit); the
@@ -181,15 +170,13 @@ def measure_loader(
             page faults, allocator growth); must leave at least one batch to time.
         consume: called on every batch (as a training step would be); its time counts in the
             rate. ``None``: the batch is dropped at once.
-        sample_memory: sample the tree's PSS in a thread, plus once, untimed, as the pass ends.
-            Costs up to about 10% of one core; turn it off where PSS is not available.
+        sample_memory: sample the tree's PSS (see the module docstring); turn it off where PSS
+            is not available.
         sample_held: also read the shared memory the tree holds but maps nowhere
             (``peak_held_bytes``): each process's descriptors and, when one is shared
             memory, its ``/proc/<pid>/maps`` (a few ms, mostly the kernel's, per sample).
         sample_interval_s: seconds between PSS samples (stretched to ten times the cost of a
             sample when that is longer). Shorter catches briefer peaks and costs more CPU.
-        count: returns ``(samples, bytes)`` of a batch (default:
-            :func:`batch_samples_and_bytes`).
 
     Raises:
         ValueError: bad knobs, or fewer batches than ``warmup_batches + 1``.
@@ -237,7 +224,7 @@ def measure_loader(
                 t_rate = now
                 cpu_rate = _cpu_now(sampler)
             else:
-                n, b = count(batch)
+                n, b = batch_samples_and_bytes(batch)
                 samples += n
                 nbytes += b
                 t_end = now
@@ -299,13 +286,6 @@ def _cpu_now(sampler: PeakSampler | None) -> tuple[float, float]:
 
 # -- the memory peaks: a process tree's, sampled by a thread or from the loop ---------------------
 
-def pinned_bytes() -> int:
-    """Pinned host bytes (CUDA only): torch's caching host allocator plus the regions gpufeed
-    registered (``pinning.registered_bytes``)."""
-    stats = torch.cuda.host_memory_stats()
-    return int(stats.get("allocated_bytes.current", 0)) + int(registered_bytes())
-
-
 def _shm_used() -> int:
     usage = shm_usage()
     return usage[0] - usage[1] if usage is not None else 0
@@ -318,7 +298,8 @@ class PeakSampler:
     ``count``: how many. ``held``: the highest PSS plus the shared memory the tree holds but
     maps nowhere (read only with ``held=True``, else it follows the PSS). With ``gauges=True``,
     :meth:`sample_gauges` keeps ``shm_used`` (bytes used on /dev/shm, machine-wide; ``shm_start``
-    when built) and ``pinned`` (:func:`pinned_bytes`, CUDA only).
+    when built) and ``pinned`` (CUDA only: torch's caching host allocator plus the regions gpufeed
+    registered, ``pinning.registered_bytes``).
     """
 
     def __init__(self, *, gauges: bool = False, held: bool = False) -> None:
@@ -337,8 +318,8 @@ class PeakSampler:
         self._thread: threading.Thread | None = None
 
     def start_thread(self, interval_s: float) -> PeakSampler:
-        """Sample now, then every ``interval_s`` (stretched to ten times the cost of a sample
-        when that is longer) in a daemon thread until :meth:`stop`."""
+        """Sample now, then every ``interval_s`` or more (see ``measure_loader``) in a daemon
+        thread until :meth:`stop`."""
         self.interval_s = interval_s
         self.sample()
         self._thread = threading.Thread(target=self._run, name="gpufeed-pss", daemon=True)
@@ -370,7 +351,9 @@ class PeakSampler:
         """Read /dev/shm use and pinned bytes (``gauges=True``) and keep their peaks."""
         self.shm_used = max(self.shm_used, _shm_used())
         if self._cuda:
-            self.pinned = max(self.pinned, pinned_bytes())
+            stats = torch.cuda.host_memory_stats()
+            pinned = int(stats.get("allocated_bytes.current", 0)) + int(registered_bytes())
+            self.pinned = max(self.pinned, pinned)
 
     def thread_cpu_s(self) -> float:
         """CPU seconds the sampling thread has used so far (0 without one)."""

@@ -1,9 +1,9 @@
 """Where the tools' results go: JSON to a file or to stdout (``-``), plots to real paths.
 
 ``-`` means stdout, as for most command-line tools: ``gpufeed doctor --json - | jq .`` gets
-nothing but the JSON on stdout, so while it is written there the tables and messages the
-command prints go to stderr instead (:func:`json_output`). A plot is an image, so ``-`` is
-refused there with the fix (:func:`file_path`), instead of writing a file literally named ``-``.
+nothing but the JSON on stdout (:func:`json_output`). A plot is an image, so ``-`` is refused
+there with the fix (:func:`file_path`), instead of writing a file literally named ``-``. Plots
+are drawn with matplotlib's object API (no pyplot, no change of the global backend).
 """
 
 from __future__ import annotations
@@ -80,3 +80,12 @@ def output_path(text: str) -> str:
             f"folder {folder!r} of {text!r} does not exist; create it first (mkdir -p)")
     return text
 
+
+def require_matplotlib(what: str = "plots", option: str = "--plot") -> Any:
+    """``matplotlib.figure.Figure``, or an ImportError that says how to install it."""
+    try:
+        import matplotlib.figure
+    except ImportError as exc:
+        raise ImportError(f"{what} need matplotlib: pip install 'gpufeed[plot]' "
+                          f"(or leave out {option})") from exc
+    return matplotlib.figure.Figure

@@ -11,7 +11,7 @@ import resource
 import shutil
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -56,8 +56,7 @@ def _is_torch_shm_manager(proc: psutil.Process) -> bool:
 
 
 def shm_usage() -> tuple[int, int] | None:
-    """(total, free) bytes of /dev/shm, None where it cannot be read (the doctor, the tuner's
-    budget and its trials' gauge all read it here)."""
+    """(total, free) bytes of /dev/shm, None where it cannot be read."""
     try:
         usage = shutil.disk_usage("/dev/shm")
     except OSError:
@@ -191,9 +190,8 @@ def query_gpus(probe: Probe) -> list[GpuInfo]:
                                 gen("current_link_speed"), gen("max_link_speed"), width, max_width))
     if not gpus:  # e.g. no nvidia-smi in a container without /sys: names only
         gpus = [GpuInfo(i, name, "") for i, name in enumerate(probe.cuda_names())]
-    return [GpuInfo(g.index, g.name, g.bus_id, g.gen, g.max_gen, g.width, g.max_width,
-                    _int(probe.read_text(f"/sys/bus/pci/devices/{g.bus_id}/numa_node"))
-                    if g.bus_id else None)
+    return [replace(g, numa_node=None if not g.bus_id else
+                    _int(probe.read_text(f"/sys/bus/pci/devices/{g.bus_id}/numa_node")))
             for g in gpus]
 
 

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 from .._base import timeline as _timeline
 from .._base.stats import LoaderStats, format_table, input_bound_share, percentile
@@ -148,37 +148,6 @@ class _CudaGaps:
         return sum(a.elapsed_time(b) for a, b in self._pairs) / 1e3  # elapsed_time is in ms
 
 
-class _Timed(Generic[T]):
-    """Iterator that timestamps every ``next()``; the time between two calls is compute."""
-
-    def __init__(self, prof: Profiler, iterable: Iterable[T]) -> None:
-        self._prof = prof
-        self._it = iter(iterable)
-
-    def __iter__(self) -> _Timed[T]:
-        return self
-
-    def __next__(self) -> T:
-        prof = self._prof
-        t0 = time.perf_counter()
-        last = prof._last
-        prof._end_step(t0)
-        if prof._max_steps is not None and prof._taken >= prof._max_steps:
-            raise StopIteration
-        try:
-            item = next(self._it)
-        except StopIteration:
-            prof._last = None
-            raise
-        t1 = time.perf_counter()
-        prof._got_batch(t1 - t0, t1)
-        tl = _timeline.active
-        if tl is not None and prof._stats is None:  # not gpufeed's: its loop's waits and steps
-            tl.label(prof, None, "your loop (gpufeed.tools.Profiler)")
-            tl.handout(prof, prof._taken - 1, 0, last or 0.0, t0, t1, t1)
-        return item
-
-
 class Profiler:
     """Times a training loop's waits for data and its compute.
 
@@ -229,7 +198,28 @@ class Profiler:
         stats = getattr(iterable, "stats", None)
         if callable(stats):
             self._stats = stats
-        return _Timed(self, iterable)
+        return self._timed(iter(iterable))
+
+    def _timed(self, it: Iterator[T]) -> Iterator[T]:
+        """Timestamps every ``next()``; the time between two calls is compute."""
+        while True:
+            t0 = time.perf_counter()
+            last = self._last
+            self._end_step(t0)
+            if self._max_steps is not None and self._taken >= self._max_steps:
+                return
+            try:
+                item = next(it)
+            except StopIteration:
+                self._last = None
+                return
+            t1 = time.perf_counter()
+            self._got_batch(t1 - t0, t1)
+            tl = _timeline.active
+            if tl is not None and self._stats is None:  # not gpufeed's: its loop's waits and steps
+                tl.label(self, None, "your loop (gpufeed.tools.Profiler)")
+                tl.handout(self, self._taken - 1, 0, last or 0.0, t0, t1, t1)
+            yield item
 
     def _end_step(self, now: float) -> None:
         if self._last is None:

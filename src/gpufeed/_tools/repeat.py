@@ -13,17 +13,16 @@ NOTE [ Repeated measurement ]:
    over minutes, so runs must span more of it.
 2. A configuration is reported as the **median** of its runs and its **spread**, the range
    from the slowest to the fastest run.
-3. A ratio of two configurations is taken between their
-   *faster halves*: the median of every ratio of one of ``a``'s faster half of runs to one of
-   ``b``'s. Interference on a shared machine only ever slows a run down, so the faster runs are
-   the least disturbed ones, and half of them (not the single fastest) keeps one lucky run from
-   deciding. The ratio carries a 95% interval: the 2.5th and 97.5th percentiles of the same
-   ratio over ``BOOTSTRAP_RESAMPLES`` bootstrap resamples (each row's runs drawn again with
-   replacement, the faster halves and the median ratio taken again), seeded, so the same runs
-   give the same interval. The verdict follows from it alone: *faster* when the whole interval
-   lies above 1x, *slower* when it lies below, *cannot tell* when it holds 1x or a row has
-   fewer than ``VERDICT_RUNS`` (7) runs, because a percentile bootstrap is too narrow on few
-   runs.
+3. A ratio of two configurations is taken between their *faster halves*: the median of every
+   ratio of one of ``a``'s faster half of runs to one of ``b``'s. Interference on a shared
+   machine only ever slows a run down, so the faster runs are the least disturbed ones, and half
+   of them (not the single fastest) keeps one lucky run from deciding. The ratio carries a 95%
+   interval: the 2.5th and 97.5th percentiles of the same ratio over ``BOOTSTRAP_RESAMPLES``
+   bootstrap resamples (each row's runs drawn again with replacement, the faster halves and the
+   median ratio taken again), seeded, so the same runs give the same interval. The verdict
+   follows from it alone: *faster* when the whole interval lies above 1x, *slower* when it lies
+   below, *cannot tell* when it holds 1x or a row has fewer than ``VERDICT_RUNS`` (7) runs,
+   because a percentile bootstrap is too narrow on few runs.
 4. While measuring, :class:`LoadMonitor` reads the CPU time the whole machine used
    (``/proc/stat``) and subtracts what this process tree used: the rest is *other processes*.
    Steal time (a hypervisor running other guests on our CPUs) is read from the same line.
@@ -63,8 +62,7 @@ BUSY_STEAL_SHARE = 0.05
 
 
 def min_runs_to_stop(runs: int) -> int:
-    """Runs that must agree within the target spread before a configuration stops short of
-    ``runs``: ``MIN_RUNS``, or a third of ``runs`` when that is more."""
+    """Runs that must agree before a configuration stops short of ``runs`` (rule (1))."""
     return max(MIN_RUNS, -(-runs // 3))
 
 
@@ -105,8 +103,7 @@ class Spread:
         return Ratio(mid, min(lo, mid), max(hi, mid), len(self.runs), len(other.runs))
 
     def done(self, runs: int, target_spread: float) -> bool:
-        """Whether a configuration measured so far needs no more runs (``runs`` at most; see
-        NOTE [ Repeated measurement ] rule (1) for when it may stop early)."""
+        """Whether no more runs are needed (NOTE [ Repeated measurement ] rule (1))."""
         n = len(self.runs)
         return n >= runs or (n >= min_runs_to_stop(runs) and self.rel_spread <= target_spread)
 
@@ -126,8 +123,7 @@ def _faster_half_ratio(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def _bootstrap_interval(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
-    """The 95% percentile-bootstrap interval of :func:`_faster_half_ratio` (rule (3)), with a
-    fixed seed: the same runs always give the same interval."""
+    """The 95% percentile-bootstrap interval of :func:`_faster_half_ratio` (rule (3))."""
     rng = random.Random(0)
     draws = sorted(_faster_half_ratio(rng.choices(a, k=len(a)), rng.choices(b, k=len(b)))
                    for _ in range(BOOTSTRAP_RESAMPLES))
@@ -150,12 +146,6 @@ class Ratio:
     hi: float
     runs_a: int
     runs_b: int
-
-    def __iter__(self) -> Any:  # ``mid, lo, hi = spread.ratio(other)``
-        return iter((self.mid, self.lo, self.hi))
-
-    def __getitem__(self, i: int) -> float:
-        return (self.mid, self.lo, self.hi)[i]
 
     @property
     def verdict(self) -> str:
@@ -208,8 +198,7 @@ class MachineLoad:
 
     @property
     def summary(self) -> str:
-        steal = ("" if self.steal_share is None
-                 else f", CPU steal {self.steal_share:.0%}")
+        steal = "" if self.steal_share is None else f", CPU steal {self.steal_share:.0%}"
         what = (f"other processes used {self.other_cpus:.2f} of {self.cpus} CPUs{steal} "
                 f"over {self.seconds:.0f} s")
         if self.busy:
@@ -252,21 +241,15 @@ def _tree_cpu_s() -> float:
 
 
 class LoadMonitor:
-    """Watches the machine between :meth:`start` and :meth:`stop` (NOTE [ Repeated
-    measurement ] (4)). A worker reaped in between counts as ours, whole even if it started
-    before ``start``: that can only understate the others."""
+    """Watches the machine from its creation to :meth:`stop` (NOTE [ Repeated measurement ]
+    (4)). A worker reaped in between counts as ours, whole even if it started before: that can
+    only understate the others."""
 
     def __init__(self, cpus: int | None = None) -> None:
         self.cpus = cpus or os.cpu_count() or 1
-        self._t0 = 0.0
-        self._stat0: tuple[float, float, float] | None = None
-        self._ours0 = 0.0
-
-    def start(self) -> LoadMonitor:
         self._t0 = time.perf_counter()
         self._stat0 = _proc_stat()
         self._ours0 = _tree_cpu_s()
-        return self
 
     def stop(self) -> MachineLoad:
         seconds = max(time.perf_counter() - self._t0, 1e-9)

@@ -1,18 +1,13 @@
 """``gpufeed.trace``: record a timeline of every loader and write Chrome Trace Event JSON.
 
-::
-
-    with gpufeed.trace("run.json"):          # open run.json in https://ui.perfetto.dev
-        for batch in loader:                 # or chrome://tracing
-            train_step(batch)
-
-Every gpufeed loader (and ``to_device`` iterator) iterated inside the block is recorded, from
-any thread; the recorder and its rules are NOTE [ Timeline ] in ``_base/timeline.py``. This
-module is the one writer: it expands the records into Trace Event Format events
-(https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU): per loader
-one process group (``pid`` 1, 2, ... in order of appearance), per track one thread (``tid``:
-``_TRACKS``, ``WORKER_TID + w`` for worker w), complete events (``ph`` "X", ``ts``/``dur`` in
-microseconds from the start of the trace), counters (``ph`` "C") and instants (``ph`` "i").
+Every gpufeed loader (and ``to_device`` iterator) iterated inside ``with gpufeed.trace(...)`` is
+recorded, from any thread; the recorder and its rules are NOTE [ Timeline ] in
+``_base/timeline.py``. This module is the one writer: it expands the records into Trace Event
+Format events (https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU):
+per loader one process group (``pid`` 1, 2, ... in order of appearance), per track one thread
+(``tid``: ``_TRACKS``, ``WORKER_TID + w`` for worker w), complete events (``ph`` "X",
+``ts``/``dur`` in microseconds from the start of the trace), counters (``ph`` "C") and instants
+(``ph`` "i").
 """
 
 from __future__ import annotations
@@ -129,18 +124,13 @@ def chrome_trace(timeline: Timeline) -> dict[str, Any]:
                 ev["args"] = dict(args)
             events.append(ev)
     events.sort(key=lambda e: e["ts"])
-    meta: list[dict[str, Any]] = []
-    for owner, pid in pids.items():
-        label = timeline.labels.get((owner, None)) or f"gpufeed loader {pid}"
-        meta.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-                     "args": {"name": label}})
-        meta.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
-                     "args": {"sort_index": pid}})
-    for (pid, tid), name in sorted(tids.items()):
-        meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-                     "args": {"name": name}})
-        meta.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
-                     "args": {"sort_index": tid}})
+    # each process (tid 0) and thread: its name, and its place in the order (its pid or tid)
+    named = [("process", pid, 0, timeline.labels.get((owner, None)) or f"gpufeed loader {pid}",
+              pid) for owner, pid in pids.items()]
+    named += [("thread", pid, tid, name, tid) for (pid, tid), name in sorted(tids.items())]
+    meta = [{"ph": "M", "name": f"{kind}_{what}", "pid": pid, "tid": tid, "args": {what: value}}
+            for kind, pid, tid, name, order in named
+            for what, value in (("name", name), ("sort_index", order))]
     stopped = timeline.stopped
     return {
         "traceEvents": meta + events,

@@ -12,6 +12,7 @@ throughput.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -71,10 +72,9 @@ class Budget:
         """80% of what this machine can give now: available RAM plus this tree's PSS, and free
         /dev/shm."""
         shm = shm_usage()
-        free_shm = shm[1] if shm is not None else None
         mem = psutil.virtual_memory().available + process_tree_pss()
         return cls(memory_bytes=int(0.8 * mem),
-                   shm_bytes=int(0.8 * free_shm) if free_shm is not None else None)
+                   shm_bytes=int(0.8 * shm[1]) if shm is not None else None)
 
 
 @dataclass(frozen=True)
@@ -118,14 +118,21 @@ class Trial:
         return out
 
 
-class _StepTimer:
-    """Runs the user's step on each batch and, after the warm-up, adds up the step's time and
-    the loop's wait for the batch (from the previous step's :meth:`ready` to its arrival)."""
+class _Run:
+    """The ``consume`` hook of one run: the user's step, and after the warm-up its time and the
+    loop's wait (see the module docstring); the memory gauges every batch, and after the warm-up
+    the tree's PSS every ``PSS_EVERY_S`` (a sample costs a few ms: about 2% of a run's time) and
+    its CPU time every ``CPU_EVERY_S``: ``measure_loader``'s sampler thread can miss the peak of
+    a short run."""
 
     def __init__(self, step: Callable[[Any], object] | None, warmup: int) -> None:
         self.step, self.warmup = step, warmup
         self.batches = 0
         self.wait_s = self.step_s = 0.0
+        self.peaks = _measure.PeakSampler(gauges=True)
+        self.tree = TreeCpu()
+        self.cpu_first: tuple[float, float] | None = None
+        self.cpu_last: tuple[float, float] | None = None
         self._step_end: float | None = None
 
     def __call__(self, batch: Any) -> None:
@@ -137,52 +144,22 @@ class _StepTimer:
                 self.wait_s += t0 - self._step_end
                 self.step_s += t1 - t0
         self.batches += 1
-
-    def ready(self) -> None:
-        """The loop asks for the next batch from now on."""
+        self.peaks.sample_gauges()
+        if self.batches >= self.warmup:
+            self.peaks.maybe_sample(PSS_EVERY_S)
+            now = time.perf_counter()
+            if self.cpu_last is None or now - self.cpu_last[0] >= CPU_EVERY_S:
+                self.cpu_last = (now, self.tree.read(p.pid for p in descendants()).total)
+                self.cpu_first = self.cpu_first or self.cpu_last
         self._step_end = time.perf_counter()
-
-
-class _CpuClock:
-    """The process tree's CPU use over a run's timed batches: read when the warm-up is over,
-    then at most every ``CPU_EVERY_S``."""
-
-    def __init__(self) -> None:
-        self.tree = TreeCpu()
-        self.first: tuple[float, float] | None = None
-        self.last: tuple[float, float] | None = None
-
-    def tick(self) -> None:
-        now = time.perf_counter()
-        if self.last is not None and now - self.last[0] < CPU_EVERY_S:
-            return
-        self.last = (now, self.tree.read(p.pid for p in descendants()).total)
-        if self.first is None:
-            self.first = self.last
 
     @property
     def cores(self) -> float | None:
-        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+        """Cores the process tree used between the first and the last CPU reading."""
+        first, last = self.cpu_first, self.cpu_last
+        if first is None or last is None or last[0] <= first[0]:
             return None
-        return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
-
-
-def _consume(timer: _StepTimer, peaks: _measure.PeakSampler,
-             cpu: _CpuClock) -> Callable[[Any], None]:
-    """``consume`` hook of a run: the step and its timing, the memory gauges every batch, and
-    after the warm-up the tree's PSS every ``PSS_EVERY_S`` (a sample costs a few ms: about 2%
-    of a run's time) and its CPU time likewise: ``measure_loader``'s sampler thread can miss
-    the peak of a short run."""
-
-    def consume(batch: Any) -> None:
-        timer(batch)
-        peaks.sample_gauges()
-        if timer.batches >= timer.warmup:
-            peaks.maybe_sample(PSS_EVERY_S)
-            cpu.tick()
-        timer.ready()
-
-    return consume
+        return (last[1] - first[1]) / (last[0] - first[0])
 
 
 def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: int,
@@ -202,16 +179,14 @@ def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: i
     wait_s = step_s = 0.0
     cores: list[float] = []
     while not Spread(tuple(rates)).done(runs, target_spread):
-        timer, peaks = _StepTimer(step, warmup), _measure.PeakSampler(gauges=True)
-        cpu = _CpuClock()
+        run = _Run(step, warmup)
         try:
             with warnings.catch_warnings():  # trying more workers than CPUs is the point here
                 warnings.filterwarnings("ignore", message="This DataLoader will create",
                                         category=UserWarning)
                 m = _measure.measure_loader(lambda: factory(dataset, **kwargs),
                                             max_seconds=seconds, warmup_batches=warmup,
-                                            consume=_consume(timer, peaks, cpu),
-                                            sample_held=False)  # the budget is on PSS
+                                            consume=run, sample_held=False)  # the budget is on PSS
         except Exception as exc:  # a failing configuration is a result, not the end of the search
             log.warning("trial %s failed: %s: %s", kwargs_text(kwargs), type(exc).__name__, exc)
             first = (str(exc).strip().splitlines() or [""])[0]  # not the worker's traceback
@@ -219,18 +194,18 @@ def run_trial(dataset: Any, factory: Callable[..., Iterable[Any]], batch_size: i
                          f"failed: {type(exc).__name__}: {first}"[:200])
         rates.append(m.samples_per_s)
         firsts.append(m.first_batch_s)
-        shm = max(shm, peaks.shm_used - peaks.shm_start)
-        pss = max(pss, m.peak_pss_bytes, peaks.peak.pss)
-        pinned = max(pinned, peaks.pinned)
-        wait_s, step_s = wait_s + timer.wait_s, step_s + timer.step_s
-        if cpu.cores is not None:
-            cores.append(cpu.cores)
+        shm = max(shm, run.peaks.shm_used - run.peaks.shm_start)
+        pss = max(pss, m.peak_pss_bytes, run.peaks.peak.pss)
+        pinned = max(pinned, run.peaks.pinned)
+        wait_s, step_s = wait_s + run.wait_s, step_s + run.step_s
+        if run.cores is not None:
+            cores.append(run.cores)
         over = _over(budget, pss, shm, pinned)
         if over:  # more runs cannot bring a peak down
             break
     bound = input_bound_share(wait_s, step_s) if step is not None else None
     spread = Spread(tuple(rates))
-    return Trial(n, kind, pf, pin, spread.median, sorted(firsts)[len(firsts) // 2], pss, shm,
+    return Trial(n, kind, pf, pin, spread.median, statistics.median_high(firsts), pss, shm,
                  pinned, not over, ("over budget: " + ", ".join(over)) if over else "",
                  runs=spread.runs, input_bound=bound,
                  cpu_cores=sum(cores) / len(cores) if cores else None)

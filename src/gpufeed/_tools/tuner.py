@@ -17,14 +17,11 @@ Search (each trial is ``runs`` passes of about ``trial_seconds``, see ``_tools/t
 A trial over any part of the :class:`Budget` (peak PSS of the process tree, growth of /dev/shm
 use, pinned host bytes) is rejected.
 
-What the loaders of the trials warn about is said once, in the tool's words. ``gpufeed tune``
-builds a loader per run of every trial, and a loader warns once in its life, so a dataset that
-draws from a global random generator in thread workers would print a long
-``RandomStateWarning`` per thread-worker run, attributed to ``_tools/measure.py``, above the
-table the tool exists to show. :class:`TrialWarnings` catches those around each trial, lets
-every other warning through, and says each kind once, attributed to the dataset's own source,
-with the trials that saw it; the tool puts the same words in its JSON. Measurements:
-docs/how-it-works/measurements/tools.md#one-warning-per-tool.
+A loader warns once in its life and the tuner builds one per run of every trial, so
+:class:`TrialWarnings` catches the ``RandomStateWarning`` of thread-worker runs (a dataset
+drawing from a global random generator) and says it once, in the tool's words, attributed to
+the dataset's own source, with the trials that saw it; the JSON holds the same words. Every
+other warning passes. Measurements: docs/how-it-works/measurements/tools.md#one-warning-per-tool.
 
 NOTE [ The recommendation ]: the fastest accepted trial (highest median) is the *best*; a trial
 is *within the noise* of it when their ranges of runs overlap or its median is within
@@ -58,24 +55,11 @@ from .._host.config import WORKER_TYPES, WorkerType
 from .._host.cost import HARD_MAX_WORKERS, WorkerCost, parse_bytes, pays_off
 from .._loader import DataLoader
 from .._order.sample_rng import RandomStateWarning
-from .output import write_json
+from .output import require_matplotlib, write_json
 from .repeat import LoadMonitor, MachineLoad, spreads_text
 from .trial import COLLATE_FIX, Budget, Trial, kwargs_text, ragged, run_trial
 
 log = logging.getLogger(__name__)
-
-
-def require_matplotlib() -> Any:
-    """Import matplotlib (non-interactive backend) or say how to install it."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError("plots need matplotlib: pip install 'gpufeed[plot]' "
-                          "(or leave out --plot)") from exc
-    return plt
 
 
 @dataclass(frozen=True)
@@ -164,8 +148,8 @@ class TuneResult:
 
     def plot(self, path: str | os.PathLike[str]) -> None:
         """Samples/s against num_workers per worker type (needs matplotlib)."""
-        plt = require_matplotlib()
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig = require_matplotlib()(figsize=(6, 4))
+        ax = fig.subplots()
         for kind in sorted({t.worker_type or "-" for t in self.trials}):
             first: dict[int, Trial] = {}  # the ladder's trial at each count (prefetch pf0)
             for t in self.trials:
@@ -183,7 +167,6 @@ class TuneResult:
                title="gpufeed tune")
         ax.legend()
         fig.savefig(path, bbox_inches="tight", dpi=100)
-        plt.close(fig)
 
 
 def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | None = None,
@@ -241,8 +224,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
             for pf in prefetch_factors):
         raise ValueError(f"prefetch_factors must be positive ints or None (the loader's "
                          f"default), got {prefetch_factors!r}")
-    if loader_factory is None:
-        loader_factory = DataLoader
+    factory = loader_factory or DataLoader
     if budget is None:
         budget = Budget.default()
     elif not isinstance(budget, Budget):
@@ -253,9 +235,8 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
     pins = tuple(pin_memory) if pin_memory is not None else (
         (False, True) if torch.cuda.is_available() else (False,))
     t_start = time.perf_counter()
-    monitor = LoadMonitor(max(1, round(usable_cpus(per_rank=False)))).start()
-    trials: list[Trial] = []
-    done: dict[tuple[Any, ...], Trial] = {}
+    monitor = LoadMonitor(max(1, round(usable_cpus(per_rank=False))))
+    done: dict[tuple[Any, ...], Trial] = {}  # every trial, in the order run
     skipped: list[tuple[Any, ...]] = []
     caught = TrialWarnings("gpufeed tune")  # said once, after the trials
 
@@ -263,15 +244,14 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
         key = (n, kind if n else None, pf if n else None, pin)
         if key in done:
             return done[key]
-        if trials and time.perf_counter() - t_start > time_budget_s:
+        if done and time.perf_counter() - t_start > time_budget_s:
             skipped.append(key)
             return None
         with caught.trial(kwargs_text({"num_workers": n, "worker_type": kind} if n
                                       else {"num_workers": 0})):
-            trial = run_trial(dataset, loader_factory, batch_size, collate_fn, step, budget,
+            trial = run_trial(dataset, factory, batch_size, collate_fn, step, budget,
                               trial_seconds, *key, runs=runs, target_spread=target_spread)
         done[key] = trial
-        trials.append(trial)
         if progress is not None:
             progress(trial)
         return trial
@@ -297,7 +277,7 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
             if t.cpu_cores:
                 cost = WorkerCost.observed(workers=n, rate=t.samples_per_s, cpu_cores=t.cpu_cores)
                 bound = max(bound, cost.cpu_limit(cpus))
-    accepted = [t for t in trials if t.accepted]
+    accepted = [t for t in done.values() if t.accepted]
     if accepted:
         top = max(accepted, key=lambda t: t.samples_per_s)
         for pf in prefetch_factors if top.num_workers else (None,):
@@ -306,8 +286,8 @@ def tune(dataset: Any, *, batch_size: int, collate_fn: Callable[[Any], Any] | No
     if skipped:
         log.warning("time_budget_s=%s reached: %d trial(s) not run", time_budget_s, len(skipped))
     caught.report(dataset)
-    return _result(trials, tolerance, budget, time.perf_counter() - t_start, bool(skipped),
-                   monitor.stop(), batch_size=batch_size, warnings=caught.to_list())
+    return _result(list(done.values()), tolerance, budget, time.perf_counter() - t_start,
+                   bool(skipped), monitor.stop(), batch_size=batch_size, warnings=caught.to_list())
 
 
 def within_noise(t: Trial, best: Trial, tolerance: float) -> bool:
@@ -414,25 +394,24 @@ class TrialWarnings:
 
     def to_list(self) -> list[dict[str, Any]]:
         """JSON-ready: one entry per warning said."""
-        text = self.message
-        if text is None:
+        if not self.trials:
             return []
-        return [{"category": "RandomStateWarning", "message": text,
+        return [{"category": "RandomStateWarning", "message": self.message,
                  "generators": list(self.generators), "trials": list(self.trials)}]
 
-    def report(self, dataset: Any, stacklevel: int = 2) -> None:
+    def report(self, dataset: Any) -> None:
         """Warn once (``RandomStateWarning``), attributed to ``dataset``'s ``__getitem__`` (or
-        its class) where its source is known, else to the caller ``stacklevel`` frames up."""
+        its class) where its source is known, else to the tool's caller."""
         text = self.message
         if text is None:
             return
         where = _source_of(dataset)
         if where is None:
-            warnings.warn(text, RandomStateWarning, stacklevel=stacklevel + 1)
-            return
-        filename, lineno, module = where
-        warnings.warn_explicit(text, RandomStateWarning, filename, lineno, module=module,
-                               registry={})
+            warnings.warn(text, RandomStateWarning, stacklevel=3)
+        else:
+            filename, lineno, module = where
+            warnings.warn_explicit(text, RandomStateWarning, filename, lineno, module=module,
+                                   registry={})
 
 
 def _source_of(dataset: Any) -> tuple[str, int, str] | None:
@@ -440,10 +419,10 @@ def _source_of(dataset: Any) -> tuple[str, int, str] | None:
     one, else its class), or None where Python cannot tell (a built-in, a class made in C)."""
     cls = type(dataset)
     for target in (getattr(cls, "__getitem__", None), getattr(cls, "__iter__", None), cls):
+        if target is None:
+            continue
         try:
-            fn = inspect.unwrap(target) if target is not None else None
-            if fn is None:
-                continue
+            fn = inspect.unwrap(target)
             filename = inspect.getsourcefile(fn)
             _, lineno = inspect.getsourcelines(fn)
         except (OSError, TypeError):
