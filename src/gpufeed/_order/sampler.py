@@ -166,8 +166,14 @@ class ShardedSampler(_Resumable, DistributedSampler[int]):
     """
 
     def __init__(
-        self, dataset: Sized, *, rank: int | None = None, world_size: int | None = None,
-        shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+        self,
+        dataset: Sized,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
     ) -> None:
         rank, world_size, _ = resolve_world(rank, world_size)
         super().__init__(dataset, num_replicas=world_size, rank=rank,  # type: ignore[arg-type]
@@ -218,14 +224,21 @@ def _permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 def build_sampler(
-    dataset: Any, *, shuffle: bool | None, sampler: Sampler[Any] | Iterable[Any] | None,
-    batch_sampler: Sampler[Any] | Iterable[Any] | None = None, seed: int | None,
-    rank: int | None, world_size: int | None, drop_last: bool, shard: bool,
+    dataset: Any,
+    *,
+    shuffle: bool | None,
+    sampler: Sampler[Any] | Iterable[Any] | None,
+    batch_sampler: Sampler[Any] | Iterable[Any] | None = None,
+    seed: int | None,
+    rank: int | None,
+    world_size: int | None,
+    drop_last: bool,
+    shard: bool,
 ) -> Sampler[int] | Iterable[Any] | None:
     """Choose the loader's sampler; ``None`` means "let torch build its stock default".
 
-    - a user ``sampler`` is kept, a user ``batch_sampler`` gives ``None`` (either is an error
-      with explicit ``rank``/``world_size``);
+    - a user ``sampler`` is kept as is, and a user ``batch_sampler`` gives ``None`` (with explicit
+      ``rank``/``world_size`` either is an error);
     - iterable datasets get ``None`` (they are sharded inside the workers: :func:`shard_for`);
     - with ``shard`` (explicit ``rank``/``world_size``, or a ``seed`` and an initialised
       ``torch.distributed``): a :class:`ShardedSampler` (``shuffle`` defaults to false as in
@@ -233,9 +246,10 @@ def build_sampler(
     - otherwise, with ``shuffle`` and a ``seed``: a :class:`SeededRandomSampler`; without a
       seed, torch's own ``RandomSampler``/``SequentialSampler`` (the stock order, bit for bit).
     """
+    explicit = rank is not None or world_size is not None
     user, name = (sampler, "sampler") if sampler is not None else (batch_sampler, "batch_sampler")
     if user is not None:
-        if rank is not None or world_size is not None:
+        if explicit:
             raise ValueError(
                 f"rank={rank!r}/world_size={world_size!r} cannot be combined with {name}="
                 f"{type(user).__name__}: gpufeed only shards its own sampler; drop the {name} "
