@@ -66,9 +66,18 @@ class LoaderState(_Since):
 
 
 def make_state(
-    *, epoch: int, batches_delivered: int, delivered_ahead: Iterable[int] = (),
-    batch_size: int | None, seed: int | None, dataset_len: int | None, world_size: int,
-    rank: int, num_workers: int, sampler_state: Any = None, dataset_state: Any = None,
+    *,
+    epoch: int,
+    batches_delivered: int,
+    delivered_ahead: Iterable[int] = (),
+    batch_size: int | None,
+    seed: int | None,
+    dataset_len: int | None,
+    world_size: int,
+    rank: int,
+    num_workers: int,
+    sampler_state: Any = None,
+    dataset_state: Any = None,
     order: str | None = None,
 ) -> LoaderState:
     """Build a state dict of plain Python values."""
@@ -98,8 +107,14 @@ def _check_same(state: Mapping[str, Any], key: str, now: Any, fix: str) -> None:
 
 
 def check_state(
-    state: Mapping[str, Any], *, dataset_len: int | None, world_size: int, rank: int,
-    batch_size: int | None, num_workers: int, order: str | None = None,
+    state: Mapping[str, Any],
+    *,
+    dataset_len: int | None,
+    world_size: int,
+    rank: int,
+    batch_size: int | None,
+    num_workers: int,
+    order: str | None = None,
 ) -> LoaderState:
     """Validate a state against the loader that loads it; return it as a :class:`LoaderState`.
 
