@@ -24,17 +24,21 @@ def check_arguments(
     if not isinstance(worker_type, str):
         raise TypeError(f"worker_type must be 'process' or 'thread', got {worker_type!r}")
     if worker_type not in WORKER_TYPES:
-        raise ValueError(f"worker_type={worker_type!r} is not supported; use 'process' or 'thread'")
+        raise ValueError(
+            f"worker_type={worker_type!r} is not supported; use 'process' or 'thread'"
+        )
     workers = isinstance(num_workers, int) and num_workers > 0
     if worker_type == "process" and workers and not hasattr(select, "poll"):  # Windows
         raise ValueError(
             f"worker_type='process' needs select.poll, which {sys.platform} lacks (gpufeed's "
             "process workers run on Linux and macOS); use worker_type='thread', or "
-            "torch.utils.data.DataLoader on this platform")
+            "torch.utils.data.DataLoader on this platform"
+        )
     if worker_type == "thread" and multiprocessing_context is not None:
         raise ValueError(
             "multiprocessing_context only applies to process workers; drop it or use "
-            "worker_type='process'")
+            "worker_type='process'"
+        )
     if workers and prefetch_factor is not None:
         # Anything torch's range(prefetch_factor * num_workers) takes, >= 1.
         try:
@@ -55,8 +59,9 @@ def check_arguments(
                              f"MultiProcessingDataLoaderIter: {fix}")
     if ring_bytes is not None:
         if isinstance(ring_bytes, bool) or not isinstance(ring_bytes, int):
-            raise TypeError(f"ring_bytes must be an int number of bytes or None, got "
-                            f"{ring_bytes!r}")
+            raise TypeError(
+                f"ring_bytes must be an int number of bytes or None, got {ring_bytes!r}"
+            )
         if ring_bytes < 0:
             raise ValueError(f"ring_bytes={ring_bytes} is negative; use 0 to disable the ring")
     if isinstance(device_depth, bool) or not isinstance(device_depth, int):

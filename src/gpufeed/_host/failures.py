@@ -55,12 +55,16 @@ def describe_exit(pid: int | None, w: int, code: int | None) -> str:
         }.get(name, "")
         stock = f"DataLoader worker (pid {pid}) is killed by signal: {signal.strsignal(-code)}."
         # Stock raises "... exited unexpectedly" from the signal's message: both phrases.
-        return (f"{stock} DataLoader worker (pid(s) {pid}) exited unexpectedly: gpufeed worker "
-                f"{w} was killed by {name}{hint}")
+        return (
+            f"{stock} DataLoader worker (pid(s) {pid}) exited unexpectedly: gpufeed worker "
+            f"{w} was killed by {name}{hint}"
+        )
     if code == 0:
         return f"DataLoader worker (pid {pid}) exited unexpectedly (gpufeed worker {w}, code 0)"
-    return (f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}. "
-            f"gpufeed worker {w} exited with code {code}")
+    return (
+        f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}. "
+        f"gpufeed worker {w} exited with code {code}"
+    )
 
 
 class Lost(NamedTuple):
@@ -82,8 +86,10 @@ def lost_worker(desc: str, held: list[int]) -> WorkerError:
     handed over by the dead process): the culprit is one of them, maybe not the first."""
     named = ", ".join(map(str, sorted(held)[:6])) + (", ..." if len(held) > 6 else "")
     detail = f" while it held batch{'es' if len(held) > 1 else ''} {named}" if held else ""
-    return WorkerError(f"{desc}{detail}. No batch was lost silently: the epoch stops here. "
-                       "Rerun with num_workers=0 to see the error in the main process.")
+    return WorkerError(
+        f"{desc}{detail}. No batch was lost silently: the epoch stops here. "
+        "Rerun with num_workers=0 to see the error in the main process."
+    )
 
 
 def timed_out(timeout_text: str, tasks: dict[int, int]) -> WorkerError:
@@ -92,7 +98,8 @@ def timed_out(timeout_text: str, tasks: dict[int, int]) -> WorkerError:
     waiting = [f"batch {i} on worker {w}" for i, w in sorted(tasks.items())]
     return WorkerError(
         f"DataLoader timed out after {timeout_text} seconds (gpufeed: waiting for "
-        f"{', '.join(waiting[:4]) or 'a batch'}); raise timeout= or find what blocks the dataset")
+        f"{', '.join(waiting[:4]) or 'a batch'}); raise timeout= or find what blocks the dataset"
+    )
 
 
 def check_not_forked(pid: int) -> None:
@@ -102,4 +109,5 @@ def check_not_forked(pid: int) -> None:
             f"this gpufeed DataLoader's workers were started in process {pid}, and this "
             f"process (pid {os.getpid()}) is a fork of it: the loader was created before a fork "
             "and cannot be used here (threads do not survive fork(), and process workers answer "
-            "their parent only); re-create the DataLoader in this process")
+            "their parent only); re-create the DataLoader in this process"
+        )
