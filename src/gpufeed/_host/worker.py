@@ -73,11 +73,13 @@ _patch_lock = threading.Lock()
 
 
 def install_thread_worker_info() -> None:
-    """Make ``torch.utils.data.get_worker_info()`` answer per thread inside thread workers:
-    torch keeps the worker info in one module global, which threads share. The function's code
-    is swapped once for one that looks at a thread-local first, so that references the user
-    took before (``from torch.utils.data import get_worker_info``) see it too. Outside
-    gpufeed's thread workers it returns exactly what it returned before."""
+    """Make ``torch.utils.data.get_worker_info()`` answer per thread inside thread workers.
+
+    torch keeps the worker info in one module global, which threads share. The function's
+    code is swapped once for one that looks at a thread-local first, so that references the
+    user took before (``from torch.utils.data import get_worker_info``) see it too. Outside
+    gpufeed's thread workers it returns exactly what it returned before.
+    """
     mod = _utils.worker
     with _patch_lock:
         if getattr(mod, "_gpufeed_thread_info", None) is not None:
@@ -88,7 +90,9 @@ def install_thread_worker_info() -> None:
             "def get_worker_info():\n"
             "    info = getattr(_gpufeed_thread_info, 'info', None)\n"
             "    return info if info is not None else _worker_info\n",
-            mod.__dict__, scope)
+            mod.__dict__,
+            scope,
+        )
         mod.get_worker_info.__code__ = scope["get_worker_info"].__code__
 
 
@@ -107,8 +111,10 @@ def worker_loop(
     spec: WorkerSpec, *, worker_id: int, kind: str, chan: Any, close_fds: tuple[int, ...] = (),
 ) -> None:
     """Run one worker until told to stop, the main process goes away, or the pipe closes.
+
     ``chan``: a process worker's end of its pipe, or a thread worker's ``ThreadChannel``;
-    ``close_fds``: descriptors a forked process worker inherited and closes at once."""
+    ``close_fds``: descriptors a forked process worker inherited and closes at once.
+    """
     is_process = kind == "process"
     label = worker_label(worker_id, is_process)
     seed = spec.base_seed + worker_id
@@ -149,8 +155,11 @@ def worker_loop(
         fetcher = make_fetcher(
             dataset, is_iterable=spec.is_iterable, auto_collation=spec.auto_collation,
             collate_fn=spec.collate_fn, drop_last=spec.drop_last, sample_seed=spec.sample_seed,
-            base_seed=spec.base_seed, worker_id=worker_id, seed_globals=is_process)
-        writer = SlotWriter(region, shared_fallback=is_process) if region is not None else None
+            base_seed=spec.base_seed, worker_id=worker_id, seed_globals=is_process,
+        )
+        writer = (
+            SlotWriter(region, shared_fallback=is_process) if region is not None else None
+        )
     except Exception:
         _say(chan, StartFailed(capture(f"in {label} (gpufeed: during start-up)")))
         return
@@ -165,8 +174,9 @@ def worker_loop(
 
 def _serve(
     worker_id: int, label: str, chan: Any, fetcher: MapFetcher | IterFetcher,
-    writer: SlotWriter | None, parent: int, watch: GlobalDrawWatch | None,
-    heap: HeapFollower | None, lane: GatherLane | None,
+    writer: SlotWriter | None,
+    parent: int, watch: GlobalDrawWatch | None, heap: HeapFollower | None,
+    lane: GatherLane | None,
 ) -> None:
     # Messages read ahead by _newer.
     inbox: collections.deque[ToWorker] = collections.deque()
@@ -296,13 +306,15 @@ def _send_results(worker_id: int, label: str, chan: Any, gen: int, results: list
             err = capture(
                 f"in {label} (gpufeed: sending a batch with tensors the ring cannot hold, "
                 "nested, sparse, quantized or subclasses, which torch shares through /dev/shm; "
-                "a larger /dev/shm, e.g. docker --shm-size, or worker_type='thread' avoids it)")
+                "a larger /dev/shm, e.g. docker --shm-size, or worker_type='thread' avoids it)"
+            )
         chan.send(Done(gen, [Failed(r.batch, r.slot_id, err) for r in results]))
 
 
 def _run_task(
     worker_id: int, label: str, fetcher: MapFetcher | IterFetcher, writer: SlotWriter | None,
-    task: Task, gen: int, epoch: int, spills: list[Spill], heap: HeapFollower | None,
+    task: Task,
+    gen: int, epoch: int, spills: list[Spill], heap: HeapFollower | None,
     late: Callable[[int, int], Any],
 ) -> Result:
     batch, indices, slot = task.batch, task.indices, task.slot
