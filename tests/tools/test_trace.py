@@ -384,3 +384,10 @@ def test_the_picture_marks_the_stalls(tmp_path):
     assert path.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="seconds=0"):
         render(doc, tmp_path / "x.png", seconds=0)
+    with pytest.raises(ValueError, match=r"start_s=3600.0: .* start it earlier"):
+        render(doc, tmp_path / "x.png", start_s=3600.0)  # past the trace's end
+    # A window with spans of no kind the legend knows (under load, a short first window may
+    # hold only start-up) draws them, without a legend.
+    lone = {"traceEvents": [{"ph": "X", "name": "user span", "pid": 1, "tid": 1, "ts": 0.0,
+                             "dur": 500.0}]}
+    assert render(lone, tmp_path / "lone.png").read_bytes()[:4] == b"\x89PNG"

@@ -79,6 +79,9 @@ def render(doc: Mapping[str, Any], path: str | os.PathLike[str], *,
                 counters[(e["pid"], f"{e['name']}: {series}")].append((e["ts"], value))
     hi = min(hi, max(end_us, lo + 1.0))
     rows = sorted(spans)
+    if not rows:
+        raise ValueError(f"start_s={start_s!r}: the window holds no span of the trace "
+                         f"({end_us / 1e6:.3g} s long); start it earlier")
     stalled = [s for s in stalls(doc, stall_ms=stall_ms) if s["ts"] + s["dur"] >= lo
                and s["ts"] <= hi]
     shown = [name for name in ("ring slots: in use", "ring slots: fenced",
@@ -140,8 +143,9 @@ def render(doc: Mapping[str, Any], path: str | os.PathLike[str], *,
 
         handles.append(Line2D([], [], marker="v", color="black", linestyle="none",
                               label="event (ring grew or fell back, spill, ...)"))
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6),
-               fontsize=8, frameon=False)
+    if handles:
+        fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6),
+                   fontsize=8, frameon=False)
     total_stall = sum(min(s["ts"] + s["dur"], hi) - max(s["ts"], lo) for s in stalled) / 1e3
     gantt.set_title(
         f"gpufeed timeline, {start_s * 1e3:.0f}-{start_s * 1e3 + ms(hi):.0f} ms of the trace: "
