@@ -179,6 +179,23 @@ def test_a_library_without_the_turbojpeg3_api_is_not_used(tmp_path, monkeypatch)
     assert path is None and "nowhere.so does not exist" in why
 
 
+def test_a_library_found_twice_is_tried_and_reported_once(tmp_path, monkeypatch):
+    """The same path from GPUFEED_TURBOJPEG and the system search is loaded once, and the
+    reason it was not used is said once."""
+    bad = tmp_path / "libturbojpeg.so"
+    bad.write_bytes(b"not a shared library")
+    monkeypatch.setenv("GPUFEED_TURBOJPEG", str(bad))
+    monkeypatch.setattr(jpeg, "_LIB_PATHS", (str(bad),))
+    monkeypatch.setattr(jpeg.ctypes.util, "find_library", lambda name: str(bad))
+    monkeypatch.setattr(jpeg, "bundled_turbojpeg", lambda: [])
+    jpeg.find_turbojpeg.cache_clear()
+    try:
+        path, why = jpeg.find_turbojpeg()
+    finally:
+        jpeg.find_turbojpeg.cache_clear()
+    assert path is None and why.count("does not load") == 1
+
+
 @needs_turbo
 def test_a_damaged_jpeg_leaves_the_next_ones_to_turbojpeg():
     """A failed call spoils its TurboJPEG handle: the thread gets a fresh one, so the valid

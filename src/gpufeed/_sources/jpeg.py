@@ -251,13 +251,15 @@ def bundled_turbojpeg() -> list[str]:
 def find_turbojpeg() -> tuple[str | None, str]:
     """(path of a libturbojpeg with the TurboJPEG 3 API, or None; what was found instead)."""
     seen: list[str] = []
+    tried: set[str] = set()
     env = os.environ.get("GPUFEED_TURBOJPEG")
     found = ctypes.util.find_library("turbojpeg")
     for path in (env, found, *_LIB_PATHS, *bundled_turbojpeg()):
-        if not path or path in seen or (os.sep in path and not os.path.exists(path)):
+        if not path or path in tried or (os.sep in path and not os.path.exists(path)):
             if path == env and env and not os.path.exists(env):
                 seen.append(f"GPUFEED_TURBOJPEG={env} does not exist")
             continue
+        tried.add(path)
         try:
             lib = ctypes.CDLL(path)
         except OSError as exc:
