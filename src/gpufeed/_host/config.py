@@ -72,11 +72,6 @@ class IterConfig:
     multiprocessing_context: Any
     autotune: AutoTuner | None = None  # live, with ``num_workers="auto"``: the loader's tuner
 
-    @property
-    def direct(self) -> bool:
-        """The host iterator hands batches to the user itself (no device stage after it)."""
-        return self.device_depth is None
-
 
 class ConfigSource(Protocol):
     """What torch's persistent-worker hook hands an iterator (``BaseIter._reset``)."""

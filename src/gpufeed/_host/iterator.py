@@ -34,7 +34,8 @@ class BaseIter:
     def __init__(self, config: IterConfig) -> None:
         # The config holds no reference to the loader: NOTE [ Shutdown ] in _host/pool.py.
         self._position = config.position
-        self._direct = config.direct
+        # the iterator hands batches to the user itself (no device stage after it)
+        self._direct = config.device_depth is None
         self._dataset = config.dataset
         self._is_iterable = config.is_iterable
         self._auto_collation = config.auto_collation
