@@ -31,8 +31,9 @@ from . import failures
 from .collate import unpack
 from .config import IterConfig
 from .iterator import BaseIter
-from .late_slots import LateSlots, late_slot
+from .late_slots import LateSlots
 from .messages import (
+    LATE,
     Dropped,
     Exhausted,
     Failed,
@@ -188,9 +189,9 @@ class WorkerIter(BaseIter):
         (NOTE [ Balanced dispatch ] in ``_host/workahead.py``)."""
         acquire, new, plan, late = self._ring.acquire, tuple.__new__, self._plan, self._late
         balance = self._work_ahead.share == 1 and self._work_ahead.balanced
-        # Slots bound when the tasks start (NOTE [ Slots bound when a task starts ]).
+        # Slots bound when the tasks start (NOTE [ Slots bound when a task starts ]): all LATE.
         if late.on:
-            acquire = late_slot
+            acquire = itertools.repeat(LATE).__next__
         while not self._sampler_done:
             first = self._send_idx < self._num_workers
             window = self._work_ahead.window(first, len(self._tasks) + len(self._ready))
