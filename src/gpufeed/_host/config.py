@@ -5,7 +5,7 @@ iterator, at each epoch: ``BaseIter._reset``). The iterators read this and never
 they import nothing from ``_loader.py``, and the config holds no reference to the loader (NOTE
 [ Shutdown ] in ``_host/pool.py``). Values are copied when it is built; the fields marked
 "live" are objects the loader and its iterators share. A persistent iterator takes from each
-epoch's config only ``sample_seed`` (``load_state_dict`` may bring another).
+epoch's config only ``sample_seed`` (``load_state_dict`` may bring another) and ``len_called``.
 """
 
 from __future__ import annotations
