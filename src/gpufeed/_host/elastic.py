@@ -34,7 +34,7 @@ from typing import Any
 from .._base.interrupts import ctrl_c_held
 from .frozen_heap import heap_frozen
 from .messages import Done, Tasks, ThreadChannel, ToMain, ToWorker, WorkerSpec
-from .pool import GRACE_S, ProcessPool, ThreadPool, _hang_up, _thread_entry, _Watch
+from .pool import GRACE_S, ProcessPool, ThreadPool, _hang_up, _stop_processes, _thread_entry, _Watch
 from .worker import in_thread_worker, worker_loop
 
 
@@ -154,13 +154,8 @@ class ElasticProcessPool(_Counting, ProcessPool):
 
     def _join(self, w: int) -> None:
         """Reap the retired process at ``w`` and close its pipe (NOTE [ Resizing the pool ])."""
-        proc, conn = self.procs[w], self.conns[w]
-        proc.join(GRACE_S)
-        for stop in ("terminate", "kill"):
-            if proc.is_alive():
-                getattr(proc, stop)()
-                proc.join(1.0)
-        conn.close()
+        _stop_processes([self.procs[w]], GRACE_S)
+        self.conns[w].close()
 
 
 class ElasticThreadPool(_Counting, ThreadPool):
