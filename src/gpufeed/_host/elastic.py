@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from .._base.interrupts import ctrl_c_held
+from .failures import warn_if_unpicklable
 from .frozen_heap import heap_frozen
 from .messages import Done, Tasks, ThreadChannel, ToMain, ToWorker, WorkerSpec
 from .pool import GRACE_S, ProcessPool, ThreadPool, _hang_up, _stop_processes, _thread_entry, _Watch
@@ -134,7 +135,9 @@ class ElasticProcessPool(_Counting, ProcessPool):
         with ctrl_c_held(hold=fork):  # NOTE [ Ctrl-C that Python drops ]: raised once watched
             placed = False
             try:
-                with heap_frozen(fork=fork):  # NOTE [ Frozen heap at fork ]
+                # NOTE [ Frozen heap at fork ]; spawn and forkserver pickle the spec again: a
+                # dataset that stopped pickling since the first start fails as it would there
+                with heap_frozen(fork=fork), warn_if_unpicklable():
                     proc.start()
                 if w == len(self.procs):
                     self.procs.append(proc)
