@@ -9,16 +9,20 @@ import functools
 import logging
 import os
 import signal
+import threading
 import time
+import warnings
 
 import pytest
 import torch
 
 import gpufeed
 from gpufeed._host import elastic as _elastic
+from gpufeed._host.failures import START_PICKLE_WARNING
 from gpufeed._host.window import Move
 from support.compare import assert_same_batches
 from support.fakes import (
+    IndexDataset,
     RangeIterable,
     SampleRandomDataset,
     WorkerInfoDataset,
@@ -83,6 +87,26 @@ def test_workers_started_later_by_spawn_get_the_ring():
         got, seen = counts_seen(loader)
     assert seen == {2, 3}
     assert_same_batches(ref, got)
+
+
+@pytest.mark.slow
+def test_a_worker_added_by_spawn_that_cannot_pickle_warns_as_the_first_start():
+    # The dataset stops pickling after the first start (it opened a handle in the main
+    # process, say): the new worker's start fails as the first would, after torch's warning.
+    ds = IndexDataset(64)
+    loader = auto(ds, lambda k: 2 if hasattr(ds, "handle") else 1,
+                  multiprocessing_context="spawn")
+    loader._autotune.workers = 1
+    with no_leaks(), deadline(120), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        it = iter(loader)
+        next(it)
+        ds.handle = threading.Lock()
+        with pytest.raises(TypeError, match="pickle"):
+            list(it)
+        it.close()
+        del it
+    assert [str(w.message) for w in caught] == [START_PICKLE_WARNING]
 
 
 @pytest.mark.usefixtures("no_leaks")

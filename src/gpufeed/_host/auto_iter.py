@@ -93,8 +93,8 @@ class AutoIter(WorkerIter):
         return cast("ElasticProcessPool | ElasticThreadPool", self._pool)
 
     # -- epochs -------------------------------------------------------------------------------
-    def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
-        super()._restart(config, first_iter)
+    def _restart(self, sample_seed: int | None, first_iter: bool = False) -> None:
+        super()._restart(sample_seed, first_iter)
         n = self._num_workers
         self._plans = {w: self._gen for w in range(n)} if self._plan is not None else {}
         self._seeds.update({w: self._sample_seed for w in range(n)})

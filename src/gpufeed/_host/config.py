@@ -5,7 +5,7 @@ iterator, at each epoch: ``BaseIter._reset``). The iterators read this and never
 they import nothing from ``_loader.py``, and the config holds no reference to the loader (NOTE
 [ Shutdown ] in ``_host/pool.py``). Values are copied when it is built; the fields marked
 "live" are objects the loader and its iterators share. A persistent iterator takes from each
-epoch's config only ``sample_seed`` (``load_state_dict`` may bring another).
+epoch's config only ``sample_seed`` (``load_state_dict`` may bring another) and ``len_called``.
 """
 
 from __future__ import annotations
@@ -71,11 +71,6 @@ class IterConfig:
     worker_init_fn: Callable[[int], None] | None
     multiprocessing_context: Any
     autotune: AutoTuner | None = None  # live, with ``num_workers="auto"``: the loader's tuner
-
-    @property
-    def direct(self) -> bool:
-        """The host iterator hands batches to the user itself (no device stage after it)."""
-        return self.device_depth is None
 
 
 class ConfigSource(Protocol):

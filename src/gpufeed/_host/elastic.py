@@ -32,9 +32,10 @@ import time
 from typing import Any
 
 from .._base.interrupts import ctrl_c_held
+from .failures import warn_if_unpicklable
 from .frozen_heap import heap_frozen
 from .messages import Done, Tasks, ThreadChannel, ToMain, ToWorker, WorkerSpec
-from .pool import GRACE_S, ProcessPool, ThreadPool, _hang_up, _thread_entry, _Watch
+from .pool import GRACE_S, ProcessPool, ThreadPool, _hang_up, _stop_processes, _thread_entry, _Watch
 from .worker import in_thread_worker, worker_loop
 
 
@@ -134,7 +135,9 @@ class ElasticProcessPool(_Counting, ProcessPool):
         with ctrl_c_held(hold=fork):  # NOTE [ Ctrl-C that Python drops ]: raised once watched
             placed = False
             try:
-                with heap_frozen(fork=fork):  # NOTE [ Frozen heap at fork ]
+                # NOTE [ Frozen heap at fork ]; spawn and forkserver pickle the spec again: a
+                # dataset that stopped pickling since the first start fails as it would there
+                with heap_frozen(fork=fork), warn_if_unpicklable():
                     proc.start()
                 if w == len(self.procs):
                     self.procs.append(proc)
@@ -154,13 +157,8 @@ class ElasticProcessPool(_Counting, ProcessPool):
 
     def _join(self, w: int) -> None:
         """Reap the retired process at ``w`` and close its pipe (NOTE [ Resizing the pool ])."""
-        proc, conn = self.procs[w], self.conns[w]
-        proc.join(GRACE_S)
-        for stop in ("terminate", "kill"):
-            if proc.is_alive():
-                getattr(proc, stop)()
-                proc.join(1.0)
-        conn.close()
+        _stop_processes([self.procs[w]], GRACE_S)
+        self.conns[w].close()
 
 
 class ElasticThreadPool(_Counting, ThreadPool):

@@ -34,21 +34,20 @@ class BaseIter:
     def __init__(self, config: IterConfig) -> None:
         # The config holds no reference to the loader: NOTE [ Shutdown ] in _host/pool.py.
         self._position = config.position
-        self._direct = config.direct
+        # the iterator hands batches to the user itself (no device stage after it)
+        self._direct = config.device_depth is None
         self._dataset = config.dataset
         self._is_iterable = config.is_iterable
         self._auto_collation = config.auto_collation
         self._count_rows = config.auto_collation or config.whole_batches
         self._index_sampler = config.index_sampler
         self._collate_fn = config.collate_fn
-        self._drop_last = config.drop_last
         if config.pin_memory and not (torch.accelerator.is_available() or _pinning.cuda_usable()):
             warnings.warn(
                 "'pin_memory' argument is set as true but no accelerator is found, "
                 "then device pinned memory won't be used.",
                 stacklevel=3,
             )
-        self._config = config  # the epoch's (a worker iterator's _restart takes the next)
         self._pin = config.pin  # asked for, or implied by a CUDA device stage
         self._pin_device = config.pin_device  # pinning, registration and release fences run under
         self._sample_seed = config.sample_seed
@@ -111,7 +110,7 @@ class BaseIter:
         would (the sampler's draw may have begun: a worker iterator dispatches at once)."""
         if not self._num_yielded and self._position.set_epoch_came_late(self._index_sampler):
             self._position.reload()
-            self._restart(self._config)
+            self._restart(self._sample_seed)
 
     def _begin_epoch(self) -> None:
         """Start the epoch's index plan and delivery count (NOTE [ Delivery tracking ] in
@@ -214,10 +213,11 @@ class BaseIter:
         config (the length warning takes its ``len(loader)``, as torch's ``_reset`` does)."""
         config = loader._iter_config()
         self._len_called = config.len_called
-        self._restart(config, first_iter=first_iter)
+        self._restart(config.sample_seed, first_iter=first_iter)
 
-    def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
-        """Start the next epoch (``first_iter``: the one ``__init__`` started)."""
+    def _restart(self, sample_seed: int | None, first_iter: bool = False) -> None:
+        """Start the next epoch, with ``sample_seed`` (the epoch's config's: ``load_state_dict``
+        may bring another); ``first_iter``: the one ``__init__`` started."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -254,7 +254,7 @@ class SingleIter(BaseIter):
         shard_here(self._dataset)  # a datapipe graph, by the process group's rank
         self._fetcher = make_fetcher(
             self._dataset, is_iterable=self._is_iterable, auto_collation=self._auto_collation,
-            collate_fn=self._collate_fn, drop_last=self._drop_last, sample_seed=self._sample_seed,
+            collate_fn=self._collate_fn, drop_last=config.drop_last, sample_seed=self._sample_seed,
             base_seed=self._base_seed,
         )
         set_shard_info(ShardInfo(config.rank, config.world_size, 0, 1))
@@ -308,7 +308,7 @@ class SingleIter(BaseIter):
         self._plan = _UNDRAWN if (not self._is_iterable and not point.ahead
                                   and plannable(self._index_sampler)) else None
 
-    def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
+    def _restart(self, sample_seed: int | None, first_iter: bool = False) -> None:
         self._begin_epoch()
         self._load_dataset_state()
         self._num_yielded = 0

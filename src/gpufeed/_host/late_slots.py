@@ -51,9 +51,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .messages import LATE, NeedSlot, Slot, SlotFor, ToWorker
+from .messages import NeedSlot, Slot, SlotFor, ToWorker
 
-LATE_ROW = (*LATE,)
 # Rule (e).
 LATE_DELAYS = 8
 LATE_SLOW = 2
@@ -64,11 +63,6 @@ class LateVerdict:
     """A loader's verdict, shared by its iterators: its loop kept workers waiting (rule (e))."""
 
     slow = False
-
-
-def late_slot() -> tuple[int, int, int]:
-    """Dispatch's ``acquire`` while tasks go out ``LATE``: the ``LATE`` slot."""
-    return LATE_ROW
 
 
 class LateSlots:

@@ -258,17 +258,7 @@ class ProcessPool:
         else:
             for conn in self.conns:
                 conn.close()
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs:
-            proc.join(max(deadline - time.monotonic(), 0))
-        for stop in ("terminate", "kill"):
-            alive = [p for p in self.procs if p.is_alive()]
-            if not alive:
-                break
-            for p in alive:
-                getattr(p, stop)()
-            for p in alive:
-                p.join(1.0)
+        _stop_processes(self.procs, grace_s)
         # Stopped workers: none can write a slot now.
         self.stopped = not any(p.is_alive() for p in self.procs)
         for p in self.procs:
@@ -278,6 +268,22 @@ class ProcessPool:
         # join them or ask is_alive(), as with stock's. Dropped, they free their descriptors.
         # Their arguments hold the ring: let it go with the last user view.
         self.procs = []
+
+
+def _stop_processes(procs: list[Any], grace_s: float) -> None:
+    """Give ``procs`` ``grace_s`` in all to exit by themselves, then SIGTERM those still alive,
+    then SIGKILL, each time a second to take effect (NOTE [ Shutdown ])."""
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(max(deadline - time.monotonic(), 0))
+    for stop in ("terminate", "kill"):
+        alive = [p for p in procs if p.is_alive()]
+        if not alive:
+            break
+        for p in alive:
+            getattr(p, stop)()
+        for p in alive:
+            p.join(1.0)
 
 
 def _hang_up(conn: Any, *, may_write: bool) -> None:

@@ -40,9 +40,9 @@ class RayIter(BaseIter):
         self._alloc: Alloc | None = functools.partial(
             pinned_memory, config.pin_device) if config.pin else None
         self._batches: Iterator[Any] | None = None
-        self._restart(config, first_iter=True)
+        self._restart(config.sample_seed, first_iter=True)
 
-    def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
+    def _restart(self, sample_seed: int | None, first_iter: bool = False) -> None:
         if not first_iter:
             self._begin_epoch()
             self._num_yielded = 0

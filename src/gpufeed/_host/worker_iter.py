@@ -31,8 +31,9 @@ from . import failures
 from .collate import unpack
 from .config import IterConfig
 from .iterator import BaseIter
-from .late_slots import LateSlots, late_slot
+from .late_slots import LateSlots
 from .messages import (
+    LATE,
     Dropped,
     Exhausted,
     Failed,
@@ -98,7 +99,7 @@ class WorkerIter(BaseIter):
             spec = WorkerSpec(
                 num_workers=nw, dataset=self._dataset, is_iterable=self._is_iterable,
                 auto_collation=self._auto_collation, collate_fn=self._collate_fn,
-                drop_last=self._drop_last,
+                drop_last=config.drop_last,
                 region=self._ring.region if shared else self._ring.region_tensor,
                 base_seed=self._base_seed, init_fn=config.worker_init_fn,
                 sample_seed=self._sample_seed, rank=config.rank, world_size=config.world_size,
@@ -123,18 +124,18 @@ class WorkerIter(BaseIter):
             self._late.decide(self._work_ahead.late_bind)
             # The epoch's generation (NOTE [ Messages ]).
             self._gen = 0
-            self._restart(config, first_iter=True)
+            self._restart(config.sample_seed, first_iter=True)
         except BaseException:
             # A failed start leaves no worker, thread or descriptor behind.
             self.close()
             raise
 
     # -- epoch bookkeeping ------------------------------------------------------------------
-    def _restart(self, config: IterConfig, first_iter: bool = False) -> None:
+    def _restart(self, sample_seed: int | None, first_iter: bool = False) -> None:
         if self._closed:
             raise RuntimeError("this gpufeed iterator was closed; iterate the DataLoader again")
         failures.check_not_forked(self._pid)
-        self._gen, self._config = self._gen + 1, config
+        self._gen += 1
         if not first_iter:
             self._begin_epoch()
         self._num_yielded = 0
@@ -162,12 +163,11 @@ class WorkerIter(BaseIter):
             for w in range(self._num_workers):
                 state = resumed.states[w] if resumed is not None else None
                 self._pool.send(w, ResetStream(self._gen, state, None if first_iter else pipe_seed))
-        seed = config.sample_seed
         # load_state_dict brought another seed: re-seed the workers.
-        if seed != self._sample_seed:
-            self._sample_seed = seed
+        if sample_seed != self._sample_seed:
+            self._sample_seed = sample_seed
             for w in range(self._num_workers):
-                self._pool.send(w, Reseed(self._gen, seed))
+                self._pool.send(w, Reseed(self._gen, sample_seed))
         self._plan: IndexPlan | None = None
         point = self._tracker.point
         if not self._is_iterable and not point.ahead and plannable(self._index_sampler):
@@ -188,9 +188,9 @@ class WorkerIter(BaseIter):
         (NOTE [ Balanced dispatch ] in ``_host/workahead.py``)."""
         acquire, new, plan, late = self._ring.acquire, tuple.__new__, self._plan, self._late
         balance = self._work_ahead.share == 1 and self._work_ahead.balanced
-        # Slots bound when the tasks start (NOTE [ Slots bound when a task starts ]).
+        # Slots bound when the tasks start (NOTE [ Slots bound when a task starts ]): all LATE.
         if late.on:
-            acquire = late_slot
+            acquire = itertools.repeat(LATE).__next__
         while not self._sampler_done:
             first = self._send_idx < self._num_workers
             window = self._work_ahead.window(first, len(self._tasks) + len(self._ready))
