@@ -164,18 +164,25 @@ def test_fallback_is_used_and_said_once_when_turbojpeg_is_missing(tmp_path, monk
         gpufeed.sources.ImageFolder(root, decoder="pil", **kw)
 
 
-def test_a_library_without_the_turbojpeg3_api_is_not_used(tmp_path, monkeypatch):
-    """GPUFEED_TURBOJPEG naming something that is not libjpeg-turbo >= 3.0 is reported, not
-    loaded as one (Debian 12/13's libturbojpeg0 is 2.1.5)."""
-    monkeypatch.setenv("GPUFEED_TURBOJPEG", str(tmp_path / "nowhere.so"))
-    monkeypatch.setattr(jpeg, "_LIB_PATHS", ())
-    monkeypatch.setattr(jpeg.ctypes.util, "find_library", lambda name: None)
+def _find_turbojpeg(monkeypatch, env: str, found: str | None, lib_paths: tuple[str, ...]
+                    ) -> tuple[str | None, str]:
+    """find_turbojpeg() with GPUFEED_TURBOJPEG, the system search and the known paths given,
+    and no pip wheel's library."""
+    monkeypatch.setenv("GPUFEED_TURBOJPEG", env)
+    monkeypatch.setattr(jpeg, "_LIB_PATHS", lib_paths)
+    monkeypatch.setattr(jpeg.ctypes.util, "find_library", lambda name: found)
     monkeypatch.setattr(jpeg, "bundled_turbojpeg", lambda: [])
     jpeg.find_turbojpeg.cache_clear()
     try:
-        path, why = jpeg.find_turbojpeg()
+        return jpeg.find_turbojpeg()
     finally:
         jpeg.find_turbojpeg.cache_clear()
+
+
+def test_a_library_without_the_turbojpeg3_api_is_not_used(tmp_path, monkeypatch):
+    """GPUFEED_TURBOJPEG naming something that is not libjpeg-turbo >= 3.0 is reported, not
+    loaded as one (Debian 12/13's libturbojpeg0 is 2.1.5)."""
+    path, why = _find_turbojpeg(monkeypatch, str(tmp_path / "nowhere.so"), None, ())
     assert path is None and "nowhere.so does not exist" in why
 
 
@@ -184,15 +191,7 @@ def test_a_library_found_twice_is_tried_and_reported_once(tmp_path, monkeypatch)
     reason it was not used is said once."""
     bad = tmp_path / "libturbojpeg.so"
     bad.write_bytes(b"not a shared library")
-    monkeypatch.setenv("GPUFEED_TURBOJPEG", str(bad))
-    monkeypatch.setattr(jpeg, "_LIB_PATHS", (str(bad),))
-    monkeypatch.setattr(jpeg.ctypes.util, "find_library", lambda name: str(bad))
-    monkeypatch.setattr(jpeg, "bundled_turbojpeg", lambda: [])
-    jpeg.find_turbojpeg.cache_clear()
-    try:
-        path, why = jpeg.find_turbojpeg()
-    finally:
-        jpeg.find_turbojpeg.cache_clear()
+    path, why = _find_turbojpeg(monkeypatch, str(bad), str(bad), (str(bad),))
     assert path is None and why.count("does not load") == 1
 
 
