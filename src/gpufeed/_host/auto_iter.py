@@ -251,9 +251,10 @@ def held_back(tuner: AutoTuner, win: Window, decided: int) -> str | None:
     grew_in_vain = last.kind == "revert" and last.workers[1] < last.workers[0]
     held = last.kind == "hold" and not last.reason.startswith(("the machine is too noisy",
                                                                 "could not start"))
+    if not (grew_in_vain or held) or win.input_bound < GROW_AT:
+        return None
     cores, budget = win.cpu_cores, tuner.budgets.cpu_cores
-    if not (grew_in_vain or held) or win.input_bound < GROW_AT or cores is None or (
-            cores >= GIL_CORES or budget < 2):
+    if cores is None or cores >= GIL_CORES or budget < 2:
         return None
     _told.add(tuner)
     return (f"num_workers='auto' with worker_type='thread': your loop waits for data "

@@ -229,6 +229,12 @@ class AutoTuner:
             return self._shrink(win)
         return None
 
+    def _memo(self, key: str, default: int) -> int:
+        """The value remembered under ``key`` ("ceiling", "deep_ceiling", "floor",
+        "deep_floor") while it holds, else ``default``."""
+        memo = self._memos.get(key)
+        return default if memo is None else memo.value
+
     def _caps(self, win: Window, depth: int) -> list[tuple[int, str, str]]:
         """(most workers, what holds them there, why in words) of each limit on growth."""
         b, budget = self.budgets, human_bytes(self.budgets.memory_bytes)
@@ -254,7 +260,7 @@ class AutoTuner:
         bound = f"input-bound {pct(win.input_bound)}"
         if want <= n and self._waits < 2:
             return None  # the model says they keep up: wait for a second window to be sure
-        deep = self._memos["deep_ceiling"].value if "deep_ceiling" in self._memos else 2 * MAX_DEPTH
+        deep = self._memo("deep_ceiling", 2 * MAX_DEPTH)
         if want <= n and not self.depth_fixed and d < MAX_DEPTH and 2 * d < deep and (
                 g := win.gauges).memory(n, 2 * d) <= self.budgets.memory_bytes:
             self._trial = Change("deepen", win, (n, n), (d, min(2 * d, MAX_DEPTH)),
@@ -283,7 +289,7 @@ class AutoTuner:
         n, d = self.workers, self.depth
         cost = win.cost()
         need = cost.workers_for(win.rate * (1 + HEADROOM))
-        floor = self._memos["floor"].value if "floor" in self._memos else 1
+        floor = self._memo("floor", 1)
         target = max(need, (n + 1) // 2, floor, 1)
         calm = f"the loop does not wait (input-bound {pct(win.input_bound)})"
         if target < n:
@@ -291,8 +297,7 @@ class AutoTuner:
             return self._move("shrink", win, target, d, f"{calm}: {need} workers at "
                               f"{ms(cost.batch_s)} a batch deliver its {win.rate:,.0f} "
                               "batches/s", win.gauges)
-        memo = self._memos.get("deep_floor")
-        needed = memo.value if memo is not None else self.default_depth
+        needed = self._memo("deep_floor", self.default_depth)
         if d > self.default_depth and d // 2 >= needed and not self.depth_fixed:
             self._trial = Change("shallow", win, (n, n), (d, d // 2))
             return self._move("shallow", win, n, d // 2, f"{calm}: less work ahead", win.gauges)
