@@ -361,6 +361,11 @@ def test_the_cli_writes_the_trace_and_the_picture(tmp_path, monkeypatch, capsys)
     assert read.batches(pid, "main", WAITS) == list(range(50))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert main(["profile", "traced_loop:pair", "--trace-last", "0"]) == 2  # a usage error
+    # A picture's window past the run's end: a usage error naming the option, not a traceback.
+    assert main(["profile", "traced_loop:pair", "--timeline", str(png), "--timeline-start",
+                 "3600", "--no-progress"]) == 2
+    assert "--timeline-start 3600: start_s=3600.0: the window holds no span" in (
+        capsys.readouterr().err)
 
 
 def test_the_picture_marks_the_stalls(tmp_path):

@@ -292,8 +292,11 @@ def cmd_profile_traced(args: argparse.Namespace) -> int:
     if args.trace:
         print(f"wrote {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
     if args.timeline:
-        recording.plot(args.timeline, seconds=args.timeline_seconds,
-                       start_s=args.timeline_start, stall_ms=args.stall_ms)
+        try:
+            recording.plot(args.timeline, seconds=args.timeline_seconds,
+                           start_s=args.timeline_start, stall_ms=args.stall_ms)
+        except ValueError as exc:  # a window past the run's end: the trace is written already
+            raise UsageError(f"--timeline-start {args.timeline_start:g}: {exc}") from None
         print(f"wrote {args.timeline}")
     return code
 

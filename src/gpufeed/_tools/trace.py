@@ -204,7 +204,8 @@ class Trace:
     def plot(self, path: str | os.PathLike[str], *, seconds: float | None = 1.0,
              start_s: float = 0.0, stall_ms: float = 1.0) -> Path:
         """Draw ``seconds`` of the trace from ``start_s`` as a Gantt chart per track, stalls
-        marked (see ``_tools/gantt.py``; needs matplotlib)."""
+        marked (see ``_tools/gantt.py``; needs matplotlib). A window past the trace's end
+        raises ``ValueError``."""
         from .gantt import render
 
         return render(self.to_dict(), path, seconds=seconds, start_s=start_s,
