@@ -216,12 +216,11 @@ def test_loader_rebuilt_by_lightning_keeps_sizing_its_work_ahead():
 # -- Lightning DDP: two CPU processes, gloo, launched by torchrun -------------------------------
 
 
-def _torchrun(mode: str, out: Path, timeout: float = 150,
+def _torchrun(modes: list[str], out: Path, timeout: float = 150,
               script: str = "lightning_ddp.py") -> subprocess.CompletedProcess[str]:
-    modes = [mode] if mode else []
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
             "--monitor-interval=0.5", str(TESTS / "support" / script), *modes, str(out)]
-    return _run(args, out, timeout, f"torchrun {mode}")
+    return _run(args, out, timeout, f"torchrun {' '.join(modes)}")
 
 
 def _run(args: list[str], out: Path, timeout: float, what: str
@@ -242,13 +241,23 @@ def _run(args: list[str], out: Path, timeout: float, what: str
     return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
 
 
-@pytest.mark.slow
-def test_lightning_ddp_resumes_every_rank_from_rank_0s_checkpoint(tmp_path):
+@pytest.fixture(scope="module")
+def lightning_ddp(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One torchrun launch for both DDP checks (each rank imports Lightning once): ``seeded``,
+    then ``iterable``, whose refusal on rank 1 ends the launch; each mode in ``out/MODE``."""
     pytest.importorskip("lightning")
-    done = _torchrun("seeded", tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+    out = tmp_path_factory.mktemp("lightning_ddp")
+    return _torchrun(["seeded", "iterable"], out, timeout=300), out
+
+
+@pytest.mark.slow
+def test_lightning_ddp_resumes_every_rank_from_rank_0s_checkpoint(lightning_ddp):
+    done, out = lightning_ddp
+    out = out / "seeded"
+    assert all((out / f"rank{r}.json").exists() for r in (0, 1)), \
+        done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == [
         "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt"]
     for rank, result in enumerate(ranks):
         assert result["rank"] == rank and result["saved_rank"] == 0
@@ -260,14 +269,15 @@ def test_lightning_ddp_resumes_every_rank_from_rank_0s_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_lightning_ddp_refuses_rank_0s_state_where_it_depends_on_the_rank(tmp_path):
-    pytest.importorskip("lightning")
-    done = _torchrun("iterable", tmp_path)
+def test_lightning_ddp_refuses_rank_0s_state_where_it_depends_on_the_rank(lightning_ddp):
+    done, out = lightning_ddp
+    out = out / "iterable"
     assert done.returncode != 0  # rank 1 stopped the job
-    message = (tmp_path / "rank1.error").read_text()
+    assert (out / "rank1.error").exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    message = (out / "rank1.error").read_text()
     assert "this loader is rank 1 but the state was saved by rank 0" in message
     assert "iterable dataset's per-worker stream positions" in message
-    assert not (tmp_path / "rank0.error").exists()  # rank 0 loads its own state
+    assert not (out / "rank0.error").exists()  # rank 0 loads its own state
 
 
 @pytest.mark.slow
@@ -316,7 +326,7 @@ def test_accelerate_prepare_on_two_processes_shards_once(tmp_path):
     too; a loader that shards by rank itself (seed=) is refused by prepare() instead of being
     sharded twice (each rank a quarter of the data, half of it never seen)."""
     pytest.importorskip("accelerate")
-    done = _torchrun("", tmp_path, script="accelerate_ddp.py")
+    done = _torchrun([], tmp_path, script="accelerate_ddp.py")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:

@@ -1,7 +1,8 @@
 """Support script for tests/integration/test_frameworks.py (not a test module): Lightning DDP
 on two CPU processes (gloo), launched by ``torchrun --nproc-per-node=2``.
 
-``python support_lightning_ddp.py MODE OUT`` on each rank:
+``python lightning_ddp.py MODE [MODE ...] OUT`` on each rank, for each MODE in turn (in one
+launch, so that Lightning is imported once per rank), in ``OUT/MODE``:
 
 1. trains (``seeded``: 2 epochs of 4 steps per rank) with a ``ModelCheckpoint`` every 2 steps
    (Lightning writes it on rank 0 only, with rank 0's loader state), recording the batches each
@@ -12,7 +13,7 @@ MODE ``seeded``: a map-style gpufeed loader with ``seed=``, built in ``train_dat
 (after Lightning initialised torch.distributed, so it shards by rank itself); writes
 ``OUT/rank{r}.json``. MODE ``iterable``: an iterable dataset, whose state depends on the rank;
 a rank that cannot load rank 0's state writes the error to ``OUT/rank{r}.error`` and exits 3
-(torchrun then stops the other rank).
+(torchrun then stops the other rank), so it comes last.
 """
 
 from __future__ import annotations
@@ -47,8 +48,19 @@ def ddp_trainer(root: Path, epochs: int, **kwargs: object) -> object:
     return trainer(root, epochs=epochs, devices=2, strategy=strategy, **kwargs)
 
 
-def main(mode: str, out: Path) -> None:
+def main(modes: list[str], out: Path) -> None:
     torch.set_num_threads(1)
+    for mode in modes:
+        (out / mode).mkdir(exist_ok=True)  # by each rank
+        run(mode, out / mode)
+    # Lightning leaves the gloo process group up; tearing it down at interpreter exit sometimes
+    # aborts the process ("terminate called without an active exception", exit code -6) after
+    # the results are written. Close it here, while the other rank is still in step.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def run(mode: str, out: Path) -> None:
     rank = int(os.environ["RANK"])
     # seeded: batch 2 of epoch 1 on each rank; iterable (8 steps an epoch: the stream is not
     # sharded), batch 2 of epoch 0 is enough to show the refusal
@@ -71,12 +83,7 @@ def main(mode: str, out: Path) -> None:
         "rank": rank, "saved_rank": saved_state["rank"],
         "reference": reference.seen, "resumed": resumed.seen,
     }))
-    # Lightning leaves the gloo process group up; tearing it down at interpreter exit sometimes
-    # aborts the process ("terminate called without an active exception", exit code -6) after
-    # the results are written. Close it here, while the other rank is still in step.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1:-1], Path(sys.argv[-1]))
