@@ -8,12 +8,7 @@ take (``tests/support/hf_tiny.py``); CPU. The two-process checks run under torch
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +22,6 @@ pytest.importorskip("datasets")
 
 import gpufeed.hf as hf  # noqa: E402  (needs accelerate)
 from support.hf_tiny import text_set, trainer  # noqa: E402
-
-TESTS = Path(__file__).resolve().parent
 
 
 def _quiet_train(t, **kwargs):
@@ -216,26 +209,17 @@ def test_plain_accelerator_warning_names_gpufeed_hf():
         accelerate.Accelerator(cpu=True).prepare(gpufeed.DataLoader(Ids(), batch_size=4))
 
 
-def test_two_processes_each_ranks_batches_and_the_gathered_metrics_equal_stock(tmp_path):
+def test_two_processes_each_ranks_batches_and_the_gathered_metrics_equal_stock(
+        tmp_path_factory):
     """torchrun, 2 CPU processes (gloo): the Trainer's per-rank batches and losses and its
     gathered evaluation, and gpufeed.hf.Accelerator's prepared loaders under dispatch_batches,
-    split_batches, even_batches=False and the seedable sampler, as the stock ones."""
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            "--monitor-interval=0.5", str(TESTS / "support" / "hf_ddp.py"), str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")]),
-        "MASTER_ADDR": "127.0.0.1"}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env, cwd=tmp_path, start_new_session=True) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=150)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            pytest.fail(f"torchrun did not finish in 150 s:\n{stderr[-3000:]}")
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    split_batches, even_batches=False and the seedable sampler, as the stock ones. (The same
+    launch runs tests/integration/test_frameworks.py's checks of the stock Accelerate.)"""
+    from support.hf_ddp import launch_once
+
+    done, out = launch_once(tmp_path_factory)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
         assert r["said"] == [], r["said"]
         stock, ours = r["trainer/stock"], r["trainer/gpufeed"]

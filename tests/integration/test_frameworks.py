@@ -216,10 +216,10 @@ def test_loader_rebuilt_by_lightning_keeps_sizing_its_work_ahead():
 # -- Lightning DDP: two CPU processes, gloo, launched by torchrun -------------------------------
 
 
-def _torchrun(modes: list[str], out: Path, timeout: float = 150,
-              script: str = "lightning_ddp.py") -> subprocess.CompletedProcess[str]:
+def _torchrun(modes: list[str], out: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            "--monitor-interval=0.5", str(TESTS / "support" / script), *modes, str(out)]
+            "--monitor-interval=0.5", str(TESTS / "support" / "lightning_ddp.py"), *modes,
+            str(out)]
     return _run(args, out, timeout, f"torchrun {' '.join(modes)}")
 
 
@@ -320,15 +320,20 @@ def _shard(rank: int, shuffle: bool, epoch: int) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_accelerate_prepare_on_two_processes_shards_once(tmp_path):
+def test_accelerate_prepare_on_two_processes_shards_once(tmp_path_factory):
     """A stock program's loader, prepared, gives each rank the share the stock loader's does,
     with Accelerate's dispatch_batches, split_batches, even_batches=False and seedable sampler
     too; a loader that shards by rank itself (seed=) is refused by prepare() instead of being
     sharded twice (each rank a quarter of the data, half of it never seen)."""
     pytest.importorskip("accelerate")
-    done = _torchrun([], tmp_path, script="accelerate_ddp.py")
+    # one launch with tests/test_hf.py's two-process checks, which need these too
+    pytest.importorskip("transformers")
+    pytest.importorskip("datasets")
+    from support.hf_ddp import launch_once
+
+    done, out = launch_once(tmp_path_factory)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((out / "accelerate" / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
         assert r["gpufeed/shuffle=False"] == r["stock/shuffle=False"]
         assert "shard this gpufeed.DataLoader a second time" in r["seeded"]

@@ -1,5 +1,8 @@
 """``gpufeed.hf`` on two CPU processes (gloo), launched by torchrun: each rank writes what the
-stock and gpufeed sides gave it (``tests/test_hf.py``).
+stock and gpufeed sides gave it (``tests/test_hf.py``) to ``OUT/rank{r}.json``, then runs
+``accelerate_ddp.py``'s checks of the stock Accelerate in the same processes, into
+``OUT/accelerate`` (``tests/integration/test_frameworks.py``): one launch, each rank importing
+Accelerate once, for both test files (:func:`launch_once`).
 
     torchrun --nproc-per-node=2 hf_ddp.py OUT
 """
@@ -9,6 +12,8 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -94,8 +99,48 @@ def main(out: Path) -> None:
                       if "gpufeed" in str(w.message) or "skip_first_batches" in str(w.message)]
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     accelerate.PartialState().wait_for_everyone()
+    from support import accelerate_ddp
+
+    (out / "accelerate").mkdir(exist_ok=True)  # by each rank
+    accelerate_ddp.main(out / "accelerate")  # closes the process group at its end
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+#: the one launch of a test session: (the finished torchrun, OUT), or the failure to report
+_launched: dict[str, tuple[subprocess.CompletedProcess[str], Path] | str] = {}
+
+
+def launch_once(tmp_path_factory: Any, timeout: float = 300
+                ) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """torchrun this script on 2 processes, once a test session, whichever test file asks
+    first; ``src`` and ``tests`` importable, in a session of its own, so that a timeout ends
+    the processes it started too."""
+    import pytest
+
+    if "run" not in _launched:
+        out = tmp_path_factory.mktemp("hf_ddp")
+        tests = Path(__file__).resolve().parents[1]
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node=2", "--monitor-interval=0.5", __file__, str(out)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(tests.parent / "src"), str(tests), os.environ.get("PYTHONPATH", "")]),
+            "MASTER_ADDR": "127.0.0.1"}
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=out, start_new_session=True) as proc:
+            try:
+                stdout, stderr = proc.communicate(timeout=timeout)
+                _launched["run"] = (
+                    subprocess.CompletedProcess(args, proc.returncode, stdout, stderr), out)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+                _launched["run"] = f"torchrun did not finish in {timeout} s:\n{stderr[-3000:]}"
+    launched = _launched["run"]
+    if isinstance(launched, str):
+        pytest.fail(launched)
+    return launched
 
 
 if __name__ == "__main__":
