@@ -9,6 +9,7 @@ Accelerate once, for both test files (:func:`launch_once`).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
@@ -144,4 +145,8 @@ def launch_once(tmp_path_factory: Any, timeout: float = 300
 
 
 if __name__ == "__main__":
+    # The interpreter's last garbage collection, at exit, walks the whole heap that
+    # transformers' and Accelerate's imports built (seconds a rank on a loaded machine): the
+    # results are written by then, so the objects still alive are frozen out of it.
+    atexit.register(gc.freeze)
     main(Path(sys.argv[1]))

@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 warnings.simplefilter("ignore")  # Lightning's advice about workers, loggers, ...
-# The interpreter's last garbage collection, at exit, walks the whole heap that Lightning's
-# imports built: seconds in each of this run's 5 processes on a loaded machine (the main one and
-# each fit's 2). The results are written by then; the objects still alive are frozen out of it.
-atexit.register(gc.freeze)
+if __name__ in ("__main__", "__mp_main__"):  # this script and the processes it spawns
+    # The interpreter's last garbage collection, at exit, walks the whole heap that Lightning's
+    # imports built: seconds in each of this run's 5 processes on a loaded machine (the main
+    # one and each fit's 2). The results are written by then; the objects still alive are
+    # frozen out of it.
+    atexit.register(gc.freeze)
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
