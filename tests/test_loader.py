@@ -1011,15 +1011,16 @@ def test_restarting_a_persistent_iterator_drops_the_abandoned_work_ahead(worker_
     workers drop them, so the new epoch does not wait for them."""
     # 0.1 s a sample: a stall of the main thread around the restart (a GC pass, CPU steal)
     # stays well inside one sample, so the count below does not depend on it
-    ds = SlowCountingDataset(40, seconds=0.1)
+    # 24 samples: more than the 18 the abandoned epoch has dispatched by the restart
+    ds = SlowCountingDataset(24, seconds=0.1)
     loader = gpufeed.DataLoader(ds, batch_size=1, num_workers=2, prefetch_factor=8,
                                 persistent_workers=True, worker_type=worker_type)
     it = iter(loader)
     assert [int(next(it)), int(next(it))] == [0, 1]  # 16 more batches are dispatched now
     time.sleep(0.15)  # workers are inside the abandoned epoch's tasks
     at_restart = ds.count.value
-    assert [int(b) for b in iter(loader)] == list(range(40))
-    after_restart = ds.count.value - 40 - at_restart
+    assert [int(b) for b in iter(loader)] == list(range(24))
+    after_restart = ds.count.value - 24 - at_restart
     # each worker may finish the sample it was fetching (and one more, racing the restart
     # message); finishing the work-ahead would take ~18 - at_restart more
     assert after_restart <= 2 * 2, (
