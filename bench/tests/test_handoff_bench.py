@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import multiprocessing
 import sys
 
 import numpy as np
@@ -60,17 +60,33 @@ def test_the_tool_writes_its_rounds(tmp_path):
     assert len(row["ceiling_samples_per_s"]) == 2 and saved["environment"]["torch"]
 
 
+def _failing_pass(conn) -> None:
+    order = np.arange(200)
+    order[150] = 10_000
+    try:
+        ideal_pass([torch.zeros(200, 2), torch.arange(200)], order, 8, slots=2)
+    except RuntimeError as e:
+        conn.send(f"raised: {e}")
+    else:
+        conn.send("returned")
+
+
 def test_a_failing_worker_is_an_error_not_a_hang():
     """An index past the data's end fails one worker's gather: the pass raises within
     seconds, and the other worker (waiting for slots never released) is stopped too."""
-    code = (
-        "import numpy as np, torch\n"
-        "from bench.handoff import ideal_pass\n"
-        "order = np.arange(200); order[150] = 10_000\n"
-        "try:\n"
-        "    ideal_pass([torch.zeros(200, 2), torch.arange(200)], order, 8, slots=2)\n"
-        "except RuntimeError as e:\n"
-        "    print('raised:', e)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
-    assert "raised: hand-off workers" in done.stdout, done.stdout + done.stderr
+    # in a forked child (torch already imported), so that a hang is a failure of this test
+    ctx = multiprocessing.get_context("fork")
+    answer, conn = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_failing_pass, args=(conn,))
+    child.start()
+    conn.close()
+    try:
+        assert answer.poll(60), "the pass neither raised nor returned within 60 s"
+        said = answer.recv()
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+            child.join()
+        answer.close()
+    assert said.startswith("raised: hand-off workers"), said

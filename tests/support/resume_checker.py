@@ -2,10 +2,10 @@
 
 For each :class:`Case`:
 
-1. *reference*: an uninterrupted run of ``epochs`` epochs, every batch kept as bytes;
-2. *interrupted*: the same loader stops after ``stop`` delivered batches (counted across epochs,
-   so a stop can fall in any epoch or on an epoch boundary), ``loader.state_dict()`` goes to a
-   file with ``torch.save``;
+1. *reference*: an uninterrupted run of ``epochs`` epochs, every batch kept as bytes; after
+   ``stop`` delivered batches (counted across epochs, so a stop can fall in any epoch or on an
+   epoch boundary) ``loader.state_dict()`` goes to a file with ``torch.save`` and the run goes
+   on, as a training loop's checkpoint does;
 3. *resumed*: a fresh Python process (one subprocess for a whole grid, to pay torch's import
    once) builds the loader again, possibly with another ``num_workers``/``worker_type``, loads
    the state with ``torch.load(weights_only=True)`` and runs to the end;
@@ -174,19 +174,18 @@ def leaves(batch: Any) -> list[Leaf]:
     raise TypeError(f"unexpected leaf {type(batch)!r}")
 
 
-def run(case: Case, *, stop: int | None = None, state_path: Path | None = None) -> list[Any]:
-    """Run ``case`` for its epochs, or up to ``stop`` batches then save ``state_dict()``."""
+def run(case: Case, *, state_path: Path | None = None) -> list[Any]:
+    """Run ``case`` for its epochs; with ``state_path``, save ``state_dict()`` there after
+    ``case.stop`` batches (before the first with ``stop=0``) and go on."""
     loader = case.loader()
     out: list[Any] = []
-    if stop == 0 and state_path is not None:
+    if case.stop == 0 and state_path is not None:
         torch.save(loader.state_dict(), state_path)
-        return out
     for _ in range(case.epochs):
         for batch in loader:
             out.append(leaves(batch))
-            if stop is not None and len(out) == stop:
+            if state_path is not None and len(out) == case.stop:
                 torch.save(loader.state_dict(), state_path)
-                return out
     return out
 
 
@@ -228,46 +227,52 @@ def compare(case: Case, reference: list[Any], head: list[Any], tail: list[Any]) 
 
 
 def check_many(cases: list[Case], workdir: Path) -> dict[Case, str | None]:
-    """Check every case; all resumes run in ONE fresh subprocess. Returns case -> error|None."""
+    """Check every case; all resumes run in ONE fresh subprocess, started first so that its
+    imports overlap the reference runs (it waits for the jobs file's name on its stdin).
+    Returns case -> error|None."""
     results: dict[Case, str | None] = {}
-    jobs, heads, references = [], {}, {}
-    for k, case in enumerate(cases):
+    jobs, references = [], {}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(SRC)]))
+    with subprocess.Popen(
+        [sys.executable, "-c", "from support import resume_checker; resume_checker.main()"],
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
         try:
-            with warnings.catch_warnings():  # 3 workers on a 2-core machine are fine here
-                warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
-                references[case] = run(case)
+            for k, case in enumerate(cases):
                 state_path = workdir / f"state{k}.pt"
-                heads[case] = run(case, stop=case.stop, state_path=state_path)
-        except Exception:
-            results[case] = f"{case.label}: {traceback.format_exc()}"
-            continue
-        needed = len(references[case]) - len(heads[case])
-        jobs.append({"case": dataclasses.asdict(case), "state": str(state_path),
-                     "out": str(workdir / f"out{k}.pt"), "needed": needed})
-    if jobs:
-        (workdir / "jobs.json").write_text(json.dumps(jobs))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(SRC)]))
-        proc = subprocess.run(
-            [sys.executable, "-c", "from support import resume_checker; resume_checker.main()",
-             str(workdir / "jobs.json")],
-            env=env, capture_output=True, text=True, timeout=300,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"resume subprocess failed ({proc.returncode}):\n{proc.stderr}")
+                try:
+                    with warnings.catch_warnings():  # 3 workers on a 2-core machine are fine
+                        warnings.filterwarnings("ignore", "This DataLoader will create",
+                                                UserWarning)
+                        references[case] = run(case, state_path=state_path)
+                except Exception:
+                    results[case] = f"{case.label}: {traceback.format_exc()}"
+                    continue
+                jobs.append({"case": dataclasses.asdict(case), "state": str(state_path),
+                             "out": str(workdir / f"out{k}.pt"),
+                             "needed": max(0, len(references[case]) - case.stop)})
+            (workdir / "jobs.json").write_text(json.dumps(jobs))
+            _, stderr = proc.communicate(str(workdir / "jobs.json") + "\n", timeout=300)
+        finally:
+            proc.kill()
+    if proc.returncode != 0:
+        raise RuntimeError(f"resume subprocess failed ({proc.returncode}):\n{stderr}")
     for job in jobs:
         case = Case(**job["case"])
         answer = torch.load(job["out"], weights_only=True)
         if isinstance(answer, str):
             results[case] = f"{case.label}: after the restart: {answer}"
         else:
-            results[case] = compare(case, references[case], heads[case], answer)
+            head = references[case][:case.stop]
+            results[case] = compare(case, references[case], head, answer)
     return results
 
 
 def main() -> None:
-    """Subprocess entry: resume each job of the JSON file named by ``sys.argv[1]``."""
+    """Subprocess entry: resume each job of the JSON file named on the first line of stdin."""
     warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
-    for job in json.loads(Path(sys.argv[1]).read_text()):
+    for job in json.loads(Path(sys.stdin.readline().strip()).read_text()):
         try:
             answer: Any = resume(Case(**job["case"]), Path(job["state"]), job["needed"])
         except Exception:
