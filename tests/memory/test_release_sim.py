@@ -73,7 +73,7 @@ def user_loop(sim: SimCuda, loader: Any, *, idiom: str = "cuda", cost: int = 6,
 
 # -- 1. release fences: a slot is never rewritten under a pending copy --------------------------
 @pytest.mark.parametrize(("worker_type", "idiom", "n"), [
-    ("thread", "cuda", 1000), ("process", "to", 1000)])
+    ("thread", "cuda", 250), ("process", "to", 250)])
 def test_pin_memory_then_non_blocking_copy_sees_every_batch_intact(
     sim: SimCuda, worker_type: str, idiom: str, n: int
 ) -> None:

@@ -209,12 +209,19 @@ def test_slots_are_recycled_when_batches_are_dropped(worker_type):
 
 
 def test_slots_return_when_the_user_drops_kept_batches(worker_type):
-    """Held batches pin their slots; once dropped, every slot is free again."""
+    """Held batches pin their slots; once dropped, every slot is free again, and the next
+    epochs find them: no batch of theirs falls back to an allocation of its own.
+
+    The epoch that keeps all 16 batches may fall back (by design: the ring is sized for the
+    batches in flight and the loop's two, NOTE [ Slot lifetime ]); how many it keeps in slots
+    follows how far ahead the workers were allowed, which follows their measured time per batch:
+    on a loaded machine, fewer. So only the later epochs' fallbacks are counted."""
     loader = _loader(BlockDataset(64), worker_type, batch_size=4, persistent_workers=True)
     it = iter(loader)
     held = list(it)
     info = it.ring_info()
     assert info["in_use"] > 0, info
+    kept_epoch_fallbacks = info["fallbacks"]
     del held
     gc.collect()
     info = it.ring_info()
@@ -222,7 +229,7 @@ def test_slots_return_when_the_user_drops_kept_batches(worker_type):
     for _ in range(3):
         assert sum(1 for _b in loader) == 16
     info = it.ring_info()
-    assert info["in_use"] == 0 and info["fallbacks"] == 0, info
+    assert info["in_use"] == 0 and info["fallbacks"] == kept_epoch_fallbacks, info
     del it, loader
     gc.collect()
 

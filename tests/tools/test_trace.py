@@ -253,8 +253,9 @@ def test_trace_misuse_gets_clear_errors(tmp_path):
         outer.start()
 
 
-def _child_clock(q) -> None:
-    q.put(time.perf_counter())
+# The child's code, run by a builtin: a spawned child unpickles it without importing this
+# module (and torch and gpufeed with it), which was most of the test's time.
+CHILD_CLOCK = "import time; q.put(time.perf_counter())"
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -262,7 +263,7 @@ def test_worker_processes_read_the_main_process_clock(method):
     """NOTE [ Timeline ] (2): perf_counter is one clock for the machine."""
     ctx = mp.get_context(method)
     q = ctx.Queue()
-    proc = ctx.Process(target=_child_clock, args=(q,))
+    proc = ctx.Process(target=exec, args=(CHILD_CLOCK, {"q": q}))
     before = time.perf_counter()
     proc.start()
     child = q.get(timeout=60)
