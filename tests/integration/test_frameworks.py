@@ -8,9 +8,7 @@ only guards a bare install.
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -33,6 +31,7 @@ from support.frameworks import (
     quiet_fit,
     trainer,
 )
+from support.procs import HangError, run_in_session
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -225,20 +224,10 @@ def _torchrun(modes: list[str], out: Path, timeout: float) -> subprocess.Complet
 
 def _run(args: list[str], out: Path, timeout: float, what: str
          ) -> subprocess.CompletedProcess[str]:
-    """``args`` in ``out`` with ``src`` and ``tests`` importable, in a session of its own, so
-    that a timeout ends the processes it started too."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env, cwd=out, start_new_session=True) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            pytest.fail(f"{what} did not finish in {timeout} s:\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+    try:
+        return run_in_session(args, out, timeout)
+    except HangError as e:
+        pytest.fail(f"{what} {e}")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import atexit
 import gc
 import json
 import os
-import signal
 import subprocess
 import sys
 import warnings
@@ -115,29 +114,20 @@ _launched: dict[str, tuple[subprocess.CompletedProcess[str], Path] | str] = {}
 def launch_once(tmp_path_factory: Any, timeout: float = 300
                 ) -> tuple[subprocess.CompletedProcess[str], Path]:
     """torchrun this script on 2 processes, once a test session, whichever test file asks
-    first; ``src`` and ``tests`` importable, in a session of its own, so that a timeout ends
-    the processes it started too."""
+    first (:func:`support.procs.run_in_session`)."""
     import pytest
+
+    from support.procs import HangError, run_in_session
 
     if "run" not in _launched:
         out = tmp_path_factory.mktemp("hf_ddp")
-        tests = Path(__file__).resolve().parents[1]
         args = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node=2", "--monitor-interval=0.5", __file__, str(out)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(tests.parent / "src"), str(tests), os.environ.get("PYTHONPATH", "")]),
-            "MASTER_ADDR": "127.0.0.1"}
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-        with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env, cwd=out, start_new_session=True) as proc:
-            try:
-                stdout, stderr = proc.communicate(timeout=timeout)
-                _launched["run"] = (
-                    subprocess.CompletedProcess(args, proc.returncode, stdout, stderr), out)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                stdout, stderr = proc.communicate()
-                _launched["run"] = f"torchrun did not finish in {timeout} s:\n{stderr[-3000:]}"
+        try:
+            _launched["run"] = (run_in_session(args, out, timeout, MASTER_ADDR="127.0.0.1"),
+                                out)
+        except HangError as e:
+            _launched["run"] = f"torchrun {e}"
     launched = _launched["run"]
     if isinstance(launched, str):
         pytest.fail(launched)

@@ -62,6 +62,24 @@ def run_script(code: str, timeout: float = 30.0) -> subprocess.CompletedProcess[
     )
 
 
+def run_in_session(args: list[str], cwd: Path, timeout: float, **env: str
+                   ) -> subprocess.CompletedProcess[str]:
+    """``args`` in ``cwd`` on the CPU with ``src`` and ``tests`` importable (and ``env`` added),
+    in a session of its own, so that a timeout kills every process it started too, then
+    raises :class:`HangError` with the end of its stderr."""
+    full_env = {**script_env(), **env}
+    full_env.pop("CUDA_VISIBLE_DEVICES", None)
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=full_env, cwd=cwd, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            raise HangError(f"did not finish in {timeout} s:\n{stderr[-3000:]}") from None
+    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+
+
 def spawn_script(code: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-u", "-c", code], env=script_env(), stdout=subprocess.PIPE,

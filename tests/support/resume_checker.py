@@ -6,12 +6,12 @@ For each :class:`Case`:
    ``stop`` delivered batches (counted across epochs, so a stop can fall in any epoch or on an
    epoch boundary) ``loader.state_dict()`` goes to a file with ``torch.save`` and the run goes
    on, as a training loop's checkpoint does;
-3. *resumed*: a fresh Python process (one subprocess for a whole grid, to pay torch's import
+2. *resumed*: a fresh Python process (one subprocess for a whole grid, to pay torch's import
    once) builds the loader again, possibly with another ``num_workers``/``worker_type``, loads
    the state with ``torch.load(weights_only=True)`` and runs to the end;
-4. *compare*: with ``in_order=True``, interrupted + resumed must equal the reference batch for
-   batch, bytes-exact (dtype, shape and bytes of every leaf); with ``in_order=False`` the order
-   inside an epoch is free, so the multisets of batches must be equal.
+3. *compare*: with ``in_order=True``, the resumed batches must equal the reference's after the
+   stop batch for batch, bytes-exact (dtype, shape and bytes of every leaf); with
+   ``in_order=False`` the order inside an epoch is free, so the multisets must be equal.
 
 Samples carry draws from gpufeed's per-sample generators (torch, numpy and ``random``) made in
 ``__getitem__``, and, in cases without thread workers (which do not seed the global generators),
@@ -211,18 +211,18 @@ def resume(case: Case, state_path: Path, needed: int) -> list[Any]:
     return out
 
 
-def compare(case: Case, reference: list[Any], head: list[Any], tail: list[Any]) -> str | None:
-    """``None`` when interrupted + resumed reproduce the reference, else what differs."""
-    got = head + tail
-    if len(got) != len(reference):
-        return (f"{case.label}: {len(head)} batches before the stop + {len(tail)} after it, "
+def compare(case: Case, reference: list[Any], tail: list[Any]) -> str | None:
+    """``None`` when the resumed run delivers the reference's batches after the stop, else what
+    differs (the batches before it are the reference's own: its state was saved there)."""
+    want = reference[case.stop:]
+    if len(tail) != len(want):
+        return (f"{case.label}: {case.stop} batches before the stop + {len(tail)} after it, "
                 f"but the uninterrupted run delivered {len(reference)}")
     if not case.in_order:
-        return None if sorted(got) == sorted(reference) else f"{case.label}: batches differ"
-    for number, (want, have) in enumerate(zip(reference, got, strict=True)):
-        if want != have:
-            side = "before" if number < len(head) else "after"
-            return f"{case.label}: batch {number} ({side} the stop) differs from the reference"
+        return None if sorted(tail) == sorted(want) else f"{case.label}: batches differ"
+    for number, (have, expected) in enumerate(zip(tail, want, strict=True), case.stop):
+        if have != expected:
+            return f"{case.label}: batch {number} (after the stop) differs from the reference"
     return None
 
 
@@ -264,8 +264,7 @@ def check_many(cases: list[Case], workdir: Path) -> dict[Case, str | None]:
         if isinstance(answer, str):
             results[case] = f"{case.label}: after the restart: {answer}"
         else:
-            head = references[case][:case.stop]
-            results[case] = compare(case, references[case], head, answer)
+            results[case] = compare(case, references[case], answer)
     return results
 
 
